@@ -1,0 +1,51 @@
+# kvplan: `make demo` and `make test` set everything up on a fresh machine, then run.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.kvplan-installed
+
+export UCX_NET_DEVICES := lo
+export NIXL_LOG_LEVEL := WARN
+export MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER := 65535
+export MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER := 65535
+export PYTHONUNBUFFERED := 1
+
+.PHONY: setup test test-interpreted test-compile demo bench clean
+
+setup: $(STAMP)
+
+# A Python that already has a CUDA build of torch keeps it (the venv sees system packages);
+# elsewhere the CPU build and the triton it pairs with are installed.
+$(STAMP): pyproject.toml Makefile
+	@if ! ldconfig -p | grep -q 'libibverbs.so.1 '; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -q && apt-get install -y -q --no-install-recommends libibverbs1; \
+	  else echo "warning: libibverbs1 is missing and we are not root: Mooncake will not import" >&2; fi; fi
+	@if $(PYTHON) -c 'import torch, sys; sys.exit(0 if torch.version.cuda else 1)' 2>/dev/null; then \
+	  echo "using the system's CUDA build of torch"; \
+	  [ -x $(PY) ] || $(PYTHON) -m venv --system-site-packages $(VENV); \
+	  $(PIP) install -q numpy pytest pytest-benchmark hypothesis pyzmq; \
+	else \
+	  [ -x $(PY) ] || $(PYTHON) -m venv $(VENV); \
+	  $(PIP) install -q "torch==2.13.0+cpu" "triton==3.7.1" "numpy>=2,<3" pytest pytest-benchmark hypothesis pyzmq; \
+	fi
+	$(PIP) install -q --no-deps nixl-cu12==1.5.1
+	$(PIP) install -q --no-deps mooncake-transfer-engine-non-cuda==0.3.13.post1
+	$(PIP) install -q --no-deps --no-build-isolation -e .
+	@touch $(STAMP)
+
+# Two passes: every test with the kernels interpreted on the CPU, then a compile check of every
+# kernel for sm_90 in a process of its own (the two cannot share a process).
+test: setup
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not compile_check" --benchmark-disable -p no:cacheprovider
+	TRITON_INTERPRET=0 $(PY) -m pytest -q -m compile_check -p no:cacheprovider tests/kernels
+
+demo: setup
+	$(VENV)/bin/kvplan demo
+
+bench: setup
+	$(VENV)/bin/kvplan bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis
