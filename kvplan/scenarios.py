@@ -120,7 +120,11 @@ def _side(
         cursor += n
         slots = (pages[:, None] * ps + np.arange(ps)[None, :]).reshape(-1)[:length]
         table[r, :length] = slots
-    kv_item = shape.token_bytes * ps * (shape.dst_tp // tp if shape.attention is Attention.MHA else 1)
+    if shape.attention is Attention.MHA:  # token_bytes is the destination rank's; heads split by TP
+        head_bytes = shape.token_bytes // max(1, heads // shape.dst_tp)
+        kv_item = head_bytes * max(1, heads // tp) * ps
+    else:
+        kv_item = shape.token_bytes * ps
     entries_per_layer = 2 if shape.attention is Attention.MHA else 1
     kv = KVLayout(
         shape.attention, ps, _fake_entries(rng, entries_per_layer * shape.layers, kv_item, num_pages),

@@ -1,0 +1,90 @@
+"""Golden vectors of planning.md §7-8 for the SGLang-compatible helpers."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvplan.compat.sglang import (
+    group_concurrent_contiguous,
+    kv_to_page_indices,
+    kv_to_page_num,
+    pack_int_lists,
+    pack_list_of_buffers,
+    unpack_int_lists,
+    unpack_list_of_buffers,
+)
+from kvplan.errors import InputError
+
+
+def h(s: str) -> bytes:
+    return bytes.fromhex(s.replace(" ", ""))
+
+
+def test_kv_to_page_indices_golden():
+    assert kv_to_page_indices(np.array([8, 9, 10, 11, 20, 21, 22, 23, 40, 41]), 4).tolist() == [2, 5, 10]
+    assert kv_to_page_indices(np.array([8, 9, 3]), 1).tolist() == [8, 9, 3]
+
+
+def test_kv_to_page_num_golden():
+    assert (kv_to_page_num(10, 4), kv_to_page_num(8, 4), kv_to_page_num(0, 4)) == (3, 2, 0)
+
+
+@pytest.mark.parametrize(
+    "src, dst, expected",
+    [
+        ([10, 11, 12], [5, 6, 7], ([[10, 11, 12]], [[5, 6, 7]])),
+        ([10, 11, 20], [5, 6, 7], ([[10, 11], [20]], [[5, 6], [7]])),
+        ([3, 4, 5, 6], [9, 10, 20, 21], ([[3, 4], [5, 6]], [[9, 10], [20, 21]])),
+        ([5, 4, 3], [1, 2, 3], ([[5], [4], [3]], [[1], [2], [3]])),
+        ([1, 1], [2, 3], ([[1], [1]], [[2], [3]])),
+        ([], [1, 2], ([], [])),
+        ([1, 2], [], ([], [])),
+    ],
+)
+def test_group_concurrent_contiguous_golden(src, dst, expected):
+    assert group_concurrent_contiguous(np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64)) == expected
+
+
+def test_group_concurrent_contiguous_unequal_lengths_raise():
+    with pytest.raises(ValueError):
+        group_concurrent_contiguous(np.array([1, 2, 3]), np.array([1, 2]))
+
+
+@pytest.mark.parametrize(
+    "lists, fmt, packed",
+    [
+        ([[1, 2, 3], [4]], "i", "02000000 0c000000 04000000 01000000 02000000 03000000 04000000"),
+        ([[]], "I", "01000000 00000000"),
+        ([], "Q", ""),
+        ([[0x1000], [0x2000, 0x3000]], "Q",
+         "02000000 08000000 10000000 0010000000000000 0020000000000000 0030000000000000"),
+    ],
+)
+def test_pack_int_lists_golden(lists, fmt, packed):
+    assert pack_int_lists(lists, fmt) == h(packed)
+    assert [x.tolist() for x in unpack_int_lists(h(packed), fmt)] == lists
+
+
+def test_pack_list_of_buffers_empty_is_empty_bytes():
+    assert pack_list_of_buffers([]) == b""
+    assert unpack_list_of_buffers(b"") == []
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.binary(max_size=40), max_size=6))
+def test_buffers_round_trip(buffers):
+    assert unpack_list_of_buffers(pack_list_of_buffers(buffers)) == buffers
+
+
+@pytest.mark.parametrize("bad", [b"\x01\x00", h("02000000 04000000"), h("01000000 04000000 0102030405")])
+def test_unpack_rejects_malformed_messages(bad):
+    with pytest.raises(InputError):
+        unpack_list_of_buffers(bad)
+
+
+def test_pack_int_lists_rejects_values_that_do_not_fit():
+    with pytest.raises(InputError):
+        pack_int_lists([[2**31]], "i")
+    with pytest.raises(InputError):
+        pack_int_lists([[-1]], "Q")

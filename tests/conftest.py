@@ -1,0 +1,19 @@
+"""Test set-up: kernels run in Triton's interpreter unless TRITON_INTERPRET=0 is exported.
+
+The variable must be set before any module that defines kernels is imported.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    """``cuda`` on a GPU run (TRITON_INTERPRET=0 and a GPU present), otherwise ``cpu``."""
+    if os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_available():
+        return torch.device("cuda")
+    return torch.device("cpu")

@@ -1,0 +1,49 @@
+"""Simulated memory for tests: byte arrays behind a side's entry addresses, and a descriptor executor."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvplan.planner.model import Entry, SideMemory
+
+
+class AddressSpace:
+    """Byte arrays behind entries' (made-up) addresses; descriptors are executed against them."""
+
+    def __init__(self, entries: list[Entry], rng: np.random.Generator | None = None):
+        uniq = {e.base_ptr: e for e in entries}
+        self.bases = np.array(sorted(uniq), dtype=np.uint64)
+        self.arrays = []
+        for b in self.bases:
+            e = uniq[int(b)]
+            size = e.item_len * e.num_items
+            data = rng.integers(0, 256, size, dtype=np.uint8) if rng is not None else np.zeros(size, np.uint8)
+            self.arrays.append(data)
+
+    @classmethod
+    def of_side(cls, side: SideMemory, rng: np.random.Generator | None = None) -> "AddressSpace":
+        entries = list(side.kv.entries) + [e for c in side.state for e in c.entries] + list(side.aux)
+        return cls(entries, rng)
+
+    def locate(self, addr: int, nbytes: int) -> tuple[np.ndarray, int]:
+        i = int(np.searchsorted(self.bases, np.uint64(addr), side="right")) - 1
+        assert i >= 0, f"address {addr:#x} is below every region"
+        off = int(addr) - int(self.bases[i])
+        arr = self.arrays[i]
+        assert off + nbytes <= arr.size, f"[{addr:#x}, +{nbytes}) runs past its region"
+        return arr, off
+
+    def entry_bytes(self, entry: Entry, item: int) -> np.ndarray:
+        arr, off = self.locate(entry.base_ptr + item * entry.item_len, entry.item_len)
+        return arr[off : off + entry.item_len]
+
+
+def execute(descs: np.ndarray, src: AddressSpace, dst: AddressSpace, coverage: AddressSpace | None = None) -> None:
+    """Copy every descriptor's bytes from ``src`` to ``dst``; count written bytes in ``coverage``."""
+    for s, d, n in descs.tolist():
+        sa, so = src.locate(s, n)
+        da, do = dst.locate(d, n)
+        da[do : do + n] = sa[so : so + n]
+        if coverage is not None:
+            ca, co = coverage.locate(d, n)
+            ca[co : co + n] += 1
