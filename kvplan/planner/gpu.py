@@ -1,0 +1,499 @@
+"""The GPU planner: a whole batch planned by Triton kernels, without a sync on the caller's stream.
+
+:func:`plan` does the host-side bookkeeping that needs only lengths the scheduler already has
+(chunk ranges, list lengths, policies, destination-list bounds: errors there are raised at once),
+ships every small host array to the device in one asynchronous copy, and launches the kernels:
+index lists (one launch for token-table lists, one per slot map), the allocator-invariant check,
+run boundaries (two passes), and descriptor expansion. It returns a :class:`PendingPlan`; its
+``event`` fires when the device work and the first hand-off copy are done. :meth:`PendingPlan.result`
+raises the errors the kernels found (naming the request) and returns the same
+:class:`~kvplan.planner.plan.Plan` the NumPy reference returns, bit for bit.
+
+The same code runs on CPU tensors under ``TRITON_INTERPRET=1`` and on CUDA tensors.
+
+Example::
+
+    from kvplan.planner.gpu import plan
+    pending = plan(batch)            # returns at once; kernels run on the current stream
+    ...                              # the scheduler goes on
+    result = pending.result()        # waits for the event; raises PlanError on bad input
+    descs, offsets = result.descriptors()
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import (
+    AlignmentError,
+    AllocatorInvariantError,
+    InputError,
+    LengthMismatchError,
+    PoolBoundsError,
+    UnmappedSlotError,
+)
+from ..kernels import descriptors as kd
+from ..kernels import index_lists as ki
+from ..kernels import runs as kr
+from ..kernels import slot_check as ks
+from .model import Batch, Policy, StateKind
+from .pairing import Mode, SidePairing, pair_sides
+from .plan import ComponentPlan, Plan, TransferPlan, empty_descs, empty_runs
+from .reference import cdiv, chunk_end
+
+__all__ = ["PendingPlan", "plan"]
+
+log = logging.getLogger("kvplan")
+
+_KV, _AUX = -1, -2  # segment roles besides component indices
+
+
+@dataclass
+class _Segment:
+    transfer: int
+    role: int  # _KV, _AUX or a component index
+    kind: int
+    row: int
+    a: int
+    step: int
+    n: int
+    lo: int
+    hi: int
+    ring: int = 1
+    map_key: int | None = None  # component index whose slot map the segment reads
+    entry_off: int = 0
+    entries: int = 0
+    head_sliced: bool = False
+    hs: tuple[int, ...] = (0,) * kd.HS_FIELDS
+    check: tuple[int, int, int, int] | None = None  # (row, a, tokens, page size) for the invariant
+    what: str = ""
+
+
+@dataclass
+class _TransferInfo:
+    request: Any
+    dest: int
+    mode: Mode
+    start: int
+    end: int
+    last: bool
+    sent: bool
+    dst_pages: np.ndarray
+    segments: list[int] = field(default_factory=list)
+
+
+def _device_of(batch: Batch) -> torch.device:
+    table = batch.src.req_to_token
+    return table.device if isinstance(table, torch.Tensor) else torch.device("cpu")
+
+
+def _as_device_tensor(values: Any, device: torch.device, what: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    if isinstance(values, np.ndarray):
+        if device.type != "cpu":
+            raise InputError(None, f"{what} must be a tensor on {device}, got a NumPy array")
+        values = torch.from_numpy(values)
+    if not isinstance(values, torch.Tensor):
+        raise InputError(None, f"{what} must be a tensor, got {type(values).__name__}")
+    if values.device != device:
+        raise InputError(None, f"{what} is on {values.device}, the token table on {device}")
+    if dtype is not None and values.dtype != dtype:
+        if values.is_floating_point() or values.dtype == torch.bool:
+            raise InputError(None, f"{what} must hold integers, got {values.dtype}")
+        values = values.to(dtype)
+    return values
+
+
+def _host_empty(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(n, dtype=dtype, pin_memory=device.type == "cuda")
+
+
+class _Builder:
+    """Host-side bookkeeping of one batch: segments, flat destination lists, entry tables."""
+
+    def __init__(self, batch: Batch, table_shape: tuple[int, int]):
+        self.batch = batch
+        self.rows, self.max_ctx = table_shape
+        self.segments: list[_Segment] = []
+        self.dst_lists: list[np.ndarray] = []
+        self.transfers: list[_TransferInfo] = []
+        self.pairings = [pair_sides(batch.src, d) for d in batch.dsts]
+        self.entry_blocks: list[np.ndarray] = []
+        self.entry_index: dict[tuple[int, int], tuple[int, int]] = {}
+        count = 0
+        for d, pairing in enumerate(self.pairings):
+            tables = [(_KV, pairing.kv_src, pairing.kv_dst), (_AUX, pairing.aux_src, pairing.aux_dst)]
+            tables += [(c, s, t) for c, (s, t) in enumerate(zip(pairing.state_src, pairing.state_dst))]
+            for role, src_t, dst_t in tables:
+                block = np.zeros((len(src_t), 4), dtype=np.uint64)
+                block[:, 0], block[:, 1], block[:, 2], block[:, 3] = src_t[:, 0], dst_t[:, 0], src_t[:, 1], dst_t[:, 1]
+                self.entry_blocks.append(block)
+                self.entry_index[(d, role)] = (count, len(block))
+                count += len(block)
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _row(self, request: Any, row: int, end: int) -> None:
+        if not 0 < row < self.rows:
+            raise InputError(request, f"row {row} is outside the token table's rows [1, {self.rows})")
+        if end > self.max_ctx:
+            raise InputError(request, f"token {end} is beyond the token table's {self.max_ctx} columns")
+
+    def _pair(self, request: Any, what: str, n_src: int, dst: np.ndarray, always_strict: bool) -> tuple[int, np.ndarray]:
+        if n_src == len(dst):
+            return n_src, dst
+        if self.batch.policy is Policy.STRICT or always_strict:
+            raise LengthMismatchError(request, f"{what}: source list has {n_src} entries, destination {len(dst)}")
+        n = min(n_src, len(dst))
+        log.warning("request %r: %s: truncating source %d / destination %d to %d", request, what, n_src, len(dst), n)
+        return n, dst[:n]
+
+    @staticmethod
+    def _bounds(request: Any, what: str, ids: np.ndarray, lowest: int, count: int) -> None:
+        bad = np.flatnonzero((ids < lowest) | (ids >= count))
+        if bad.size:
+            k = int(bad[0])
+            raise PoolBoundsError(request, f"{what} index {int(ids[k])} at position {k} is outside the pool [{lowest}, {count})")
+
+    def _add(self, seg: _Segment, dst: np.ndarray) -> None:
+        d = self.transfers[seg.transfer].dest
+        seg.entry_off, seg.entries = self.entry_index[(d, seg.role)]
+        self.transfers[seg.transfer].segments.append(len(self.segments))
+        self.segments.append(seg)
+        self.dst_lists.append(np.asarray(dst, dtype=np.int64))
+
+    # -- one transfer ----------------------------------------------------------------------
+    def add_transfer(self, index: int) -> None:
+        batch, t = self.batch, self.batch.transfers[index]
+        src, policy, request = batch.src, batch.policy, t.request
+        if not 0 <= t.dest < len(self.pairings):
+            raise InputError(request, f"destination {t.dest} is not one of the batch's {len(self.pairings)} destinations")
+        pairing: SidePairing = self.pairings[t.dest]
+        dst_side = batch.dsts[t.dest]
+        ps = src.kv.page_size
+        if t.start % ps:
+            raise AlignmentError(request, f"chunk start {t.start} is not a multiple of page size {ps}")
+        if t.prefix_len % ps or t.start < t.prefix_len:
+            raise AlignmentError(request, f"chunk start {t.start} / decode prefix {t.prefix_len} are inconsistent with page size {ps}")
+        end = chunk_end(t.start, t.fill_len, t.prompt_len, ps, t.last)
+        if end < t.start:
+            raise InputError(request, f"chunk [{t.start}, {end}) is empty or reversed (fill_len {t.fill_len}, prompt {t.prompt_len})")
+        self._row(request, t.src_row, end)
+        n = cdiv(end - t.start, ps)
+        total, cursor = len(t.dst_pages), (t.start - t.prefix_len) // ps
+        dst_pages = t.dst_pages[cursor : cursor + n]
+        what = f"chunk [{t.start}, {end}) KV pages"
+        if len(dst_pages) < n:
+            if policy is Policy.STRICT:
+                raise LengthMismatchError(request, f"{what}: {n} source pages, {len(dst_pages)} destination pages left")
+            log.warning("request %r: %s: truncating %d source pages to %d", request, what, n, len(dst_pages))
+            n = len(dst_pages)
+        self._bounds(request, "destination KV page", dst_pages, 1, dst_side.kv.num_pages)
+        last = cursor + len(dst_pages) >= total
+        if last != t.last and policy is Policy.STRICT:
+            raise LengthMismatchError(
+                request, f"{what}: the scheduler says last={t.last} but the destination pages say last={last} "
+                f"(cursor {cursor} + {len(dst_pages)} of {total})")
+        sent = last or n > 0
+        info = _TransferInfo(request, t.dest, pairing.mode, t.start, end, last, sent, dst_pages)
+        self.transfers.append(info)
+        check = (t.src_row, t.start, end - t.start, ps) if batch.validate and end > t.start else None
+        if sent:
+            seg = _Segment(index, _KV, ki.TOKEN_PAGES, t.src_row, t.start, ps, n, 1, src.kv.num_pages, check=check,
+                           what="KV page")
+            if pairing.mode is Mode.HEAD_SLICED:
+                h = pairing.heads
+                seg.head_sliced = True
+                seg.hs = (ps, h.src_token_bytes, h.dst_token_bytes, h.src_head * h.bytes_per_head,
+                          h.dst_head * h.bytes_per_head, h.nbytes)
+            self._add(seg, dst_pages)
+        elif check is not None:  # a chunk that is not sent still gets its slots checked
+            self._add(_Segment(index, _KV, ki.TOKEN_PAGES, t.src_row, t.start, ps, 0, 1, src.kv.num_pages,
+                               check=check, what="KV page"), dst_pages[:0])
+        if not last:
+            return
+        seq = min(t.fill_len, t.prompt_len)
+        if len(t.dst_state) != len(src.state):
+            raise LengthMismatchError(request, f"{len(src.state)} state components on the source, {len(t.dst_state)} destination lists")
+        for c, (comp, dst_list) in enumerate(zip(src.state, t.dst_state)):
+            cps = comp.pages_of(ps)
+            kind, what = comp.kind, f"state component {comp.name}"
+            always_strict = kind in (StateKind.SWA_RING, StateKind.MAMBA)
+            if kind is StateKind.MAMBA:
+                n_src = 1
+                seg = _Segment(index, c, ki.ROW_MAP, t.src_row, 0, 1, 1, 0, comp.num_items, map_key=c, what=comp.name)
+            elif kind is StateKind.SWA_RING:
+                lo = max(0, seq - comp.window)
+                n_src = seq - lo
+                seg = _Segment(index, c, ki.RING, t.src_row, lo, 1, n_src, 0, comp.num_items, ring=comp.ring_size,
+                               what=comp.name)
+            elif kind is StateKind.DSA:
+                self._row(request, t.src_row, seq)
+                n_src = cdiv(seq, cps)
+                seg = _Segment(index, c, ki.TOKEN_PAGES, t.src_row, 0, cps, n_src, 1, comp.num_items,
+                               check=(t.src_row, 0, seq, cps) if batch.validate and seq else None, what=comp.name)
+            else:
+                self._row(request, t.src_row, seq)
+                ws = (max(0, seq - comp.window) // cps) * cps
+                n_src = cdiv(seq - ws, cps)
+                seg = _Segment(index, c, ki.MAPPED_PAGES, t.src_row, ws, cps, n_src, 1, comp.num_items, map_key=c,
+                               check=(t.src_row, ws, seq - ws, cps) if batch.validate and seq > ws else None,
+                               what=comp.name)
+            seg.n, dst_list = self._pair(request, what, n_src, dst_list, always_strict)
+            if (seg.n == 0) != (len(dst_list) == 0) and policy is Policy.STRICT:
+                raise LengthMismatchError(request, f"{what}: one side is empty")
+            self._bounds(request, f"destination {dst_side.state[c].name}", dst_list, 0, dst_side.state[c].num_items)
+            self._add(seg, dst_list)
+        if len(pairing.aux_src):
+            if not 0 <= t.aux_src < min(e.num_items for e in src.aux):
+                raise PoolBoundsError(request, f"source aux index {t.aux_src} is outside the aux buffers")
+            if not 0 <= t.aux_dst < min(e.num_items for e in dst_side.aux):
+                raise PoolBoundsError(request, f"destination aux index {t.aux_dst} is outside the aux buffers")
+            self._add(_Segment(index, _AUX, ki.CONST, 0, t.aux_src, 1, 1, 0, 1 << 62, what="aux"),
+                      np.array([t.aux_dst], dtype=np.int64))
+
+
+class _Packer:
+    """Host int64 arrays concatenated into one buffer, shipped with a single asynchronous copy."""
+
+    def __init__(self) -> None:
+        self.parts: list[np.ndarray] = []
+        self.size = 0
+
+    def add(self, values: Any) -> tuple[int, int]:
+        arr = np.ascontiguousarray(values).reshape(-1)
+        arr = arr.view(np.int64) if arr.dtype == np.uint64 else arr.astype(np.int64, copy=False)
+        self.parts.append(arr)
+        span = (self.size, arr.size)
+        self.size += arr.size
+        return span
+
+    def ship(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        staging = _host_empty(max(1, self.size), torch.int64, device)
+        if self.size:
+            np.concatenate(self.parts, out=staging.numpy()[: self.size])
+        return staging, staging.to(device, non_blocking=True)
+
+
+@dataclass
+class PendingPlan:
+    """A plan whose device work may still run. ``event`` fires when it is done (CUDA only)."""
+
+    event: torch.cuda.Event | None
+    _builder: _Builder
+    _host: dict[str, torch.Tensor]
+    _device: dict[str, torch.Tensor]
+    _keep: list[Any]
+    _result: Plan | None = None
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def result(self) -> Plan:
+        """Wait for the device, raise the first error found there, and return the plan."""
+        if self._result is None:
+            if self.event is not None:
+                self.event.synchronize()
+            self._raise_device_errors()
+            self._result = self._assemble()
+        return self._result
+
+    # -- decoding --------------------------------------------------------------------------
+    def _raise_device_errors(self) -> None:
+        b = self._builder
+        errors = self._host["errors"].numpy().reshape(-1, 2)
+        invariant = self._host["invariant"].numpy()
+        src_flat = self._host["src"].numpy()
+        seg_off = self._builder_seg_off
+        policy = b.batch.policy
+        for info in b.transfers:
+            for s in info.segments:
+                seg = b.segments[s]
+                bound, unmapped, inv = (int(x) for x in (errors[s, 0], errors[s, 1], invariant[s]))
+                if unmapped < ki.NO_ERROR:
+                    pos = seg.a + unmapped * seg.step
+                    if policy is Policy.STRICT:
+                        raise UnmappedSlotError(info.request, f"{seg.what}: token {pos} inside the window has no SWA slot")
+                    log.warning("request %r: %s: token %d has no SWA slot; sending page 0 as SGLang does",
+                                info.request, seg.what, pos)
+                elif inv < ki.NO_ERROR:
+                    raise AllocatorInvariantError(
+                        info.request, f"{'KV' if seg.role == _KV else seg.what}: token {seg.check[1] + inv} breaks "
+                        f"the paged allocator invariant (page size {seg.check[3]})")
+                if bound < ki.NO_ERROR:
+                    value = int(src_flat[seg_off[s] + bound]) if bound < seg.n else -1
+                    raise PoolBoundsError(info.request, f"{seg.what} index {value} at position {bound} is outside "
+                                          f"the pool [{seg.lo}, {seg.hi})")
+
+    def _assemble(self) -> Plan:
+        b = self._builder
+        src_flat = self._host["src"].numpy()
+        dst_flat = np.concatenate(b.dst_lists) if b.dst_lists else np.zeros(0, np.int64)
+        run_start = self._host["seg_run_start"].numpy()
+        desc_off = self._host["seg_desc_off"].numpy()
+        total_descs = int(self._host["total_descs"].numpy()[0])
+        descs = self._device["descs"][:total_descs].cpu().numpy().view(np.uint64).reshape(-1, 3)
+        total_runs = int(run_start[-1])
+        run_elem = self._device["run_elem"][:total_runs].cpu().numpy()
+        seg_off = self._builder_seg_off
+        n_flat = len(src_flat)
+        out = []
+        for info in b.transfers:
+            kv = (np.zeros(0, np.int64), info.dst_pages[:0], empty_runs(), empty_descs())
+            state, aux = [], empty_descs()
+            for s in info.segments:
+                seg = b.segments[s]
+                lo, n = seg_off[s], seg.n
+                src_list, dst_list = src_flat[lo : lo + n].copy(), dst_flat[lo : lo + n].copy()
+                elems = run_elem[run_start[s] : run_start[s + 1]]
+                nxt = np.append(run_elem[run_start[s] + 1 : run_start[s + 1] + 1], n_flat)[: len(elems)]
+                runs = np.stack([src_flat[elems], dst_flat[elems], nxt - elems], axis=1).astype(np.int64)
+                count = (len(elems) * seg.entries) if not seg.head_sliced else seg.entries * n * seg.hs[0]
+                seg_descs = descs[desc_off[s] : desc_off[s] + count]
+                if seg.role == _KV:
+                    kv = (src_list, dst_list, runs.reshape(-1, 3), seg_descs)
+                elif seg.role == _AUX:
+                    aux = seg_descs
+                else:
+                    comp = b.batch.src.state[seg.role]
+                    if comp.kind is StateKind.MAMBA:
+                        runs = empty_runs()
+                    state.append(ComponentPlan(comp.name, comp.kind, src_list, dst_list, runs.reshape(-1, 3), seg_descs))
+            out.append(TransferPlan(
+                request=info.request, dest=info.dest, mode=info.mode, start=info.start, end=info.end, last=info.last,
+                sent=info.sent, src_pages=kv[0], dst_pages=kv[1], runs=kv[2],
+                kv_descs=kv[3] if info.sent else empty_descs(), state=tuple(state), aux_descs=aux))
+        return Plan(tuple(out))
+
+    @property
+    def _builder_seg_off(self) -> np.ndarray:
+        counts = np.array([s.n for s in self._builder.segments], dtype=np.int64)
+        return np.cumsum(counts) - counts
+
+
+def plan(batch: Batch, stream: torch.cuda.Stream | None = None, block: int = 1024) -> PendingPlan:
+    """Plan ``batch`` with the kernels; nothing here waits for the device.
+
+    Errors visible from lengths alone are raised here; errors only the kernels can see are raised
+    by :meth:`PendingPlan.result`. ``block`` is the number of list elements per program.
+    """
+    table = batch.src.req_to_token
+    if table is None:
+        raise InputError(None, "the source side needs its token table (req_to_token)")
+    device = _device_of(batch)
+    table = _as_device_tensor(table, device, "req_to_token")
+    if table.dtype != torch.int32 or table.dim() != 2:
+        raise InputError(None, f"req_to_token must be a 2-D int32 tensor, got {table.dtype} {tuple(table.shape)}")
+    builder = _Builder(batch, tuple(table.shape))
+    for i in range(len(batch.transfers)):
+        builder.add_transfer(i)
+    maps = {c: _as_device_tensor(comp.slot_map, device, f"slot_map of component {comp.name}", torch.int64)
+            for c, comp in enumerate(batch.src.state) if comp.slot_map is not None}
+    if device.type == "cuda":
+        stream = stream or torch.cuda.current_stream(device)
+        with torch.cuda.stream(stream):
+            return _launch(builder, table, maps, device, block, stream)
+    return _launch(builder, table, maps, device, block, None)
+
+
+def _launch(builder: _Builder, table: torch.Tensor, maps: dict[int, torch.Tensor], device: torch.device, block: int,
+            stream: torch.cuda.Stream | None) -> PendingPlan:
+    segs = builder.segments
+    S = len(segs)
+    counts = np.array([s.n for s in segs], dtype=np.int64)
+    seg_off = np.cumsum(counts) - counts
+    n_flat = int(counts.sum())
+    pk = _Packer()
+    meta = np.zeros((max(S, 1), ki.NUM_FIELDS), dtype=np.int64)
+    for i, s in enumerate(segs):
+        meta[i] = (s.kind, s.row, s.a, s.step, s.step if s.kind in (ki.TOKEN_PAGES, ki.MAPPED_PAGES) else 1, s.ring,
+                   s.n, seg_off[i], s.lo, s.hi, maps[s.map_key].numel() if s.map_key is not None else 0)
+    spans = {"meta": pk.add(meta), "dst": pk.add(np.concatenate(builder.dst_lists) if S else np.zeros(0, np.int64))}
+    index_groups: dict[int | None, list[int]] = {}
+    for i, s in enumerate(segs):
+        index_groups.setdefault(s.map_key, []).append(i)
+    for key, ids in index_groups.items():
+        seg_ids = np.array(ids, dtype=np.int64)
+        ps, po = ki.programs_over(counts[seg_ids], block)
+        spans[("index", key)] = (pk.add(seg_ids[ps]), pk.add(po))
+    check_meta = np.zeros((max(S, 1), ks.NUM_FIELDS), dtype=np.int64)
+    check_groups: dict[int | None, list[int]] = {}
+    for i, s in enumerate(segs):
+        if s.check is not None:
+            check_meta[i] = s.check
+            check_groups.setdefault(s.map_key, []).append(i)
+    spans["check_meta"] = pk.add(check_meta)
+    for key, ids in check_groups.items():
+        seg_ids = np.array(ids, dtype=np.int64)
+        ps, po = ki.programs_over(check_meta[seg_ids, 2], block)
+        spans[("check", key)] = (pk.add(seg_ids[ps]), pk.add(po))
+    run_ps, run_po = ki.programs_over(counts, block)
+    first_prog = np.searchsorted(run_ps, np.arange(S))
+    spans["runs"] = (pk.add(run_ps), pk.add(run_po), pk.add(first_prog))
+    spans["seg_off"], spans["seg_n"] = pk.add(seg_off), pk.add(counts)
+    spans["entries"] = pk.add(np.concatenate(builder.entry_blocks) if builder.entry_blocks else np.zeros((0, 4), np.uint64))
+    direct_entries = np.array([0 if s.head_sliced else s.entries for s in segs], dtype=np.int64)
+    hs_count = np.array([s.entries * s.n * s.hs[0] if s.head_sliced else 0 for s in segs], dtype=np.int64)
+    spans["seg_entry_off"] = pk.add(np.array([s.entry_off for s in segs], dtype=np.int64))
+    spans["seg_entries"] = pk.add(np.array([s.entries for s in segs], dtype=np.int64))
+    spans["direct_entries"], spans["hs_count"] = pk.add(direct_entries), pk.add(hs_count)
+    spans["hs"] = pk.add(np.array([s.hs for s in segs], dtype=np.int64).reshape(-1, kd.HS_FIELDS))
+    hs_ids = np.array([i for i, s in enumerate(segs) if s.head_sliced], dtype=np.int64)
+    hps, hpo = ki.programs_over(counts[hs_ids] * np.array([segs[i].hs[0] for i in hs_ids], dtype=np.int64), block)
+    spans["hs_progs"] = (pk.add(hs_ids[hps] if len(hs_ids) else hps[:0]), pk.add(hpo))
+    staging, dev = pk.ship(device)
+
+    def view(span: tuple[int, int]) -> torch.Tensor:
+        return dev[span[0] : span[0] + span[1]]
+
+    src = torch.empty(max(1, n_flat), dtype=torch.int64, device=device)
+    errors = torch.full((max(S, 1) * 2,), ki.NO_ERROR, dtype=torch.int64, device=device)
+    invariant = torch.full((max(S, 1),), ki.NO_ERROR, dtype=torch.int64, device=device)
+    meta_d = view(spans["meta"])
+    for key in index_groups:
+        ps_span, po_span = spans[("index", key)]
+        ki.index_lists(meta_d, view(ps_span), view(po_span), table, maps.get(key), src, errors, block)
+    for key in check_groups:
+        ps_span, po_span = spans[("check", key)]
+        ks.check_slots(view(spans["check_meta"]), view(ps_span), view(po_span), table, maps.get(key), invariant, block)
+    dst = view(spans["dst"])
+    seg_off_d, seg_n_d = view(spans["seg_off"]), view(spans["seg_n"])
+    if S:
+        run_elem, run_seg, seg_run_start = kr.find_runs(src, dst, seg_off_d, seg_n_d, view(spans["runs"][0]),
+                                                        view(spans["runs"][1]), view(spans["runs"][2]), block)
+        seg_runs = seg_run_start[1:] - seg_run_start[:-1]
+        desc_count = seg_runs * view(spans["direct_entries"]) + view(spans["hs_count"])
+        desc_end = torch.cumsum(desc_count, 0)
+        seg_desc_off = desc_end - desc_count
+        total_descs = desc_end[-1:]
+    else:
+        run_elem = run_seg = torch.zeros(1, dtype=torch.int64, device=device)
+        seg_run_start = torch.zeros(1, dtype=torch.int64, device=device)
+        seg_desc_off = torch.zeros(0, dtype=torch.int64, device=device)
+        total_descs = torch.zeros(1, dtype=torch.int64, device=device)
+    capacity = int((counts * direct_entries).sum() + hs_count.sum())
+    descs = torch.empty((max(1, capacity), 3), dtype=torch.int64, device=device)
+    entries = view(spans["entries"])
+    max_direct = int(direct_entries.max()) if S else 0
+    kd.direct_descriptors(run_elem, run_seg, seg_run_start, n_flat, src, dst, view(spans["seg_entry_off"]),
+                          view(spans["direct_entries"]), seg_desc_off, entries, descs, n_flat, max_direct, 256)
+    hs_ps, hs_po = spans["hs_progs"]
+    max_hs = int(max((segs[i].entries for i in hs_ids), default=0))
+    kd.head_sliced_descriptors(view(hs_ps), view(hs_po), seg_off_d, seg_n_d, view(spans["hs"]), src, dst,
+                               view(spans["seg_entry_off"]), view(spans["seg_entries"]), seg_desc_off, entries, descs,
+                               max_hs, 256)
+    host = {}
+    for name, tensor in (("errors", errors), ("invariant", invariant), ("src", src[:n_flat]),
+                         ("seg_run_start", seg_run_start), ("seg_desc_off", seg_desc_off), ("total_descs", total_descs)):
+        h = _host_empty(tensor.numel(), torch.int64, device)
+        h.copy_(tensor, non_blocking=True)
+        host[name] = h
+    event = None
+    if stream is not None:
+        event = torch.cuda.Event()
+        event.record(stream)
+    return PendingPlan(event, builder, host, {"descs": descs, "run_elem": run_elem},
+                       [staging, dev, src, errors, invariant])

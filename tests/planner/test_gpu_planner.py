@@ -1,0 +1,58 @@
+"""The GPU planner against the NumPy reference: bit-identical plans, the same errors.
+
+Runs in Triton's interpreter on the CPU (CI) and on CUDA with TRITON_INTERPRET=0.
+"""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvplan.errors import PlanError
+from kvplan.planner import gpu
+from kvplan.planner.model import Batch, SideMemory, StateComponent
+from kvplan.planner.reference import plan_reference
+from tests.kernels.order import shuffled_program_order
+from tests.planner.test_reference_properties import scenarios
+
+
+def on_device(batch: Batch, device: torch.device) -> Batch:
+    """The same batch with the source's token table and slot maps as tensors on ``device``."""
+    src = batch.src
+    state = tuple(StateComponent(c.kind, c.entries, c.window, c.page_size, c.ring_size,
+                                 None if c.slot_map is None else torch.as_tensor(c.slot_map).to(device), c.name)
+                  for c in src.state)
+    table = torch.as_tensor(src.req_to_token).to(device)
+    return Batch(SideMemory(src.kv, state, src.aux, table), batch.dsts, batch.transfers, batch.policy, batch.validate)
+
+
+def check_same(batch: Batch, device: torch.device, block: int = 1024) -> None:
+    try:
+        expected = plan_reference(batch)
+    except PlanError as err:
+        with pytest.raises(type(err)):
+            gpu.plan(on_device(batch, device), block=block).result()
+        return
+    gpu.plan(on_device(batch, device), block=block).result().assert_equal(expected)
+
+
+@settings(max_examples=40, deadline=None)
+@given(scenarios(), st.sampled_from([16, 1024]))
+def test_direct_plans_match_the_reference(device, case, block):
+    check_same(case[1], device, block)
+
+
+@settings(max_examples=20, deadline=None)
+@given(scenarios(head_sliced=True), st.sampled_from([16, 1024]))
+def test_head_sliced_plans_match_the_reference(device, case, block):
+    check_same(case[1], device, block)
+
+
+@settings(max_examples=15, deadline=None)
+@given(scenarios(), st.integers(0, 3))
+def test_plans_do_not_depend_on_program_order(device, case, seed):
+    if device.type != "cpu":
+        pytest.skip("program order is shuffled in the interpreter only")
+    with shuffled_program_order(seed):
+        check_same(case[1], device, block=16)
