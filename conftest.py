@@ -1,4 +1,4 @@
-"""Test set-up: kernels run in Triton's interpreter unless TRITON_INTERPRET=0 is exported.
+"""Test set-up for tests/ and benchmarks/: kernels run in Triton's interpreter unless TRITON_INTERPRET=0 is exported.
 
 The variable must be set before any module that defines kernels is imported.
 """

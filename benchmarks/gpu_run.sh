@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# One GPU session: the kernel tests compiled for the card, the sync check, then plan latency.
+# Usage on the GPU machine:  OUT=/some/dir bash benchmarks/gpu_run.sh
+set -uo pipefail
+export PYTHONPATH=. TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/kvplan-gpu}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/card.txt"
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/card.txt"
+python3 -m pytest -q -p no:cacheprovider tests/planner tests/compat tests/kernels -x 2>&1 | tee "$OUT/tests.log" | tail -25
+python3 -m benchmarks.plan_latency --json "$OUT/plan_latency.json" 2>&1 | tee "$OUT/plan_latency.md"

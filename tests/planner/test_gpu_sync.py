@@ -1,0 +1,30 @@
+"""On a GPU, ``plan`` issues no synchronizing call on the caller's stream."""
+
+import os
+
+import pytest
+import torch
+
+from kvplan.planner import gpu
+from kvplan.planner.reference import plan_reference
+from kvplan.scenarios import PRESETS, build_batch
+from tests.planner.test_gpu_planner import on_device
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "0",
+                    reason="needs a CUDA device and compiled kernels")
+@pytest.mark.parametrize("preset", ["gptoss-swa-p16", "dsv32-mla-dsa-p64", "qwen3next-mamba-p64", "llama70b-tp4to8-p64"])
+def test_plan_makes_no_synchronizing_call(preset):
+    batch = build_batch(PRESETS[preset].scaled(layers=2), requests=4, prompt_len=[300, 129, 1000, 64], chunks=2,
+                        prefix_len=64, seed=5)
+    device_batch = on_device(batch, torch.device("cuda"))
+    gpu.plan(device_batch).result()  # compile outside the checked region
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pending = gpu.plan(device_batch)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    pending.result().assert_equal(plan_reference(batch))
