@@ -484,7 +484,7 @@ def _launch(builder: _Builder, table: torch.Tensor, maps: dict[int, torch.Tensor
     max_hs = int(max((segs[i].entries for i in hs_ids), default=0))
     kd.head_sliced_descriptors(view(hs_ps), view(hs_po), seg_off_d, seg_n_d, view(spans["hs"]), src, dst,
                                view(spans["seg_entry_off"]), view(spans["seg_entries"]), seg_desc_off, entries, descs,
-                               max_hs, 256)
+                               max_hs, block)
     host = {}
     for name, tensor in (("errors", errors), ("invariant", invariant), ("src", src[:n_flat]),
                          ("seg_run_start", seg_run_start), ("seg_desc_off", seg_desc_off), ("total_descs", total_descs)):

@@ -13,6 +13,7 @@ from kvplan.errors import PlanError
 from kvplan.planner import gpu
 from kvplan.planner.model import Batch, SideMemory, StateComponent
 from kvplan.planner.reference import plan_reference
+from kvplan.scenarios import PRESETS, build_batch
 from tests.kernels.order import shuffled_program_order
 from tests.planner.test_reference_properties import scenarios
 
@@ -56,3 +57,11 @@ def test_plans_do_not_depend_on_program_order(device, case, seed):
         pytest.skip("program order is shuffled in the interpreter only")
     with shuffled_program_order(seed):
         check_same(case[1], device, block=16)
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_model_presets_match_the_reference(device, preset):
+    """Lists longer than one program's block, every state kind, chunked, with a decode prefix."""
+    batch = build_batch(PRESETS[preset].scaled(layers=2), requests=3, prompt_len=[300, 129, 1000], chunks=2,
+                        prefix_len=64, seed=7)
+    check_same(batch, device, block=128)
