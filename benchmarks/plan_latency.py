@@ -33,7 +33,7 @@ def device_batch(batch: Batch, device: torch.device) -> Batch:
 
 
 def kvplan_descs(batch: Batch) -> np.ndarray:
-    return gpu.plan(batch).result().descriptors()[0]
+    return gpu.plan(batch).descriptors()[0]
 
 
 def baseline_descs(batch: Batch) -> np.ndarray:

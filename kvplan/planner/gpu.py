@@ -301,6 +301,28 @@ class PendingPlan:
             self._result = self._assemble()
         return self._result
 
+    def descriptors(self) -> tuple[np.ndarray, np.ndarray]:
+        """The engine hand-off: all descriptors ``[n, 3]`` uint64 and per-transfer offsets ``[T + 1]``.
+
+        Equal to ``result().descriptors()`` but without building the per-transfer views: after
+        the event, the device errors are checked and exactly ``n`` rows are copied into pinned
+        host memory.
+        """
+        if self.event is not None:
+            self.event.synchronize()
+        self._raise_device_errors()
+        total = int(self._host["total_descs"].numpy()[0])
+        device_descs = self._device["descs"][:total]
+        host = _host_empty(total * 3, torch.int64, device_descs.device)
+        host.copy_(device_descs.reshape(-1))
+        desc_off = self._host["seg_desc_off"].numpy()
+        firsts = [info.segments[0] if info.segments else None for info in self._builder.transfers]
+        offsets = np.empty(len(firsts) + 1, dtype=np.int64)
+        offsets[-1] = total
+        for i in range(len(firsts) - 1, -1, -1):
+            offsets[i] = desc_off[firsts[i]] if firsts[i] is not None else offsets[i + 1]
+        return host.numpy().view(np.uint64).reshape(-1, 3), offsets
+
     # -- decoding --------------------------------------------------------------------------
     def _raise_device_errors(self) -> None:
         b = self._builder

@@ -35,7 +35,12 @@ def check_same(batch: Batch, device: torch.device, block: int = 1024) -> None:
         with pytest.raises(type(err)):
             gpu.plan(on_device(batch, device), block=block).result()
         return
-    gpu.plan(on_device(batch, device), block=block).result().assert_equal(expected)
+    pending = gpu.plan(on_device(batch, device), block=block)
+    pending.result().assert_equal(expected)
+    descs, offsets = pending.descriptors()
+    want_descs, want_offsets = expected.descriptors()
+    assert descs.dtype == np.uint64 and np.array_equal(descs, want_descs)
+    assert np.array_equal(offsets, want_offsets)
 
 
 @settings(max_examples=40, deadline=None)
