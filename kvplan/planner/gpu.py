@@ -30,7 +30,6 @@ import numpy as np
 import torch
 
 from ..errors import (
-    AlignmentError,
     AllocatorInvariantError,
     InputError,
     LengthMismatchError,
@@ -44,7 +43,7 @@ from ..kernels import slot_check as ks
 from .model import Batch, Policy, StateKind
 from .pairing import Mode, SidePairing, pair_sides
 from .plan import ComponentPlan, Plan, TransferPlan, empty_descs, empty_runs
-from .reference import cdiv, chunk_end
+from .reference import cdiv, check_aux, check_bounds, check_row, paired_length, resolve_chunk
 
 __all__ = ["PendingPlan", "plan"]
 
@@ -135,29 +134,6 @@ class _Builder:
                 self.entry_index[(d, role)] = (count, len(block))
                 count += len(block)
 
-    # -- helpers ---------------------------------------------------------------------------
-    def _row(self, request: Any, row: int, end: int) -> None:
-        if not 0 < row < self.rows:
-            raise InputError(request, f"row {row} is outside the token table's rows [1, {self.rows})")
-        if end > self.max_ctx:
-            raise InputError(request, f"token {end} is beyond the token table's {self.max_ctx} columns")
-
-    def _pair(self, request: Any, what: str, n_src: int, dst: np.ndarray, always_strict: bool) -> tuple[int, np.ndarray]:
-        if n_src == len(dst):
-            return n_src, dst
-        if self.batch.policy is Policy.STRICT or always_strict:
-            raise LengthMismatchError(request, f"{what}: source list has {n_src} entries, destination {len(dst)}")
-        n = min(n_src, len(dst))
-        log.warning("request %r: %s: truncating source %d / destination %d to %d", request, what, n_src, len(dst), n)
-        return n, dst[:n]
-
-    @staticmethod
-    def _bounds(request: Any, what: str, ids: np.ndarray, lowest: int, count: int) -> None:
-        bad = np.flatnonzero((ids < lowest) | (ids >= count))
-        if bad.size:
-            k = int(bad[0])
-            raise PoolBoundsError(request, f"{what} index {int(ids[k])} at position {k} is outside the pool [{lowest}, {count})")
-
     def _add(self, seg: _Segment, dst: np.ndarray) -> None:
         d = self.transfers[seg.transfer].dest
         seg.entry_off, seg.entries = self.entry_index[(d, seg.role)]
@@ -174,30 +150,8 @@ class _Builder:
         pairing: SidePairing = self.pairings[t.dest]
         dst_side = batch.dsts[t.dest]
         ps = src.kv.page_size
-        if t.start % ps:
-            raise AlignmentError(request, f"chunk start {t.start} is not a multiple of page size {ps}")
-        if t.prefix_len % ps or t.start < t.prefix_len:
-            raise AlignmentError(request, f"chunk start {t.start} / decode prefix {t.prefix_len} are inconsistent with page size {ps}")
-        end = chunk_end(t.start, t.fill_len, t.prompt_len, ps, t.last)
-        if end < t.start:
-            raise InputError(request, f"chunk [{t.start}, {end}) is empty or reversed (fill_len {t.fill_len}, prompt {t.prompt_len})")
-        self._row(request, t.src_row, end)
-        n = cdiv(end - t.start, ps)
-        total, cursor = len(t.dst_pages), (t.start - t.prefix_len) // ps
-        dst_pages = t.dst_pages[cursor : cursor + n]
-        what = f"chunk [{t.start}, {end}) KV pages"
-        if len(dst_pages) < n:
-            if policy is Policy.STRICT:
-                raise LengthMismatchError(request, f"{what}: {n} source pages, {len(dst_pages)} destination pages left")
-            log.warning("request %r: %s: truncating %d source pages to %d", request, what, n, len(dst_pages))
-            n = len(dst_pages)
-        self._bounds(request, "destination KV page", dst_pages, 1, dst_side.kv.num_pages)
-        last = cursor + len(dst_pages) >= total
-        if last != t.last and policy is Policy.STRICT:
-            raise LengthMismatchError(
-                request, f"{what}: the scheduler says last={t.last} but the destination pages say last={last} "
-                f"(cursor {cursor} + {len(dst_pages)} of {total})")
-        sent = last or n > 0
+        chunk = resolve_chunk(t, ps, (self.rows, self.max_ctx), dst_side.kv.num_pages, policy)
+        end, n, dst_pages, last, sent = chunk.end, chunk.pages, chunk.dst_pages, chunk.last, chunk.sent
         info = _TransferInfo(request, t.dest, pairing.mode, t.start, end, last, sent, dst_pages)
         self.transfers.append(info)
         check = (t.src_row, t.start, end - t.start, ps) if batch.validate and end > t.start else None
@@ -231,27 +185,24 @@ class _Builder:
                 seg = _Segment(index, c, ki.RING, t.src_row, lo, 1, n_src, 0, comp.num_items, ring=comp.ring_size,
                                what=comp.name)
             elif kind is StateKind.DSA:
-                self._row(request, t.src_row, seq)
+                check_row(request, (self.rows, self.max_ctx), t.src_row, seq)
                 n_src = cdiv(seq, cps)
                 seg = _Segment(index, c, ki.TOKEN_PAGES, t.src_row, 0, cps, n_src, 1, comp.num_items,
                                check=(t.src_row, 0, seq, cps) if batch.validate and seq else None, what=comp.name)
             else:
-                self._row(request, t.src_row, seq)
+                check_row(request, (self.rows, self.max_ctx), t.src_row, seq)
                 ws = (max(0, seq - comp.window) // cps) * cps
                 n_src = cdiv(seq - ws, cps)
                 seg = _Segment(index, c, ki.MAPPED_PAGES, t.src_row, ws, cps, n_src, 1, comp.num_items, map_key=c,
                                check=(t.src_row, ws, seq - ws, cps) if batch.validate and seq > ws else None,
                                what=comp.name)
-            seg.n, dst_list = self._pair(request, what, n_src, dst_list, always_strict)
+            seg.n = paired_length(request, what, n_src, len(dst_list), policy, always_strict)
+            dst_list = dst_list[: seg.n]
             if (seg.n == 0) != (len(dst_list) == 0) and policy is Policy.STRICT:
                 raise LengthMismatchError(request, f"{what}: one side is empty")
-            self._bounds(request, f"destination {dst_side.state[c].name}", dst_list, 0, dst_side.state[c].num_items)
+            check_bounds(request, f"destination {dst_side.state[c].name}", dst_list, 0, dst_side.state[c].num_items)
             self._add(seg, dst_list)
-        if len(pairing.aux_src):
-            if not 0 <= t.aux_src < min(e.num_items for e in src.aux):
-                raise PoolBoundsError(request, f"source aux index {t.aux_src} is outside the aux buffers")
-            if not 0 <= t.aux_dst < min(e.num_items for e in dst_side.aux):
-                raise PoolBoundsError(request, f"destination aux index {t.aux_dst} is outside the aux buffers")
+        if check_aux(t, src, dst_side):
             self._add(_Segment(index, _AUX, ki.CONST, 0, t.aux_src, 1, 1, 0, 1 << 62, what="aux"),
                       np.array([t.aux_dst], dtype=np.int64))
 

@@ -80,14 +80,15 @@ def token_pages(table: np.ndarray, row: int, a: int, b: int, page_size: int) -> 
     return (table[row, a:b:page_size].astype(np.int64)) // page_size
 
 
-def _check_row(request: Any, table: np.ndarray, row: int, end: int) -> None:
-    if not 0 < row < table.shape[0]:
-        raise InputError(request, f"row {row} is outside the token table's rows [1, {table.shape[0]})")
-    if end > table.shape[1]:
-        raise InputError(request, f"token {end} is beyond the token table's {table.shape[1]} columns")
+def check_row(request: Any, table_shape: tuple[int, ...], row: int, end: int) -> None:
+    """The row is a real request row (not padding row 0) and ``end`` fits the table."""
+    if not 0 < row < table_shape[0]:
+        raise InputError(request, f"row {row} is outside the token table's rows [1, {table_shape[0]})")
+    if end > table_shape[1]:
+        raise InputError(request, f"token {end} is beyond the token table's {table_shape[1]} columns")
 
 
-def _check_bounds(request: Any, what: str, ids: np.ndarray, lowest: int, count: int) -> None:
+def check_bounds(request: Any, what: str, ids: np.ndarray, lowest: int, count: int) -> None:
     bad = np.flatnonzero((ids < lowest) | (ids >= count))
     if bad.size:
         k = int(bad[0])
@@ -111,17 +112,69 @@ def _check_paged_slots(request: Any, what: str, slots: np.ndarray, a: int, page_
         )
 
 
-def _pair_lengths(
-    request: Any, what: str, src: np.ndarray, dst: np.ndarray, policy: Policy, always_strict: bool = False
-) -> tuple[np.ndarray, np.ndarray]:
-    """Equal-length paired lists, or an error (strict) or truncation with a warning."""
-    if len(src) == len(dst):
-        return src, dst
+def paired_length(request: Any, what: str, n_src: int, n_dst: int, policy: Policy, always_strict: bool = False) -> int:
+    """The common length of two paired lists: an error under strict, else the shorter with a warning."""
+    if n_src == n_dst:
+        return n_src
     if policy is Policy.STRICT or always_strict:
-        raise LengthMismatchError(request, f"{what}: source list has {len(src)} entries, destination {len(dst)}")
-    n = min(len(src), len(dst))
-    log.warning("request %r: %s: truncating source %d / destination %d to %d", request, what, len(src), len(dst), n)
-    return src[:n], dst[:n]
+        raise LengthMismatchError(request, f"{what}: source list has {n_src} entries, destination {n_dst}")
+    n = min(n_src, n_dst)
+    log.warning("request %r: %s: truncating source %d / destination %d to %d", request, what, n_src, n_dst, n)
+    return n
+
+
+@dataclass(frozen=True)
+class ChunkRange:
+    """A chunk resolved from lengths alone (planning.md §3): its end, pages and last-ness."""
+
+    end: int
+    pages: int  # source pages sent (after truncation under ``truncate``)
+    dst_pages: np.ndarray
+    last: bool
+    sent: bool
+
+
+def resolve_chunk(t: Transfer, page_size: int, table_shape: tuple[int, ...], dst_num_pages: int,
+                  policy: Policy) -> ChunkRange:
+    """Every check of a chunk that needs no token slot: alignment, ranges, lengths, last flag."""
+    ps, request = page_size, t.request
+    if t.start % ps:
+        raise AlignmentError(request, f"chunk start {t.start} is not a multiple of page size {ps}")
+    if t.prefix_len % ps or t.start < t.prefix_len:
+        raise AlignmentError(request, f"chunk start {t.start} / decode prefix {t.prefix_len} are inconsistent with page size {ps}")
+    end = chunk_end(t.start, t.fill_len, t.prompt_len, ps, t.last)
+    if end < t.start:
+        raise InputError(request, f"chunk [{t.start}, {end}) is empty or reversed (fill_len {t.fill_len}, prompt {t.prompt_len})")
+    check_row(request, table_shape, t.src_row, end)
+    n = cdiv(end - t.start, ps)
+    total, cursor = len(t.dst_pages), (t.start - t.prefix_len) // ps
+    dst_pages = t.dst_pages[cursor : cursor + n]
+    what = f"chunk [{t.start}, {end}) KV pages"
+    if len(dst_pages) < n:
+        if policy is Policy.STRICT:
+            raise LengthMismatchError(request, f"{what}: {n} source pages, {len(dst_pages)} destination pages left")
+        log.warning("request %r: %s: truncating %d source pages to %d", request, what, n, len(dst_pages))
+        n = len(dst_pages)
+    check_bounds(request, "destination KV page", dst_pages, 1, dst_num_pages)
+    last = cursor + len(dst_pages) >= total
+    if last != t.last and policy is Policy.STRICT:
+        raise LengthMismatchError(
+            request,
+            f"{what}: the scheduler says last={t.last} but the destination pages say last={last} "
+            f"(cursor {cursor} + {len(dst_pages)} of {total})",
+        )
+    return ChunkRange(end, n, dst_pages, last, last or n > 0)
+
+
+def check_aux(t: Transfer, src: SideMemory, dst: SideMemory) -> bool:
+    """Whether the last chunk carries aux rows; raises if its aux indices are outside the buffers."""
+    if not src.aux:
+        return False
+    if not 0 <= t.aux_src < min(e.num_items for e in src.aux):
+        raise PoolBoundsError(t.request, f"source aux index {t.aux_src} is outside the aux buffers")
+    if not 0 <= t.aux_dst < min(e.num_items for e in dst.aux):
+        raise PoolBoundsError(t.request, f"destination aux index {t.aux_dst} is outside the aux buffers")
+    return True
 
 
 def state_list(
@@ -141,26 +194,26 @@ def state_list(
         if not 0 <= row < slot_map.shape[0]:
             raise InputError(request, f"{comp.name}: row {row} is outside the Mamba map of {slot_map.shape[0]} rows")
         ids = slot_map[row : row + 1].astype(np.int64)
-        _check_bounds(request, comp.name, ids, 0, comp.num_items)
+        check_bounds(request, comp.name, ids, 0, comp.num_items)
         return ids
     if kind is StateKind.SWA_RING:
         lo = max(0, seq - comp.window)
         ids = row * comp.ring_size + np.arange(lo, seq, dtype=np.int64) % comp.ring_size
-        _check_bounds(request, comp.name, ids, 0, comp.num_items)
+        check_bounds(request, comp.name, ids, 0, comp.num_items)
         return ids
     ps = comp.pages_of(side.kv.page_size)
-    _check_row(request, table, row, seq)
+    check_row(request, table.shape, row, seq)
     if kind is StateKind.DSA:
         if validate:
             _check_paged_slots(request, comp.name, table[row, :seq].astype(np.int64), 0, ps)
         ids = token_pages(table, row, 0, seq, ps)
-        _check_bounds(request, comp.name, ids, 1, comp.num_items)
+        check_bounds(request, comp.name, ids, 1, comp.num_items)
         return ids
     # SWA: pages of full_to_swa over the page-aligned window
     ws = (max(0, seq - comp.window) // ps) * ps
     slot_map = host(comp.slot_map)
     full = table[row, ws:seq].astype(np.int64)
-    _check_bounds(request, f"{comp.name} full slot", full, 0, slot_map.shape[0])
+    check_bounds(request, f"{comp.name} full slot", full, 0, slot_map.shape[0])
     swa = slot_map[full].astype(np.int64)
     sampled = swa[::ps]
     unmapped = np.flatnonzero(sampled == 0)
@@ -172,7 +225,7 @@ def state_list(
     elif validate:
         _check_paged_slots(request, comp.name, swa, ws, ps)
     ids = sampled // ps
-    _check_bounds(request, comp.name, ids[sampled != 0], 1, comp.num_items)
+    check_bounds(request, comp.name, ids[sampled != 0], 1, comp.num_items)
     return ids
 
 
@@ -192,11 +245,11 @@ def destination_lists(
     if prefix_len % ps:
         raise AlignmentError(request, f"decode prefix {prefix_len} is not a multiple of page size {ps}")
     table = host(side.req_to_token)
-    _check_row(request, table, row, prompt_len)
+    check_row(request, table.shape, row, prompt_len)
     if validate:
         _check_paged_slots(request, "KV", table[row, prefix_len:prompt_len].astype(np.int64), prefix_len, ps)
     pages = token_pages(table, row, prefix_len, prompt_len, ps)
-    _check_bounds(request, "KV page", pages, 1, side.kv.num_pages)
+    check_bounds(request, "KV page", pages, 1, side.kv.num_pages)
     state = tuple(state_list(side, c, row, prompt_len, request, Policy.STRICT, validate) for c in side.state)
     return DestinationLists(pages, state)
 
@@ -283,7 +336,8 @@ def _component_plan(
     policy: Policy,
 ) -> ComponentPlan:
     always_strict = comp.kind in (StateKind.SWA_RING, StateKind.MAMBA)
-    src_list, dst_list = _pair_lengths(request, f"state component {comp.name}", src_list, dst_list, policy, always_strict)
+    n = paired_length(request, f"state component {comp.name}", len(src_list), len(dst_list), policy, always_strict)
+    src_list, dst_list = src_list[:n], dst_list[:n]
     if comp.kind is StateKind.MAMBA:
         runs = empty_runs()
         unit = np.stack([src_list, dst_list, np.ones_like(src_list)], axis=1).astype(np.int64)
@@ -299,37 +353,14 @@ def _plan_transfer(batch: Batch, t: Transfer, pairing: SidePairing, dst: SideMem
     ps = src.kv.page_size
     request = t.request
     table = host(src.req_to_token)
-    if t.start % ps:
-        raise AlignmentError(request, f"chunk start {t.start} is not a multiple of page size {ps}")
-    if t.prefix_len % ps or t.start < t.prefix_len:
-        raise AlignmentError(request, f"chunk start {t.start} / decode prefix {t.prefix_len} are inconsistent with page size {ps}")
-    end = chunk_end(t.start, t.fill_len, t.prompt_len, ps, t.last)
-    if end < t.start:
-        raise InputError(request, f"chunk [{t.start}, {end}) is empty or reversed (fill_len {t.fill_len}, prompt {t.prompt_len})")
-    _check_row(request, table, t.src_row, end)
+    chunk = resolve_chunk(t, ps, table.shape, dst.kv.num_pages, policy)
+    end, dst_pages, last, sent = chunk.end, chunk.dst_pages, chunk.last, chunk.sent
     if batch.validate:
         _check_paged_slots(request, "KV", table[t.src_row, t.start:end].astype(np.int64), t.start, ps)
     src_pages = token_pages(table, t.src_row, t.start, end, ps)
-    _check_bounds(request, "KV page", src_pages, 1, src.kv.num_pages)
-
-    total = len(t.dst_pages)
-    cursor = (t.start - t.prefix_len) // ps
-    dst_pages = t.dst_pages[cursor : cursor + len(src_pages)]
+    check_bounds(request, "KV page", src_pages, 1, src.kv.num_pages)
+    src_pages = src_pages[: chunk.pages]
     what = f"chunk [{t.start}, {end}) KV pages"
-    if len(dst_pages) < len(src_pages):
-        if policy is Policy.STRICT:
-            raise LengthMismatchError(request, f"{what}: {len(src_pages)} source pages, {len(dst_pages)} destination pages left")
-        log.warning("request %r: %s: truncating %d source pages to %d", request, what, len(src_pages), len(dst_pages))
-        src_pages = src_pages[: len(dst_pages)]
-    _check_bounds(request, "destination KV page", dst_pages, 1, dst.kv.num_pages)
-    last = cursor + len(dst_pages) >= total
-    if last != t.last and policy is Policy.STRICT:
-        raise LengthMismatchError(
-            request,
-            f"{what}: the scheduler says last={t.last} but the destination pages say last={last} "
-            f"(cursor {cursor} + {len(dst_pages)} of {total})",
-        )
-    sent = last or len(src_pages) > 0
     runs = _runs_or_error(request, what, src_pages, dst_pages, policy) if sent else empty_runs()
     if pairing.mode is Mode.DIRECT:
         kv_descs = direct_descriptors(pairing.kv_src, pairing.kv_dst, runs)
@@ -357,12 +388,8 @@ def _plan_transfer(batch: Batch, t: Transfer, pairing: SidePairing, dst: SideMem
             for c, (comp, dst_list) in enumerate(zip(src.state, t.dst_state))
         )
         for c, comp in enumerate(dst.state):
-            _check_bounds(request, f"destination {comp.name}", state[c].dst_list, 0, comp.num_items)
-        if len(pairing.aux_src):
-            if not 0 <= t.aux_src < min(e.num_items for e in src.aux):
-                raise PoolBoundsError(request, f"source aux index {t.aux_src} is outside the aux buffers")
-            if not 0 <= t.aux_dst < min(e.num_items for e in dst.aux):
-                raise PoolBoundsError(request, f"destination aux index {t.aux_dst} is outside the aux buffers")
+            check_bounds(request, f"destination {comp.name}", state[c].dst_list, 0, comp.num_items)
+        if check_aux(t, src, dst):
             aux_descs = direct_descriptors(pairing.aux_src, pairing.aux_dst, np.array([[t.aux_src, t.aux_dst, 1]]))
     return TransferPlan(
         request=request,

@@ -17,7 +17,7 @@ from kvplan.errors import (
     PoolBoundsError,
     UnmappedSlotError,
 )
-from kvplan.planner.model import Batch, Entry, Policy, SideMemory, StateComponent, StateKind
+from kvplan.planner.model import Batch, Entry, Policy, StateComponent, StateKind
 from kvplan.planner.reference import destination_lists, plan_reference
 from tests.memory import AddressSpace, execute
 from tests.planner.builders import entries, last_transfer, mha_side, swa, table_with
