@@ -38,18 +38,21 @@ from ..errors import (
 )
 from ..kernels import descriptors as kd
 from ..kernels import index_lists as ki
+from ..kernels import prepared as kp
 from ..kernels import runs as kr
 from ..kernels import slot_check as ks
 from .model import Batch, Policy, StateKind
 from .pairing import Mode, SidePairing, pair_sides
 from .plan import ComponentPlan, Plan, TransferPlan, empty_descs, empty_runs
+from .prepared import AUX as _AUX
+from .prepared import KV as _KV
+from .prepared import PreparedIndices, prepared_slots
 from .reference import cdiv, check_aux, check_bounds, check_row, paired_length, resolve_chunk
 
 __all__ = ["PendingPlan", "plan"]
 
 log = logging.getLogger("kvplan")
 
-_KV, _AUX = -1, -2  # segment roles besides component indices
 
 
 @dataclass
@@ -238,6 +241,7 @@ class PendingPlan:
     _host: dict[str, torch.Tensor]
     _device: dict[str, torch.Tensor]
     _keep: list[Any]
+    _sections: dict[str, Any] | None = None
     _result: Plan | None = None
 
     def ready(self) -> bool:
@@ -273,6 +277,17 @@ class PendingPlan:
         for i in range(len(firsts) - 1, -1, -1):
             offsets[i] = desc_off[firsts[i]] if firsts[i] is not None else offsets[i + 1]
         return host.numpy().view(np.uint64).reshape(-1, 3), offsets
+
+    def prepared_indices(self) -> PreparedIndices:
+        """The int32 index arrays for NIXL prepared lists (needs ``plan(..., prepared=True)``)."""
+        if self._sections is None:
+            raise InputError(None, "this plan was made without prepared=True")
+        if self.event is not None:
+            self.event.synchronize()
+        self._raise_device_errors()
+        sections = self._sections
+        return PreparedIndices(self._host["prep_src"].numpy().copy(), self._host["prep_dst"].numpy().copy(),
+                               sections["offsets"], sections["role"], sections["transfer"])
 
     # -- decoding --------------------------------------------------------------------------
     def _raise_device_errors(self) -> None:
@@ -347,11 +362,13 @@ class PendingPlan:
         return np.cumsum(counts) - counts
 
 
-def plan(batch: Batch, stream: torch.cuda.Stream | None = None, block: int = 1024) -> PendingPlan:
+def plan(batch: Batch, stream: torch.cuda.Stream | None = None, block: int = 1024,
+         prepared: bool = False) -> PendingPlan:
     """Plan ``batch`` with the kernels; nothing here waits for the device.
 
     Errors visible from lengths alone are raised here; errors only the kernels can see are raised
     by :meth:`PendingPlan.result`. ``block`` is the number of list elements per program.
+    ``prepared=True`` also computes the index arrays for NIXL prepared lists (direct mode only).
     """
     table = batch.src.req_to_token
     if table is None:
@@ -365,15 +382,39 @@ def plan(batch: Batch, stream: torch.cuda.Stream | None = None, block: int = 102
         builder.add_transfer(i)
     maps = {c: _as_device_tensor(comp.slot_map, device, f"slot_map of component {comp.name}", torch.int64)
             for c, comp in enumerate(batch.src.state) if comp.slot_map is not None}
+    slots = None
+    if prepared:
+        if any(p.mode is not Mode.DIRECT for p in builder.pairings):
+            raise LayoutError("prepared lists are per page: head-sliced transfers need descriptors")
+        slots = [prepared_slots(batch.src, d) for d in batch.dsts]
     if device.type == "cuda":
         stream = stream or torch.cuda.current_stream(device)
         with torch.cuda.stream(stream):
-            return _launch(builder, table, maps, device, block, stream)
-    return _launch(builder, table, maps, device, block, None)
+            return _launch(builder, table, maps, device, block, stream, slots)
+    return _launch(builder, table, maps, device, block, None, slots)
+
+
+def _prepared_layout(builder: _Builder, counts: np.ndarray, slots: list[dict]) -> dict[str, np.ndarray]:
+    """Per segment ``(entries, src_slots, dst_slots, out_off)`` and the sections they form."""
+    table = np.zeros((max(1, len(counts)), 4), dtype=np.int64)
+    ids, size = [], 0
+    for i, seg in enumerate(builder.segments):
+        info = builder.transfers[seg.transfer]
+        if seg.role == _KV and not info.sent:
+            continue  # a chunk that is not sent has no KV section
+        entries, s_slots, d_slots = slots[info.dest][seg.role]
+        table[i] = (entries, s_slots, d_slots, size)
+        ids.append(i)
+        size += entries * seg.n
+    ids_arr = np.array(ids, dtype=np.int64)
+    offsets = np.append(table[ids_arr, 3], size) if ids else np.zeros(1, np.int64)
+    return {"table": table, "ids": ids_arr, "size": size, "offsets": offsets,
+            "role": np.array([builder.segments[i].role for i in ids], np.int64),
+            "transfer": np.array([builder.segments[i].transfer for i in ids], np.int64)}
 
 
 def _launch(builder: _Builder, table: torch.Tensor, maps: dict[int, torch.Tensor], device: torch.device, block: int,
-            stream: torch.cuda.Stream | None) -> PendingPlan:
+            stream: torch.cuda.Stream | None, slots: list[dict] | None) -> PendingPlan:
     segs = builder.segments
     S = len(segs)
     counts = np.array([s.n for s in segs], dtype=np.int64)
@@ -417,6 +458,11 @@ def _launch(builder: _Builder, table: torch.Tensor, maps: dict[int, torch.Tensor
     hs_ids = np.array([i for i, s in enumerate(segs) if s.head_sliced], dtype=np.int64)
     hps, hpo = ki.programs_over(counts[hs_ids] * np.array([segs[i].hs[0] for i in hs_ids], dtype=np.int64), block)
     spans["hs_progs"] = (pk.add(hs_ids[hps] if len(hs_ids) else hps[:0]), pk.add(hpo))
+    sections = None
+    if slots is not None:
+        sections = _prepared_layout(builder, counts, slots)
+        pps, ppo = ki.programs_over(counts[sections["ids"]], block)
+        spans["prep"] = (pk.add(sections["table"]), pk.add(sections["ids"][pps] if len(pps) else pps), pk.add(ppo))
     staging, dev = pk.ship(device)
 
     def view(span: tuple[int, int]) -> torch.Tensor:
@@ -459,6 +505,17 @@ def _launch(builder: _Builder, table: torch.Tensor, maps: dict[int, torch.Tensor
                                view(spans["seg_entry_off"]), view(spans["seg_entries"]), seg_desc_off, entries, descs,
                                max_hs, block)
     host = {}
+    if sections is not None:
+        prep_src = torch.empty(max(1, sections["size"]), dtype=torch.int32, device=device)
+        prep_dst = torch.empty_like(prep_src)
+        table_span, ps_span, po_span = spans["prep"]
+        max_entries = int(sections["table"][:, 0].max())
+        kp.prepared_indices(src, dst, seg_off_d, seg_n_d, view(ps_span), view(po_span), view(table_span),
+                            prep_src, prep_dst, max_entries, block)
+        for name, tensor in (("prep_src", prep_src), ("prep_dst", prep_dst)):
+            h = _host_empty(sections["size"], torch.int32, device)
+            h.copy_(tensor[: sections["size"]], non_blocking=True)
+            host[name] = h
     for name, tensor in (("errors", errors), ("invariant", invariant), ("src", src[:n_flat]),
                          ("seg_run_start", seg_run_start), ("seg_desc_off", seg_desc_off), ("total_descs", total_descs)):
         h = _host_empty(tensor.numel(), torch.int64, device)
@@ -469,4 +526,4 @@ def _launch(builder: _Builder, table: torch.Tensor, maps: dict[int, torch.Tensor
         event = torch.cuda.Event()
         event.record(stream)
     return PendingPlan(event, builder, host, {"descs": descs, "run_elem": run_elem},
-                       [staging, dev, src, errors, invariant])
+                       [staging, dev, src, errors, invariant], sections)

@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 from kvplan.errors import PlanError
 from kvplan.planner import gpu
 from kvplan.planner.model import Batch, SideMemory, StateComponent
+from kvplan.planner.pairing import Mode
+from kvplan.planner.prepared import prepared_indices_reference
 from kvplan.planner.reference import plan_reference
 from kvplan.scenarios import PRESETS, build_batch
 from tests.kernels.order import shuffled_program_order
@@ -35,8 +37,11 @@ def check_same(batch: Batch, device: torch.device, block: int = 1024) -> None:
         with pytest.raises(type(err)):
             gpu.plan(on_device(batch, device), block=block).result()
         return
-    pending = gpu.plan(on_device(batch, device), block=block)
+    direct = all(t.mode is Mode.DIRECT for t in expected.transfers)
+    pending = gpu.plan(on_device(batch, device), block=block, prepared=direct)
     pending.result().assert_equal(expected)
+    if direct:
+        pending.prepared_indices().assert_equal(prepared_indices_reference(batch, expected))
     descs, offsets = pending.descriptors()
     want_descs, want_offsets = expected.descriptors()
     assert descs.dtype == np.uint64 and np.array_equal(descs, want_descs)
@@ -70,3 +75,31 @@ def test_model_presets_match_the_reference(device, preset):
     batch = build_batch(PRESETS[preset].scaled(layers=2), requests=3, prompt_len=[300, 129, 1000], chunks=2,
                         prefix_len=64, seed=7)
     check_same(batch, device, block=128)
+
+
+@pytest.fixture
+def int32_sanitizer(device):
+    """The interpreter's debug mode: int32 overflow in kernel arithmetic raises instead of wrapping."""
+    if device.type != "cpu":
+        pytest.skip("the sanitizer exists in the interpreter only")
+    from triton.runtime import interpreter
+
+    saved = interpreter.interpreter_builder.options
+    interpreter.interpreter_builder.options = interpreter.InterpreterOptions(debug=True)
+    yield
+    interpreter.interpreter_builder.options = saved
+
+
+def test_large_addresses_and_page_ids_use_64_bit_arithmetic(device, int32_sanitizer):
+    from kvplan.planner.model import Attention, Entry, KVLayout, StateKind, Transfer
+
+    ps, item, pages = 64, 16384, (1 << 25) - 1  # page * item needs 39 bits; slots stay below 2**31
+    kv = lambda base: KVLayout(Attention.MHA, ps, tuple(Entry(base + (i << 45), item, pages + 1) for i in range(4)))  # noqa: E731
+    table = np.zeros((2, 256), np.int32)
+    for k, page in enumerate([pages - 2, pages - 1, pages, 7]):
+        table[1, k * ps : (k + 1) * ps] = page * ps + np.arange(ps)
+    ring = lambda base: StateComponent(StateKind.SWA_RING, (Entry(base, 1 << 20, 1 << 12),), window=32, ring_size=2048)  # noqa: E731
+    src = SideMemory(kv(0x7F00_0000_0000_0000), (ring(0x7E00_0000_0000_0000),), (), table)
+    dst = SideMemory(kv(0x7D00_0000_0000_0000), (ring(0x7C00_0000_0000_0000),))
+    t = Transfer("big", 1, 0, 257, 256, True, np.array([pages, pages - 1, 3, 4]), dst_state=(np.arange(32) + 2048,))
+    check_same(Batch(src, (dst,), (t,)), device)
