@@ -12,7 +12,6 @@ Shape contract
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 

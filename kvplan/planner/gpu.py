@@ -22,58 +22,29 @@ Example::
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..errors import (
-    AllocatorInvariantError,
-    InputError,
-    LengthMismatchError,
-    PoolBoundsError,
-    UnmappedSlotError,
-)
+from ..errors import InputError, LayoutError, LengthMismatchError
 from ..kernels import descriptors as kd
 from ..kernels import index_lists as ki
 from ..kernels import prepared as kp
 from ..kernels import runs as kr
-from ..kernels import slot_check as ks
 from .model import Batch, Policy, StateKind
 from .pairing import Mode, SidePairing, pair_sides
 from .plan import ComponentPlan, Plan, TransferPlan, empty_descs, empty_runs
 from .prepared import AUX as _AUX
 from .prepared import KV as _KV
 from .prepared import PreparedIndices, prepared_slots
-from .reference import cdiv, check_aux, check_bounds, check_row, paired_length, resolve_chunk
+from .lists import ListJob, Packer, Segment, as_device_tensor, component_segment, host_empty, pages_segment, raise_list_errors
+from .reference import check_aux, check_bounds, check_row, paired_length, resolve_chunk
 
 __all__ = ["PendingPlan", "plan"]
 
-log = logging.getLogger("kvplan")
 
-
-
-@dataclass
-class _Segment:
-    transfer: int
-    role: int  # _KV, _AUX or a component index
-    kind: int
-    row: int
-    a: int
-    step: int
-    n: int
-    lo: int
-    hi: int
-    ring: int = 1
-    map_key: int | None = None  # component index whose slot map the segment reads
-    entry_off: int = 0
-    entries: int = 0
-    head_sliced: bool = False
-    hs: tuple[int, ...] = (0,) * kd.HS_FIELDS
-    check: tuple[int, int, int, int] | None = None  # (row, a, tokens, page size) for the invariant
-    what: str = ""
 
 
 @dataclass
@@ -94,33 +65,14 @@ def _device_of(batch: Batch) -> torch.device:
     return table.device if isinstance(table, torch.Tensor) else torch.device("cpu")
 
 
-def _as_device_tensor(values: Any, device: torch.device, what: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-    if isinstance(values, np.ndarray):
-        if device.type != "cpu":
-            raise InputError(None, f"{what} must be a tensor on {device}, got a NumPy array")
-        values = torch.from_numpy(values)
-    if not isinstance(values, torch.Tensor):
-        raise InputError(None, f"{what} must be a tensor, got {type(values).__name__}")
-    if values.device != device:
-        raise InputError(None, f"{what} is on {values.device}, the token table on {device}")
-    if dtype is not None and values.dtype != dtype:
-        if values.is_floating_point() or values.dtype == torch.bool:
-            raise InputError(None, f"{what} must hold integers, got {values.dtype}")
-        values = values.to(dtype)
-    return values
-
-
-def _host_empty(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.empty(n, dtype=dtype, pin_memory=device.type == "cuda")
-
-
 class _Builder:
     """Host-side bookkeeping of one batch: segments, flat destination lists, entry tables."""
 
     def __init__(self, batch: Batch, table_shape: tuple[int, int]):
         self.batch = batch
         self.rows, self.max_ctx = table_shape
-        self.segments: list[_Segment] = []
+        self.segments: list[Segment] = []
+        self.expansion: list[tuple[int, int, tuple[int, ...] | None]] = []  # (entry_off, entries, head slice)
         self.dst_lists: list[np.ndarray] = []
         self.transfers: list[_TransferInfo] = []
         self.pairings = [pair_sides(batch.src, d) for d in batch.dsts]
@@ -137,10 +89,10 @@ class _Builder:
                 self.entry_index[(d, role)] = (count, len(block))
                 count += len(block)
 
-    def _add(self, seg: _Segment, dst: np.ndarray) -> None:
-        d = self.transfers[seg.transfer].dest
-        seg.entry_off, seg.entries = self.entry_index[(d, seg.role)]
-        self.transfers[seg.transfer].segments.append(len(self.segments))
+    def _add(self, seg: Segment, dst: np.ndarray, head_slice: tuple[int, ...] | None = None) -> None:
+        d = self.transfers[seg.owner].dest
+        self.expansion.append((*self.entry_index[(d, seg.role)], head_slice))
+        self.transfers[seg.owner].segments.append(len(self.segments))
         self.segments.append(seg)
         self.dst_lists.append(np.asarray(dst, dtype=np.int64))
 
@@ -157,48 +109,26 @@ class _Builder:
         end, n, dst_pages, last, sent = chunk.end, chunk.pages, chunk.dst_pages, chunk.last, chunk.sent
         info = _TransferInfo(request, t.dest, pairing.mode, t.start, end, last, sent, dst_pages)
         self.transfers.append(info)
-        check = (t.src_row, t.start, end - t.start, ps) if batch.validate and end > t.start else None
-        if sent:
-            seg = _Segment(index, _KV, ki.TOKEN_PAGES, t.src_row, t.start, ps, n, 1, src.kv.num_pages, check=check,
-                           what="KV page")
-            if pairing.mode is Mode.HEAD_SLICED:
-                h = pairing.heads
-                seg.head_sliced = True
-                seg.hs = (ps, h.src_token_bytes, h.dst_token_bytes, h.src_head * h.bytes_per_head,
+        seg = pages_segment(index, t.src_row, t.start, end, ps, src.kv.num_pages, batch.validate, n if sent else 0)
+        head_slice = None
+        if sent and pairing.mode is Mode.HEAD_SLICED:
+            h = pairing.heads
+            head_slice = (ps, h.src_token_bytes, h.dst_token_bytes, h.src_head * h.bytes_per_head,
                           h.dst_head * h.bytes_per_head, h.nbytes)
-            self._add(seg, dst_pages)
-        elif check is not None:  # a chunk that is not sent still gets its slots checked
-            self._add(_Segment(index, _KV, ki.TOKEN_PAGES, t.src_row, t.start, ps, 0, 1, src.kv.num_pages,
-                               check=check, what="KV page"), dst_pages[:0])
+        if sent or seg.check is not None:  # a chunk that is not sent still gets its slots checked
+            self._add(seg, dst_pages if sent else dst_pages[:0], head_slice)
         if not last:
             return
         seq = min(t.fill_len, t.prompt_len)
         if len(t.dst_state) != len(src.state):
             raise LengthMismatchError(request, f"{len(src.state)} state components on the source, {len(t.dst_state)} destination lists")
         for c, (comp, dst_list) in enumerate(zip(src.state, t.dst_state)):
-            cps = comp.pages_of(ps)
-            kind, what = comp.kind, f"state component {comp.name}"
-            always_strict = kind in (StateKind.SWA_RING, StateKind.MAMBA)
-            if kind is StateKind.MAMBA:
-                n_src = 1
-                seg = _Segment(index, c, ki.ROW_MAP, t.src_row, 0, 1, 1, 0, comp.num_items, map_key=c, what=comp.name)
-            elif kind is StateKind.SWA_RING:
-                lo = max(0, seq - comp.window)
-                n_src = seq - lo
-                seg = _Segment(index, c, ki.RING, t.src_row, lo, 1, n_src, 0, comp.num_items, ring=comp.ring_size,
-                               what=comp.name)
-            elif kind is StateKind.DSA:
+            what = f"state component {comp.name}"
+            always_strict = comp.kind in (StateKind.SWA_RING, StateKind.MAMBA)
+            if comp.kind in (StateKind.SWA, StateKind.DSA):
                 check_row(request, (self.rows, self.max_ctx), t.src_row, seq)
-                n_src = cdiv(seq, cps)
-                seg = _Segment(index, c, ki.TOKEN_PAGES, t.src_row, 0, cps, n_src, 1, comp.num_items,
-                               check=(t.src_row, 0, seq, cps) if batch.validate and seq else None, what=comp.name)
-            else:
-                check_row(request, (self.rows, self.max_ctx), t.src_row, seq)
-                ws = (max(0, seq - comp.window) // cps) * cps
-                n_src = cdiv(seq - ws, cps)
-                seg = _Segment(index, c, ki.MAPPED_PAGES, t.src_row, ws, cps, n_src, 1, comp.num_items, map_key=c,
-                               check=(t.src_row, ws, seq - ws, cps) if batch.validate and seq > ws else None,
-                               what=comp.name)
+            seg = component_segment(index, c, comp, ps, t.src_row, seq, batch.validate)
+            n_src = seg.n
             seg.n = paired_length(request, what, n_src, len(dst_list), policy, always_strict)
             dst_list = dst_list[: seg.n]
             if (seg.n == 0) != (len(dst_list) == 0) and policy is Policy.STRICT:
@@ -206,30 +136,8 @@ class _Builder:
             check_bounds(request, f"destination {dst_side.state[c].name}", dst_list, 0, dst_side.state[c].num_items)
             self._add(seg, dst_list)
         if check_aux(t, src, dst_side):
-            self._add(_Segment(index, _AUX, ki.CONST, 0, t.aux_src, 1, 1, 0, 1 << 62, what="aux"),
+            self._add(Segment(index, _AUX, ki.CONST, 0, t.aux_src, 1, 1, 0, 1 << 62, what="aux"),
                       np.array([t.aux_dst], dtype=np.int64))
-
-
-class _Packer:
-    """Host int64 arrays concatenated into one buffer, shipped with a single asynchronous copy."""
-
-    def __init__(self) -> None:
-        self.parts: list[np.ndarray] = []
-        self.size = 0
-
-    def add(self, values: Any) -> tuple[int, int]:
-        arr = np.ascontiguousarray(values).reshape(-1)
-        arr = arr.view(np.int64) if arr.dtype == np.uint64 else arr.astype(np.int64, copy=False)
-        self.parts.append(arr)
-        span = (self.size, arr.size)
-        self.size += arr.size
-        return span
-
-    def ship(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        staging = _host_empty(max(1, self.size), torch.int64, device)
-        if self.size:
-            np.concatenate(self.parts, out=staging.numpy()[: self.size])
-        return staging, staging.to(device, non_blocking=True)
 
 
 @dataclass
@@ -268,7 +176,7 @@ class PendingPlan:
         self._raise_device_errors()
         total = int(self._host["total_descs"].numpy()[0])
         device_descs = self._device["descs"][:total]
-        host = _host_empty(total * 3, torch.int64, device_descs.device)
+        host = host_empty(total * 3, torch.int64, device_descs.device)
         host.copy_(device_descs.reshape(-1))
         desc_off = self._host["seg_desc_off"].numpy()
         firsts = [info.segments[0] if info.segments else None for info in self._builder.transfers]
@@ -292,29 +200,9 @@ class PendingPlan:
     # -- decoding --------------------------------------------------------------------------
     def _raise_device_errors(self) -> None:
         b = self._builder
-        errors = self._host["errors"].numpy().reshape(-1, 2)
-        invariant = self._host["invariant"].numpy()
-        src_flat = self._host["src"].numpy()
-        seg_off = self._builder_seg_off
-        policy = b.batch.policy
-        for info in b.transfers:
-            for s in info.segments:
-                seg = b.segments[s]
-                bound, unmapped, inv = (int(x) for x in (errors[s, 0], errors[s, 1], invariant[s]))
-                if unmapped < ki.NO_ERROR:
-                    pos = seg.a + unmapped * seg.step
-                    if policy is Policy.STRICT:
-                        raise UnmappedSlotError(info.request, f"{seg.what}: token {pos} inside the window has no SWA slot")
-                    log.warning("request %r: %s: token %d has no SWA slot; sending page 0 as SGLang does",
-                                info.request, seg.what, pos)
-                elif inv < ki.NO_ERROR:
-                    raise AllocatorInvariantError(
-                        info.request, f"{'KV' if seg.role == _KV else seg.what}: token {seg.check[1] + inv} breaks "
-                        f"the paged allocator invariant (page size {seg.check[3]})")
-                if bound < ki.NO_ERROR:
-                    value = int(src_flat[seg_off[s] + bound]) if bound < seg.n else -1
-                    raise PoolBoundsError(info.request, f"{seg.what} index {value} at position {bound} is outside "
-                                          f"the pool [{seg.lo}, {seg.hi})")
+        raise_list_errors(b.segments, [info.segments for info in b.transfers], lambda i: b.transfers[i].request,
+                          self._host["errors"].numpy(), self._host["invariant"].numpy(), self._host["src"].numpy(),
+                          self._builder_seg_off, b.batch.policy)
 
     def _assemble(self) -> Plan:
         b = self._builder
@@ -339,7 +227,8 @@ class PendingPlan:
                 elems = run_elem[run_start[s] : run_start[s + 1]]
                 nxt = np.append(run_elem[run_start[s] + 1 : run_start[s + 1] + 1], n_flat)[: len(elems)]
                 runs = np.stack([src_flat[elems], dst_flat[elems], nxt - elems], axis=1).astype(np.int64)
-                count = (len(elems) * seg.entries) if not seg.head_sliced else seg.entries * n * seg.hs[0]
+                _, entries, head_slice = b.expansion[s]
+                count = len(elems) * entries if head_slice is None else entries * n * head_slice[0]
                 seg_descs = descs[desc_off[s] : desc_off[s] + count]
                 if seg.role == _KV:
                     kv = (src_list, dst_list, runs.reshape(-1, 3), seg_descs)
@@ -374,13 +263,13 @@ def plan(batch: Batch, stream: torch.cuda.Stream | None = None, block: int = 102
     if table is None:
         raise InputError(None, "the source side needs its token table (req_to_token)")
     device = _device_of(batch)
-    table = _as_device_tensor(table, device, "req_to_token")
+    table = as_device_tensor(table, device, "req_to_token")
     if table.dtype != torch.int32 or table.dim() != 2:
         raise InputError(None, f"req_to_token must be a 2-D int32 tensor, got {table.dtype} {tuple(table.shape)}")
     builder = _Builder(batch, tuple(table.shape))
     for i in range(len(batch.transfers)):
         builder.add_transfer(i)
-    maps = {c: _as_device_tensor(comp.slot_map, device, f"slot_map of component {comp.name}", torch.int64)
+    maps = {c: as_device_tensor(comp.slot_map, device, f"slot_map of component {comp.name}", torch.int64)
             for c, comp in enumerate(batch.src.state) if comp.slot_map is not None}
     slots = None
     if prepared:
@@ -399,7 +288,7 @@ def _prepared_layout(builder: _Builder, counts: np.ndarray, slots: list[dict]) -
     table = np.zeros((max(1, len(counts)), 4), dtype=np.int64)
     ids, size = [], 0
     for i, seg in enumerate(builder.segments):
-        info = builder.transfers[seg.transfer]
+        info = builder.transfers[seg.owner]
         if seg.role == _KV and not info.sent:
             continue  # a chunk that is not sent has no KV section
         entries, s_slots, d_slots = slots[info.dest][seg.role]
@@ -410,74 +299,42 @@ def _prepared_layout(builder: _Builder, counts: np.ndarray, slots: list[dict]) -
     offsets = np.append(table[ids_arr, 3], size) if ids else np.zeros(1, np.int64)
     return {"table": table, "ids": ids_arr, "size": size, "offsets": offsets,
             "role": np.array([builder.segments[i].role for i in ids], np.int64),
-            "transfer": np.array([builder.segments[i].transfer for i in ids], np.int64)}
+            "transfer": np.array([builder.segments[i].owner for i in ids], np.int64)}
 
 
 def _launch(builder: _Builder, table: torch.Tensor, maps: dict[int, torch.Tensor], device: torch.device, block: int,
             stream: torch.cuda.Stream | None, slots: list[dict] | None) -> PendingPlan:
     segs = builder.segments
     S = len(segs)
-    counts = np.array([s.n for s in segs], dtype=np.int64)
-    seg_off = np.cumsum(counts) - counts
-    n_flat = int(counts.sum())
-    pk = _Packer()
-    meta = np.zeros((max(S, 1), ki.NUM_FIELDS), dtype=np.int64)
-    for i, s in enumerate(segs):
-        meta[i] = (s.kind, s.row, s.a, s.step, s.step if s.kind in (ki.TOKEN_PAGES, ki.MAPPED_PAGES) else 1, s.ring,
-                   s.n, seg_off[i], s.lo, s.hi, maps[s.map_key].numel() if s.map_key is not None else 0)
-    spans = {"meta": pk.add(meta), "dst": pk.add(np.concatenate(builder.dst_lists) if S else np.zeros(0, np.int64))}
-    index_groups: dict[int | None, list[int]] = {}
-    for i, s in enumerate(segs):
-        index_groups.setdefault(s.map_key, []).append(i)
-    for key, ids in index_groups.items():
-        seg_ids = np.array(ids, dtype=np.int64)
-        ps, po = ki.programs_over(counts[seg_ids], block)
-        spans[("index", key)] = (pk.add(seg_ids[ps]), pk.add(po))
-    check_meta = np.zeros((max(S, 1), ks.NUM_FIELDS), dtype=np.int64)
-    check_groups: dict[int | None, list[int]] = {}
-    for i, s in enumerate(segs):
-        if s.check is not None:
-            check_meta[i] = s.check
-            check_groups.setdefault(s.map_key, []).append(i)
-    spans["check_meta"] = pk.add(check_meta)
-    for key, ids in check_groups.items():
-        seg_ids = np.array(ids, dtype=np.int64)
-        ps, po = ki.programs_over(check_meta[seg_ids, 2], block)
-        spans[("check", key)] = (pk.add(seg_ids[ps]), pk.add(po))
+    pk = Packer()
+    lists = ListJob(segs, maps, pk, block)
+    counts, seg_off, n_flat = lists.counts, lists.seg_off, lists.total
+    spans = {"dst": pk.add(np.concatenate(builder.dst_lists) if S else np.zeros(0, np.int64))}
     run_ps, run_po = ki.programs_over(counts, block)
     first_prog = np.searchsorted(run_ps, np.arange(S))
     spans["runs"] = (pk.add(run_ps), pk.add(run_po), pk.add(first_prog))
     spans["seg_off"], spans["seg_n"] = pk.add(seg_off), pk.add(counts)
     spans["entries"] = pk.add(np.concatenate(builder.entry_blocks) if builder.entry_blocks else np.zeros((0, 4), np.uint64))
-    direct_entries = np.array([0 if s.head_sliced else s.entries for s in segs], dtype=np.int64)
-    hs_count = np.array([s.entries * s.n * s.hs[0] if s.head_sliced else 0 for s in segs], dtype=np.int64)
-    spans["seg_entry_off"] = pk.add(np.array([s.entry_off for s in segs], dtype=np.int64))
-    spans["seg_entries"] = pk.add(np.array([s.entries for s in segs], dtype=np.int64))
+    entry_off = np.array([x[0] for x in builder.expansion], dtype=np.int64)
+    seg_entries = np.array([x[1] for x in builder.expansion], dtype=np.int64)
+    head_slices = np.array([x[2] or (0,) * kd.HS_FIELDS for x in builder.expansion], np.int64).reshape(-1, kd.HS_FIELDS)
+    sliced = head_slices[:, 0] > 0
+    direct_entries = np.where(sliced, 0, seg_entries)
+    hs_count = np.where(sliced, seg_entries * counts * head_slices[:, 0], 0)
+    spans["seg_entry_off"], spans["seg_entries"] = pk.add(entry_off), pk.add(seg_entries)
     spans["direct_entries"], spans["hs_count"] = pk.add(direct_entries), pk.add(hs_count)
-    spans["hs"] = pk.add(np.array([s.hs for s in segs], dtype=np.int64).reshape(-1, kd.HS_FIELDS))
-    hs_ids = np.array([i for i, s in enumerate(segs) if s.head_sliced], dtype=np.int64)
-    hps, hpo = ki.programs_over(counts[hs_ids] * np.array([segs[i].hs[0] for i in hs_ids], dtype=np.int64), block)
+    spans["hs"] = pk.add(head_slices)
+    hs_ids = np.flatnonzero(sliced).astype(np.int64)
+    hps, hpo = ki.programs_over(counts[hs_ids] * head_slices[hs_ids, 0], block)
     spans["hs_progs"] = (pk.add(hs_ids[hps] if len(hs_ids) else hps[:0]), pk.add(hpo))
     sections = None
     if slots is not None:
         sections = _prepared_layout(builder, counts, slots)
         pps, ppo = ki.programs_over(counts[sections["ids"]], block)
         spans["prep"] = (pk.add(sections["table"]), pk.add(sections["ids"][pps] if len(pps) else pps), pk.add(ppo))
-    staging, dev = pk.ship(device)
-
-    def view(span: tuple[int, int]) -> torch.Tensor:
-        return dev[span[0] : span[0] + span[1]]
-
-    src = torch.empty(max(1, n_flat), dtype=torch.int64, device=device)
-    errors = torch.full((max(S, 1) * 2,), ki.NO_ERROR, dtype=torch.int64, device=device)
-    invariant = torch.full((max(S, 1),), ki.NO_ERROR, dtype=torch.int64, device=device)
-    meta_d = view(spans["meta"])
-    for key in index_groups:
-        ps_span, po_span = spans[("index", key)]
-        ki.index_lists(meta_d, view(ps_span), view(po_span), table, maps.get(key), src, errors, block)
-    for key in check_groups:
-        ps_span, po_span = spans[("check", key)]
-        ks.check_slots(view(spans["check_meta"]), view(ps_span), view(po_span), table, maps.get(key), invariant, block)
+    staging = pk.ship(device)
+    view = pk.view
+    src, errors, invariant = lists.launch(table)
     dst = view(spans["dst"])
     seg_off_d, seg_n_d = view(spans["seg_off"]), view(spans["seg_n"])
     if S:
@@ -500,7 +357,7 @@ def _launch(builder: _Builder, table: torch.Tensor, maps: dict[int, torch.Tensor
     kd.direct_descriptors(run_elem, run_seg, seg_run_start, n_flat, src, dst, view(spans["seg_entry_off"]),
                           view(spans["direct_entries"]), seg_desc_off, entries, descs, n_flat, max_direct, 256)
     hs_ps, hs_po = spans["hs_progs"]
-    max_hs = int(max((segs[i].entries for i in hs_ids), default=0))
+    max_hs = int(seg_entries[hs_ids].max()) if len(hs_ids) else 0
     kd.head_sliced_descriptors(view(hs_ps), view(hs_po), seg_off_d, seg_n_d, view(spans["hs"]), src, dst,
                                view(spans["seg_entry_off"]), view(spans["seg_entries"]), seg_desc_off, entries, descs,
                                max_hs, block)
@@ -513,12 +370,12 @@ def _launch(builder: _Builder, table: torch.Tensor, maps: dict[int, torch.Tensor
         kp.prepared_indices(src, dst, seg_off_d, seg_n_d, view(ps_span), view(po_span), view(table_span),
                             prep_src, prep_dst, max_entries, block)
         for name, tensor in (("prep_src", prep_src), ("prep_dst", prep_dst)):
-            h = _host_empty(sections["size"], torch.int32, device)
+            h = host_empty(sections["size"], torch.int32, device)
             h.copy_(tensor[: sections["size"]], non_blocking=True)
             host[name] = h
     for name, tensor in (("errors", errors), ("invariant", invariant), ("src", src[:n_flat]),
                          ("seg_run_start", seg_run_start), ("seg_desc_off", seg_desc_off), ("total_descs", total_descs)):
-        h = _host_empty(tensor.numel(), torch.int64, device)
+        h = host_empty(tensor.numel(), torch.int64, device)
         h.copy_(tensor, non_blocking=True)
         host[name] = h
     event = None
@@ -526,4 +383,4 @@ def _launch(builder: _Builder, table: torch.Tensor, maps: dict[int, torch.Tensor
         event = torch.cuda.Event()
         event.record(stream)
     return PendingPlan(event, builder, host, {"descs": descs, "run_elem": run_elem},
-                       [staging, dev, src, errors, invariant], sections)
+                       [staging, pk.device_buffer, src, errors, invariant], sections)
