@@ -1,0 +1,89 @@
+"""The decode side's destination lists: GPU against the reference, wire round trip, pairing."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvplan.errors import AlignmentError, PlanError, UnmappedSlotError
+from kvplan.planner import gpu
+from kvplan.planner.destinations import PreallocatedRequest, decode_message, plan_destinations
+from kvplan.planner.model import Batch, SideMemory, StateComponent, Transfer
+from kvplan.planner.reference import destination_lists, plan_reference
+from tests.planner.test_gpu_planner import on_device
+from tests.planner.test_reference_properties import scenarios
+
+
+def side_on(side: SideMemory, device: torch.device) -> SideMemory:
+    state = tuple(StateComponent(c.kind, c.entries, c.window, c.page_size, c.ring_size,
+                                 None if c.slot_map is None else torch.as_tensor(c.slot_map).to(device), c.name)
+                  for c in side.state)
+    return SideMemory(side.kv, state, side.aux, torch.as_tensor(side.req_to_token).to(device))
+
+
+def requests_of(batch: Batch) -> list[PreallocatedRequest]:
+    last = {t.request: t for t in batch.transfers if t.last}
+    return [PreallocatedRequest(r, t.src_row, t.prompt_len, t.prefix_len, t.aux_dst) for r, t in last.items()]
+
+
+@settings(max_examples=40, deadline=None)
+@given(scenarios(), st.sampled_from([16, 1024]))
+def test_destination_lists_match_the_reference(device, case, block):
+    _, batch = case
+    dst = batch.dsts[0]
+    requests = requests_of(batch)
+    published = plan_destinations(side_on(dst, device), requests, block=block).result()
+    for r, p in zip(requests, published):
+        want = destination_lists(dst, r.row, r.prefix_len, r.prompt_len, r.request)
+        assert p.request == r.request
+        assert p.lists.pages.dtype == np.int64 and np.array_equal(p.lists.pages, want.pages)
+        assert len(p.lists.state) == len(want.state)
+        for got, exp in zip(p.lists.state, want.state):
+            assert np.array_equal(got, exp)
+        lists, aux = decode_message(p.message(), len(dst.state))   # wire round trip
+        assert aux == r.aux_index and np.array_equal(lists.pages, want.pages)
+        assert all(np.array_equal(x, y) for x, y in zip(lists.state, want.state))
+        expect = p.expectation()
+        assert expect.kv_pages == len(want.pages) and expect.aux == bool(dst.aux)
+        assert expect.components == tuple(c.name for c, ids in zip(dst.state, want.state) if len(ids))
+
+
+@settings(max_examples=15, deadline=None)
+@given(scenarios())
+def test_prefill_plan_pairs_with_published_lists(device, case):
+    """End to end: lists published by the decode side, through the wire, planned by the prefill side."""
+    _, batch = case
+    dst = batch.dsts[0]
+    published = {p.request: p for p in plan_destinations(side_on(dst, device), requests_of(batch)).result()}
+    transfers = []
+    for t in batch.transfers:
+        lists, aux = decode_message(published[t.request].message(), len(dst.state))
+        transfers.append(Transfer(t.request, t.src_row, t.start, t.fill_len, t.prompt_len, t.last, lists.pages,
+                                  t.prefix_len, t.aux_src, aux, lists.state, t.dest))
+    rebuilt = Batch(batch.src, batch.dsts, tuple(transfers), batch.policy, batch.validate)
+    expected = plan_reference(batch)
+    plan_reference(rebuilt).assert_equal(expected)
+    gpu.plan(on_device(rebuilt, device)).result().assert_equal(expected)
+
+
+def _swa_decode_side(device):
+    from tests.planner.test_reference_errors import _swa_sides
+
+    _, dst, _ = _swa_sides(map_dst=False)
+    return side_on(dst, device)
+
+
+def test_unmapped_window_slot_is_rejected(device):
+    with pytest.raises(UnmappedSlotError, match="'d1'"):
+        plan_destinations(_swa_decode_side(device), [PreallocatedRequest("d1", 2, 4)]).result()
+
+
+def test_unaligned_prefix_is_rejected(device):
+    from tests.planner.builders import mha_side, table_with
+
+    side = side_on(mha_side(0x1000, page_size=4, table=table_with({1: [3, 4]}, 4)), device)
+    with pytest.raises(AlignmentError, match="'d2'"):
+        plan_destinations(side, [PreallocatedRequest("d2", 1, 8, prefix_len=2)])
+    with pytest.raises(PlanError, match="'d3'"):
+        plan_destinations(side, [PreallocatedRequest("d3", 0, 8)])
