@@ -373,14 +373,18 @@ def _launch(builder: _Builder, table: torch.Tensor, maps: dict[int, torch.Tensor
             h = host_empty(sections["size"], torch.int32, device)
             h.copy_(tensor[: sections["size"]], non_blocking=True)
             host[name] = h
-    for name, tensor in (("errors", errors), ("invariant", invariant), ("src", src[:n_flat]),
-                         ("seg_run_start", seg_run_start), ("seg_desc_off", seg_desc_off), ("total_descs", total_descs)):
-        h = host_empty(tensor.numel(), torch.int64, device)
-        h.copy_(tensor, non_blocking=True)
-        host[name] = h
+    small = (("errors", errors), ("invariant", invariant), ("src", src[:n_flat]), ("seg_run_start", seg_run_start),
+             ("seg_desc_off", seg_desc_off), ("total_descs", total_descs))
+    packed = torch.cat([tensor for _, tensor in small])  # one device-to-host copy for all of them
+    landing = host_empty(packed.numel(), torch.int64, device)
+    landing.copy_(packed, non_blocking=True)
+    at = 0
+    for name, tensor in small:
+        host[name] = landing[at : at + tensor.numel()]
+        at += tensor.numel()
     event = None
     if stream is not None:
         event = torch.cuda.Event()
         event.record(stream)
     return PendingPlan(event, builder, host, {"descs": descs, "run_elem": run_elem},
-                       [staging, pk.device_buffer, src, errors, invariant], sections)
+                       [staging, pk.device_buffer, src, packed], sections)

@@ -33,6 +33,7 @@ Example::
 from __future__ import annotations
 
 import enum
+from functools import cached_property
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -145,7 +146,7 @@ class KVLayout:
     def num_layers(self) -> int:
         return len(self.entries) // (2 if self.attention is Attention.MHA else 1)
 
-    @property
+    @cached_property
     def num_pages(self) -> int:
         """Pool size in pages: the smallest entry bounds it."""
         return min((e.num_items for e in self.entries), default=0)
@@ -198,7 +199,7 @@ class StateComponent:
         if self.page_size is not None and self.page_size < 1:
             raise LayoutError(f"component {self.name}: page_size must be >= 1")
 
-    @property
+    @cached_property
     def num_items(self) -> int:
         return min((e.num_items for e in self.entries), default=0)
 

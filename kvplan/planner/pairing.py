@@ -98,8 +98,28 @@ def _require_equal_items(what: str, src: tuple[Entry, ...], dst: tuple[Entry, ..
             raise LayoutError(f"{what} entry {i}: item lengths differ (source {s.item_len}, destination {d.item_len})")
 
 
+_PAIRINGS: dict[tuple[int, int], tuple[SideMemory, SideMemory, SidePairing]] = {}
+_PAIRINGS_KEPT = 64
+
+
 def pair_sides(src: SideMemory, dst: SideMemory) -> SidePairing:
-    """Pair a source side with a destination side, or raise :class:`LayoutError`."""
+    """Pair a source side with a destination side, or raise :class:`LayoutError`.
+
+    Sides are immutable, so the pairing of the same two side objects is computed once (a small
+    cache keyed by identity, holding the sides so that their ids stay theirs).
+    """
+    key = (id(src), id(dst))
+    hit = _PAIRINGS.get(key)
+    if hit is not None and hit[0] is src and hit[1] is dst:
+        return hit[2]
+    pairing = _pair_sides(src, dst)
+    if len(_PAIRINGS) >= _PAIRINGS_KEPT:
+        _PAIRINGS.pop(next(iter(_PAIRINGS)))
+    _PAIRINGS[key] = (src, dst, pairing)
+    return pairing
+
+
+def _pair_sides(src: SideMemory, dst: SideMemory) -> SidePairing:
     sk, dk = src.kv, dst.kv
     if sk.page_size != dk.page_size:
         raise LayoutError(f"page sizes differ: source {sk.page_size}, destination {dk.page_size}")
