@@ -61,7 +61,7 @@ def sglang_style_messages(side: SideMemory, requests: list[PreallocatedRequest])
 
 
 def kvplan_messages(side: SideMemory, requests: list[PreallocatedRequest]) -> list[bytes]:
-    return [p.message() for p in plan_destinations(side, requests).result()]
+    return plan_destinations(side, requests).messages()
 
 
 def main() -> None:

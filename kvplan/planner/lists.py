@@ -147,6 +147,8 @@ class ListJob:
                 check_meta[i] = s.check
                 check_groups.setdefault(s.map_key, []).append(i)
         self.meta_span, self.check_span = packer.add(meta), packer.add(check_meta)
+        # the error words start as NO_ERROR and travel with the same copy (no fill kernels)
+        self.errors_span = packer.add(np.full(max(S, 1) * 3, ki.NO_ERROR, dtype=np.int64))
         self.index_progs = {k: self._programs(ids, self.counts) for k, ids in index_groups.items()}
         self.check_progs = {k: self._programs(ids, check_meta[:, 2]) for k, ids in check_groups.items()}
 
@@ -159,8 +161,8 @@ class ListJob:
         """``(ids, errors [S, 2], invariant [S])`` on the device; call after :meth:`Packer.ship`."""
         device, view, S = table.device, self.packer.view, max(len(self.segments), 1)
         ids = torch.empty(max(1, self.total), dtype=torch.int64, device=device)
-        errors = torch.full((S * 2,), ki.NO_ERROR, dtype=torch.int64, device=device)
-        invariant = torch.full((S,), ki.NO_ERROR, dtype=torch.int64, device=device)
+        words = view(self.errors_span)
+        errors, invariant = words[: S * 2], words[S * 2 :]
         for key, (ps, po) in self.index_progs.items():
             ki.index_lists(view(self.meta_span), view(ps), view(po), table, self.maps.get(key), ids, errors, self.block)
         for key, (ps, po) in self.check_progs.items():

@@ -33,7 +33,9 @@ def test_destination_lists_match_the_reference(device, case, block):
     _, batch = case
     dst = batch.dsts[0]
     requests = requests_of(batch)
-    published = plan_destinations(side_on(dst, device), requests, block=block).result()
+    pending = plan_destinations(side_on(dst, device), requests, block=block)
+    published = pending.result()
+    assert pending.messages() == [p.message() for p in published]
     for r, p in zip(requests, published):
         want = destination_lists(dst, r.row, r.prefix_len, r.prompt_len, r.request)
         assert p.request == r.request
