@@ -197,3 +197,30 @@ def build_batch(
             transfers.append(t)
             start = max(start, (min(fill, length) // ps) * ps) if not last else start
     return Batch(src=src, dsts=(dst,), transfers=tuple(transfers), policy=policy)
+
+
+def materialize(side: SideMemory, device: "torch.device | str" = "cpu", seed: int | None = None
+                ) -> tuple[SideMemory, list["torch.Tensor"]]:
+    """The same side backed by real memory: one uint8 tensor per entry (random bytes from ``seed``,
+    zeros when ``seed`` is None). Returns the side with real base pointers and the tensors (keep them
+    alive as long as the addresses are used)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    tensors: list[torch.Tensor] = []
+
+    def real(entries: tuple[Entry, ...]) -> tuple[Entry, ...]:
+        out = []
+        for e in entries:
+            size = e.item_len * e.num_items
+            if gen is None:
+                t = torch.zeros(size, dtype=torch.uint8, device=device)
+            else:
+                t = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen).to(device)
+            tensors.append(t)
+            out.append(Entry(t.data_ptr(), e.item_len, e.num_items))
+        return tuple(out)
+
+    kv = replace(side.kv, entries=real(side.kv.entries))
+    state = tuple(replace(c, entries=real(c.entries)) for c in side.state)
+    return SideMemory(kv, state, real(side.aux), side.req_to_token), tensors

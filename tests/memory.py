@@ -21,6 +21,21 @@ class AddressSpace:
             self.arrays.append(data)
 
     @classmethod
+    def of_tensors(cls, tensors, zero: bool = False) -> "AddressSpace":
+        """Host copies (or zeros) of real tensors, addressed by the tensors' own pointers."""
+        space = cls([])
+        order = sorted(range(len(tensors)), key=lambda i: tensors[i].data_ptr())
+        space.bases = np.array([tensors[i].data_ptr() for i in order], dtype=np.uint64)
+        space.arrays = [np.zeros(tensors[i].numel(), np.uint8) if zero else tensors[i].cpu().numpy().copy()
+                        for i in order]
+        return space
+
+    def matches(self, tensors) -> bool:
+        """Whether every tensor holds exactly this space's bytes at its address."""
+        by_base = dict(zip(self.bases.tolist(), self.arrays))
+        return all(np.array_equal(by_base[t.data_ptr()], t.cpu().numpy()) for t in tensors)
+
+    @classmethod
     def of_side(cls, side: SideMemory, rng: np.random.Generator | None = None) -> "AddressSpace":
         entries = list(side.kv.entries) + [e for c in side.state for e in c.entries] + list(side.aux)
         return cls(entries, rng)

@@ -186,6 +186,14 @@ class PendingPlan:
             offsets[i] = desc_off[firsts[i]] if firsts[i] is not None else offsets[i + 1]
         return host.numpy().view(np.uint64).reshape(-1, 3), offsets
 
+    def device_descriptors(self) -> torch.Tensor:
+        """All descriptors as an int64 ``[n, 3]`` tensor on the planning device, for in-process
+        execution (:mod:`kvplan.transport.local`); waits for the event and raises device errors first."""
+        if self.event is not None:
+            self.event.synchronize()
+        self._raise_device_errors()
+        return self._device["descs"][: int(self._host["total_descs"].numpy()[0])]
+
     def prepared_indices(self) -> PreparedIndices:
         """The int32 index arrays for NIXL prepared lists (needs ``plan(..., prepared=True)``)."""
         if self._sections is None:

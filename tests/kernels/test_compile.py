@@ -12,9 +12,9 @@ pytestmark = pytest.mark.compile_check
 
 
 def _specs():
-    from kvplan.kernels import descriptors, index_lists, prepared, runs, slot_check
+    from kvplan.kernels import copy, descriptors, index_lists, prepared, runs, slot_check
 
-    for module in (index_lists, slot_check, runs, descriptors, prepared):
+    for module in (index_lists, slot_check, runs, descriptors, prepared, copy):
         for kernel, signature, constexprs in module.COMPILE_SPECS:
             yield pytest.param(kernel, signature, constexprs,
                                id=f"{module.__name__.rsplit('.', 1)[-1]}.{kernel.fn.__name__}-{constexprs}")
