@@ -60,6 +60,7 @@ def pages_segment(owner: int, row: int, a: int, end: int, page_size: int, num_pa
 def component_segment(owner: int, c: int, comp: StateComponent, side_page_size: int, row: int, seq: int,
                       validate: bool) -> Segment:
     """Component ``c``'s list for ``row`` over ``seq`` tokens (planning.md §6)."""
+    comp.require_map()
     if comp.kind is StateKind.MAMBA:
         return Segment(owner, c, ki.ROW_MAP, row, 0, 1, 1, 0, comp.num_items, map_key=c, what=comp.name)
     if comp.kind is StateKind.SWA_RING:

@@ -173,7 +173,8 @@ class StateComponent:
         page_size: page size of the component's pool (SWA, DSA); ``None`` = the side's page size.
         ring_size: ring rows per request ``R`` (SWA_RING).
         slot_map: SWA: ``full_to_swa`` (int64, full slot -> SWA slot, 0 = none);
-            MAMBA: row -> Mamba slot. A host array or a tensor on the planning device.
+            MAMBA: row -> Mamba slot. A host array or a tensor on the planning device; needed on
+            the side whose lists are computed, not in a description of the peer.
         name: an id for messages and for completion tracking (defaults to the kind).
     """
 
@@ -194,14 +195,21 @@ class StateComponent:
             raise LayoutError(f"component {self.name}: a window >= 1 is required")
         if self.kind is StateKind.SWA_RING and self.ring_size < 1:
             raise LayoutError(f"component {self.name}: ring_size >= 1 is required")
-        if self.kind in (StateKind.SWA, StateKind.MAMBA) and self.slot_map is None:
-            raise LayoutError(f"component {self.name}: a slot_map is required for {self.kind.value}")
         if self.page_size is not None and self.page_size < 1:
             raise LayoutError(f"component {self.name}: page_size must be >= 1")
 
     @cached_property
     def num_items(self) -> int:
         return min((e.num_items for e in self.entries), default=0)
+
+    def require_map(self) -> None:
+        """Raise unless the component has the slot map its lists are computed through.
+
+        A peer's components are described without maps (they are only needed by the side that
+        computes its own lists), so the check happens where lists are computed.
+        """
+        if self.kind in (StateKind.SWA, StateKind.MAMBA) and self.slot_map is None:
+            raise LayoutError(f"component {self.name}: a slot_map is required to compute {self.kind.value} lists")
 
     def pages_of(self, side_page_size: int) -> int:
         return self.page_size or side_page_size

@@ -15,7 +15,9 @@ import numpy as np
 from .model import StateKind
 from .pairing import Mode
 
-__all__ = ["ComponentPlan", "Plan", "TransferPlan", "empty_descs", "empty_runs"]
+__all__ = ["ComponentPlan", "Plan", "Section", "TransferPlan", "empty_descs", "empty_runs"]
+
+KV_ROLE, AUX_ROLE = -1, -2
 
 
 def empty_descs() -> np.ndarray:
@@ -76,6 +78,23 @@ class TransferPlan:
 
 
 @dataclass(frozen=True)
+class Section:
+    """A contiguous range of a plan's descriptors that the receiver tracks as one unit.
+
+    ``role`` is -1 (KV), -2 (aux) or a component index; ``count`` is the number of destination
+    pages for KV and 1 otherwise; ``lo``/``hi`` index :meth:`Plan.descriptors`.
+    """
+
+    transfer: int
+    request: object
+    role: int
+    name: str
+    lo: int
+    hi: int
+    count: int
+
+
+@dataclass(frozen=True)
 class Plan:
     """A batch's plan: one :class:`TransferPlan` per transfer, in batch order."""
 
@@ -93,6 +112,19 @@ class Plan:
         if not self.transfers:
             return empty_descs(), offsets
         return np.concatenate([t.descs for t in self.transfers]), offsets
+
+    def sections(self) -> list[Section]:
+        """What the receiver counts: every KV chunk with pages, each non-empty component, each aux row."""
+        out, at = [], 0
+        for i, t in enumerate(self.transfers):
+            pieces = [(KV_ROLE, "kv", t.kv_descs, len(t.dst_pages))]
+            pieces += [(c, comp.name, comp.descs, 1 if len(comp.dst_list) else 0) for c, comp in enumerate(t.state)]
+            pieces.append((AUX_ROLE, "aux", t.aux_descs, 1))
+            for role, name, descs, count in pieces:
+                if len(descs) and count:
+                    out.append(Section(i, t.request, role, name, at, at + len(descs), count))
+                at += len(descs)
+        return out
 
     def assert_equal(self, other: "Plan") -> None:
         """Raise ``AssertionError`` naming the first field where two plans differ."""

@@ -189,6 +189,7 @@ def state_list(
     """A component's index list for row ``row`` over ``seq`` tokens (planning.md §6), validated."""
     table = host(side.req_to_token)
     kind = comp.kind
+    comp.require_map()
     if kind is StateKind.MAMBA:
         slot_map = host(comp.slot_map)
         if not 0 <= row < slot_map.shape[0]:

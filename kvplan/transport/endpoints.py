@@ -1,0 +1,264 @@
+"""The two ends of a prefill-to-decode hand-off: registration, destination lists, bytes, completion.
+
+The decode side (:class:`DecodeEndpoint`) registers its pools with the engine and publishes its
+layout, then, per request, its destination lists (SGLang's wire format); it tracks completion
+from the engine's notifications and the control channel. The prefill side (:class:`PrefillEndpoint`)
+pairs the published layout with its own, plans each batch with kvplan and moves it through the
+engine, directly (one engine write per section, with a notification) or staged (gathered into a
+registered staging buffer, one engine write per transfer, scattered by the receiver).
+
+A dead peer, an engine error or a deadline marks the affected requests failed on both sides with
+the reason; no section of a failed write is reported as delivered.
+
+Example (decode process)::
+
+    decode = DecodeEndpoint(side, make_engine("nixl", "decode"), ControlChannel())
+    decode.register()
+    decode.publish([PreallocatedRequest("r1", row=1, prompt_len=4096)], timeout=30)
+    states = decode.wait()                          # {"r1": "complete"} or "failed"
+
+Example (prefill process)::
+
+    prefill = PrefillEndpoint(side, make_engine("nixl", "prefill"), ControlChannel(port))
+    prefill.accept(timeout=30)
+    lists = prefill.receive_requests(1, timeout=30)
+    result = prefill.send([prefill.transfer(Chunk("r1", src_row=4, start=0, fill_len=4097, prompt_len=4096,
+                                                     last=True, aux_src=4))])
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ..errors import LayoutError, PlanError
+from ..planner import gpu
+from ..planner.destinations import PreallocatedRequest, decode_message, plan_destinations
+from ..planner.model import Batch, Policy, SideMemory, Transfer
+from ..planner.pairing import pair_sides
+from ..planner.plan import Plan
+from ..planner.reference import DestinationLists
+from .completion import CompletionTracker, SectionNote, decode_notification, encode_notification
+from .control import ControlChannel, ControlTimeout
+from .engines import Engine, TransferError
+from .local import as_device_descriptors, gather, plan_alignment, scatter, staging_offsets
+from .registration import describe_side, side_from_description
+
+__all__ = ["Chunk", "DecodeEndpoint", "PrefillEndpoint"]
+
+log = logging.getLogger("kvplan")
+
+_STAGED_NOTE = b"null"  # engine notification of a staged region: the control message carries the sections
+
+
+def _regions(side: SideMemory) -> list[tuple[int, int]]:
+    entries = list(side.kv.entries) + [e for c in side.state for e in c.entries] + list(side.aux)
+    return [(e.base_ptr, e.item_len * e.num_items) for e in entries]
+
+
+def _device_of(side: SideMemory) -> torch.device:
+    table = side.req_to_token
+    return table.device if isinstance(table, torch.Tensor) else torch.device("cpu")
+
+
+class DecodeEndpoint:
+    """The receiving side: registers, publishes destination lists, scatters staged regions, tracks completion."""
+
+    def __init__(self, side: SideMemory, engine: Engine, channel: ControlChannel, staging: torch.Tensor | None = None):
+        self.side, self.engine, self.channel, self.staging = side, engine, channel, staging
+        self.tracker = CompletionTracker()
+        self.engine.register(_regions(side) + ([(staging.data_ptr(), staging.numel())] if staging is not None else []))
+
+    def register(self) -> None:
+        """Publish this side's layout, engine metadata and staging buffer to the prefill side."""
+        header = {"side": describe_side(self.side),
+                  "staging": [self.staging.data_ptr(), self.staging.numel()] if self.staging is not None else None}
+        self.channel.send("register", header, self.engine.metadata())
+
+    def publish(self, requests: Sequence[PreallocatedRequest], timeout: float) -> None:
+        """Compute, validate and send every request's destination lists; start tracking them."""
+        pending = plan_destinations(self.side, requests)
+        published = pending.result()
+        deadline = time.monotonic() + timeout
+        for p in published:
+            self.tracker.expect(p.expectation(), deadline)
+        for r, message in zip(requests, pending.messages()):
+            try:
+                self.channel.send("request", {"request": r.request, "prompt_len": r.prompt_len,
+                                              "prefix_len": r.prefix_len}, message,
+                                  timeout=max(0.0, deadline - time.monotonic()))
+            except ControlTimeout as err:
+                self.tracker.fail(r.request, f"its destination lists could not be published: {err}")
+
+    def poll(self) -> None:
+        """Take in what has arrived: engine notifications, staged regions, failures; apply deadlines."""
+        for raw in self.engine.notifications():
+            if raw != _STAGED_NOTE:
+                self.tracker.on_section(decode_notification(raw))
+        while (msg := self.channel.try_recv()) is not None:
+            kind, header, frames = msg
+            if kind == "staged":
+                self._scatter(header, frames[0])
+            elif kind == "failed":
+                self.tracker.fail(header["request"], f"the prefill side reports: {header['reason']}")
+            elif kind == "refused":
+                self.tracker.fail_pending(f"the prefill side refused the pairing: {header['reason']}")
+        self.tracker.check_deadlines(time.monotonic())
+
+    def wait(self, poll_interval: float = 0.001) -> dict[Any, str]:
+        """Poll until every request is complete or failed (each has its deadline); return the states."""
+        while True:
+            self.poll()
+            if self.tracker.settled():
+                return self.tracker.states()
+            time.sleep(poll_interval)
+
+    def _scatter(self, header: dict[str, Any], table: bytes) -> None:
+        dst_and_size = np.frombuffer(table, dtype=np.uint64).reshape(-1, 2)
+        descs = np.zeros((len(dst_and_size), 3), dtype=np.uint64)
+        descs[:, 1:] = dst_and_size
+        device = self.staging.device
+        device_descs = as_device_descriptors(descs, device)
+        offsets, _ = staging_offsets(device_descs)
+        scatter(device_descs, offsets + int(header["staging_lo"]), self.staging, int(header["alignment"]))
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+        for request, role, name, count in header["sections"]:
+            self.tracker.on_section(SectionNote(request, role, name, count))
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """What the prefill scheduler knows about one chunk of a request it is about to send."""
+
+    request: Any
+    src_row: int
+    start: int
+    fill_len: int
+    prompt_len: int
+    last: bool
+    aux_src: int = 0
+
+
+class PrefillEndpoint:
+    """The sending side: pairs with the published layout, plans batches, moves them, reports failures."""
+
+    def __init__(self, side: SideMemory, engine: Engine, channel: ControlChannel, staging: torch.Tensor | None = None,
+                 policy: Policy = Policy.STRICT):
+        self.side, self.engine, self.channel, self.staging, self.policy = side, engine, channel, staging, policy
+        self.engine.register(_regions(side) + ([(staging.data_ptr(), staging.numel())] if staging is not None else []))
+        self.peer: str | None = None
+        self.peer_side: SideMemory | None = None
+        self.peer_staging: tuple[int, int] | None = None
+        self.lists: dict[Any, tuple[DestinationLists, int, int]] = {}
+
+    def accept(self, timeout: float) -> None:
+        """Receive the decode side's registration and pair with it (refusing it with a reason if it cannot)."""
+        kind, header, frames = self.channel.recv(time.monotonic() + timeout)
+        if kind != "register":
+            raise LayoutError(f"expected a registration, got {kind!r}")
+        peer_side = side_from_description(header["side"])
+        try:
+            pair_sides(self.side, peer_side)
+        except LayoutError as err:
+            self.channel.send("refused", {"reason": str(err)})
+            raise
+        self.peer_side = peer_side
+        self.peer_staging = tuple(header["staging"]) if header["staging"] else None
+        self.peer = self.engine.connect(frames[0])
+
+    def receive_requests(self, count: int, timeout: float) -> None:
+        """Receive ``count`` requests' destination lists (wire messages) from the decode side."""
+        deadline = time.monotonic() + timeout
+        for _ in range(count):
+            kind, header, frames = self.channel.recv(deadline)
+            if kind != "request":
+                raise LayoutError(f"expected destination lists, got {kind!r}")
+            lists, aux = decode_message(frames[0], len(self.peer_side.state))
+            self.lists[header["request"]] = (lists, aux, header["prefix_len"])
+
+    def transfer(self, chunk: Chunk) -> Transfer:
+        """The :class:`Transfer` of a chunk, with the destination lists its request published."""
+        lists, aux_dst, prefix_len = self.lists[chunk.request]
+        return Transfer(chunk.request, chunk.src_row, chunk.start, chunk.fill_len, chunk.prompt_len, chunk.last,
+                        lists.pages, prefix_len, chunk.aux_src, aux_dst, lists.state)
+
+    def send(self, transfers: Sequence[Transfer], mode: str = "direct", timeout: float = 30.0) -> dict[Any, str | None]:
+        """Plan and move a batch; returns, per request, ``None`` when sent or the failure reason.
+
+        A batch that does not plan (bad input) is refused whole: nothing is sent, every request of
+        it is reported failed to the decode side, and the :class:`~kvplan.errors.PlanError` is raised.
+        """
+        if mode not in ("direct", "staged"):
+            raise ValueError(f"mode must be 'direct' or 'staged', got {mode!r}")
+        batch = Batch(self.side, (self.peer_side,), tuple(transfers), self.policy)
+        try:
+            pending = gpu.plan(batch)
+            plan = pending.result()
+        except PlanError as err:
+            for request in {t.request for t in transfers}:
+                self._report(request, f"batch refused: {err}")
+            raise
+        deadline = time.monotonic() + timeout
+        if mode == "direct":
+            return self._send_direct(plan, deadline)
+        return self._send_staged(plan, pending.device_descriptors(), plan_alignment(batch), deadline)
+
+    def _report(self, request: Any, reason: str) -> None:
+        log.warning("request %r failed: %s", request, reason)
+        try:
+            self.channel.send("failed", {"request": request, "reason": reason}, timeout=0.5)
+        except Exception as err:  # noqa: BLE001 - the peer may be gone; the failure is still ours to report
+            log.warning("could not tell the decode side that %r failed: %s", request, err)
+
+    def _send_direct(self, plan: Plan, deadline: float) -> dict[Any, str | None]:
+        descs, _ = plan.descriptors()
+        result: dict[Any, str | None] = {t.request: None for t in plan.transfers}
+        for section in plan.sections():
+            if result[section.request] is not None:
+                continue
+            try:
+                self.engine.write(self.peer, descs[section.lo : section.hi], encode_notification(section), deadline)
+            except TransferError as err:
+                result[section.request] = str(err)
+                self._report(section.request, str(err))
+        return result
+
+    def _send_staged(self, plan: Plan, device_descs: torch.Tensor, alignment: int, deadline: float) -> dict[Any, str | None]:
+        if self.staging is None or self.peer_staging is None:
+            raise LayoutError("staged mode needs a registered staging buffer on both sides")
+        descs, offsets = plan.descriptors()
+        byte_offsets, _ = staging_offsets(device_descs)
+        gather(device_descs, byte_offsets, self.staging, alignment)
+        if self.staging.is_cuda:
+            torch.cuda.current_stream(self.staging.device).synchronize()
+        byte_starts = np.concatenate([[0], np.cumsum(descs[:, 2], dtype=np.uint64)]).astype(np.int64)
+        sections = plan.sections()
+        result: dict[Any, str | None] = {t.request: None for t in plan.transfers}
+        for i, t in enumerate(plan.transfers):
+            lo, hi = int(offsets[i]), int(offsets[i + 1])
+            if lo == hi or result[t.request] is not None:
+                continue
+            b_lo, b_hi = int(byte_starts[lo]), int(byte_starts[hi])
+            if b_hi > self.peer_staging[1]:
+                reason = f"the decode staging buffer holds {self.peer_staging[1]} bytes; this transfer needs {b_hi}"
+                result[t.request] = reason
+                self._report(t.request, reason)
+                continue
+            region = np.array([[self.staging.data_ptr() + b_lo, self.peer_staging[0] + b_lo, b_hi - b_lo]],
+                              dtype=np.uint64)
+            try:
+                self.engine.write(self.peer, region, _STAGED_NOTE, deadline)
+            except TransferError as err:
+                result[t.request] = str(err)
+                self._report(t.request, str(err))
+                continue
+            notes = [[s.request, s.role, s.name, s.count] for s in sections if s.transfer == i]
+            self.channel.send("staged", {"sections": notes, "staging_lo": b_lo, "alignment": alignment},
+                              np.ascontiguousarray(descs[lo:hi, 1:]).tobytes())
+        return result
