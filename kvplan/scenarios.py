@@ -13,6 +13,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -29,7 +30,10 @@ from .planner.model import (
 )
 from .planner.reference import cdiv, destination_lists
 
-__all__ = ["ComponentShape", "ModelShape", "PRESETS", "build_batch", "fragmented_free_list"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["ComponentShape", "ModelShape", "PRESETS", "build_batch", "fragmented_free_list", "materialize"]
 
 
 @dataclass(frozen=True)
@@ -199,8 +203,8 @@ def build_batch(
     return Batch(src=src, dsts=(dst,), transfers=tuple(transfers), policy=policy)
 
 
-def materialize(side: SideMemory, device: "torch.device | str" = "cpu", seed: int | None = None
-                ) -> tuple[SideMemory, list["torch.Tensor"]]:
+def materialize(side: SideMemory, device: torch.device | str = "cpu", seed: int | None = None
+                ) -> tuple[SideMemory, list[torch.Tensor]]:
     """The same side backed by real memory: one uint8 tensor per entry (random bytes from ``seed``,
     zeros when ``seed`` is None). Returns the side with real base pointers and the tensors (keep them
     alive as long as the addresses are used)."""
