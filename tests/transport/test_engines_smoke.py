@@ -44,9 +44,9 @@ def _expected() -> np.ndarray:
 
 
 def _nixl():
-    from nixl_cu12._api import nixl_agent, nixl_agent_config
+    from kvplan.transport.engines import _nixl_api
 
-    return nixl_agent, nixl_agent_config
+    return _nixl_api()
 
 
 def _nixl_target(conn) -> None:
