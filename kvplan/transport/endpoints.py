@@ -4,7 +4,8 @@ The decode side (:class:`DecodeEndpoint`) registers its pools with the engine an
 layout, then, per request, its destination lists (SGLang's wire format); it tracks completion
 from the engine's notifications and the control channel. The prefill side (:class:`PrefillEndpoint`)
 pairs the published layout with its own, plans each batch with kvplan and moves it through the
-engine, directly (one engine write per section, with a notification) or staged (gathered into a
+engine, directly (one engine write per section, with a notification), through NIXL prepared
+descriptor lists (int32 indices per section, lists made once per peer) or staged (gathered into a
 registered staging buffer, one engine write per transfer, scattered by the receiver).
 
 A dead peer, an engine error or a deadline marks the affected requests failed on both sides with
@@ -41,7 +42,8 @@ from ..planner import gpu
 from ..planner.destinations import PreallocatedRequest, decode_message, plan_destinations
 from ..planner.model import Batch, Policy, SideMemory, Transfer
 from ..planner.pairing import pair_sides
-from ..planner.plan import Plan
+from ..planner.plan import AUX_ROLE, KV_ROLE, Plan, Section
+from ..planner.prepared import PreparedIndices, prepared_slots
 from ..planner.reference import DestinationLists
 from .completion import CompletionTracker, SectionNote, decode_notification, encode_notification
 from .control import ControlChannel, ControlTimeout
@@ -156,6 +158,7 @@ class PrefillEndpoint:
         self.peer_side: SideMemory | None = None
         self.peer_staging: tuple[int, int] | None = None
         self.lists: dict[Any, tuple[DestinationLists, int, int]] = {}
+        self._prepared = False
 
     def accept(self, timeout: float) -> None:
         """Receive the decode side's registration and pair with it (refusing it with a reason if it cannot)."""
@@ -194,11 +197,11 @@ class PrefillEndpoint:
         A batch that does not plan (bad input) is refused whole: nothing is sent, every request of
         it is reported failed to the decode side, and the :class:`~kvplan.errors.PlanError` is raised.
         """
-        if mode not in ("direct", "staged"):
-            raise ValueError(f"mode must be 'direct' or 'staged', got {mode!r}")
+        if mode not in ("direct", "staged", "prepared"):
+            raise ValueError(f"mode must be 'direct', 'staged' or 'prepared', got {mode!r}")
         batch = Batch(self.side, (self.peer_side,), tuple(transfers), self.policy)
         try:
-            pending = gpu.plan(batch)
+            pending = gpu.plan(batch, prepared=mode == "prepared")
             plan = pending.result()
         except PlanError as err:
             for request in {t.request for t in transfers}:
@@ -207,6 +210,8 @@ class PrefillEndpoint:
         deadline = time.monotonic() + timeout
         if mode == "direct":
             return self._send_direct(plan, deadline)
+        if mode == "prepared":
+            return self._send_prepared(plan, pending.prepared_indices(), deadline)
         return self._send_staged(plan, pending.device_descriptors(), plan_alignment(batch), deadline)
 
     def _report(self, request: Any, reason: str) -> None:
@@ -227,6 +232,38 @@ class PrefillEndpoint:
             except TransferError as err:
                 result[section.request] = str(err)
                 self._report(section.request, str(err))
+        return result
+
+    def _prepare(self) -> None:
+        """NIXL prepared lists for every role, made once per peer (entry x slot descriptors)."""
+        if not hasattr(self.engine, "prepare"):
+            raise LayoutError(f"the {type(self.engine).__name__} has no prepared descriptor lists; use direct mode")
+        pairing = pair_sides(self.side, self.peer_side)
+        tables = {KV_ROLE: (pairing.kv_src, pairing.kv_dst), AUX_ROLE: (pairing.aux_src, pairing.aux_dst)}
+        tables.update({c: t for c, t in enumerate(zip(pairing.state_src, pairing.state_dst))})
+        for role, (entries, src_slots, dst_slots) in prepared_slots(self.side, self.peer_side).items():
+            src_t, dst_t = tables[role]
+            items = lambda t, slots: np.concatenate([t, np.full((len(t), 1), slots, np.uint64)], axis=1)  # noqa: E731
+            self.engine.prepare(self.peer, role, items(src_t, src_slots), items(dst_t, dst_slots))
+        self._prepared = True
+
+    def _send_prepared(self, plan: Plan, indices: PreparedIndices, deadline: float) -> dict[Any, str | None]:
+        if not self._prepared:
+            self._prepare()
+        result: dict[Any, str | None] = {t.request: None for t in plan.transfers}
+        names = {KV_ROLE: "kv", AUX_ROLE: "aux", **{c: comp.name for c, comp in enumerate(self.side.state)}}
+        for s, (role, owner) in enumerate(zip(indices.section_role.tolist(), indices.section_transfer.tolist())):
+            lo, hi = int(indices.section_offsets[s]), int(indices.section_offsets[s + 1])
+            request = plan.transfers[owner].request
+            if lo == hi or result[request] is not None:
+                continue
+            count = len(plan.transfers[owner].dst_pages) if role == KV_ROLE else 1
+            note = encode_notification(Section(owner, request, role, names[role], lo, hi, count))
+            try:
+                self.engine.write_prepared(self.peer, role, indices.src[lo:hi], indices.dst[lo:hi], note, deadline)
+            except TransferError as err:
+                result[request] = str(err)
+                self._report(request, str(err))
         return result
 
     def _send_staged(self, plan: Plan, device_descs: torch.Tensor, alignment: int, deadline: float) -> dict[Any, str | None]:

@@ -70,6 +70,7 @@ class NixlEngine:
         self.name, self.memory, self.device_id = name, memory, device_id
         self.agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
         self._registrations = []
+        self._prepared: dict[tuple[str, object], tuple[object, object]] = {}
 
     def register(self, regions: list[tuple[int, int]]) -> None:
         table = np.array([(addr, size, self.device_id) for addr, size in regions], dtype=np.uint64).reshape(-1, 3)
@@ -91,10 +92,17 @@ class NixlEngine:
         try:
             handle = self.agent.initialize_xfer("WRITE", self._dlist(descs[:, 0], descs[:, 2]),
                                                 self._dlist(descs[:, 1], descs[:, 2]), peer, notification)
+        except Exception as err:  # nixl raises its own exception types (dead peer, unregistered memory)
+            raise TransferError(f"NIXL write to {peer} failed: {type(err).__name__}: {err}") from err
+        self._finish(peer, handle, deadline)
+
+    def _finish(self, peer: str, handle, deadline: float) -> None:
+        """Post ``handle`` and poll it until done, an error or the deadline; release it."""
+        try:
             state = self.agent.transfer(handle)
             while state == "PROC" and time.monotonic() < deadline:
                 state = self.agent.check_xfer_state(handle)
-        except Exception as err:  # nixl raises its own exception types (dead peer, unregistered memory)
+        except Exception as err:  # noqa: BLE001 - nixl's own exception types
             raise TransferError(f"NIXL write to {peer} failed: {type(err).__name__}: {err}") from err
         if state != "DONE":
             try:
@@ -105,10 +113,44 @@ class NixlEngine:
                                 + (" (deadline passed)" if state == "PROC" else ""))
         handle.release()
 
+    def prepare(self, peer: str, key: object, local_items: np.ndarray, remote_items: np.ndarray) -> None:
+        """Prepare, once per peer, a descriptor list per side: one descriptor per entry x slot.
+
+        ``local_items``/``remote_items`` are ``[entries, 3]`` uint64 ``(base, item_len, slots)``;
+        descriptor ``e * slots + s`` is ``(base_e + s * item_len_e, item_len_e)``, matching the
+        index arrays of :mod:`kvplan.planner.prepared`.
+        """
+        def rows(items: np.ndarray) -> np.ndarray:
+            base, item, slots = (items[:, i].astype(np.uint64) for i in range(3))
+            counts = slots.astype(np.int64)
+            slot = np.concatenate([np.arange(n, dtype=np.uint64) for n in counts]) if len(counts) else base
+            addr = np.repeat(base, counts) + slot * np.repeat(item, counts)
+            size = np.repeat(item, counts)
+            return np.stack([addr, size, np.full(len(addr), self.device_id, dtype=np.uint64)], axis=1)
+
+        local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows(local_items), self.memory)
+        remote = self.agent.prep_xfer_dlist(peer, rows(remote_items), self.memory)
+        self._prepared[(peer, key)] = (local, remote)
+
+    def write_prepared(self, peer: str, key: object, src_idx: np.ndarray, dst_idx: np.ndarray, notification: bytes,
+                       deadline: float) -> None:
+        """A WRITE named by int32 indices into the lists :meth:`prepare` made for ``key``."""
+        local, remote = self._prepared[(peer, key)]
+        try:
+            handle = self.agent.make_prepped_xfer("WRITE", local, np.ascontiguousarray(src_idx, dtype=np.int32), remote,
+                                                  np.ascontiguousarray(dst_idx, dtype=np.int32), notification)
+        except Exception as err:  # noqa: BLE001 - nixl's own exception types
+            raise TransferError(f"NIXL prepared write to {peer} failed: {type(err).__name__}: {err}") from err
+        self._finish(peer, handle, deadline)
+
     def notifications(self) -> list[bytes]:
         return [msg for msgs in self.agent.get_new_notifs().values() for msg in msgs]
 
     def close(self) -> None:
+        for local, remote in self._prepared.values():
+            local.release()
+            remote.release()
+        self._prepared.clear()
         for reg in self._registrations:
             self.agent.deregister_memory(reg)
         self._registrations.clear()

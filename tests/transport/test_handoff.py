@@ -18,6 +18,15 @@ ENGINES = os.environ.get("KVPLAN_TEST_ENGINES", "nixl,mooncake").split(",")
 DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_available() else "cpu"
 
 
+def test_nixl_prepared_lists_arrive_byte_for_byte():
+    if "nixl" not in ENGINES:
+        pytest.skip("NIXL is not among the engines of this run")
+    (_, sent), (_, states, failures, verified) = run_case(Case("nixl", "hybrid", "prepared", device=DEVICE))
+    assert all(reason is None for reason in sent.values()), sent
+    assert set(states.values()) == {"complete"}, failures
+    assert verified is True
+
+
 def run_case(case: Case):
     pair = Pair(case)
     try:
