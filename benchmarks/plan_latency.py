@@ -14,7 +14,7 @@ import time
 import numpy as np
 import torch
 
-from benchmarks.baseline import sglang_style_descs
+from kvplan.baseline import sglang_style_descs
 from kvplan.planner import gpu
 from kvplan.planner.model import Batch, SideMemory
 from kvplan.scenarios import PRESETS, build_batch

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
-import time
 
-import numpy as np
-
-from .planner.reference import plan_reference
-from .scenarios import PRESETS, build_batch
+from .scenarios import PRESETS
 
 log = logging.getLogger("kvplan")
 
@@ -22,48 +19,79 @@ def _positive(text: str) -> int:
     return value
 
 
+def _fraction(text: str) -> float:
+    value = float(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (pages per allocator run), got {value}")
+    return value
+
+
 def _demo(args: argparse.Namespace) -> int:
-    shape = PRESETS[args.preset].scaled(layers=args.layers)
-    batch = build_batch(shape, args.requests, args.prompt_len, chunks=args.chunks, seed=args.seed)
-    t0 = time.perf_counter()
-    plan = plan_reference(batch)
-    elapsed = time.perf_counter() - t0
-    descs, _ = plan.descriptors()
-    nbytes = int(descs[:, 2].sum()) if len(descs) else 0
-    runs = sum(len(t.runs) for t in plan.transfers)
-    components = sorted({c.name for t in plan.transfers for c in t.state})
-    out = sys.stdout
-    out.write(f"kvplan demo: {shape.name} at {shape.layers} layers, page size {shape.page_size}\n")
-    out.write(f"  requests {args.requests} x {args.prompt_len} tokens, {len(batch.transfers)} chunks, "
-              f"mode {plan.transfers[0].mode.value}\n")
-    out.write(f"  KV runs {runs}, descriptors {len(descs):,}, bytes {nbytes:,}\n")
-    out.write(f"  state components: {', '.join(components) or 'none (dense model)'}\n")
-    out.write(f"  planned by the NumPy reference in {elapsed * 1e3:.1f} ms\n")
-    first = plan.transfers[-1]
-    out.write(f"  last chunk of {first.request}: pages {first.src_pages[:6].tolist()}... -> "
-              f"{first.dst_pages[:6].tolist()}..., {first.num_descs} descriptors\n")
-    np.set_printoptions(formatter={"int": hex})
-    out.write(f"  first descriptors (src, dst, nbytes):\n{descs[:3]}\n")
-    return 0
+    from .demo import DemoConfig, run_demo
+
+    config = DemoConfig(preset=args.preset, layers=args.layers, requests=args.requests, prompt_len=args.prompt_len,
+                        chunks=args.chunks, prefix_len=args.prefix_len, mean_run=args.fragmentation,
+                        engine=args.engine, mode=args.mode, device=args.device, seed=args.seed, timeout=args.timeout,
+                        fault=args.fault)
+    if config.mode == "prepared" and config.engine != "nixl":
+        raise SystemExit("kvplan demo: error: --mode prepared needs --engine nixl (prepared lists are NIXL's)")
+    shape = config.model()
+    if config.prefix_len % shape.page_size:
+        raise SystemExit(f"kvplan demo: error: --prefix-len must be a multiple of the page size {shape.page_size}")
+    report = run_demo(config, progress=not args.no_progress)
+    sys.stdout.write(report.render() + "\n")
+    return 0 if report.ok else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvplan", description="GPU-resident KV-cache transfer planning.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="plan a batch of a model-shaped scenario and report it")
+    from .demo import FAULTS
+
+    demo = sub.add_parser(
+        "demo", help="a real prefill-to-decode hand-off on this machine, verified byte for byte",
+        description="Starts a decode and a prefill process on 127.0.0.1 with model-shaped, fragmented paged pools "
+                    "(GPU memory when a GPU is present), plans the batch with kvplan, moves it through a real engine "
+                    "and checks every byte on the decode side. Exits 1 if any request fails or any byte is wrong.")
     demo.add_argument("--preset", choices=sorted(PRESETS), default="gptoss-swa-p16",
-                      help="model shape from benchmarks.md (default: %(default)s)")
-    demo.add_argument("--layers", type=_positive, default=4, help="layers to keep, a small-scale model (default: 4)")
+                      help="model shape from benchmarks.md, at small scale (default: %(default)s)")
+    demo.add_argument("--layers", type=_positive, default=4, help="layers to keep (default: 4)")
     demo.add_argument("--requests", type=_positive, default=8, help="requests in the batch (default: 8)")
     demo.add_argument("--prompt-len", type=_positive, default=2048, help="tokens per request (default: 2048)")
     demo.add_argument("--chunks", type=_positive, default=2, help="chunks per request (default: 2)")
-    demo.add_argument("--seed", type=int, default=0, help="seed of the fragmented allocation (default: 0)")
+    demo.add_argument("--prefix-len", type=int, default=0,
+                      help="tokens the decode side already holds, page aligned (default: 0)")
+    demo.add_argument("--fragmentation", type=_fraction, default=None,
+                      help="mean length in pages of the allocator's free runs; lower is more fragmented "
+                           "(default: the preset's)")
+    demo.add_argument("--engine", choices=["nixl", "mooncake"], default="nixl", help="transfer engine (default: nixl)")
+    demo.add_argument("--mode", choices=["direct", "prepared", "staged"], default="direct",
+                      help="direct: one engine write per section; prepared: NIXL prepared lists and int32 indices; "
+                           "staged: gathered into a staging buffer, one write per transfer (default: direct)")
+    demo.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                      help="where the pools live; auto picks the GPU when there is one (default: auto)")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the allocation and the bytes (default: 0)")
+    demo.add_argument("--timeout", type=float, default=60.0, help="deadline of every wait, in seconds (default: 60)")
+    demo.add_argument("--fault", choices=FAULTS, default="none",
+                      help="drill a failure path: the decode or prefill process dies, the layouts do not pair, or "
+                           "nothing is sent before the deadline (default: none)")
+    demo.add_argument("--no-progress", action="store_true", help="no progress bar on standard error")
     demo.set_defaults(run=_demo)
     return parser
 
 
+def _use_interpreter_without_gpu() -> None:
+    """Without a GPU the kernels run in Triton's interpreter; the variable must precede their import."""
+    if "TRITON_INTERPRET" not in os.environ:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["TRITON_INTERPRET"] = "1"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _use_interpreter_without_gpu()
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     return args.run(args)

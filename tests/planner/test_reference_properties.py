@@ -12,7 +12,7 @@ from kvplan.planner.model import Attention, StateKind
 from kvplan.planner.pairing import Mode
 from kvplan.planner.reference import plan_reference
 from kvplan.scenarios import ComponentShape, ModelShape, build_batch
-from tests.memory import AddressSpace, execute
+from kvplan.verify import AddressSpace, execute
 
 COMPONENTS = {
     StateKind.SWA: ComponentShape(StateKind.SWA, 2, 48, window=5),

@@ -1,8 +1,8 @@
 """A batch planned by kvplan moved between two processes by NIXL and by Mooncake, verified byte for byte.
 
 All four state types, aux, chunking and a decode prefix (``hybrid``), head-sliced descriptors
-(``head_sliced``), direct and staged mode; then the failure paths: a dead peer, a bad
-registration, a deadline. Nothing here may hang: every wait has a deadline.
+(``head_sliced``), direct, prepared (NIXL) and staged mode; then the failure paths: a dead peer on
+either side, a bad registration, a deadline. Nothing here may hang: every wait has a deadline.
 """
 
 import os
@@ -10,7 +10,8 @@ import os
 import pytest
 import torch
 
-from tests.transport.handoff import Case, Pair
+from kvplan.demo import DemoConfig, run_demo
+from tests.transport.handoff import LENGTHS, SHAPES
 
 pytestmark = pytest.mark.engines
 
@@ -18,81 +19,54 @@ ENGINES = os.environ.get("KVPLAN_TEST_ENGINES", "nixl,mooncake").split(",")
 DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_available() else "cpu"
 
 
-def test_nixl_prepared_lists_arrive_byte_for_byte():
-    if "nixl" not in ENGINES:
-        pytest.skip("NIXL is not among the engines of this run")
-    (_, sent), (_, states, failures, verified) = run_case(Case("nixl", "hybrid", "prepared", device=DEVICE))
-    assert all(reason is None for reason in sent.values()), sent
-    assert set(states.values()) == {"complete"}, failures
-    assert verified is True
-
-
-def run_case(case: Case):
-    pair = Pair(case)
-    try:
-        assert pair.recv(pair.prefill_conn, "prefill")[0] == "ready"
-        pair.prefill_conn.send("go")
-        sent = pair.recv(pair.prefill_conn, "prefill")
-        result = pair.recv(pair.decode_conn, "decode")
-        return sent, result
-    finally:
-        pair.close()
+def config(engine: str, shape: str = "hybrid", mode: str = "direct", **kw) -> DemoConfig:
+    return DemoConfig(shape=SHAPES[shape], requests=len(LENGTHS), prompt_len=LENGTHS, chunks=2, prefix_len=8, seed=3,
+                      engine=engine, mode=mode, device=DEVICE, staging_bytes=1 << 22, timeout=kw.pop("timeout", 30.0),
+                      **kw)
 
 
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("shape, mode", [("hybrid", "direct"), ("hybrid", "staged"), ("head_sliced", "direct"),
                                          ("head_sliced", "staged")])
 def test_batch_arrives_byte_for_byte(engine, shape, mode):
-    (_, sent), (_, states, failures, verified) = run_case(Case(engine, shape, mode, device=DEVICE))
-    assert all(reason is None for reason in sent.values()), sent
-    assert set(states.values()) == {"complete"}, failures
-    assert verified is True, "the destination pools differ from the reference execution"
+    report = run_demo(config(engine, shape, mode))
+    assert all(reason is None for reason in report.send_failures.values()), report.send_failures
+    assert set(report.states.values()) == {"complete"}, report.failures
+    assert report.verified is True, "the destination pools differ from the reference execution"
+    assert report.ok
+
+
+def test_nixl_prepared_lists_arrive_byte_for_byte():
+    if "nixl" not in ENGINES:
+        pytest.skip("NIXL is not among the engines of this run")
+    report = run_demo(config("nixl", "hybrid", "prepared"))
+    assert report.ok, report.render()
 
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_dead_decode_peer_fails_every_request_without_hanging(engine):
-    pair = Pair(Case(engine, timeout=20, device=DEVICE))
-    try:
-        assert pair.recv(pair.prefill_conn, "prefill")[0] == "ready"
-        pair.kill_decode()
-        pair.prefill_conn.send("go")
-        kind, sent = pair.recv(pair.prefill_conn, "prefill", timeout=60)
-        assert kind == "sent"
-        assert sent and all(reason for reason in sent.values()), sent
-    finally:
-        pair.close()
+    report = run_demo(config(engine, fault="dead-decode", timeout=20))
+    assert len(report.send_failures) == len(LENGTHS)
+    assert all(report.send_failures.values()), report.send_failures
+    assert not report.ok
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_dead_prefill_peer_fails_every_request_at_the_deadline(engine):
-    pair = Pair(Case(engine, timeout=3, device=DEVICE), exit_after_accept=True)
-    try:
-        kind, states, failures, verified = pair.recv(pair.decode_conn, "decode", timeout=60)
-        assert set(states.values()) == {"failed"} and verified is None
-        assert all("could not be published" in reason or "deadline" in reason for reason in failures.values())
-    finally:
-        pair.close()
+def test_dead_prefill_peer_fails_every_request(engine):
+    report = run_demo(config(engine, fault="dead-prefill"))
+    assert set(report.states.values()) == {"failed"} and report.verified is None
+    assert all("could not be published" in r or "deadline" in r for r in report.failures.values()), report.failures
 
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_requests_that_never_arrive_fail_at_their_deadline(engine):
-    pair = Pair(Case(engine, timeout=3, device=DEVICE))
-    try:
-        assert pair.recv(pair.prefill_conn, "prefill")[0] == "ready"  # the prefill side never sends
-        kind, states, failures, verified = pair.recv(pair.decode_conn, "decode", timeout=60)
-        assert set(states.values()) == {"failed"} and verified is None
-        assert all("deadline passed" in reason for reason in failures.values())
-    finally:
-        pair.close()
+    report = run_demo(config(engine, fault="deadline"))
+    assert set(report.states.values()) == {"failed"} and report.verified is None
+    assert all("deadline passed" in reason for reason in report.failures.values()), report.failures
 
 
 def test_bad_registration_is_refused_on_both_sides():
-    pair = Pair(Case(ENGINES[0], bad_registration=True, timeout=20, device=DEVICE))
-    try:
-        kind, reason = pair.recv(pair.prefill_conn, "prefill")
-        assert kind == "refused" and "aux: source has 2 entries, destination 0" in reason
-        kind, states, failures, _ = pair.recv(pair.decode_conn, "decode", timeout=60)
-        assert set(states.values()) == {"failed"}
-        assert all("refused the pairing" in f and "aux" in f for f in failures.values())
-    finally:
-        pair.close()
+    report = run_demo(config(ENGINES[0], fault="bad-registration", timeout=20))
+    assert report.refused and "aux: source has 2 entries, destination 0" in report.refused
+    assert set(report.states.values()) == {"failed"}
+    assert all("refused the pairing" in f for f in report.failures.values())

@@ -10,7 +10,7 @@ from kvplan.planner.model import Batch
 from kvplan.planner.reference import plan_reference
 from kvplan.scenarios import materialize
 from kvplan.transport.local import gather, plan_alignment, run_direct, scatter, staging_offsets
-from tests.memory import AddressSpace, execute
+from kvplan.verify import AddressSpace, execute
 from tests.planner.test_gpu_planner import on_device
 from tests.planner.test_reference_properties import scenarios
 

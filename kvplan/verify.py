@@ -1,10 +1,22 @@
-"""Simulated memory for tests: byte arrays behind a side's entry addresses, and a descriptor executor."""
+"""Host memory images and a NumPy descriptor executor, for checking what a transfer wrote.
+
+An :class:`AddressSpace` holds byte arrays behind addresses: made-up ones (planning without
+memory, in tests) or the addresses of real tensors (copies of their bytes). :func:`execute` runs
+descriptors on such images, one descriptor after another; it is slow and obviously right, which
+is what a verification wants.
+
+Example::
+
+    expected = AddressSpace.of_tensors(dst_tensors, zero=True)
+    execute(plan.descriptors()[0], AddressSpace.of_tensors(src_tensors), expected)
+    assert expected.matches(dst_tensors)
+"""
 
 from __future__ import annotations
 
 import numpy as np
 
-from kvplan.planner.model import Entry, SideMemory
+from .planner.model import Entry, SideMemory
 
 
 class AddressSpace:
@@ -51,6 +63,9 @@ class AddressSpace:
     def entry_bytes(self, entry: Entry, item: int) -> np.ndarray:
         arr, off = self.locate(entry.base_ptr + item * entry.item_len, entry.item_len)
         return arr[off : off + entry.item_len]
+
+
+__all__ = ["AddressSpace", "execute"]
 
 
 def execute(descs: np.ndarray, src: AddressSpace, dst: AddressSpace, coverage: AddressSpace | None = None) -> None:

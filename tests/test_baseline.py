@@ -1,0 +1,16 @@
+"""The SGLang-style baseline plans what kvplan plans (direct mode, every state type), so that
+benchmarks compare equal work."""
+
+import numpy as np
+from hypothesis import given, settings
+
+from kvplan.baseline import sglang_style_descs
+from kvplan.planner.reference import plan_reference
+from tests.planner.test_reference_properties import scenarios
+
+
+@settings(max_examples=40, deadline=None)
+@given(scenarios())
+def test_baseline_descriptors_equal_the_reference(case):
+    _, batch = case
+    assert np.array_equal(sglang_style_descs(batch), plan_reference(batch).descriptors()[0])
