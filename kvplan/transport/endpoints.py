@@ -106,6 +106,8 @@ class DecodeEndpoint:
             kind, header, frames = msg
             if kind == "staged":
                 self._scatter(header, frames[0])
+            elif kind == "wave":
+                self.channel.send("wave-done", {})
             elif kind == "failed":
                 self.tracker.fail(header["request"], f"the prefill side reports: {header['reason']}")
             elif kind == "refused":
@@ -267,35 +269,66 @@ class PrefillEndpoint:
         return result
 
     def _send_staged(self, plan: Plan, device_descs: torch.Tensor, alignment: int, deadline: float) -> dict[Any, str | None]:
+        """Waves of whole transfers that fit both staging buffers: gather a wave, write one region per
+        transfer, tell the receiver what to scatter, and wait for its acknowledgement before reusing
+        the buffers."""
         if self.staging is None or self.peer_staging is None:
             raise LayoutError("staged mode needs a registered staging buffer on both sides")
         descs, offsets = plan.descriptors()
-        byte_offsets, _ = staging_offsets(device_descs)
-        gather(device_descs, byte_offsets, self.staging, alignment)
-        if self.staging.is_cuda:
-            torch.cuda.current_stream(self.staging.device).synchronize()
         byte_starts = np.concatenate([[0], np.cumsum(descs[:, 2], dtype=np.uint64)]).astype(np.int64)
+        capacity = min(self.staging.numel(), self.peer_staging[1])
         sections = plan.sections()
         result: dict[Any, str | None] = {t.request: None for t in plan.transfers}
+        wave: list[int] = []
         for i, t in enumerate(plan.transfers):
-            lo, hi = int(offsets[i]), int(offsets[i + 1])
-            if lo == hi or result[t.request] is not None:
-                continue
-            b_lo, b_hi = int(byte_starts[lo]), int(byte_starts[hi])
-            if b_hi > self.peer_staging[1]:
-                reason = f"the decode staging buffer holds {self.peer_staging[1]} bytes; this transfer needs {b_hi}"
+            size = int(byte_starts[offsets[i + 1]] - byte_starts[offsets[i]])
+            if size > capacity:
+                reason = f"this transfer needs {size} staging bytes; the staging buffers hold {capacity}"
                 result[t.request] = reason
                 self._report(t.request, reason)
                 continue
+            wave_bytes = int(byte_starts[offsets[wave[-1] + 1]] - byte_starts[offsets[wave[0]]]) if wave else 0
+            if wave and wave_bytes + size > capacity:
+                self._staged_wave(plan, wave, descs, offsets, byte_starts, device_descs, sections, alignment, result,
+                                  deadline)
+                wave = []
+            wave.append(i)
+        if wave:
+            self._staged_wave(plan, wave, descs, offsets, byte_starts, device_descs, sections, alignment, result, deadline)
+        return result
+
+    def _staged_wave(self, plan, wave, descs, offsets, byte_starts, device_descs, sections, alignment, result,
+                     deadline) -> None:
+        d_lo, d_hi = int(offsets[wave[0]]), int(offsets[wave[-1] + 1])
+        base = int(byte_starts[d_lo])
+        wave_descs = device_descs[d_lo:d_hi]
+        gather(wave_descs, staging_offsets(wave_descs)[0], self.staging, alignment)
+        if self.staging.is_cuda:
+            torch.cuda.current_stream(self.staging.device).synchronize()
+        for i in wave:
+            t = plan.transfers[i]
+            lo, hi = int(offsets[i]), int(offsets[i + 1])
+            if lo == hi or result[t.request] is not None:
+                continue
+            b_lo, b_hi = int(byte_starts[lo]) - base, int(byte_starts[hi]) - base
             region = np.array([[self.staging.data_ptr() + b_lo, self.peer_staging[0] + b_lo, b_hi - b_lo]],
                               dtype=np.uint64)
             try:
                 self.engine.write(self.peer, region, _STAGED_NOTE, deadline)
-            except TransferError as err:
+                notes = [[s.request, s.role, s.name, s.count] for s in sections if s.transfer == i]
+                self.channel.send("staged", {"sections": notes, "staging_lo": b_lo, "alignment": alignment},
+                                  np.ascontiguousarray(descs[lo:hi, 1:]).tobytes())
+            except (TransferError, ControlTimeout) as err:
                 result[t.request] = str(err)
                 self._report(t.request, str(err))
-                continue
-            notes = [[s.request, s.role, s.name, s.count] for s in sections if s.transfer == i]
-            self.channel.send("staged", {"sections": notes, "staging_lo": b_lo, "alignment": alignment},
-                              np.ascontiguousarray(descs[lo:hi, 1:]).tobytes())
-        return result
+        try:  # the receiver has scattered this wave once it acknowledges; then the buffers are free again
+            self.channel.send("wave", {}, timeout=max(0.0, deadline - time.monotonic()))
+            kind, _, _ = self.channel.recv(deadline)
+            if kind != "wave-done":
+                raise ControlTimeout(f"expected the receiver's acknowledgement, got {kind!r}")
+        except ControlTimeout as err:
+            for i in wave:
+                request = plan.transfers[i].request
+                if result[request] is None:
+                    result[request] = f"the receiver did not acknowledge its staged wave: {err}"
+                    self._report(request, result[request])

@@ -6,6 +6,7 @@ either side, a bad registration, a deadline. Nothing here may hang: every wait h
 """
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -34,6 +35,12 @@ def test_batch_arrives_byte_for_byte(engine, shape, mode):
     assert set(report.states.values()) == {"complete"}, report.failures
     assert report.verified is True, "the destination pools differ from the reference execution"
     assert report.ok
+
+
+@pytest.mark.parametrize("engine", ENGINES[:1])
+def test_staged_batches_larger_than_the_staging_buffers_go_in_waves(engine):
+    report = run_demo(replace(config(engine, "hybrid", "staged"), staging_bytes=16 << 10))
+    assert report.ok, report.render()
 
 
 def test_nixl_prepared_lists_arrive_byte_for_byte():
