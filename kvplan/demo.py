@@ -171,7 +171,7 @@ def decode_process(config: DemoConfig, conn) -> None:
         staging = torch.zeros(config.staging_bytes, dtype=torch.uint8, device=device) if config.mode == "staged" else None
         endpoint = DecodeEndpoint(side, make_engine(config.engine, "decode", config.memory), ControlChannel(), staging)
         conn.send(("port", endpoint.channel.port))
-        endpoint.register()
+        endpoint.register(timeout=config.timeout + 60)  # the prefill process may still be starting
         last = {t.request: t for t in batch.transfers if t.last}
         timeout = 3.0 if config.fault in ("deadline", "dead-prefill") else config.timeout
         endpoint.publish([PreallocatedRequest(r, t.src_row, t.prompt_len, t.prefix_len, t.aux_dst)

@@ -76,11 +76,12 @@ class DecodeEndpoint:
         self.tracker = CompletionTracker()
         self.engine.register(_regions(side) + ([(staging.data_ptr(), staging.numel())] if staging is not None else []))
 
-    def register(self) -> None:
-        """Publish this side's layout, engine metadata and staging buffer to the prefill side."""
+    def register(self, timeout: float = 60.0) -> None:
+        """Publish this side's layout, engine metadata and staging buffer; waits up to ``timeout``
+        seconds for the prefill side to connect."""
         header = {"side": describe_side(self.side),
                   "staging": [self.staging.data_ptr(), self.staging.numel()] if self.staging is not None else None}
-        self.channel.send("register", header, self.engine.metadata())
+        self.channel.send("register", header, self.engine.metadata(), timeout=timeout)
 
     def publish(self, requests: Sequence[PreallocatedRequest], timeout: float) -> None:
         """Compute, validate and send every request's destination lists; start tracking them."""
