@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import numpy as np
 import torch
 
-from benchmarks.plan_latency import measure
+from kvplan.bench import _median_ms
 from kvplan.compat.sglang import kv_to_page_indices, pack_int_lists
 from kvplan.planner.destinations import PreallocatedRequest, plan_destinations
 from kvplan.planner.model import SideMemory, StateComponent, StateKind
@@ -75,8 +74,8 @@ def main() -> None:
         for n in (64, 256):
             side, reqs = decode_side(preset, n, device)
             assert kvplan_messages(side, reqs) == sglang_style_messages(side, reqs), f"{preset}: messages differ"
-            ours = statistics.median(measure(lambda _: kvplan_messages(side, reqs), None, args.runs)) * 1e3
-            base = statistics.median(measure(lambda _: sglang_style_messages(side, reqs), None, args.runs)) * 1e3
+            ours = _median_ms(lambda: kvplan_messages(side, reqs), args.runs)
+            base = _median_ms(lambda: sglang_style_messages(side, reqs), args.runs)
             rows.append({"preset": preset, "requests": n, "prompt_len": PROMPT_LEN, "baseline_ms": base,
                          "kvplan_ms": ours, "ratio": base / ours})
     card = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (interpreter)"

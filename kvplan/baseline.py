@@ -4,7 +4,8 @@ This is what kvplan is measured against: for each transfer, one after another, `
 of the token slice; page ids in NumPy; SWA translation as a device gather then ``.cpu()``; runs
 with NumPy (``diff``/``where``/``split``/``.tolist()``); then a Python loop that builds
 ``(src, dst, len)`` per entry x run, collected into the three lists Mooncake's batch call takes.
-Direct mode, with every state type and aux, on valid input (it validates nothing, as SGLang).
+Direct mode with every state type and aux, and head-sliced mode (per entry, NumPy over pages and
+tokens, then Python lists), on valid input (it validates nothing, as SGLang).
 
 Example::
 
@@ -18,7 +19,7 @@ import torch
 
 from .compat.sglang import group_concurrent_contiguous, kv_to_page_indices
 from .planner.model import Batch, StateKind
-from .planner.pairing import pair_sides
+from .planner.pairing import Mode, pair_sides
 from .planner.reference import chunk_end
 
 __all__ = ["sglang_style_descs", "sglang_style_plan"]
@@ -52,7 +53,19 @@ def sglang_style_plan(batch: Batch) -> tuple[list[int], list[int], list[int]]:
         pages = kv_to_page_indices(kv_indices, ps).astype(np.int64)
         cursor = (t.start - t.prefix_len) // ps
         dst_pages = t.dst_pages[cursor : cursor + len(pages)]
-        emit(pairing.kv_src, pairing.kv_dst, *group_concurrent_contiguous(pages, dst_pages))
+        if pairing.mode is Mode.HEAD_SLICED:
+            h = pairing.heads
+            tokens = np.arange(ps, dtype=np.int64)
+            for (sb, s_item), (db, d_item) in zip(pairing.kv_src.tolist(), pairing.kv_dst.tolist()):
+                s_addr = (sb + pages[:, None] * s_item + tokens[None, :] * h.src_token_bytes
+                          + h.src_head * h.bytes_per_head)
+                d_addr = (db + dst_pages[:, None] * d_item + tokens[None, :] * h.dst_token_bytes
+                          + h.dst_head * h.bytes_per_head)
+                src_addrs.extend(s_addr.reshape(-1).tolist())
+                dst_addrs.extend(d_addr.reshape(-1).tolist())
+                lengths.extend([h.nbytes] * s_addr.size)
+        else:
+            emit(pairing.kv_src, pairing.kv_dst, *group_concurrent_contiguous(pages, dst_pages))
         if cursor + len(dst_pages) < len(t.dst_pages):
             continue
         seq = min(t.fill_len, t.prompt_len)

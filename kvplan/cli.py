@@ -43,6 +43,23 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _bench(args: argparse.Namespace) -> int:
+    import json
+
+    from .bench import SCENARIOS, progress_printer, render, rows_as_dicts, run_bench
+
+    names = args.scenario or list(SCENARIOS)
+    show = None if args.no_progress else progress_printer(len(names))
+    rows = run_bench(names, runs=args.runs, scale=args.scale, staging=args.staging, progress=show)
+    if show:
+        sys.stderr.write("\n")
+    sys.stdout.write(render(rows) + "\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows_as_dicts(rows), f, indent=2)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvplan", description="GPU-resident KV-cache transfer planning.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -78,6 +95,24 @@ def build_parser() -> argparse.ArgumentParser:
                            "nothing is sent before the deadline (default: none)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar on standard error")
     demo.set_defaults(run=_demo)
+
+    from .bench import SCENARIOS
+
+    bench = sub.add_parser(
+        "bench", help="plan latency against the SGLang-style baseline for the scenarios of benchmarks.md",
+        description="Plans each scenario with kvplan and with the SGLang-style baseline in this process, checks "
+                    "that the descriptors are equal, and reports medians, the ratio and which targets are met. "
+                    "Without a GPU the kernels run in Triton's interpreter: use --scale to keep it short.")
+    bench.add_argument("--scenario", action="append", choices=list(SCENARIOS),
+                       help="a scenario to run (repeatable; default: all)")
+    bench.add_argument("--runs", type=_positive, default=20, help="timed runs per measurement (default: 20)")
+    bench.add_argument("--scale", type=float, default=1.0,
+                       help="shrink requests, tokens and layers by this factor, e.g. 0.02 on a CPU (default: 1)")
+    bench.add_argument("--staging", action="store_true",
+                       help="also measure the staging gather/scatter against a device-to-device copy (GPU)")
+    bench.add_argument("--json", help="write the results as JSON to this file")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar on standard error")
+    bench.set_defaults(run=_bench)
     return parser
 
 
@@ -91,7 +126,7 @@ def _use_interpreter_without_gpu() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    _use_interpreter_without_gpu()  # before anything imports the kernels
     args = build_parser().parse_args(argv)
-    _use_interpreter_without_gpu()
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     return args.run(args)

@@ -1,0 +1,25 @@
+"""``kvplan bench`` works end to end (tiny sizes in the interpreter; real numbers come from a GPU)."""
+
+import json
+import subprocess
+import sys
+
+from kvplan.bench import render, run_bench
+
+
+def test_bench_rows_render_and_agree_with_the_baseline():
+    rows = run_bench(["llama70b-tp4to8-p64", "gptoss-swa-p16"], runs=1, scale=0.02)
+    assert [r.scenario for r in rows] == ["llama70b-tp4to8-p64", "gptoss-swa-p16"]
+    assert all(r.descriptors > 0 and r.kvplan_ms > 0 and r.baseline_ms > 0 for r in rows)
+    table = render(rows)
+    assert "llama70b-tp4to8-p64" in table and "Triton interpreter" in table
+
+
+def test_bench_command_writes_json(tmp_path):
+    out = tmp_path / "bench.json"
+    done = subprocess.run([sys.executable, "-m", "kvplan", "bench", "--scenario", "qwen3next-mamba-p64", "--scale",
+                           "0.02", "--runs", "1", "--json", str(out), "--no-progress"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())
+    assert rows[0]["scenario"] == "qwen3next-mamba-p64" and rows[0]["descriptors"] > 0
