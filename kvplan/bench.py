@@ -88,12 +88,15 @@ class BenchRow:
 def _median_ms(fn: Callable[[], object], runs: int, warmup: int = 2) -> float:
     for _ in range(warmup):
         fn()
+    cuda = torch.cuda.is_available()
     times = []
     for _ in range(runs):
-        if torch.cuda.is_available():
+        if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn()
+        if cuda:  # device work launched by fn counts until it is done
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
 
