@@ -29,7 +29,17 @@ import torch
 
 from ..compat.sglang import pack_int_lists, unpack_int_lists
 from ..errors import AlignmentError, InputError
-from .lists import ListJob, Packer, Segment, as_device_tensor, component_segment, host_empty, pages_segment, raise_list_errors
+from .lists import (
+    ListJob,
+    Packer,
+    Segment,
+    SegmentTable,
+    as_device_tensor,
+    component_segment,
+    host_empty,
+    pages_segment,
+    raise_list_errors,
+)
 from .model import Policy, SideMemory, StateKind
 from .reference import DestinationLists, check_row
 
@@ -148,9 +158,8 @@ class PendingDestinations:
         if not self._checked:
             if self.event is not None:
                 self.event.synchronize()
-            per_request = len(self._segments) // max(1, len(self._requests))
-            order = [range(i * per_request, (i + 1) * per_request) for i in range(len(self._requests))]
-            raise_list_errors(self._segments, order, lambda i: self._requests[i].request,
+            raise_list_errors(SegmentTable.from_segments(self._segments), [c.name for c in self._side.state],
+                              lambda i: self._requests[i].request,
                               self._host["errors"].numpy(), self._host["invariant"].numpy(), self._host["ids"].numpy(),
                               self._seg_off, Policy.STRICT)
             self._checked = True
@@ -200,7 +209,7 @@ def plan_destinations(side: SideMemory, requests: Sequence[PreallocatedRequest],
 def _launch(side, requests, segments, maps, table, block, stream) -> PendingDestinations:
     device = table.device
     pk = Packer()
-    job = ListJob(segments, maps, pk, block)
+    job = ListJob(SegmentTable.from_segments(segments), maps, pk, block)
     staging = pk.ship(device)
     ids, errors, invariant = job.launch(table)
     packed = torch.cat([ids[: job.total], errors, invariant])  # one device-to-host copy

@@ -22,42 +22,29 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..errors import InputError, LayoutError, LengthMismatchError
+from ..errors import InputError, LayoutError
 from ..kernels import descriptors as kd
 from ..kernels import index_lists as ki
 from ..kernels import prepared as kp
 from ..kernels import runs as kr
-from .model import Batch, Policy, StateKind
-from .pairing import Mode, SidePairing, pair_sides
+from .layout import Layout, lay_out
+from .lists import ListJob, Packer, as_device_tensor, host_empty, raise_list_errors
+from .model import Batch, StateKind
+from .pairing import Mode
 from .plan import ComponentPlan, Plan, TransferPlan, empty_descs, empty_runs
 from .prepared import AUX as _AUX
 from .prepared import KV as _KV
 from .prepared import PreparedIndices, prepared_slots
-from .lists import ListJob, Packer, Segment, as_device_tensor, component_segment, host_empty, pages_segment, raise_list_errors
-from .reference import check_aux, check_bounds, check_row, paired_length, resolve_chunk
 
 __all__ = ["PendingPlan", "plan"]
 
 
-
-
-@dataclass
-class _TransferInfo:
-    request: Any
-    dest: int
-    mode: Mode
-    start: int
-    end: int
-    last: bool
-    sent: bool
-    dst_pages: np.ndarray
-    segments: list[int] = field(default_factory=list)
 
 
 def _device_of(batch: Batch) -> torch.device:
@@ -65,87 +52,13 @@ def _device_of(batch: Batch) -> torch.device:
     return table.device if isinstance(table, torch.Tensor) else torch.device("cpu")
 
 
-class _Builder:
-    """Host-side bookkeeping of one batch: segments, flat destination lists, entry tables."""
-
-    def __init__(self, batch: Batch, table_shape: tuple[int, int]):
-        self.batch = batch
-        self.rows, self.max_ctx = table_shape
-        self.segments: list[Segment] = []
-        self.expansion: list[tuple[int, int, tuple[int, ...] | None]] = []  # (entry_off, entries, head slice)
-        self.dst_lists: list[np.ndarray] = []
-        self.transfers: list[_TransferInfo] = []
-        self.pairings = [pair_sides(batch.src, d) for d in batch.dsts]
-        self.entry_blocks: list[np.ndarray] = []
-        self.entry_index: dict[tuple[int, int], tuple[int, int]] = {}
-        count = 0
-        for d, pairing in enumerate(self.pairings):
-            tables = [(_KV, pairing.kv_src, pairing.kv_dst), (_AUX, pairing.aux_src, pairing.aux_dst)]
-            tables += [(c, s, t) for c, (s, t) in enumerate(zip(pairing.state_src, pairing.state_dst))]
-            for role, src_t, dst_t in tables:
-                block = np.zeros((len(src_t), 4), dtype=np.uint64)
-                block[:, 0], block[:, 1], block[:, 2], block[:, 3] = src_t[:, 0], dst_t[:, 0], src_t[:, 1], dst_t[:, 1]
-                self.entry_blocks.append(block)
-                self.entry_index[(d, role)] = (count, len(block))
-                count += len(block)
-
-    def _add(self, seg: Segment, dst: np.ndarray, head_slice: tuple[int, ...] | None = None) -> None:
-        d = self.transfers[seg.owner].dest
-        self.expansion.append((*self.entry_index[(d, seg.role)], head_slice))
-        self.transfers[seg.owner].segments.append(len(self.segments))
-        self.segments.append(seg)
-        self.dst_lists.append(np.asarray(dst, dtype=np.int64))
-
-    # -- one transfer ----------------------------------------------------------------------
-    def add_transfer(self, index: int) -> None:
-        batch, t = self.batch, self.batch.transfers[index]
-        src, policy, request = batch.src, batch.policy, t.request
-        if not 0 <= t.dest < len(self.pairings):
-            raise InputError(request, f"destination {t.dest} is not one of the batch's {len(self.pairings)} destinations")
-        pairing: SidePairing = self.pairings[t.dest]
-        dst_side = batch.dsts[t.dest]
-        ps = src.kv.page_size
-        chunk = resolve_chunk(t, ps, (self.rows, self.max_ctx), dst_side.kv.num_pages, policy)
-        end, n, dst_pages, last, sent = chunk.end, chunk.pages, chunk.dst_pages, chunk.last, chunk.sent
-        info = _TransferInfo(request, t.dest, pairing.mode, t.start, end, last, sent, dst_pages)
-        self.transfers.append(info)
-        seg = pages_segment(index, t.src_row, t.start, end, ps, src.kv.num_pages, batch.validate, n if sent else 0)
-        head_slice = None
-        if sent and pairing.mode is Mode.HEAD_SLICED:
-            h = pairing.heads
-            head_slice = (ps, h.src_token_bytes, h.dst_token_bytes, h.src_head * h.bytes_per_head,
-                          h.dst_head * h.bytes_per_head, h.nbytes)
-        if sent or seg.check is not None:  # a chunk that is not sent still gets its slots checked
-            self._add(seg, dst_pages if sent else dst_pages[:0], head_slice)
-        if not last:
-            return
-        seq = min(t.fill_len, t.prompt_len)
-        if len(t.dst_state) != len(src.state):
-            raise LengthMismatchError(request, f"{len(src.state)} state components on the source, {len(t.dst_state)} destination lists")
-        for c, (comp, dst_list) in enumerate(zip(src.state, t.dst_state)):
-            what = f"state component {comp.name}"
-            always_strict = comp.kind in (StateKind.SWA_RING, StateKind.MAMBA)
-            if comp.kind in (StateKind.SWA, StateKind.DSA):
-                check_row(request, (self.rows, self.max_ctx), t.src_row, seq)
-            seg = component_segment(index, c, comp, ps, t.src_row, seq, batch.validate)
-            n_src = seg.n
-            seg.n = paired_length(request, what, n_src, len(dst_list), policy, always_strict)
-            dst_list = dst_list[: seg.n]
-            if (seg.n == 0) != (len(dst_list) == 0) and policy is Policy.STRICT:
-                raise LengthMismatchError(request, f"{what}: one side is empty")
-            check_bounds(request, f"destination {dst_side.state[c].name}", dst_list, 0, dst_side.state[c].num_items)
-            self._add(seg, dst_list)
-        if check_aux(t, src, dst_side):
-            self._add(Segment(index, _AUX, ki.CONST, 0, t.aux_src, 1, 1, 0, 1 << 62, what="aux"),
-                      np.array([t.aux_dst], dtype=np.int64))
-
-
 @dataclass
 class PendingPlan:
     """A plan whose device work may still run. ``event`` fires when it is done (CUDA only)."""
 
     event: torch.cuda.Event | None
-    _builder: _Builder
+    _batch: Batch
+    _layout: Layout
     _host: dict[str, torch.Tensor]
     _device: dict[str, torch.Tensor]
     _keep: list[Any]
@@ -178,13 +91,8 @@ class PendingPlan:
         device_descs = self._device["descs"][:total]
         host = host_empty(total * 3, torch.int64, device_descs.device)
         host.copy_(device_descs.reshape(-1))
-        desc_off = self._host["seg_desc_off"].numpy()
-        firsts = [info.segments[0] if info.segments else None for info in self._builder.transfers]
-        offsets = np.empty(len(firsts) + 1, dtype=np.int64)
-        offsets[-1] = total
-        for i in range(len(firsts) - 1, -1, -1):
-            offsets[i] = desc_off[firsts[i]] if firsts[i] is not None else offsets[i + 1]
-        return host.numpy().view(np.uint64).reshape(-1, 3), offsets
+        desc_off = np.append(self._host["seg_desc_off"].numpy(), total)
+        return host.numpy().view(np.uint64).reshape(-1, 3), desc_off[self._layout.seg_first]
 
     def device_descriptors(self) -> torch.Tensor:
         """All descriptors as an int64 ``[n, 3]`` tensor on the planning device, for in-process
@@ -207,56 +115,54 @@ class PendingPlan:
 
     # -- decoding --------------------------------------------------------------------------
     def _raise_device_errors(self) -> None:
-        b = self._builder
-        raise_list_errors(b.segments, [info.segments for info in b.transfers], lambda i: b.transfers[i].request,
-                          self._host["errors"].numpy(), self._host["invariant"].numpy(), self._host["src"].numpy(),
-                          self._builder_seg_off, b.batch.policy)
+        lay = self._layout
+        raise_list_errors(lay.segments, lay.component_names, lambda i: lay.requests[i], self._host["errors"].numpy(),
+                          self._host["invariant"].numpy(), self._host["src"].numpy(), self._seg_off,
+                          self._batch.policy)
+
+    @property
+    def _seg_off(self) -> np.ndarray:
+        n = self._layout.segments.n
+        return np.cumsum(n) - n
 
     def _assemble(self) -> Plan:
-        b = self._builder
-        src_flat = self._host["src"].numpy()
-        dst_flat = np.concatenate(b.dst_lists) if b.dst_lists else np.zeros(0, np.int64)
+        lay = self._layout
+        src_flat, dst_flat = self._host["src"].numpy(), lay.dst
         run_start = self._host["seg_run_start"].numpy()
         desc_off = self._host["seg_desc_off"].numpy()
         total_descs = int(self._host["total_descs"].numpy()[0])
         descs = self._device["descs"][:total_descs].cpu().numpy().view(np.uint64).reshape(-1, 3)
-        total_runs = int(run_start[-1])
-        run_elem = self._device["run_elem"][:total_runs].cpu().numpy()
-        seg_off = self._builder_seg_off
+        run_elem = self._device["run_elem"][: int(run_start[-1])].cpu().numpy()
+        seg_off, seg = self._seg_off, lay.segments
         n_flat = len(src_flat)
         out = []
-        for info in b.transfers:
-            kv = (np.zeros(0, np.int64), info.dst_pages[:0], empty_runs(), empty_descs())
+        for t in range(len(lay.requests)):
+            kv = (np.zeros(0, np.int64), lay.dst_pages[t][:0], empty_runs(), empty_descs())
             state, aux = [], empty_descs()
-            for s in info.segments:
-                seg = b.segments[s]
-                lo, n = seg_off[s], seg.n
+            for s in range(lay.seg_first[t], lay.seg_first[t + 1]):
+                lo, n = seg_off[s], int(seg.n[s])
                 src_list, dst_list = src_flat[lo : lo + n].copy(), dst_flat[lo : lo + n].copy()
                 elems = run_elem[run_start[s] : run_start[s + 1]]
                 nxt = np.append(run_elem[run_start[s] + 1 : run_start[s + 1] + 1], n_flat)[: len(elems)]
-                runs = np.stack([src_flat[elems], dst_flat[elems], nxt - elems], axis=1).astype(np.int64)
-                _, entries, head_slice = b.expansion[s]
-                count = len(elems) * entries if head_slice is None else entries * n * head_slice[0]
+                runs = np.stack([src_flat[elems], dst_flat[elems], nxt - elems], axis=1).astype(np.int64).reshape(-1, 3)
+                sliced = lay.head_slices[s, 0]
+                count = int(lay.entries[s]) * (n * int(sliced) if sliced else len(elems))
                 seg_descs = descs[desc_off[s] : desc_off[s] + count]
-                if seg.role == _KV:
-                    kv = (src_list, dst_list, runs.reshape(-1, 3), seg_descs)
-                elif seg.role == _AUX:
+                role = int(seg.role[s])
+                if role == _KV:
+                    kv = (src_list, dst_list, runs, seg_descs)
+                elif role == _AUX:
                     aux = seg_descs
                 else:
-                    comp = b.batch.src.state[seg.role]
-                    if comp.kind is StateKind.MAMBA:
-                        runs = empty_runs()
-                    state.append(ComponentPlan(comp.name, comp.kind, src_list, dst_list, runs.reshape(-1, 3), seg_descs))
+                    comp = self._batch.src.state[role]
+                    runs = empty_runs() if comp.kind is StateKind.MAMBA else runs
+                    state.append(ComponentPlan(comp.name, comp.kind, src_list, dst_list, runs, seg_descs))
+            sent = bool(lay.sent[t])
             out.append(TransferPlan(
-                request=info.request, dest=info.dest, mode=info.mode, start=info.start, end=info.end, last=info.last,
-                sent=info.sent, src_pages=kv[0], dst_pages=kv[1], runs=kv[2],
-                kv_descs=kv[3] if info.sent else empty_descs(), state=tuple(state), aux_descs=aux))
+                request=lay.requests[t], dest=int(lay.dest[t]), mode=lay.modes[int(lay.dest[t])], start=int(lay.start[t]),
+                end=int(lay.end[t]), last=bool(lay.last[t]), sent=sent, src_pages=kv[0], dst_pages=kv[1], runs=kv[2],
+                kv_descs=kv[3] if sent else empty_descs(), state=tuple(state), aux_descs=aux))
         return Plan(tuple(out))
-
-    @property
-    def _builder_seg_off(self) -> np.ndarray:
-        counts = np.array([s.n for s in self._builder.segments], dtype=np.int64)
-        return np.cumsum(counts) - counts
 
 
 def plan(batch: Batch, stream: torch.cuda.Stream | None = None, block: int = 1024,
@@ -274,58 +180,51 @@ def plan(batch: Batch, stream: torch.cuda.Stream | None = None, block: int = 102
     table = as_device_tensor(table, device, "req_to_token")
     if table.dtype != torch.int32 or table.dim() != 2:
         raise InputError(None, f"req_to_token must be a 2-D int32 tensor, got {table.dtype} {tuple(table.shape)}")
-    builder = _Builder(batch, tuple(table.shape))
-    for i in range(len(batch.transfers)):
-        builder.add_transfer(i)
+    layout = lay_out(batch, tuple(table.shape))
     maps = {c: as_device_tensor(comp.slot_map, device, f"slot_map of component {comp.name}", torch.int64)
             for c, comp in enumerate(batch.src.state) if comp.slot_map is not None}
     slots = None
     if prepared:
-        if any(p.mode is not Mode.DIRECT for p in builder.pairings):
+        if any(m is not Mode.DIRECT for m in layout.modes):
             raise LayoutError("prepared lists are per page: head-sliced transfers need descriptors")
         slots = [prepared_slots(batch.src, d) for d in batch.dsts]
     if device.type == "cuda":
         stream = stream or torch.cuda.current_stream(device)
         with torch.cuda.stream(stream):
-            return _launch(builder, table, maps, device, block, stream, slots)
-    return _launch(builder, table, maps, device, block, None, slots)
+            return _launch(batch, layout, table, maps, device, block, stream, slots)
+    return _launch(batch, layout, table, maps, device, block, None, slots)
 
 
-def _prepared_layout(builder: _Builder, counts: np.ndarray, slots: list[dict]) -> dict[str, np.ndarray]:
+def _prepared_layout(layout: Layout, slots: list[dict]) -> dict[str, np.ndarray]:
     """Per segment ``(entries, src_slots, dst_slots, out_off)`` and the sections they form."""
-    table = np.zeros((max(1, len(counts)), 4), dtype=np.int64)
-    ids, size = [], 0
-    for i, seg in enumerate(builder.segments):
-        info = builder.transfers[seg.owner]
-        if seg.role == _KV and not info.sent:
-            continue  # a chunk that is not sent has no KV section
-        entries, s_slots, d_slots = slots[info.dest][seg.role]
-        table[i] = (entries, s_slots, d_slots, size)
-        ids.append(i)
-        size += entries * seg.n
-    ids_arr = np.array(ids, dtype=np.int64)
-    offsets = np.append(table[ids_arr, 3], size) if ids else np.zeros(1, np.int64)
-    return {"table": table, "ids": ids_arr, "size": size, "offsets": offsets,
-            "role": np.array([builder.segments[i].role for i in ids], np.int64),
-            "transfer": np.array([builder.segments[i].owner for i in ids], np.int64)}
+    seg = layout.segments
+    S = len(seg)
+    keep = ~((seg.role == _KV) & ~layout.sent[seg.owner]) if S else np.zeros(0, dtype=bool)  # unsent chunk: no KV section
+    dest = layout.dest[seg.owner]
+    table = np.zeros((max(1, S), 4), dtype=np.int64)
+    for i in np.flatnonzero(keep):
+        table[i, :3] = slots[int(dest[i])][int(seg.role[i])]
+    sizes = table[:S, 0] * seg.n * keep
+    table[:S, 3] = np.cumsum(sizes) - sizes
+    ids = np.flatnonzero(keep).astype(np.int64)
+    size = int(sizes.sum())
+    return {"table": table, "ids": ids, "size": size, "offsets": np.append(table[ids, 3], size),
+            "role": seg.role[ids], "transfer": seg.owner[ids]}
 
 
-def _launch(builder: _Builder, table: torch.Tensor, maps: dict[int, torch.Tensor], device: torch.device, block: int,
-            stream: torch.cuda.Stream | None, slots: list[dict] | None) -> PendingPlan:
-    segs = builder.segments
-    S = len(segs)
+def _launch(batch: Batch, layout: Layout, table: torch.Tensor, maps: dict[int, torch.Tensor], device: torch.device,
+            block: int, stream: torch.cuda.Stream | None, slots: list[dict] | None) -> PendingPlan:
+    S = len(layout.segments)
     pk = Packer()
-    lists = ListJob(segs, maps, pk, block)
+    lists = ListJob(layout.segments, maps, pk, block)
     counts, seg_off, n_flat = lists.counts, lists.seg_off, lists.total
-    spans = {"dst": pk.add(np.concatenate(builder.dst_lists) if S else np.zeros(0, np.int64))}
+    spans = {"dst": pk.add(layout.dst)}
     run_ps, run_po = ki.programs_over(counts, block)
     first_prog = np.searchsorted(run_ps, np.arange(S))
     spans["runs"] = (pk.add(run_ps), pk.add(run_po), pk.add(first_prog))
     spans["seg_off"], spans["seg_n"] = pk.add(seg_off), pk.add(counts)
-    spans["entries"] = pk.add(np.concatenate(builder.entry_blocks) if builder.entry_blocks else np.zeros((0, 4), np.uint64))
-    entry_off = np.array([x[0] for x in builder.expansion], dtype=np.int64)
-    seg_entries = np.array([x[1] for x in builder.expansion], dtype=np.int64)
-    head_slices = np.array([x[2] or (0,) * kd.HS_FIELDS for x in builder.expansion], np.int64).reshape(-1, kd.HS_FIELDS)
+    spans["entries"] = pk.add(layout.entry_table)
+    entry_off, seg_entries, head_slices = layout.entry_off, layout.entries, layout.head_slices
     sliced = head_slices[:, 0] > 0
     direct_entries = np.where(sliced, 0, seg_entries)
     hs_count = np.where(sliced, seg_entries * counts * head_slices[:, 0], 0)
@@ -337,7 +236,7 @@ def _launch(builder: _Builder, table: torch.Tensor, maps: dict[int, torch.Tensor
     spans["hs_progs"] = (pk.add(hs_ids[hps] if len(hs_ids) else hps[:0]), pk.add(hpo))
     sections = None
     if slots is not None:
-        sections = _prepared_layout(builder, counts, slots)
+        sections = _prepared_layout(layout, slots)
         pps, ppo = ki.programs_over(counts[sections["ids"]], block)
         spans["prep"] = (pk.add(sections["table"]), pk.add(sections["ids"][pps] if len(pps) else pps), pk.add(ppo))
     staging = pk.ship(device)
@@ -394,5 +293,5 @@ def _launch(builder: _Builder, table: torch.Tensor, maps: dict[int, torch.Tensor
     if stream is not None:
         event = torch.cuda.Event()
         event.record(stream)
-    return PendingPlan(event, builder, host, {"descs": descs, "run_elem": run_elem},
+    return PendingPlan(event, batch, layout, host, {"descs": descs, "run_elem": run_elem},
                        [staging, pk.device_buffer, src, packed], sections)

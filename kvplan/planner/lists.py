@@ -26,7 +26,7 @@ from .reference import cdiv
 
 log = logging.getLogger("kvplan")
 
-__all__ = ["ListJob", "Packer", "Segment", "as_device_tensor", "component_segment", "host_empty", "pages_segment",
+__all__ = ["ListJob", "Packer", "Segment", "SegmentTable", "as_device_tensor", "component_segment", "host_empty", "pages_segment",
            "raise_list_errors"]
 
 
@@ -47,6 +47,42 @@ class Segment:
     map_key: int | None = None  # component index whose slot map the segment reads
     check: tuple[int, int, int, int] | None = None  # (row, a, tokens, page size) for the invariant
     what: str = ""
+
+
+_FIELDS = ("owner", "role", "kind", "row", "a", "step", "n", "lo", "hi", "ring", "map_key")
+
+
+@dataclass
+class SegmentTable:
+    """Segments as columns (int64 arrays of length ``S``), in owner order; ``map_key`` -1 = no map;
+    ``check`` is ``[S, 4]`` ``(row, a, tokens, page size)`` with ``tokens == 0`` for no check."""
+
+    owner: np.ndarray
+    role: np.ndarray
+    kind: np.ndarray
+    row: np.ndarray
+    a: np.ndarray
+    step: np.ndarray
+    n: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    ring: np.ndarray
+    map_key: np.ndarray
+    check: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.n)
+
+    @classmethod
+    def from_segments(cls, segments: Sequence[Segment]) -> "SegmentTable":
+        cols = {f: np.array([getattr(s, f) if f != "map_key" or s.map_key is not None else -1 for s in segments],
+                            dtype=np.int64) for f in _FIELDS}
+        check = np.array([s.check or (0, 0, 0, 1) for s in segments], dtype=np.int64).reshape(-1, 4)
+        return cls(**cols, check=check)
+
+    def what(self, s: int, component_names: Sequence[str]) -> str:
+        role = int(self.role[s])
+        return "KV page" if role == -1 else "aux" if role == -2 else component_names[role]
 
 
 def pages_segment(owner: int, row: int, a: int, end: int, page_size: int, num_pages: int, validate: bool,
@@ -129,32 +165,30 @@ class Packer:
 class ListJob:
     """The index-list and invariant-check launches of a set of segments."""
 
-    def __init__(self, segments: Sequence[Segment], maps: dict[int, torch.Tensor], packer: Packer, block: int):
+    def __init__(self, segments: SegmentTable, maps: dict[int, torch.Tensor], packer: Packer, block: int):
         self.segments, self.maps, self.packer, self.block = segments, maps, packer, block
-        S = len(segments)
-        self.counts = np.array([s.n for s in segments], dtype=np.int64)
-        self.seg_off = np.cumsum(self.counts) - self.counts
-        self.total = int(self.counts.sum())
-        meta = np.zeros((max(S, 1), ki.NUM_FIELDS), dtype=np.int64)
-        check_meta = np.zeros((max(S, 1), ks.NUM_FIELDS), dtype=np.int64)
-        index_groups: dict[int | None, list[int]] = {}
-        check_groups: dict[int | None, list[int]] = {}
-        for i, s in enumerate(segments):
-            paged = s.kind in (ki.TOKEN_PAGES, ki.MAPPED_PAGES)
-            meta[i] = (s.kind, s.row, s.a, s.step, s.step if paged else 1, s.ring, s.n, self.seg_off[i], s.lo, s.hi,
-                       maps[s.map_key].numel() if s.map_key is not None else 0)
-            index_groups.setdefault(s.map_key, []).append(i)
-            if s.check is not None:
-                check_meta[i] = s.check
-                check_groups.setdefault(s.map_key, []).append(i)
+        t = segments
+        S = len(t)
+        self.counts = t.n
+        self.seg_off = np.cumsum(t.n) - t.n
+        self.total = int(t.n.sum())
+        paged = (t.kind == ki.TOKEN_PAGES) | (t.kind == ki.MAPPED_PAGES)
+        map_len = np.zeros(S, dtype=np.int64)
+        for key, tensor in maps.items():
+            map_len[t.map_key == key] = tensor.numel()
+        meta = np.stack([t.kind, t.row, t.a, t.step, np.where(paged, t.step, 1), t.ring, t.n, self.seg_off, t.lo, t.hi,
+                         map_len], axis=1) if S else np.zeros((1, ki.NUM_FIELDS), dtype=np.int64)
+        check_meta = t.check if S else np.zeros((1, ks.NUM_FIELDS), dtype=np.int64)
         self.meta_span, self.check_span = packer.add(meta), packer.add(check_meta)
         # the error words start as NO_ERROR and travel with the same copy (no fill kernels)
         self.errors_span = packer.add(np.full(max(S, 1) * 3, ki.NO_ERROR, dtype=np.int64))
-        self.index_progs = {k: self._programs(ids, self.counts) for k, ids in index_groups.items()}
-        self.check_progs = {k: self._programs(ids, check_meta[:, 2]) for k, ids in check_groups.items()}
+        keys = np.unique(t.map_key)
+        self.index_progs = {int(k): self._programs(np.flatnonzero(t.map_key == k), t.n) for k in keys}
+        checked = t.check[:, 2] > 0 if S else np.zeros(0, dtype=bool)
+        self.check_progs = {int(k): self._programs(np.flatnonzero(checked & (t.map_key == k)), t.check[:, 2])
+                            for k in np.unique(t.map_key[checked])}
 
-    def _programs(self, ids: list[int], sizes: np.ndarray) -> tuple[tuple[int, int], tuple[int, int]]:
-        seg_ids = np.array(ids, dtype=np.int64)
+    def _programs(self, seg_ids: np.ndarray, sizes: np.ndarray) -> tuple[tuple[int, int], tuple[int, int]]:
         prog_seg, prog_off = ki.programs_over(sizes[seg_ids], self.block)
         return self.packer.add(seg_ids[prog_seg]), self.packer.add(prog_off)
 
@@ -171,27 +205,37 @@ class ListJob:
         return ids, errors, invariant
 
 
-def raise_list_errors(segments: Sequence[Segment], order: Sequence[Sequence[int]], request_of: Callable[[int], Any],
+def raise_list_errors(segments: SegmentTable, component_names: Sequence[str], request_of: Callable[[int], Any],
                       errors: np.ndarray, invariant: np.ndarray, ids: np.ndarray, seg_off: np.ndarray,
                       policy: Policy) -> None:
-    """Raise the first error the kernels flagged, walking owners in ``order`` (segment ids per owner)."""
-    errors = errors.reshape(-1, 2)
-    for owner_segments in order:
-        for s in owner_segments:
-            seg = segments[s]
-            request = request_of(seg.owner)
-            bound, unmapped, inv = int(errors[s, 0]), int(errors[s, 1]), int(invariant[s])
-            if unmapped < ki.NO_ERROR:
-                pos = seg.a + unmapped * seg.step
-                if policy is Policy.STRICT:
-                    raise UnmappedSlotError(request, f"{seg.what}: token {pos} inside the window has no SWA slot")
-                log.warning("request %r: %s: token %d has no SWA slot; sending page 0 as SGLang does",
-                            request, seg.what, pos)
-            elif inv < ki.NO_ERROR:
-                raise AllocatorInvariantError(
-                    request, f"{'KV' if seg.role == -1 else seg.what}: token {seg.check[1] + inv} breaks the paged "
-                    f"allocator invariant (page size {seg.check[3]})")
-            if bound < ki.NO_ERROR:
-                value = int(ids[seg_off[s] + bound]) if bound < seg.n else -1
-                raise PoolBoundsError(request, f"{seg.what} index {value} at position {bound} is outside the pool "
-                                      f"[{seg.lo}, {seg.hi})")
+    """Raise the first error the kernels flagged, in segment (so owner) order.
+
+    Within a segment an unmapped SWA slot comes first (an error under ``strict``, a warning under
+    ``truncate``, which then skips the invariant as the reference does), then the allocator
+    invariant, then pool bounds.
+    """
+    errors = errors.reshape(-1, 2)[: len(segments)]
+    invariant = invariant[: len(segments)]
+    bound, unmapped, inv = errors[:, 0] < ki.NO_ERROR, errors[:, 1] < ki.NO_ERROR, invariant < ki.NO_ERROR
+    strict = policy is Policy.STRICT
+    if not strict:
+        for s in np.flatnonzero(unmapped):
+            pos = int(segments.a[s] + errors[s, 1] * segments.step[s])
+            log.warning("request %r: %s: token %d has no SWA slot; sending page 0 as SGLang does",
+                        request_of(int(segments.owner[s])), segments.what(s, component_names), pos)
+    fatal = bound | (inv & ~unmapped) | (unmapped & strict)
+    if not fatal.any():
+        return
+    s = int(np.flatnonzero(fatal)[0])
+    request, what = request_of(int(segments.owner[s])), segments.what(s, component_names)
+    if unmapped[s]:
+        pos = int(segments.a[s] + errors[s, 1] * segments.step[s])
+        raise UnmappedSlotError(request, f"{what}: token {pos} inside the window has no SWA slot")
+    if inv[s]:
+        row, a, _, ps = (int(x) for x in segments.check[s])
+        raise AllocatorInvariantError(request, f"{'KV' if segments.role[s] == -1 else what}: token {a + int(invariant[s])} "
+                                      f"breaks the paged allocator invariant (page size {ps})")
+    k = int(errors[s, 0])
+    value = int(ids[seg_off[s] + k]) if k < segments.n[s] else -1
+    raise PoolBoundsError(request, f"{what} index {value} at position {k} is outside the pool "
+                          f"[{int(segments.lo[s])}, {int(segments.hi[s])})")

@@ -34,8 +34,9 @@ def check_same(batch: Batch, device: torch.device, block: int = 1024) -> None:
     try:
         expected = plan_reference(batch)
     except PlanError as err:
-        with pytest.raises(type(err)):
+        with pytest.raises(type(err)) as raised:
             gpu.plan(on_device(batch, device), block=block).result()
+        assert raised.value.request == err.request, f"{raised.value} vs {err}"
         return
     direct = all(t.mode is Mode.DIRECT for t in expected.transfers)
     pending = gpu.plan(on_device(batch, device), block=block, prepared=direct)
@@ -103,3 +104,42 @@ def test_large_addresses_and_page_ids_use_64_bit_arithmetic(device, int32_saniti
     dst = SideMemory(kv(0x7D00_0000_0000_0000), (ring(0x7C00_0000_0000_0000),))
     t = Transfer("big", 1, 0, 257, 256, True, np.array([pages, pages - 1, 3, 4]), dst_state=(np.arange(32) + 2048,))
     check_same(Batch(src, (dst,), (t,)), device)
+
+
+def _mutate(batch: Batch, kind: str, which: int) -> Batch:
+    """One bad transfer in an otherwise valid batch."""
+    from dataclasses import replace
+
+    transfers = list(batch.transfers)
+    i = which % len(transfers)
+    t = transfers[i]
+    ps = batch.src.kv.page_size
+    if kind == "unaligned" and ps > 1:
+        t = replace(t, start=t.start + 1)
+    elif kind == "dst_out_of_pool" and len(t.dst_pages):
+        pages = t.dst_pages.copy()
+        pages[-1] = batch.dsts[0].kv.num_pages + 3
+        t = replace(t, dst_pages=pages)
+    elif kind == "dst_short" and len(t.dst_pages):
+        t = replace(t, dst_pages=t.dst_pages[:-1])
+    elif kind == "wrong_last":
+        t = replace(t, last=not t.last)
+    elif kind == "bad_row":
+        t = replace(t, src_row=0)
+    elif kind == "bad_aux" and t.last:
+        t = replace(t, aux_dst=10**6)
+    elif kind == "state_short" and t.last and t.dst_state and len(t.dst_state[0]) > 1:
+        t = replace(t, dst_state=(t.dst_state[0][:-1], *t.dst_state[1:]))
+    elif kind == "src_slot" and len(t.dst_pages):
+        table = batch.src.req_to_token.copy()
+        table[t.src_row, t.start] = (batch.src.kv.num_pages + 5) * ps
+        return Batch(replace(batch.src, req_to_token=table), batch.dsts, tuple(transfers), batch.policy)
+    transfers[i] = t
+    return Batch(batch.src, batch.dsts, tuple(transfers), batch.policy)
+
+
+@settings(max_examples=40, deadline=None)
+@given(scenarios(), st.sampled_from(["unaligned", "dst_out_of_pool", "dst_short", "wrong_last", "bad_row", "bad_aux",
+                                     "state_short", "src_slot"]), st.integers(0, 50))
+def test_bad_batches_raise_what_the_reference_raises(device, case, kind, which):
+    check_same(_mutate(case[1], kind, which), device)
