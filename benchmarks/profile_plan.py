@@ -34,6 +34,22 @@ def main() -> None:
     stats.sort_stats("tottime").print_stats(25)
     print(f"== {name}: by cumulative time")
     stats.sort_stats("cumtime").print_stats(30)
+    device_time(batch, name)
+
+
+def device_time(batch, name: str, calls: int = 20) -> None:
+    """Kernel and copy time on the GPU per call, from torch.profiler (what a CUDA graph would cost)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            gpu.plan(batch).descriptors()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    total_us = sum(e.self_device_time_total for e in events) / calls
+    print(f"== {name}: device time per call {total_us:.1f} us (kernels and copies, from torch.profiler)")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:12]:
+        print(f"   {e.self_device_time_total / calls:9.1f} us  {e.count // calls:3d}x  {e.key[:90]}")
 
 
 if __name__ == "__main__":
