@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from kvplan.bench import SCENARIOS, _device_batch
+from kvplan.bench import SCENARIOS
 from kvplan.planner import gpu
 from kvplan.scenarios import PRESETS, build_batch
 
@@ -19,7 +19,7 @@ from kvplan.scenarios import PRESETS, build_batch
 def main() -> None:
     name = sys.argv[1] if len(sys.argv) > 1 else "llama70b-tp8-p64"
     requests, prompt_len = SCENARIOS[name]
-    batch = _device_batch(build_batch(PRESETS[name], requests, prompt_len), torch.device("cuda"))
+    batch = build_batch(PRESETS[name], requests, prompt_len).to("cuda")
     for _ in range(5):
         gpu.plan(batch).descriptors()
     torch.cuda.synchronize()

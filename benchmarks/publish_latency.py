@@ -18,7 +18,7 @@ import torch
 from kvplan.bench import _median_ms
 from kvplan.compat.sglang import kv_to_page_indices, pack_int_lists
 from kvplan.planner.destinations import PreallocatedRequest, plan_destinations
-from kvplan.planner.model import SideMemory, StateComponent, StateKind
+from kvplan.planner.model import SideMemory, StateKind
 from kvplan.scenarios import PRESETS, build_batch
 
 PROMPT_LEN = 4096
@@ -27,11 +27,7 @@ PRESET_NAMES = ("llama70b-tp8-p64", "gptoss-swa-p16")
 
 def decode_side(preset: str, requests: int, device: torch.device) -> tuple[SideMemory, list[PreallocatedRequest]]:
     batch = build_batch(PRESETS[preset], requests, PROMPT_LEN, seed=1)
-    side = batch.dsts[0]
-    state = tuple(StateComponent(c.kind, c.entries, c.window, c.page_size, c.ring_size,
-                                 None if c.slot_map is None else torch.as_tensor(c.slot_map).to(device), c.name)
-                  for c in side.state)
-    side = SideMemory(side.kv, state, side.aux, torch.as_tensor(side.req_to_token).to(device))
+    side = batch.dsts[0].to(device)
     reqs = [PreallocatedRequest(f"req{r}", r, PROMPT_LEN, 0, r) for r in range(1, requests + 1)]
     return side, reqs
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvplan.baseline import sglang_style_descs
-from kvplan.bench import SCENARIOS, TARGETS, _device_batch, _median_ms
+from kvplan.bench import SCENARIOS, TARGETS, _median_ms
 from kvplan.planner import gpu
 from kvplan.scenarios import PRESETS, build_batch
 
@@ -30,7 +30,7 @@ def scenario(request):
         shape = shape.scaled(layers=2)
         requests, prompt_len = max(1, int(requests * SCALE)), max(64, int(prompt_len * SCALE))
     batch = build_batch(shape, requests, prompt_len)
-    return request.param, batch, _device_batch(batch, torch.device("cuda" if ON_GPU else "cpu"))
+    return request.param, batch, batch.to("cuda" if ON_GPU else "cpu")
 
 
 def test_plan_latency(benchmark, scenario):

@@ -101,14 +101,6 @@ def _median_ms(fn: Callable[[], object], runs: int, warmup: int = 2) -> float:
     return statistics.median(times) * 1e3
 
 
-def _device_batch(batch: Batch, device: torch.device) -> Batch:
-    src = batch.src
-    state = tuple(replace(c, slot_map=None if c.slot_map is None else torch.as_tensor(c.slot_map).to(device))
-                  for c in src.state)
-    table = torch.as_tensor(src.req_to_token).to(device)
-    return replace(batch, src=replace(src, state=state, req_to_token=table))
-
-
 def _parts_ms(batch: Batch, runs: int) -> tuple[float, float, float]:
     """Median (plan call, device time, hand-off) in ms, on CUDA."""
     call, device, handoff = [], [], []
@@ -144,7 +136,7 @@ def _staging_gbps(batch: Batch, device: torch.device, runs: int) -> tuple[float,
     """Gather, scatter and plain copy bandwidth (GB/s, bytes read + written) on real pools."""
     src, _src_mem = materialize(batch.src, device)
     dst, _dst_mem = materialize(batch.dsts[0], device)
-    real = _device_batch(replace(batch, src=src, dsts=(dst,)), device)
+    real = replace(batch, src=src, dsts=(dst,)).to(device)
     descs = gpu.plan(real).device_descriptors()
     offsets, ends = staging_offsets(descs)
     nbytes = int(ends[-1])
@@ -172,7 +164,7 @@ def run_bench(names: list[str], runs: int = 20, scale: float = 1.0, staging: boo
             requests, prompt_len = max(1, int(requests * scale)), max(64, int(prompt_len * scale))
             shape = shape.scaled(layers=max(1, int(shape.layers * scale)))
         batch = build_batch(shape, requests, prompt_len, seed=0)
-        device_batch = _device_batch(batch, device)
+        device_batch = batch.to(device)
         ours = gpu.plan(device_batch).descriptors()[0]
         theirs = sglang_style_descs(batch)
         if not np.array_equal(ours, theirs):

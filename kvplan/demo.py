@@ -33,7 +33,7 @@ import torch
 from .baseline import sglang_style_descs
 from .planner import gpu
 from .planner.destinations import PreallocatedRequest
-from .planner.model import Batch, SideMemory
+from .planner.model import Batch
 from .planner.pairing import Mode, pair_sides
 from .planner.reference import plan_reference
 from .scenarios import PRESETS, ModelShape, build_batch, materialize
@@ -141,12 +141,6 @@ class DemoReport:
         return "\n".join(lines)
 
 
-def _on_device(side: SideMemory, device: str) -> SideMemory:
-    state = tuple(replace(c, slot_map=None if c.slot_map is None else torch.as_tensor(c.slot_map).to(device))
-                  for c in side.state)
-    return replace(side, state=state, req_to_token=torch.as_tensor(side.req_to_token).to(device))
-
-
 def _median_ms(fn: Callable[[], object], runs: int) -> float:
     fn()
     times = []
@@ -165,7 +159,7 @@ def decode_process(config: DemoConfig, conn) -> None:
         device = config.resolved_device()
         batch = config.batch()
         side, dst_tensors = materialize(batch.dsts[0], device)
-        side = _on_device(side, device)
+        side = side.to(device)
         if config.fault == "bad-registration":
             side = replace(side, aux=())
         staging = torch.zeros(config.staging_bytes, dtype=torch.uint8, device=device) if config.mode == "staged" else None
@@ -201,7 +195,7 @@ def prefill_process(config: DemoConfig, port: int, conn) -> None:
         device = config.resolved_device()
         batch = config.batch()
         side, _ = materialize(batch.src, device, seed=config.seed)
-        side = _on_device(side, device)
+        side = side.to(device)
         staging = torch.zeros(config.staging_bytes, dtype=torch.uint8, device=device) if config.mode == "staged" else None
         endpoint = PrefillEndpoint(side, make_engine(config.engine, "prefill", config.memory), ControlChannel(port), staging)
         try:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import enum
 from functools import cached_property
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -232,6 +232,16 @@ class SideMemory:
         object.__setattr__(self, "state", tuple(self.state))
         object.__setattr__(self, "aux", tuple(self.aux))
 
+    def to(self, device: Any) -> "SideMemory":
+        """The same side with its token table and slot maps as torch tensors on ``device``."""
+        import torch
+
+        def move(values: Any) -> Any:
+            return None if values is None else torch.as_tensor(values).to(device)
+
+        state = tuple(replace(c, slot_map=move(c.slot_map)) for c in self.state)
+        return replace(self, state=state, req_to_token=move(self.req_to_token))
+
 
 def _index_array(values: Any) -> np.ndarray:
     """A host int64 copy of an index list (list, NumPy array or CPU tensor)."""
@@ -303,3 +313,7 @@ class Batch:
         object.__setattr__(self, "policy", Policy(self.policy))
         object.__setattr__(self, "dsts", tuple(self.dsts))
         object.__setattr__(self, "transfers", tuple(self.transfers))
+
+    def to(self, device: Any) -> "Batch":
+        """The same batch with the source's token table and slot maps on ``device``."""
+        return replace(self, src=self.src.to(device))

@@ -9,17 +9,14 @@ from hypothesis import strategies as st
 from kvplan.errors import AlignmentError, PlanError, UnmappedSlotError
 from kvplan.planner import gpu
 from kvplan.planner.destinations import PreallocatedRequest, decode_message, plan_destinations
-from kvplan.planner.model import Batch, SideMemory, StateComponent, Transfer
+from kvplan.planner.model import Batch, SideMemory, Transfer
 from kvplan.planner.reference import destination_lists, plan_reference
 from tests.planner.test_gpu_planner import on_device
 from tests.planner.test_reference_properties import scenarios
 
 
 def side_on(side: SideMemory, device: torch.device) -> SideMemory:
-    state = tuple(StateComponent(c.kind, c.entries, c.window, c.page_size, c.ring_size,
-                                 None if c.slot_map is None else torch.as_tensor(c.slot_map).to(device), c.name)
-                  for c in side.state)
-    return SideMemory(side.kv, state, side.aux, torch.as_tensor(side.req_to_token).to(device))
+    return side.to(device)
 
 
 def requests_of(batch: Batch) -> list[PreallocatedRequest]:

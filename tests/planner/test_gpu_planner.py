@@ -21,13 +21,7 @@ from tests.planner.test_reference_properties import scenarios
 
 
 def on_device(batch: Batch, device: torch.device) -> Batch:
-    """The same batch with the source's token table and slot maps as tensors on ``device``."""
-    src = batch.src
-    state = tuple(StateComponent(c.kind, c.entries, c.window, c.page_size, c.ring_size,
-                                 None if c.slot_map is None else torch.as_tensor(c.slot_map).to(device), c.name)
-                  for c in src.state)
-    table = torch.as_tensor(src.req_to_token).to(device)
-    return Batch(SideMemory(src.kv, state, src.aux, table), batch.dsts, batch.transfers, batch.policy, batch.validate)
+    return batch.to(device)
 
 
 def check_same(batch: Batch, device: torch.device, block: int = 1024) -> None:
