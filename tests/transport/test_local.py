@@ -23,8 +23,8 @@ def _real_batch(batch: Batch, device: torch.device):
 
 
 @settings(max_examples=25, deadline=None)
-@given(scenarios() | scenarios(head_sliced=True), st.booleans())
-def test_local_execution_matches_the_reference(device, case, staged):
+@given(scenarios() | scenarios(head_sliced=True), st.booleans(), st.sampled_from([16, 4096]))
+def test_local_execution_matches_the_reference(device, case, staged, typical_bytes):
     _, batch = case
     real, src_tensors, dst_tensors = _real_batch(batch, device)
     plan = plan_reference(real)
@@ -36,10 +36,10 @@ def test_local_execution_matches_the_reference(device, case, staged):
     if staged:
         offsets, ends = staging_offsets(descs)
         staging = torch.zeros(int(ends[-1]) if len(ends) else 0, dtype=torch.uint8, device=device)
-        gather(descs, offsets, staging, align)
-        scatter(descs, offsets, staging, align)
+        gather(descs, offsets, staging, align, typical_bytes)
+        scatter(descs, offsets, staging, align, typical_bytes)
     else:
-        run_direct(descs, align)
+        run_direct(descs, align, typical_bytes)
     assert expected.matches(dst_tensors)
 
 
