@@ -42,7 +42,7 @@ from .prepared import AUX as _AUX
 from .prepared import KV as _KV
 from .prepared import PreparedIndices, prepared_slots
 
-__all__ = ["PendingPlan", "plan"]
+__all__ = ["PendingPlan", "plan", "plan_inputs"]
 
 
 
@@ -165,14 +165,9 @@ class PendingPlan:
         return Plan(tuple(out))
 
 
-def plan(batch: Batch, stream: torch.cuda.Stream | None = None, block: int = 1024,
-         prepared: bool = False) -> PendingPlan:
-    """Plan ``batch`` with the kernels; nothing here waits for the device.
-
-    Errors visible from lengths alone are raised here; errors only the kernels can see are raised
-    by :meth:`PendingPlan.result`. ``block`` is the number of list elements per program.
-    ``prepared=True`` also computes the index arrays for NIXL prepared lists (direct mode only).
-    """
+def plan_inputs(batch: Batch, prepared: bool) -> tuple[torch.Tensor, dict[int, torch.Tensor], Layout, list | None,
+                                                       torch.device]:
+    """Validate the batch's device inputs and lay it out: ``(table, maps, layout, slots, device)``."""
     table = batch.src.req_to_token
     if table is None:
         raise InputError(None, "the source side needs its token table (req_to_token)")
@@ -188,6 +183,18 @@ def plan(batch: Batch, stream: torch.cuda.Stream | None = None, block: int = 102
         if any(m is not Mode.DIRECT for m in layout.modes):
             raise LayoutError("prepared lists are per page: head-sliced transfers need descriptors")
         slots = [prepared_slots(batch.src, d) for d in batch.dsts]
+    return table, maps, layout, slots, device
+
+
+def plan(batch: Batch, stream: torch.cuda.Stream | None = None, block: int = 1024,
+         prepared: bool = False) -> PendingPlan:
+    """Plan ``batch`` with the kernels; nothing here waits for the device.
+
+    Errors visible from lengths alone are raised here; errors only the kernels can see are raised
+    by :meth:`PendingPlan.result`. ``block`` is the number of list elements per program.
+    ``prepared=True`` also computes the index arrays for NIXL prepared lists (direct mode only).
+    """
+    table, maps, layout, slots, device = plan_inputs(batch, prepared)
     if device.type == "cuda":
         stream = stream or torch.cuda.current_stream(device)
         with torch.cuda.stream(stream):
@@ -212,86 +219,126 @@ def _prepared_layout(layout: Layout, slots: list[dict]) -> dict[str, np.ndarray]
             "role": seg.role[ids], "transfer": seg.owner[ids]}
 
 
+class _Job:
+    """One batch's launches, decided on the host: metadata packed, grids sized. :meth:`run` issues
+    them on the current stream, reading the packed metadata from ``packer.device_buffer``."""
+
+    def __init__(self, layout: Layout, maps: dict[int, torch.Tensor], block: int, slots: list[dict] | None):
+        self.layout, self.maps, self.block = layout, maps, block
+        S = self.S = len(layout.segments)
+        pk = self.packer = Packer()
+        self.lists = ListJob(layout.segments, maps, pk, block)
+        counts, seg_off = self.lists.counts, self.lists.seg_off
+        self.n_flat = self.lists.total
+        spans = self.spans = {"dst": pk.add(layout.dst)}
+        run_ps, run_po = ki.programs_over(counts, block)
+        spans["runs"] = (pk.add(run_ps), pk.add(run_po), pk.add(np.searchsorted(run_ps, np.arange(S))))
+        spans["seg_off"], spans["seg_n"] = pk.add(seg_off), pk.add(counts)
+        spans["entries"] = pk.add(layout.entry_table)
+        seg_entries, head_slices = layout.entries, layout.head_slices
+        sliced = head_slices[:, 0] > 0
+        direct_entries = np.where(sliced, 0, seg_entries)
+        hs_count = np.where(sliced, seg_entries * counts * head_slices[:, 0], 0)
+        spans["seg_entry_off"], spans["seg_entries"] = pk.add(layout.entry_off), pk.add(seg_entries)
+        spans["direct_entries"], spans["hs_count"] = pk.add(direct_entries), pk.add(hs_count)
+        spans["hs"] = pk.add(head_slices)
+        hs_ids = np.flatnonzero(sliced).astype(np.int64)
+        hps, hpo = ki.programs_over(counts[hs_ids] * head_slices[hs_ids, 0], block)
+        spans["hs_progs"] = (pk.add(hs_ids[hps] if len(hs_ids) else hps[:0]), pk.add(hpo))
+        self.capacity = int((counts * direct_entries).sum() + hs_count.sum())
+        self.max_direct = int(direct_entries.max()) if S else 0
+        self.max_hs = int(seg_entries[hs_ids].max()) if len(hs_ids) else 0
+        self.sections = None
+        if slots is not None:
+            self.sections = _prepared_layout(layout, slots)
+            pps, ppo = ki.programs_over(counts[self.sections["ids"]], block)
+            spans["prep"] = (pk.add(self.sections["table"]), pk.add(self.sections["ids"][pps] if len(pps) else pps),
+                             pk.add(ppo))
+        self.small_sizes = (("errors", max(S, 1) * 2), ("invariant", max(S, 1)), ("src", self.n_flat),
+                            ("seg_run_start", S + 1), ("seg_desc_off", S), ("total_descs", 1))
+
+    def key(self, table: torch.Tensor) -> tuple:
+        """What a replay of a captured run must share with this one: sizes and input tensors."""
+        sizes = tuple(size for _, size in self.packer_spans())
+        maps = tuple((k, m.data_ptr(), m.numel()) for k, m in sorted(self.maps.items()))
+        return (self.packer.size, sizes, self.capacity, self.max_direct, self.max_hs, self.n_flat, self.S, self.block,
+                self.sections["size"] if self.sections else None, table.data_ptr(), tuple(table.shape), maps)
+
+    def packer_spans(self) -> list[tuple[int, int]]:
+        out = []
+        for value in self.spans.values():
+            out += list(value) if isinstance(value[0], tuple) else [value]
+        return out
+
+    def landing(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """Host buffers the run copies its small results (and prepared indices) into."""
+        out = {"small": host_empty(sum(n for _, n in self.small_sizes), torch.int64, device)}
+        if self.sections is not None:
+            out["prep_src"] = host_empty(self.sections["size"], torch.int32, device)
+            out["prep_dst"] = host_empty(self.sections["size"], torch.int32, device)
+        return out
+
+    def run(self, table: torch.Tensor, landing: dict[str, torch.Tensor]) -> tuple[dict, dict, list]:
+        """Issue every launch; returns the host views, the device results and what must stay alive."""
+        device, view, S, block = table.device, self.packer.view, self.S, self.block
+        spans, n_flat = self.spans, self.n_flat
+        src, errors, invariant = self.lists.launch(table)
+        dst = view(spans["dst"])
+        seg_off_d, seg_n_d = view(spans["seg_off"]), view(spans["seg_n"])
+        if S:
+            run_elem, run_seg, seg_run_start = kr.find_runs(src, dst, seg_off_d, seg_n_d, view(spans["runs"][0]),
+                                                            view(spans["runs"][1]), view(spans["runs"][2]), block)
+            seg_runs = seg_run_start[1:] - seg_run_start[:-1]
+            desc_count = seg_runs * view(spans["direct_entries"]) + view(spans["hs_count"])
+            desc_end = torch.cumsum(desc_count, 0)
+            seg_desc_off = desc_end - desc_count
+            total_descs = desc_end[-1:]
+        else:
+            run_elem = run_seg = torch.zeros(1, dtype=torch.int64, device=device)
+            seg_run_start = torch.zeros(1, dtype=torch.int64, device=device)
+            seg_desc_off = torch.zeros(0, dtype=torch.int64, device=device)
+            total_descs = torch.zeros(1, dtype=torch.int64, device=device)
+        descs = torch.empty((max(1, self.capacity), 3), dtype=torch.int64, device=device)
+        entries = view(spans["entries"])
+        kd.direct_descriptors(run_elem, run_seg, seg_run_start, n_flat, src, dst, view(spans["seg_entry_off"]),
+                              view(spans["direct_entries"]), seg_desc_off, entries, descs, n_flat, self.max_direct, 256)
+        hs_ps, hs_po = spans["hs_progs"]
+        kd.head_sliced_descriptors(view(hs_ps), view(hs_po), seg_off_d, seg_n_d, view(spans["hs"]), src, dst,
+                                   view(spans["seg_entry_off"]), view(spans["seg_entries"]), seg_desc_off, entries,
+                                   descs, self.max_hs, block)
+        host = {}
+        keep: list[Any] = [src]
+        if self.sections is not None:
+            size = self.sections["size"]
+            prep_src = torch.empty(max(1, size), dtype=torch.int32, device=device)
+            prep_dst = torch.empty_like(prep_src)
+            table_span, ps_span, po_span = spans["prep"]
+            kp.prepared_indices(src, dst, seg_off_d, seg_n_d, view(ps_span), view(po_span), view(table_span),
+                                prep_src, prep_dst, int(self.sections["table"][:, 0].max()), block)
+            for name, tensor in (("prep_src", prep_src), ("prep_dst", prep_dst)):
+                landing[name].copy_(tensor[:size], non_blocking=True)
+                host[name] = landing[name]
+            keep += [prep_src, prep_dst]
+        tensors = {"errors": errors, "invariant": invariant, "src": src[:n_flat], "seg_run_start": seg_run_start,
+                   "seg_desc_off": seg_desc_off, "total_descs": total_descs}
+        packed = torch.cat([tensors[name] for name, _ in self.small_sizes])  # one device-to-host copy
+        landing["small"].copy_(packed, non_blocking=True)
+        at = 0
+        for name, size in self.small_sizes:
+            host[name] = landing["small"][at : at + size]
+            at += size
+        keep.append(packed)
+        return host, {"descs": descs, "run_elem": run_elem}, keep
+
+
 def _launch(batch: Batch, layout: Layout, table: torch.Tensor, maps: dict[int, torch.Tensor], device: torch.device,
             block: int, stream: torch.cuda.Stream | None, slots: list[dict] | None) -> PendingPlan:
-    S = len(layout.segments)
-    pk = Packer()
-    lists = ListJob(layout.segments, maps, pk, block)
-    counts, seg_off, n_flat = lists.counts, lists.seg_off, lists.total
-    spans = {"dst": pk.add(layout.dst)}
-    run_ps, run_po = ki.programs_over(counts, block)
-    first_prog = np.searchsorted(run_ps, np.arange(S))
-    spans["runs"] = (pk.add(run_ps), pk.add(run_po), pk.add(first_prog))
-    spans["seg_off"], spans["seg_n"] = pk.add(seg_off), pk.add(counts)
-    spans["entries"] = pk.add(layout.entry_table)
-    entry_off, seg_entries, head_slices = layout.entry_off, layout.entries, layout.head_slices
-    sliced = head_slices[:, 0] > 0
-    direct_entries = np.where(sliced, 0, seg_entries)
-    hs_count = np.where(sliced, seg_entries * counts * head_slices[:, 0], 0)
-    spans["seg_entry_off"], spans["seg_entries"] = pk.add(entry_off), pk.add(seg_entries)
-    spans["direct_entries"], spans["hs_count"] = pk.add(direct_entries), pk.add(hs_count)
-    spans["hs"] = pk.add(head_slices)
-    hs_ids = np.flatnonzero(sliced).astype(np.int64)
-    hps, hpo = ki.programs_over(counts[hs_ids] * head_slices[hs_ids, 0], block)
-    spans["hs_progs"] = (pk.add(hs_ids[hps] if len(hs_ids) else hps[:0]), pk.add(hpo))
-    sections = None
-    if slots is not None:
-        sections = _prepared_layout(layout, slots)
-        pps, ppo = ki.programs_over(counts[sections["ids"]], block)
-        spans["prep"] = (pk.add(sections["table"]), pk.add(sections["ids"][pps] if len(pps) else pps), pk.add(ppo))
-    staging = pk.ship(device)
-    view = pk.view
-    src, errors, invariant = lists.launch(table)
-    dst = view(spans["dst"])
-    seg_off_d, seg_n_d = view(spans["seg_off"]), view(spans["seg_n"])
-    if S:
-        run_elem, run_seg, seg_run_start = kr.find_runs(src, dst, seg_off_d, seg_n_d, view(spans["runs"][0]),
-                                                        view(spans["runs"][1]), view(spans["runs"][2]), block)
-        seg_runs = seg_run_start[1:] - seg_run_start[:-1]
-        desc_count = seg_runs * view(spans["direct_entries"]) + view(spans["hs_count"])
-        desc_end = torch.cumsum(desc_count, 0)
-        seg_desc_off = desc_end - desc_count
-        total_descs = desc_end[-1:]
-    else:
-        run_elem = run_seg = torch.zeros(1, dtype=torch.int64, device=device)
-        seg_run_start = torch.zeros(1, dtype=torch.int64, device=device)
-        seg_desc_off = torch.zeros(0, dtype=torch.int64, device=device)
-        total_descs = torch.zeros(1, dtype=torch.int64, device=device)
-    capacity = int((counts * direct_entries).sum() + hs_count.sum())
-    descs = torch.empty((max(1, capacity), 3), dtype=torch.int64, device=device)
-    entries = view(spans["entries"])
-    max_direct = int(direct_entries.max()) if S else 0
-    kd.direct_descriptors(run_elem, run_seg, seg_run_start, n_flat, src, dst, view(spans["seg_entry_off"]),
-                          view(spans["direct_entries"]), seg_desc_off, entries, descs, n_flat, max_direct, 256)
-    hs_ps, hs_po = spans["hs_progs"]
-    max_hs = int(seg_entries[hs_ids].max()) if len(hs_ids) else 0
-    kd.head_sliced_descriptors(view(hs_ps), view(hs_po), seg_off_d, seg_n_d, view(spans["hs"]), src, dst,
-                               view(spans["seg_entry_off"]), view(spans["seg_entries"]), seg_desc_off, entries, descs,
-                               max_hs, block)
-    host = {}
-    if sections is not None:
-        prep_src = torch.empty(max(1, sections["size"]), dtype=torch.int32, device=device)
-        prep_dst = torch.empty_like(prep_src)
-        table_span, ps_span, po_span = spans["prep"]
-        max_entries = int(sections["table"][:, 0].max())
-        kp.prepared_indices(src, dst, seg_off_d, seg_n_d, view(ps_span), view(po_span), view(table_span),
-                            prep_src, prep_dst, max_entries, block)
-        for name, tensor in (("prep_src", prep_src), ("prep_dst", prep_dst)):
-            h = host_empty(sections["size"], torch.int32, device)
-            h.copy_(tensor[: sections["size"]], non_blocking=True)
-            host[name] = h
-    small = (("errors", errors), ("invariant", invariant), ("src", src[:n_flat]), ("seg_run_start", seg_run_start),
-             ("seg_desc_off", seg_desc_off), ("total_descs", total_descs))
-    packed = torch.cat([tensor for _, tensor in small])  # one device-to-host copy for all of them
-    landing = host_empty(packed.numel(), torch.int64, device)
-    landing.copy_(packed, non_blocking=True)
-    at = 0
-    for name, tensor in small:
-        host[name] = landing[at : at + tensor.numel()]
-        at += tensor.numel()
+    job = _Job(layout, maps, block, slots)
+    staging = job.packer.ship(device)
+    host, device_results, keep = job.run(table, job.landing(device))
     event = None
     if stream is not None:
         event = torch.cuda.Event()
         event.record(stream)
-    return PendingPlan(event, batch, layout, host, {"descs": descs, "run_elem": run_elem},
-                       [staging, pk.device_buffer, src, packed], sections)
+    return PendingPlan(event, batch, layout, host, device_results, [staging, job.packer.device_buffer, *keep],
+                       job.sections)
