@@ -13,28 +13,32 @@ import torch
 
 from kvplan.bench import SCENARIOS
 from kvplan.planner import gpu
+from kvplan.planner.graphs import GraphPlanner
 from kvplan.scenarios import PRESETS, build_batch
 
 
 def main() -> None:
     name = sys.argv[1] if len(sys.argv) > 1 else "llama70b-tp8-p64"
+    graph = "--graph" in sys.argv
     requests, prompt_len = SCENARIOS[name]
     batch = build_batch(PRESETS[name], requests, prompt_len).to("cuda")
+    planner = GraphPlanner() if graph else None
+    run = (lambda: planner.plan(batch).descriptors()) if graph else (lambda: gpu.plan(batch).descriptors())
     for _ in range(5):
-        gpu.plan(batch).descriptors()
+        run()
     torch.cuda.synchronize()
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(50):
-        gpu.plan(batch)
-        torch.cuda.synchronize()
+        run()
     profile.disable()
     stats = pstats.Stats(profile).strip_dirs()
-    print(f"== {name}: 50 calls of gpu.plan, by total time")
+    print(f"== {name}: 50 plans to host descriptors ({'graph replay' if graph else 'eager'}), by total time")
     stats.sort_stats("tottime").print_stats(25)
     print(f"== {name}: by cumulative time")
     stats.sort_stats("cumtime").print_stats(30)
-    device_time(batch, name)
+    if not graph:
+        device_time(batch, name)
 
 
 def device_time(batch, name: str, calls: int = 20) -> None:
