@@ -255,8 +255,9 @@ def _lay_out_batch(batch: Batch, table_shape: tuple[int, int], pairings: list[Si
         present[lasts, K - 1] = True
         for f, v in (("kind", ki.CONST), ("a", aux_src[lasts]), ("step", 1), ("n", 1), ("hi", NO_LIMIT), ("ring", 1)):
             cols[f][lasts, K - 1] = v
-        for i, v in zip(lasts.tolist(), aux_dst[lasts].tolist()):
-            dst_parts[i][K - 1] = np.array([v], dtype=np.int64)
+        aux_lists = aux_dst[lasts].reshape(-1, 1)
+        for j, i in enumerate(lasts.tolist()):
+            dst_parts[i][K - 1] = aux_lists[j]
     check[..., 2] *= present  # no check for absent slots
     check[:, 1 : 1 + C, 2] *= validate
 

@@ -182,11 +182,14 @@ class ListJob:
         self.meta_span, self.check_span = packer.add(meta), packer.add(check_meta)
         # the error words start as NO_ERROR and travel with the same copy (no fill kernels)
         self.errors_span = packer.add(np.full(max(S, 1) * 3, ki.NO_ERROR, dtype=np.int64))
-        keys = np.unique(t.map_key)
-        self.index_progs = {int(k): self._programs(np.flatnonzero(t.map_key == k), t.n) for k in keys}
-        checked = t.check[:, 2] > 0 if S else np.zeros(0, dtype=bool)
-        self.check_progs = {int(k): self._programs(np.flatnonzero(checked & (t.map_key == k)), t.check[:, 2])
-                            for k in np.unique(t.map_key[checked])}
+        checked = t.check[:, 2] > 0
+        self.index_progs, self.check_progs = {}, {}
+        for key in (-1, *maps):  # one launch per slot map (and one for lists without a map)
+            uses = t.map_key == key
+            if uses.any():
+                self.index_progs[key] = self._programs(np.flatnonzero(uses), t.n)
+            if (uses & checked).any():
+                self.check_progs[key] = self._programs(np.flatnonzero(uses & checked), t.check[:, 2])
 
     def _programs(self, seg_ids: np.ndarray, sizes: np.ndarray) -> tuple[tuple[int, int], tuple[int, int]]:
         prog_seg, prog_off = ki.programs_over(sizes[seg_ids], self.block)
