@@ -20,6 +20,8 @@ def main() -> None:
     x = [r["descriptors"] for r in rows]
     ax.loglog(x, [r["baseline_ms"] for r in rows], "o-", label="SGLang-style (NumPy + Python loops)")
     ax.loglog(x, [r["kvplan_ms"] for r in rows], "s-", label="kvplan (GPU, to descriptors in host memory)")
+    if all(r.get("graph_ms") for r in rows):
+        ax.loglog(x, [r["graph_ms"] for r in rows], "^--", label="kvplan, CUDA-graph replay (GraphPlanner)")
     for r in rows:
         ax.annotate(r["scenario"], (r["descriptors"], r["baseline_ms"]), fontsize=7, xytext=(4, 4),
                     textcoords="offset points")
