@@ -1,0 +1,67 @@
+"""An engine's own ceiling on this machine: one contiguous WRITE between two processes.
+
+``python -m benchmarks.engine_ceiling nixl|mooncake [MiB]``; GPU memory (VRAM) when a GPU is
+present. The median of 5 writes after one warm-up, in GiB/s, next to which kvplan's end-to-end
+numbers (``kvplan demo``) are read.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+from kvplan.transport.engines import make_engine
+
+DEADLINE = 60.0
+
+
+def _device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def target(kind: str, size: int, conn) -> None:
+    engine = make_engine(kind, "ceiling-target", "VRAM" if _device() == "cuda" else "DRAM")
+    buf = torch.zeros(size, dtype=torch.uint8, device=_device())
+    engine.register([(buf.data_ptr(), size)])
+    conn.send((engine.metadata(), buf.data_ptr()))
+    conn.poll(DEADLINE * 4)
+
+
+def main() -> None:
+    kind = sys.argv[1]
+    size = int(sys.argv[2] if len(sys.argv) > 2 else 256) << 20
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(kind, size, there), daemon=True)
+    proc.start()
+    try:
+        if not here.poll(DEADLINE):
+            raise TimeoutError("the target process did not start")
+        metadata, remote = here.recv()
+        engine = make_engine(kind, "ceiling-initiator", "VRAM" if _device() == "cuda" else "DRAM")
+        src = torch.ones(size, dtype=torch.uint8, device=_device())
+        engine.register([(src.data_ptr(), size)])
+        peer = engine.connect(metadata)
+        descs = np.array([[src.data_ptr(), remote, size]], dtype=np.uint64)
+        times = []
+        for i in range(6):
+            t0 = time.perf_counter()
+            engine.write(peer, descs, b"ceiling", time.monotonic() + DEADLINE)
+            if i:
+                times.append(time.perf_counter() - t0)
+        gibs = size / statistics.median(times) / 2**30
+        print(f"{kind} ceiling, one contiguous write of {size >> 20} MiB, {_device()} memory: {gibs:.2f} GiB/s")
+    finally:
+        here.send("bye")
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+
+
+if __name__ == "__main__":
+    main()

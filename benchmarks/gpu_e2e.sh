@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# End to end on a GPU through one engine (wheels carried in .whl for NIXL or .whl-mc for Mooncake):
+# the engine's ceiling, then kvplan demo direct and staged on the same machine.
+# Usage on the GPU machine:  OUT=/some/dir bash benchmarks/gpu_e2e.sh nixl|mooncake
+set -uo pipefail
+engine=$1
+wheels=.whl; [ "$engine" = mooncake ] && wheels=.whl-mc
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$wheels"/*.whl || exit 1
+export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1 UCX_NET_DEVICES=lo NIXL_LOG_LEVEL=WARN
+OUT=${OUT:-/tmp/kvplan-gpu}; mkdir -p "$OUT"
+log="$OUT/e2e-$engine.txt"
+nvidia-smi --query-gpu=name --format=csv,noheader | tee "$log"
+python3 -m benchmarks.engine_ceiling "$engine" 256 2>&1 | tee -a "$log"
+for mode in direct staged; do
+  echo "\$ kvplan demo --engine $engine --mode $mode --preset llama70b-tp8-p64 --layers 8 --requests 8 --prompt-len 8192" | tee -a "$log"
+  python3 -m kvplan demo --no-progress --engine "$engine" --mode "$mode" --preset llama70b-tp8-p64 --layers 8 \
+    --requests 8 --prompt-len 8192 2>&1 | tee -a "$log"
+done
