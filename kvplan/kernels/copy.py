@@ -28,26 +28,29 @@ TILE_WORDS = 2048
 
 
 @triton.jit
+def _endpoints(desc_ptr, offsets_ptr, staging_addr, i, live, MODE: tl.constexpr, WORD: tl.constexpr):
+    """Source and destination word pointers and the size in words of descriptors ``i``."""
+    src = tl.load(desc_ptr + i * 3, mask=live, other=0)
+    dst = tl.load(desc_ptr + i * 3 + 1, mask=live, other=0)
+    words = tl.load(desc_ptr + i * 3 + 2, mask=live, other=0) // WORD
+    if MODE == 1:
+        dst = staging_addr + tl.load(offsets_ptr + i, mask=live, other=0)
+    if MODE == 2:
+        src = staging_addr + tl.load(offsets_ptr + i, mask=live, other=0)
+    if WORD == 8:
+        return src.to(tl.pointer_type(tl.int64)), dst.to(tl.pointer_type(tl.int64)), words
+    elif WORD == 4:
+        return src.to(tl.pointer_type(tl.int32)), dst.to(tl.pointer_type(tl.int32)), words
+    else:
+        return src.to(tl.pointer_type(tl.uint8)), dst.to(tl.pointer_type(tl.uint8)), words
+
+
+@triton.jit
 def _copy_kernel(desc_ptr, offsets_ptr, staging_addr, MODE: tl.constexpr, WORD: tl.constexpr, BLOCK: tl.constexpr,
                  SPLIT: tl.constexpr):
     i = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
-    src = tl.load(desc_ptr + i * 3)
-    dst = tl.load(desc_ptr + i * 3 + 1)
-    words = tl.load(desc_ptr + i * 3 + 2) // WORD
-    if MODE == 1:
-        dst = staging_addr + tl.load(offsets_ptr + i)
-    if MODE == 2:
-        src = staging_addr + tl.load(offsets_ptr + i)
-    if WORD == 8:
-        sp = src.to(tl.pointer_type(tl.int64))
-        dp = dst.to(tl.pointer_type(tl.int64))
-    elif WORD == 4:
-        sp = src.to(tl.pointer_type(tl.int32))
-        dp = dst.to(tl.pointer_type(tl.int32))
-    else:
-        sp = src.to(tl.pointer_type(tl.uint8))
-        dp = dst.to(tl.pointer_type(tl.uint8))
+    sp, dp, words = _endpoints(desc_ptr, offsets_ptr, staging_addr, i, i >= 0, MODE, WORD)
     for start in range(part * BLOCK, words, SPLIT * BLOCK):
         o = start + tl.arange(0, BLOCK).to(tl.int64)
         m = o < words
@@ -61,22 +64,7 @@ def _copy_tile_kernel(desc_ptr, offsets_ptr, staging_addr, n, MODE: tl.constexpr
     over ``W``-word columns up to the largest descriptor of the tile."""
     i = tl.program_id(0).to(tl.int64) * DPP + tl.arange(0, DPP).to(tl.int64)
     live = i < n
-    src = tl.load(desc_ptr + i * 3, mask=live, other=0)
-    dst = tl.load(desc_ptr + i * 3 + 1, mask=live, other=0)
-    words = tl.load(desc_ptr + i * 3 + 2, mask=live, other=0) // WORD
-    if MODE == 1:
-        dst = staging_addr + tl.load(offsets_ptr + i, mask=live, other=0)
-    if MODE == 2:
-        src = staging_addr + tl.load(offsets_ptr + i, mask=live, other=0)
-    if WORD == 8:
-        sp = src.to(tl.pointer_type(tl.int64))
-        dp = dst.to(tl.pointer_type(tl.int64))
-    elif WORD == 4:
-        sp = src.to(tl.pointer_type(tl.int32))
-        dp = dst.to(tl.pointer_type(tl.int32))
-    else:
-        sp = src.to(tl.pointer_type(tl.uint8))
-        dp = dst.to(tl.pointer_type(tl.uint8))
+    sp, dp, words = _endpoints(desc_ptr, offsets_ptr, staging_addr, i, live, MODE, WORD)
     most = tl.max(words, axis=0)
     for start in range(0, most, W):
         o = start + tl.arange(0, W).to(tl.int64)
