@@ -52,7 +52,3 @@ class UnmappedSlotError(PlanError):
 
 class InputError(PlanError):
     """An input has the wrong dtype, device, shape or value range."""
-
-
-class DeviceValidationError(PlanError):
-    """Errors found by the validation kernels on the device, raised when the host consumes a plan."""

@@ -2,8 +2,8 @@
 
 Shape contract
 --------------
-* ``meta``: int64 ``[S, NUM_FIELDS]``, one row per segment (one list of one transfer), fields
-  below. A segment of ``n`` ids writes ``out[out_off : out_off + n]``.
+* ``meta``: int64 ``[S, NUM_FIELDS]``, one row per segment (one list of one transfer), columns
+  :data:`FIELDS`. A segment of ``n`` ids writes ``out[out_off : out_off + n]``.
 * ``prog_seg``/``prog_off``: int64 ``[P]``: program ``p`` computes ids ``prog_off[p] ..
   prog_off[p] + BLOCK`` of segment ``prog_seg[p]`` (built by :func:`programs_over`; every segment
   has at least one program, so empty segments cost nothing but exist).
@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 
 TOKEN_PAGES, MAPPED_PAGES, RING, ROW_MAP, CONST = 0, 1, 2, 3, 4
-(F_KIND, F_ROW, F_A, F_STEP, F_DIV, F_RING, F_N, F_OUT, F_LO, F_HI, F_MAPLEN) = range(11)
-NUM_FIELDS = 11
+FIELDS = ("kind", "row", "a", "step", "div", "ring", "n", "out_off", "lo", "hi", "map_len")  # the columns of meta
+NUM_FIELDS = len(FIELDS)
 NO_ERROR = 1 << 62
 
 
