@@ -48,7 +48,7 @@ from ..planner.reference import DestinationLists
 from .completion import CompletionTracker, SectionNote, decode_notification, encode_notification
 from .control import ControlChannel, ControlTimeout
 from .engines import Engine, TransferError
-from .local import as_device_descriptors, gather, plan_alignment, scatter, staging_offsets
+from .local import as_device_descriptors, gather, plan_alignment, scatter, staging_offsets, warm_up
 from .registration import describe_side, side_from_description
 
 __all__ = ["Chunk", "DecodeEndpoint", "PrefillEndpoint"]
@@ -75,6 +75,8 @@ class DecodeEndpoint:
         self.side, self.engine, self.channel, self.staging = side, engine, channel, staging
         self.tracker = CompletionTracker()
         self.engine.register(_regions(side) + ([(staging.data_ptr(), staging.numel())] if staging is not None else []))
+        if staging is not None:
+            warm_up(staging)
 
     def register(self, timeout: float = 60.0) -> None:
         """Publish this side's layout, engine metadata and staging buffer; waits up to ``timeout``
@@ -157,6 +159,8 @@ class PrefillEndpoint:
                  policy: Policy = Policy.STRICT):
         self.side, self.engine, self.channel, self.staging, self.policy = side, engine, channel, staging, policy
         self.engine.register(_regions(side) + ([(staging.data_ptr(), staging.numel())] if staging is not None else []))
+        if staging is not None:
+            warm_up(staging)
         self.peer: str | None = None
         self.peer_side: SideMemory | None = None
         self.peer_staging: tuple[int, int] | None = None

@@ -27,7 +27,7 @@ from ..kernels import copy as kc
 from ..planner.model import Batch
 from ..planner.pairing import pair_sides
 
-__all__ = ["gather", "plan_alignment", "run_direct", "scatter", "staging_offsets"]
+__all__ = ["gather", "plan_alignment", "run_direct", "scatter", "staging_offsets", "warm_up"]
 
 
 def plan_alignment(batch: Batch) -> int:
@@ -77,6 +77,20 @@ def scatter(descs: torch.Tensor, offsets: torch.Tensor, staging: torch.Tensor, a
     """Copy ``staging[offsets[i]:]`` to each descriptor's destination (the receiving side of staged mode)."""
     _check_staging(staging, offsets + descs[:, 2])
     kc.copy_descriptors(descs, kc.SCATTER, offsets, staging.data_ptr(), alignment, typical_bytes)
+
+
+def warm_up(staging: torch.Tensor, alignment: int = 16) -> None:
+    """Compile the gather and scatter kernels now (a first transfer should not pay for it): each
+    copies the staging buffer's first 16 bytes onto themselves."""
+    if staging.numel() < 16:
+        return
+    addr = staging.data_ptr()
+    descs = torch.tensor([[addr, addr, 16]], dtype=torch.int64).to(staging.device)
+    offsets = torch.zeros(1, dtype=torch.int64, device=staging.device)
+    for mode in (kc.GATHER, kc.SCATTER):
+        kc.copy_descriptors(descs, mode, offsets, addr, alignment)
+    if staging.is_cuda:
+        torch.cuda.current_stream(staging.device).synchronize()
 
 
 def as_device_descriptors(descs: np.ndarray, device: torch.device) -> torch.Tensor:
