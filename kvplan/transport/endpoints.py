@@ -6,7 +6,7 @@ from the engine's notifications and the control channel. The prefill side (:clas
 pairs the published layout with its own, plans each batch with kvplan and moves it through the
 engine, directly (one engine write per section, with a notification), through NIXL prepared
 descriptor lists (int32 indices per section, lists made once per peer) or staged (gathered into a
-registered staging buffer, one engine write per transfer, scattered by the receiver).
+registered staging buffer, one engine write per wave of transfers, scattered by the receiver).
 
 A dead peer, an engine error or a deadline marks the affected requests failed on both sides with
 the reason; no section of a failed write is reported as delivered.
@@ -274,9 +274,9 @@ class PrefillEndpoint:
         return result
 
     def _send_staged(self, plan: Plan, device_descs: torch.Tensor, alignment: int, deadline: float) -> dict[Any, str | None]:
-        """Waves of whole transfers that fit both staging buffers: gather a wave, write one region per
-        transfer, tell the receiver what to scatter, and wait for its acknowledgement before reusing
-        the buffers."""
+        """Waves of whole transfers that fit both staging buffers: gather a wave, move it with one
+        engine write, tell the receiver what to scatter, and wait for its acknowledgement before
+        reusing the buffers."""
         if self.staging is None or self.peer_staging is None:
             raise LayoutError("staged mode needs a registered staging buffer on both sides")
         descs, offsets = plan.descriptors()
@@ -287,7 +287,11 @@ class PrefillEndpoint:
         wave: list[int] = []
         for i, t in enumerate(plan.transfers):
             size = int(byte_starts[offsets[i + 1]] - byte_starts[offsets[i]])
-            if size > capacity:
+            if size > capacity:  # a wave is a contiguous range of transfers: close it before this one
+                if wave:
+                    self._staged_wave(plan, wave, descs, offsets, byte_starts, device_descs, sections, alignment,
+                                      result, deadline)
+                    wave = []
                 reason = f"this transfer needs {size} staging bytes; the staging buffers hold {capacity}"
                 result[t.request] = reason
                 self._report(t.request, reason)
@@ -310,22 +314,21 @@ class PrefillEndpoint:
         gather(wave_descs, staging_offsets(wave_descs)[0], self.staging, alignment)
         if self.staging.is_cuda:
             torch.cuda.current_stream(self.staging.device).synchronize()
-        for i in wave:
-            t = plan.transfers[i]
-            lo, hi = int(offsets[i]), int(offsets[i + 1])
-            if lo == hi or result[t.request] is not None:
-                continue
-            b_lo, b_hi = int(byte_starts[lo]) - base, int(byte_starts[hi]) - base
-            region = np.array([[self.staging.data_ptr() + b_lo, self.peer_staging[0] + b_lo, b_hi - b_lo]],
-                              dtype=np.uint64)
-            try:
+        size = int(byte_starts[d_hi]) - base
+        requests = list(dict.fromkeys(plan.transfers[i].request for i in wave))
+        if size:
+            region = np.array([[self.staging.data_ptr(), self.peer_staging[0], size]], dtype=np.uint64)
+            notes = [[s.request, s.role, s.name, s.count] for s in sections if wave[0] <= s.transfer <= wave[-1]]
+            try:  # one engine write moves the whole wave; the receiver scatters it with the wave's descriptors
                 self.engine.write(self.peer, region, _STAGED_NOTE, deadline)
-                notes = [[s.request, s.role, s.name, s.count] for s in sections if s.transfer == i]
-                self.channel.send("staged", {"sections": notes, "staging_lo": b_lo, "alignment": alignment},
-                                  np.ascontiguousarray(descs[lo:hi, 1:]).tobytes())
+                self.channel.send("staged", {"sections": notes, "staging_lo": 0, "alignment": alignment},
+                                  np.ascontiguousarray(descs[d_lo:d_hi, 1:]).tobytes())
             except (TransferError, ControlTimeout) as err:
-                result[t.request] = str(err)
-                self._report(t.request, str(err))
+                for request in requests:
+                    if result[request] is None:
+                        result[request] = str(err)
+                        self._report(request, str(err))
+                return
         try:  # the receiver has scattered this wave once it acknowledges; then the buffers are free again
             self.channel.send("wave", {}, timeout=max(0.0, deadline - time.monotonic()))
             kind, _, _ = self.channel.recv(deadline)

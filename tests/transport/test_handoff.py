@@ -43,6 +43,14 @@ def test_staged_batches_larger_than_the_staging_buffers_go_in_waves(engine):
     assert report.ok, report.render()
 
 
+@pytest.mark.parametrize("engine", ENGINES[:1])
+def test_a_transfer_larger_than_the_staging_buffers_fails_alone(engine):
+    # transfer sizes here: req1 5632 + 9808, req2 1536 + 5216, req3 3584 + 6528 bytes
+    report = run_demo(replace(config(engine, "hybrid", "staged"), staging_bytes=6144))
+    assert report.states == {"req1": "failed", "req2": "complete", "req3": "failed"}, report.failures
+    assert "staging bytes" in report.failures["req1"] and "staging bytes" in report.failures["req3"]
+
+
 def test_nixl_prepared_lists_arrive_byte_for_byte():
     if "nixl" not in ENGINES:
         pytest.skip("NIXL is not among the engines of this run")
