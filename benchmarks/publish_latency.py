@@ -15,7 +15,7 @@ import json
 import numpy as np
 import torch
 
-from kvplan.bench import _median_ms
+from kvplan.bench import median_ms
 from kvplan.compat.sglang import kv_to_page_indices, pack_int_lists
 from kvplan.planner.destinations import PreallocatedRequest, plan_destinations
 from kvplan.planner.model import SideMemory, StateKind
@@ -70,8 +70,8 @@ def main() -> None:
         for n in (64, 256):
             side, reqs = decode_side(preset, n, device)
             assert kvplan_messages(side, reqs) == sglang_style_messages(side, reqs), f"{preset}: messages differ"
-            ours = _median_ms(lambda: kvplan_messages(side, reqs), args.runs)
-            base = _median_ms(lambda: sglang_style_messages(side, reqs), args.runs)
+            ours = median_ms(lambda: kvplan_messages(side, reqs), args.runs)
+            base = median_ms(lambda: sglang_style_messages(side, reqs), args.runs)
             rows.append({"preset": preset, "requests": n, "prompt_len": PROMPT_LEN, "baseline_ms": base,
                          "kvplan_ms": ours, "ratio": base / ours})
     card = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (interpreter)"

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvplan.baseline import sglang_style_descs
-from kvplan.bench import SCENARIOS, TARGETS, _median_ms
+from kvplan.bench import SCENARIOS, TARGETS, median_ms
 from kvplan.planner import gpu
 from kvplan.scenarios import PRESETS, build_batch
 
@@ -38,7 +38,7 @@ def test_plan_latency(benchmark, scenario):
     baseline = sglang_style_descs(batch)
     descs = benchmark(lambda: gpu.plan(device_batch).descriptors()[0])
     assert np.array_equal(descs, baseline), "kvplan and the SGLang-style baseline disagree"
-    baseline_ms = _median_ms(lambda: sglang_style_descs(batch), 5 if ON_GPU else 1, warmup=0)
+    baseline_ms = median_ms(lambda: sglang_style_descs(batch), 5 if ON_GPU else 1, warmup=0)
     benchmark.extra_info.update(descriptors=len(descs), baseline_ms=baseline_ms)
     if GATES and benchmark.stats is not None:
         ratio = baseline_ms / (benchmark.stats.stats.median * 1e3)

@@ -89,7 +89,8 @@ class BenchRow:
         return met
 
 
-def _median_ms(fn: Callable[[], object], runs: int, warmup: int = 2) -> float:
+def median_ms(fn: Callable[[], object], runs: int, warmup: int = 2) -> float:
+    """Median wall time of ``fn`` in ms, device work included (synchronised around each run)."""
     for _ in range(warmup):
         fn()
     cuda = torch.cuda.is_available()
@@ -148,9 +149,9 @@ def _staging_gbps(batch: Batch, device: torch.device, runs: int) -> tuple[float,
     twin = torch.empty_like(staging)
     align = plan_alignment(real)
     typical = int(descs[:, 2].float().mean().item())
-    g = _median_ms(lambda: gather(descs, offsets, staging, align, typical), runs)
-    s = _median_ms(lambda: scatter(descs, offsets, staging, align, typical), runs)
-    c = _median_ms(lambda: twin.copy_(staging), runs)
+    g = median_ms(lambda: gather(descs, offsets, staging, align, typical), runs)
+    s = median_ms(lambda: scatter(descs, offsets, staging, align, typical), runs)
+    c = median_ms(lambda: twin.copy_(staging), runs)
     return tuple(2 * nbytes / (ms / 1e3) / 1e9 for ms in (g, s, c))
 
 
@@ -173,9 +174,9 @@ def run_bench(names: list[str], runs: int = 20, scale: float = 1.0, staging: boo
         theirs = sglang_style_descs(batch)
         if not np.array_equal(ours, theirs):
             raise AssertionError(f"{name}: kvplan and the SGLang-style baseline planned different descriptors")
-        kvplan_ms = _median_ms(lambda: gpu.plan(device_batch).descriptors(), runs)
-        base_runs = max(3, min(runs, int(2000 / max(1.0, _median_ms(lambda: sglang_style_descs(batch), 1, 0)))))
-        baseline_ms = _median_ms(lambda: sglang_style_descs(batch), base_runs, warmup=1)
+        kvplan_ms = median_ms(lambda: gpu.plan(device_batch).descriptors(), runs)
+        base_runs = max(3, min(runs, int(2000 / max(1.0, median_ms(lambda: sglang_style_descs(batch), 1, 0)))))
+        baseline_ms = median_ms(lambda: sglang_style_descs(batch), base_runs, warmup=1)
         call = dev = handoff = syncs = graph_ms = None
         if device.type == "cuda":
             call, dev, handoff = _parts_ms(device_batch, runs)
@@ -183,7 +184,7 @@ def run_bench(names: list[str], runs: int = 20, scale: float = 1.0, staging: boo
             planner = GraphPlanner()
             if not np.array_equal(planner.plan(device_batch).descriptors()[0], ours):  # eager, then captured
                 raise AssertionError(f"{name}: the graph planner disagrees with the eager planner")
-            graph_ms = _median_ms(lambda: planner.plan(device_batch).descriptors(), runs)
+            graph_ms = median_ms(lambda: planner.plan(device_batch).descriptors(), runs)
         row = BenchRow(name, requests, prompt_len, shape.layers, len(ours), baseline_ms, kvplan_ms, call, dev,
                        handoff, syncs, baseline_ms / kvplan_ms, graph_ms,
                        baseline_ms / graph_ms if graph_ms else None)

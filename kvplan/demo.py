@@ -21,16 +21,16 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import statistics
 import sys
 import time
 import traceback
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from .baseline import sglang_style_descs
+from .bench import median_ms
 from .planner import gpu
 from .planner.destinations import PreallocatedRequest
 from .planner.model import Batch
@@ -141,16 +141,6 @@ class DemoReport:
         return "\n".join(lines)
 
 
-def _median_ms(fn: Callable[[], object], runs: int) -> float:
-    fn()
-    times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
-
-
 def decode_process(config: DemoConfig, conn) -> None:
     """The receiving side: publish, wait, verify; every outcome goes back through ``conn``."""
     try:
@@ -213,9 +203,9 @@ def prefill_process(config: DemoConfig, port: int, conn) -> None:
         planned = Batch(side, (endpoint.peer_side,), tuple(transfers))
         descs = gpu.plan(planned).descriptors()[0]
         runs = 5 if device == "cuda" else 1
-        kvplan_ms = _median_ms(lambda: gpu.plan(planned).descriptors(), runs)
+        kvplan_ms = median_ms(lambda: gpu.plan(planned).descriptors(), runs)
         direct = pair_sides(side, endpoint.peer_side).mode is Mode.DIRECT
-        baseline_ms = _median_ms(lambda: sglang_style_descs(planned), runs) if direct else None
+        baseline_ms = median_ms(lambda: sglang_style_descs(planned), runs) if direct else None
         conn.send(("planned", len(transfers), len(descs), int(descs[:, 2].sum()) if len(descs) else 0,
                    "direct" if direct else "head-sliced", kvplan_ms, baseline_ms))
         if not conn.poll(config.timeout * 2) or conn.recv() != "go":

@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..compat.sglang import pack_int_lists, unpack_int_lists
+from ..compat.sglang import unpack_int_lists
 from ..errors import AlignmentError, InputError
 from .lists import (
     ListJob,
@@ -80,7 +80,9 @@ class PublishedRequest:
 
     def message(self) -> bytes:
         """The wire message: ``pack_int_lists([pages, *state, [aux_index]], "i")``."""
-        return pack_int_lists([self.lists.pages, *self.lists.state, np.array([self.aux_index])], "i")
+        lists = [self.lists.pages, *self.lists.state]
+        lengths = np.array([[len(x) for x in lists]], dtype=np.int64)
+        return encode_messages(np.concatenate(lists), lengths, np.array([self.aux_index], dtype=np.int64))[0]
 
     def expectation(self) -> Expectation:
         names = tuple(n for n, ids in zip(self.component_names, self.lists.state) if len(ids))

@@ -133,7 +133,7 @@ def _lay_out_each(batch: Batch, table_shape: tuple[int, int], pairings: list[Sid
                 check_bounds(request, f"destination {dst_side.state[c].name}", dst_list, 0, dst_side.state[c].num_items)
                 add(seg, t.dest, dst_list)
             if check_aux(t, src, dst_side):
-                add(Segment(index, AUX, ki.CONST, 0, t.aux_src, 1, 1, 0, NO_LIMIT, what="aux"), t.dest,
+                add(Segment(index, AUX, ki.CONST, 0, t.aux_src, 1, 1, 0, NO_LIMIT), t.dest,
                     np.array([t.aux_dst], dtype=np.int64))
         seg_first.append(len(segments))
     cols = list(zip(*info)) if info else [[]] * 7

@@ -46,7 +46,6 @@ class Segment:
     ring: int = 1
     map_key: int | None = None  # component index whose slot map the segment reads
     check: tuple[int, int, int, int] | None = None  # (row, a, tokens, page size) for the invariant
-    what: str = ""
 
 
 _FIELDS = ("owner", "role", "kind", "row", "a", "step", "n", "lo", "hi", "ring", "map_key")
@@ -90,7 +89,7 @@ def pages_segment(owner: int, row: int, a: int, end: int, page_size: int, num_pa
     """KV pages of tokens ``[a, end)`` (``n`` overrides the count after truncation)."""
     check = (row, a, end - a, page_size) if validate and end > a else None
     count = cdiv(end - a, page_size) if n is None else n
-    return Segment(owner, -1, ki.TOKEN_PAGES, row, a, page_size, count, 1, num_pages, check=check, what="KV page")
+    return Segment(owner, -1, ki.TOKEN_PAGES, row, a, page_size, count, 1, num_pages, check=check)
 
 
 def component_segment(owner: int, c: int, comp: StateComponent, side_page_size: int, row: int, seq: int,
@@ -98,18 +97,17 @@ def component_segment(owner: int, c: int, comp: StateComponent, side_page_size: 
     """Component ``c``'s list for ``row`` over ``seq`` tokens (planning.md §6)."""
     comp.require_map()
     if comp.kind is StateKind.MAMBA:
-        return Segment(owner, c, ki.ROW_MAP, row, 0, 1, 1, 0, comp.num_items, map_key=c, what=comp.name)
+        return Segment(owner, c, ki.ROW_MAP, row, 0, 1, 1, 0, comp.num_items, map_key=c)
     if comp.kind is StateKind.SWA_RING:
         lo = max(0, seq - comp.window)
-        return Segment(owner, c, ki.RING, row, lo, 1, seq - lo, 0, comp.num_items, ring=comp.ring_size,
-                       what=comp.name)
+        return Segment(owner, c, ki.RING, row, lo, 1, seq - lo, 0, comp.num_items, ring=comp.ring_size)
     ps = comp.pages_of(side_page_size)
     if comp.kind is StateKind.DSA:
         return Segment(owner, c, ki.TOKEN_PAGES, row, 0, ps, cdiv(seq, ps), 1, comp.num_items,
-                       check=(row, 0, seq, ps) if validate and seq else None, what=comp.name)
+                       check=(row, 0, seq, ps) if validate and seq else None)
     ws = (max(0, seq - comp.window) // ps) * ps
     return Segment(owner, c, ki.MAPPED_PAGES, row, ws, ps, cdiv(seq - ws, ps), 1, comp.num_items, map_key=c,
-                   check=(row, ws, seq - ws, ps) if validate and seq > ws else None, what=comp.name)
+                   check=(row, ws, seq - ws, ps) if validate and seq > ws else None)
 
 
 def host_empty(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
