@@ -12,8 +12,7 @@ import sys
 import torch
 
 from kvplan.bench import SCENARIOS
-from kvplan.planner import gpu
-from kvplan.planner.graphs import GraphPlanner
+from kvplan.planner.device import Planner
 from kvplan.scenarios import PRESETS, build_batch
 
 
@@ -22,8 +21,8 @@ def main() -> None:
     graph = "--graph" in sys.argv
     requests, prompt_len = SCENARIOS[name]
     batch = build_batch(PRESETS[name], requests, prompt_len).to("cuda")
-    planner = GraphPlanner() if graph else None
-    run = (lambda: planner.plan(batch).descriptors()) if graph else (lambda: gpu.plan(batch).descriptors())
+    planner = Planner(batch.src, batch.dsts, graphs=graph)
+    run = lambda: planner.plan(batch).descriptors()  # noqa: E731
     for _ in range(5):
         run()
     torch.cuda.synchronize()
@@ -37,17 +36,16 @@ def main() -> None:
     stats.sort_stats("tottime").print_stats(25)
     print(f"== {name}: by cumulative time")
     stats.sort_stats("cumtime").print_stats(30)
-    if not graph:
-        device_time(batch, name)
+    device_time(planner, batch, name)
 
 
-def device_time(batch, name: str, calls: int = 20) -> None:
-    """Kernel and copy time on the GPU per call, from torch.profiler (what a CUDA graph would cost)."""
+def device_time(planner: Planner, batch, name: str, calls: int = 20) -> None:
+    """Kernel and copy time on the GPU per call, from torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
-            gpu.plan(batch).descriptors()
+            planner.plan(batch).descriptors()
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     total_us = sum(e.self_device_time_total for e in events) / calls

@@ -33,7 +33,7 @@ import torch
 
 from .baseline import sglang_style_descs
 from .planner import gpu
-from .planner.graphs import GraphPlanner
+from .planner.device import Planner
 from .planner.model import Batch
 from .scenarios import PRESETS, build_batch, materialize
 from .transport.local import gather, plan_alignment, scatter, staging_offsets

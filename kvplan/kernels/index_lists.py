@@ -25,10 +25,27 @@ import torch
 import triton
 import triton.language as tl
 
-TOKEN_PAGES, MAPPED_PAGES, RING, ROW_MAP, CONST = 0, 1, 2, 3, 4
+from .segments import CONST, MAPPED_PAGES, RING, ROW_MAP, TOKEN_PAGES  # noqa: F401  (the list kinds)
 FIELDS = ("kind", "row", "a", "step", "div", "ring", "n", "out_off", "lo", "hi", "map_len")  # the columns of meta
 NUM_FIELDS = len(FIELDS)
 NO_ERROR = 1 << 62
+
+
+@triton.jit
+def element_ids(kind, row, a, step, div, ring, k, m, table_ptr, table_stride, map_ptr, map_len):
+    """Element ``k`` of a list by its kind: ``(ids, unmapped, map_bad)``; ``map_ptr`` may differ per lane."""
+    reads_table = (kind == 0) | (kind == 1)
+    slot = tl.load(table_ptr + row * table_stride + a + k * step, mask=m & reads_table, other=0).to(tl.int64)
+    map_index = tl.where(kind == 3, row, slot)
+    reads_map = (kind == 1) | (kind == 3)
+    map_ok = (map_index >= 0) & (map_index < map_len)
+    mapped = tl.load(map_ptr + map_index, mask=m & reads_map & map_ok, other=0).to(tl.int64)
+    ring_row = row * ring + (a + k) % ring
+    ids = tl.where(kind == 0, slot // div,
+                   tl.where(kind == 1, mapped // div,
+                            tl.where(kind == 2, ring_row, tl.where(kind == 3, mapped, a))))
+    unmapped = m & (kind == 1) & map_ok & (mapped == 0)
+    return ids, unmapped, m & reads_map & ~map_ok
 
 
 @triton.jit
@@ -52,18 +69,8 @@ def _index_list_kernel(meta_ptr, prog_seg_ptr, prog_off_ptr, table_ptr, table_st
 
     k = off + tl.arange(0, BLOCK).to(tl.int64)
     m = k < n
-    reads_table = (kind == 0) | (kind == 1)
-    slot = tl.load(table_ptr + row * table_stride + a + k * step, mask=m & reads_table, other=0).to(tl.int64)
-    map_index = tl.where(kind == 3, row, slot)
-    reads_map = (kind == 1) | (kind == 3)
-    map_ok = (map_index >= 0) & (map_index < map_len)
-    mapped = tl.load(map_ptr + map_index, mask=m & reads_map & map_ok, other=0).to(tl.int64)
-    ring_row = row * ring + (a + k) % ring
-    ids = tl.where(kind == 0, slot // div,
-                   tl.where(kind == 1, mapped // div,
-                            tl.where(kind == 2, ring_row, tl.where(kind == 3, mapped, a))))
-    unmapped = m & (kind == 1) & map_ok & (mapped == 0)
-    bad = m & ((reads_map & ~map_ok) | (~unmapped & ((ids < lo) | (ids >= hi))))
+    ids, unmapped, map_bad = element_ids(kind, row, a, step, div, ring, k, m, table_ptr, table_stride, map_ptr, map_len)
+    bad = map_bad | (m & ~unmapped & ((ids < lo) | (ids >= hi)))
     tl.store(out_ptr + out_off + k, ids, mask=m)
     big = 1 << 62
     tl.atomic_min(err_ptr + seg * 2, tl.min(tl.where(bad, k, big), axis=0))

@@ -12,9 +12,9 @@ pytestmark = pytest.mark.compile_check
 
 
 def _specs():
-    from kvplan.kernels import copy, descriptors, index_lists, prepared, runs, slot_check
+    from kvplan.kernels import batch_layout, copy, elements, expand, index_lists, run_table, slot_check, summary
 
-    for module in (index_lists, slot_check, runs, descriptors, prepared, copy):
+    for module in (batch_layout, elements, run_table, summary, expand, index_lists, slot_check, copy):
         for kernel, signature, constexprs in module.COMPILE_SPECS:
             yield pytest.param(kernel, signature, constexprs,
                                id=f"{module.__name__.rsplit('.', 1)[-1]}.{kernel.fn.__name__}-{constexprs}")
