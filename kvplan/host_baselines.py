@@ -134,10 +134,9 @@ class NumpyBatchPlanner:
             return p.aux_src, p.aux_dst
         return p.state_src[slot - 1], p.state_dst[slot - 1]
 
-    def plan(self, columns: BatchColumns) -> tuple[np.ndarray, np.ndarray]:
-        """``(descs [n, 3] uint64, per-transfer offsets [T + 1])``, equal to kvplan's."""
+    def runs(self, columns: BatchColumns) -> tuple[np.ndarray, np.ndarray, HostLists, np.ndarray, np.ndarray]:
+        """The compact runs form: ``(runs [R, 3] (s0, d0, len), runs per segment, lists, run starts, lengths)``."""
         lists, _, _ = host_lists(self.src, columns)
-        K, ps = lists.K, self.src.kv.page_size
         src, dst, seg_n, seg_off = lists.src, lists.dst, lists.seg_n, lists.seg_off
         total = len(src)
         brk = np.ones(total, bool)
@@ -149,6 +148,13 @@ class NumpyBatchPlanner:
         starts = np.flatnonzero(brk)
         lens = np.diff(np.append(starts, total))
         seg_runs = np.bincount(seg_of[starts], minlength=len(seg_n))
+        return np.stack([src[starts], dst[starts], lens], axis=1), seg_runs, lists, starts, lens
+
+    def plan(self, columns: BatchColumns) -> tuple[np.ndarray, np.ndarray]:
+        """``(descs [n, 3] uint64, per-transfer offsets [T + 1])``, equal to kvplan's."""
+        _, seg_runs, lists, starts, lens = self.runs(columns)
+        K, ps = lists.K, self.src.kv.page_size
+        src, dst, seg_n, seg_off = lists.src, lists.dst, lists.seg_n, lists.seg_off
         run_off = np.cumsum(seg_runs) - seg_runs
         dest = columns.column("dest")
         seg_dest = np.repeat(dest, K)
