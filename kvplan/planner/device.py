@@ -13,8 +13,9 @@ Capacities come in power-of-two buckets of transfers and destination elements, a
 engines bucket their graph batch sizes, so batches of any shape within a bucket replay one graph.
 A batch beyond every bucket so far simply opens a new one.
 
-Output forms (``outputs``), each written by a kernel straight into pinned host memory where the
-engine reads it:
+Output forms (``outputs``), each written by a kernel into device memory; consuming a plan copies
+exactly its output (the size is known once the event fired) into pinned host memory on the
+planner's own copy stream, at the copy engine's bandwidth, never waiting on the caller's stream:
 
 * ``"descriptors"``: ``[n, 3]`` uint64 ``(src, dst, nbytes)`` for NIXL direct;
 * ``"prepared"``: int32 index arrays for NIXL prepared lists;
@@ -166,8 +167,7 @@ class _Static:
 class _Buffers:
     """The memory of one run at one capacity: pinned input, device work space, pinned outputs."""
 
-    def __init__(self, st: _Static, outputs: frozenset[str], t_cap: int, e_cap: int, device: torch.device,
-                 host_direct: bool):
+    def __init__(self, st: _Static, outputs: frozenset[str], t_cap: int, e_cap: int, device: torch.device):
         self.t_cap, self.e_cap = t_cap, e_cap
         ncol = len(COLUMNS) + 2 * st.C
         self.ncol = ncol
@@ -185,19 +185,16 @@ class _Buffers:
         self.head_host = host_empty(int(ks.HEAD) + t_cap + 1, torch.int64, device)
         self.sums_host = host_empty(4 * S, torch.int64, device) if outputs & {"prepared", "runs"} else None
         d_cap = st.per_element * e_cap + st.aux_entries * t_cap
-        self.descs_host = self.descs_dev = self.prep_src = self.prep_dst = self.runs_host = None
-        if "descriptors" in outputs:
-            if host_direct:
-                self.descs_host = host_empty(d_cap * 3, torch.int64, device)
-            else:
-                self.descs_dev = z(d_cap, 3)
-        if "device_descriptors" in outputs:
-            self.descs_dev = z(d_cap, 3)
+        self.descs = self.prep_src = self.prep_dst = self.runs = None
+        if outputs & {"descriptors", "device_descriptors"}:
+            self.descs = z(d_cap, 3)
         if "prepared" in outputs:
             p_cap = max(1, st.per_element * e_cap + st.aux_entries * t_cap)
-            self.prep_src, self.prep_dst = host_empty(p_cap, torch.int32, device), host_empty(p_cap, torch.int32, device)
+            self.prep_src = torch.empty(p_cap, dtype=torch.int32, device=device)
+            self.prep_dst = torch.empty(p_cap, dtype=torch.int32, device=device)
         if "runs" in outputs:
-            self.runs_host = host_empty(n_cap * 3, torch.int64, device)
+            self.runs = z(n_cap, 3)
+        self.landing: dict[str, torch.Tensor] = {}  # pinned host copies of the outputs, grown on demand
 
     def fill(self, columns: BatchColumns) -> None:
         inp = self.inp_host.numpy()
@@ -251,7 +248,7 @@ class Planner:
         self.depth, self.block = depth, block
         self.static = _Static(src, self.dsts, self.device, "prepared" in self.outputs)
         self.programs = 4 * torch.cuda.get_device_properties(self.device).multi_processor_count if cuda else 2
-        self.host_direct = True
+        self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
         self._rings: dict[tuple[int, int], list[_Slot]] = {}
         self._turns: dict[tuple[int, int], int] = {}
         self._warm: set[tuple[int, int]] = set()
@@ -317,7 +314,7 @@ class Planner:
         return slot
 
     def _buffers(self, key: tuple[int, int]) -> _Buffers:
-        return _Buffers(self.static, self.outputs, key[0], key[1], self.device, self.host_direct)
+        return _Buffers(self.static, self.outputs, key[0], key[1], self.device)
 
     def _capture(self, slot: _Slot, stream: torch.cuda.Stream) -> None:
         graph = torch.cuda.CUDAGraph()
@@ -347,15 +344,14 @@ class Planner:
         ks.summarize(b.seg, b.seg_end, b.run_id, b.seg_err, b.seg_sums, b.head, segments_per_transfer=st.K,
                      page_size=self.src.kv.page_size, strict=self.policy is Policy.STRICT)
         ps = self.src.kv.page_size
-        for out in (b.descs_host, b.descs_dev):
-            if out is not None:
-                kx.descriptors(b.seg, b.seg_sums, b.head, b.src, b.dst, b.run_first, b.run_last, st.entries, st.heads,
-                               out, page_size=ps, programs=programs, block=block)
+        if b.descs is not None:
+            kx.descriptors(b.seg, b.seg_sums, b.head, b.src, b.dst, b.run_first, b.run_last, st.entries, st.heads,
+                           b.descs, page_size=ps, programs=programs, block=block)
         if b.prep_src is not None:
             kx.prepared_indices(b.seg, b.seg_sums, b.head, b.src, b.dst, st.slots, b.prep_src, b.prep_dst,
                                 segments_per_transfer=st.K, programs=programs, block=block)
-        if b.runs_host is not None:
-            kr.runs_out(b.run_id, b.run_first, b.run_last, b.src, b.dst, b.runs_host, programs, block)
+        if b.runs is not None:
+            kr.runs_out(b.run_id, b.run_first, b.run_last, b.src, b.dst, b.runs, programs, block)
         b.head_host.copy_(b.head, non_blocking=True)
         if b.sums_host is not None:
             b.sums_host.copy_(b.seg_sums.reshape(-1), non_blocking=True)
@@ -415,6 +411,22 @@ class PendingPlan:
         p = self.planner
         plan_reference(Batch(p.src, p.dsts, (self.columns.transfer(t),), p.policy, p.validate))
 
+    def _to_host(self, name: str, device_values: torch.Tensor) -> np.ndarray:
+        """``device_values`` in pinned host memory: one copy on the planner's copy stream, after the event."""
+        p, b = self.planner, self._b
+        if p.copy_stream is None:
+            return device_values.numpy()
+        flat = device_values.reshape(-1)
+        landing = b.landing.get(name)
+        if landing is None or landing.numel() < flat.numel():
+            landing = b.landing[name] = host_empty(max(flat.numel(), 1 << 16), flat.dtype, p.device)
+        out = landing[: flat.numel()]
+        with torch.cuda.stream(p.copy_stream):
+            p.copy_stream.wait_event(self.event)
+            out.copy_(flat, non_blocking=True)
+        p.copy_stream.synchronize()
+        return out.numpy().reshape(device_values.shape)
+
     # -- output forms --------------------------------------------------------------------------
     def _offsets(self, head: np.ndarray) -> np.ndarray:
         T = self.columns.num_transfers
@@ -431,22 +443,17 @@ class PendingPlan:
         head = self._head()
         b = self._b
         total = int(head[ks.TOTAL_DESCS])
-        if b.descs_host is not None:
-            descs = b.descs_host.numpy()[: total * 3]
-        elif b.descs_dev is not None:
-            descs = b.descs_dev[:total].cpu().numpy().reshape(-1)
-        else:
+        if b.descs is None:
             raise InputError(None, "this planner makes no descriptors: add 'descriptors' to its outputs")
-        return descs.view(np.uint64).reshape(-1, 3), self._offsets(head)
+        return self._to_host("descs", b.descs[:total]).view(np.uint64), self._offsets(head)
 
     def device_descriptors(self) -> torch.Tensor:
         """All descriptors as int64 ``[n, 3]`` on the planning device (for staged mode and local copies)."""
         head = self._head()
         b = self._b
-        total = int(head[ks.TOTAL_DESCS])
-        if b.descs_dev is not None:
-            return b.descs_dev[:total]
-        return torch.from_numpy(self.descriptors()[0].view(np.int64).copy()).to(self.planner.device)
+        if b.descs is None:
+            raise InputError(None, "this planner makes no descriptors: add 'device_descriptors' to its outputs")
+        return b.descs[: int(head[ks.TOTAL_DESCS])]
 
     def prepared_indices(self) -> PreparedIndices:
         """The int32 index arrays for NIXL prepared lists (``"prepared"`` among the outputs)."""
@@ -461,21 +468,22 @@ class PendingPlan:
         ids = np.flatnonzero(keep)
         role = ids % K
         role = np.where(role == 0, KV, np.where(role == K - 1, AUX, role - 1))
-        return PreparedIndices(b.prep_src.numpy()[:total].copy(), b.prep_dst.numpy()[:total].copy(),
+        return PreparedIndices(self._to_host("prep_src", b.prep_src[:total]).copy(),
+                               self._to_host("prep_dst", b.prep_dst[:total]).copy(),
                                np.concatenate([[0], ends]).astype(np.int64), role.astype(np.int64), ids // K)
 
     def runs(self) -> CompactRuns:
         """The compact runs form (``"runs"`` among the outputs)."""
         head = self._head()
         b = self._b
-        if b.runs_host is None:
+        if b.runs is None:
             raise InputError(None, "this planner makes no compact runs: add 'runs' to its outputs")
         st, T = self.planner.static, self.columns.num_transfers
         total = int(head[ks.TOTAL_RUNS])
         run0 = b.sums_host.numpy()[: b.S][: T * st.K]
         dest = self.columns.column("dest")
         rows = [st.entry_rows[(int(dest[s // st.K]), s % st.K)] for s in range(T * st.K)]
-        return CompactRuns(b.runs_host.numpy()[: total * 3].reshape(-1, 3), np.append(run0, total), rows,
+        return CompactRuns(self._to_host("runs", b.runs[:total]), np.append(run0, total), rows,
                            st.entries_host, st.K)
 
     def _segment_table(self) -> np.ndarray:
@@ -498,7 +506,7 @@ class PendingPlan:
         src, dst = b.src[:n_el].cpu().numpy(), b.dst[:n_el].cpu().numpy()
         first, last = b.run_first[:n_runs].cpu().numpy(), b.run_last[:n_runs].cpu().numpy()
         runs_all = np.stack([src[first], dst[first], last - first + 1], axis=1) if n_runs else empty_runs()
-        if "descriptors" in p.outputs or b.descs_dev is not None:
+        if b.descs is not None:
             descs = self.descriptors()[0]
         else:
             descs = None
