@@ -39,13 +39,8 @@ def _column(values: Any, what: str, count: int | None = None) -> np.ndarray:
     if arr.ndim != 1 or (arr.size and not (np.issubdtype(arr.dtype, np.integer) or arr.dtype == np.bool_)):
         raise InputError(None, f"column {what} must be a 1-D integer array, got {arr.dtype} {arr.shape}")
     if count is not None and len(arr) != count:
-        raise LengthMismatchColumns(what, len(arr), count)
+        raise InputError(None, f"column {what} has {len(arr)} values, the batch {count} transfers")
     return arr.astype(np.int64, copy=False)
-
-
-class LengthMismatchColumns(InputError):
-    def __init__(self, what: str, got: int, want: int):
-        super().__init__(None, f"column {what} has {got} values, the batch {want} transfers")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,70 @@
+"""The planner object on array-in columns: the same plans, errors and output forms as the reference."""
+
+import numpy as np
+import pytest
+import torch
+
+from kvplan.errors import InputError, LengthMismatchError
+from kvplan.host_baselines import NumpyBatchPlanner, prepared_ids
+from kvplan.planner.columns import BatchColumns
+from kvplan.planner.device import Planner
+from kvplan.planner.model import Batch, Transfer
+from kvplan.planner.prepared import prepared_indices_reference
+from kvplan.planner.reference import plan_reference
+from kvplan.scenarios import PRESETS, build_batch
+from tests.planner.builders import mha_side, table_with
+
+
+@pytest.mark.parametrize("preset", ["gptoss-swa-p16", "qwen3next-mamba-p64", "dsv32-mla-dsa-p64"])
+def test_columns_plan_like_the_reference_in_every_form(device, preset):
+    batch = build_batch(PRESETS[preset].scaled(layers=2), requests=3, prompt_len=[300, 129, 1000], chunks=2,
+                        prefix_len=64, seed=3).to(device)
+    planner = Planner(batch.src, batch.dsts, outputs=("descriptors", "prepared", "runs"), block=128)
+    cols = BatchColumns.from_batch(batch)
+    pending = planner.plan(cols)
+    expected = plan_reference(batch)
+    pending.result().assert_equal(expected)
+    descs, offsets = pending.descriptors()
+    want, want_offsets = expected.descriptors()
+    assert np.array_equal(descs, want) and np.array_equal(offsets, want_offsets)
+    pending.prepared_indices().assert_equal(prepared_indices_reference(batch, expected))
+    host = NumpyBatchPlanner(batch.src, batch.dsts)
+    assert np.array_equal(pending.runs().runs, host.runs(cols)[0])
+    assert np.array_equal(host.plan(cols)[0], want)
+    src_ids, dst_ids = prepared_ids(batch.src, batch.dsts, cols)
+    assert np.array_equal(src_ids, pending.prepared_indices().src) and np.array_equal(dst_ids,
+                                                                                    pending.prepared_indices().dst)
+
+
+def _side_and_columns(device, dst_pages, counts):
+    src = mha_side(0x1000_0000, page_size=4, table=torch.from_numpy(table_with({1: [5, 6, 9], 2: [7, 8]}, 4)).to(device))
+    dst = mha_side(0x9000_0000, page_size=4)
+    cols = BatchColumns.build(src_row=[1, 2], start=[0, 0], fill_len=[13, 9], prompt_len=[12, 8], last=[1, 1],
+                              dst_pages=np.array(dst_pages), dst_page_counts=counts, requests=["a", "b"])
+    return src, dst, cols
+
+
+def test_an_error_in_columns_names_its_request_and_nothing_is_returned(device):
+    src, dst, cols = _side_and_columns(device, [3, 4, 10, 11], [3, 1])  # "b" needs 2 pages, has 1
+    pending = Planner(src, [dst]).plan(cols)
+    with pytest.raises(LengthMismatchError) as raised:
+        pending.descriptors()
+    assert raised.value.request == "b"
+
+
+def test_columns_equal_the_batch_they_describe(device):
+    src, dst, cols = _side_and_columns(device, [3, 4, 10, 11, 12], [3, 2])
+    batch = Batch(src, (dst,), (Transfer("a", 1, 0, 13, 12, True, np.array([3, 4, 10])),
+                                Transfer("b", 2, 0, 9, 8, True, np.array([11, 12]))))
+    got = Planner(src, [dst]).plan(cols).result()
+    got.assert_equal(plan_reference(batch))
+    assert got.transfers[0].runs.tolist() == [[5, 3, 2], [9, 10, 1]]
+
+
+def test_bad_columns_are_refused_at_once():
+    with pytest.raises(InputError, match="dst_page_counts"):
+        BatchColumns.build(src_row=[1], start=[0], fill_len=[5], prompt_len=[4], last=[1],
+                           dst_pages=np.array([1, 2]), dst_page_counts=[1])
+    with pytest.raises(InputError, match="integer"):
+        BatchColumns.build(src_row=[1.5], start=[0], fill_len=[5], prompt_len=[4], last=[1],
+                           dst_pages=np.array([1]), dst_page_counts=[1])
