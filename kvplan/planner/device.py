@@ -394,7 +394,7 @@ class PendingPlan:
         """Raise the error the reference raises for the first bad transfer; log truncation warnings."""
         cols = self.columns
         if head[ks.FIRST_WARN] != int(ks.NONE):
-            bits = self._b.seg_err.cpu().numpy().reshape(-1, self.planner.static.K)[: cols.num_transfers]
+            bits = self._to_host("seg_err", self._b.seg_err).reshape(-1, self.planner.static.K)[: cols.num_transfers]
             for t in np.flatnonzero((bits != 0).any(axis=1)):
                 if t >= head[ks.FIRST_FATAL]:
                     break
@@ -487,7 +487,7 @@ class PendingPlan:
                            st.entries_host, st.K)
 
     def _segment_table(self) -> np.ndarray:
-        return self._b.seg.cpu().numpy()
+        return self._to_host("seg", self._b.seg)
 
     def result(self) -> Plan:
         """The full plan (pages, runs, state lists, descriptors per transfer), as the reference returns it."""
@@ -499,12 +499,13 @@ class PendingPlan:
         p, b, cols = self.planner, self._b, self.columns
         st, T = p.static, cols.num_transfers
         K = st.K
-        seg = self._segment_table()
-        sums = b.seg_sums.cpu().numpy()
-        xfer = b.xfer.cpu().numpy()
+        seg = self._segment_table().copy()
+        sums = self._to_host("seg_sums", b.seg_sums).copy()
+        xfer = self._to_host("xfer", b.xfer).copy()
         n_el, n_runs = int(head[ks.ELEMENTS]), int(head[ks.TOTAL_RUNS])
-        src, dst = b.src[:n_el].cpu().numpy(), b.dst[:n_el].cpu().numpy()
-        first, last = b.run_first[:n_runs].cpu().numpy(), b.run_last[:n_runs].cpu().numpy()
+        src, dst = self._to_host("src", b.src[:n_el]).copy(), self._to_host("dst", b.dst[:n_el]).copy()
+        first = self._to_host("run_first", b.run_first[:n_runs]).copy()
+        last = self._to_host("run_last", b.run_last[:n_runs]).copy()
         runs_all = np.stack([src[first], dst[first], last - first + 1], axis=1) if n_runs else empty_runs()
         if b.descs is not None:
             descs = self.descriptors()[0]
