@@ -18,9 +18,10 @@ import numpy as np
 import torch
 
 from .compat.sglang import group_concurrent_contiguous, kv_to_page_indices
+from .errors import LayoutError
 from .planner.model import Batch, StateKind
 from .planner.pairing import Mode, pair_sides
-from .planner.reference import chunk_end
+from .planner.rules import chunk_end
 
 __all__ = ["sglang_style_descs", "sglang_style_plan"]
 
@@ -80,8 +81,10 @@ def sglang_style_plan(batch: Batch) -> tuple[list[int], list[int], list[int]]:
             elif comp.kind is StateKind.SWA_RING:
                 lo = max(0, seq - comp.window)
                 src_list = t.src_row * comp.ring_size + np.arange(lo, seq) % comp.ring_size
-            else:
+            elif comp.kind is StateKind.MAMBA:
                 src_list = np.array([int(_as_tensor(comp.slot_map)[t.src_row])], dtype=np.int64)
+            else:
+                raise LayoutError(f"the sglang-loop baseline has no formula for state kind {comp.kind.value}")
             dst_list = t.dst_state[c]
             n = min(len(src_list), len(dst_list))
             if comp.kind is StateKind.MAMBA:

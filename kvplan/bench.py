@@ -227,23 +227,25 @@ def _kernel_ms(planner: Planner, cols: BatchColumns, runs: int) -> float:
     return statistics.median(times)
 
 
-def _busy_stream(planner: Planner, cols: BatchColumns, table: torch.Tensor) -> tuple[float, float]:
-    """(us for ``plan`` to return, ms the ``.cpu()`` path blocks) with 20 ms of work queued on the stream."""
+def _busy_stream(planner: Planner, cols: BatchColumns, table: torch.Tensor, samples: int = 5) -> tuple[float, float]:
+    """Medians of ``samples``: (us for ``plan`` to return, ms the ``.cpu()`` path blocks), 20 ms queued first."""
     cycles = int(20e-3 * torch.cuda.get_device_properties(table.device).clock_rate * 1e3)
-    torch.cuda.synchronize()
-    torch.cuda._sleep(cycles)
-    t0 = time.perf_counter()
-    pending = planner.plan(cols)
-    returned = time.perf_counter() - t0
-    still_busy = not pending.ready()
-    pending.descriptors()
-    torch.cuda._sleep(cycles)
-    t0 = time.perf_counter()
-    table[1, :64].cpu()
-    blocked = time.perf_counter() - t0
-    if not still_busy:
-        raise AssertionError("the plan's event fired before the queued sleep ended: the check cannot fail")
-    return returned * 1e6, blocked * 1e3
+    returned, blocked = [], []
+    for _ in range(samples):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(cycles)
+        t0 = time.perf_counter()
+        pending = planner.plan(cols)
+        returned.append(time.perf_counter() - t0)
+        still_busy = not pending.ready()
+        pending.descriptors()
+        if not still_busy:
+            raise AssertionError("the plan's event fired before the queued sleep ended: the check cannot fail")
+        torch.cuda._sleep(cycles)
+        t0 = time.perf_counter()
+        table[1, :64].cpu()
+        blocked.append(time.perf_counter() - t0)
+    return statistics.median(returned) * 1e6, statistics.median(blocked) * 1e3
 
 
 def _host_cpu_us(planner: Planner, cols: BatchColumns, runs: int) -> float:

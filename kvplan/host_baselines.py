@@ -27,6 +27,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from .errors import LayoutError
 from .planner.columns import COLUMNS, BatchColumns
 from .planner.model import SideMemory, StateKind
 from .planner.pairing import Mode, SidePairing, pair_sides
@@ -95,9 +96,11 @@ def host_lists(src: SideMemory, columns: BatchColumns) -> tuple[HostLists, np.nd
             ids = host_rows[inv[owner], k * cps].astype(np.int64) // cps
         elif comp.kind is StateKind.SWA_RING:
             ids = rows[owner] * comp.ring_size + (np.maximum(s - comp.window, 0) + k) % comp.ring_size
-        else:
+        elif comp.kind is StateKind.MAMBA:
             ids = mamba[j][inv[owner]]
             merge[1 + j] = False
+        else:
+            raise LayoutError(f"the numpy-batch baseline has no formula for state kind {comp.kind.value}")
         parts.append((ids.astype(np.int64), columns.dst_flat[lo_col[t] + k]))
     merge[K - 1] = False
     if src.aux:
@@ -125,6 +128,7 @@ class NumpyBatchPlanner:
         self.pool = ThreadPoolExecutor(threads) if threads > 1 else None
         self.threads = threads
         self.out = np.empty((0, 3), _U64)
+        self._items: dict[tuple[int, int], np.uint64 | None] = {}
 
     def _tables(self, d: int, slot: int) -> tuple[np.ndarray, np.ndarray]:
         p, K = self.pairings[d], 2 + len(self.src.state)
@@ -133,6 +137,14 @@ class NumpyBatchPlanner:
         if slot == K - 1:
             return p.aux_src, p.aux_dst
         return p.state_src[slot - 1], p.state_dst[slot - 1]
+
+    def _uniform_item(self, d: int, slot: int) -> np.uint64 | None:
+        """The item length shared by every source entry of ``(d, slot)``, or ``None``."""
+        key = (d, slot)
+        if key not in self._items:
+            items = np.unique(self._tables(d, slot)[0][:, 1])
+            self._items[key] = _U64(items[0]) if len(items) == 1 else None
+        return self._items[key]
 
     def runs(self, columns: BatchColumns) -> tuple[np.ndarray, np.ndarray, HostLists, np.ndarray, np.ndarray]:
         """The compact runs form: ``(runs [R, 3] (s0, d0, len), runs per segment, lists, run starts, lengths)``."""
@@ -188,6 +200,12 @@ class NumpyBatchPlanner:
                 return
             r = slice(run_off[s], run_off[s] + seg_runs[s])
             blk = blk.reshape(len(src_t), seg_runs[s], 3)
+            item = self._uniform_item(int(seg_dest[s]), s % K)
+            if item is not None:  # one item length for all entries: the run terms are computed once
+                np.add(src_t[:, 0, None], (s0[r] * item)[None], out=blk[..., 0])
+                np.add(dst_t[:, 0, None], (d0[r] * item)[None], out=blk[..., 1])
+                blk[..., 2] = (ln[r] * item)[None]
+                return
             item = src_t[:, 1, None]
             np.add(src_t[:, 0, None], s0[None, r] * item, out=blk[..., 0])
             np.add(dst_t[:, 0, None], d0[None, r] * item, out=blk[..., 1])

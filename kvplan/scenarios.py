@@ -28,7 +28,8 @@ from .planner.model import (
     StateKind,
     Transfer,
 )
-from .planner.reference import cdiv, destination_lists
+from .planner.reference import destination_lists
+from .planner.rules import cdiv
 
 if TYPE_CHECKING:
     import torch

@@ -40,8 +40,10 @@ from .lists import (
     pages_segment,
     raise_list_errors,
 )
-from .model import Policy, SideMemory, StateKind
-from .reference import DestinationLists, check_row
+from .model import Policy, SideMemory
+from .plan import DestinationLists
+from .rules import check_row
+from .state_kinds import rules_of
 
 __all__ = ["Expectation", "PendingDestinations", "PreallocatedRequest", "PublishedRequest", "decode_message",
            "plan_destinations"]
@@ -196,7 +198,7 @@ def plan_destinations(side: SideMemory, requests: Sequence[PreallocatedRequest],
             raise InputError(r.request, f"aux index {r.aux_index} is outside the aux buffers ({aux_items} rows)")
         segments.append(pages_segment(i, r.row, r.prefix_len, r.prompt_len, ps, side.kv.num_pages, validate))
         for c, comp in enumerate(side.state):
-            if comp.kind is StateKind.MAMBA and not 0 <= r.row < comp.slot_map.shape[0]:
+            if rules_of(comp.kind).map_by_row and not 0 <= r.row < comp.slot_map.shape[0]:
                 raise InputError(r.request, f"{comp.name}: row {r.row} is outside the Mamba map")
             segments.append(component_segment(i, c, comp, ps, r.row, r.prompt_len, validate))
     maps = {c: as_device_tensor(comp.slot_map, device, f"slot_map of component {comp.name}", torch.int64)

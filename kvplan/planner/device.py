@@ -50,10 +50,13 @@ from ..kernels import segments as sg
 from ..kernels import summary as ks
 from .columns import COLUMNS, BatchColumns
 from .lists import as_device_tensor, host_empty
-from .model import Batch, Policy, SideMemory, StateKind
+from .host_expand import direct_descriptors, head_sliced_descriptors, unit_runs
+from .model import Batch, Policy, SideMemory
 from .pairing import Mode, SidePairing, pair_sides
 from .plan import ComponentPlan, Plan, TransferPlan, empty_descs, empty_runs
 from .prepared import AUX, KV, PreparedIndices, prepared_slots
+from .state_kinds import rules_of
+from .transfer_lists import transfer_lists
 
 __all__ = ["CompactRuns", "PendingPlan", "Planner"]
 
@@ -61,8 +64,11 @@ log = logging.getLogger("kvplan")
 
 OUTPUTS = ("descriptors", "prepared", "runs", "device_descriptors")
 MAX_MAPS = 4
-_KIND_CODE = {StateKind.SWA: int(kl.SWA), StateKind.DSA: int(kl.DSA), StateKind.SWA_RING: int(kl.SWA_RING),
-              StateKind.MAMBA: int(kl.MAMBA)}
+
+
+# the graph's replay without the Python wrapper's per-call checks; the public method where a torch
+# build lacks the binding
+_replay = getattr(getattr(torch._C, "_CUDAGraph", None), "replay", None) or torch.cuda.CUDAGraph.replay
 
 
 def _pow2(n: int, least: int) -> int:
@@ -88,13 +94,14 @@ class CompactRuns:
     """The compact output form: per segment its runs ``(src_page, dst_page, len)``, and the entry tables.
 
     ``runs[segment_runs[s] : segment_runs[s + 1]]`` are the runs of segment ``s`` (transfer
-    ``s // segments_per_transfer``, slot KV, components, aux); ``entries[entry_rows[s]]`` are its
-    ``(src_base, dst_base, src_item, dst_item)`` rows. An engine expands entry x run itself.
+    ``s // segments_per_transfer``, slot KV, components, aux); with ``first, count = entry_span[s]``,
+    ``entries[first : first + count]`` are its ``(src_base, dst_base, src_item, dst_item)`` rows.
+    An engine expands entry x run itself.
     """
 
     runs: np.ndarray
     segment_runs: np.ndarray
-    entry_rows: list[np.ndarray]
+    entry_span: np.ndarray
     entries: np.ndarray
     segments_per_transfer: int
 
@@ -110,7 +117,6 @@ class _Static:
         blocks, count = [], 0
         dest_meta = np.zeros((max(1, D), 3 + 2 * K + C), np.int64)
         heads = np.zeros((max(1, D), int(kx.HEAD_FIELDS)), np.int64)
-        self.entry_rows: dict[tuple[int, int], np.ndarray] = {}
         for d, (p, side) in enumerate(zip(self.pairings, dsts)):
             tables = [(p.kv_src, p.kv_dst), *zip(p.state_src, p.state_dst), (p.aux_src, p.aux_dst)]
             for k, (src_t, dst_t) in enumerate(tables):
@@ -118,7 +124,6 @@ class _Static:
                 block[:, 0], block[:, 1], block[:, 2], block[:, 3] = src_t[:, 0], dst_t[:, 0], src_t[:, 1], dst_t[:, 1]
                 blocks.append(block)
                 dest_meta[d, 3 + 2 * k : 5 + 2 * k] = count, len(block)
-                self.entry_rows[(d, k)] = np.arange(count, count + len(block))
                 count += len(block)
             dest_meta[d, 0] = side.kv.num_pages
             dest_meta[d, 1] = min((e.num_items for e in side.aux), default=0)
@@ -128,20 +133,22 @@ class _Static:
                 h = p.heads
                 heads[d] = (h.src_token_bytes, h.dst_token_bytes, h.src_head * h.bytes_per_head,
                             h.dst_head * h.bytes_per_head, h.nbytes)
+        self.entry_span = dest_meta[:, 3 : 3 + 2 * K].reshape(-1, K, 2).copy()  # per dest and slot
         self.entries_host = np.concatenate(blocks) if blocks else np.zeros((0, 4), np.uint64)
         self.maps: list[torch.Tensor] = []
         comp_meta = np.zeros((max(1, C), int(kl.COMP_FIELDS)), np.int64)
         for c, comp in enumerate(src.state):
-            comp.require_map()
+            rules = rules_of(comp.kind)
+            rules.require_map(comp)
             map_slot, map_len = -1, 0
-            if comp.slot_map is not None and comp.kind in (StateKind.SWA, StateKind.MAMBA):
+            if rules.needs_map:
                 if len(self.maps) == MAX_MAPS:
                     raise LayoutError(f"at most {MAX_MAPS} state components with slot maps are supported")
                 slot_map = as_device_tensor(comp.slot_map, device, f"slot_map of component {comp.name}", torch.int64)
                 map_slot, map_len = len(self.maps), slot_map.numel()
                 self.maps.append(slot_map.reshape(-1))
-            comp_meta[c] = (_KIND_CODE[comp.kind], comp.window, comp.pages_of(src.kv.page_size), max(1, comp.ring_size),
-                            comp.num_items, map_slot, map_len, comp.kind in (StateKind.SWA_RING, StateKind.MAMBA))
+            comp_meta[c] = (rules.layout_code, comp.window, comp.pages_of(src.kv.page_size), max(1, comp.ring_size),
+                            comp.num_items, map_slot, map_len, rules.always_strict)
         slots = np.zeros((max(1, D) * K, 2), np.int64)
         if prepared:
             if any(p.mode is not Mode.DIRECT for p in self.pairings):
@@ -184,6 +191,8 @@ class _Buffers:
         self.head = z(int(ks.HEAD) + t_cap + 1)
         self.head_host = host_empty(int(ks.HEAD) + t_cap + 1, torch.int64, device)
         self.sums_host = host_empty(4 * S, torch.int64, device) if outputs & {"prepared", "runs"} else None
+        self.keep = z(S) if "prepared" in outputs else None  # which segments are sections
+        self.keep_host = host_empty(S, torch.int64, device) if "prepared" in outputs else None
         d_cap = st.per_element * e_cap + st.aux_entries * t_cap
         self.descs = self.prep_src = self.prep_dst = self.runs = None
         if outputs & {"descriptors", "device_descriptors"}:
@@ -264,25 +273,32 @@ class Planner:
             slot.buffers.fill(columns)
             self._launch(slot.buffers)
             return PendingPlan(self, columns, slot, 0)
-        stream = stream or torch.cuda.current_stream(self.device)
         if not self.graphs:
             slot = _Slot(self._buffers(key))
             slot.buffers.fill(columns)
+            stream = stream or torch.cuda.current_stream(self.device)
             with torch.cuda.stream(stream):
                 self._launch(slot.buffers)
+            slot.event = torch.cuda.Event()
         else:
             slot = self._next_slot(key)
             slot.buffers.fill(columns)
-            with torch.cuda.stream(stream):
-                if slot.graph is None and key in self._warm:
-                    self._capture(slot, stream)
-                if slot.graph is None:  # the bucket's first plan runs eagerly: it compiles the kernels
-                    self._warm.add(key)
-                    self._launch(slot.buffers)
-                else:
-                    slot.graph.replay()
-                    self.replays += 1
-        slot.event = torch.cuda.Event()
+            if slot.graph is not None and stream is None:  # the hot path: no stream switch, no new objects
+                _replay(slot.graph)
+                self.replays += 1
+                stream = torch.cuda.current_stream(self.device)
+            else:
+                stream = stream or torch.cuda.current_stream(self.device)
+                with torch.cuda.stream(stream):
+                    if slot.graph is None and key in self._warm:
+                        self._capture(slot, stream)
+                    if slot.graph is None:  # the bucket's first plan runs eagerly: it compiles the kernels
+                        self._warm.add(key)
+                        self._launch(slot.buffers)
+                    else:
+                        _replay(slot.graph)
+                        self.replays += 1
+            slot.event = slot.event or torch.cuda.Event()  # reused: the slot's last use has ended
         slot.event.record(stream)
         slot.generation += 1
         return PendingPlan(self, columns, slot, slot.generation)
@@ -355,6 +371,9 @@ class Planner:
         b.head_host.copy_(b.head, non_blocking=True)
         if b.sums_host is not None:
             b.sums_host.copy_(b.seg_sums.reshape(-1), non_blocking=True)
+        if b.keep is not None:
+            b.keep.copy_(b.seg[:, int(sg.F_KEEP)])
+            b.keep_host.copy_(b.keep, non_blocking=True)
 
 
 class PendingPlan:
@@ -391,25 +410,25 @@ class PendingPlan:
         return head
 
     def _judge(self, head: np.ndarray) -> None:
-        """Raise the error the reference raises for the first bad transfer; log truncation warnings."""
+        """Raise the exact error of the first bad transfer (the shared host rules); log truncation warnings."""
         cols = self.columns
         if head[ks.FIRST_WARN] != int(ks.NONE):
             bits = self._to_host("seg_err", self._b.seg_err).reshape(-1, self.planner.static.K)[: cols.num_transfers]
             for t in np.flatnonzero((bits != 0).any(axis=1)):
                 if t >= head[ks.FIRST_FATAL]:
                     break
-                self._reference(int(t))  # logs the warnings the reference logs
+                self._check_on_host(int(t))  # logs the truncation warnings
         first = int(head[ks.FIRST_FATAL])
         if first != int(ks.NONE):
-            self._reference(first)
-            raise InputError(cols.request(first), "the device checks reject this request, the reference accepts it "
+            self._check_on_host(first)
+            raise InputError(cols.request(first), "the device checks reject this request, the host rules accept it "
                              "(a kvplan defect: please report it with the batch)")
 
-    def _reference(self, t: int) -> None:
-        from .reference import plan_reference
-
+    def _check_on_host(self, t: int) -> None:
+        """Check transfer ``t`` on the host by the shared rules: raises its exact error, logs its warnings."""
         p = self.planner
-        plan_reference(Batch(p.src, p.dsts, (self.columns.transfer(t),), p.policy, p.validate))
+        batch = Batch(p.src, p.dsts, (self.columns.transfer(t),), p.policy, p.validate)
+        transfer_lists(batch, batch.transfers[0])
 
     def _to_host(self, name: str, device_values: torch.Tensor) -> np.ndarray:
         """``device_values`` in pinned host memory: one copy on the planner's copy stream, after the event."""
@@ -463,7 +482,7 @@ class PendingPlan:
             raise InputError(None, "this plan was made without prepared=True")
         K, T = self.planner.static.K, self.columns.num_transfers
         total = int(head[ks.TOTAL_PREPARED])
-        keep = self._segment_table()[: T * K, sg.F_KEEP] != 0
+        keep = b.keep_host.numpy()[: T * K] != 0
         ends = b.sums_host.numpy()[3 * b.S : 4 * b.S][: T * K][keep]
         ids = np.flatnonzero(keep)
         role = ids % K
@@ -481,9 +500,8 @@ class PendingPlan:
         st, T = self.planner.static, self.columns.num_transfers
         total = int(head[ks.TOTAL_RUNS])
         run0 = b.sums_host.numpy()[: b.S][: T * st.K]
-        dest = self.columns.column("dest")
-        rows = [st.entry_rows[(int(dest[s // st.K]), s % st.K)] for s in range(T * st.K)]
-        return CompactRuns(self._to_host("runs", b.runs[:total]), np.append(run0, total), rows,
+        span = st.entry_span[self.columns.column("dest")].reshape(-1, 2)
+        return CompactRuns(self._to_host("runs", b.runs[:total]), np.append(run0, total), span,
                            st.entries_host, st.K)
 
     def _segment_table(self) -> np.ndarray:
@@ -531,7 +549,7 @@ class PendingPlan:
             state = ()
             if last_flag:
                 state = tuple(ComponentPlan(comp.name, comp.kind, parts[1 + c][0], parts[1 + c][1],
-                                            empty_runs() if comp.kind is StateKind.MAMBA else parts[1 + c][2],
+                                            parts[1 + c][2] if rules_of(comp.kind).forms_runs else empty_runs(),
                                             self._descs(parts[1 + c], pairing, 1 + c))
                               for c, comp in enumerate(p.src.state))
             out.append(TransferPlan(
@@ -545,15 +563,13 @@ class PendingPlan:
         """A segment's descriptors: the kernel's, or expanded here from its runs when none were made."""
         if part[3] is not None:
             return part[3]
-        from .reference import direct_descriptors, head_sliced_descriptors
-
         st = self.planner.static
         src_t, dst_t = _pairing_tables(pairing, k, st.K)
         if k == 0 and pairing.mode is Mode.HEAD_SLICED:
             return head_sliced_descriptors(src_t, dst_t, part[0], part[1], pairing.heads, self.planner.src.kv.page_size)
         runs = part[2]
-        if 0 < k < st.K - 1 and self.planner.src.state[k - 1].kind is StateKind.MAMBA or k == st.K - 1:
-            runs = np.stack([part[0], part[1], np.ones_like(part[0])], axis=1)
+        if k == st.K - 1 or 0 < k and not rules_of(self.planner.src.state[k - 1].kind).forms_runs:
+            runs = unit_runs(part[0], part[1])
         return direct_descriptors(src_t, dst_t, runs)
 
 

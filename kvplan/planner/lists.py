@@ -21,8 +21,9 @@ import torch
 from ..errors import AllocatorInvariantError, InputError, PoolBoundsError, UnmappedSlotError
 from ..kernels import index_lists as ki
 from ..kernels import slot_check as ks
-from .model import Policy, StateComponent, StateKind
-from .reference import cdiv
+from .model import Policy, StateComponent
+from .rules import cdiv
+from .state_kinds import rules_of
 
 log = logging.getLogger("kvplan")
 
@@ -94,20 +95,13 @@ def pages_segment(owner: int, row: int, a: int, end: int, page_size: int, num_pa
 
 def component_segment(owner: int, c: int, comp: StateComponent, side_page_size: int, row: int, seq: int,
                       validate: bool) -> Segment:
-    """Component ``c``'s list for ``row`` over ``seq`` tokens (planning.md §6)."""
-    comp.require_map()
-    if comp.kind is StateKind.MAMBA:
-        return Segment(owner, c, ki.ROW_MAP, row, 0, 1, 1, 0, comp.num_items, map_key=c)
-    if comp.kind is StateKind.SWA_RING:
-        lo = max(0, seq - comp.window)
-        return Segment(owner, c, ki.RING, row, lo, 1, seq - lo, 0, comp.num_items, ring=comp.ring_size)
-    ps = comp.pages_of(side_page_size)
-    if comp.kind is StateKind.DSA:
-        return Segment(owner, c, ki.TOKEN_PAGES, row, 0, ps, cdiv(seq, ps), 1, comp.num_items,
-                       check=(row, 0, seq, ps) if validate and seq else None)
-    ws = (max(0, seq - comp.window) // ps) * ps
-    return Segment(owner, c, ki.MAPPED_PAGES, row, ws, ps, cdiv(seq - ws, ps), 1, comp.num_items, map_key=c,
-                   check=(row, ws, seq - ws, ps) if validate and seq > ws else None)
+    """Component ``c``'s list for ``row`` over ``seq`` tokens (planning.md §6), by its kind's formula."""
+    rules = rules_of(comp.kind)
+    rules.require_map(comp)
+    shape = rules.list_shape(comp, side_page_size, seq)
+    check = (row, *shape.checked, shape.step) if validate and shape.checked else None
+    return Segment(owner, c, shape.formula, row, shape.a, shape.step, shape.n, shape.lowest, comp.num_items,
+                   ring=shape.ring, map_key=c if shape.uses_map else None, check=check)
 
 
 def host_empty(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

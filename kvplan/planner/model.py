@@ -69,6 +69,8 @@ class Attention(str, enum.Enum):
 
 
 class StateKind(str, enum.Enum):
+    """A hybrid-model state kind; each has its rules in :mod:`kvplan.planner.state_kinds`."""
+
     SWA = "swa"
     DSA = "dsa"
     SWA_RING = "swa_ring"
@@ -191,10 +193,9 @@ class StateComponent:
         object.__setattr__(self, "entries", tuple(self.entries))
         if not self.name:
             object.__setattr__(self, "name", self.kind.value)
-        if self.kind in (StateKind.SWA, StateKind.SWA_RING) and self.window < 1:
-            raise LayoutError(f"component {self.name}: a window >= 1 is required")
-        if self.kind is StateKind.SWA_RING and self.ring_size < 1:
-            raise LayoutError(f"component {self.name}: ring_size >= 1 is required")
+        from .state_kinds import rules_of  # the kinds' rules build on this model
+
+        rules_of(self.kind).validate(self)
         if self.page_size is not None and self.page_size < 1:
             raise LayoutError(f"component {self.name}: page_size must be >= 1")
 
@@ -208,8 +209,9 @@ class StateComponent:
         A peer's components are described without maps (they are only needed by the side that
         computes its own lists), so the check happens where lists are computed.
         """
-        if self.kind in (StateKind.SWA, StateKind.MAMBA) and self.slot_map is None:
-            raise LayoutError(f"component {self.name}: a slot_map is required to compute {self.kind.value} lists")
+        from .state_kinds import rules_of
+
+        rules_of(self.kind).require_map(self)
 
     def pages_of(self, side_page_size: int) -> int:
         return self.page_size or side_page_size

@@ -15,7 +15,7 @@ import numpy as np
 from .model import StateKind
 from .pairing import Mode
 
-__all__ = ["ComponentPlan", "Plan", "Section", "TransferPlan", "empty_descs", "empty_runs"]
+__all__ = ["ComponentPlan", "DestinationLists", "Plan", "Section", "TransferPlan", "empty_descs", "empty_runs"]
 
 KV_ROLE, AUX_ROLE = -1, -2
 
@@ -26,6 +26,14 @@ def empty_descs() -> np.ndarray:
 
 def empty_runs() -> np.ndarray:
     return np.zeros((0, 3), dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class DestinationLists:
+    """What a decode side publishes for one request: pages for ``[P, L)`` and state lists over ``L``."""
+
+    pages: np.ndarray
+    state: tuple[np.ndarray, ...]
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ from ..planner.model import Batch, Policy, SideMemory, Transfer
 from ..planner.pairing import pair_sides
 from ..planner.plan import AUX_ROLE, KV_ROLE, Plan, Section
 from ..planner.prepared import PreparedIndices, prepared_slots
-from ..planner.reference import DestinationLists
+from ..planner.plan import DestinationLists
 from .completion import CompletionTracker, SectionNote, decode_notification, encode_notification
 from .control import ControlChannel, ControlTimeout
 from .engines import Engine, TransferError

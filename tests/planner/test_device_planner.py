@@ -29,11 +29,24 @@ def test_columns_plan_like_the_reference_in_every_form(device, preset):
     assert np.array_equal(descs, want) and np.array_equal(offsets, want_offsets)
     pending.prepared_indices().assert_equal(prepared_indices_reference(batch, expected))
     host = NumpyBatchPlanner(batch.src, batch.dsts)
-    assert np.array_equal(pending.runs().runs, host.runs(cols)[0])
+    compact = pending.runs()
+    assert np.array_equal(compact.runs, host.runs(cols)[0])
+    assert np.array_equal(_expand_compact(compact), want)
     assert np.array_equal(host.plan(cols)[0], want)
     src_ids, dst_ids = prepared_ids(batch.src, batch.dsts, cols)
     assert np.array_equal(src_ids, pending.prepared_indices().src) and np.array_equal(dst_ids,
                                                                                     pending.prepared_indices().dst)
+
+
+def _expand_compact(compact):
+    """Entry x run expansion of the compact form as an engine would write it (direct mode)."""
+    out = []
+    for s in range(len(compact.segment_runs) - 1):
+        first, count = compact.entry_span[s]
+        runs = compact.runs[compact.segment_runs[s] : compact.segment_runs[s + 1]].astype(np.uint64)
+        for src_base, dst_base, src_item, _ in compact.entries[first : first + count]:
+            out += [(src_base + s0 * src_item, dst_base + d0 * src_item, n * src_item) for s0, d0, n in runs]
+    return np.array(out, dtype=np.uint64).reshape(-1, 3)
 
 
 def _side_and_columns(device, dst_pages, counts):

@@ -1,0 +1,83 @@
+"""Runs and descriptors from paired index lists on the host (planning.md §4, §5).
+
+The formulas every host path shares: the reference builds its plans with them, and the device
+planner's :meth:`~kvplan.planner.device.PendingPlan.result` uses them to expand runs into
+descriptors when the kernels made none.
+
+Example::
+
+    contiguous_runs(np.array([3, 4, 5, 9]), np.array([10, 11, 12, 13]))   # [[3, 10, 3], [9, 13, 1]]
+    direct_descriptors(src_table, dst_table, runs)                         # [entries * runs, 3] uint64
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .pairing import HeadSlice
+from .plan import empty_descs, empty_runs
+
+__all__ = ["contiguous_runs", "direct_descriptors", "head_sliced_descriptors", "unit_runs"]
+
+_U64 = np.uint64
+
+
+def contiguous_runs(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    """Maximal stretches where both lists step by +1, as ``[R, 3]`` int64 ``(s0, d0, len)``.
+
+    >>> contiguous_runs(np.array([3, 4, 5, 9]), np.array([10, 11, 12, 13])).tolist()
+    [[3, 10, 3], [9, 13, 1]]
+    """
+    if len(src) != len(dst):
+        raise ValueError(f"paired lists differ in length: {len(src)} vs {len(dst)}")
+    if len(src) == 0:
+        return empty_runs()
+    src, dst = np.asarray(src, np.int64), np.asarray(dst, np.int64)
+    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate([[0], breaks])
+    lengths = np.diff(np.concatenate([starts, [len(src)]]))
+    return np.stack([src[starts], dst[starts], lengths], axis=1).astype(np.int64)
+
+
+def direct_descriptors(src_table: np.ndarray, dst_table: np.ndarray, runs: np.ndarray) -> np.ndarray:
+    """Entry-major descriptors: for each entry pair, for each run (planning.md §5, direct mode)."""
+    if len(src_table) == 0 or len(runs) == 0:
+        return empty_descs()
+    item = src_table[:, 1][:, None]
+    r = runs.astype(_U64)
+    out = np.empty((len(src_table), len(runs), 3), dtype=_U64)
+    out[..., 0] = src_table[:, 0][:, None] + r[None, :, 0] * item
+    out[..., 1] = dst_table[:, 0][:, None] + r[None, :, 1] * item
+    out[..., 2] = r[None, :, 2] * item
+    return out.reshape(-1, 3)
+
+
+def head_sliced_descriptors(
+    src_table: np.ndarray,
+    dst_table: np.ndarray,
+    src_pages: np.ndarray,
+    dst_pages: np.ndarray,
+    heads: HeadSlice,
+    page_size: int,
+) -> np.ndarray:
+    """One descriptor per entry x page x token carrying ``heads_sent`` heads (planning.md §5)."""
+    if len(src_table) == 0 or len(src_pages) == 0:
+        return empty_descs()
+    s_item, d_item = src_table[:, 1][:, None, None], dst_table[:, 1][:, None, None]
+    sp = src_pages.astype(_U64)[None, :, None]
+    dp = dst_pages.astype(_U64)[None, :, None]
+    tok = np.arange(page_size, dtype=_U64)[None, None, :]
+    shape = (len(src_table), len(src_pages), page_size, 3)
+    out = np.empty(shape, dtype=_U64)
+    out[..., 0] = (src_table[:, 0][:, None, None] + sp * s_item + tok * _U64(heads.src_token_bytes)
+                   + _U64(heads.src_head * heads.bytes_per_head))
+    out[..., 1] = (dst_table[:, 0][:, None, None] + dp * d_item + tok * _U64(heads.dst_token_bytes)
+                   + _U64(heads.dst_head * heads.bytes_per_head))
+    out[..., 2] = _U64(heads.nbytes)
+    return out.reshape(-1, 3)
+
+
+def unit_runs(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    """One run of length 1 per id pair: the runs of a list that never merges (Mamba slots, aux)."""
+    src = np.asarray(src, np.int64)
+    return np.stack([src, np.asarray(dst, np.int64), np.ones_like(src)], axis=1)

@@ -1,0 +1,223 @@
+"""Every state kind of planning.md §6 described once: its parameters, list formula and rules.
+
+A hybrid model's state component has a :class:`~kvplan.planner.model.StateKind`. Everything
+that differs between kinds lives in that kind's :class:`KindRules` here: which parameters it
+needs, the formula of its index list (on the host for the reference, and as the index-list
+kernel's formula for the device), whether a length mismatch may be truncated, whether its lists
+merge into runs, and its code in the batch-layout kernel. The rest of the package asks
+:func:`rules_of` and never branches on the kind. Adding a kind means adding it to the enum and
+one :class:`KindRules` entry below (and its formula to the kernels when it needs a new one).
+
+Example::
+
+    from kvplan.planner.state_kinds import rules_of
+    rules = rules_of(StateKind.MAMBA)
+    rules.forms_runs, rules.always_strict      # (False, True): one descriptor per slot, no truncation
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from ..errors import InputError, LayoutError, UnmappedSlotError
+from ..kernels import batch_layout as kl
+from ..kernels import index_lists as ki
+from .model import Policy, SideMemory, StateComponent, StateKind
+from .rules import cdiv, check_bounds, check_paged_slots, check_row, host, token_pages
+
+__all__ = ["KindRules", "ListShape", "RULES", "rules_of", "state_list"]
+
+log = logging.getLogger("kvplan")
+
+
+@dataclass(frozen=True)
+class ListShape:
+    """A component's list for one row over ``seq`` tokens in the index-list kernel's terms.
+
+    ``formula`` is one of :mod:`kvplan.kernels.index_lists`' list kinds; ids ``[a, a + n*step)``
+    by that formula are valid in ``[lowest, pool)``; ``checked`` is ``(first token, tokens)``
+    checked against the allocator invariant (``None``: nothing to check).
+    """
+
+    formula: int
+    a: int
+    step: int
+    n: int
+    lowest: int
+    ring: int = 1
+    uses_map: bool = False
+    checked: tuple[int, int] | None = None
+
+
+HostList = Callable[[SideMemory, StateComponent, int, int, Any, Policy, bool], np.ndarray]
+
+
+@dataclass(frozen=True)
+class KindRules:
+    """What one state kind is (planning.md §6).
+
+    Attributes:
+        kind: the kind described.
+        layout_code: its code in the batch-layout kernel (``kvplan.kernels.batch_layout``).
+        needs_window: a sliding window ``W >= 1`` is required.
+        needs_ring: ``ring_size >= 1`` is required.
+        needs_map: lists are computed through the component's ``slot_map``.
+        map_by_row: the map is indexed by the request's row (else by full token slot).
+        always_strict: a length mismatch is an error under every policy.
+        forms_runs: paired lists merge into contiguous runs (else one descriptor per id).
+        list_shape: ``(component, side page size, seq) -> ListShape`` for the device kernels.
+        host_list: the list on the host, validated (the reference's formula).
+    """
+
+    kind: StateKind
+    layout_code: int
+    needs_window: bool
+    needs_ring: bool
+    needs_map: bool
+    map_by_row: bool
+    always_strict: bool
+    forms_runs: bool
+    list_shape: Callable[[StateComponent, int, int], ListShape]
+    host_list: HostList
+
+    def validate(self, comp: StateComponent) -> None:
+        """Raise :class:`LayoutError` unless ``comp`` has the parameters this kind needs."""
+        if self.needs_window and comp.window < 1:
+            raise LayoutError(f"component {comp.name}: a window >= 1 is required")
+        if self.needs_ring and comp.ring_size < 1:
+            raise LayoutError(f"component {comp.name}: ring_size >= 1 is required")
+
+    def require_map(self, comp: StateComponent) -> None:
+        if self.needs_map and comp.slot_map is None:
+            raise LayoutError(f"component {comp.name}: a slot_map is required to compute {comp.kind.value} lists")
+
+
+# --------------------------------------------------------------------------------------------
+# SWA: pages of full_to_swa over the page-aligned window
+
+
+def _swa_window_start(comp: StateComponent, ps: int, seq: int) -> int:
+    return (max(0, seq - comp.window) // ps) * ps
+
+
+def _swa_shape(comp: StateComponent, side_ps: int, seq: int) -> ListShape:
+    ps = comp.pages_of(side_ps)
+    ws = _swa_window_start(comp, ps, seq)
+    return ListShape(int(ki.MAPPED_PAGES), ws, ps, cdiv(seq - ws, ps), 1, uses_map=True,
+                     checked=(ws, seq - ws) if seq > ws else None)
+
+
+def _swa_list(side: SideMemory, comp: StateComponent, row: int, seq: int, request: Any, policy: Policy,
+              validate: bool) -> np.ndarray:
+    table = host(side.req_to_token)
+    ps = comp.pages_of(side.kv.page_size)
+    check_row(request, table.shape, row, seq)
+    ws = _swa_window_start(comp, ps, seq)
+    slot_map = host(comp.slot_map)
+    full = table[row, ws:seq].astype(np.int64)
+    check_bounds(request, f"{comp.name} full slot", full, 0, slot_map.shape[0])
+    swa = slot_map[full].astype(np.int64)
+    sampled = swa[::ps]
+    unmapped = np.flatnonzero(sampled == 0)
+    if unmapped.size:
+        pos = ws + int(unmapped[0]) * ps
+        if policy is Policy.STRICT:
+            raise UnmappedSlotError(request, f"{comp.name}: token {pos} inside the window has no SWA slot")
+        log.warning("request %r: %s: token %d has no SWA slot; sending page 0 as SGLang does", request, comp.name, pos)
+    elif validate:
+        check_paged_slots(request, comp.name, swa, ws, ps)
+    ids = sampled // ps
+    check_bounds(request, comp.name, ids[sampled != 0], 1, comp.num_items)
+    return ids
+
+
+# --------------------------------------------------------------------------------------------
+# DSA: the indexer's pages over the whole sequence
+
+
+def _dsa_shape(comp: StateComponent, side_ps: int, seq: int) -> ListShape:
+    ps = comp.pages_of(side_ps)
+    return ListShape(int(ki.TOKEN_PAGES), 0, ps, cdiv(seq, ps), 1, checked=(0, seq) if seq else None)
+
+
+def _dsa_list(side: SideMemory, comp: StateComponent, row: int, seq: int, request: Any, policy: Policy,
+              validate: bool) -> np.ndarray:
+    table = host(side.req_to_token)
+    ps = comp.pages_of(side.kv.page_size)
+    check_row(request, table.shape, row, seq)
+    if validate:
+        check_paged_slots(request, comp.name, table[row, :seq].astype(np.int64), 0, ps)
+    ids = token_pages(table, row, 0, seq, ps)
+    check_bounds(request, comp.name, ids, 1, comp.num_items)
+    return ids
+
+
+# --------------------------------------------------------------------------------------------
+# SWA_RING: the last W tokens' rows of a per-request ring
+
+
+def _ring_shape(comp: StateComponent, side_ps: int, seq: int) -> ListShape:
+    lo = max(0, seq - comp.window)
+    return ListShape(int(ki.RING), lo, 1, seq - lo, 0, ring=comp.ring_size)
+
+
+def _ring_list(side: SideMemory, comp: StateComponent, row: int, seq: int, request: Any, policy: Policy,
+               validate: bool) -> np.ndarray:
+    lo = max(0, seq - comp.window)
+    ids = row * comp.ring_size + np.arange(lo, seq, dtype=np.int64) % comp.ring_size
+    check_bounds(request, comp.name, ids, 0, comp.num_items)
+    return ids
+
+
+# --------------------------------------------------------------------------------------------
+# MAMBA: one slot per request, through the row -> slot map
+
+
+def _mamba_shape(comp: StateComponent, side_ps: int, seq: int) -> ListShape:
+    return ListShape(int(ki.ROW_MAP), 0, 1, 1, 0, uses_map=True)
+
+
+def _mamba_list(side: SideMemory, comp: StateComponent, row: int, seq: int, request: Any, policy: Policy,
+                validate: bool) -> np.ndarray:
+    slot_map = host(comp.slot_map)
+    if not 0 <= row < slot_map.shape[0]:
+        raise InputError(request, f"{comp.name}: row {row} is outside the Mamba map of {slot_map.shape[0]} rows")
+    ids = slot_map[row : row + 1].astype(np.int64)
+    check_bounds(request, comp.name, ids, 0, comp.num_items)
+    return ids
+
+
+RULES: dict[StateKind, KindRules] = {
+    StateKind.SWA: KindRules(StateKind.SWA, int(kl.SWA), needs_window=True, needs_ring=False, needs_map=True,
+                             map_by_row=False, always_strict=False, forms_runs=True, list_shape=_swa_shape,
+                             host_list=_swa_list),
+    StateKind.DSA: KindRules(StateKind.DSA, int(kl.DSA), needs_window=False, needs_ring=False, needs_map=False,
+                             map_by_row=False, always_strict=False, forms_runs=True, list_shape=_dsa_shape,
+                             host_list=_dsa_list),
+    StateKind.SWA_RING: KindRules(StateKind.SWA_RING, int(kl.SWA_RING), needs_window=True, needs_ring=True,
+                                  needs_map=False, map_by_row=False, always_strict=True, forms_runs=True,
+                                  list_shape=_ring_shape, host_list=_ring_list),
+    StateKind.MAMBA: KindRules(StateKind.MAMBA, int(kl.MAMBA), needs_window=False, needs_ring=False, needs_map=True,
+                               map_by_row=True, always_strict=True, forms_runs=False, list_shape=_mamba_shape,
+                               host_list=_mamba_list),
+}
+
+
+def rules_of(kind: StateKind) -> KindRules:
+    """The rules of ``kind``; a kind without rules is a :class:`LayoutError`, never a fallthrough."""
+    try:
+        return RULES[StateKind(kind)]
+    except (KeyError, ValueError):
+        raise LayoutError(f"state kind {kind!r} has no rules in kvplan.planner.state_kinds") from None
+
+
+def state_list(side: SideMemory, comp: StateComponent, row: int, seq: int, request: Any = None,
+               policy: Policy = Policy.STRICT, validate: bool = True) -> np.ndarray:
+    """A component's index list for row ``row`` over ``seq`` tokens (planning.md §6), validated."""
+    rules = rules_of(comp.kind)
+    rules.require_map(comp)
+    return rules.host_list(side, comp, row, seq, request, policy, validate)

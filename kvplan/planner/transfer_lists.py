@@ -1,0 +1,85 @@
+"""One transfer's index lists on the host, with every check of planning.md §2-§6 in order.
+
+:func:`transfer_lists` is the single statement of *what is checked, and in which order* for one
+transfer. The reference builds its plan from its result, and the device planner calls it for the
+one request its kernels flagged, so both raise the same exception with the same message.
+
+Example::
+
+    lists = transfer_lists(batch, batch.transfers[0])    # raises a PlanError naming the request
+    lists.src_pages, lists.dst_pages, lists.state[0]      # paired lists, truncated under `truncate`
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import InputError, LengthMismatchError
+from .model import Batch, Transfer
+from .rules import check_aux, check_bounds, check_paged_slots, host, paired_length, require_both_or_neither, \
+    resolve_chunk, token_pages
+from .state_kinds import rules_of, state_list
+
+__all__ = ["TransferLists", "transfer_lists"]
+
+
+@dataclass(frozen=True)
+class TransferLists:
+    """The checked lists of one transfer.
+
+    ``kv_runs`` / ``state_runs[c]`` say whether the paired lists form runs (both sides non-empty,
+    the component merges); ``state`` is empty unless the chunk is the last one.
+    """
+
+    end: int
+    last: bool
+    sent: bool
+    src_pages: np.ndarray
+    dst_pages: np.ndarray
+    kv_runs: bool
+    state: tuple[tuple[np.ndarray, np.ndarray], ...]
+    state_runs: tuple[bool, ...]
+    aux: bool
+
+
+def transfer_lists(batch: Batch, t: Transfer) -> TransferLists:
+    """Resolve and check transfer ``t`` of ``batch``; raise the first error of planning.md §2-§6."""
+    if not 0 <= t.dest < len(batch.dsts):
+        raise InputError(t.request, f"destination {t.dest} is not one of the batch's {len(batch.dsts)} destinations")
+    src, dst, policy, request = batch.src, batch.dsts[t.dest], batch.policy, t.request
+    if src.req_to_token is None:
+        raise InputError(None, "the source side needs its token table (req_to_token)")
+    ps = src.kv.page_size
+    table = host(src.req_to_token)
+    chunk = resolve_chunk(t, ps, table.shape, dst.kv.num_pages, policy)
+    end = chunk.end
+    if batch.validate:
+        check_paged_slots(request, "KV", table[t.src_row, t.start:end].astype(np.int64), t.start, ps)
+    src_pages = token_pages(table, t.src_row, t.start, end, ps)
+    check_bounds(request, "KV page", src_pages, 1, src.kv.num_pages)
+    src_pages = src_pages[: chunk.pages]
+    kv_runs = chunk.sent and require_both_or_neither(request, f"chunk [{t.start}, {end}) KV pages",
+                                                     len(src_pages), len(chunk.dst_pages), policy)
+    state: list[tuple[np.ndarray, np.ndarray]] = []
+    state_runs: list[bool] = []
+    aux = False
+    if chunk.last:
+        seq = min(t.fill_len, t.prompt_len)
+        if len(t.dst_state) != len(src.state):
+            raise LengthMismatchError(
+                request, f"{len(src.state)} state components on the source, {len(t.dst_state)} destination lists"
+            )
+        for comp, dst_list in zip(src.state, t.dst_state):
+            rules = rules_of(comp.kind)
+            what = f"state component {comp.name}"
+            src_list = state_list(src, comp, t.src_row, seq, request, policy, batch.validate)
+            n = paired_length(request, what, len(src_list), len(dst_list), policy, rules.always_strict)
+            state.append((src_list[:n], dst_list[:n]))
+            state_runs.append(rules.forms_runs and require_both_or_neither(request, what, n, n, policy))
+        for (_, dst_list), comp in zip(state, dst.state):
+            check_bounds(request, f"destination {comp.name}", dst_list, 0, comp.num_items)
+        aux = check_aux(t, src, dst)
+    return TransferLists(end, chunk.last, chunk.sent, src_pages, chunk.dst_pages, kv_runs, tuple(state),
+                         tuple(state_runs), aux)
