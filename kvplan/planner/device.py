@@ -234,12 +234,12 @@ class Planner:
         graphs: capture each bucket's launches in a CUDA graph (default: on a CUDA device).
         depth: buffers per bucket; a plan's outputs stay valid until ``depth`` more plans of its
             bucket have been made.
-        block: list elements per program.
+        block: list elements per program (256 measured fastest on an H200 against 512 and 1024).
     """
 
     def __init__(self, src: SideMemory, dsts: Sequence[SideMemory], *, policy: Policy | str = Policy.STRICT,
                  validate: bool = True, outputs: Sequence[str] = ("descriptors",), graphs: bool | None = None,
-                 depth: int = 2, block: int = 1024):
+                 depth: int = 2, block: int = 256):
         unknown = set(outputs) - set(OUTPUTS)
         if unknown:
             raise InputError(None, f"unknown output forms {sorted(unknown)}; choose from {OUTPUTS}")
@@ -258,6 +258,7 @@ class Planner:
         self.static = _Static(src, self.dsts, self.device, "prepared" in self.outputs)
         self.programs = 4 * torch.cuda.get_device_properties(self.device).multi_processor_count if cuda else 2
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
+        self.check_stream = torch.cuda.Stream(self.device) if cuda else None
         self._rings: dict[tuple[int, int], list[_Slot]] = {}
         self._turns: dict[tuple[int, int], int] = {}
         self._warm: set[tuple[int, int]] = set()
@@ -353,8 +354,19 @@ class Planner:
                    src_aux_items=min((e.num_items for e in self.src.aux), default=0), num_dests=len(self.dsts),
                    t_cap=b.t_cap, components=st.C, page_size=self.src.kv.page_size,
                    strict=self.policy is Policy.STRICT, validate=self.validate, has_aux=bool(self.src.aux))
+        # the token checks and the list elements are independent (both only or error bits into
+        # seg_err): on a GPU the checks run on a side stream, a parallel branch of the graph
+        fork = self.check_stream is not None
+        if fork:
+            here = torch.cuda.current_stream(self.device)
+            self.check_stream.wait_stream(here)
+            with torch.cuda.stream(self.check_stream):
+                ke.check_tokens(b.seg, b.chk_end, self.table, st.maps, b.seg_err, programs, block)
         ke.list_elements(b.seg, b.seg_end, self.table, st.maps, dst_flat, b.src, b.dst, b.starts, b.seg_err, block)
-        ke.check_tokens(b.seg, b.chk_end, self.table, st.maps, b.seg_err, programs, block)
+        if fork:
+            here.wait_stream(self.check_stream)
+        else:
+            ke.check_tokens(b.seg, b.chk_end, self.table, st.maps, b.seg_err, programs, block)
         torch.cumsum(b.starts, 0, out=b.run_id)
         kr.compact_runs(b.starts, b.run_id, b.seg_end[-1:], b.run_first, b.run_last, block)
         ks.summarize(b.seg, b.seg_end, b.run_id, b.seg_err, b.seg_sums, b.head, segments_per_transfer=st.K,

@@ -45,7 +45,7 @@ def planner_for(batch: Batch, outputs: Sequence[str], block: int) -> Planner:
     return planner
 
 
-def plan(batch: Batch, stream: torch.cuda.Stream | None = None, block: int = 1024, prepared: bool = False,
+def plan(batch: Batch, stream: torch.cuda.Stream | None = None, block: int = 256, prepared: bool = False,
          outputs: Sequence[str] | None = None) -> PendingPlan:
     """Plan ``batch`` with the kernels; nothing here waits for the device.
 
