@@ -15,7 +15,7 @@ import time
 import numpy as np
 import torch
 
-from kvplan.transport.engines import make_engine
+from kvplan.transport.engines import make_engine, write
 
 DEADLINE = 60.0
 
@@ -51,7 +51,7 @@ def main() -> None:
         times = []
         for i in range(6):
             t0 = time.perf_counter()
-            engine.write(peer, descs, b"ceiling", time.monotonic() + DEADLINE)
+            write(engine, peer, descs, b"ceiling", time.monotonic() + DEADLINE)
             if i:
                 times.append(time.perf_counter() - t0)
         gibs = size / statistics.median(times) / 2**30

@@ -8,6 +8,8 @@ import os
 import sys
 
 from .scenarios import PRESETS
+from .transport.endpoints import MODES
+from .transport.engines import engine_names
 
 log = logging.getLogger("kvplan")
 
@@ -82,10 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--fragmentation", type=_fraction, default=None,
                       help="mean length in pages of the allocator's free runs; lower is more fragmented "
                            "(default: the preset's)")
-    demo.add_argument("--engine", choices=["nixl", "mooncake"], default="nixl", help="transfer engine (default: nixl)")
-    demo.add_argument("--mode", choices=["direct", "prepared", "staged"], default="direct",
-                      help="direct: one engine write per section; prepared: NIXL prepared lists and int32 indices; "
-                           "staged: gathered into a staging buffer, one write per transfer (default: direct)")
+    demo.add_argument("--engine", choices=engine_names(), default="nixl", help="transfer engine (default: nixl)")
+    demo.add_argument("--mode", choices=list(MODES), default="auto",
+                      help="direct: one engine write per section, all posted at once; prepared: NIXL prepared lists "
+                           "and int32 indices; staged: waves through a ring of staging slots; auto: staged for many "
+                           "small descriptors when both sides have staging buffers, else direct (default: auto)")
     demo.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                       help="where the pools live; auto picks the GPU when there is one (default: auto)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the allocation and the bytes (default: 0)")

@@ -62,7 +62,7 @@ class DemoConfig:
     prefix_len: int = 0
     mean_run: float | None = None
     engine: str = "nixl"
-    mode: str = "direct"
+    mode: str = "auto"
     device: str = "auto"
     seed: int = 0
     timeout: float = 60.0
@@ -152,7 +152,7 @@ def decode_process(config: DemoConfig, conn) -> None:
         side = side.to(device)
         if config.fault == "bad-registration":
             side = replace(side, aux=())
-        staging = torch.zeros(config.staging_bytes, dtype=torch.uint8, device=device) if config.mode == "staged" else None
+        staging = torch.zeros(config.staging_bytes, dtype=torch.uint8, device=device) if config.mode in ("staged", "auto") else None
         endpoint = DecodeEndpoint(side, make_engine(config.engine, "decode", config.memory), ControlChannel(), staging)
         conn.send(("port", endpoint.channel.port))
         endpoint.register(timeout=config.timeout + 60)  # the prefill process may still be starting
@@ -163,7 +163,7 @@ def decode_process(config: DemoConfig, conn) -> None:
         conn.send(("stage", "publish lists"))
         states = endpoint.wait()
         conn.send(("stage", "complete"))
-        failures = {r: endpoint.tracker.failure(r) for r in states}
+        failures = dict(endpoint.failures)
         verified = None
         if all(s == "complete" for s in states.values()):
             src, src_tensors = materialize(batch.src, device, seed=config.seed)
@@ -186,7 +186,7 @@ def prefill_process(config: DemoConfig, port: int, conn) -> None:
         batch = config.batch()
         side, _ = materialize(batch.src, device, seed=config.seed)
         side = side.to(device)
-        staging = torch.zeros(config.staging_bytes, dtype=torch.uint8, device=device) if config.mode == "staged" else None
+        staging = torch.zeros(config.staging_bytes, dtype=torch.uint8, device=device) if config.mode in ("staged", "auto") else None
         endpoint = PrefillEndpoint(side, make_engine(config.engine, "prefill", config.memory), ControlChannel(port), staging)
         try:
             endpoint.accept(timeout=config.timeout)

@@ -52,3 +52,7 @@ class UnmappedSlotError(PlanError):
 
 class InputError(PlanError):
     """An input has the wrong dtype, device, shape or value range."""
+
+
+class PeerError(KvplanError):
+    """What a peer sent does not match what this side published or agreed to; nothing of it was written."""

@@ -101,6 +101,13 @@ class CompletionTracker:
             if status.failure is None and not status.complete() and now > status.deadline:
                 self.fail(request, "deadline passed before every section arrived")
 
+    def forget(self, request: Any) -> None:
+        """Drop a settled request (the scheduler has been told); later notes about it are ignored."""
+        self._status.pop(request, None)
+
+    def __len__(self) -> int:
+        return len(self._status)
+
     def state(self, request: Any) -> str:
         status = self._status[request]
         return "failed" if status.failure is not None else "complete" if status.complete() else "pending"

@@ -54,6 +54,10 @@ class ControlChannel:
         kind, header, *frames = self.socket.recv_multipart()
         return kind.decode(), json.loads(header), frames
 
+    def wait_readable(self, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds (ZeroMQ counts whole milliseconds) until a message can be read."""
+        return bool(self.socket.poll(max(0, round(timeout * 1000))))
+
     def try_recv(self) -> tuple[str, dict[str, Any], list[bytes]] | None:
         if not self.socket.poll(0):
             return None

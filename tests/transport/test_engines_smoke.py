@@ -45,7 +45,7 @@ def _expected() -> np.ndarray:
 
 
 def _nixl():
-    from kvplan.transport.engines import _nixl_api
+    from kvplan.transport.engines.nixl import nixl_api as _nixl_api
 
     return _nixl_api()
 

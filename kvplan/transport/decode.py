@@ -1,0 +1,203 @@
+"""The receiving side of a hand-off: registration, destination lists, staged waves, completion.
+
+:class:`DecodeEndpoint` registers its pools with the engine and publishes its layout, then, per
+request, its destination lists (SGLang's wire format). Completion comes from the engine's
+notifications (direct and prepared modes) or from staged waves: the sender's destination table
+arrives on the control channel ahead of the bytes, the engine's notification says the wave has
+landed, and the endpoint checks the table against what it published (:mod:`.landing`), scatters
+the wave on its own stream and returns the slot's credit once the scatter has finished. It never
+sleeps: it blocks on the control socket with a short timeout between looks at the engine.
+
+Example::
+
+    decode = DecodeEndpoint(side, make_engine("nixl", "decode"), ControlChannel())
+    decode.register()
+    decode.publish([PreallocatedRequest("r1", row=1, prompt_len=4096)], timeout=30)
+    states = decode.wait()                    # {"r1": "complete"} or "failed"; settled requests are pruned
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ..errors import PeerError
+from ..planner.destinations import PreallocatedRequest, plan_destinations
+from ..planner.model import SideMemory
+from .completion import CompletionTracker, SectionNote, decode_notification
+from .control import ControlChannel, ControlTimeout
+from .engines import Engine
+from .landing import LandingGuard
+from .local import as_device_descriptors, scatter, warm_up
+from .registration import describe_side
+from .waves import decode_wave_note
+
+__all__ = ["DecodeEndpoint", "engine_regions"]
+
+log = logging.getLogger("kvplan")
+
+POLL_S = 0.001  # how long one look at the control socket blocks before the engine is looked at again
+
+
+def engine_regions(side: SideMemory) -> list[tuple[int, int]]:
+    entries = list(side.kv.entries) + [e for c in side.state for e in c.entries] + list(side.aux)
+    return [(e.base_ptr, e.item_len * e.num_items) for e in entries]
+
+
+@dataclass
+class _StagedWave:
+    """A wave announced by the sender: where it lies in the staging buffer, its table, its sections."""
+
+    index: int
+    lo: int
+    nbytes: int
+    alignment: int
+    table: np.ndarray  # [n, 2] uint64 (dst, nbytes)
+    sections: list[SectionNote]
+    requests: list[Any]
+    landed: bool = False
+    event: Any = None  # the scatter's CUDA event once launched
+    scattered: bool = False
+
+
+class DecodeEndpoint:
+    """The receiving side (see the module docstring)."""
+
+    def __init__(self, side: SideMemory, engine: Engine, channel: ControlChannel, staging: torch.Tensor | None = None):
+        self.side, self.engine, self.channel, self.staging = side, engine, channel, staging
+        self.tracker = CompletionTracker()
+        self.guard = LandingGuard(side)
+        self.failures: dict[Any, str | None] = {}
+        self._waves: dict[int, _StagedWave] = {}
+        self._early: set[int] = set()  # waves whose bytes landed before their table was read
+        self._stream = torch.cuda.Stream(staging.device) if staging is not None and staging.is_cuda else None
+        self.engine.register(engine_regions(side) + ([(staging.data_ptr(), staging.numel())] if staging is not None else []))
+        if staging is not None:
+            warm_up(staging)
+
+    def register(self, timeout: float = 60.0) -> None:
+        """Publish this side's layout, engine metadata and staging buffer; waits up to ``timeout``
+        seconds for the prefill side to connect."""
+        header = {"side": describe_side(self.side),
+                  "staging": [self.staging.data_ptr(), self.staging.numel()] if self.staging is not None else None}
+        self.channel.send("register", header, self.engine.metadata(), timeout=timeout)
+
+    def publish(self, requests: Sequence[PreallocatedRequest], timeout: float) -> None:
+        """Compute, validate and send every request's destination lists; start tracking them."""
+        pending = plan_destinations(self.side, requests)
+        published = pending.result()
+        deadline = time.monotonic() + timeout
+        for p in published:
+            self.tracker.expect(p.expectation(), deadline)
+            self.guard.publish(p.request, p.lists, p.aux_index)
+        for r, message in zip(requests, pending.messages()):
+            try:
+                self.channel.send("request", {"request": r.request, "prompt_len": r.prompt_len,
+                                              "prefix_len": r.prefix_len}, message,
+                                  timeout=max(0.0, deadline - time.monotonic()))
+            except ControlTimeout as err:
+                self.tracker.fail(r.request, f"its destination lists could not be published: {err}")
+
+    # -- progress ---------------------------------------------------------------------------------
+    def poll(self) -> None:
+        """Take in what has arrived: engine notifications, wave tables, failures; apply deadlines."""
+        while (msg := self.channel.try_recv()) is not None:
+            kind, header, frames = msg
+            if kind == "staged":
+                self._announce(header, frames[0])
+            elif kind == "failed":
+                self.tracker.fail(header["request"], f"the prefill side reports: {header['reason']}")
+            elif kind == "refused":
+                self.tracker.fail_pending(f"the prefill side refused the pairing: {header['reason']}")
+        for raw in self.engine.notifications():
+            wave = decode_wave_note(raw)
+            if wave is None:
+                self.tracker.on_section(decode_notification(raw))
+            elif wave in self._waves:
+                self._waves[wave].landed = True
+            else:  # its table is sent first but may still be on the socket
+                self._early.add(wave)
+        self._scatter_landed()
+        self._finish_scatters()
+        self.tracker.check_deadlines(time.monotonic())
+
+    def wait(self) -> dict[Any, str]:
+        """Progress until every published request is complete or failed (each has its deadline).
+
+        Returns the states; the reasons of failures are in :attr:`failures`. Settled requests are
+        pruned from the tracker and the landing guard.
+        """
+        while True:
+            self.poll()
+            if self.tracker.settled():
+                states = self.tracker.states()
+                self.failures = {r: self.tracker.failure(r) for r in states}
+                for r in states:
+                    self.tracker.forget(r)
+                    self.guard.forget(r)
+                return states
+            self.channel.wait_readable(POLL_S)
+
+    # -- staged waves -----------------------------------------------------------------------------
+    def _announce(self, header: dict[str, Any], table: bytes) -> None:
+        """Check a wave's table against what this side published before anything is written."""
+        index = int(header["wave"])
+        sections = [SectionNote(r, int(role), str(name), int(count)) for r, role, name, count in header["sections"]]
+        requests = list(dict.fromkeys(header["requests"]))
+        try:
+            if self.staging is None:
+                raise PeerError("a staged wave arrived, but this side registered no staging buffer")
+            rows = np.frombuffer(table, dtype=np.uint64).reshape(-1, 2)
+            lo, nbytes, alignment = int(header["staging_lo"]), int(header["nbytes"]), int(header["alignment"])
+            if lo < 0 or nbytes < 0 or lo + nbytes > self.staging.numel() or int(rows[:, 1].sum()) != nbytes:
+                raise PeerError(f"wave {index} claims staging bytes [{lo}, +{nbytes}) with rows of "
+                                f"{int(rows[:, 1].sum())} bytes; the staging buffer holds {self.staging.numel()}")
+            if alignment < 1 or alignment & (alignment - 1) or lo % alignment or (rows % np.uint64(alignment)).any():
+                raise PeerError(f"wave {index}: its rows or offset are not aligned to {alignment}")
+            for other in self._waves.values():
+                if not other.scattered and lo < other.lo + other.nbytes and other.lo < lo + nbytes:
+                    raise PeerError(f"wave {index} overlaps wave {other.index} in the staging buffer before it is free")
+            self.guard.check(requests, rows)
+        except PeerError as err:
+            for r in requests:
+                self.tracker.fail(r, f"refused staged wave {index}: {err}")
+            self.channel.send("wave-done", {"wave": index, "error": str(err)})
+            return
+        self._waves[index] = _StagedWave(index, lo, nbytes, alignment, rows, sections, requests,
+                                         landed=index in self._early)
+        self._early.discard(index)
+
+    def _scatter_landed(self) -> None:
+        for wave in self._waves.values():
+            if not wave.landed or wave.event is not None or wave.scattered:
+                continue
+            descs = np.zeros((len(wave.table), 3), dtype=np.uint64)
+            descs[:, 1:] = wave.table
+            device = self.staging.device
+            offsets = np.concatenate([[0], np.cumsum(wave.table[:, 1])[:-1]]).astype(np.int64) + wave.lo
+            if self._stream is not None:
+                with torch.cuda.stream(self._stream):
+                    scatter(as_device_descriptors(descs, device), torch.from_numpy(offsets).to(device), self.staging,
+                            wave.alignment, need=wave.lo + wave.nbytes)
+                    wave.event = torch.cuda.Event()
+                    wave.event.record(self._stream)
+            else:
+                scatter(as_device_descriptors(descs, device), torch.from_numpy(offsets), self.staging, wave.alignment,
+                        need=wave.lo + wave.nbytes)
+                wave.event = True
+
+    def _finish_scatters(self) -> None:
+        done = [w for w in self._waves.values()
+                if w.event is not None and not w.scattered and (w.event is True or w.event.query())]
+        for wave in sorted(done, key=lambda w: w.index):
+            wave.scattered = True
+            self.channel.send("wave-done", {"wave": wave.index})  # the slot's credit, before completion is visible
+            for note in wave.sections:
+                self.tracker.on_section(note)
+            del self._waves[wave.index]

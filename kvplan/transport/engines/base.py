@@ -1,0 +1,160 @@
+"""What every transfer engine offers kvplan's transport: post, poll, abort, notifications.
+
+An engine moves ``[n, 3]`` uint64 descriptor arrays ``(src, dst, nbytes)`` to a connected peer.
+:meth:`Engine.post` starts a write and returns a :class:`Handle` at once; the transport posts
+every section first and then waits for all of them (:func:`wait_all`), so the engine's own
+workers overlap them. Each posted write carries a notification that the receiver reads once its
+bytes have landed. What an engine can do beyond that is declared in its :class:`Capabilities`
+(prepared descriptor lists, array inputs), never probed with ``hasattr``.
+
+A handle that misses its deadline is aborted, and :func:`wait_all` reports it failed only once the
+engine says the handle has ended: no byte of a write reported failed may land afterwards. A
+handle the engine cannot end within the drain time is reported ``unsafe``: its destination pages
+must stay quarantined.
+
+Example::
+
+    engine = make_engine("nixl", "prefill-0")
+    engine.register([(tensor.data_ptr(), tensor.nbytes)])
+    peer = engine.connect(peer_metadata)
+    handles = [engine.post(peer, descs[lo:hi], note) for lo, hi, note in sections]
+    outcome = wait_all(engine, handles, deadline=time.monotonic() + 10)   # {handle: None | reason}
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import numpy as np
+
+from ...errors import KvplanError
+
+__all__ = ["Capabilities", "Engine", "Handle", "TransferError", "drain_seconds", "wait_all", "write"]
+
+log = logging.getLogger("kvplan")
+
+
+class TransferError(KvplanError):
+    """An engine failed to move bytes (dead peer, unregistered memory, deadline)."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an engine offers beyond posting descriptor arrays.
+
+    Attributes:
+        prepared: descriptor lists prepared once per peer, written by int32 indices
+            (:meth:`Engine.prepare` and :meth:`Engine.post_prepared`).
+        arrays: descriptors go to the engine as arrays, with no Python lists on the way.
+        abortable: an in-flight write can be cancelled before its deadline drain ends.
+    """
+
+    prepared: bool = False
+    arrays: bool = False
+    abortable: bool = False
+
+
+@dataclass(eq=False)
+class Handle:
+    """One posted write. ``state`` is ``"PROC"``, ``"DONE"`` or ``"ERR"``; ``error`` says why."""
+
+    peer: str
+    nbytes: int
+    native: Any = None
+    state: str = "PROC"
+    error: str | None = None
+
+
+class Engine(Protocol):
+    """The interface of a transfer engine (see the module docstring)."""
+
+    name: str
+    capabilities: Capabilities
+
+    def register(self, regions: list[tuple[int, int]]) -> None: ...
+
+    def metadata(self) -> bytes: ...
+
+    def connect(self, peer_metadata: bytes) -> str: ...
+
+    def post(self, peer: str, descs: np.ndarray, notification: bytes) -> Handle:
+        """Start writing ``descs``; never blocks for the bytes. A failure to post is a handle in ``ERR``."""
+        ...
+
+    def progress(self, handle: Handle) -> str:
+        """Advance ``handle`` and return its state (``PROC``, ``DONE`` or ``ERR``)."""
+        ...
+
+    def abort(self, handle: Handle) -> bool:
+        """Try to end an in-flight handle; True once it has ended (no more of its bytes will land)."""
+        ...
+
+    def notifications(self) -> list[bytes]: ...
+
+    def close(self) -> None: ...
+
+
+def drain_seconds() -> float:
+    """How long an aborted handle may take to end (``KVPLAN_DRAIN_S``, default 5 s)."""
+    return float(os.environ.get("KVPLAN_DRAIN_S", "5"))
+
+
+def wait_all(engine: Engine, handles: list[Handle], deadline: float,
+             on_done: Callable[[Handle], None] | None = None) -> dict[Handle, str | None]:
+    """Wait for every handle until ``deadline``; ``None`` per handle that completed, else the reason.
+
+    Handles still in flight at the deadline are aborted; each is reported only once it has ended,
+    or after :func:`drain_seconds` as ``unsafe`` (its pages may still be written).
+    """
+    outcome: dict[Handle, str | None] = {}
+    live = []
+    for h in handles:
+        if h.state == "ERR":
+            outcome[h] = h.error or "the engine refused the write"
+        else:
+            live.append(h)
+    while live:
+        still = []
+        for h in live:
+            state = engine.progress(h)
+            if state == "DONE":
+                outcome[h] = None
+                if on_done is not None:
+                    on_done(h)
+            elif state == "ERR":
+                outcome[h] = h.error or "the engine reported an error"
+            else:
+                still.append(h)
+        live = still
+        if live and time.monotonic() > deadline:
+            break
+        if live:
+            os.sched_yield()  # the engine's own progress thread shares the worker: give it the core
+    for h in live:
+        outcome[h] = _abort(engine, h)
+    return outcome
+
+
+def _abort(engine: Engine, handle: Handle) -> str:
+    """Abort ``handle`` at its deadline and wait (bounded) until the engine says it has ended."""
+    drain_end = time.monotonic() + drain_seconds()
+    while True:
+        if engine.abort(handle):
+            return "deadline passed; the write was aborted before it completed"
+        if time.monotonic() > drain_end:
+            log.error("a write to %s could not be ended %.1f s after its deadline; its destination pages must stay "
+                      "quarantined", handle.peer, drain_seconds())
+            return "unsafe: deadline passed and the engine could not end the write; its pages may still be written"
+        os.sched_yield()
+
+
+def write(engine: Engine, peer: str, descs: np.ndarray, notification: bytes, deadline: float) -> None:
+    """Post one write and wait for it; raise :class:`TransferError` on failure (tests, benchmarks)."""
+    handle = engine.post(peer, descs, notification)
+    reason = wait_all(engine, [handle], deadline)[handle]
+    if reason is not None:
+        raise TransferError(f"write to {peer} failed: {reason}")

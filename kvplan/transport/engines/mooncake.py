@@ -1,0 +1,113 @@
+"""Mooncake's transfer engine over TCP with the peer-to-peer handshake, on 127.0.0.1.
+
+A write is posted as asynchronous batches (of at most ``batch_limit`` descriptors each) but its
+last descriptor: once every batch has ended, the last one goes with the notification, so the
+receiver is told only after all of the write's bytes have landed. The wheel's array calls are
+used where it has them (the CUDA 13 wheel 0.3.14); the CPU wheel 0.3.13 takes Python lists.
+
+Mooncake cannot cancel a batch. Waiting for its status blocks until the batch has ended, bounded
+by Mooncake's own transfer timeout (``MC_TRANSFER_TIMEOUT``, 30 s by default): a write reported
+failed has ended, and no byte of it lands afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from .base import Capabilities, Handle, TransferError
+from .registry import register_engine
+
+__all__ = ["MooncakeEngine"]
+
+
+@register_engine("mooncake")
+class MooncakeEngine:
+    """Mooncake (TCP). ``memory`` is informational: Mooncake addresses host and device memory alike."""
+
+    batch_limit = 16384  # descriptors per batch, under the per-peer queue limits raised below
+
+    def __init__(self, name: str = "", memory: str = "DRAM", device_id: int = 0):
+        os.environ.setdefault("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "65535")
+        os.environ.setdefault("MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER", "65535")
+        from mooncake.engine import TransferEngine, TransferNotify, TransferOpcode
+
+        self._notify, self._opcode = TransferNotify, TransferOpcode
+        self.engine = TransferEngine()
+        if self.engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+            raise TransferError("Mooncake failed to initialise on 127.0.0.1")
+        self.name = name or f"127.0.0.1:{self.engine.get_rpc_port()}"
+        self.memory = memory
+        self._regions: list[int] = []
+        # what this wheel offers, decided once here (0.3.14 has array calls, 0.3.13 only lists)
+        self.capabilities = Capabilities(arrays=hasattr(self.engine, "batch_transfer_async_write_arrays"))
+
+    def register(self, regions: list[tuple[int, int]]) -> None:
+        for addr, size in regions:
+            if self.engine.register_memory(int(addr), int(size)) != 0:
+                raise TransferError(f"Mooncake could not register [{addr:#x}, +{size})")
+            self._regions.append(int(addr))
+
+    def metadata(self) -> bytes:
+        return json.dumps({"segment": f"127.0.0.1:{self.engine.get_rpc_port()}", "name": self.name}).encode()
+
+    def connect(self, peer_metadata: bytes) -> str:
+        return json.loads(peer_metadata)["segment"]
+
+    def _submit(self, peer: str, part: np.ndarray) -> int:
+        if self.capabilities.arrays:
+            return self.engine.batch_transfer_async_write_arrays(peer, part[:, 0].copy(), part[:, 1].copy(),
+                                                                 part[:, 2].copy())
+        return self.engine.batch_transfer_async_write(peer, part[:, 0].tolist(), part[:, 1].tolist(),
+                                                      part[:, 2].tolist())
+
+    def post(self, peer: str, descs: np.ndarray, notification: bytes) -> Handle:
+        descs = np.ascontiguousarray(descs, dtype=np.uint64)
+        handle = Handle(peer, int(descs[:, 2].sum()) if len(descs) else 0)
+        if len(descs) == 0:
+            handle.state, handle.error = "ERR", "Mooncake cannot notify without a descriptor"
+            return handle
+        batches = []
+        body = descs[:-1]
+        for lo in range(0, len(body), self.batch_limit):
+            batch_id = self._submit(peer, body[lo : lo + self.batch_limit])
+            if not batch_id:
+                handle.state, handle.error = "ERR", f"Mooncake refused a batch to {peer} at descriptor {lo}"
+                break
+            batches.append(batch_id)
+        handle.native = (batches, descs[-1].copy(), notification)
+        return handle
+
+    def progress(self, handle: Handle) -> str:
+        """Wait for the handle's batches (each status is read exactly once), then send the notifying tail."""
+        if handle.state != "PROC" and handle.native is None:
+            return handle.state
+        batches, tail, notification = handle.native
+        handle.native = None
+        failed = self.engine.get_batch_transfer_status(batches) != 0 if batches else False
+        if handle.state == "ERR" or failed:
+            handle.state = "ERR"
+            handle.error = handle.error or f"Mooncake write to {handle.peer} failed"
+            return handle.state
+        rc = self.engine.batch_transfer_sync(handle.peer, [int(tail[0])], [int(tail[1])], [int(tail[2])],
+                                             self._opcode.Write, self._notify(self.name, notification.decode()))
+        handle.state = "DONE" if rc == 0 else "ERR"
+        if rc != 0:
+            handle.error = f"Mooncake write to {handle.peer} failed (rc {rc}) on its last descriptor"
+        return handle.state
+
+    def abort(self, handle: Handle) -> bool:
+        """Mooncake cannot cancel: waiting for the status ends the handle (bounded by its own timeout)."""
+        if handle.native is not None:
+            self.progress(handle)
+        return True
+
+    def notifications(self) -> list[bytes]:
+        return [n.msg.encode() for n in self.engine.get_notifies()]
+
+    def close(self) -> None:
+        for addr in self._regions:
+            self.engine.unregister_memory(addr)
+        self._regions.clear()

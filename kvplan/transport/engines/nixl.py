@@ -1,0 +1,154 @@
+"""NIXL with its UCX backend: one-shot and prepared writes, notifications, cancellation.
+
+Settings: ``memory`` ``"DRAM"`` (CPU tensors) or ``"VRAM"`` (CUDA), ``device_id``, and
+``num_threads`` (NIXL's UCX workers; lists of many descriptors are split across them, as vLLM
+runs it). Traffic stays on 127.0.0.1 unless ``UCX_NET_DEVICES`` says otherwise; kvplan sets it to
+``lo`` when it is unset.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+
+from .base import Capabilities, Handle
+from .registry import register_engine
+
+__all__ = ["NixlEngine"]
+
+log = logging.getLogger("kvplan")
+
+
+def nixl_api():
+    """``(nixl_agent, nixl_agent_config)`` from whichever NIXL package is installed."""
+    for module in ("nixl._api", "nixl_cu13._api", "nixl_cu12._api"):
+        try:
+            api = __import__(module, fromlist=["nixl_agent"])
+            return api.nixl_agent, api.nixl_agent_config
+        except ImportError:
+            continue
+    raise ImportError("no NIXL package is installed (nixl-cu12, nixl-cu13 or nixl)")
+
+
+@register_engine("nixl")
+class NixlEngine:
+    """NIXL (UCX). See the module docstring for the settings."""
+
+    capabilities = Capabilities(prepared=True, arrays=True, abortable=True)
+
+    def __init__(self, name: str, memory: str = "DRAM", device_id: int = 0, num_threads: int = 0):
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")
+        nixl_agent, nixl_agent_config = nixl_api()
+        self.name, self.memory, self.device_id = name, memory, device_id
+        try:
+            config = nixl_agent_config(backends=["UCX"], num_threads=num_threads)
+        except TypeError:  # older bindings without the thread setting
+            config = nixl_agent_config(backends=["UCX"])
+        self.agent = nixl_agent(name, config)
+        self._registrations = []
+        self._prepared: dict[tuple[str, object], tuple[object, object]] = {}
+
+    def register(self, regions: list[tuple[int, int]]) -> None:
+        table = np.array([(addr, size, self.device_id) for addr, size in regions], dtype=np.uint64).reshape(-1, 3)
+        self._registrations.append(self.agent.register_memory(table, self.memory))
+
+    def metadata(self) -> bytes:
+        return self.agent.get_agent_metadata()
+
+    def connect(self, peer_metadata: bytes) -> str:
+        name = self.agent.add_remote_agent(peer_metadata)
+        return name.decode() if isinstance(name, bytes) else name
+
+    def _dlist(self, addrs: np.ndarray, sizes: np.ndarray):
+        devices = np.full(len(addrs), self.device_id, dtype=np.uint64)
+        return self.agent.get_xfer_descs(np.stack([addrs, sizes, devices], axis=1), self.memory)
+
+    def _start(self, peer: str, nbytes: int, make) -> Handle:
+        handle = Handle(peer, nbytes)
+        try:
+            handle.native = make()
+            handle.state = self.agent.transfer(handle.native)
+        except Exception as err:  # noqa: BLE001 - nixl raises its own types (dead peer, unregistered memory)
+            handle.state, handle.error = "ERR", f"NIXL write to {peer} failed: {type(err).__name__}: {err}"
+        if handle.state == "ERR" and handle.error is None:
+            handle.error = f"NIXL write to {peer} failed when posted"
+        self._settle(handle)
+        return handle
+
+    def post(self, peer: str, descs: np.ndarray, notification: bytes) -> Handle:
+        descs = np.ascontiguousarray(descs, dtype=np.uint64)
+        return self._start(peer, int(descs[:, 2].sum()), lambda: self.agent.initialize_xfer(
+            "WRITE", self._dlist(descs[:, 0], descs[:, 2]), self._dlist(descs[:, 1], descs[:, 2]), peer, notification))
+
+    def prepare(self, peer: str, key: object, local_items: np.ndarray, remote_items: np.ndarray) -> None:
+        """Prepare, once per peer, a descriptor list per side: one descriptor per entry x slot.
+
+        ``local_items``/``remote_items`` are ``[entries, 3]`` uint64 ``(base, item_len, slots)``;
+        descriptor ``e * slots + s`` is ``(base_e + s * item_len_e, item_len_e)``, matching the
+        index arrays of :mod:`kvplan.planner.prepared`.
+        """
+        def rows(items: np.ndarray) -> np.ndarray:
+            base, item, slots = (items[:, i].astype(np.uint64) for i in range(3))
+            counts = slots.astype(np.int64)
+            slot = np.concatenate([np.arange(n, dtype=np.uint64) for n in counts]) if len(counts) else base
+            addr = np.repeat(base, counts) + slot * np.repeat(item, counts)
+            size = np.repeat(item, counts)
+            return np.stack([addr, size, np.full(len(addr), self.device_id, dtype=np.uint64)], axis=1)
+
+        local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows(local_items), self.memory)
+        remote = self.agent.prep_xfer_dlist(peer, rows(remote_items), self.memory)
+        self._prepared[(peer, key)] = (local, remote)
+
+    def post_prepared(self, peer: str, key: object, src_idx: np.ndarray, dst_idx: np.ndarray,
+                      notification: bytes) -> Handle:
+        """A WRITE named by int32 indices into the lists :meth:`prepare` made for ``key``."""
+        local, remote = self._prepared[(peer, key)]
+        return self._start(peer, 0, lambda: self.agent.make_prepped_xfer(
+            "WRITE", local, np.ascontiguousarray(src_idx, dtype=np.int32), remote,
+            np.ascontiguousarray(dst_idx, dtype=np.int32), notification))
+
+    def progress(self, handle: Handle) -> str:
+        if handle.state == "PROC":
+            try:
+                handle.state = self.agent.check_xfer_state(handle.native)
+            except Exception as err:  # noqa: BLE001
+                handle.state, handle.error = "ERR", f"NIXL write to {handle.peer} failed: {type(err).__name__}: {err}"
+            if handle.state == "ERR" and handle.error is None:
+                handle.error = f"NIXL write to {handle.peer} ended in an error"
+            self._settle(handle)
+        return handle.state
+
+    def _settle(self, handle: Handle) -> None:
+        """Release a handle that has ended (DONE or ERR): NIXL frees it only when it is not active."""
+        if handle.state != "PROC" and handle.native is not None:
+            try:
+                handle.native.release()
+            except Exception as err:  # noqa: BLE001 - an ended handle that will not release is logged
+                log.warning("could not release a NIXL handle to %s: %s", handle.peer, err)
+            handle.native = None
+
+    def abort(self, handle: Handle) -> bool:
+        """Release an in-flight handle: NIXL cancels it, or refuses while it cannot (then it is still live)."""
+        if handle.native is None:
+            return True
+        try:
+            handle.native.release()
+        except Exception:  # noqa: BLE001 - NIXL could not cancel it yet: it is still in flight
+            return False
+        handle.native, handle.state = None, "ERR"
+        handle.error = handle.error or "aborted"
+        return True
+
+    def notifications(self) -> list[bytes]:
+        return [msg for msgs in self.agent.get_new_notifs().values() for msg in msgs]
+
+    def close(self) -> None:
+        for local, remote in self._prepared.values():
+            local.release()
+            remote.release()
+        self._prepared.clear()
+        for reg in self._registrations:
+            self.agent.deregister_memory(reg)
+        self._registrations.clear()

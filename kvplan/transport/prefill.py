@@ -1,0 +1,374 @@
+"""The sending side of a hand-off: pairing, planning, and moving a batch through the engine.
+
+:class:`PrefillEndpoint` pairs with the layout a decode side published, plans each batch with
+kvplan and moves it:
+
+* ``direct``: every section (a transfer's KV, each state component, aux) is posted as one engine
+  write with its notification, all of them before waiting for any;
+* ``prepared``: the same through NIXL prepared descriptor lists, made once per peer, with the
+  planner's int32 indices;
+* ``staged``: waves of descriptors gathered into a ring of staging slots. The gather of one wave,
+  the engine write of another and the receiver's scatter of a third overlap: the sender needs a
+  slot's credit (returned by the receiver after its scatter) and the end of its own last write from
+  that slot, nothing else. A wave's destination table travels on the control channel ahead of its
+  bytes; the engine's notification, carrying the wave id, says they have landed.
+* ``auto`` (the default): staged when both sides have staging buffers and the batch has many small
+  descriptors (at least 1024, at most 16 KiB on average, TensorRT-LLM's gate), else direct.
+
+A write that misses its deadline is aborted, and reported failed only once it has ended.
+
+Example::
+
+    prefill = PrefillEndpoint(side, make_engine("nixl", "prefill"), ControlChannel(port))
+    prefill.accept(timeout=30)
+    prefill.receive_requests(1, timeout=30)
+    result = prefill.send([prefill.transfer(Chunk("r1", src_row=4, start=0, fill_len=4097, prompt_len=4096,
+                                                     last=True, aux_src=4))])     # {"r1": None} when sent
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ..errors import LayoutError, PlanError
+from ..planner import gpu
+from ..planner.destinations import decode_message
+from ..planner.model import Batch, Policy, SideMemory, Transfer
+from ..planner.pairing import pair_sides
+from ..planner.plan import AUX_ROLE, KV_ROLE, DestinationLists, Plan, Section
+from ..planner.prepared import PreparedIndices, prepared_slots
+from .completion import encode_notification
+from .control import ControlChannel, ControlTimeout
+from .decode import engine_regions
+from .engines import Engine, Handle, wait_all
+from .local import gather, plan_alignment, warm_up
+from .registration import side_from_description
+from .waves import Wave, plan_waves, wave_note
+
+__all__ = ["Chunk", "PrefillEndpoint", "MODES"]
+
+log = logging.getLogger("kvplan")
+
+MODES = ("auto", "direct", "prepared", "staged")
+AUTO_MIN_DESCS, AUTO_MAX_AVG_BYTES = 1024, 16 << 10
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """What the prefill scheduler knows about one chunk of a request it is about to send."""
+
+    request: Any
+    src_row: int
+    start: int
+    fill_len: int
+    prompt_len: int
+    last: bool
+    aux_src: int = 0
+
+
+class PrefillEndpoint:
+    """The sending side (see the module docstring). ``slots`` is the staging ring's length."""
+
+    def __init__(self, side: SideMemory, engine: Engine, channel: ControlChannel, staging: torch.Tensor | None = None,
+                 policy: Policy = Policy.STRICT, slots: int = 4):
+        self.side, self.engine, self.channel, self.staging, self.policy = side, engine, channel, staging, policy
+        self.slots = slots
+        self.engine.register(engine_regions(side) + ([(staging.data_ptr(), staging.numel())] if staging is not None else []))
+        if staging is not None:
+            warm_up(staging)
+        self._stream = torch.cuda.Stream(staging.device) if staging is not None and staging.is_cuda else None
+        self.peer: str | None = None
+        self.peer_side: SideMemory | None = None
+        self.peer_staging: tuple[int, int] | None = None
+        self.lists: dict[Any, tuple[DestinationLists, int, int]] = {}
+        self._prepared = False
+        self._next_wave = 0
+
+    def accept(self, timeout: float) -> None:
+        """Receive the decode side's registration and pair with it (refusing it with a reason if it cannot)."""
+        kind, header, frames = self.channel.recv(time.monotonic() + timeout)
+        if kind != "register":
+            raise LayoutError(f"expected a registration, got {kind!r}")
+        peer_side = side_from_description(header["side"])
+        try:
+            pair_sides(self.side, peer_side)
+        except LayoutError as err:
+            self.channel.send("refused", {"reason": str(err)})
+            raise
+        self.peer_side = peer_side
+        self.peer_staging = tuple(header["staging"]) if header["staging"] else None
+        self.peer = self.engine.connect(frames[0])
+
+    def receive_requests(self, count: int, timeout: float) -> None:
+        """Receive ``count`` requests' destination lists (wire messages) from the decode side."""
+        deadline = time.monotonic() + timeout
+        for _ in range(count):
+            kind, header, frames = self.channel.recv(deadline)
+            if kind != "request":
+                raise LayoutError(f"expected destination lists, got {kind!r}")
+            lists, aux = decode_message(frames[0], len(self.peer_side.state))
+            self.lists[header["request"]] = (lists, aux, header["prefix_len"])
+
+    def transfer(self, chunk: Chunk) -> Transfer:
+        """The :class:`Transfer` of a chunk, with the destination lists its request published."""
+        lists, aux_dst, prefix_len = self.lists[chunk.request]
+        return Transfer(chunk.request, chunk.src_row, chunk.start, chunk.fill_len, chunk.prompt_len, chunk.last,
+                        lists.pages, prefix_len, chunk.aux_src, aux_dst, lists.state)
+
+    def forget(self, requests: Sequence[Any]) -> None:
+        """Drop the destination lists of finished requests."""
+        for r in requests:
+            self.lists.pop(r, None)
+
+    def send(self, transfers: Sequence[Transfer], mode: str = "auto", timeout: float = 30.0) -> dict[Any, str | None]:
+        """Plan and move a batch; returns, per request, ``None`` when sent or the failure reason.
+
+        A batch that does not plan (bad input) is refused whole: nothing is sent, every request of
+        it is reported failed to the decode side, and the :class:`~kvplan.errors.PlanError` is raised.
+        """
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        batch = Batch(self.side, (self.peer_side,), tuple(transfers), self.policy)
+        try:
+            pending = gpu.plan(batch, prepared=mode == "prepared")
+            plan = pending.result()
+        except PlanError as err:
+            for request in {t.request for t in transfers}:
+                self._report(request, f"batch refused: {err}")
+            raise
+        deadline = time.monotonic() + timeout
+        if mode == "auto":
+            mode = self._auto_mode(plan)
+        if mode == "direct":
+            return self._send_direct(plan, deadline)
+        if mode == "prepared":
+            return self._send_prepared(plan, pending.prepared_indices(), deadline)
+        return self._send_staged(plan, pending.device_descriptors(), plan_alignment(batch), deadline)
+
+    def _auto_mode(self, plan: Plan) -> str:
+        if self.staging is None or self.peer_staging is None:
+            return "direct"
+        descs, _ = plan.descriptors()
+        many = len(descs) >= AUTO_MIN_DESCS
+        return "staged" if many and int(descs[:, 2].sum()) <= AUTO_MAX_AVG_BYTES * len(descs) else "direct"
+
+    def _report(self, request: Any, reason: str) -> None:
+        log.warning("request %r failed: %s", request, reason)
+        try:
+            self.channel.send("failed", {"request": request, "reason": reason}, timeout=0.5)
+        except Exception as err:  # noqa: BLE001 - the peer may be gone; the failure is still ours to report
+            log.warning("could not tell the decode side that %r failed: %s", request, err)
+
+    def _fail(self, result: dict[Any, str | None], requests, reason: str) -> None:
+        for request in requests:
+            if result.get(request) is None:
+                result[request] = reason
+                self._report(request, reason)
+
+    # -- direct and prepared ----------------------------------------------------------------------
+    def _send_direct(self, plan: Plan, deadline: float) -> dict[Any, str | None]:
+        descs, _ = plan.descriptors()
+        posted = [(self.engine.post(self.peer, descs[s.lo : s.hi], encode_notification(s)), s) for s in plan.sections()]
+        return self._settle(plan, posted, deadline)
+
+    def _settle(self, plan: Plan, posted: list[tuple[Handle, Section]], deadline: float) -> dict[Any, str | None]:
+        result: dict[Any, str | None] = {t.request: None for t in plan.transfers}
+        outcome = wait_all(self.engine, [h for h, _ in posted], deadline)
+        for handle, section in posted:
+            if outcome[handle] is not None:
+                self._fail(result, [section.request], outcome[handle])
+        return result
+
+    def _prepare(self) -> None:
+        """NIXL prepared lists for every role, made once per peer (entry x slot descriptors)."""
+        if not self.engine.capabilities.prepared:
+            raise LayoutError(f"the {type(self.engine).__name__} has no prepared descriptor lists; use direct mode")
+        pairing = pair_sides(self.side, self.peer_side)
+        tables = {KV_ROLE: (pairing.kv_src, pairing.kv_dst), AUX_ROLE: (pairing.aux_src, pairing.aux_dst)}
+        tables.update({c: t for c, t in enumerate(zip(pairing.state_src, pairing.state_dst))})
+        for role, (entries, src_slots, dst_slots) in prepared_slots(self.side, self.peer_side).items():
+            src_t, dst_t = tables[role]
+            items = lambda t, slots: np.concatenate([t, np.full((len(t), 1), slots, np.uint64)], axis=1)  # noqa: E731
+            self.engine.prepare(self.peer, role, items(src_t, src_slots), items(dst_t, dst_slots))
+        self._prepared = True
+
+    def _send_prepared(self, plan: Plan, indices: PreparedIndices, deadline: float) -> dict[Any, str | None]:
+        if not self._prepared:
+            self._prepare()
+        names = {KV_ROLE: "kv", AUX_ROLE: "aux", **{c: comp.name for c, comp in enumerate(self.side.state)}}
+        posted = []
+        for s, (role, owner) in enumerate(zip(indices.section_role.tolist(), indices.section_transfer.tolist())):
+            lo, hi = int(indices.section_offsets[s]), int(indices.section_offsets[s + 1])
+            if lo == hi:
+                continue
+            request = plan.transfers[owner].request
+            count = len(plan.transfers[owner].dst_pages) if role == KV_ROLE else 1
+            section = Section(owner, request, role, names[role], lo, hi, count)
+            posted.append((self.engine.post_prepared(self.peer, role, indices.src[lo:hi], indices.dst[lo:hi],
+                                                     encode_notification(section)), section))
+        return self._settle(plan, posted, deadline)
+
+    # -- staged -----------------------------------------------------------------------------------
+    def _send_staged(self, plan: Plan, device_descs: torch.Tensor, alignment: int,
+                     deadline: float) -> dict[Any, str | None]:
+        if self.staging is None or self.peer_staging is None:
+            raise LayoutError("staged mode needs a registered staging buffer on both sides")
+        run = _StagedRun(self, plan, device_descs, alignment, deadline)
+        return run.go()
+
+
+def split_descriptors(descs: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray]:
+    """Descriptors of at most ``limit`` bytes: ``(pieces, first)``; descriptor ``i`` became pieces
+    ``first[i]:first[i + 1]`` (``limit`` keeps the alignment when it is a multiple of it)."""
+    sizes = descs[:, 2].astype(np.int64)
+    count = np.maximum(1, -(-sizes // limit))
+    first = np.concatenate([[0], np.cumsum(count)])
+    if int(first[-1]) == len(descs):
+        return descs, first
+    owner = np.repeat(np.arange(len(descs)), count)
+    k = (np.arange(int(first[-1])) - first[owner]).astype(np.uint64)
+    step = np.uint64(limit)
+    pieces = np.empty((int(first[-1]), 3), np.uint64)
+    pieces[:, 0] = descs[owner, 0] + k * step
+    pieces[:, 1] = descs[owner, 1] + k * step
+    pieces[:, 2] = np.minimum(descs[owner, 2] - k * step, step)
+    return pieces, first
+
+
+class _StagedRun:
+    """One batch through the staging ring (see :class:`PrefillEndpoint`)."""
+
+    def __init__(self, ep: PrefillEndpoint, plan: Plan, device_descs: torch.Tensor, alignment: int, deadline: float):
+        self.ep, self.plan, self.alignment, self.deadline = ep, plan, alignment, deadline
+        self.result: dict[Any, str | None] = {t.request: None for t in plan.transfers}
+        capacity = min(ep.staging.numel(), ep.peer_staging[1])
+        self.slots = max(1, min(ep.slots, capacity // max(alignment, 1)))
+        self.slot_bytes = (capacity // self.slots) // alignment * alignment
+        descs, per_transfer = plan.descriptors()
+        owners = np.repeat(np.array([t.request for t in plan.transfers] + [None], dtype=object)[:-1],
+                           np.diff(per_transfer))
+        self.descs, first = split_descriptors(descs, self.slot_bytes)
+        if len(self.descs) != len(descs):  # a descriptor larger than a slot goes in pieces
+            self.owners = np.repeat(owners, np.diff(first))
+            device_descs = torch.from_numpy(self.descs.view(np.int64)).to(device_descs.device)
+        else:
+            self.owners = owners
+        self.sections = [Section(s.transfer, s.request, s.role, s.name, int(first[s.lo]), int(first[s.hi]), s.count)
+                         for s in plan.sections()]
+        self.device_descs = device_descs
+        sizes = device_descs[:, 2]
+        self.dev_starts = torch.cumsum(sizes, 0) - sizes  # staging offsets of the whole plan, on the device
+        self.host_starts = np.concatenate([[0], np.cumsum(self.descs[:, 2].astype(np.int64))])
+        self.remote_free = [True] * self.slots
+        self.local_write: list[Handle | None] = [None] * self.slots
+        self.gathered: list[tuple[Wave, Any]] = []  # waves gathered, not yet posted, in order
+        self.posted: dict[int, tuple[Wave, Handle]] = {}
+        self.acked: set[int] = set()
+        self.base_id = ep._next_wave
+
+    def go(self) -> dict[Any, str | None]:
+        ep = self.ep
+        waves = plan_waves(self.descs[:, 2], self.sections, self.slot_bytes, self.slots)
+        ep._next_wave += len(waves)
+        sent = 0
+        for wave in waves:
+            if not self._wait(lambda: self.remote_free[wave.slot] and self._local_free(wave.slot)):
+                break
+            self._gather(wave)
+            sent += 1
+            self._pump()
+        self._wait(lambda: not self.gathered and all(i in self.acked for i in self.posted))
+        live = [h for _, h in self.posted.values() if h.state == "PROC"]
+        outcome = wait_all(ep.engine, live, time.monotonic()) if live else {}  # aborts what is still in flight
+        for index, (wave, handle) in self.posted.items():
+            reason = outcome.get(handle) or handle.error
+            if reason is None and index not in self.acked:
+                reason = "the receiver did not acknowledge its staged wave before the deadline"
+            if reason is not None:
+                ep._fail(self.result, wave.requests(self.owners), reason)
+        for wave in [w for w, _ in self.gathered] + waves[sent:]:
+            ep._fail(self.result, wave.requests(self.owners), "deadline passed before the wave was sent")
+        return self.result
+
+    def _local_free(self, slot: int) -> bool:
+        handle = self.local_write[slot]
+        return handle is None or handle.state != "PROC"
+
+    def _wait(self, ready) -> bool:
+        """Pump until ``ready()`` or the deadline; never sleeps (yields the core between looks)."""
+        while True:
+            self._pump()
+            if ready():
+                return True
+            if time.monotonic() > self.deadline:
+                return False
+            if not self.ep.channel.wait_readable(0):
+                os.sched_yield()
+
+    def _gather(self, wave: Wave) -> None:
+        ep = self.ep
+        slot_lo = wave.slot * self.slot_bytes
+        base = int(self.host_starts[wave.lo])
+        descs = self.device_descs[wave.lo : wave.hi]
+        offsets = self.dev_starts[wave.lo : wave.hi] - base + slot_lo
+        self.remote_free[wave.slot] = False
+        if ep._stream is not None:
+            ep._stream.wait_stream(torch.cuda.current_stream(ep.staging.device))
+            with torch.cuda.stream(ep._stream):
+                gather(descs, offsets, ep.staging, self.alignment, need=slot_lo + wave.nbytes)
+                event = torch.cuda.Event()
+                event.record(ep._stream)
+        else:
+            gather(descs, offsets, ep.staging, self.alignment, need=slot_lo + wave.nbytes)
+            event = None
+        self.gathered.append((wave, event))
+
+    def _pump(self) -> None:
+        """Post gathered waves whose gather has finished; take in credits; progress writes."""
+        ep = self.ep
+        while self.gathered and (self.gathered[0][1] is None or self.gathered[0][1].query()):
+            wave, _ = self.gathered.pop(0)
+            self._post(wave)
+        while (msg := ep.channel.try_recv()) is not None:
+            kind, header, _ = msg
+            if kind != "wave-done":
+                log.warning("unexpected control message %r during a staged send; ignored", kind)
+                continue
+            index = int(header["wave"]) - self.base_id
+            if index not in self.posted:
+                continue
+            wave, _ = self.posted[index]
+            self.acked.add(index)
+            self.remote_free[wave.slot] = True
+            if header.get("error"):
+                ep._fail(self.result, wave.requests(self.owners), f"the receiver refused the wave: {header['error']}")
+        for wave, handle in self.posted.values():
+            if handle.state == "PROC":
+                ep.engine.progress(handle)
+
+    def _post(self, wave: Wave) -> None:
+        ep = self.ep
+        slot_lo = wave.slot * self.slot_bytes
+        wave_id = self.base_id + wave.index
+        requests = wave.requests(self.owners)
+        table = np.ascontiguousarray(self.descs[wave.lo : wave.hi, 1:])
+        notes = [[s.request, s.role, s.name, s.count] for s in wave.sections if self.result[s.request] is None]
+        header = {"wave": wave_id, "sections": notes, "requests": requests, "staging_lo": slot_lo,
+                  "nbytes": wave.nbytes, "alignment": self.alignment}
+        try:  # the table first: the receiver checks it before the bytes may be scattered
+            ep.channel.send("staged", header, table.tobytes(), timeout=max(0.0, self.deadline - time.monotonic()))
+        except ControlTimeout as err:
+            ep._fail(self.result, requests, str(err))
+            self.remote_free[wave.slot] = True
+            return
+        region = np.array([[ep.staging.data_ptr() + slot_lo, ep.peer_staging[0] + slot_lo, wave.nbytes]], np.uint64)
+        handle = ep.engine.post(ep.peer, region, wave_note(wave_id))
+        self.posted[wave.index] = (wave, handle)
+        self.local_write[wave.slot] = handle
