@@ -11,8 +11,12 @@ OUT=${OUT:-/tmp/kvplan-gpu}; mkdir -p "$OUT"
 log="$OUT/e2e-$engine.txt"
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$log"
 python3 -m benchmarks.engine_ceiling "$engine" 256 2>&1 | tee -a "$log"
-for mode in direct staged; do
-  echo "\$ kvplan demo --engine $engine --mode $mode --preset llama70b-tp8-p64 --layers 8 --requests 8 --prompt-len 8192" | tee -a "$log"
-  python3 -m kvplan demo --no-progress --engine "$engine" --mode "$mode" --preset llama70b-tp8-p64 --layers 8 \
-    --requests 8 --prompt-len 8192 2>&1 | tee -a "$log"
-done
+run() {
+  echo "\$ kvplan demo --engine $engine $* --preset llama70b-tp8-p64 --layers 8 --requests 8 --prompt-len 8192 --repeat 12" | tee -a "$log"
+  timeout 300 python3 -m kvplan demo --no-progress --engine "$engine" "$@" --preset llama70b-tp8-p64 --layers 8 \
+    --requests 8 --prompt-len 8192 --repeat 12 2>&1 | tee -a "$log"
+}
+run --mode direct
+run --mode staged --staging-mib 64
+run --mode staged --staging-mib 256
+run --mode auto --staging-mib 256

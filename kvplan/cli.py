@@ -34,7 +34,7 @@ def _demo(args: argparse.Namespace) -> int:
     config = DemoConfig(preset=args.preset, layers=args.layers, requests=args.requests, prompt_len=args.prompt_len,
                         chunks=args.chunks, prefix_len=args.prefix_len, mean_run=args.fragmentation,
                         engine=args.engine, mode=args.mode, device=args.device, seed=args.seed, timeout=args.timeout,
-                        fault=args.fault)
+                        fault=args.fault, repeat=args.repeat, staging_bytes=args.staging_mib << 20)
     if config.mode == "prepared" and config.engine != "nixl":
         raise SystemExit("kvplan demo: error: --mode prepared needs --engine nixl (prepared lists are NIXL's)")
     shape = config.model()
@@ -89,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="direct: one engine write per section, all posted at once; prepared: NIXL prepared lists "
                            "and int32 indices; staged: waves through a ring of staging slots; auto: staged for many "
                            "small descriptors when both sides have staging buffers, else direct (default: auto)")
+    demo.add_argument("--repeat", type=_positive, default=1,
+                      help="send the batch this many times (new request ids each time); reports the first batch "
+                           "and the median of the others (default: 1)")
+    demo.add_argument("--staging-mib", type=_positive, default=64,
+                      help="staging buffer per side, in MiB, for staged and auto modes (default: 64)")
     demo.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                       help="where the pools live; auto picks the GPU when there is one (default: auto)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the allocation and the bytes (default: 0)")

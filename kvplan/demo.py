@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -69,6 +70,10 @@ class DemoConfig:
     fault: str = "none"
     shape: ModelShape | None = None  # overrides preset/layers/mean_run (tests use small custom shapes)
     staging_bytes: int = 64 << 20
+    repeat: int = 1  # batches sent one after another (new request ids each time); timing: first and steady
+
+    def round_ids(self, k: int) -> str:
+        return "" if self.repeat == 1 else f"#{k}"
 
     def model(self) -> ModelShape:
         if self.shape is not None:
@@ -103,7 +108,8 @@ class DemoReport:
     mode: str = ""
     kvplan_ms: float | None = None
     baseline_ms: float | None = None
-    transfer_s: float | None = None
+    transfer_s: float | None = None  # the first (cold) batch
+    steady_s: float | None = None  # median of the later batches (``repeat`` > 1)
     states: dict[Any, str] = field(default_factory=dict)
     failures: dict[Any, str | None] = field(default_factory=dict)
     send_failures: dict[Any, str | None] = field(default_factory=dict)
@@ -127,7 +133,11 @@ class DemoReport:
             base = f"{self.baseline_ms:.2f} ms" if self.baseline_ms is not None else "n/a (head-sliced)"
             lines.append(f"  plan latency  kvplan {self.kvplan_ms:.2f} ms ({where}); SGLang-style {base}")
         if self.transfer_s:
-            lines.append(f"  transfer      {self.transfer_s * 1e3:.1f} ms, {self.nbytes / self.transfer_s / 2**30:.3f} GiB/s")
+            lines.append(f"  transfer      {self.transfer_s * 1e3:.1f} ms, {self.nbytes / self.transfer_s / 2**30:.3f} GiB/s"
+                         + (" (first batch)" if self.steady_s else ""))
+        if self.steady_s:
+            lines.append(f"  steady        {self.steady_s * 1e3:.1f} ms, {self.nbytes / self.steady_s / 2**30:.3f} GiB/s "
+                         f"(median of batches 2..{c.repeat})")
         if self.refused:
             lines.append(f"  pairing       refused: {self.refused}")
         done = sum(1 for s in self.states.values() if s == "complete")
@@ -158,12 +168,17 @@ def decode_process(config: DemoConfig, conn) -> None:
         endpoint.register(timeout=config.timeout + 60)  # the prefill process may still be starting
         last = {t.request: t for t in batch.transfers if t.last}
         timeout = 3.0 if config.fault in ("deadline", "dead-prefill") else config.timeout
-        endpoint.publish([PreallocatedRequest(r, t.src_row, t.prompt_len, t.prefix_len, t.aux_dst)
-                          for r, t in last.items()], timeout=timeout)
-        conn.send(("stage", "publish lists"))
-        states = endpoint.wait()
+        states, failures = {}, {}
+        for k in range(config.repeat):
+            tag = config.round_ids(k)
+            endpoint.publish([PreallocatedRequest(f"{r}{tag}", t.src_row, t.prompt_len, t.prefix_len, t.aux_dst)
+                              for r, t in last.items()], timeout=timeout)
+            conn.send(("stage", "publish lists"))
+            states.update(endpoint.wait())
+            failures.update(endpoint.failures)
+            if any(v != "complete" for v in states.values()):
+                break
         conn.send(("stage", "complete"))
-        failures = dict(endpoint.failures)
         verified = None
         if all(s == "complete" for s in states.values()):
             src, src_tensors = materialize(batch.src, device, seed=config.seed)
@@ -198,8 +213,9 @@ def prefill_process(config: DemoConfig, port: int, conn) -> None:
         if config.fault == "dead-prefill":
             os._exit(0)
         endpoint.receive_requests(config.requests, timeout=config.timeout)
-        transfers = [endpoint.transfer(Chunk(t.request, t.src_row, t.start, t.fill_len, t.prompt_len, t.last,
-                                             t.aux_src)) for t in batch.transfers]
+        tag = config.round_ids(0)
+        transfers = [endpoint.transfer(Chunk(f"{t.request}{tag}", t.src_row, t.start, t.fill_len, t.prompt_len,
+                                             t.last, t.aux_src)) for t in batch.transfers]
         planned = Batch(side, (endpoint.peer_side,), tuple(transfers))
         descs = gpu.plan(planned).descriptors()[0]
         runs = 5 if device == "cuda" else 1
@@ -210,9 +226,21 @@ def prefill_process(config: DemoConfig, port: int, conn) -> None:
                    "direct" if direct else "head-sliced", kvplan_ms, baseline_ms))
         if not conn.poll(config.timeout * 2) or conn.recv() != "go":
             return
-        t0 = time.perf_counter()
-        result = endpoint.send(transfers, config.mode, timeout=config.timeout)
-        conn.send(("sent", result, time.perf_counter() - t0))
+        result, times = {}, []
+        for k in range(config.repeat):
+            tag = config.round_ids(k)
+            if k:
+                endpoint.receive_requests(config.requests, timeout=config.timeout)
+            chunks = [endpoint.transfer(Chunk(f"{t.request}{tag}", t.src_row, t.start, t.fill_len, t.prompt_len,
+                                              t.last, t.aux_src)) for t in batch.transfers]
+            t0 = time.perf_counter()
+            sent = endpoint.send(chunks, config.mode, timeout=config.timeout)
+            times.append(time.perf_counter() - t0)
+            endpoint.forget(list(sent))
+            result.update(sent)
+            if any(sent.values()):
+                break
+        conn.send(("sent", result, times))
     except Exception:  # noqa: BLE001
         conn.send(("error", traceback.format_exc()))
     conn.poll(60)
@@ -302,7 +330,9 @@ def run_demo(config: DemoConfig, progress: bool = False) -> DemoReport:
                     procs.kill_decode()
                 if config.fault != "deadline":
                     procs.prefill_conn.send("go")
-                    _, report.send_failures, report.transfer_s = procs.recv(procs.prefill_conn, "prefill", wait)
+                    _, report.send_failures, times = procs.recv(procs.prefill_conn, "prefill", wait)
+                    report.transfer_s = times[0]
+                    report.steady_s = statistics.median(times[1:]) if len(times) > 1 else None
                     bar.stage("transfer")
         if config.fault == "dead-decode":
             report.states = {r: "failed" for r in report.send_failures}
