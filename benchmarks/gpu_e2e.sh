@@ -17,6 +17,7 @@ run() {
     --requests 8 --prompt-len 8192 --repeat 12 2>&1 | tee -a "$log"
 }
 run --mode direct
+[ "$engine" = nixl ] && run --mode direct --engine-threads 4
 run --mode staged --staging-mib 64
 run --mode staged --staging-mib 256
 run --mode auto --staging-mib 256

@@ -34,7 +34,7 @@ def _demo(args: argparse.Namespace) -> int:
     config = DemoConfig(preset=args.preset, layers=args.layers, requests=args.requests, prompt_len=args.prompt_len,
                         chunks=args.chunks, prefix_len=args.prefix_len, mean_run=args.fragmentation,
                         engine=args.engine, mode=args.mode, device=args.device, seed=args.seed, timeout=args.timeout,
-                        fault=args.fault, repeat=args.repeat, staging_bytes=args.staging_mib << 20)
+                        fault=args.fault, repeat=args.repeat, engine_threads=args.engine_threads, staging_bytes=args.staging_mib << 20)
     if config.mode == "prepared" and config.engine != "nixl":
         raise SystemExit("kvplan demo: error: --mode prepared needs --engine nixl (prepared lists are NIXL's)")
     shape = config.model()
@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--repeat", type=_positive, default=1,
                       help="send the batch this many times (new request ids each time); reports the first batch "
                            "and the median of the others (default: 1)")
+    demo.add_argument("--engine-threads", type=int, default=0,
+                      help="NIXL's UCX worker threads (default: 0, NIXL's own default)")
     demo.add_argument("--staging-mib", type=_positive, default=64,
                       help="staging buffer per side, in MiB, for staged and auto modes (default: 64)")
     demo.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",

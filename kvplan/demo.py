@@ -70,7 +70,11 @@ class DemoConfig:
     fault: str = "none"
     shape: ModelShape | None = None  # overrides preset/layers/mean_run (tests use small custom shapes)
     staging_bytes: int = 64 << 20
+    engine_threads: int = 0  # NIXL's UCX worker threads (0: NIXL's default)
     repeat: int = 1  # batches sent one after another (new request ids each time); timing: first and steady
+
+    def engine_settings(self) -> dict[str, int]:
+        return {"num_threads": self.engine_threads} if self.engine_threads else {}
 
     def round_ids(self, k: int) -> str:
         return "" if self.repeat == 1 else f"#{k}"
@@ -163,7 +167,7 @@ def decode_process(config: DemoConfig, conn) -> None:
         if config.fault == "bad-registration":
             side = replace(side, aux=())
         staging = torch.zeros(config.staging_bytes, dtype=torch.uint8, device=device) if config.mode in ("staged", "auto") else None
-        endpoint = DecodeEndpoint(side, make_engine(config.engine, "decode", config.memory), ControlChannel(), staging)
+        endpoint = DecodeEndpoint(side, make_engine(config.engine, "decode", config.memory, **config.engine_settings()), ControlChannel(), staging)
         conn.send(("port", endpoint.channel.port))
         endpoint.register(timeout=config.timeout + 60)  # the prefill process may still be starting
         last = {t.request: t for t in batch.transfers if t.last}
@@ -202,7 +206,7 @@ def prefill_process(config: DemoConfig, port: int, conn) -> None:
         side, _ = materialize(batch.src, device, seed=config.seed)
         side = side.to(device)
         staging = torch.zeros(config.staging_bytes, dtype=torch.uint8, device=device) if config.mode in ("staged", "auto") else None
-        endpoint = PrefillEndpoint(side, make_engine(config.engine, "prefill", config.memory), ControlChannel(port), staging)
+        endpoint = PrefillEndpoint(side, make_engine(config.engine, "prefill", config.memory, **config.engine_settings()), ControlChannel(port), staging)
         try:
             endpoint.accept(timeout=config.timeout)
         except Exception as err:  # noqa: BLE001 - a refused pairing is an outcome to report

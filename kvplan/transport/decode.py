@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -142,7 +143,11 @@ class DecodeEndpoint:
                     self.tracker.forget(r)
                     self.guard.forget(r)
                 return states
-            self.channel.wait_readable(POLL_S)
+            if self._waves:  # a wave is on its way: look at the engine again at once
+                if not self.channel.wait_readable(0):
+                    os.sched_yield()
+            else:
+                self.channel.wait_readable(POLL_S)
 
     # -- staged waves -----------------------------------------------------------------------------
     def _announce(self, header: dict[str, Any], table: bytes) -> None:

@@ -77,12 +77,14 @@ class LandingGuard:
         rows = np.asarray(dst_and_size, np.uint64).reshape(-1, 2)
         if len(rows) == 0:
             return
-        starts, ends = merge_ranges(np.concatenate([self._ranges[r][0] for r in requests]),
-                                    np.concatenate([self._ranges[r][1] for r in requests]))
         dst, size = rows[:, 0], rows[:, 1]
-        at = np.searchsorted(starts, dst, side="right").astype(np.int64) - 1
-        inside = (at >= 0) & (size > 0)
-        inside[inside] &= dst[inside] + size[inside] <= ends[at[inside]]
+        inside = np.zeros(len(rows), bool)
+        for r in requests:  # each request's ranges were merged once, when it was published
+            starts, ends = self._ranges[r]
+            at = np.searchsorted(starts, dst, side="right").astype(np.int64) - 1
+            hit = (at >= 0) & (size > 0)
+            hit[hit] &= dst[hit] + size[hit] <= ends[at[hit]]
+            inside |= hit
         bad = np.flatnonzero(~inside)
         if bad.size:
             k = int(bad[0])

@@ -12,8 +12,10 @@ kvplan and moves it:
   slot's credit (returned by the receiver after its scatter) and the end of its own last write from
   that slot, nothing else. A wave's destination table travels on the control channel ahead of its
   bytes; the engine's notification, carrying the wave id, says they have landed.
-* ``auto`` (the default): staged when both sides have staging buffers and the batch has many small
-  descriptors (at least 1024, at most 16 KiB on average, TensorRT-LLM's gate), else direct.
+* ``auto`` (the default): staged when both sides have staging buffers and the batch has at least
+  64 descriptors of at most 256 KiB on average, else direct. (TensorRT-LLM gates at 1024 and 16 KiB;
+  on an H200 through CUDA IPC a direct write costs ~10 us per descriptor, so staging wins far
+  beyond 16 KiB: see benchmarks/RESULTS.md.)
 
 A write that misses its deadline is aborted, and reported failed only once it has ended.
 
@@ -57,7 +59,7 @@ __all__ = ["Chunk", "PrefillEndpoint", "MODES"]
 log = logging.getLogger("kvplan")
 
 MODES = ("auto", "direct", "prepared", "staged")
-AUTO_MIN_DESCS, AUTO_MAX_AVG_BYTES = 1024, 16 << 10
+AUTO_MIN_DESCS, AUTO_MAX_AVG_BYTES = 64, 256 << 10
 
 
 @dataclass(frozen=True)
@@ -272,6 +274,7 @@ class _StagedRun:
         self.posted: dict[int, tuple[Wave, Handle]] = {}
         self.acked: set[int] = set()
         self.base_id = ep._next_wave
+        self.trace: list[tuple[int, str, float]] = []  # (wave, step, time) when KVPLAN_TRACE is set
 
     def go(self) -> dict[Any, str | None]:
         ep = self.ep
@@ -295,6 +298,9 @@ class _StagedRun:
                 ep._fail(self.result, wave.requests(self.owners), reason)
         for wave in [w for w, _ in self.gathered] + waves[sent:]:
             ep._fail(self.result, wave.requests(self.owners), "deadline passed before the wave was sent")
+        if os.environ.get("KVPLAN_TRACE"):
+            t0 = self.trace[0][2] if self.trace else 0.0
+            log.warning("staged waves (wave, step, ms): %s", [(w, k, round((t - t0) * 1e3, 3)) for w, k, t in self.trace])
         return self.result
 
     def _local_free(self, slot: int) -> bool:
@@ -317,18 +323,20 @@ class _StagedRun:
         slot_lo = wave.slot * self.slot_bytes
         base = int(self.host_starts[wave.lo])
         descs = self.device_descs[wave.lo : wave.hi]
-        offsets = self.dev_starts[wave.lo : wave.hi] - base + slot_lo
         self.remote_free[wave.slot] = False
         if ep._stream is not None:
             ep._stream.wait_stream(torch.cuda.current_stream(ep.staging.device))
-            with torch.cuda.stream(ep._stream):
+            with torch.cuda.stream(ep._stream):  # allocated on the gather's stream: reused only after it
+                offsets = self.dev_starts[wave.lo : wave.hi] - base + slot_lo
                 gather(descs, offsets, ep.staging, self.alignment, need=slot_lo + wave.nbytes)
                 event = torch.cuda.Event()
                 event.record(ep._stream)
         else:
-            gather(descs, offsets, ep.staging, self.alignment, need=slot_lo + wave.nbytes)
+            gather(descs, self.dev_starts[wave.lo : wave.hi] - base + slot_lo, ep.staging, self.alignment,
+                   need=slot_lo + wave.nbytes)
             event = None
         self.gathered.append((wave, event))
+        self.trace.append((wave.index, "gather", time.perf_counter()))
 
     def _pump(self) -> None:
         """Post gathered waves whose gather has finished; take in credits; progress writes."""
@@ -346,6 +354,7 @@ class _StagedRun:
                 continue
             wave, _ = self.posted[index]
             self.acked.add(index)
+            self.trace.append((index, "ack", time.perf_counter()))
             self.remote_free[wave.slot] = True
             if header.get("error"):
                 ep._fail(self.result, wave.requests(self.owners), f"the receiver refused the wave: {header['error']}")
@@ -368,7 +377,11 @@ class _StagedRun:
             ep._fail(self.result, requests, str(err))
             self.remote_free[wave.slot] = True
             return
-        region = np.array([[ep.staging.data_ptr() + slot_lo, ep.peer_staging[0] + slot_lo, wave.nbytes]], np.uint64)
-        handle = ep.engine.post(ep.peer, region, wave_note(wave_id))
+        # the whole slot, so that each slot's write is one reposted handle (bytes past the wave are
+        # the slot's stale bytes, written into the receiver's free slot and never scattered)
+        region = np.array([[ep.staging.data_ptr() + slot_lo, ep.peer_staging[0] + slot_lo, self.slot_bytes]],
+                          np.uint64)
+        handle = ep.engine.post(ep.peer, region, wave_note(wave_id), reuse=("slot", wave.slot, self.slot_bytes))
+        self.trace.append((wave.index, "post", time.perf_counter()))
         self.posted[wave.index] = (wave, handle)
         self.local_write[wave.slot] = handle

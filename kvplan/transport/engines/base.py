@@ -67,6 +67,7 @@ class Handle:
     native: Any = None
     state: str = "PROC"
     error: str | None = None
+    kept: bool = False  # the engine keeps the native handle to repost it (see Engine.post's ``reuse``)
 
 
 class Engine(Protocol):
@@ -81,8 +82,12 @@ class Engine(Protocol):
 
     def connect(self, peer_metadata: bytes) -> str: ...
 
-    def post(self, peer: str, descs: np.ndarray, notification: bytes) -> Handle:
-        """Start writing ``descs``; never blocks for the bytes. A failure to post is a handle in ``ERR``."""
+    def post(self, peer: str, descs: np.ndarray, notification: bytes, reuse: object = None) -> Handle:
+        """Start writing ``descs``; never blocks for the bytes. A failure to post is a handle in ``ERR``.
+
+        ``reuse``: a key under which the engine may keep the write to repost it when the same
+        descriptors are posted again under that key (staging slots); engines without reposting
+        ignore it."""
         ...
 
     def progress(self, handle: Handle) -> str:

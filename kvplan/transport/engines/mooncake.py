@@ -63,7 +63,7 @@ class MooncakeEngine:
         return self.engine.batch_transfer_async_write(peer, part[:, 0].tolist(), part[:, 1].tolist(),
                                                       part[:, 2].tolist())
 
-    def post(self, peer: str, descs: np.ndarray, notification: bytes) -> Handle:
+    def post(self, peer: str, descs: np.ndarray, notification: bytes, reuse: object = None) -> Handle:
         descs = np.ascontiguousarray(descs, dtype=np.uint64)
         handle = Handle(peer, int(descs[:, 2].sum()) if len(descs) else 0)
         if len(descs) == 0:

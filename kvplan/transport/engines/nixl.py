@@ -49,6 +49,7 @@ class NixlEngine:
         self.agent = nixl_agent(name, config)
         self._registrations = []
         self._prepared: dict[tuple[str, object], tuple[object, object]] = {}
+        self._kept: dict[tuple[str, object], tuple[object, np.ndarray]] = {}  # reusable handles by (peer, key)
 
     def register(self, regions: list[tuple[int, int]]) -> None:
         table = np.array([(addr, size, self.device_id) for addr, size in regions], dtype=np.uint64).reshape(-1, 3)
@@ -65,11 +66,12 @@ class NixlEngine:
         devices = np.full(len(addrs), self.device_id, dtype=np.uint64)
         return self.agent.get_xfer_descs(np.stack([addrs, sizes, devices], axis=1), self.memory)
 
-    def _start(self, peer: str, nbytes: int, make) -> Handle:
-        handle = Handle(peer, nbytes)
+    def _start(self, peer: str, nbytes: int, make, notification: bytes = b"", keep: bool = False) -> Handle:
+        handle = Handle(peer, nbytes, kept=keep)
         try:
             handle.native = make()
-            handle.state = self.agent.transfer(handle.native)
+            handle.state = (self.agent.transfer(handle.native, notification) if notification
+                            else self.agent.transfer(handle.native))
         except Exception as err:  # noqa: BLE001 - nixl raises its own types (dead peer, unregistered memory)
             handle.state, handle.error = "ERR", f"NIXL write to {peer} failed: {type(err).__name__}: {err}"
         if handle.state == "ERR" and handle.error is None:
@@ -77,10 +79,22 @@ class NixlEngine:
         self._settle(handle)
         return handle
 
-    def post(self, peer: str, descs: np.ndarray, notification: bytes) -> Handle:
+    def post(self, peer: str, descs: np.ndarray, notification: bytes, reuse: object = None) -> Handle:
         descs = np.ascontiguousarray(descs, dtype=np.uint64)
-        return self._start(peer, int(descs[:, 2].sum()), lambda: self.agent.initialize_xfer(
-            "WRITE", self._dlist(descs[:, 0], descs[:, 2]), self._dlist(descs[:, 1], descs[:, 2]), peer, notification))
+        make = lambda: self.agent.initialize_xfer(  # noqa: E731
+            "WRITE", self._dlist(descs[:, 0], descs[:, 2]), self._dlist(descs[:, 1], descs[:, 2]), peer, notification)
+        if reuse is None:
+            return self._start(peer, int(descs[:, 2].sum()), make)
+        kept = self._kept.get((peer, reuse))
+        if kept is not None and np.array_equal(kept[1], descs):  # repost the finished handle (NIXL allows it)
+            handle = self._start(peer, int(descs[:, 2].sum()), lambda: kept[0], notification, keep=True)
+        else:
+            handle = self._start(peer, int(descs[:, 2].sum()), make, keep=True)
+        if handle.native is not None:
+            self._kept[(peer, reuse)] = (handle.native, descs)
+        else:
+            self._kept.pop((peer, reuse), None)
+        return handle
 
     def prepare(self, peer: str, key: object, local_items: np.ndarray, remote_items: np.ndarray) -> None:
         """Prepare, once per peer, a descriptor list per side: one descriptor per entry x slot.
@@ -122,7 +136,11 @@ class NixlEngine:
 
     def _settle(self, handle: Handle) -> None:
         """Release a handle that has ended (DONE or ERR): NIXL frees it only when it is not active."""
+        if handle.state == "DONE" and handle.kept:
+            return
         if handle.state != "PROC" and handle.native is not None:
+            if handle.kept:
+                self._kept = {k: v for k, v in self._kept.items() if v[0] is not handle.native}
             try:
                 handle.native.release()
             except Exception as err:  # noqa: BLE001 - an ended handle that will not release is logged
@@ -137,6 +155,7 @@ class NixlEngine:
             handle.native.release()
         except Exception:  # noqa: BLE001 - NIXL could not cancel it yet: it is still in flight
             return False
+        self._kept = {k: v for k, v in self._kept.items() if v[0] is not handle.native}
         handle.native, handle.state = None, "ERR"
         handle.error = handle.error or "aborted"
         return True
@@ -145,6 +164,9 @@ class NixlEngine:
         return [msg for msgs in self.agent.get_new_notifs().values() for msg in msgs]
 
     def close(self) -> None:
+        for native, _ in self._kept.values():
+            native.release()
+        self._kept.clear()
         for local, remote in self._prepared.values():
             local.release()
             remote.release()
