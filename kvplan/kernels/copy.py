@@ -25,6 +25,7 @@ import triton.language as tl
 DIRECT, GATHER, SCATTER = 0, 1, 2
 SMALL_WORDS = 128  # descriptors of up to this many words (typically) go through the tile kernel
 TILE_WORDS = 2048
+MAX_SPLIT = 64  # programs per large descriptor
 
 
 @triton.jit
@@ -93,7 +94,7 @@ def copy_descriptors(descs: torch.Tensor, mode: int = DIRECT, offsets: torch.Ten
                                                           DPP=per_program, W=width)
         return
     block = min(2048, max(64, triton.next_power_of_2(words)))
-    split = max(1, min(8, words // block))
+    split = max(1, min(MAX_SPLIT, triton.cdiv(words, block)))  # about one block per program: bandwidth
     _copy_kernel[(n, split)](descs, offsets, staging_addr, MODE=mode, WORD=word, BLOCK=block, SPLIT=split)
 
 

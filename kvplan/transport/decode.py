@@ -35,7 +35,7 @@ from .completion import CompletionTracker, SectionNote, decode_notification
 from .control import ControlChannel, ControlTimeout
 from .engines import Engine
 from .landing import LandingGuard
-from .local import as_device_descriptors, scatter, warm_up
+from .local import scatter, warm_up
 from .registration import describe_side
 from .waves import decode_wave_note
 
@@ -64,6 +64,7 @@ class _StagedWave:
     requests: list[Any]
     landed: bool = False
     event: Any = None  # the scatter's CUDA event once launched
+    keep: Any = None  # the scatter's inputs, kept until it has finished
     scattered: bool = False
 
 
@@ -77,6 +78,7 @@ class DecodeEndpoint:
         self.failures: dict[Any, str | None] = {}
         self._waves: dict[int, _StagedWave] = {}
         self._early: set[int] = set()  # waves whose bytes landed before their table was read
+        self.trace: list[tuple[int, str, float]] | None = [] if os.environ.get("KVPLAN_TRACE") else None
         self._stream = torch.cuda.Stream(staging.device) if staging is not None and staging.is_cuda else None
         self.engine.register(engine_regions(side) + ([(staging.data_ptr(), staging.numel())] if staging is not None else []))
         if staging is not None:
@@ -122,6 +124,7 @@ class DecodeEndpoint:
                 self.tracker.on_section(decode_notification(raw))
             elif wave in self._waves:
                 self._waves[wave].landed = True
+                self._mark(wave, "landed")
             else:  # its table is sent first but may still be on the socket
                 self._early.add(wave)
         self._scatter_landed()
@@ -142,6 +145,11 @@ class DecodeEndpoint:
                 for r in states:
                     self.tracker.forget(r)
                     self.guard.forget(r)
+                if self.trace:
+                    t0 = self.trace[0][2]
+                    log.warning("decode waves (wave, step, ms): %s",
+                                [(w, k, round((t - t0) * 1e3, 3)) for w, k, t in self.trace])
+                    self.trace.clear()
                 return states
             if self._waves:  # a wave is on its way: look at the engine again at once
                 if not self.channel.wait_readable(0):
@@ -174,6 +182,7 @@ class DecodeEndpoint:
                 self.tracker.fail(r, f"refused staged wave {index}: {err}")
             self.channel.send("wave-done", {"wave": index, "error": str(err)})
             return
+        self._mark(index, "table")
         self._waves[index] = _StagedWave(index, lo, nbytes, alignment, rows, sections, requests,
                                          landed=index in self._early)
         self._early.discard(index)
@@ -182,20 +191,36 @@ class DecodeEndpoint:
         for wave in self._waves.values():
             if not wave.landed or wave.event is not None or wave.scattered:
                 continue
-            descs = np.zeros((len(wave.table), 3), dtype=np.uint64)
-            descs[:, 1:] = wave.table
+            n = len(wave.table)
             device = self.staging.device
-            offsets = np.concatenate([[0], np.cumsum(wave.table[:, 1])[:-1]]).astype(np.int64) + wave.lo
+            # descriptors (0, dst, nbytes) and staging offsets through pinned memory: the uploads are
+            # asynchronous (a pageable upload would wait for the stream's previous scatter)
+            host = torch.empty((2 * n + 1, 3), dtype=torch.int64, pin_memory=self._stream is not None)
+            rows = host.numpy()
+            rows[:n, 0] = 0
+            rows[:n, 1:] = wave.table.view(np.int64)
+            offsets = rows[n:].reshape(-1)[: n]
+            offsets[0] = wave.lo
+            np.cumsum(wave.table[:-1, 1].view(np.int64), out=offsets[1:])
+            offsets[1:] += wave.lo
+            typical = max(1, wave.nbytes // max(1, n))
             if self._stream is not None:
                 with torch.cuda.stream(self._stream):
-                    scatter(as_device_descriptors(descs, device), torch.from_numpy(offsets).to(device), self.staging,
-                            wave.alignment, need=wave.lo + wave.nbytes)
+                    on_device = host.to(device, non_blocking=True)
+                    scatter(on_device[:n], on_device[n:].reshape(-1)[:n], self.staging, wave.alignment,
+                            typical_bytes=typical, need=wave.lo + wave.nbytes)
                     wave.event = torch.cuda.Event()
                     wave.event.record(self._stream)
+                wave.keep = (host, on_device)  # alive until the scatter has finished
             else:
-                scatter(as_device_descriptors(descs, device), torch.from_numpy(offsets), self.staging, wave.alignment,
+                scatter(host[:n], host[n:].reshape(-1)[:n], self.staging, wave.alignment, typical_bytes=typical,
                         need=wave.lo + wave.nbytes)
                 wave.event = True
+            self._mark(wave.index, "scatter")
+
+    def _mark(self, wave: int, step: str) -> None:
+        if self.trace is not None:
+            self.trace.append((wave, step, time.perf_counter()))
 
     def _finish_scatters(self) -> None:
         done = [w for w in self._waves.values()
@@ -203,6 +228,7 @@ class DecodeEndpoint:
         for wave in sorted(done, key=lambda w: w.index):
             wave.scattered = True
             self.channel.send("wave-done", {"wave": wave.index})  # the slot's credit, before completion is visible
+            self._mark(wave.index, "credit")
             for note in wave.sections:
                 self.tracker.on_section(note)
             del self._waves[wave.index]

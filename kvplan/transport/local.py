@@ -94,8 +94,3 @@ def warm_up(staging: torch.Tensor, alignment: int = 16) -> None:
         kc.copy_descriptors(descs, mode, offsets, addr, alignment)
     if staging.is_cuda:
         torch.cuda.current_stream(staging.device).synchronize()
-
-
-def as_device_descriptors(descs: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host ``[n, 3]`` uint64 descriptor array as the int64 device tensor the copy kernels take."""
-    return torch.from_numpy(np.ascontiguousarray(descs).view(np.int64)).to(device)

@@ -323,17 +323,18 @@ class _StagedRun:
         slot_lo = wave.slot * self.slot_bytes
         base = int(self.host_starts[wave.lo])
         descs = self.device_descs[wave.lo : wave.hi]
+        typical = max(1, wave.nbytes // max(1, wave.hi - wave.lo))
         self.remote_free[wave.slot] = False
         if ep._stream is not None:
             ep._stream.wait_stream(torch.cuda.current_stream(ep.staging.device))
             with torch.cuda.stream(ep._stream):  # allocated on the gather's stream: reused only after it
                 offsets = self.dev_starts[wave.lo : wave.hi] - base + slot_lo
-                gather(descs, offsets, ep.staging, self.alignment, need=slot_lo + wave.nbytes)
+                gather(descs, offsets, ep.staging, self.alignment, typical_bytes=typical, need=slot_lo + wave.nbytes)
                 event = torch.cuda.Event()
                 event.record(ep._stream)
         else:
             gather(descs, self.dev_starts[wave.lo : wave.hi] - base + slot_lo, ep.staging, self.alignment,
-                   need=slot_lo + wave.nbytes)
+                   typical_bytes=typical, need=slot_lo + wave.nbytes)
             event = None
         self.gathered.append((wave, event))
         self.trace.append((wave.index, "gather", time.perf_counter()))

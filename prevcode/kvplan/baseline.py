@@ -1,0 +1,102 @@
+"""The "SGLang-style" planning path of benchmarks.md, written by us from planning.md.
+
+This is what kvplan is measured against: for each transfer, one after another, ``.cpu().numpy()``
+of the token slice; page ids in NumPy; SWA translation as a device gather then ``.cpu()``; runs
+with NumPy (``diff``/``where``/``split``/``.tolist()``); then a Python loop that builds
+``(src, dst, len)`` per entry x run, collected into the three lists Mooncake's batch call takes.
+Direct mode with every state type and aux, and head-sliced mode (per entry, NumPy over pages and
+tokens, then Python lists), on valid input (it validates nothing, as SGLang).
+
+Example::
+
+    src_addrs, dst_addrs, lengths = sglang_style_plan(batch)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .compat.sglang import group_concurrent_contiguous, kv_to_page_indices
+from .planner.model import Batch, StateKind
+from .planner.pairing import Mode, pair_sides
+from .planner.reference import chunk_end
+
+__all__ = ["sglang_style_descs", "sglang_style_plan"]
+
+
+def _as_tensor(values):
+    return values if isinstance(values, torch.Tensor) else torch.from_numpy(np.asarray(values))
+
+
+def sglang_style_plan(batch: Batch) -> tuple[list[int], list[int], list[int]]:
+    """Mooncake's three lists (source addresses, destination addresses, lengths) for the batch."""
+    src_side = batch.src
+    table = _as_tensor(src_side.req_to_token)
+    ps = src_side.kv.page_size
+    pairings = [pair_sides(src_side, d) for d in batch.dsts]
+    src_addrs: list[int] = []
+    dst_addrs: list[int] = []
+    lengths: list[int] = []
+
+    def emit(src_table, dst_table, src_groups, dst_groups):
+        for (sb, item), (db, _) in zip(src_table.tolist(), dst_table.tolist()):
+            for sg, dg in zip(src_groups, dst_groups):
+                src_addrs.append(sb + sg[0] * item)
+                dst_addrs.append(db + dg[0] * item)
+                lengths.append(item * len(sg))
+
+    for t in batch.transfers:
+        pairing = pairings[t.dest]
+        end = chunk_end(t.start, t.fill_len, t.prompt_len, ps, t.last)
+        kv_indices = table[t.src_row, t.start:end].cpu().numpy()
+        pages = kv_to_page_indices(kv_indices, ps).astype(np.int64)
+        cursor = (t.start - t.prefix_len) // ps
+        dst_pages = t.dst_pages[cursor : cursor + len(pages)]
+        if pairing.mode is Mode.HEAD_SLICED:
+            h = pairing.heads
+            tokens = np.arange(ps, dtype=np.int64)
+            for (sb, s_item), (db, d_item) in zip(pairing.kv_src.tolist(), pairing.kv_dst.tolist()):
+                s_addr = (sb + pages[:, None] * s_item + tokens[None, :] * h.src_token_bytes
+                          + h.src_head * h.bytes_per_head)
+                d_addr = (db + dst_pages[:, None] * d_item + tokens[None, :] * h.dst_token_bytes
+                          + h.dst_head * h.bytes_per_head)
+                src_addrs.extend(s_addr.reshape(-1).tolist())
+                dst_addrs.extend(d_addr.reshape(-1).tolist())
+                lengths.extend([h.nbytes] * s_addr.size)
+        else:
+            emit(pairing.kv_src, pairing.kv_dst, *group_concurrent_contiguous(pages, dst_pages))
+        if cursor + len(dst_pages) < len(t.dst_pages):
+            continue
+        seq = min(t.fill_len, t.prompt_len)
+        for c, comp in enumerate(src_side.state):
+            cps = comp.pages_of(ps)
+            if comp.kind is StateKind.SWA:
+                ws = (max(0, seq - comp.window) // cps) * cps
+                swa = _as_tensor(comp.slot_map)[table[t.src_row, ws:seq].long()].cpu().numpy()
+                src_list = kv_to_page_indices(swa, cps).astype(np.int64)
+            elif comp.kind is StateKind.DSA:
+                src_list = kv_to_page_indices(table[t.src_row, :seq].cpu().numpy(), cps).astype(np.int64)
+            elif comp.kind is StateKind.SWA_RING:
+                lo = max(0, seq - comp.window)
+                src_list = t.src_row * comp.ring_size + np.arange(lo, seq) % comp.ring_size
+            else:
+                src_list = np.array([int(_as_tensor(comp.slot_map)[t.src_row])], dtype=np.int64)
+            dst_list = t.dst_state[c]
+            n = min(len(src_list), len(dst_list))
+            if comp.kind is StateKind.MAMBA:
+                groups = ([[int(x)] for x in src_list[:n]], [[int(x)] for x in dst_list[:n]])
+            else:
+                groups = group_concurrent_contiguous(src_list[:n], dst_list[:n])
+            emit(pairing.state_src[c], pairing.state_dst[c], *groups)
+        for (sb, item), (db, _) in zip(pairing.aux_src.tolist(), pairing.aux_dst.tolist()):
+            src_addrs.append(sb + t.aux_src * item)
+            dst_addrs.append(db + t.aux_dst * item)
+            lengths.append(item)
+    return src_addrs, dst_addrs, lengths
+
+
+def sglang_style_descs(batch: Batch) -> np.ndarray:
+    """The baseline's descriptors as the Nx3 uint64 array NIXL takes."""
+    s, d, n = sglang_style_plan(batch)
+    return np.array([s, d, n], dtype=np.uint64).reshape(3, -1).T.copy()

@@ -1,0 +1,1 @@
+"""Drop-in replacements for the helpers serving engines use today."""

@@ -1,0 +1,319 @@
+"""``kvplan demo``: a real prefill-to-decode hand-off on one machine, verified byte for byte.
+
+Two processes on 127.0.0.1. The decode process backs a model-shaped paged pool (GPU memory when
+a GPU is present) with fragmented allocation, pre-allocates pages and state for a batch of
+requests and publishes them; the prefill process fills its pool with known bytes, plans the
+batch with kvplan (chunked, with state components) and moves it through NIXL or Mooncake,
+directly, through prepared lists or staged. The decode process checks every byte it received
+against a reference execution of the same plan on its own copy of the source bytes.
+
+``fault`` drills the failure paths: ``dead-decode`` (the receiver dies before the send),
+``dead-prefill`` (the sender dies after pairing), ``bad-registration`` (the receiver's layout
+does not pair), ``deadline`` (nothing is ever sent).
+
+Example::
+
+    report = run_demo(DemoConfig(preset="gptoss-swa-p16", engine="nixl"))
+    print(report.render()); sys.exit(0 if report.ok else 1)
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from .baseline import sglang_style_descs
+from .bench import median_ms
+from .planner import gpu
+from .planner.destinations import PreallocatedRequest
+from .planner.model import Batch
+from .planner.pairing import Mode, pair_sides
+from .planner.reference import plan_reference
+from .scenarios import PRESETS, ModelShape, build_batch, materialize
+from .transport.control import ControlChannel
+from .transport.endpoints import Chunk, DecodeEndpoint, PrefillEndpoint
+from .transport.engines import make_engine
+from .verify import AddressSpace, execute
+
+__all__ = ["DemoConfig", "DemoReport", "FAULTS", "run_demo"]
+
+FAULTS = ("none", "dead-decode", "dead-prefill", "bad-registration", "deadline")
+ENGINE_ENV = (("UCX_NET_DEVICES", "lo"), ("NIXL_LOG_LEVEL", "WARN"),
+              ("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "65535"), ("MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER", "65535"))
+STAGES = ("start decode", "start prefill", "pair", "publish lists", "plan", "transfer", "complete", "verify")
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """Everything a demo run depends on; both processes rebuild the same scenario from it."""
+
+    preset: str = "gptoss-swa-p16"
+    layers: int = 4
+    requests: int = 8
+    prompt_len: int | tuple[int, ...] = 2048
+    chunks: int = 2
+    prefix_len: int = 0
+    mean_run: float | None = None
+    engine: str = "nixl"
+    mode: str = "direct"
+    device: str = "auto"
+    seed: int = 0
+    timeout: float = 60.0
+    fault: str = "none"
+    shape: ModelShape | None = None  # overrides preset/layers/mean_run (tests use small custom shapes)
+    staging_bytes: int = 64 << 20
+
+    def model(self) -> ModelShape:
+        if self.shape is not None:
+            return self.shape
+        shape = PRESETS[self.preset].scaled(layers=self.layers)
+        return replace(shape, mean_run=self.mean_run) if self.mean_run else shape
+
+    def resolved_device(self) -> str:
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+        return self.device
+
+    @property
+    def memory(self) -> str:
+        return "VRAM" if self.resolved_device() == "cuda" else "DRAM"
+
+    def batch(self) -> Batch:
+        model = self.model()
+        head_sliced = model.src_tp != model.dst_tp
+        return build_batch(model, self.requests, list(self.prompt_len) if isinstance(self.prompt_len, tuple)
+                           else self.prompt_len, chunks=self.chunks, prefix_len=self.prefix_len, seed=self.seed,
+                           src_rank=1 % model.src_tp if head_sliced else 0, dst_rank=2 % model.dst_tp if head_sliced else 0)
+
+
+@dataclass
+class DemoReport:
+    config: DemoConfig
+    device: str = ""
+    transfers: int = 0
+    descriptors: int = 0
+    nbytes: int = 0
+    mode: str = ""
+    kvplan_ms: float | None = None
+    baseline_ms: float | None = None
+    transfer_s: float | None = None
+    states: dict[Any, str] = field(default_factory=dict)
+    failures: dict[Any, str | None] = field(default_factory=dict)
+    send_failures: dict[Any, str | None] = field(default_factory=dict)
+    refused: str | None = None
+    verified: bool | None = None
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.states) and set(self.states.values()) == {"complete"} and self.verified is True
+
+    def render(self) -> str:
+        c = self.config
+        model = c.model()
+        lines = [f"kvplan demo: {model.name} ({model.layers} layers, page size {model.page_size}), "
+                 f"{c.engine} {c.mode}, {self.device} memory, 127.0.0.1"]
+        lines.append(f"  requests      {c.requests} x {c.prompt_len} tokens in {self.transfers} chunks "
+                     f"({self.mode} descriptors)")
+        lines.append(f"  descriptors   {self.descriptors:,}   bytes {self.nbytes:,}")
+        if self.kvplan_ms is not None:
+            where = "GPU" if self.device == "cuda" else "CPU, Triton interpreter: not a speed measurement"
+            base = f"{self.baseline_ms:.2f} ms" if self.baseline_ms is not None else "n/a (head-sliced)"
+            lines.append(f"  plan latency  kvplan {self.kvplan_ms:.2f} ms ({where}); SGLang-style {base}")
+        if self.transfer_s:
+            lines.append(f"  transfer      {self.transfer_s * 1e3:.1f} ms, {self.nbytes / self.transfer_s / 2**30:.3f} GiB/s")
+        if self.refused:
+            lines.append(f"  pairing       refused: {self.refused}")
+        done = sum(1 for s in self.states.values() if s == "complete")
+        lines.append(f"  completed     {done} of {len(self.states)} requests")
+        for request, reason in self.failures.items():
+            if reason:
+                lines.append(f"  FAILED        {request}: {reason}")
+        verdict = {True: "every byte matches", False: "WRONG BYTES", None: "not checked"}[self.verified]
+        lines.append(f"  verification  {verdict}")
+        lines.append("  result        " + ("OK" if self.ok else "FAILED"))
+        return "\n".join(lines)
+
+
+def decode_process(config: DemoConfig, conn) -> None:
+    """The receiving side: publish, wait, verify; every outcome goes back through ``conn``."""
+    try:
+        for key, value in ENGINE_ENV:
+            os.environ.setdefault(key, value)
+        device = config.resolved_device()
+        batch = config.batch()
+        side, dst_tensors = materialize(batch.dsts[0], device)
+        side = side.to(device)
+        if config.fault == "bad-registration":
+            side = replace(side, aux=())
+        staging = torch.zeros(config.staging_bytes, dtype=torch.uint8, device=device) if config.mode == "staged" else None
+        endpoint = DecodeEndpoint(side, make_engine(config.engine, "decode", config.memory), ControlChannel(), staging)
+        conn.send(("port", endpoint.channel.port))
+        endpoint.register(timeout=config.timeout + 60)  # the prefill process may still be starting
+        last = {t.request: t for t in batch.transfers if t.last}
+        timeout = 3.0 if config.fault in ("deadline", "dead-prefill") else config.timeout
+        endpoint.publish([PreallocatedRequest(r, t.src_row, t.prompt_len, t.prefix_len, t.aux_dst)
+                          for r, t in last.items()], timeout=timeout)
+        conn.send(("stage", "publish lists"))
+        states = endpoint.wait()
+        conn.send(("stage", "complete"))
+        failures = {r: endpoint.tracker.failure(r) for r in states}
+        verified = None
+        if all(s == "complete" for s in states.values()):
+            src, src_tensors = materialize(batch.src, device, seed=config.seed)
+            real = Batch(src, (replace(side, req_to_token=batch.dsts[0].req_to_token),), batch.transfers)
+            expected = AddressSpace.of_tensors(dst_tensors, zero=True)
+            execute(plan_reference(real).descriptors()[0], AddressSpace.of_tensors(src_tensors), expected)
+            verified = expected.matches(dst_tensors)
+        conn.send(("result", states, failures, verified))
+    except Exception:  # noqa: BLE001 - reported to the parent process
+        conn.send(("error", traceback.format_exc()))
+    conn.poll(60)
+
+
+def prefill_process(config: DemoConfig, port: int, conn) -> None:
+    """The sending side: pair, receive lists, plan (and time it), move the batch."""
+    try:
+        for key, value in ENGINE_ENV:
+            os.environ.setdefault(key, value)
+        device = config.resolved_device()
+        batch = config.batch()
+        side, _ = materialize(batch.src, device, seed=config.seed)
+        side = side.to(device)
+        staging = torch.zeros(config.staging_bytes, dtype=torch.uint8, device=device) if config.mode == "staged" else None
+        endpoint = PrefillEndpoint(side, make_engine(config.engine, "prefill", config.memory), ControlChannel(port), staging)
+        try:
+            endpoint.accept(timeout=config.timeout)
+        except Exception as err:  # noqa: BLE001 - a refused pairing is an outcome to report
+            conn.send(("refused", f"{type(err).__name__}: {err}"))
+            conn.poll(60)
+            return
+        conn.send(("stage", "pair"))
+        if config.fault == "dead-prefill":
+            os._exit(0)
+        endpoint.receive_requests(config.requests, timeout=config.timeout)
+        transfers = [endpoint.transfer(Chunk(t.request, t.src_row, t.start, t.fill_len, t.prompt_len, t.last,
+                                             t.aux_src)) for t in batch.transfers]
+        planned = Batch(side, (endpoint.peer_side,), tuple(transfers))
+        descs = gpu.plan(planned).descriptors()[0]
+        runs = 5 if device == "cuda" else 1
+        kvplan_ms = median_ms(lambda: gpu.plan(planned).descriptors(), runs)
+        direct = pair_sides(side, endpoint.peer_side).mode is Mode.DIRECT
+        baseline_ms = median_ms(lambda: sglang_style_descs(planned), runs) if direct else None
+        conn.send(("planned", len(transfers), len(descs), int(descs[:, 2].sum()) if len(descs) else 0,
+                   "direct" if direct else "head-sliced", kvplan_ms, baseline_ms))
+        if not conn.poll(config.timeout * 2) or conn.recv() != "go":
+            return
+        t0 = time.perf_counter()
+        result = endpoint.send(transfers, config.mode, timeout=config.timeout)
+        conn.send(("sent", result, time.perf_counter() - t0))
+    except Exception:  # noqa: BLE001
+        conn.send(("error", traceback.format_exc()))
+    conn.poll(60)
+
+
+class _Progress:
+    """A one-line progress bar on standard error (silent when not a terminal unless forced)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.done = enabled, 0
+
+    def stage(self, name: str) -> None:
+        if STAGES.index(name) + 1 <= self.done:
+            return
+        self.done = STAGES.index(name) + 1
+        if self.enabled:
+            bar = "#" * (3 * self.done) + "." * (3 * (len(STAGES) - self.done))
+            sys.stderr.write(f"\r[{bar}] {self.done}/{len(STAGES)} {name:<14}")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")
+
+
+class Processes:
+    """The two processes of a run, each joined or killed by its own handle."""
+
+    def __init__(self, config: DemoConfig):
+        ctx = mp.get_context("spawn")
+        self.decode_conn, there = ctx.Pipe()
+        self.decode = ctx.Process(target=decode_process, args=(config, there), daemon=True)
+        self.decode.start()
+        kind, port = self.recv(self.decode_conn, "decode", config.timeout + 60)
+        self.prefill_conn, there = ctx.Pipe()
+        self.prefill = ctx.Process(target=prefill_process, args=(config, port, there), daemon=True)
+        self.prefill.start()
+
+    @staticmethod
+    def recv(conn, who: str, timeout: float):
+        if not conn.poll(timeout):
+            raise TimeoutError(f"the {who} process said nothing for {timeout:.0f} s")
+        msg = conn.recv()
+        if msg[0] == "error":
+            raise RuntimeError(f"the {who} process failed:\n{msg[1]}")
+        return msg
+
+    def kill_decode(self) -> None:
+        self.decode.kill()
+        self.decode.join(5)
+
+    def close(self) -> None:
+        for conn in (self.decode_conn, self.prefill_conn):
+            try:
+                conn.send("bye")
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in (self.decode, self.prefill):
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+
+
+def run_demo(config: DemoConfig, progress: bool = False) -> DemoReport:
+    """Run both processes to the end and report (raises only on a crash of either process)."""
+    if config.fault not in FAULTS:
+        raise ValueError(f"unknown fault {config.fault!r}; choose one of {', '.join(FAULTS)}")
+    report = DemoReport(config, device=config.resolved_device())
+    bar = _Progress(progress)
+    wait = config.timeout + 120  # process start-up, imports and interpreted kernels on a small machine
+    procs = None
+    try:
+        bar.stage("start decode")
+        procs = Processes(config)
+        bar.stage("start prefill")
+        msg = procs.recv(procs.prefill_conn, "prefill", wait)
+        if msg[0] == "refused":
+            report.refused = msg[1]
+        else:
+            bar.stage("pair")
+            if config.fault != "dead-prefill":
+                _, report.transfers, report.descriptors, report.nbytes, report.mode, report.kvplan_ms, report.baseline_ms = \
+                    procs.recv(procs.prefill_conn, "prefill", wait)
+                bar.stage("plan")
+                if config.fault == "dead-decode":
+                    procs.kill_decode()
+                if config.fault != "deadline":
+                    procs.prefill_conn.send("go")
+                    _, report.send_failures, report.transfer_s = procs.recv(procs.prefill_conn, "prefill", wait)
+                    bar.stage("transfer")
+        if config.fault == "dead-decode":
+            report.states = {r: "failed" for r in report.send_failures}
+            report.failures = dict(report.send_failures)
+        else:
+            while (msg := procs.recv(procs.decode_conn, "decode", wait))[0] == "stage":
+                bar.stage(msg[1])
+            _, report.states, report.failures, report.verified = msg
+            bar.stage("verify")
+    finally:
+        bar.close()
+        if procs is not None:
+            procs.close()
+    return report

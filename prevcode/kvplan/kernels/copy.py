@@ -1,0 +1,112 @@
+"""Executing descriptors inside one process: direct copies, gathers into and scatters out of a staging buffer.
+
+Shape contract
+--------------
+* ``descs``: int64 ``[n, 3]`` ``(src_addr, dst_addr, nbytes)`` (uint64 bit patterns); addresses
+  are raw device (or, in the interpreter, host) addresses.
+* ``offsets``: int64 ``[n]``: byte offset of each descriptor inside the staging buffer (exclusive
+  scan of ``nbytes``); used by ``GATHER`` (destination ``staging + offsets[i]``) and ``SCATTER``
+  (source ``staging + offsets[i]``); ignored by ``DIRECT``.
+* ``WORD``: bytes moved per lane (1, 4, 8 or 16); every address, offset and size must be a
+  multiple of it (the launcher checks what it can: the caller passes the alignment of the layout).
+* Grid, large descriptors: ``(n, SPLIT)``; program ``(i, p)`` copies words ``p*BLOCK,
+  p*BLOCK + SPLIT*BLOCK, ...`` of descriptor ``i``. Small descriptors (head slices): ``cdiv(n, DPP)``
+  programs of ``DPP`` descriptors each, as ``[DPP, W]`` word tiles. Either kernel copies any size;
+  ``typical_bytes`` only picks the faster one. Descriptors must not overlap on the destination
+  (a plan guarantees it).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+DIRECT, GATHER, SCATTER = 0, 1, 2
+SMALL_WORDS = 128  # descriptors of up to this many words (typically) go through the tile kernel
+TILE_WORDS = 2048
+
+
+@triton.jit
+def _endpoints(desc_ptr, offsets_ptr, staging_addr, i, live, MODE: tl.constexpr, WORD: tl.constexpr):
+    """Source and destination word pointers and the size in words of descriptors ``i``."""
+    src = tl.load(desc_ptr + i * 3, mask=live, other=0)
+    dst = tl.load(desc_ptr + i * 3 + 1, mask=live, other=0)
+    words = tl.load(desc_ptr + i * 3 + 2, mask=live, other=0) // WORD
+    if MODE == 1:
+        dst = staging_addr + tl.load(offsets_ptr + i, mask=live, other=0)
+    if MODE == 2:
+        src = staging_addr + tl.load(offsets_ptr + i, mask=live, other=0)
+    if WORD == 8:
+        return src.to(tl.pointer_type(tl.int64)), dst.to(tl.pointer_type(tl.int64)), words
+    elif WORD == 4:
+        return src.to(tl.pointer_type(tl.int32)), dst.to(tl.pointer_type(tl.int32)), words
+    else:
+        return src.to(tl.pointer_type(tl.uint8)), dst.to(tl.pointer_type(tl.uint8)), words
+
+
+@triton.jit
+def _copy_kernel(desc_ptr, offsets_ptr, staging_addr, MODE: tl.constexpr, WORD: tl.constexpr, BLOCK: tl.constexpr,
+                 SPLIT: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    sp, dp, words = _endpoints(desc_ptr, offsets_ptr, staging_addr, i, i >= 0, MODE, WORD)
+    for start in range(part * BLOCK, words, SPLIT * BLOCK):
+        o = start + tl.arange(0, BLOCK).to(tl.int64)
+        m = o < words
+        tl.store(dp + o, tl.load(sp + o, mask=m), mask=m)
+
+
+@triton.jit
+def _copy_tile_kernel(desc_ptr, offsets_ptr, staging_addr, n, MODE: tl.constexpr, WORD: tl.constexpr,
+                      DPP: tl.constexpr, W: tl.constexpr):
+    """Small descriptors: ``DPP`` descriptors per program as a ``[DPP, W]`` tile of words, repeated
+    over ``W``-word columns up to the largest descriptor of the tile."""
+    i = tl.program_id(0).to(tl.int64) * DPP + tl.arange(0, DPP).to(tl.int64)
+    live = i < n
+    sp, dp, words = _endpoints(desc_ptr, offsets_ptr, staging_addr, i, live, MODE, WORD)
+    most = tl.max(words, axis=0)
+    for start in range(0, most, W):
+        o = start + tl.arange(0, W).to(tl.int64)
+        m = live[:, None] & (o[None, :] < words[:, None])
+        tl.store(dp[:, None] + o[None, :], tl.load(sp[:, None] + o[None, :], mask=m), mask=m)
+
+
+def word_size(alignment: int) -> int:
+    """The widest lane (8, 4 or 1 bytes) that divides ``alignment``."""
+    return 8 if alignment % 8 == 0 else 4 if alignment % 4 == 0 else 1
+
+
+def copy_descriptors(descs: torch.Tensor, mode: int = DIRECT, offsets: torch.Tensor | None = None,
+                     staging_addr: int = 0, alignment: int = 1, typical_bytes: int = 4096) -> None:
+    """Launch the copy of every descriptor (see the module's shape contract)."""
+    n = descs.shape[0]
+    if n == 0:
+        return
+    word = word_size(alignment)
+    words = max(1, typical_bytes // word)
+    offsets = offsets if offsets is not None else descs
+    if words <= SMALL_WORDS:  # many small descriptors: several per program
+        width = max(16, triton.next_power_of_2(words))
+        per_program = max(1, TILE_WORDS // width)
+        _copy_tile_kernel[(triton.cdiv(n, per_program),)](descs, offsets, staging_addr, n, MODE=mode, WORD=word,
+                                                          DPP=per_program, W=width)
+        return
+    block = min(2048, max(64, triton.next_power_of_2(words)))
+    split = max(1, min(8, words // block))
+    _copy_kernel[(n, split)](descs, offsets, staging_addr, MODE=mode, WORD=word, BLOCK=block, SPLIT=split)
+
+
+COMPILE_SPECS = [
+    (_copy_kernel,
+     {"desc_ptr": "*i64", "offsets_ptr": "*i64", "staging_addr": "i64", "MODE": "constexpr", "WORD": "constexpr",
+      "BLOCK": "constexpr", "SPLIT": "constexpr"},
+     {"MODE": mode, "WORD": word, "BLOCK": 1024, "SPLIT": 4})
+    for mode in (DIRECT, GATHER, SCATTER) for word in (1, 8)
+] + [
+    (_copy_tile_kernel,
+     {"desc_ptr": "*i64", "offsets_ptr": "*i64", "staging_addr": "i64", "n": "i64", "MODE": "constexpr",
+      "WORD": "constexpr", "DPP": "constexpr", "W": "constexpr"},
+     {"MODE": mode, "WORD": 8, "DPP": 64, "W": 32})
+    for mode in (DIRECT, GATHER, SCATTER)
+]

@@ -1,0 +1,566 @@
+"""The device planner: one object per side pairing, a whole batch planned by a fixed set of launches.
+
+:class:`Planner` is made once for a source side and its destinations (FlashInfer's
+``plan()``/``run()`` split is the model). It owns the static tables (entries, destinations,
+components) on the device, and per capacity bucket its buffers and, on a GPU, a captured CUDA
+graph. Per batch, :meth:`Planner.plan` writes the batch's columns into a pinned buffer (a few NumPy
+assignments), then replays the graph (or issues the launches), and records an event. Everything
+else happens on the device: the batch layout (:mod:`kvplan.kernels.batch_layout`), lists and run
+flags, token checks, run compaction, totals and the verdict on errors, and the output forms.
+Nothing waits for the device until the caller consumes the plan.
+
+Capacities come in power-of-two buckets of transfers and destination elements, as serving
+engines bucket their graph batch sizes, so batches of any shape within a bucket replay one graph.
+A batch beyond every bucket so far simply opens a new one.
+
+Output forms (``outputs``), each written by a kernel into device memory; consuming a plan copies
+exactly its output (the size is known once the event fired) into pinned host memory on the
+planner's own copy stream, at the copy engine's bandwidth, never waiting on the caller's stream:
+
+* ``"descriptors"``: ``[n, 3]`` uint64 ``(src, dst, nbytes)`` for NIXL direct;
+* ``"prepared"``: int32 index arrays for NIXL prepared lists;
+* ``"runs"``: the compact form ``(src_page, dst_page, len)`` per run plus the entry tables, for
+  engines that expand entries x runs themselves;
+* ``"device_descriptors"``: ``[n, 3]`` on the device, for staged mode and local copies;
+* none of these: counts and errors only.
+
+Example::
+
+    planner = Planner(prefill_side, [decode_side], graphs=True)
+    for columns in scheduler_steps:            # BatchColumns, or a Batch
+        pending = planner.plan(columns)        # no sync: returns after the graph launch
+        descs, offsets = pending.descriptors() # waits for the event; raises PlanError naming a request
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ..errors import InputError, LayoutError
+from ..kernels import batch_layout as kl
+from ..kernels import elements as ke
+from ..kernels import expand as kx
+from ..kernels import run_table as kr
+from ..kernels import segments as sg
+from ..kernels import summary as ks
+from .columns import COLUMNS, BatchColumns
+from .lists import as_device_tensor, host_empty
+from .model import Batch, Policy, SideMemory, StateKind
+from .pairing import Mode, SidePairing, pair_sides
+from .plan import ComponentPlan, Plan, TransferPlan, empty_descs, empty_runs
+from .prepared import AUX, KV, PreparedIndices, prepared_slots
+
+__all__ = ["CompactRuns", "PendingPlan", "Planner"]
+
+log = logging.getLogger("kvplan")
+
+OUTPUTS = ("descriptors", "prepared", "runs", "device_descriptors")
+MAX_MAPS = 4
+_KIND_CODE = {StateKind.SWA: int(kl.SWA), StateKind.DSA: int(kl.DSA), StateKind.SWA_RING: int(kl.SWA_RING),
+              StateKind.MAMBA: int(kl.MAMBA)}
+
+
+def _pow2(n: int, least: int) -> int:
+    return max(least, 1 << max(0, int(n) - 1).bit_length())
+
+
+def _token_table(side: SideMemory) -> torch.Tensor:
+    table = side.req_to_token
+    if table is None:
+        raise InputError(None, "the source side needs its token table (req_to_token)")
+    if isinstance(table, np.ndarray):
+        table = torch.from_numpy(table)
+    if not isinstance(table, torch.Tensor) or table.dtype != torch.int32 or table.dim() != 2:
+        what = f"{table.dtype} {tuple(table.shape)}" if isinstance(table, torch.Tensor) else type(table).__name__
+        raise InputError(None, f"req_to_token must be a 2-D int32 tensor, got {what}")
+    if table.shape[1] > 1 and table.stride(1) != 1:
+        raise InputError(None, f"req_to_token must have unit column stride, got strides {tuple(table.stride())}")
+    return table
+
+
+@dataclass(frozen=True)
+class CompactRuns:
+    """The compact output form: per segment its runs ``(src_page, dst_page, len)``, and the entry tables.
+
+    ``runs[segment_runs[s] : segment_runs[s + 1]]`` are the runs of segment ``s`` (transfer
+    ``s // segments_per_transfer``, slot KV, components, aux); ``entries[entry_rows[s]]`` are its
+    ``(src_base, dst_base, src_item, dst_item)`` rows. An engine expands entry x run itself.
+    """
+
+    runs: np.ndarray
+    segment_runs: np.ndarray
+    entry_rows: list[np.ndarray]
+    entries: np.ndarray
+    segments_per_transfer: int
+
+
+class _Static:
+    """What does not change from batch to batch: pairings and the device tables built from them."""
+
+    def __init__(self, src: SideMemory, dsts: Sequence[SideMemory], device: torch.device, prepared: bool):
+        self.pairings: list[SidePairing] = [pair_sides(src, d) for d in dsts]
+        C = self.C = len(src.state)
+        K = self.K = 2 + C
+        D = len(dsts)
+        blocks, count = [], 0
+        dest_meta = np.zeros((max(1, D), 3 + 2 * K + C), np.int64)
+        heads = np.zeros((max(1, D), int(kx.HEAD_FIELDS)), np.int64)
+        self.entry_rows: dict[tuple[int, int], np.ndarray] = {}
+        for d, (p, side) in enumerate(zip(self.pairings, dsts)):
+            tables = [(p.kv_src, p.kv_dst), *zip(p.state_src, p.state_dst), (p.aux_src, p.aux_dst)]
+            for k, (src_t, dst_t) in enumerate(tables):
+                block = np.zeros((len(src_t), 4), dtype=np.uint64)
+                block[:, 0], block[:, 1], block[:, 2], block[:, 3] = src_t[:, 0], dst_t[:, 0], src_t[:, 1], dst_t[:, 1]
+                blocks.append(block)
+                dest_meta[d, 3 + 2 * k : 5 + 2 * k] = count, len(block)
+                self.entry_rows[(d, k)] = np.arange(count, count + len(block))
+                count += len(block)
+            dest_meta[d, 0] = side.kv.num_pages
+            dest_meta[d, 1] = min((e.num_items for e in side.aux), default=0)
+            dest_meta[d, 2] = p.mode is Mode.HEAD_SLICED
+            dest_meta[d, 3 + 2 * K :] = [c.num_items for c in side.state]
+            if p.mode is Mode.HEAD_SLICED:
+                h = p.heads
+                heads[d] = (h.src_token_bytes, h.dst_token_bytes, h.src_head * h.bytes_per_head,
+                            h.dst_head * h.bytes_per_head, h.nbytes)
+        self.entries_host = np.concatenate(blocks) if blocks else np.zeros((0, 4), np.uint64)
+        self.maps: list[torch.Tensor] = []
+        comp_meta = np.zeros((max(1, C), int(kl.COMP_FIELDS)), np.int64)
+        for c, comp in enumerate(src.state):
+            comp.require_map()
+            map_slot, map_len = -1, 0
+            if comp.slot_map is not None and comp.kind in (StateKind.SWA, StateKind.MAMBA):
+                if len(self.maps) == MAX_MAPS:
+                    raise LayoutError(f"at most {MAX_MAPS} state components with slot maps are supported")
+                slot_map = as_device_tensor(comp.slot_map, device, f"slot_map of component {comp.name}", torch.int64)
+                map_slot, map_len = len(self.maps), slot_map.numel()
+                self.maps.append(slot_map.reshape(-1))
+            comp_meta[c] = (_KIND_CODE[comp.kind], comp.window, comp.pages_of(src.kv.page_size), max(1, comp.ring_size),
+                            comp.num_items, map_slot, map_len, comp.kind in (StateKind.SWA_RING, StateKind.MAMBA))
+        slots = np.zeros((max(1, D) * K, 2), np.int64)
+        if prepared:
+            if any(p.mode is not Mode.DIRECT for p in self.pairings):
+                raise LayoutError("prepared lists are per page: head-sliced transfers need descriptors")
+            for d, side in enumerate(dsts):
+                for role, (_, s_slots, d_slots) in prepared_slots(src, side).items():
+                    k = 0 if role == KV else K - 1 if role == AUX else 1 + role
+                    slots[d * K + k] = s_slots, d_slots
+        multiplier = [1]
+        for d, p in enumerate(self.pairings):
+            kv_entries = int(dest_meta[d, 4])
+            multiplier.append(kv_entries * (src.kv.page_size if p.mode is Mode.HEAD_SLICED else 1))
+            multiplier += [int(dest_meta[d, 4 + 2 * k]) for k in range(1, K - 1)]
+        self.per_element = max(multiplier)
+        self.aux_entries = len(src.aux)
+        to = lambda a: torch.from_numpy(np.ascontiguousarray(a).view(np.int64)).to(device)  # noqa: E731
+        self.entries, self.dest_meta, self.heads, self.comp_meta, self.slots = (
+            to(self.entries_host), to(dest_meta), to(heads), to(comp_meta), to(slots))
+        if not self.maps:
+            self.maps = [self.entries]
+
+
+class _Buffers:
+    """The memory of one run at one capacity: pinned input, device work space, pinned outputs."""
+
+    def __init__(self, st: _Static, outputs: frozenset[str], t_cap: int, e_cap: int, device: torch.device):
+        self.t_cap, self.e_cap = t_cap, e_cap
+        ncol = len(COLUMNS) + 2 * st.C
+        self.ncol = ncol
+        size = 1 + ncol * t_cap + e_cap
+        self.inp_host = host_empty(size, torch.int64, device)
+        self.inp = torch.empty(size, dtype=torch.int64, device=device)
+        S = self.S = t_cap * st.K
+        n_cap = e_cap + t_cap
+        z = lambda *shape: torch.empty(shape, dtype=torch.int64, device=device)  # noqa: E731
+        self.seg, self.seg_end, self.chk_end, self.seg_err, self.xfer = z(S, int(sg.SEG_FIELDS)), z(S), z(S), z(S), z(t_cap, 4)
+        self.src, self.dst, self.starts, self.run_id = z(n_cap), z(n_cap), z(n_cap), z(n_cap)
+        self.run_first, self.run_last = z(n_cap), z(n_cap)
+        self.seg_sums = z(4, S)
+        self.head = z(int(ks.HEAD) + t_cap + 1)
+        self.head_host = host_empty(int(ks.HEAD) + t_cap + 1, torch.int64, device)
+        self.sums_host = host_empty(4 * S, torch.int64, device) if outputs & {"prepared", "runs"} else None
+        d_cap = st.per_element * e_cap + st.aux_entries * t_cap
+        self.descs = self.prep_src = self.prep_dst = self.runs = None
+        if outputs & {"descriptors", "device_descriptors"}:
+            self.descs = z(d_cap, 3)
+        if "prepared" in outputs:
+            p_cap = max(1, st.per_element * e_cap + st.aux_entries * t_cap)
+            self.prep_src = torch.empty(p_cap, dtype=torch.int32, device=device)
+            self.prep_dst = torch.empty(p_cap, dtype=torch.int32, device=device)
+        if "runs" in outputs:
+            self.runs = z(n_cap, 3)
+        self.landing: dict[str, torch.Tensor] = {}  # pinned host copies of the outputs, grown on demand
+
+    def fill(self, columns: BatchColumns) -> None:
+        inp = self.inp_host.numpy()
+        T, E = columns.num_transfers, len(columns.dst_flat)
+        inp[0] = T
+        inp[1 : 1 + self.ncol * self.t_cap].reshape(self.ncol, self.t_cap)[:, :T] = columns.table.T
+        inp[1 + self.ncol * self.t_cap : 1 + self.ncol * self.t_cap + E] = columns.dst_flat
+
+
+class _Slot:
+    """One of a bucket's ring of buffers, with its captured graph and the event of its last use."""
+
+    def __init__(self, buffers: _Buffers):
+        self.buffers = buffers
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.event: torch.cuda.Event | None = None
+        self.generation = 0
+
+
+class Planner:
+    """Plans batches from ``src`` to ``dsts`` on the token table's device.
+
+    Args:
+        src: the planning side, with its token table and slot maps on the planning device.
+        dsts: the destinations a batch's ``dest`` column indexes.
+        policy, validate: as in :class:`~kvplan.planner.model.Batch`.
+        outputs: which output forms to produce (see the module docstring).
+        graphs: capture each bucket's launches in a CUDA graph (default: on a CUDA device).
+        depth: buffers per bucket; a plan's outputs stay valid until ``depth`` more plans of its
+            bucket have been made.
+        block: list elements per program.
+    """
+
+    def __init__(self, src: SideMemory, dsts: Sequence[SideMemory], *, policy: Policy | str = Policy.STRICT,
+                 validate: bool = True, outputs: Sequence[str] = ("descriptors",), graphs: bool | None = None,
+                 depth: int = 2, block: int = 1024):
+        unknown = set(outputs) - set(OUTPUTS)
+        if unknown:
+            raise InputError(None, f"unknown output forms {sorted(unknown)}; choose from {OUTPUTS}")
+        if depth < 1 or block < 16 or block & (block - 1):
+            raise InputError(None, f"depth must be >= 1 and block a power of two >= 16, got {depth}, {block}")
+        self.src, self.dsts = src, tuple(dsts)
+        self.policy, self.validate = Policy(policy), bool(validate)
+        self.outputs = frozenset(outputs)
+        self.table = _token_table(src)
+        self.device = self.table.device
+        cuda = self.device.type == "cuda"
+        self.graphs = cuda if graphs is None else bool(graphs)
+        if self.graphs and not cuda:
+            raise InputError(None, "CUDA graphs need the token table on a CUDA device")
+        self.depth, self.block = depth, block
+        self.static = _Static(src, self.dsts, self.device, "prepared" in self.outputs)
+        self.programs = 4 * torch.cuda.get_device_properties(self.device).multi_processor_count if cuda else 2
+        self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
+        self._rings: dict[tuple[int, int], list[_Slot]] = {}
+        self._turns: dict[tuple[int, int], int] = {}
+        self._warm: set[tuple[int, int]] = set()
+        self.replays = 0
+
+    # -- per batch ------------------------------------------------------------------------------
+    def plan(self, batch: Batch | BatchColumns, stream: torch.cuda.Stream | None = None) -> "PendingPlan":
+        """Plan one batch on ``stream`` (default: the current stream); nothing here waits for the device."""
+        columns = self._columns(batch)
+        key = (_pow2(columns.num_transfers, 8), _pow2(len(columns.dst_flat), 64))
+        if self.device.type != "cuda":
+            slot = _Slot(self._buffers(key))
+            slot.buffers.fill(columns)
+            self._launch(slot.buffers)
+            return PendingPlan(self, columns, slot, 0)
+        stream = stream or torch.cuda.current_stream(self.device)
+        if not self.graphs:
+            slot = _Slot(self._buffers(key))
+            slot.buffers.fill(columns)
+            with torch.cuda.stream(stream):
+                self._launch(slot.buffers)
+        else:
+            slot = self._next_slot(key)
+            slot.buffers.fill(columns)
+            with torch.cuda.stream(stream):
+                if slot.graph is None and key in self._warm:
+                    self._capture(slot, stream)
+                if slot.graph is None:  # the bucket's first plan runs eagerly: it compiles the kernels
+                    self._warm.add(key)
+                    self._launch(slot.buffers)
+                else:
+                    slot.graph.replay()
+                    self.replays += 1
+        slot.event = torch.cuda.Event()
+        slot.event.record(stream)
+        slot.generation += 1
+        return PendingPlan(self, columns, slot, slot.generation)
+
+    def _columns(self, batch: Batch | BatchColumns) -> BatchColumns:
+        if isinstance(batch, Batch):
+            if batch.src is not self.src or len(batch.dsts) != len(self.dsts) or any(
+                    a is not b for a, b in zip(batch.dsts, self.dsts)):
+                raise InputError(None, "this batch's sides are not the planner's")
+            if batch.policy is not self.policy or batch.validate != self.validate:
+                raise InputError(None, "this batch's policy or validation differ from the planner's")
+            return BatchColumns.from_batch(batch)
+        if not isinstance(batch, BatchColumns):
+            raise InputError(None, f"plan takes a Batch or BatchColumns, got {type(batch).__name__}")
+        if batch.table.shape[1] != len(COLUMNS) + 2 * self.static.C:
+            raise InputError(None, f"the columns describe {batch.num_components} state components, "
+                             f"the source side has {self.static.C}")
+        return batch
+
+    def _next_slot(self, key: tuple[int, int]) -> _Slot:
+        ring = self._rings.get(key)
+        if ring is None:
+            ring = self._rings[key] = [_Slot(self._buffers(key)) for _ in range(self.depth)]
+        turn = self._turns.get(key, 0)
+        self._turns[key] = turn + 1
+        slot = ring[turn % self.depth]
+        if slot.event is not None:
+            slot.event.synchronize()  # the plan made `depth` plans ago may still be on the device
+        return slot
+
+    def _buffers(self, key: tuple[int, int]) -> _Buffers:
+        return _Buffers(self.static, self.outputs, key[0], key[1], self.device)
+
+    def _capture(self, slot: _Slot, stream: torch.cuda.Stream) -> None:
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(stream)
+        with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
+            self._launch(slot.buffers)
+        stream.wait_stream(side)
+        slot.graph = graph
+
+    def _launch(self, b: _Buffers) -> None:
+        """Every step of one plan, on the current stream."""
+        st, block, programs = self.static, self.block, self.programs
+        b.inp.copy_(b.inp_host, non_blocking=True)
+        count = b.inp[:1]
+        cols = b.inp[1 : 1 + b.ncol * b.t_cap]
+        dst_flat = b.inp[1 + b.ncol * b.t_cap :]
+        kl.lay_out(cols, count, st.dest_meta, st.comp_meta, b.seg, b.seg_end, b.chk_end, b.seg_err, b.xfer,
+                   rows=self.table.shape[0], max_ctx=self.table.shape[1], src_pages=self.src.kv.num_pages,
+                   src_aux_items=min((e.num_items for e in self.src.aux), default=0), num_dests=len(self.dsts),
+                   t_cap=b.t_cap, components=st.C, page_size=self.src.kv.page_size,
+                   strict=self.policy is Policy.STRICT, validate=self.validate, has_aux=bool(self.src.aux))
+        ke.list_elements(b.seg, b.seg_end, self.table, st.maps, dst_flat, b.src, b.dst, b.starts, b.seg_err, block)
+        ke.check_tokens(b.seg, b.chk_end, self.table, st.maps, b.seg_err, programs, block)
+        torch.cumsum(b.starts, 0, out=b.run_id)
+        kr.compact_runs(b.starts, b.run_id, b.seg_end[-1:], b.run_first, b.run_last, block)
+        ks.summarize(b.seg, b.seg_end, b.run_id, b.seg_err, b.seg_sums, b.head, segments_per_transfer=st.K,
+                     page_size=self.src.kv.page_size, strict=self.policy is Policy.STRICT)
+        ps = self.src.kv.page_size
+        if b.descs is not None:
+            kx.descriptors(b.seg, b.seg_sums, b.head, b.src, b.dst, b.run_first, b.run_last, st.entries, st.heads,
+                           b.descs, page_size=ps, programs=programs, block=block)
+        if b.prep_src is not None:
+            kx.prepared_indices(b.seg, b.seg_sums, b.head, b.src, b.dst, st.slots, b.prep_src, b.prep_dst,
+                                segments_per_transfer=st.K, programs=programs, block=block)
+        if b.runs is not None:
+            kr.runs_out(b.run_id, b.run_first, b.run_last, b.src, b.dst, b.runs, programs, block)
+        b.head_host.copy_(b.head, non_blocking=True)
+        if b.sums_host is not None:
+            b.sums_host.copy_(b.seg_sums.reshape(-1), non_blocking=True)
+
+
+class PendingPlan:
+    """A plan whose device work may still run; its outputs are views of the planner's buffers.
+
+    With graphs, they stay valid until ``depth`` more plans of the same bucket are made; reading a
+    plan after that raises :class:`~kvplan.errors.InputError`.
+    """
+
+    def __init__(self, planner: Planner, columns: BatchColumns, slot: _Slot, generation: int):
+        self.planner, self.columns, self._slot, self._generation = planner, columns, slot, generation
+        self.event = slot.event
+        self._checked = False
+        self._result: Plan | None = None
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+    @property
+    def _b(self) -> _Buffers:
+        if self._slot.generation != self._generation:
+            raise InputError(None, "this plan's buffers were reused by a later plan of its bucket: consume a plan "
+                             "before `depth` more are made")
+        return self._slot.buffers
+
+    def _head(self) -> np.ndarray:
+        b = self._b
+        if self.event is not None:
+            self.event.synchronize()
+        head = b.head_host.numpy()
+        if not self._checked:
+            self._judge(head)
+            self._checked = True
+        return head
+
+    def _judge(self, head: np.ndarray) -> None:
+        """Raise the error the reference raises for the first bad transfer; log truncation warnings."""
+        cols = self.columns
+        if head[ks.FIRST_WARN] != int(ks.NONE):
+            bits = self._to_host("seg_err", self._b.seg_err).reshape(-1, self.planner.static.K)[: cols.num_transfers]
+            for t in np.flatnonzero((bits != 0).any(axis=1)):
+                if t >= head[ks.FIRST_FATAL]:
+                    break
+                self._reference(int(t))  # logs the warnings the reference logs
+        first = int(head[ks.FIRST_FATAL])
+        if first != int(ks.NONE):
+            self._reference(first)
+            raise InputError(cols.request(first), "the device checks reject this request, the reference accepts it "
+                             "(a kvplan defect: please report it with the batch)")
+
+    def _reference(self, t: int) -> None:
+        from .reference import plan_reference
+
+        p = self.planner
+        plan_reference(Batch(p.src, p.dsts, (self.columns.transfer(t),), p.policy, p.validate))
+
+    def _to_host(self, name: str, device_values: torch.Tensor) -> np.ndarray:
+        """``device_values`` in pinned host memory: one copy on the planner's copy stream, after the event."""
+        p, b = self.planner, self._b
+        if p.copy_stream is None:
+            return device_values.numpy()
+        flat = device_values.reshape(-1)
+        landing = b.landing.get(name)
+        if landing is None or landing.numel() < flat.numel():
+            landing = b.landing[name] = host_empty(max(flat.numel(), 1 << 16), flat.dtype, p.device)
+        out = landing[: flat.numel()]
+        with torch.cuda.stream(p.copy_stream):
+            p.copy_stream.wait_event(self.event)
+            out.copy_(flat, non_blocking=True)
+        p.copy_stream.synchronize()
+        return out.numpy().reshape(device_values.shape)
+
+    # -- output forms --------------------------------------------------------------------------
+    def _offsets(self, head: np.ndarray) -> np.ndarray:
+        T = self.columns.num_transfers
+        offsets = head[ks.HEAD : ks.HEAD + T + 1].copy()
+        offsets[0] = 0
+        return offsets
+
+    def descriptors(self) -> tuple[np.ndarray, np.ndarray]:
+        """All descriptors ``[n, 3]`` uint64 and per-transfer offsets ``[T + 1]``, in host memory.
+
+        Waits for the event and raises the first error (a :class:`~kvplan.errors.PlanError` naming
+        the request) before returning anything.
+        """
+        head = self._head()
+        b = self._b
+        total = int(head[ks.TOTAL_DESCS])
+        if b.descs is None:
+            raise InputError(None, "this planner makes no descriptors: add 'descriptors' to its outputs")
+        return self._to_host("descs", b.descs[:total]).view(np.uint64), self._offsets(head)
+
+    def device_descriptors(self) -> torch.Tensor:
+        """All descriptors as int64 ``[n, 3]`` on the planning device (for staged mode and local copies)."""
+        head = self._head()
+        b = self._b
+        if b.descs is None:
+            raise InputError(None, "this planner makes no descriptors: add 'device_descriptors' to its outputs")
+        return b.descs[: int(head[ks.TOTAL_DESCS])]
+
+    def prepared_indices(self) -> PreparedIndices:
+        """The int32 index arrays for NIXL prepared lists (``"prepared"`` among the outputs)."""
+        head = self._head()
+        b = self._b
+        if b.prep_src is None:
+            raise InputError(None, "this plan was made without prepared=True")
+        K, T = self.planner.static.K, self.columns.num_transfers
+        total = int(head[ks.TOTAL_PREPARED])
+        keep = self._segment_table()[: T * K, sg.F_KEEP] != 0
+        ends = b.sums_host.numpy()[3 * b.S : 4 * b.S][: T * K][keep]
+        ids = np.flatnonzero(keep)
+        role = ids % K
+        role = np.where(role == 0, KV, np.where(role == K - 1, AUX, role - 1))
+        return PreparedIndices(self._to_host("prep_src", b.prep_src[:total]).copy(),
+                               self._to_host("prep_dst", b.prep_dst[:total]).copy(),
+                               np.concatenate([[0], ends]).astype(np.int64), role.astype(np.int64), ids // K)
+
+    def runs(self) -> CompactRuns:
+        """The compact runs form (``"runs"`` among the outputs)."""
+        head = self._head()
+        b = self._b
+        if b.runs is None:
+            raise InputError(None, "this planner makes no compact runs: add 'runs' to its outputs")
+        st, T = self.planner.static, self.columns.num_transfers
+        total = int(head[ks.TOTAL_RUNS])
+        run0 = b.sums_host.numpy()[: b.S][: T * st.K]
+        dest = self.columns.column("dest")
+        rows = [st.entry_rows[(int(dest[s // st.K]), s % st.K)] for s in range(T * st.K)]
+        return CompactRuns(self._to_host("runs", b.runs[:total]), np.append(run0, total), rows,
+                           st.entries_host, st.K)
+
+    def _segment_table(self) -> np.ndarray:
+        return self._to_host("seg", self._b.seg)
+
+    def result(self) -> Plan:
+        """The full plan (pages, runs, state lists, descriptors per transfer), as the reference returns it."""
+        if self._result is None:
+            self._result = self._assemble(self._head())
+        return self._result
+
+    def _assemble(self, head: np.ndarray) -> Plan:
+        p, b, cols = self.planner, self._b, self.columns
+        st, T = p.static, cols.num_transfers
+        K = st.K
+        seg = self._segment_table().copy()
+        sums = self._to_host("seg_sums", b.seg_sums).copy()
+        xfer = self._to_host("xfer", b.xfer).copy()
+        n_el, n_runs = int(head[ks.ELEMENTS]), int(head[ks.TOTAL_RUNS])
+        src, dst = self._to_host("src", b.src[:n_el]).copy(), self._to_host("dst", b.dst[:n_el]).copy()
+        first = self._to_host("run_first", b.run_first[:n_runs]).copy()
+        last = self._to_host("run_last", b.run_last[:n_runs]).copy()
+        runs_all = np.stack([src[first], dst[first], last - first + 1], axis=1) if n_runs else empty_runs()
+        if b.descs is not None:
+            descs = self.descriptors()[0]
+        else:
+            descs = None
+        starts = cols.column("start")
+        out = []
+        for t in range(T):
+            dest = int(cols.column("dest")[t])
+            pairing = st.pairings[dest]
+            parts = []
+            for k in range(K):
+                s = t * K + k
+                n, lo = int(seg[s, sg.F_N]), int(seg[s, sg.F_START])
+                r0, nr = int(sums[0, s]), int(sums[1, s])
+                d_end = int(sums[2, s])
+                d_count = int(seg[s, sg.F_ENTRIES]) * (n * p.src.kv.page_size if seg[s, sg.F_SLICED] else nr)
+                seg_descs = descs[d_end - d_count : d_end] if descs is not None else None
+                parts.append((src[lo : lo + n].copy(), dst[lo : lo + n].copy(), runs_all[r0 : r0 + nr].copy(),
+                              seg_descs))
+            end, last_flag, sent = (int(x) for x in xfer[t, :3])
+            kv = parts[0]
+            state = ()
+            if last_flag:
+                state = tuple(ComponentPlan(comp.name, comp.kind, parts[1 + c][0], parts[1 + c][1],
+                                            empty_runs() if comp.kind is StateKind.MAMBA else parts[1 + c][2],
+                                            self._descs(parts[1 + c], pairing, 1 + c))
+                              for c, comp in enumerate(p.src.state))
+            out.append(TransferPlan(
+                request=cols.request(t), dest=dest, mode=pairing.mode, start=int(starts[t]), end=end,
+                last=bool(last_flag), sent=bool(sent), src_pages=kv[0], dst_pages=kv[1],
+                runs=kv[2] if sent else empty_runs(), kv_descs=self._descs(kv, pairing, 0) if sent else empty_descs(),
+                state=state, aux_descs=self._descs(parts[K - 1], pairing, K - 1) if last_flag else empty_descs()))
+        return Plan(tuple(out))
+
+    def _descs(self, part: tuple, pairing: SidePairing, k: int) -> np.ndarray:
+        """A segment's descriptors: the kernel's, or expanded here from its runs when none were made."""
+        if part[3] is not None:
+            return part[3]
+        from .reference import direct_descriptors, head_sliced_descriptors
+
+        st = self.planner.static
+        src_t, dst_t = _pairing_tables(pairing, k, st.K)
+        if k == 0 and pairing.mode is Mode.HEAD_SLICED:
+            return head_sliced_descriptors(src_t, dst_t, part[0], part[1], pairing.heads, self.planner.src.kv.page_size)
+        runs = part[2]
+        if 0 < k < st.K - 1 and self.planner.src.state[k - 1].kind is StateKind.MAMBA or k == st.K - 1:
+            runs = np.stack([part[0], part[1], np.ones_like(part[0])], axis=1)
+        return direct_descriptors(src_t, dst_t, runs)
+
+
+def _pairing_tables(pairing: SidePairing, k: int, K: int) -> tuple[np.ndarray, np.ndarray]:
+    if k == 0:
+        return pairing.kv_src, pairing.kv_dst
+    if k == K - 1:
+        return pairing.aux_src, pairing.aux_dst
+    return pairing.state_src[k - 1], pairing.state_dst[k - 1]
+

@@ -1,0 +1,319 @@
+"""The data model a plan is built from: each side's memory and a batch of transfers.
+
+The names follow ``shared/spec/planning.md``:
+
+* an :class:`Entry` is one registered buffer addressed in items (pages): page ``p`` starts at
+  ``base_ptr + p * item_len``;
+* a :class:`KVLayout` is a side's KV pool: its entries in planning order (MHA ``K_0..K_{n-1},
+  V_0..V_{n-1}``; MLA ``KV_0..KV_{n-1}``), page size, pipeline layer range and attention-TP place;
+* a :class:`StateComponent` is one hybrid-model state (SWA, DSA, SWA_RING, MAMBA) with its own
+  entries and parameters; both sides list their components in the same order;
+* a :class:`SideMemory` groups a side's KV layout, components, aux buffers and token table;
+* a :class:`Transfer` is one chunk of one request to one destination; a :class:`Batch` is the list
+  of transfers planned together.
+
+Example::
+
+    import numpy as np
+    from kvplan.planner.model import Attention, Batch, Entry, KVLayout, SideMemory, Transfer
+
+    def mha(base):  # 2 layers: K0, K1, V0, V1; 64 pages of 4096 bytes each
+        return KVLayout(Attention.MHA, page_size=16,
+                        entries=tuple(Entry(base + i * (1 << 20), 4096, 64) for i in range(4)))
+
+    table = np.zeros((4, 256), np.int32)
+    table[1, :64] = np.arange(16 * 16, 16 * 20)          # request in row 1 holds pages 16..19
+    src = SideMemory(mha(0x10000000), req_to_token=table)
+    dst = SideMemory(mha(0x90000000))
+    batch = Batch(src=src, dsts=(dst,), transfers=(
+        Transfer("req-1", src_row=1, start=0, fill_len=64, prompt_len=64, last=True,
+                 dst_pages=np.array([3, 4, 9, 10])),))
+"""
+
+from __future__ import annotations
+
+import enum
+from functools import cached_property
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..errors import LayoutError
+
+__all__ = [
+    "Attention",
+    "Batch",
+    "Entry",
+    "KVLayout",
+    "Policy",
+    "SideMemory",
+    "StateComponent",
+    "StateKind",
+    "Transfer",
+]
+
+
+class Policy(str, enum.Enum):
+    """How list-length mismatches are handled (planning.md §3, §4, §6)."""
+
+    STRICT = "strict"
+    """Reject the request with an error that names it (the default)."""
+    TRUNCATE = "truncate"
+    """SGLang's behaviour: truncate the longer list and log a warning."""
+
+
+class Attention(str, enum.Enum):
+    MHA = "mha"
+    MLA = "mla"
+
+
+class StateKind(str, enum.Enum):
+    SWA = "swa"
+    DSA = "dsa"
+    SWA_RING = "swa_ring"
+    MAMBA = "mamba"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One registered buffer, addressed in items of ``item_len`` bytes.
+
+    ``num_items`` is the pool size in items (``data_len // item_len``).
+    """
+
+    base_ptr: int
+    item_len: int
+    num_items: int
+
+    def __post_init__(self) -> None:
+        if self.base_ptr < 0 or self.base_ptr >= 1 << 64:
+            raise LayoutError(f"entry base_ptr {self.base_ptr:#x} is not an unsigned 64-bit address")
+        if self.item_len <= 0:
+            raise LayoutError(f"entry item_len must be positive, got {self.item_len}")
+        if self.num_items < 0:
+            raise LayoutError(f"entry num_items must be >= 0, got {self.num_items}")
+
+    @classmethod
+    def from_buffer(cls, base_ptr: int, data_len: int, item_len: int) -> "Entry":
+        """An entry over ``data_len`` bytes; the pool holds ``data_len // item_len`` items."""
+        return cls(int(base_ptr), int(item_len), int(data_len) // int(item_len))
+
+    @classmethod
+    def from_tensor(cls, tensor: Any) -> "Entry":
+        """An entry over a contiguous tensor whose first dimension indexes items."""
+        if not tensor.is_contiguous():
+            raise LayoutError("entry tensors must be contiguous")
+        item_len = tensor.stride(0) * tensor.element_size()
+        return cls(int(tensor.data_ptr()), int(item_len), int(tensor.shape[0]))
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """A side's KV pool (planning.md §1) and its attention-TP place (§5).
+
+    Attributes:
+        attention: MHA (K and V entries) or MLA (one KV entry per layer).
+        page_size: tokens per page.
+        entries: the KV entries in planning order.
+        first_layer: first layer this side holds (pipeline parallelism).
+        num_kv_heads: total KV heads of the model (``H``), used by head slicing.
+        tp_size: attention-TP size of this side.
+        tp_rank: this rank within its attention-TP group.
+    """
+
+    attention: Attention
+    page_size: int
+    entries: tuple[Entry, ...]
+    first_layer: int = 0
+    num_kv_heads: int = 1
+    tp_size: int = 1
+    tp_rank: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "attention", Attention(self.attention))
+        object.__setattr__(self, "entries", tuple(self.entries))
+        if self.page_size < 1:
+            raise LayoutError(f"page_size must be >= 1, got {self.page_size}")
+        if self.attention is Attention.MHA and len(self.entries) % 2:
+            raise LayoutError(f"an MHA layout needs K and V entries, got {len(self.entries)} entries")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise LayoutError(f"tp_rank {self.tp_rank} is outside tp_size {self.tp_size}")
+        if self.num_kv_heads < 1 or self.first_layer < 0:
+            raise LayoutError("num_kv_heads must be >= 1 and first_layer >= 0")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.entries) // (2 if self.attention is Attention.MHA else 1)
+
+    @cached_property
+    def num_pages(self) -> int:
+        """Pool size in pages: the smallest entry bounds it."""
+        return min((e.num_items for e in self.entries), default=0)
+
+    def entry_index(self, part: int, layer: int) -> int:
+        """Index in ``entries`` of part ``part`` (0 = K or KV, 1 = V) of global layer ``layer``."""
+        local = layer - self.first_layer
+        if not 0 <= local < self.num_layers:
+            raise LayoutError(
+                f"layer {layer} is outside this side's layers "
+                f"[{self.first_layer}, {self.first_layer + self.num_layers})"
+            )
+        return part * self.num_layers + local
+
+
+@dataclass(frozen=True)
+class StateComponent:
+    """One state component of a hybrid model (planning.md §6), as one side holds it.
+
+    Attributes:
+        kind: SWA, DSA, SWA_RING or MAMBA.
+        entries: this component's own entries, each with its own item length.
+        window: sliding window ``W`` in tokens (SWA, SWA_RING).
+        page_size: page size of the component's pool (SWA, DSA); ``None`` = the side's page size.
+        ring_size: ring rows per request ``R`` (SWA_RING).
+        slot_map: SWA: ``full_to_swa`` (int64, full slot -> SWA slot, 0 = none);
+            MAMBA: row -> Mamba slot. A host array or a tensor on the planning device; needed on
+            the side whose lists are computed, not in a description of the peer.
+        name: an id for messages and for completion tracking (defaults to the kind).
+    """
+
+    kind: StateKind
+    entries: tuple[Entry, ...]
+    window: int = 0
+    page_size: int | None = None
+    ring_size: int = 0
+    slot_map: Any = None
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", StateKind(self.kind))
+        object.__setattr__(self, "entries", tuple(self.entries))
+        if not self.name:
+            object.__setattr__(self, "name", self.kind.value)
+        if self.kind in (StateKind.SWA, StateKind.SWA_RING) and self.window < 1:
+            raise LayoutError(f"component {self.name}: a window >= 1 is required")
+        if self.kind is StateKind.SWA_RING and self.ring_size < 1:
+            raise LayoutError(f"component {self.name}: ring_size >= 1 is required")
+        if self.page_size is not None and self.page_size < 1:
+            raise LayoutError(f"component {self.name}: page_size must be >= 1")
+
+    @cached_property
+    def num_items(self) -> int:
+        return min((e.num_items for e in self.entries), default=0)
+
+    def require_map(self) -> None:
+        """Raise unless the component has the slot map its lists are computed through.
+
+        A peer's components are described without maps (they are only needed by the side that
+        computes its own lists), so the check happens where lists are computed.
+        """
+        if self.kind in (StateKind.SWA, StateKind.MAMBA) and self.slot_map is None:
+            raise LayoutError(f"component {self.name}: a slot_map is required to compute {self.kind.value} lists")
+
+    def pages_of(self, side_page_size: int) -> int:
+        return self.page_size or side_page_size
+
+
+@dataclass(frozen=True)
+class SideMemory:
+    """Everything one side registers: KV layout, state components (in order), aux buffers.
+
+    ``req_to_token`` (int32 ``[rows, max_ctx]``) is needed on the side whose lists are computed:
+    the source when planning a batch, the destination when computing its destination lists.
+    """
+
+    kv: KVLayout
+    state: tuple[StateComponent, ...] = ()
+    aux: tuple[Entry, ...] = ()
+    req_to_token: Any = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "state", tuple(self.state))
+        object.__setattr__(self, "aux", tuple(self.aux))
+
+    def to(self, device: Any) -> "SideMemory":
+        """The same side with its token table and slot maps as torch tensors on ``device``."""
+        import torch
+
+        def move(values: Any) -> Any:
+            return None if values is None else torch.as_tensor(values).to(device)
+
+        state = tuple(replace(c, slot_map=move(c.slot_map)) for c in self.state)
+        return replace(self, state=state, req_to_token=move(self.req_to_token))
+
+
+def _index_array(values: Any) -> np.ndarray:
+    """A host int64 copy of an index list (list, NumPy array or CPU tensor)."""
+    if hasattr(values, "detach"):
+        values = values.detach().cpu().numpy()
+    arr = np.asarray(values)
+    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise TypeError(f"index lists must be 1-D integer arrays, got {arr.dtype} {arr.shape}")
+    return arr.astype(np.int64, copy=False)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One chunk of one request to one destination.
+
+    Attributes:
+        request: the request's id (named in every error about it).
+        src_row: the request's row in the source token table.
+        start: first token of the chunk; page aligned; ``prefix_len`` for the first chunk.
+        fill_len: tokens prefilled so far (may include the sampled token).
+        prompt_len: ``L``.
+        last: the scheduler's flag: this chunk finishes the request's prefill.
+        dst_pages: the destination's page list for ``[prefix_len, prompt_len)``, whole; the chunk
+            takes its slice from the cursor ``(start - prefix_len) // page_size``.
+        prefix_len: ``P``, tokens the destination already holds (page aligned).
+        aux_src, aux_dst: aux indices on each side (used on the last chunk).
+        dst_state: the destination's index list per state component, in component order (used
+            on the last chunk).
+        dest: index of the destination in :attr:`Batch.dsts`.
+    """
+
+    request: Any
+    src_row: int
+    start: int
+    fill_len: int
+    prompt_len: int
+    last: bool
+    dst_pages: Any
+    prefix_len: int = 0
+    aux_src: int = -1
+    aux_dst: int = -1
+    dst_state: tuple[Any, ...] = ()
+    dest: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dst_pages", _index_array(self.dst_pages))
+        object.__setattr__(self, "dst_state", tuple(_index_array(x) for x in self.dst_state))
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Transfers planned together, from one source to one or more destinations.
+
+    Attributes:
+        src: the planning side's memory (with its token table).
+        dsts: the destinations' memory, indexed by :attr:`Transfer.dest`.
+        transfers: the chunks to plan, in order.
+        policy: ``strict`` (default) or ``truncate``.
+        validate: check the allocator invariant of every sent page (planning.md §2).
+    """
+
+    src: SideMemory
+    dsts: Sequence[SideMemory]
+    transfers: Sequence[Transfer]
+    policy: Policy = Policy.STRICT
+    validate: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "policy", Policy(self.policy))
+        object.__setattr__(self, "dsts", tuple(self.dsts))
+        object.__setattr__(self, "transfers", tuple(self.transfers))
+
+    def to(self, device: Any) -> "Batch":
+        """The same batch with the source's token table and slot maps on ``device``."""
+        return replace(self, src=self.src.to(device))

@@ -1,0 +1,160 @@
+"""How a source side pairs with a destination side: entries, mode, head slices (planning.md §1, §5).
+
+Both the NumPy reference and the GPU planner take their pairing from here, so the two can only
+differ in how they compute lists and descriptors, never in what they pair.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import LayoutError
+from .model import Attention, Entry, KVLayout, SideMemory
+
+__all__ = ["HeadSlice", "Mode", "SidePairing", "head_slice", "pair_sides"]
+
+
+class Mode(str, enum.Enum):
+    DIRECT = "direct"
+    HEAD_SLICED = "head_sliced"
+
+
+@dataclass(frozen=True)
+class HeadSlice:
+    """Which heads a rank sends where, in head-sliced mode (planning.md §5)."""
+
+    src_head: int
+    heads_sent: int
+    dst_head: int
+    bytes_per_head: int  # per token
+    src_token_bytes: int  # src_item / ps
+    dst_token_bytes: int  # dst_item / ps
+
+    @property
+    def nbytes(self) -> int:
+        return self.heads_sent * self.bytes_per_head
+
+
+def head_slice(src: KVLayout, dst: KVLayout, src_item: int, dst_item: int) -> HeadSlice:
+    """The head slice a source rank sends to a destination rank (planning.md §5).
+
+    >>> def lay(ts, rank): return KVLayout(Attention.MHA, 1, (), num_kv_heads=8, tp_size=ts, tp_rank=rank)
+    >>> [head_slice(lay(4, r), lay(2, 0), 256, 512).dst_head for r in range(4)]
+    [0, 2, 0, 2]
+    """
+    if src.num_kv_heads != dst.num_kv_heads:
+        raise LayoutError(f"the sides disagree on the number of KV heads: {src.num_kv_heads} vs {dst.num_kv_heads}")
+    heads, ts, td, ps = src.num_kv_heads, src.tp_size, dst.tp_size, src.page_size
+    src_heads, dst_heads = max(1, heads // ts), max(1, heads // td)
+    if src_item % ps or dst_item % ps:
+        raise LayoutError(f"item lengths {src_item}/{dst_item} are not whole tokens of page size {ps}")
+    src_token, dst_token = src_item // ps, dst_item // ps
+    if dst_token % dst_heads or src_token % src_heads:
+        raise LayoutError(f"token bytes {src_token}/{dst_token} do not split into {src_heads}/{dst_heads} heads")
+    bph = dst_token // dst_heads
+    if src_token // src_heads != bph:
+        raise LayoutError(f"bytes per head differ: source {src_token // src_heads}, destination {bph}")
+    if ts > td:
+        unique = src.tp_rank // max(1, ts // heads)
+        src_head, heads_sent, dst_head = 0, src_heads, (unique * src_heads) % dst_heads
+    else:
+        unique = dst.tp_rank // max(1, td // heads)
+        src_head, heads_sent, dst_head = (unique * dst_heads) % src_heads, dst_heads, 0
+    if heads_sent * bph > dst_token:
+        raise LayoutError(f"head slice of {heads_sent * bph} bytes exceeds the destination's {dst_token} bytes per token")
+    return HeadSlice(src_head, heads_sent, dst_head, bph, src_token, dst_token)
+
+
+@dataclass(frozen=True)
+class SidePairing:
+    """The source's entries paired with one destination's, in planning order.
+
+    ``kv_src``/``kv_dst`` and each ``state_src[c]``/``state_dst[c]`` are ``[n, 2]`` uint64 tables of
+    ``(base_ptr, item_len)``; ``aux_*`` likewise.
+    """
+
+    mode: Mode
+    kv_src: np.ndarray
+    kv_dst: np.ndarray
+    heads: HeadSlice | None
+    state_src: tuple[np.ndarray, ...]
+    state_dst: tuple[np.ndarray, ...]
+    aux_src: np.ndarray
+    aux_dst: np.ndarray
+
+
+def _table(entries: list[Entry] | tuple[Entry, ...]) -> np.ndarray:
+    return np.array([(e.base_ptr, e.item_len) for e in entries], dtype=np.uint64).reshape(-1, 2)
+
+
+def _require_equal_items(what: str, src: tuple[Entry, ...], dst: tuple[Entry, ...]) -> None:
+    if len(src) != len(dst):
+        raise LayoutError(f"{what}: source has {len(src)} entries, destination {len(dst)}")
+    for i, (s, d) in enumerate(zip(src, dst)):
+        if s.item_len != d.item_len:
+            raise LayoutError(f"{what} entry {i}: item lengths differ (source {s.item_len}, destination {d.item_len})")
+
+
+_PAIRINGS: dict[tuple[int, int], tuple[SideMemory, SideMemory, SidePairing]] = {}
+_PAIRINGS_KEPT = 64
+
+
+def pair_sides(src: SideMemory, dst: SideMemory) -> SidePairing:
+    """Pair a source side with a destination side, or raise :class:`LayoutError`.
+
+    Sides are immutable, so the pairing of the same two side objects is computed once (a small
+    cache keyed by identity, holding the sides so that their ids stay theirs).
+    """
+    key = (id(src), id(dst))
+    hit = _PAIRINGS.get(key)
+    if hit is not None and hit[0] is src and hit[1] is dst:
+        return hit[2]
+    pairing = _pair_sides(src, dst)
+    if len(_PAIRINGS) >= _PAIRINGS_KEPT:
+        _PAIRINGS.pop(next(iter(_PAIRINGS)))
+    _PAIRINGS[key] = (src, dst, pairing)
+    return pairing
+
+
+def _pair_sides(src: SideMemory, dst: SideMemory) -> SidePairing:
+    sk, dk = src.kv, dst.kv
+    if sk.page_size != dk.page_size:
+        raise LayoutError(f"page sizes differ: source {sk.page_size}, destination {dk.page_size}")
+    if sk.attention is not dk.attention:
+        raise LayoutError(f"attention kinds differ: source {sk.attention.value}, destination {dk.attention.value}")
+    parts = 2 if sk.attention is Attention.MHA else 1
+    kv_src, kv_dst = [], []
+    for part in range(parts):
+        for local in range(sk.num_layers):
+            layer = sk.first_layer + local
+            kv_src.append(sk.entries[part * sk.num_layers + local])
+            kv_dst.append(dk.entries[dk.entry_index(part, layer)])
+    mode = Mode.DIRECT if sk.attention is Attention.MLA or sk.tp_size == dk.tp_size else Mode.HEAD_SLICED
+    heads = None
+    if mode is Mode.DIRECT:
+        _require_equal_items("KV", tuple(kv_src), tuple(kv_dst))
+    else:
+        slices = {head_slice(sk, dk, s.item_len, d.item_len) for s, d in zip(kv_src, kv_dst)}
+        if len(slices) != 1:
+            raise LayoutError("head-sliced mode needs the same item length on every KV entry of a side")
+        heads = slices.pop()
+    if len(src.state) != len(dst.state):
+        raise LayoutError(f"state components differ: source has {len(src.state)}, destination {len(dst.state)}")
+    for i, (sc, dc) in enumerate(zip(src.state, dst.state)):
+        if sc.kind is not dc.kind:
+            raise LayoutError(f"state component {i}: kinds differ ({sc.kind.value} vs {dc.kind.value})")
+        _require_equal_items(f"state component {i} ({sc.name})", sc.entries, dc.entries)
+    _require_equal_items("aux", src.aux, dst.aux)
+    return SidePairing(
+        mode=mode,
+        kv_src=_table(kv_src),
+        kv_dst=_table(kv_dst),
+        heads=heads,
+        state_src=tuple(_table(c.entries) for c in src.state),
+        state_dst=tuple(_table(c.entries) for c in dst.state),
+        aux_src=_table(src.aux),
+        aux_dst=_table(dst.aux),
+    )

@@ -1,0 +1,230 @@
+"""Synthetic batches shaped like real models, on fragmented pools (benchmarks.md "Scenarios").
+
+Used by ``kvplan demo``, the benchmarks and the tests. A scenario allocates pages from a free
+list built of runs of geometric length (mean ``mean_run`` pages), shuffled, independently on the
+source and the destination, from a fixed seed. Page 0 and row 0 are never used.
+
+Example::
+
+    from kvplan.scenarios import PRESETS, build_batch
+    batch = build_batch(PRESETS["llama70b-tp8-p64"].scaled(layers=4), requests=2, prompt_len=1000)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .planner.model import (
+    Attention,
+    Batch,
+    Entry,
+    KVLayout,
+    Policy,
+    SideMemory,
+    StateComponent,
+    StateKind,
+    Transfer,
+)
+from .planner.reference import cdiv, destination_lists
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["ComponentShape", "ModelShape", "PRESETS", "build_batch", "fragmented_free_list", "materialize"]
+
+
+@dataclass(frozen=True)
+class ComponentShape:
+    kind: StateKind
+    entries: int
+    item_len: int
+    window: int = 0
+    ring_size: int = 0
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A model's per-rank memory shape; ``src_tp``/``dst_tp`` differ for head slicing."""
+
+    name: str
+    attention: Attention
+    layers: int
+    token_bytes: int  # bytes per token per entry on the destination
+    page_size: int
+    state: tuple[ComponentShape, ...] = ()
+    num_kv_heads: int = 1
+    src_tp: int = 1
+    dst_tp: int = 1
+    mean_run: float = 4.0
+    aux_items: tuple[int, ...] = (8, 64)
+
+    def scaled(self, layers: int | None = None, page_size: int | None = None) -> "ModelShape":
+        """The same model with fewer layers (and components scaled alike) or another page size."""
+        layers = layers or self.layers
+        state = tuple(replace(c, entries=max(1, c.entries * layers // self.layers)) for c in self.state)
+        return replace(self, layers=layers, state=state, page_size=page_size or self.page_size)
+
+
+PRESETS: dict[str, ModelShape] = {
+    m.name: m
+    for m in (
+        ModelShape("llama70b-tp8-p64", Attention.MHA, 80, 256, 64, num_kv_heads=8, src_tp=8, dst_tp=8),
+        ModelShape("llama70b-tp8-p1", Attention.MHA, 80, 256, 1, num_kv_heads=8, src_tp=8, dst_tp=8, mean_run=8),
+        ModelShape("llama70b-tp4to8-p64", Attention.MHA, 80, 256, 64, num_kv_heads=8, src_tp=4, dst_tp=8),
+        ModelShape(
+            "dsv32-mla-dsa-p64", Attention.MLA, 61, 1152, 64, mean_run=2,
+            state=(ComponentShape(StateKind.DSA, 61, 8448),),
+        ),
+        ModelShape(
+            "gptoss-swa-p16", Attention.MHA, 18, 8 * 64 * 2, 16, num_kv_heads=8,
+            state=(ComponentShape(StateKind.SWA, 36, 16 * 8 * 64 * 2, window=128),),
+        ),
+        ModelShape(
+            "qwen3next-mamba-p64", Attention.MHA, 12, 2 * 256 * 2, 64, num_kv_heads=2,
+            state=(ComponentShape(StateKind.MAMBA, 72, 4096),),
+        ),
+    )
+}
+
+
+def fragmented_free_list(rng: np.random.Generator, num_pages: int, mean_run: float) -> np.ndarray:
+    """Pages ``1..num_pages-1`` as runs of geometric length (mean ``mean_run``), runs shuffled."""
+    pages = np.arange(1, num_pages, dtype=np.int64)
+    lengths = rng.geometric(1.0 / mean_run, size=len(pages))
+    cuts = np.cumsum(lengths)
+    cuts = cuts[cuts < len(pages)]
+    runs = np.split(pages, cuts)
+    order = rng.permutation(len(runs))
+    return np.concatenate([runs[i] for i in order]) if runs else pages
+
+
+def _fake_entries(rng: np.random.Generator, count: int, item_len: int, num_items: int) -> tuple[Entry, ...]:
+    """Entries at made-up, non-overlapping, page-aligned addresses (for planning without memory)."""
+    base = int(rng.integers(1, 1 << 20)) << 24
+    stride = -(-(item_len * num_items) // 4096) * 4096 + 4096
+    return tuple(Entry(base + i * stride, item_len, num_items) for i in range(count))
+
+
+def _side(
+    shape: ModelShape, rng: np.random.Generator, rows: int, prompt_lens: list[int], tp: int, tp_rank: int, heads: int
+) -> tuple[SideMemory, np.ndarray]:
+    ps = shape.page_size
+    need = sum(cdiv(n, ps) for n in prompt_lens)
+    num_pages = need + need // 4 + 2
+    free = fragmented_free_list(rng, num_pages, shape.mean_run)
+    max_ctx = max(prompt_lens) + ps
+    table = np.zeros((rows, max_ctx), dtype=np.int32)
+    cursor = 0
+    for r, length in enumerate(prompt_lens, start=1):
+        n = cdiv(length, ps)
+        pages = free[cursor : cursor + n]
+        cursor += n
+        slots = (pages[:, None] * ps + np.arange(ps)[None, :]).reshape(-1)[:length]
+        table[r, :length] = slots
+    if shape.attention is Attention.MHA:  # token_bytes is the destination rank's; heads split by TP
+        head_bytes = shape.token_bytes // max(1, heads // shape.dst_tp)
+        kv_item = head_bytes * max(1, heads // tp) * ps
+    else:
+        kv_item = shape.token_bytes * ps
+    entries_per_layer = 2 if shape.attention is Attention.MHA else 1
+    kv = KVLayout(
+        shape.attention, ps, _fake_entries(rng, entries_per_layer * shape.layers, kv_item, num_pages),
+        num_kv_heads=heads, tp_size=tp, tp_rank=tp_rank,
+    )
+    comps = []
+    num_slots = num_pages * ps
+    for c in shape.state:
+        if c.kind is StateKind.SWA:
+            swa_pages = fragmented_free_list(rng, num_pages, shape.mean_run)
+            slot_map = np.zeros(num_slots, dtype=np.int64)
+            used = 0
+            for r, length in enumerate(prompt_lens, start=1):
+                ws = (max(0, length - c.window) // ps) * ps
+                for k in range(ws // ps, cdiv(length, ps)):
+                    full_page = table[r, k * ps] // ps
+                    slot_map[full_page * ps : full_page * ps + ps] = swa_pages[used] * ps + np.arange(ps)
+                    used += 1
+            comps.append(StateComponent(c.kind, _fake_entries(rng, c.entries, c.item_len, num_pages), window=c.window,
+                                        slot_map=slot_map))
+        elif c.kind is StateKind.DSA:
+            comps.append(StateComponent(c.kind, _fake_entries(rng, c.entries, c.item_len, num_pages)))
+        elif c.kind is StateKind.SWA_RING:
+            comps.append(StateComponent(c.kind, _fake_entries(rng, c.entries, c.item_len, rows * c.ring_size),
+                                        window=c.window, ring_size=c.ring_size))
+        else:
+            slots = rng.permutation(rows * 2)[:rows].astype(np.int64)
+            comps.append(StateComponent(c.kind, _fake_entries(rng, c.entries, c.item_len, rows * 2), slot_map=slots))
+    aux = tuple(e for size in shape.aux_items for e in _fake_entries(rng, 1, size, rows * 2))
+    return SideMemory(kv, tuple(comps), aux, table), table
+
+
+def build_batch(
+    shape: ModelShape,
+    requests: int,
+    prompt_len: int | list[int],
+    chunks: int = 1,
+    prefix_len: int = 0,
+    seed: int = 0,
+    src_rank: int = 0,
+    dst_rank: int = 0,
+    policy: Policy = Policy.STRICT,
+) -> Batch:
+    """A batch of ``requests`` requests, each split into ``chunks`` chunks, all to one destination.
+
+    Each request's last chunk has ``fill_len = prompt_len + 1`` (the sampled token, never sent).
+    """
+    rng = np.random.default_rng(seed)
+    lens = [prompt_len] * requests if isinstance(prompt_len, int) else list(prompt_len)
+    rows = len(lens) + 1
+    ps = shape.page_size
+    src, _ = _side(shape, rng, rows, lens, shape.src_tp, src_rank, shape.num_kv_heads)
+    dst, _ = _side(shape, rng, rows, lens, shape.dst_tp, dst_rank, shape.num_kv_heads)
+    src_aux = rng.permutation(rows * 2)[:rows]
+    dst_aux = rng.permutation(rows * 2)[:rows]
+    transfers = []
+    for r, length in enumerate(lens, start=1):
+        p = min(prefix_len, (length - 1) // ps * ps) if length else 0
+        dl = destination_lists(dst, r, p, length, request=f"req{r}")
+        bounds = np.linspace(p, length, chunks + 1)
+        start = p
+        for k in range(chunks):
+            last = k == chunks - 1
+            fill = length + 1 if last else int(bounds[k + 1])
+            t = Transfer(
+                request=f"req{r}", src_row=r, start=start, fill_len=fill, prompt_len=length, last=last,
+                dst_pages=dl.pages, prefix_len=p, aux_src=int(src_aux[r]), aux_dst=int(dst_aux[r]),
+                dst_state=dl.state,
+            )
+            transfers.append(t)
+            start = max(start, (min(fill, length) // ps) * ps) if not last else start
+    return Batch(src=src, dsts=(dst,), transfers=tuple(transfers), policy=policy)
+
+
+def materialize(side: SideMemory, device: torch.device | str = "cpu", seed: int | None = None
+                ) -> tuple[SideMemory, list[torch.Tensor]]:
+    """The same side backed by real memory: one uint8 tensor per entry (random bytes from ``seed``,
+    zeros when ``seed`` is None). Returns the side with real base pointers and the tensors (keep them
+    alive as long as the addresses are used)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    tensors: list[torch.Tensor] = []
+
+    def real(entries: tuple[Entry, ...]) -> tuple[Entry, ...]:
+        out = []
+        for e in entries:
+            size = e.item_len * e.num_items
+            if gen is None:
+                t = torch.zeros(size, dtype=torch.uint8, device=device)
+            else:
+                t = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen).to(device)
+            tensors.append(t)
+            out.append(Entry(t.data_ptr(), e.item_len, e.num_items))
+        return tuple(out)
+
+    kv = replace(side.kv, entries=real(side.kv.entries))
+    state = tuple(replace(c, entries=real(c.entries)) for c in side.state)
+    return SideMemory(kv, state, real(side.aux), side.req_to_token), tensors

@@ -1,0 +1,98 @@
+"""Executing a plan inside one process: direct copies, or through a staging buffer.
+
+Direct mode copies every descriptor with one Triton launch. Staged mode gathers the bytes of the
+descriptors into a contiguous staging buffer (what an engine then moves as one region per
+transfer) and scatters them into the destination pool with the same descriptors; byte for byte
+the result is the same.
+
+Example::
+
+    pending = gpu.plan(batch)
+    descs = pending.device_descriptors()         # raises PlanError before any byte moves
+    align = plan_alignment(batch)
+    run_direct(descs, align)                     # or: offsets = staging_offsets(descs)
+                                                 #     gather(descs, offsets, staging, align)
+                                                 #     scatter(descs, offsets, staging, align)
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from ..errors import InputError
+from ..kernels import copy as kc
+from ..planner.model import Batch
+from ..planner.pairing import pair_sides
+
+__all__ = ["gather", "plan_alignment", "run_direct", "scatter", "staging_offsets", "warm_up"]
+
+
+def plan_alignment(batch: Batch) -> int:
+    """The largest power of two dividing every address and size the batch's descriptors can hold."""
+    values = [16]
+    for dst in batch.dsts:
+        p = pair_sides(batch.src, dst)
+        for table in (p.kv_src, p.kv_dst, p.aux_src, p.aux_dst, *p.state_src, *p.state_dst):
+            values += [int(v) for v in table.reshape(-1)]
+        if p.heads is not None:
+            h = p.heads
+            values += [h.src_token_bytes, h.dst_token_bytes, h.bytes_per_head, h.nbytes]
+    g = 0
+    for v in values:
+        g = math.gcd(g, v)
+    return g & -g if g else 1
+
+
+def run_direct(descs: torch.Tensor, alignment: int, typical_bytes: int = 4096) -> None:
+    """Copy every descriptor ``[n, 3]`` (int64 on the device whose memory they address)."""
+    kc.copy_descriptors(descs, kc.DIRECT, alignment=alignment, typical_bytes=typical_bytes)
+
+
+def staging_offsets(descs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each descriptor's byte offset in the staging buffer, and the running ends (device tensors)."""
+    ends = torch.cumsum(descs[:, 2], 0)
+    return ends - descs[:, 2], ends
+
+
+def _check_staging(staging: torch.Tensor, ends: torch.Tensor) -> None:
+    if staging.dtype != torch.uint8 or not staging.is_contiguous():
+        raise InputError(None, "the staging buffer must be a contiguous uint8 tensor")
+    need = int(ends[-1]) if ends.numel() else 0  # transport is host driven: one read of the size
+    if need > staging.numel():
+        raise InputError(None, f"the staging buffer holds {staging.numel()} bytes; the transfer needs {need}")
+
+
+def gather(descs: torch.Tensor, offsets: torch.Tensor, staging: torch.Tensor, alignment: int,
+           typical_bytes: int = 4096) -> None:
+    """Copy each descriptor's source bytes to ``staging[offsets[i]:]`` (the source side of staged mode)."""
+    _check_staging(staging, offsets + descs[:, 2])
+    kc.copy_descriptors(descs, kc.GATHER, offsets, staging.data_ptr(), alignment, typical_bytes)
+
+
+def scatter(descs: torch.Tensor, offsets: torch.Tensor, staging: torch.Tensor, alignment: int,
+            typical_bytes: int = 4096) -> None:
+    """Copy ``staging[offsets[i]:]`` to each descriptor's destination (the receiving side of staged mode)."""
+    _check_staging(staging, offsets + descs[:, 2])
+    kc.copy_descriptors(descs, kc.SCATTER, offsets, staging.data_ptr(), alignment, typical_bytes)
+
+
+def warm_up(staging: torch.Tensor, alignment: int = 16) -> None:
+    """Compile the gather and scatter kernels now (a first transfer should not pay for it): each
+    copies the staging buffer's first 16 bytes onto themselves."""
+    if staging.numel() < 16:
+        return
+    addr = staging.data_ptr()
+    descs = torch.tensor([[addr, addr, 16]], dtype=torch.int64).to(staging.device)
+    offsets = torch.zeros(1, dtype=torch.int64, device=staging.device)
+    for mode in (kc.GATHER, kc.SCATTER):
+        kc.copy_descriptors(descs, mode, offsets, addr, alignment)
+    if staging.is_cuda:
+        torch.cuda.current_stream(staging.device).synchronize()
+
+
+def as_device_descriptors(descs: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host ``[n, 3]`` uint64 descriptor array as the int64 device tensor the copy kernels take."""
+    return torch.from_numpy(np.ascontiguousarray(descs).view(np.int64)).to(device)

@@ -1,0 +1,43 @@
+"""A side's registration as the peer sees it: entries, page size, components, aux (no token table).
+
+The decode side publishes :func:`describe_side`; the prefill side rebuilds it with
+:func:`side_from_description` and pairs it with its own side (which raises
+:class:`~kvplan.errors.LayoutError` when the two cannot pair: page size, entry counts, item lengths).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..planner.model import Attention, Entry, KVLayout, SideMemory, StateComponent, StateKind
+
+__all__ = ["describe_side", "side_from_description"]
+
+
+def _entries(entries: tuple[Entry, ...]) -> list[list[int]]:
+    return [[e.base_ptr, e.item_len, e.num_items] for e in entries]
+
+
+def _from_entries(rows: list[list[int]]) -> tuple[Entry, ...]:
+    return tuple(Entry(int(b), int(i), int(n)) for b, i, n in rows)
+
+
+def describe_side(side: SideMemory) -> dict[str, Any]:
+    kv = side.kv
+    return {
+        "kv": {"attention": kv.attention.value, "page_size": kv.page_size, "entries": _entries(kv.entries),
+               "first_layer": kv.first_layer, "num_kv_heads": kv.num_kv_heads, "tp_size": kv.tp_size,
+               "tp_rank": kv.tp_rank},
+        "state": [{"kind": c.kind.value, "name": c.name, "entries": _entries(c.entries), "window": c.window,
+                   "page_size": c.page_size, "ring_size": c.ring_size} for c in side.state],
+        "aux": _entries(side.aux),
+    }
+
+
+def side_from_description(desc: dict[str, Any]) -> SideMemory:
+    kv = desc["kv"]
+    layout = KVLayout(Attention(kv["attention"]), kv["page_size"], _from_entries(kv["entries"]), kv["first_layer"],
+                      kv["num_kv_heads"], kv["tp_size"], kv["tp_rank"])
+    state = tuple(StateComponent(StateKind(c["kind"]), _from_entries(c["entries"]), c["window"], c["page_size"],
+                                 c["ring_size"], None, c["name"]) for c in desc["state"])
+    return SideMemory(layout, state, _from_entries(desc["aux"]))
