@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ..errors import PeerError
-from ..planner.destinations import PreallocatedRequest, plan_destinations
+from ..planner.destinations import PreallocatedRequest, PublishedRequest, plan_destinations
 from ..planner.model import SideMemory
 from .completion import CompletionTracker, SectionNote, decode_notification
 from .control import ControlChannel, ControlTimeout
@@ -94,11 +94,8 @@ class DecodeEndpoint:
     def publish(self, requests: Sequence[PreallocatedRequest], timeout: float) -> None:
         """Compute, validate and send every request's destination lists; start tracking them."""
         pending = plan_destinations(self.side, requests)
-        published = pending.result()
         deadline = time.monotonic() + timeout
-        for p in published:
-            self.tracker.expect(p.expectation(), deadline)
-            self.guard.publish(p.request, p.lists, p.aux_index)
+        self.track(pending.result(), deadline)
         for r, message in zip(requests, pending.messages()):
             try:
                 self.channel.send("request", {"request": r.request, "prompt_len": r.prompt_len,
@@ -106,6 +103,13 @@ class DecodeEndpoint:
                                   timeout=max(0.0, deadline - time.monotonic()))
             except ControlTimeout as err:
                 self.tracker.fail(r.request, f"its destination lists could not be published: {err}")
+
+    def track(self, published: Sequence[PublishedRequest], deadline: float) -> None:
+        """Expect the published requests (lists computed by :func:`plan_destinations` or by the
+        caller): their completion is tracked, and peers may write only inside their lists."""
+        for p in published:
+            self.tracker.expect(p.expectation(), deadline)
+            self.guard.publish(p.request, p.lists, p.aux_index)
 
     # -- progress ---------------------------------------------------------------------------------
     def poll(self) -> None:

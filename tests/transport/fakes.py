@@ -1,0 +1,96 @@
+"""In-memory stand-ins for an engine and a control channel, for protocol tests without processes."""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+
+import numpy as np
+
+from kvplan.transport.engines.base import Capabilities, Handle
+
+
+class FakeEngine:
+    """Handles finish after ``steps`` progress calls; ``stuck`` handles never do until aborted
+    ``abort_after`` times (None: never)."""
+
+    capabilities = Capabilities(abortable=True)
+
+    def __init__(self, steps: int = 1, stuck: bool = False, abort_after: int | None = 0):
+        self.name, self.steps, self.stuck, self.abort_after = "fake", steps, stuck, abort_after
+        self.posted: list[tuple[np.ndarray, bytes]] = []
+        self.inbox: deque[bytes] = deque()
+        self.aborts = 0
+        self.regions: list[tuple[int, int]] = []
+
+    def register(self, regions):
+        self.regions += regions
+
+    def metadata(self) -> bytes:
+        return b"fake"
+
+    def connect(self, peer_metadata: bytes) -> str:
+        return "peer"
+
+    def post(self, peer, descs, notification, reuse=None) -> Handle:
+        self.posted.append((np.array(descs), notification))
+        return Handle(peer, int(np.asarray(descs)[:, 2].sum()), native=[0])
+
+    def progress(self, handle: Handle) -> str:
+        if handle.state == "PROC" and not self.stuck:
+            handle.native[0] += 1
+            if handle.native[0] >= self.steps:
+                handle.state = "DONE"
+        return handle.state
+
+    def abort(self, handle: Handle) -> bool:
+        self.aborts += 1
+        if self.abort_after is not None and self.aborts > self.abort_after:
+            handle.state = "ERR"
+            return True
+        return False
+
+    def notifications(self) -> list[bytes]:
+        out = list(self.inbox)
+        self.inbox.clear()
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+class FakeChannel:
+    """One end of an in-memory pair; ``FakeChannel.pair()`` makes both."""
+
+    def __init__(self):
+        self.inbox: deque = deque()
+        self.other: FakeChannel | None = None
+        self.port = 0
+
+    @classmethod
+    def pair(cls):
+        a, b = cls(), cls()
+        a.other, b.other = b, a
+        return a, b
+
+    def send(self, kind, header=None, *frames, timeout=None):
+        self.other.inbox.append((kind, json.loads(json.dumps(header or {})), list(frames)))
+
+    def try_recv(self):
+        return self.inbox.popleft() if self.inbox else None
+
+    def recv(self, deadline):
+        from kvplan.transport.control import ControlTimeout
+
+        if not self.inbox:
+            raise ControlTimeout("nothing queued")
+        return self.inbox.popleft()
+
+    def wait_readable(self, timeout):
+        return bool(self.inbox)
+
+    def peer_gone(self) -> bool:
+        return False
+
+    def close(self):
+        pass

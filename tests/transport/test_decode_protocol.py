@@ -1,0 +1,105 @@
+"""The receiver's side of staged mode and its bookkeeping, with an in-memory engine and channel.
+
+* a wave whose table writes outside what was published is refused, and nothing is written;
+* the slot's credit is sent before the request can be seen complete (the staged race);
+* settled requests are pruned: a thousand batches leave nothing behind.
+"""
+
+import dataclasses
+import time
+import tracemalloc
+
+import numpy as np
+import pytest
+import torch
+
+from kvplan.planner.destinations import PreallocatedRequest, plan_destinations
+from kvplan.planner.model import Attention, Entry, KVLayout, SideMemory
+from kvplan.transport.completion import encode_notification
+from kvplan.transport.decode import DecodeEndpoint
+from kvplan.transport.waves import wave_note
+from kvplan.planner.plan import KV_ROLE, Section
+from tests.planner.builders import table_with
+from tests.transport.fakes import FakeChannel, FakeEngine
+
+PAGE, PAGE_BYTES = 4, 256
+
+
+@pytest.fixture
+def decode():
+    pool = torch.zeros(16 * PAGE_BYTES, dtype=torch.uint8)
+    side = SideMemory(KVLayout(Attention.MLA, PAGE, (Entry(pool.data_ptr(), PAGE_BYTES, 16),)),
+                      req_to_token=table_with({1: [3, 4]}, PAGE, max_ctx=16))
+    staging = torch.arange(4096, dtype=torch.int64).to(torch.uint8)
+    mine, theirs = FakeChannel.pair()
+    endpoint = DecodeEndpoint(side, FakeEngine(), mine, staging)
+    published = plan_destinations(side, [PreallocatedRequest("r1", row=1, prompt_len=8)]).result()
+    endpoint.track(published, time.monotonic() + 30)
+    return endpoint, theirs, pool, published[0]
+
+
+def _announce(channel, rows, wave=7, staging_lo=0):
+    table = np.array(rows, np.uint64)
+    header = {"wave": wave, "sections": [["r1", KV_ROLE, "kv", 2]], "requests": ["r1"], "staging_lo": staging_lo,
+              "nbytes": int(table[:, 1].sum()), "alignment": 16}
+    channel.send("staged", header, table.tobytes())
+
+
+def test_a_wave_inside_the_published_pages_is_scattered_and_credited_before_completion(decode):
+    endpoint, prefill, pool, _ = decode
+    base = pool.data_ptr()
+    _announce(prefill, [[base + 3 * PAGE_BYTES, 2 * PAGE_BYTES]])
+    endpoint.engine.inbox.append(wave_note(7))
+    states = endpoint.wait()
+    assert states == {"r1": "complete"}
+    assert prefill.try_recv()[0:2] == ("wave-done", {"wave": 7})  # the credit went out first
+    expected = torch.arange(512, dtype=torch.int64).to(torch.uint8)
+    assert torch.equal(pool[3 * PAGE_BYTES : 5 * PAGE_BYTES], expected)
+    assert int(pool[: 3 * PAGE_BYTES].sum()) == 0 and int(pool[5 * PAGE_BYTES :].sum()) == 0
+
+
+@pytest.mark.parametrize("rows, why", [
+    ([[5 * PAGE_BYTES, 2 * PAGE_BYTES]], "a page nobody published"),
+    ([[3 * PAGE_BYTES, 3 * PAGE_BYTES]], "one page past the published run"),
+])
+def test_a_wave_that_writes_outside_the_published_pages_is_refused(decode, rows, why):
+    endpoint, prefill, pool, _ = decode
+    base = pool.data_ptr()
+    _announce(prefill, [[base + a, n] for a, n in rows])
+    endpoint.engine.inbox.append(wave_note(7))
+    states = endpoint.wait()
+    assert states == {"r1": "failed"} and "refused staged wave 7" in endpoint.failures["r1"]
+    kind, header, _ = prefill.try_recv()
+    assert kind == "wave-done" and "outside what this side published" in header["error"]
+    assert int(pool.sum()) == 0, "bytes were written outside the published pages"
+
+
+def test_a_wave_beyond_the_staging_buffer_is_refused(decode):
+    endpoint, prefill, pool, _ = decode
+    _announce(prefill, [[pool.data_ptr() + 3 * PAGE_BYTES, 2 * PAGE_BYTES]], staging_lo=4096 - 256)
+    endpoint.wait()
+    assert "staging buffer holds" in endpoint.failures["r1"] and int(pool.sum()) == 0
+
+
+def test_settled_requests_are_pruned_over_a_thousand_batches(decode):
+    endpoint, _, _, published = decode
+    section = Section(0, "r1", KV_ROLE, "kv", 0, 1, len(published.lists.pages))
+
+    def one_batch(k):
+        request = f"q{k}"
+        endpoint.track([dataclasses.replace(published, request=request)], time.monotonic() + 30)
+        endpoint.engine.inbox.append(encode_notification(dataclasses.replace(section, request=request)))
+        assert endpoint.wait()[request] == "complete"
+
+    endpoint.engine.inbox.append(encode_notification(section))
+    endpoint.wait()
+    for k in range(100):
+        one_batch(k)
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    for k in range(100, 1100):
+        one_batch(k)
+    grown = sum(s.size_diff for s in tracemalloc.take_snapshot().compare_to(before, "filename"))
+    tracemalloc.stop()
+    assert len(endpoint.tracker) == 0 and len(endpoint.guard) == 0
+    assert grown < 64 << 10, f"{grown} bytes kept by 1,000 settled batches"

@@ -1,0 +1,47 @@
+"""Waiting for engine writes: every handle ends before it is reported, and a deadline aborts first."""
+
+import time
+
+import numpy as np
+import pytest
+
+from kvplan.transport.engines import TransferError, engine_names, make_engine, wait_all, write
+from tests.transport.fakes import FakeEngine
+
+DESC = np.array([[0x1000, 0x2000, 64]], np.uint64)
+
+
+def test_handles_that_finish_are_reported_done():
+    engine = FakeEngine(steps=3)
+    handles = [engine.post("peer", DESC, b"n") for _ in range(4)]
+    outcome = wait_all(engine, handles, time.monotonic() + 5)
+    assert list(outcome.values()) == [None] * 4
+
+
+def test_a_deadline_aborts_and_reports_only_once_the_write_has_ended(monkeypatch):
+    monkeypatch.setenv("KVPLAN_DRAIN_S", "5")
+    engine = FakeEngine(stuck=True, abort_after=3)  # the engine refuses to cancel three times
+    handle = engine.post("peer", DESC, b"n")
+    reason = wait_all(engine, [handle], time.monotonic() + 0.05)[handle]
+    assert engine.aborts == 4 and handle.state == "ERR"
+    assert reason.startswith("deadline passed; the write was aborted")
+
+
+def test_a_write_that_cannot_be_ended_is_reported_unsafe(monkeypatch):
+    monkeypatch.setenv("KVPLAN_DRAIN_S", "0.05")
+    engine = FakeEngine(stuck=True, abort_after=None)
+    handle = engine.post("peer", DESC, b"n")
+    reason = wait_all(engine, [handle], time.monotonic() + 0.01)[handle]
+    assert reason.startswith("unsafe") and engine.aborts > 1
+
+
+def test_write_raises_with_the_reason():
+    engine = FakeEngine(stuck=True, abort_after=0)
+    with pytest.raises(TransferError, match="aborted"):
+        write(engine, "peer", DESC, b"n", time.monotonic() + 0.01)
+
+
+def test_the_registry_names_every_engine_and_refuses_others():
+    assert engine_names() == ["mooncake", "nixl"]
+    with pytest.raises(ValueError, match="choose from mooncake, nixl"):
+        make_engine("rdma-magic", "x")
