@@ -8,6 +8,8 @@ directly, through prepared lists or staged. The decode process checks every byte
 against a reference execution of the same plan on its own copy of the source bytes.
 
 ``fault`` drills the failure paths: ``dead-decode`` (the receiver dies before the send),
+``dead-decode-mid`` (it dies once its first request has completed), ``dead-prefill-mid`` (the
+sender dies after the first chunks of every request have been sent),
 ``dead-prefill`` (the sender dies after pairing), ``bad-registration`` (the receiver's layout
 does not pair), ``deadline`` (nothing is ever sent).
 
@@ -45,7 +47,7 @@ from .verify import AddressSpace, execute
 
 __all__ = ["DemoConfig", "DemoReport", "FAULTS", "run_demo"]
 
-FAULTS = ("none", "dead-decode", "dead-prefill", "bad-registration", "deadline")
+FAULTS = ("none", "dead-decode", "dead-prefill", "dead-decode-mid", "dead-prefill-mid", "bad-registration", "deadline")
 ENGINE_ENV = (("UCX_NET_DEVICES", "lo"), ("NIXL_LOG_LEVEL", "WARN"),
               ("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "65535"), ("MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER", "65535"))
 STAGES = ("start decode", "start prefill", "pair", "publish lists", "plan", "transfer", "complete", "verify")
@@ -178,6 +180,12 @@ def decode_process(config: DemoConfig, conn) -> None:
             endpoint.publish([PreallocatedRequest(f"{r}{tag}", t.src_row, t.prompt_len, t.prefix_len, t.aux_dst)
                               for r, t in last.items()], timeout=timeout)
             conn.send(("stage", "publish lists"))
+            if config.fault == "dead-decode-mid":  # die once the first request is complete
+                deadline = time.monotonic() + config.timeout
+                while time.monotonic() < deadline:
+                    endpoint.poll()
+                    if "complete" in endpoint.tracker.states().values():
+                        os._exit(0)
             states.update(endpoint.wait())
             failures.update(endpoint.failures)
             if any(v != "complete" for v in states.values()):
@@ -237,6 +245,9 @@ def prefill_process(config: DemoConfig, port: int, conn) -> None:
                 endpoint.receive_requests(config.requests, timeout=config.timeout)
             chunks = [endpoint.transfer(Chunk(f"{t.request}{tag}", t.src_row, t.start, t.fill_len, t.prompt_len,
                                               t.last, t.aux_src)) for t in batch.transfers]
+            if config.fault == "dead-prefill-mid":  # the first chunks only, then die
+                conn.send(("sent", endpoint.send([c for c in chunks if not c.last], config.mode, config.timeout), [1.0]))
+                os._exit(0)
             t0 = time.perf_counter()
             sent = endpoint.send(chunks, config.mode, timeout=config.timeout)
             times.append(time.perf_counter() - t0)
@@ -340,6 +351,9 @@ def run_demo(config: DemoConfig, progress: bool = False) -> DemoReport:
                     bar.stage("transfer")
         if config.fault == "dead-decode":
             report.states = {r: "failed" for r in report.send_failures}
+            report.failures = dict(report.send_failures)
+        elif config.fault == "dead-decode-mid":  # the prefill's view: what it reported sent or failed
+            report.states = {r: "failed" if why else "complete" for r, why in report.send_failures.items()}
             report.failures = dict(report.send_failures)
         else:
             while (msg := procs.recv(procs.decode_conn, "decode", wait))[0] == "stage":

@@ -1,4 +1,4 @@
-"""The control path between a decode and a prefill endpoint: ZeroMQ PAIR sockets on 127.0.0.1.
+"""The control path between a decode and a prefill endpoint: ZeroMQ PAIR sockets (127.0.0.1 by default).
 
 Messages are multipart: a kind, a JSON header, then binary frames (engine metadata, index-list
 messages in SGLang's wire format, descriptor tables). Every receive has a deadline.
@@ -20,20 +20,35 @@ class ControlTimeout(KvplanError, TimeoutError):
 
 
 class ControlChannel:
-    """One end of a PAIR socket; the decode side binds an ephemeral port, the prefill side connects."""
+    """One end of a PAIR socket; the decode side binds an ephemeral port, the prefill side connects.
 
-    def __init__(self, connect_port: int | None = None):
+    ZeroMQ's own heartbeats run both ways (every 0.2 s; a peer silent for ``peer_timeout`` seconds
+    is dropped), and a monitor watches the connection: :meth:`peer_gone` turns true within about
+    ``peer_timeout`` of the peer dying or hanging, and at once when its process exits. Messages
+    still queued at :meth:`close` get a second to leave (a final ``failed`` must not be lost).
+    """
+
+    def __init__(self, connect_port: int | None = None, peer_timeout: float = 1.0, host: str = "127.0.0.1"):
         import zmq
 
         self._zmq = zmq
         self.context = zmq.Context.instance()
         self.socket = self.context.socket(zmq.PAIR)
-        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.LINGER, 1000)
+        ms = max(1, int(peer_timeout * 1000))
+        self.socket.setsockopt(zmq.HEARTBEAT_IVL, min(200, ms))
+        self.socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, ms)
+        self.socket.setsockopt(zmq.HEARTBEAT_TTL, ms)
+        self._monitor = self.socket.get_monitor_socket(
+            zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self._connected = False
+        self._gone = False
+        self.host = host
         if connect_port is None:
-            self.port = self.socket.bind_to_random_port("tcp://127.0.0.1")
+            self.port = self.socket.bind_to_random_port(f"tcp://{host}")
         else:
             self.port = connect_port
-            self.socket.connect(f"tcp://127.0.0.1:{connect_port}")
+            self.socket.connect(f"tcp://{host}:{connect_port}")
 
     send_timeout = 10.0
 
@@ -64,5 +79,19 @@ class ControlChannel:
         kind, header, *frames = self.socket.recv_multipart()
         return kind.decode(), json.loads(header), frames
 
+    def peer_gone(self) -> bool:
+        """Whether the peer was connected and its connection has since been lost (death or silence)."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)["event"]
+            if event in (self._zmq.EVENT_ACCEPTED, self._zmq.EVENT_CONNECTED):
+                self._connected, self._gone = True, False
+            elif event == self._zmq.EVENT_DISCONNECTED and self._connected:
+                self._gone = True
+        return self._gone
+
     def close(self) -> None:
-        self.socket.close(0)
+        self.socket.disable_monitor()
+        self._monitor.close(0)
+        self.socket.close()

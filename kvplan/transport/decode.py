@@ -133,6 +133,8 @@ class DecodeEndpoint:
                 self._early.add(wave)
         self._scatter_landed()
         self._finish_scatters()
+        if self.channel.peer_gone():
+            self.tracker.fail_pending("the prefill side is gone: its control connection was lost")
         self.tracker.check_deadlines(time.monotonic())
 
     def wait(self) -> dict[Any, str]:

@@ -161,6 +161,9 @@ class PrefillEndpoint:
         many = len(descs) >= AUTO_MIN_DESCS
         return "staged" if many and int(descs[:, 2].sum()) <= AUTO_MAX_AVG_BYTES * len(descs) else "direct"
 
+    def _peer_gone(self) -> str | None:
+        return "the decode side is gone: its control connection was lost" if self.channel.peer_gone() else None
+
     def _report(self, request: Any, reason: str) -> None:
         log.warning("request %r failed: %s", request, reason)
         try:
@@ -182,7 +185,7 @@ class PrefillEndpoint:
 
     def _settle(self, plan: Plan, posted: list[tuple[Handle, Section]], deadline: float) -> dict[Any, str | None]:
         result: dict[Any, str | None] = {t.request: None for t in plan.transfers}
-        outcome = wait_all(self.engine, [h for h, _ in posted], deadline)
+        outcome = wait_all(self.engine, [h for h, _ in posted], deadline, give_up=self._peer_gone)
         for handle, section in posted:
             if outcome[handle] is not None:
                 self._fail(result, [section.request], outcome[handle])
@@ -273,6 +276,7 @@ class _StagedRun:
         self.gathered: list[tuple[Wave, Any]] = []  # waves gathered, not yet posted, in order
         self.posted: dict[int, tuple[Wave, Handle]] = {}
         self.acked: set[int] = set()
+        self.gone: str | None = None  # why the receiver is known to be gone
         self.base_id = ep._next_wave
         self.trace: list[tuple[int, str, float]] = []  # (wave, step, time) when KVPLAN_TRACE is set
 
@@ -292,12 +296,12 @@ class _StagedRun:
         outcome = wait_all(ep.engine, live, time.monotonic()) if live else {}  # aborts what is still in flight
         for index, (wave, handle) in self.posted.items():
             reason = outcome.get(handle) or handle.error
-            if reason is None and index not in self.acked:
-                reason = "the receiver did not acknowledge its staged wave before the deadline"
+            if index not in self.acked:  # a dead receiver is the cause, whatever the engine says
+                reason = self.gone or reason or "the receiver did not acknowledge its staged wave before the deadline"
             if reason is not None:
                 ep._fail(self.result, wave.requests(self.owners), reason)
         for wave in [w for w, _ in self.gathered] + waves[sent:]:
-            ep._fail(self.result, wave.requests(self.owners), "deadline passed before the wave was sent")
+            ep._fail(self.result, wave.requests(self.owners), self.gone or "deadline passed before the wave was sent")
         if os.environ.get("KVPLAN_TRACE"):
             t0 = self.trace[0][2] if self.trace else 0.0
             log.warning("staged waves (wave, step, ms): %s", [(w, k, round((t - t0) * 1e3, 3)) for w, k, t in self.trace])
@@ -314,6 +318,10 @@ class _StagedRun:
             if ready():
                 return True
             if time.monotonic() > self.deadline:
+                return False
+            if self.gone is None and (gone := self.ep._peer_gone()) is not None:
+                self.gone = gone
+            if self.gone is not None:
                 return False
             if not self.ep.channel.wait_readable(0):
                 os.sched_yield()

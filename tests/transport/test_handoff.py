@@ -82,6 +82,22 @@ def test_dead_prefill_peer_fails_every_request(engine):
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+def test_a_prefill_dying_mid_transfer_fails_its_requests_without_waiting_for_the_deadline(engine):
+    report = run_demo(config(engine, "hybrid", "staged", fault="dead-prefill-mid", timeout=60))
+    assert set(report.states.values()) == {"failed"} and report.verified is None
+    assert all("the prefill side is gone" in r for r in report.failures.values()), report.failures
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_decode_dying_mid_transfer_fails_the_rest_on_the_prefill(engine):
+    report = run_demo(replace(config(engine, "hybrid", "staged", fault="dead-decode-mid", timeout=60),
+                              staging_bytes=8 << 10))
+    failed = {r: why for r, why in report.send_failures.items() if why}
+    assert failed and len(failed) < len(LENGTHS), report.send_failures  # one completed before the death
+    assert all("the decode side is gone" in why for why in failed.values()), failed
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 def test_requests_that_never_arrive_fail_at_their_deadline(engine):
     report = run_demo(config(engine, fault="deadline"))
     assert set(report.states.values()) == {"failed"} and report.verified is None

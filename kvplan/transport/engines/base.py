@@ -109,12 +109,15 @@ def drain_seconds() -> float:
 
 
 def wait_all(engine: Engine, handles: list[Handle], deadline: float,
-             on_done: Callable[[Handle], None] | None = None) -> dict[Handle, str | None]:
+             on_done: Callable[[Handle], None] | None = None,
+             give_up: Callable[[], str | None] | None = None) -> dict[Handle, str | None]:
     """Wait for every handle until ``deadline``; ``None`` per handle that completed, else the reason.
 
-    Handles still in flight at the deadline are aborted; each is reported only once it has ended,
-    or after :func:`drain_seconds` as ``unsafe`` (its pages may still be written).
+    Handles still in flight at the deadline, or when ``give_up()`` returns a reason (a dead peer),
+    are aborted; each is reported only once it has ended, or after :func:`drain_seconds` as
+    ``unsafe`` (its pages may still be written).
     """
+    why = None
     outcome: dict[Handle, str | None] = {}
     live = []
     for h in handles:
@@ -137,23 +140,25 @@ def wait_all(engine: Engine, handles: list[Handle], deadline: float,
         live = still
         if live and time.monotonic() > deadline:
             break
+        if live and give_up is not None and (why := give_up()) is not None:
+            break
         if live:
             os.sched_yield()  # the engine's own progress thread shares the worker: give it the core
     for h in live:
-        outcome[h] = _abort(engine, h)
+        outcome[h] = _abort(engine, h, why or "deadline passed")
     return outcome
 
 
-def _abort(engine: Engine, handle: Handle) -> str:
-    """Abort ``handle`` at its deadline and wait (bounded) until the engine says it has ended."""
+def _abort(engine: Engine, handle: Handle, why: str) -> str:
+    """Abort ``handle`` and wait (bounded) until the engine says it has ended."""
     drain_end = time.monotonic() + drain_seconds()
     while True:
         if engine.abort(handle):
-            return "deadline passed; the write was aborted before it completed"
+            return f"{why}; the write was aborted before it completed"
         if time.monotonic() > drain_end:
             log.error("a write to %s could not be ended %.1f s after its deadline; its destination pages must stay "
                       "quarantined", handle.peer, drain_seconds())
-            return "unsafe: deadline passed and the engine could not end the write; its pages may still be written"
+            return f"unsafe: {why} and the engine could not end the write; its pages may still be written"
         os.sched_yield()
 
 
