@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -92,6 +93,7 @@ class PrefillEndpoint:
         self.lists: dict[Any, tuple[DestinationLists, int, int]] = {}
         self._prepared = False
         self._next_wave = 0
+        self._backlog: deque = deque()  # control messages that arrived while a send was reading credits
 
     def accept(self, timeout: float) -> None:
         """Receive the decode side's registration and pair with it (refusing it with a reason if it cannot)."""
@@ -112,7 +114,7 @@ class PrefillEndpoint:
         """Receive ``count`` requests' destination lists (wire messages) from the decode side."""
         deadline = time.monotonic() + timeout
         for _ in range(count):
-            kind, header, frames = self.channel.recv(deadline)
+            kind, header, frames = self._backlog.popleft() if self._backlog else self.channel.recv(deadline)
             if kind != "request":
                 raise LayoutError(f"expected destination lists, got {kind!r}")
             lists, aux = decode_message(frames[0], len(self.peer_side.state))
@@ -355,8 +357,8 @@ class _StagedRun:
             self._post(wave)
         while (msg := ep.channel.try_recv()) is not None:
             kind, header, _ = msg
-            if kind != "wave-done":
-                log.warning("unexpected control message %r during a staged send; ignored", kind)
+            if kind != "wave-done":  # e.g. the next requests' lists: kept for receive_requests
+                ep._backlog.append(msg)
                 continue
             index = int(header["wave"]) - self.base_id
             if index not in self.posted:

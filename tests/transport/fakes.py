@@ -22,6 +22,7 @@ class FakeEngine:
         self.inbox: deque[bytes] = deque()
         self.aborts = 0
         self.regions: list[tuple[int, int]] = []
+        self.on_post = None  # called with (descs, notification) after each post
 
     def register(self, regions):
         self.regions += regions
@@ -34,6 +35,8 @@ class FakeEngine:
 
     def post(self, peer, descs, notification, reuse=None) -> Handle:
         self.posted.append((np.array(descs), notification))
+        if self.on_post is not None:
+            self.on_post(descs, notification)
         return Handle(peer, int(np.asarray(descs)[:, 2].sum()), native=[0])
 
     def progress(self, handle: Handle) -> str:

@@ -51,7 +51,7 @@ def test_a_transfer_larger_than_the_staging_buffers_goes_in_pieces(engine):
     assert report.ok, report.render()
 
 
-@pytest.mark.parametrize("engine", ENGINES[:1])
+@pytest.mark.parametrize("engine", ENGINES)
 def test_staged_mode_completes_twenty_batches_in_a_row(engine):
     # each batch's last wave must be credited before the sender reports it sent (the staged race)
     report = run_demo(replace(config(engine, "hybrid", "staged"), staging_bytes=16 << 10, repeat=20))

@@ -1,0 +1,49 @@
+"""The sender's side of staged mode with an in-memory engine and channel: messages that are not
+credits (the next requests' lists) survive a staged send and reach receive_requests."""
+
+import time
+
+import torch
+
+from kvplan.planner.destinations import PreallocatedRequest, plan_destinations
+from kvplan.planner.model import Attention, Entry, KVLayout, SideMemory
+from kvplan.transport.control import ControlTimeout
+from kvplan.transport.prefill import Chunk, PrefillEndpoint
+from kvplan.transport.registration import describe_side
+from kvplan.transport.waves import decode_wave_note
+from tests.planner.builders import table_with
+from tests.transport.fakes import FakeChannel, FakeEngine
+
+PAGE, PAGE_BYTES = 4, 256
+
+
+def side(pool, rows):
+    return SideMemory(KVLayout(Attention.MLA, PAGE, (Entry(pool.data_ptr(), PAGE_BYTES, 16),)),
+                      req_to_token=table_with(rows, PAGE, max_ctx=16))
+
+
+def test_lists_that_arrive_during_a_staged_send_are_kept_for_receive_requests():
+    src_pool, dst_pool = torch.zeros(16 * PAGE_BYTES, dtype=torch.uint8), torch.zeros(16 * PAGE_BYTES, dtype=torch.uint8)
+    decode_side = side(dst_pool, {1: [3, 4], 2: [6, 7]})
+    mine, theirs = FakeChannel.pair()
+    engine = FakeEngine()
+    staging, peer_staging = torch.zeros(4096, dtype=torch.uint8), torch.zeros(4096, dtype=torch.uint8)
+    prefill = PrefillEndpoint(side(src_pool, {1: [5, 9]}), engine, mine, staging)
+    theirs.send("register", {"side": describe_side(decode_side), "staging": [peer_staging.data_ptr(), 4096]}, b"meta")
+    prefill.accept(timeout=1)
+    messages = plan_destinations(decode_side, [PreallocatedRequest("r1", 1, 8), PreallocatedRequest("r2", 2, 8)]).messages()
+    theirs.send("request", {"request": "r1", "prompt_len": 8, "prefix_len": 0}, messages[0])
+    prefill.receive_requests(1, timeout=1)
+
+    def decode_answers(descs, note):  # a fast receiver: the credit, then at once the next request's lists
+        theirs.send("wave-done", {"wave": decode_wave_note(note)})
+        theirs.send("request", {"request": "r2", "prompt_len": 8, "prefix_len": 0}, messages[1])
+
+    engine.on_post = decode_answers
+    result = prefill.send([prefill.transfer(Chunk("r1", 1, 0, 9, 8, True))], mode="staged", timeout=5)
+    assert result == {"r1": None}
+    try:
+        prefill.receive_requests(1, timeout=0)
+    except ControlTimeout:
+        raise AssertionError("the next request's lists were consumed by the staged send") from None
+    assert "r2" in prefill.lists
