@@ -116,6 +116,7 @@ class DemoReport:
     baseline_ms: float | None = None
     transfer_s: float | None = None  # the first (cold) batch
     steady_s: float | None = None  # median of the later batches (``repeat`` > 1)
+    mode_used: str | None = None  # what ``auto`` chose
     states: dict[Any, str] = field(default_factory=dict)
     failures: dict[Any, str | None] = field(default_factory=dict)
     send_failures: dict[Any, str | None] = field(default_factory=dict)
@@ -130,7 +131,8 @@ class DemoReport:
         c = self.config
         model = c.model()
         lines = [f"kvplan demo: {model.name} ({model.layers} layers, page size {model.page_size}), "
-                 f"{c.engine} {c.mode}, {self.device} memory, 127.0.0.1"]
+                 f"{c.engine} {c.mode}{f' ({self.mode_used})' if c.mode == 'auto' and self.mode_used else ''}, "
+                 f"{self.device} memory, 127.0.0.1"]
         lines.append(f"  requests      {c.requests} x {c.prompt_len} tokens in {self.transfers} chunks "
                      f"({self.mode} descriptors)")
         lines.append(f"  descriptors   {self.descriptors:,}   bytes {self.nbytes:,}")
@@ -168,7 +170,7 @@ def decode_process(config: DemoConfig, conn) -> None:
         side = side.to(device)
         if config.fault == "bad-registration":
             side = replace(side, aux=())
-        staging = torch.zeros(config.staging_bytes, dtype=torch.uint8, device=device) if config.mode in ("staged", "auto") else None
+        staging = torch.zeros(config.staging_bytes, dtype=torch.uint8, device=device) if config.mode == "staged" or config.mode == "auto" and device == "cuda" else None
         endpoint = DecodeEndpoint(side, make_engine(config.engine, "decode", config.memory, **config.engine_settings()), ControlChannel(), staging)
         conn.send(("port", endpoint.channel.port))
         endpoint.register(timeout=config.timeout + 60)  # the prefill process may still be starting
@@ -213,7 +215,7 @@ def prefill_process(config: DemoConfig, port: int, conn) -> None:
         batch = config.batch()
         side, _ = materialize(batch.src, device, seed=config.seed)
         side = side.to(device)
-        staging = torch.zeros(config.staging_bytes, dtype=torch.uint8, device=device) if config.mode in ("staged", "auto") else None
+        staging = torch.zeros(config.staging_bytes, dtype=torch.uint8, device=device) if config.mode == "staged" or config.mode == "auto" and device == "cuda" else None
         endpoint = PrefillEndpoint(side, make_engine(config.engine, "prefill", config.memory, **config.engine_settings()), ControlChannel(port), staging)
         try:
             endpoint.accept(timeout=config.timeout)
@@ -246,7 +248,8 @@ def prefill_process(config: DemoConfig, port: int, conn) -> None:
             chunks = [endpoint.transfer(Chunk(f"{t.request}{tag}", t.src_row, t.start, t.fill_len, t.prompt_len,
                                               t.last, t.aux_src)) for t in batch.transfers]
             if config.fault == "dead-prefill-mid":  # the first chunks only, then die
-                conn.send(("sent", endpoint.send([c for c in chunks if not c.last], config.mode, config.timeout), [1.0]))
+                conn.send(("sent", endpoint.send([c for c in chunks if not c.last], config.mode, config.timeout), [1.0],
+                           endpoint.last_mode))
                 os._exit(0)
             t0 = time.perf_counter()
             sent = endpoint.send(chunks, config.mode, timeout=config.timeout)
@@ -255,7 +258,7 @@ def prefill_process(config: DemoConfig, port: int, conn) -> None:
             result.update(sent)
             if any(sent.values()):
                 break
-        conn.send(("sent", result, times))
+        conn.send(("sent", result, times, endpoint.last_mode))
     except Exception:  # noqa: BLE001
         conn.send(("error", traceback.format_exc()))
     conn.poll(60)
@@ -345,7 +348,7 @@ def run_demo(config: DemoConfig, progress: bool = False) -> DemoReport:
                     procs.kill_decode()
                 if config.fault != "deadline":
                     procs.prefill_conn.send("go")
-                    _, report.send_failures, times = procs.recv(procs.prefill_conn, "prefill", wait)
+                    _, report.send_failures, times, report.mode_used = procs.recv(procs.prefill_conn, "prefill", wait)
                     report.transfer_s = times[0]
                     report.steady_s = statistics.median(times[1:]) if len(times) > 1 else None
                     bar.stage("transfer")

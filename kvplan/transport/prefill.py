@@ -12,7 +12,7 @@ kvplan and moves it:
   slot's credit (returned by the receiver after its scatter) and the end of its own last write from
   that slot, nothing else. A wave's destination table travels on the control channel ahead of its
   bytes; the engine's notification, carrying the wave id, says they have landed.
-* ``auto`` (the default): staged when both sides have staging buffers and the batch has at least
+* ``auto`` (the default): staged when both sides have staging buffers on a GPU and the batch has at least
   64 descriptors of at most 256 KiB on average, else direct. (TensorRT-LLM gates at 1024 and 16 KiB;
   on an H200 through CUDA IPC a direct write costs ~10 us per descriptor, so staging wins far
   beyond 16 KiB: see benchmarks/RESULTS.md.)
@@ -93,6 +93,7 @@ class PrefillEndpoint:
         self.lists: dict[Any, tuple[DestinationLists, int, int]] = {}
         self._prepared = False
         self._next_wave = 0
+        self.last_mode: str | None = None  # the mode the last send used (what ``auto`` chose)
         self._backlog: deque = deque()  # control messages that arrived while a send was reading credits
 
     def accept(self, timeout: float) -> None:
@@ -150,6 +151,7 @@ class PrefillEndpoint:
         deadline = time.monotonic() + timeout
         if mode == "auto":
             mode = self._auto_mode(plan)
+        self.last_mode = mode
         if mode == "direct":
             return self._send_direct(plan, deadline)
         if mode == "prepared":
@@ -157,8 +159,8 @@ class PrefillEndpoint:
         return self._send_staged(plan, pending.device_descriptors(), plan_alignment(batch), deadline)
 
     def _auto_mode(self, plan: Plan) -> str:
-        if self.staging is None or self.peer_staging is None:
-            return "direct"
+        if self.staging is None or self.peer_staging is None or not self.staging.is_cuda:
+            return "direct"  # (on the CPU the gather and scatter kernels run interpreted: far slower)
         descs, _ = plan.descriptors()
         many = len(descs) >= AUTO_MIN_DESCS
         return "staged" if many and int(descs[:, 2].sum()) <= AUTO_MAX_AVG_BYTES * len(descs) else "direct"
