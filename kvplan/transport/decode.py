@@ -37,7 +37,7 @@ from .engines import Engine
 from .landing import LandingGuard
 from .local import scatter, warm_up
 from .registration import describe_side
-from .waves import decode_wave_note
+from .waves import decode_wave_note, wave_key
 
 __all__ = ["DecodeEndpoint", "engine_regions"]
 
@@ -56,6 +56,7 @@ class _StagedWave:
     """A wave announced by the sender: where it lies in the staging buffer, its table, its sections."""
 
     index: int
+    peer: int  # the channel it came on (its credit goes back there)
     lo: int
     nbytes: int
     alignment: int
@@ -69,17 +70,25 @@ class _StagedWave:
 
 
 class DecodeEndpoint:
-    """The receiving side (see the module docstring)."""
+    """The receiving side (see the module docstring).
 
-    def __init__(self, side: SideMemory, engine: Engine, channel: ControlChannel, staging: torch.Tensor | None = None):
-        self.side, self.engine, self.channel, self.staging = side, engine, channel, staging
+    ``channels``: one control channel per prefill endpoint that sends here (fan-in); a request is
+    published to one of them (``publish(..., peer=k)``) and only that sender may write it.
+    """
+
+    def __init__(self, side: SideMemory, engine: Engine, channels: ControlChannel | Sequence[ControlChannel],
+                 staging: torch.Tensor | None = None):
+        self.side, self.engine, self.staging = side, engine, staging
+        self.channels = list(channels) if isinstance(channels, (list, tuple)) else [channels]
         self.tracker = CompletionTracker()
         self.guard = LandingGuard(side)
         self.failures: dict[Any, str | None] = {}
-        self._waves: dict[int, _StagedWave] = {}
-        self._early: set[int] = set()  # waves whose bytes landed before their table was read
-        self.trace: list[tuple[int, str, float]] | None = [] if os.environ.get("KVPLAN_TRACE") else None
+        self._owner: dict[Any, int] = {}  # request -> the channel (sender) it was published to
+        self._waves: dict[str, _StagedWave] = {}
+        self._early: set[str] = set()  # waves whose bytes landed before their table was read
+        self.trace: list[tuple[str, str, float]] | None = [] if os.environ.get("KVPLAN_TRACE") else None
         self._stream = torch.cuda.Stream(staging.device) if staging is not None and staging.is_cuda else None
+        self._share = (staging.numel() // len(self.channels)) // 256 * 256 if staging is not None else 0
         self.engine.register(engine_regions(side) + ([(staging.data_ptr(), staging.numel())] if staging is not None else []))
         if staging is not None:
             warm_up(staging)
@@ -87,41 +96,51 @@ class DecodeEndpoint:
     def register(self, timeout: float = 60.0) -> None:
         """Publish this side's layout, engine metadata and staging buffer; waits up to ``timeout``
         seconds for the prefill side to connect."""
-        header = {"side": describe_side(self.side),
-                  "staging": [self.staging.data_ptr(), self.staging.numel()] if self.staging is not None else None}
-        self.channel.send("register", header, self.engine.metadata(), timeout=timeout)
+        deadline = time.monotonic() + timeout
+        for k, channel in enumerate(self.channels):  # each sender gets its own share of the staging buffer
+            share = [self.staging.data_ptr() + k * self._share, self._share] if self.staging is not None else None
+            channel.send("register", {"side": describe_side(self.side), "staging": share}, self.engine.metadata(),
+                         timeout=max(0.0, deadline - time.monotonic()))
 
-    def publish(self, requests: Sequence[PreallocatedRequest], timeout: float) -> None:
-        """Compute, validate and send every request's destination lists; start tracking them."""
+    @property
+    def channel(self) -> ControlChannel:
+        """The first (usually the only) sender's channel."""
+        return self.channels[0]
+
+    def publish(self, requests: Sequence[PreallocatedRequest], timeout: float, peer: int = 0) -> None:
+        """Compute, validate and send every request's destination lists to sender ``peer``; track them."""
         pending = plan_destinations(self.side, requests)
         deadline = time.monotonic() + timeout
-        self.track(pending.result(), deadline)
+        self.track(pending.result(), deadline, peer)
         for r, message in zip(requests, pending.messages()):
             try:
-                self.channel.send("request", {"request": r.request, "prompt_len": r.prompt_len,
+                self.channels[peer].send("request", {"request": r.request, "prompt_len": r.prompt_len,
                                               "prefix_len": r.prefix_len}, message,
                                   timeout=max(0.0, deadline - time.monotonic()))
             except ControlTimeout as err:
                 self.tracker.fail(r.request, f"its destination lists could not be published: {err}")
 
-    def track(self, published: Sequence[PublishedRequest], deadline: float) -> None:
+    def track(self, published: Sequence[PublishedRequest], deadline: float, peer: int = 0) -> None:
         """Expect the published requests (lists computed by :func:`plan_destinations` or by the
-        caller): their completion is tracked, and peers may write only inside their lists."""
+        caller) from sender ``peer``: their completion is tracked, and the peer may write only
+        inside their lists."""
         for p in published:
             self.tracker.expect(p.expectation(), deadline)
             self.guard.publish(p.request, p.lists, p.aux_index)
+            self._owner[p.request] = peer
 
     # -- progress ---------------------------------------------------------------------------------
     def poll(self) -> None:
         """Take in what has arrived: engine notifications, wave tables, failures; apply deadlines."""
-        while (msg := self.channel.try_recv()) is not None:
-            kind, header, frames = msg
-            if kind == "staged":
-                self._announce(header, frames[0])
-            elif kind == "failed":
-                self.tracker.fail(header["request"], f"the prefill side reports: {header['reason']}")
-            elif kind == "refused":
-                self.tracker.fail_pending(f"the prefill side refused the pairing: {header['reason']}")
+        for k, channel in enumerate(self.channels):
+            while (msg := channel.try_recv()) is not None:
+                kind, header, frames = msg
+                if kind == "staged":
+                    self._announce(k, header, frames[0])
+                elif kind == "failed" and self._owner.get(header["request"]) == k:
+                    self.tracker.fail(header["request"], f"the prefill side reports: {header['reason']}")
+                elif kind == "refused":
+                    self._fail_owned(k, f"the prefill side refused the pairing: {header['reason']}")
         for raw in self.engine.notifications():
             wave = decode_wave_note(raw)
             if wave is None:
@@ -133,9 +152,15 @@ class DecodeEndpoint:
                 self._early.add(wave)
         self._scatter_landed()
         self._finish_scatters()
-        if self.channel.peer_gone():
-            self.tracker.fail_pending("the prefill side is gone: its control connection was lost")
+        for k, channel in enumerate(self.channels):
+            if channel.peer_gone():
+                self._fail_owned(k, "the prefill side is gone: its control connection was lost")
         self.tracker.check_deadlines(time.monotonic())
+
+    def _fail_owned(self, peer: int, reason: str) -> None:
+        for request in self.tracker.pending():
+            if self._owner.get(request) == peer:
+                self.tracker.fail(request, reason)
 
     def wait(self) -> dict[Any, str]:
         """Progress until every published request is complete or failed (each has its deadline).
@@ -151,32 +176,38 @@ class DecodeEndpoint:
                 for r in states:
                     self.tracker.forget(r)
                     self.guard.forget(r)
+                    self._owner.pop(r, None)
                 if self.trace:
                     t0 = self.trace[0][2]
                     log.warning("decode waves (wave, step, ms): %s",
                                 [(w, k, round((t - t0) * 1e3, 3)) for w, k, t in self.trace])
                     self.trace.clear()
                 return states
-            if self._waves:  # a wave is on its way: look at the engine again at once
-                if not self.channel.wait_readable(0):
+            if self._waves or len(self.channels) > 1:  # look at the engine and every sender again at once
+                if not any(c.wait_readable(0) for c in self.channels):
                     os.sched_yield()
             else:
                 self.channel.wait_readable(POLL_S)
 
     # -- staged waves -----------------------------------------------------------------------------
-    def _announce(self, header: dict[str, Any], table: bytes) -> None:
+    def _announce(self, peer: int, header: dict[str, Any], table: bytes) -> None:
         """Check a wave's table against what this side published before anything is written."""
         index = int(header["wave"])
+        key = wave_key(index, str(header["from"]))
         sections = [SectionNote(r, int(role), str(name), int(count)) for r, role, name, count in header["sections"]]
         requests = list(dict.fromkeys(header["requests"]))
         try:
+            strangers = [r for r in requests if self._owner.get(r, peer) != peer]
+            if strangers:
+                raise PeerError(f"wave {index} names requests published to another sender: {strangers[:4]}")
             if self.staging is None:
                 raise PeerError("a staged wave arrived, but this side registered no staging buffer")
             rows = np.frombuffer(table, dtype=np.uint64).reshape(-1, 2)
             lo, nbytes, alignment = int(header["staging_lo"]), int(header["nbytes"]), int(header["alignment"])
-            if lo < 0 or nbytes < 0 or lo + nbytes > self.staging.numel() or int(rows[:, 1].sum()) != nbytes:
+            if lo < 0 or nbytes < 0 or lo + nbytes > self._share or int(rows[:, 1].sum()) != nbytes:
                 raise PeerError(f"wave {index} claims staging bytes [{lo}, +{nbytes}) with rows of "
-                                f"{int(rows[:, 1].sum())} bytes; the staging buffer holds {self.staging.numel()}")
+                                f"{int(rows[:, 1].sum())} bytes; the staging buffer holds {self._share} for it")
+            lo += peer * self._share
             if alignment < 1 or alignment & (alignment - 1) or lo % alignment or (rows % np.uint64(alignment)).any():
                 raise PeerError(f"wave {index}: its rows or offset are not aligned to {alignment}")
             for other in self._waves.values():
@@ -185,16 +216,17 @@ class DecodeEndpoint:
             self.guard.check(requests, rows)
         except PeerError as err:
             for r in requests:
-                self.tracker.fail(r, f"refused staged wave {index}: {err}")
-            self.channel.send("wave-done", {"wave": index, "error": str(err)})
+                if self._owner.get(r) == peer:
+                    self.tracker.fail(r, f"refused staged wave {index}: {err}")
+            self.channels[peer].send("wave-done", {"wave": index, "error": str(err)})
             return
-        self._mark(index, "table")
-        self._waves[index] = _StagedWave(index, lo, nbytes, alignment, rows, sections, requests,
-                                         landed=index in self._early)
-        self._early.discard(index)
+        self._mark(key, "table")
+        self._waves[key] = _StagedWave(index, peer, lo, nbytes, alignment, rows, sections, requests,
+                                       landed=key in self._early)
+        self._early.discard(key)
 
     def _scatter_landed(self) -> None:
-        for wave in self._waves.values():
+        for key, wave in self._waves.items():
             if not wave.landed or wave.event is not None or wave.scattered:
                 continue
             n = len(wave.table)
@@ -222,19 +254,19 @@ class DecodeEndpoint:
                 scatter(host[:n], host[n:].reshape(-1)[:n], self.staging, wave.alignment, typical_bytes=typical,
                         need=wave.lo + wave.nbytes)
                 wave.event = True
-            self._mark(wave.index, "scatter")
+            self._mark(key, "scatter")
 
-    def _mark(self, wave: int, step: str) -> None:
+    def _mark(self, wave: str, step: str) -> None:
         if self.trace is not None:
             self.trace.append((wave, step, time.perf_counter()))
 
     def _finish_scatters(self) -> None:
-        done = [w for w in self._waves.values()
+        done = [(k, w) for k, w in self._waves.items()
                 if w.event is not None and not w.scattered and (w.event is True or w.event.query())]
-        for wave in sorted(done, key=lambda w: w.index):
+        for key, wave in sorted(done, key=lambda kw: kw[1].index):
             wave.scattered = True
-            self.channel.send("wave-done", {"wave": wave.index})  # the slot's credit, before completion is visible
-            self._mark(wave.index, "credit")
+            self.channels[wave.peer].send("wave-done", {"wave": wave.index})  # the credit, before completion shows
+            self._mark(key, "credit")
             for note in wave.sections:
                 self.tracker.on_section(note)
-            del self._waves[wave.index]
+            del self._waves[key]

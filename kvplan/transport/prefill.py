@@ -33,8 +33,9 @@ from __future__ import annotations
 import logging
 import os
 import time
+import uuid
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -55,7 +56,7 @@ from .local import gather, plan_alignment, warm_up
 from .registration import side_from_description
 from .waves import Wave, plan_waves, wave_note
 
-__all__ = ["Chunk", "PrefillEndpoint", "MODES"]
+__all__ = ["Chunk", "MODES", "Peer", "PrefillEndpoint"]
 
 log = logging.getLogger("kvplan")
 
@@ -76,77 +77,108 @@ class Chunk:
     aux_src: int = 0
 
 
-class PrefillEndpoint:
-    """The sending side (see the module docstring). ``slots`` is the staging ring's length."""
+@dataclass
+class Peer:
+    """One decode endpoint this prefill endpoint sends to: its channel, engine name, layout,
+    staging buffer and the destination lists it published."""
 
-    def __init__(self, side: SideMemory, engine: Engine, channel: ControlChannel, staging: torch.Tensor | None = None,
-                 policy: Policy = Policy.STRICT, slots: int = 4):
-        self.side, self.engine, self.channel, self.staging, self.policy = side, engine, channel, staging, policy
+    channel: ControlChannel
+    name: str | None = None
+    side: SideMemory | None = None
+    staging: tuple[int, int] | None = None
+    lists: dict[Any, tuple[DestinationLists, int, int]] = field(default_factory=dict)
+    backlog: deque = field(default_factory=deque)  # messages that arrived while a send read credits
+    prepared: bool = False
+
+    def recv(self, deadline: float) -> tuple[str, dict[str, Any], list[bytes]]:
+        return self.backlog.popleft() if self.backlog else self.channel.recv(deadline)
+
+
+class PrefillEndpoint:
+    """The sending side (see the module docstring).
+
+    ``channels``: one control channel per decode endpoint (peer ``k`` is ``channels[k]``); a batch's
+    transfers name their peer in ``Transfer.dest`` (:meth:`transfer` sets it), so one batch can fan
+    out to several decode endpoints. ``slots`` is the staging ring's length.
+    """
+
+    def __init__(self, side: SideMemory, engine: Engine, channels: ControlChannel | Sequence[ControlChannel],
+                 staging: torch.Tensor | None = None, policy: Policy = Policy.STRICT, slots: int = 4):
+        self.side, self.engine, self.staging, self.policy = side, engine, staging, policy
+        self.peers = [Peer(c) for c in (channels if isinstance(channels, (list, tuple)) else [channels])]
         self.slots = slots
         self.engine.register(engine_regions(side) + ([(staging.data_ptr(), staging.numel())] if staging is not None else []))
         if staging is not None:
             warm_up(staging)
         self._stream = torch.cuda.Stream(staging.device) if staging is not None and staging.is_cuda else None
-        self.peer: str | None = None
-        self.peer_side: SideMemory | None = None
-        self.peer_staging: tuple[int, int] | None = None
-        self.lists: dict[Any, tuple[DestinationLists, int, int]] = {}
-        self._prepared = False
         self._next_wave = 0
+        self.id = uuid.uuid4().hex[:12]  # names this sender's waves on receivers that have several senders
         self.last_mode: str | None = None  # the mode the last send used (what ``auto`` chose)
-        self._backlog: deque = deque()  # control messages that arrived while a send was reading credits
+
+    # the first peer, for the common one-to-one pairing
+    channel = property(lambda self: self.peers[0].channel)
+    peer = property(lambda self: self.peers[0].name)
+    peer_side = property(lambda self: self.peers[0].side)
+    peer_staging = property(lambda self: self.peers[0].staging)
+    lists = property(lambda self: self.peers[0].lists)
 
     def accept(self, timeout: float) -> None:
-        """Receive the decode side's registration and pair with it (refusing it with a reason if it cannot)."""
-        kind, header, frames = self.channel.recv(time.monotonic() + timeout)
-        if kind != "register":
-            raise LayoutError(f"expected a registration, got {kind!r}")
-        peer_side = side_from_description(header["side"])
-        try:
-            pair_sides(self.side, peer_side)
-        except LayoutError as err:
-            self.channel.send("refused", {"reason": str(err)})
-            raise
-        self.peer_side = peer_side
-        self.peer_staging = tuple(header["staging"]) if header["staging"] else None
-        self.peer = self.engine.connect(frames[0])
-
-    def receive_requests(self, count: int, timeout: float) -> None:
-        """Receive ``count`` requests' destination lists (wire messages) from the decode side."""
+        """Receive every decode endpoint's registration and pair with it (refusing one that cannot
+        pair, with the reason, and raising)."""
         deadline = time.monotonic() + timeout
+        for peer in self.peers:
+            kind, header, frames = peer.recv(deadline)
+            if kind != "register":
+                raise LayoutError(f"expected a registration, got {kind!r}")
+            peer_side = side_from_description(header["side"])
+            try:
+                pair_sides(self.side, peer_side)
+            except LayoutError as err:
+                peer.channel.send("refused", {"reason": str(err)})
+                raise
+            peer.side = peer_side
+            peer.staging = tuple(header["staging"]) if header["staging"] else None
+            peer.name = self.engine.connect(frames[0])
+
+    def receive_requests(self, count: int, timeout: float, peer: int = 0) -> None:
+        """Receive ``count`` requests' destination lists (wire messages) from decode endpoint ``peer``."""
+        deadline = time.monotonic() + timeout
+        p = self.peers[peer]
         for _ in range(count):
-            kind, header, frames = self._backlog.popleft() if self._backlog else self.channel.recv(deadline)
+            kind, header, frames = p.recv(deadline)
             if kind != "request":
                 raise LayoutError(f"expected destination lists, got {kind!r}")
-            lists, aux = decode_message(frames[0], len(self.peer_side.state))
-            self.lists[header["request"]] = (lists, aux, header["prefix_len"])
+            lists, aux = decode_message(frames[0], len(p.side.state))
+            p.lists[header["request"]] = (lists, aux, header["prefix_len"])
 
-    def transfer(self, chunk: Chunk) -> Transfer:
-        """The :class:`Transfer` of a chunk, with the destination lists its request published."""
-        lists, aux_dst, prefix_len = self.lists[chunk.request]
+    def transfer(self, chunk: Chunk, peer: int = 0) -> Transfer:
+        """The :class:`Transfer` of a chunk to decode endpoint ``peer``, with the lists it published."""
+        lists, aux_dst, prefix_len = self.peers[peer].lists[chunk.request]
         return Transfer(chunk.request, chunk.src_row, chunk.start, chunk.fill_len, chunk.prompt_len, chunk.last,
-                        lists.pages, prefix_len, chunk.aux_src, aux_dst, lists.state)
+                        lists.pages, prefix_len, chunk.aux_src, aux_dst, lists.state, dest=peer)
 
-    def forget(self, requests: Sequence[Any]) -> None:
-        """Drop the destination lists of finished requests."""
-        for r in requests:
-            self.lists.pop(r, None)
+    def forget(self, requests: Sequence[Any], peer: int | None = None) -> None:
+        """Drop the destination lists of finished requests (of one peer, or of all)."""
+        for p in self.peers if peer is None else [self.peers[peer]]:
+            for r in requests:
+                p.lists.pop(r, None)
 
     def send(self, transfers: Sequence[Transfer], mode: str = "auto", timeout: float = 30.0) -> dict[Any, str | None]:
         """Plan and move a batch; returns, per request, ``None`` when sent or the failure reason.
 
         A batch that does not plan (bad input) is refused whole: nothing is sent, every request of
-        it is reported failed to the decode side, and the :class:`~kvplan.errors.PlanError` is raised.
+        it is reported failed to its decode endpoint, and the :class:`~kvplan.errors.PlanError` is raised.
         """
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-        batch = Batch(self.side, (self.peer_side,), tuple(transfers), self.policy)
+        transfers = tuple(transfers)
+        batch = Batch(self.side, tuple(p.side for p in self.peers), transfers, self.policy)
         try:
             pending = gpu.plan(batch, prepared=mode == "prepared")
             plan = pending.result()
         except PlanError as err:
-            for request in {t.request for t in transfers}:
-                self._report(request, f"batch refused: {err}")
+            for t in transfers:
+                self._report(t.dest, t.request, f"batch refused: {err}")
             raise
         deadline = time.monotonic() + timeout
         if mode == "auto":
@@ -156,80 +188,102 @@ class PrefillEndpoint:
             return self._send_direct(plan, deadline)
         if mode == "prepared":
             return self._send_prepared(plan, pending.prepared_indices(), deadline)
-        return self._send_staged(plan, pending.device_descriptors(), plan_alignment(batch), deadline)
+        result: dict[Any, str | None] = {}
+        for dest in sorted({t.dest for t in transfers}):  # each peer's share through its own staging ring
+            if len(self.peers) == 1:
+                one, device_descs = plan, pending.device_descriptors()
+            else:
+                share = tuple(replace(t, dest=0) for t in transfers if t.dest == dest)
+                sub = Batch(self.side, (self.peers[dest].side,), share, self.policy)
+                sub_pending = gpu.plan(sub)
+                one, device_descs = sub_pending.result(), sub_pending.device_descriptors()
+            for request, reason in self._send_staged(dest, one, device_descs, plan_alignment(batch),
+                                                     deadline).items():
+                result[request] = result.get(request) or reason
+        return result
 
     def _auto_mode(self, plan: Plan) -> str:
-        if self.staging is None or self.peer_staging is None or not self.staging.is_cuda:
+        if self.staging is None or any(p.staging is None for p in self.peers) or not self.staging.is_cuda:
             return "direct"  # (on the CPU the gather and scatter kernels run interpreted: far slower)
         descs, _ = plan.descriptors()
         many = len(descs) >= AUTO_MIN_DESCS
         return "staged" if many and int(descs[:, 2].sum()) <= AUTO_MAX_AVG_BYTES * len(descs) else "direct"
 
-    def _peer_gone(self) -> str | None:
-        return "the decode side is gone: its control connection was lost" if self.channel.peer_gone() else None
+    def _peer_gone(self, peer: int) -> str | None:
+        if self.peers[peer].channel.peer_gone():
+            return "the decode side is gone: its control connection was lost"
+        return None
 
-    def _report(self, request: Any, reason: str) -> None:
+    def _any_peer_gone(self, peers: Sequence[int]) -> str | None:
+        return next((why for p in peers if (why := self._peer_gone(p)) is not None), None)
+
+    def _report(self, peer: int, request: Any, reason: str) -> None:
         log.warning("request %r failed: %s", request, reason)
         try:
-            self.channel.send("failed", {"request": request, "reason": reason}, timeout=0.5)
+            self.peers[peer].channel.send("failed", {"request": request, "reason": reason}, timeout=0.5)
         except Exception as err:  # noqa: BLE001 - the peer may be gone; the failure is still ours to report
             log.warning("could not tell the decode side that %r failed: %s", request, err)
 
-    def _fail(self, result: dict[Any, str | None], requests, reason: str) -> None:
+    def _fail(self, peer: int, result: dict[Any, str | None], requests, reason: str) -> None:
         for request in requests:
             if result.get(request) is None:
                 result[request] = reason
-                self._report(request, reason)
+                self._report(peer, request, reason)
 
     # -- direct and prepared ----------------------------------------------------------------------
     def _send_direct(self, plan: Plan, deadline: float) -> dict[Any, str | None]:
         descs, _ = plan.descriptors()
-        posted = [(self.engine.post(self.peer, descs[s.lo : s.hi], encode_notification(s)), s) for s in plan.sections()]
+        posted = []
+        for s in plan.sections():
+            dest = plan.transfers[s.transfer].dest
+            posted.append((self.engine.post(self.peers[dest].name, descs[s.lo : s.hi], encode_notification(s)), s))
         return self._settle(plan, posted, deadline)
 
     def _settle(self, plan: Plan, posted: list[tuple[Handle, Section]], deadline: float) -> dict[Any, str | None]:
         result: dict[Any, str | None] = {t.request: None for t in plan.transfers}
-        outcome = wait_all(self.engine, [h for h, _ in posted], deadline, give_up=self._peer_gone)
+        dests = sorted({t.dest for t in plan.transfers})
+        outcome = wait_all(self.engine, [h for h, _ in posted], deadline, give_up=lambda: self._any_peer_gone(dests))
         for handle, section in posted:
             if outcome[handle] is not None:
-                self._fail(result, [section.request], outcome[handle])
+                self._fail(plan.transfers[section.transfer].dest, result, [section.request], outcome[handle])
         return result
 
-    def _prepare(self) -> None:
+    def _prepare(self, dest: int) -> None:
         """NIXL prepared lists for every role, made once per peer (entry x slot descriptors)."""
         if not self.engine.capabilities.prepared:
             raise LayoutError(f"the {type(self.engine).__name__} has no prepared descriptor lists; use direct mode")
-        pairing = pair_sides(self.side, self.peer_side)
+        peer = self.peers[dest]
+        pairing = pair_sides(self.side, peer.side)
         tables = {KV_ROLE: (pairing.kv_src, pairing.kv_dst), AUX_ROLE: (pairing.aux_src, pairing.aux_dst)}
         tables.update({c: t for c, t in enumerate(zip(pairing.state_src, pairing.state_dst))})
-        for role, (entries, src_slots, dst_slots) in prepared_slots(self.side, self.peer_side).items():
+        for role, (entries, src_slots, dst_slots) in prepared_slots(self.side, peer.side).items():
             src_t, dst_t = tables[role]
             items = lambda t, slots: np.concatenate([t, np.full((len(t), 1), slots, np.uint64)], axis=1)  # noqa: E731
-            self.engine.prepare(self.peer, role, items(src_t, src_slots), items(dst_t, dst_slots))
-        self._prepared = True
+            self.engine.prepare(peer.name, role, items(src_t, src_slots), items(dst_t, dst_slots))
+        peer.prepared = True
 
     def _send_prepared(self, plan: Plan, indices: PreparedIndices, deadline: float) -> dict[Any, str | None]:
-        if not self._prepared:
-            self._prepare()
         names = {KV_ROLE: "kv", AUX_ROLE: "aux", **{c: comp.name for c, comp in enumerate(self.side.state)}}
         posted = []
         for s, (role, owner) in enumerate(zip(indices.section_role.tolist(), indices.section_transfer.tolist())):
             lo, hi = int(indices.section_offsets[s]), int(indices.section_offsets[s + 1])
             if lo == hi:
                 continue
-            request = plan.transfers[owner].request
-            count = len(plan.transfers[owner].dst_pages) if role == KV_ROLE else 1
-            section = Section(owner, request, role, names[role], lo, hi, count)
-            posted.append((self.engine.post_prepared(self.peer, role, indices.src[lo:hi], indices.dst[lo:hi],
-                                                     encode_notification(section)), section))
+            t = plan.transfers[owner]
+            if not self.peers[t.dest].prepared:
+                self._prepare(t.dest)
+            count = len(t.dst_pages) if role == KV_ROLE else 1
+            section = Section(owner, t.request, role, names[role], lo, hi, count)
+            posted.append((self.engine.post_prepared(self.peers[t.dest].name, role, indices.src[lo:hi],
+                                                     indices.dst[lo:hi], encode_notification(section)), section))
         return self._settle(plan, posted, deadline)
 
     # -- staged -----------------------------------------------------------------------------------
-    def _send_staged(self, plan: Plan, device_descs: torch.Tensor, alignment: int,
+    def _send_staged(self, dest: int, plan: Plan, device_descs: torch.Tensor, alignment: int,
                      deadline: float) -> dict[Any, str | None]:
-        if self.staging is None or self.peer_staging is None:
+        if self.staging is None or self.peers[dest].staging is None:
             raise LayoutError("staged mode needs a registered staging buffer on both sides")
-        run = _StagedRun(self, plan, device_descs, alignment, deadline)
+        run = _StagedRun(self, dest, plan, device_descs, alignment, deadline)
         return run.go()
 
 
@@ -254,10 +308,12 @@ def split_descriptors(descs: np.ndarray, limit: int) -> tuple[np.ndarray, np.nda
 class _StagedRun:
     """One batch through the staging ring (see :class:`PrefillEndpoint`)."""
 
-    def __init__(self, ep: PrefillEndpoint, plan: Plan, device_descs: torch.Tensor, alignment: int, deadline: float):
-        self.ep, self.plan, self.alignment, self.deadline = ep, plan, alignment, deadline
+    def __init__(self, ep: PrefillEndpoint, dest: int, plan: Plan, device_descs: torch.Tensor, alignment: int,
+                 deadline: float):
+        self.ep, self.dest, self.peer = ep, dest, ep.peers[dest]
+        self.plan, self.alignment, self.deadline = plan, alignment, deadline
         self.result: dict[Any, str | None] = {t.request: None for t in plan.transfers}
-        capacity = min(ep.staging.numel(), ep.peer_staging[1])
+        capacity = min(ep.staging.numel(), self.peer.staging[1])
         self.slots = max(1, min(ep.slots, capacity // max(alignment, 1)))
         self.slot_bytes = (capacity // self.slots) // alignment * alignment
         descs, per_transfer = plan.descriptors()
@@ -303,9 +359,9 @@ class _StagedRun:
             if index not in self.acked:  # a dead receiver is the cause, whatever the engine says
                 reason = self.gone or reason or "the receiver did not acknowledge its staged wave before the deadline"
             if reason is not None:
-                ep._fail(self.result, wave.requests(self.owners), reason)
+                ep._fail(self.dest, self.result, wave.requests(self.owners), reason)
         for wave in [w for w, _ in self.gathered] + waves[sent:]:
-            ep._fail(self.result, wave.requests(self.owners), self.gone or "deadline passed before the wave was sent")
+            ep._fail(self.dest, self.result, wave.requests(self.owners), self.gone or "deadline passed before the wave was sent")
         if os.environ.get("KVPLAN_TRACE"):
             t0 = self.trace[0][2] if self.trace else 0.0
             log.warning("staged waves (wave, step, ms): %s", [(w, k, round((t - t0) * 1e3, 3)) for w, k, t in self.trace])
@@ -323,11 +379,11 @@ class _StagedRun:
                 return True
             if time.monotonic() > self.deadline:
                 return False
-            if self.gone is None and (gone := self.ep._peer_gone()) is not None:
+            if self.gone is None and (gone := self.ep._peer_gone(self.dest)) is not None:
                 self.gone = gone
             if self.gone is not None:
                 return False
-            if not self.ep.channel.wait_readable(0):
+            if not self.peer.channel.wait_readable(0):
                 os.sched_yield()
 
     def _gather(self, wave: Wave) -> None:
@@ -357,10 +413,10 @@ class _StagedRun:
         while self.gathered and (self.gathered[0][1] is None or self.gathered[0][1].query()):
             wave, _ = self.gathered.pop(0)
             self._post(wave)
-        while (msg := ep.channel.try_recv()) is not None:
+        while (msg := self.peer.channel.try_recv()) is not None:
             kind, header, _ = msg
             if kind != "wave-done":  # e.g. the next requests' lists: kept for receive_requests
-                ep._backlog.append(msg)
+                self.peer.backlog.append(msg)
                 continue
             index = int(header["wave"]) - self.base_id
             if index not in self.posted:
@@ -370,7 +426,7 @@ class _StagedRun:
             self.trace.append((index, "ack", time.perf_counter()))
             self.remote_free[wave.slot] = True
             if header.get("error"):
-                ep._fail(self.result, wave.requests(self.owners), f"the receiver refused the wave: {header['error']}")
+                ep._fail(self.dest, self.result, wave.requests(self.owners), f"the receiver refused the wave: {header['error']}")
         for wave, handle in self.posted.values():
             if handle.state == "PROC":
                 ep.engine.progress(handle)
@@ -382,19 +438,21 @@ class _StagedRun:
         requests = wave.requests(self.owners)
         table = np.ascontiguousarray(self.descs[wave.lo : wave.hi, 1:])
         notes = [[s.request, s.role, s.name, s.count] for s in wave.sections if self.result[s.request] is None]
-        header = {"wave": wave_id, "sections": notes, "requests": requests, "staging_lo": slot_lo,
+        header = {"wave": wave_id, "from": ep.id, "sections": notes, "requests": requests, "staging_lo": slot_lo,
                   "nbytes": wave.nbytes, "alignment": self.alignment}
         try:  # the table first: the receiver checks it before the bytes may be scattered
-            ep.channel.send("staged", header, table.tobytes(), timeout=max(0.0, self.deadline - time.monotonic()))
+            self.peer.channel.send("staged", header, table.tobytes(),
+                                   timeout=max(0.0, self.deadline - time.monotonic()))
         except ControlTimeout as err:
-            ep._fail(self.result, requests, str(err))
+            ep._fail(self.dest, self.result, requests, str(err))
             self.remote_free[wave.slot] = True
             return
         # the whole slot, so that each slot's write is one reposted handle (bytes past the wave are
         # the slot's stale bytes, written into the receiver's free slot and never scattered)
-        region = np.array([[ep.staging.data_ptr() + slot_lo, ep.peer_staging[0] + slot_lo, self.slot_bytes]],
+        region = np.array([[ep.staging.data_ptr() + slot_lo, self.peer.staging[0] + slot_lo, self.slot_bytes]],
                           np.uint64)
-        handle = ep.engine.post(ep.peer, region, wave_note(wave_id), reuse=("slot", wave.slot, self.slot_bytes))
+        handle = ep.engine.post(self.peer.name, region, wave_note(wave_id, ep.id),
+                                reuse=("slot", wave.slot, self.slot_bytes))
         self.trace.append((wave.index, "post", time.perf_counter()))
         self.posted[wave.index] = (wave, handle)
         self.local_write[wave.slot] = handle

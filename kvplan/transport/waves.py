@@ -22,7 +22,7 @@ import numpy as np
 
 from ..planner.plan import Section
 
-__all__ = ["Wave", "decode_wave_note", "plan_waves", "wave_note"]
+__all__ = ["Wave", "decode_wave_note", "plan_waves", "wave_key", "wave_note"]
 
 
 @dataclass
@@ -61,12 +61,17 @@ def plan_waves(sizes: np.ndarray, sections: Sequence[Section], slot_bytes: int, 
     return waves
 
 
-def wave_note(wave: int) -> bytes:
+def wave_note(wave: int, sender: str) -> bytes:
     """The engine notification of a staged wave (sections' notifications are JSON lists)."""
-    return json.dumps({"wave": wave}).encode()
+    return json.dumps({"wave": wave, "from": sender}).encode()
 
 
-def decode_wave_note(raw: bytes) -> int | None:
-    """The wave id of a wave notification, or ``None`` for a section notification."""
+def wave_key(wave: int, sender: str) -> str:
+    """A wave's name on the receiver: wave ids are unique per sender."""
+    return f"{sender}:{wave}"
+
+
+def decode_wave_note(raw: bytes) -> str | None:
+    """The :func:`wave_key` of a wave notification, or ``None`` for a section notification."""
     note = json.loads(raw)
-    return int(note["wave"]) if isinstance(note, dict) else None
+    return wave_key(int(note["wave"]), str(note["from"])) if isinstance(note, dict) else None

@@ -40,7 +40,7 @@ def decode():
 
 def _announce(channel, rows, wave=7, staging_lo=0):
     table = np.array(rows, np.uint64)
-    header = {"wave": wave, "sections": [["r1", KV_ROLE, "kv", 2]], "requests": ["r1"], "staging_lo": staging_lo,
+    header = {"wave": wave, "from": "p0", "sections": [["r1", KV_ROLE, "kv", 2]], "requests": ["r1"], "staging_lo": staging_lo,
               "nbytes": int(table[:, 1].sum()), "alignment": 16}
     channel.send("staged", header, table.tobytes())
 
@@ -49,7 +49,7 @@ def test_a_wave_inside_the_published_pages_is_scattered_and_credited_before_comp
     endpoint, prefill, pool, _ = decode
     base = pool.data_ptr()
     _announce(prefill, [[base + 3 * PAGE_BYTES, 2 * PAGE_BYTES]])
-    endpoint.engine.inbox.append(wave_note(7))
+    endpoint.engine.inbox.append(wave_note(7, "p0"))
     states = endpoint.wait()
     assert states == {"r1": "complete"}
     assert prefill.try_recv()[0:2] == ("wave-done", {"wave": 7})  # the credit went out first
@@ -66,7 +66,7 @@ def test_a_wave_that_writes_outside_the_published_pages_is_refused(decode, rows,
     endpoint, prefill, pool, _ = decode
     base = pool.data_ptr()
     _announce(prefill, [[base + a, n] for a, n in rows])
-    endpoint.engine.inbox.append(wave_note(7))
+    endpoint.engine.inbox.append(wave_note(7, "p0"))
     states = endpoint.wait()
     assert states == {"r1": "failed"} and "refused staged wave 7" in endpoint.failures["r1"]
     kind, header, _ = prefill.try_recv()

@@ -1,7 +1,7 @@
 """The sender's side of staged mode with an in-memory engine and channel: messages that are not
 credits (the next requests' lists) survive a staged send and reach receive_requests."""
 
-import time
+import json
 
 import torch
 
@@ -10,7 +10,6 @@ from kvplan.planner.model import Attention, Entry, KVLayout, SideMemory
 from kvplan.transport.control import ControlTimeout
 from kvplan.transport.prefill import Chunk, PrefillEndpoint
 from kvplan.transport.registration import describe_side
-from kvplan.transport.waves import decode_wave_note
 from tests.planner.builders import table_with
 from tests.transport.fakes import FakeChannel, FakeEngine
 
@@ -36,7 +35,7 @@ def test_lists_that_arrive_during_a_staged_send_are_kept_for_receive_requests():
     prefill.receive_requests(1, timeout=1)
 
     def decode_answers(descs, note):  # a fast receiver: the credit, then at once the next request's lists
-        theirs.send("wave-done", {"wave": decode_wave_note(note)})
+        theirs.send("wave-done", {"wave": json.loads(note)["wave"]})
         theirs.send("request", {"request": "r2", "prompt_len": 8, "prefix_len": 0}, messages[1])
 
     engine.on_post = decode_answers

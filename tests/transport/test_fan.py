@@ -1,0 +1,115 @@
+"""One prefill endpoint sending one batch to two decode endpoints (fan-out), and one decode endpoint
+receiving from two prefill endpoints (fan-in), through NIXL in one process over 127.0.0.1, every
+byte checked against a reference execution of the same plan."""
+
+import os
+import threading
+import time
+from dataclasses import replace
+
+import pytest
+
+from kvplan.planner.destinations import PreallocatedRequest
+from kvplan.planner.model import Batch
+from kvplan.planner.reference import plan_reference
+from kvplan.scenarios import build_batch, materialize
+from kvplan.transport.control import ControlChannel
+from kvplan.transport.endpoints import Chunk, DecodeEndpoint, PrefillEndpoint
+from kvplan.transport.engines import make_engine
+from kvplan.verify import AddressSpace, execute
+from tests.transport.handoff import HYBRID
+
+pytestmark = pytest.mark.engines
+
+if "nixl" not in os.environ.get("KVPLAN_TEST_ENGINES", "nixl,mooncake").split(","):
+    pytest.skip("NIXL is not among the engines of this run", allow_module_level=True)
+
+TIMEOUT = 60
+
+
+def scenario():
+    batch = build_batch(HYBRID, 2, [40, 24], chunks=2, prefix_len=0, seed=5)
+    src, src_tensors = materialize(batch.src, "cpu", seed=9)
+    return batch, src, src_tensors
+
+
+def decode_side(batch):
+    side, tensors = materialize(batch.dsts[0], "cpu")
+    return side, tensors
+
+
+def expected_bytes(batch, src, src_tensors, dst_side, dst_tensors, requests):
+    """The decode pools after a reference execution of ``requests``' transfers."""
+    transfers = tuple(t for t in batch.transfers if t.request in requests)
+    real = Batch(src, (replace(dst_side, req_to_token=batch.dsts[0].req_to_token),), transfers)
+    space = AddressSpace.of_tensors(dst_tensors, zero=True)
+    execute(plan_reference(real).descriptors()[0], AddressSpace.of_tensors(src_tensors), space)
+    return space
+
+
+def waiting(decode):
+    box = {}
+    thread = threading.Thread(target=lambda: box.update(states=decode.wait()), daemon=True)
+    thread.start()
+    return thread, box
+
+
+def chunks_of(batch, request):
+    return [Chunk(t.request, t.src_row, t.start, t.fill_len, t.prompt_len, t.last, t.aux_src)
+            for t in batch.transfers if t.request == request]
+
+
+def published(batch, request):
+    t = next(t for t in batch.transfers if t.request == request and t.last)
+    return PreallocatedRequest(request, t.src_row, t.prompt_len, t.prefix_len, t.aux_dst)
+
+
+def test_one_prefill_sends_one_batch_to_two_decode_endpoints():
+    batch, src, src_tensors = scenario()
+    decodes, pools = [], []
+    for k in range(2):
+        side, tensors = decode_side(batch)
+        decodes.append(DecodeEndpoint(side, make_engine("nixl", f"fan-out-decode-{k}"), ControlChannel()))
+        pools.append((side, tensors))
+    prefill = PrefillEndpoint(src, make_engine("nixl", "fan-out-prefill"),
+                              [ControlChannel(d.channel.port) for d in decodes])
+    for d in decodes:
+        d.register(timeout=TIMEOUT)
+    prefill.accept(timeout=TIMEOUT)
+    for k, d in enumerate(decodes):  # req1 to the first decode endpoint, req2 to the second
+        d.publish([published(batch, f"req{k + 1}")], timeout=TIMEOUT)
+        prefill.receive_requests(1, timeout=TIMEOUT, peer=k)
+    waits = [waiting(d) for d in decodes]
+    transfers = [prefill.transfer(c, peer=k) for k in range(2) for c in chunks_of(batch, f"req{k + 1}")]
+    assert prefill.send(transfers, mode="direct", timeout=TIMEOUT) == {"req1": None, "req2": None}
+    for k, (thread, box) in enumerate(waits):
+        thread.join(TIMEOUT)
+        assert box["states"] == {f"req{k + 1}": "complete"}
+        side, tensors = pools[k]
+        assert expected_bytes(batch, src, src_tensors, side, tensors, {f"req{k + 1}"}).matches(tensors)
+
+
+@pytest.mark.parametrize("mode", ["direct", "staged"])
+def test_one_decode_endpoint_receives_from_two_prefill_endpoints(mode):
+    import torch
+
+    batch, src, src_tensors = scenario()
+    side, tensors = decode_side(batch)
+    staging = (lambda: torch.zeros(1 << 20, dtype=torch.uint8)) if mode == "staged" else (lambda: None)
+    channels = [ControlChannel(), ControlChannel()]
+    decode = DecodeEndpoint(side, make_engine("nixl", "fan-in-decode"), channels, staging())
+    prefills = [PrefillEndpoint(src, make_engine("nixl", f"fan-in-prefill-{k}"), ControlChannel(c.port), staging())
+                for k, c in enumerate(channels)]
+    decode.register(timeout=TIMEOUT)
+    for k, p in enumerate(prefills):  # each sender gets its own request
+        p.accept(timeout=TIMEOUT)
+        decode.publish([published(batch, f"req{k + 1}")], timeout=TIMEOUT, peer=k)
+        p.receive_requests(1, timeout=TIMEOUT)
+    thread, box = waiting(decode)
+    for k, p in enumerate(prefills):
+        sent = p.send([p.transfer(c) for c in chunks_of(batch, f"req{k + 1}")], mode=mode, timeout=TIMEOUT)
+        assert sent == {f"req{k + 1}": None}
+    thread.join(TIMEOUT)
+    assert box["states"] == {"req1": "complete", "req2": "complete"}
+    assert expected_bytes(batch, src, src_tensors, side, tensors, {"req1", "req2"}).matches(tensors)
+    assert len(decode.tracker) == 0 and len(decode.guard) == 0
