@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 
+from . import __version__
 from .scenarios import PRESETS
 from .transport.endpoints import MODES
 from .transport.engines import engine_names
@@ -64,6 +65,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvplan", description="GPU-resident KV-cache transfer planning.")
+    parser.add_argument("--version", action="version", version=f"kvplan {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
     from .demo import FAULTS
@@ -74,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "(GPU memory when a GPU is present), plans the batch with kvplan, moves it through a real engine "
                     "and checks every byte on the decode side. Exits 1 if any request fails or any byte is wrong.")
     demo.add_argument("--preset", choices=sorted(PRESETS), default="gptoss-swa-p16",
-                      help="model shape from benchmarks.md, at small scale (default: %(default)s)")
+                      help="model shape from docs/benchmarks.md, at small scale (default: %(default)s)")
     demo.add_argument("--layers", type=_positive, default=4, help="layers to keep (default: 4)")
     demo.add_argument("--requests", type=_positive, default=8, help="requests in the batch (default: 8)")
     demo.add_argument("--prompt-len", type=_positive, default=2048, help="tokens per request (default: 2048)")
@@ -109,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench import SCENARIOS
 
     bench = sub.add_parser(
-        "bench", help="plan latency against the SGLang-style baseline for the scenarios of benchmarks.md",
+        "bench", help="plan latency against the strongest host planners for the scenarios of docs/benchmarks.md",
         description="Plans each scenario with kvplan and with the SGLang-style baseline in this process, checks "
                     "that the descriptors are equal, and reports medians, the ratio and which targets are met. "
                     "Without a GPU the kernels run in Triton's interpreter: use --scale to keep it short.")

@@ -1,6 +1,6 @@
 """The data model a plan is built from: each side's memory and a batch of transfers.
 
-The names follow ``shared/spec/planning.md``:
+The names follow ``docs/planning.md``:
 
 * an :class:`Entry` is one registered buffer addressed in items (pages): page ``p`` starts at
   ``base_ptr + p * item_len``;

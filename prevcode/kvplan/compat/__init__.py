@@ -1,1 +1,0 @@
-"""Drop-in replacements for the helpers serving engines use today."""
