@@ -29,6 +29,39 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _check_demo(config, shape) -> None:
+    """Refuse what cannot run before any process starts (each message says what to change)."""
+    import torch
+
+    def fail(why: str) -> None:
+        raise SystemExit(f"kvplan demo: error: {why}")
+
+    longest = max(config.prompt_len) if isinstance(config.prompt_len, tuple) else config.prompt_len
+    if config.prefix_len < 0 or config.prefix_len % shape.page_size:
+        fail(f"--prefix-len must be a non-negative multiple of the page size {shape.page_size}")
+    if config.prefix_len >= longest:
+        fail(f"--prefix-len {config.prefix_len} must be shorter than the prompt ({longest} tokens)")
+    if not config.timeout > 0:
+        fail(f"--timeout must be positive, got {config.timeout}")
+    if config.seed < 0:
+        fail(f"--seed must be >= 0, got {config.seed}")
+    if config.chunks > -(-longest // shape.page_size):
+        fail(f"--chunks {config.chunks} is more than the prompt's {-(-longest // shape.page_size)} pages")
+    if config.layers > PRESETS[config.preset].layers:
+        fail(f"--layers {config.layers} is more than {config.preset}'s {PRESETS[config.preset].layers} layers")
+    if config.device == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda, but torch sees no CUDA device here")
+    device = config.resolved_device()
+    entries = shape.layers * (2 if shape.attention.value == "mha" else 1)
+    need = 2 * config.requests * longest * shape.token_bytes * entries  # both sides' KV pools, at least
+    have = (torch.cuda.mem_get_info()[0] if device == "cuda"
+            else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+    if need > have // 2:
+        fail(f"the pools need at least {need / 2**30:.1f} GiB and this machine has {have / 2**30:.1f} GiB free "
+             f"({'GPU' if device == 'cuda' else 'host'}); use fewer --requests, a shorter --prompt-len or fewer "
+             "--layers")
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .demo import DemoConfig, run_demo
 
@@ -39,10 +72,13 @@ def _demo(args: argparse.Namespace) -> int:
     if config.mode == "prepared" and config.engine != "nixl":
         raise SystemExit("kvplan demo: error: --mode prepared needs --engine nixl (prepared lists are NIXL's)")
     shape = config.model()
-    if config.prefix_len % shape.page_size:
-        raise SystemExit(f"kvplan demo: error: --prefix-len must be a multiple of the page size {shape.page_size}")
+    _check_demo(config, shape)
     report = run_demo(config, progress=not args.no_progress)
     sys.stdout.write(report.render() + "\n")
+    if config.fault != "none":  # a drill passes when exactly its failure was observed
+        observed = report.drill_observed()
+        sys.stdout.write(f"  drill         {'observed ' + observed if observed else 'NOT the expected failure'}\n")
+        return 0 if observed else 1
     return 0 if report.ok else 1
 
 

@@ -127,6 +127,27 @@ class DemoReport:
     def ok(self) -> bool:
         return bool(self.states) and set(self.states.values()) == {"complete"} and self.verified is True
 
+    def drill_observed(self) -> str | None:
+        """For a fault drill: what was observed when it is exactly the expected failure, else ``None``."""
+        fault = self.config.fault
+        failed = {r: why or "" for r, why in self.failures.items() if self.states.get(r) == "failed"}
+        every = bool(self.states) and len(failed) == len(self.states)
+
+        def all_say(*words: str) -> bool:
+            return every and all(any(w in why for w in words) for why in failed.values())
+
+        expected = {
+            "dead-decode": bool(self.send_failures) and all(self.send_failures.values()),
+            "dead-prefill": all_say("the prefill side is gone", "could not be published"),
+            "dead-prefill-mid": all_say("the prefill side is gone"),
+            "dead-decode-mid": bool(failed) and all("the decode side is gone" in why for why in failed.values()),
+            "bad-registration": bool(self.refused) and all_say("refused the pairing"),
+            "deadline": all_say("deadline passed"),
+        }.get(fault, False)
+        if not expected:
+            return None
+        return f"{fault}: {len(failed)} of {len(self.states)} requests failed as expected ({next(iter(failed.values()))})"
+
     def render(self) -> str:
         c = self.config
         model = c.model()

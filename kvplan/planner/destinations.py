@@ -29,6 +29,7 @@ import torch
 
 from ..compat.sglang import unpack_int_lists
 from ..errors import AlignmentError, InputError
+from ..kernels import require_runnable
 from .lists import (
     ListJob,
     Packer,
@@ -182,6 +183,7 @@ def plan_destinations(side: SideMemory, requests: Sequence[PreallocatedRequest],
     table = side.req_to_token
     device = table.device if isinstance(table, torch.Tensor) else torch.device("cpu")
     table = as_device_tensor(table, device, "req_to_token")
+    require_runnable(device.type)
     if table.dtype != torch.int32 or table.dim() != 2:
         raise InputError(None, f"req_to_token must be a 2-D int32 tensor, got {table.dtype} {tuple(table.shape)}")
     ps = side.kv.page_size

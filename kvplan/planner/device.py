@@ -43,6 +43,7 @@ import torch
 
 from ..errors import InputError, LayoutError
 from ..kernels import batch_layout as kl
+from ..kernels import require_runnable
 from ..kernels import elements as ke
 from ..kernels import expand as kx
 from ..kernels import run_table as kr
@@ -250,6 +251,7 @@ class Planner:
         self.outputs = frozenset(outputs)
         self.table = _token_table(src)
         self.device = self.table.device
+        require_runnable(self.device.type)
         cuda = self.device.type == "cuda"
         self.graphs = cuda if graphs is None else bool(graphs)
         if self.graphs and not cuda:
