@@ -6,7 +6,7 @@ Runs in Triton's interpreter on the CPU (CI) and on CUDA with TRITON_INTERPRET=0
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from kvplan.errors import PlanError
@@ -100,40 +100,63 @@ def test_large_addresses_and_page_ids_use_64_bit_arithmetic(device, int32_saniti
     check_same(Batch(src, (dst,), (t,)), device)
 
 
-def _mutate(batch: Batch, kind: str, which: int) -> Batch:
-    """One bad transfer in an otherwise valid batch."""
+def _mutate(batch: Batch, kind: str, which: int):
+    """One bad transfer in an otherwise valid batch: ``(batch, error types, request)``, or ``None``
+    when the mutation does not apply to the drawn transfer (then it could be valid)."""
     from dataclasses import replace
+
+    from kvplan.errors import (AlignmentError, AllocatorInvariantError, InputError, LengthMismatchError,
+                               PoolBoundsError)
+    from kvplan.planner.model import Policy
+    from kvplan.planner.rules import cdiv, chunk_end
 
     transfers = list(batch.transfers)
     i = which % len(transfers)
     t = transfers[i]
     ps = batch.src.kv.page_size
+    strict = batch.policy is Policy.STRICT
+    end = chunk_end(t.start, t.fill_len, t.prompt_len, ps, t.last)
+    pages = cdiv(end - t.start, ps)
+    out = None
     if kind == "unaligned" and ps > 1:
-        t = replace(t, start=t.start + 1)
-    elif kind == "dst_out_of_pool" and len(t.dst_pages):
-        pages = t.dst_pages.copy()
-        pages[-1] = batch.dsts[0].kv.num_pages + 3
-        t = replace(t, dst_pages=pages)
-    elif kind == "dst_short" and len(t.dst_pages):
-        t = replace(t, dst_pages=t.dst_pages[:-1])
-    elif kind == "wrong_last":
-        t = replace(t, last=not t.last)
+        out = replace(t, start=t.start + 1), (AlignmentError,)
+    elif kind == "dst_out_of_pool" and t.last and pages:
+        dst = t.dst_pages.copy()
+        dst[-1] = batch.dsts[0].kv.num_pages + 3
+        out = replace(t, dst_pages=dst), (PoolBoundsError,)
+    elif kind == "dst_short" and t.last and pages and strict:
+        out = replace(t, dst_pages=t.dst_pages[:-1]), (LengthMismatchError,)
+    elif kind == "wrong_last" and not t.last and strict and (
+            cdiv(min(t.fill_len, t.prompt_len) - t.prefix_len, ps) < cdiv(t.prompt_len - t.prefix_len, ps)):
+        out = replace(t, last=True), (LengthMismatchError,)  # claims the end while destination pages remain
     elif kind == "bad_row":
-        t = replace(t, src_row=0)
-    elif kind == "bad_aux" and t.last:
-        t = replace(t, aux_dst=10**6)
-    elif kind == "state_short" and t.last and t.dst_state and len(t.dst_state[0]) > 1:
-        t = replace(t, dst_state=(t.dst_state[0][:-1], *t.dst_state[1:]))
-    elif kind == "src_slot" and len(t.dst_pages):
+        out = replace(t, src_row=0), (InputError,)
+    elif kind == "bad_aux" and t.last and batch.src.aux:
+        out = replace(t, aux_dst=10**6), (PoolBoundsError,)
+    elif kind == "state_short" and t.last and strict and t.dst_state and len(t.dst_state[0]) > 1:
+        out = replace(t, dst_state=(t.dst_state[0][:-1], *t.dst_state[1:])), (LengthMismatchError,)
+    elif kind == "src_slot" and pages:
         table = batch.src.req_to_token.copy()
         table[t.src_row, t.start] = (batch.src.kv.num_pages + 5) * ps
-        return Batch(replace(batch.src, req_to_token=table), batch.dsts, tuple(transfers), batch.policy)
-    transfers[i] = t
-    return Batch(batch.src, batch.dsts, tuple(transfers), batch.policy)
+        bad = Batch(replace(batch.src, req_to_token=table), batch.dsts, tuple(transfers), batch.policy)
+        return bad, (AllocatorInvariantError, PoolBoundsError), t.request
+    if out is None:
+        return None
+    transfers[i] = out[0]
+    return Batch(batch.src, batch.dsts, tuple(transfers), batch.policy), out[1], t.request
 
 
 @settings(max_examples=40, deadline=None)
 @given(scenarios(), st.sampled_from(["unaligned", "dst_out_of_pool", "dst_short", "wrong_last", "bad_row", "bad_aux",
                                      "state_short", "src_slot"]), st.integers(0, 50))
 def test_bad_batches_raise_what_the_reference_raises(device, case, kind, which):
-    check_same(_mutate(case[1], kind, which), device)
+    """Every mutation that must fail fails, on both paths, with its error type and the bad request."""
+    mutated = _mutate(case[1], kind, which)
+    assume(mutated is not None)
+    batch, types, request = mutated
+    with pytest.raises(types) as by_reference:
+        plan_reference(batch)
+    assert by_reference.value.request == request
+    with pytest.raises(type(by_reference.value)) as on_device_:
+        gpu.plan(on_device(batch, device)).result()
+    assert on_device_.value.request == request, f"{on_device_.value} vs {by_reference.value}"
