@@ -15,6 +15,20 @@ from tests.planner.test_gpu_planner import on_device
 from tests.planner.test_reference_properties import scenarios
 
 
+def _unpack_wire(data: bytes) -> list[list[int]]:
+    """docs/planning.md §7, read with struct: ``u32le n | u32le len_0..len_{n-1} | buffers`` of int32."""
+    import struct
+
+    (n,) = struct.unpack_from("<I", data, 0)
+    sizes = struct.unpack_from(f"<{n}I", data, 4)
+    at, out = 4 + 4 * n, []
+    for size in sizes:
+        out.append(list(struct.unpack_from(f"<{size // 4}i", data, at)))
+        at += size
+    assert at == len(data), "trailing bytes after the last buffer"
+    return out
+
+
 def side_on(side: SideMemory, device: torch.device) -> SideMemory:
     return side.to(device)
 
@@ -32,7 +46,11 @@ def test_destination_lists_match_the_reference(device, case, block):
     requests = requests_of(batch)
     pending = plan_destinations(side_on(dst, device), requests, block=block)
     published = pending.result()
-    assert pending.messages() == [p.message() for p in published]
+    messages = pending.messages()
+    assert len(messages) == len(requests)
+    for r, message in zip(requests, messages):  # decoded here with struct, independently of kvplan's codec
+        want = destination_lists(dst, r.row, r.prefix_len, r.prompt_len, r.request)
+        assert _unpack_wire(message) == [want.pages.tolist(), *[x.tolist() for x in want.state], [r.aux_index]]
     for r, p in zip(requests, published):
         want = destination_lists(dst, r.row, r.prefix_len, r.prompt_len, r.request)
         assert p.request == r.request
