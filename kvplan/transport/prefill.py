@@ -245,7 +245,9 @@ class PrefillEndpoint:
         outcome = wait_all(self.engine, [h for h, _ in posted], deadline, give_up=lambda: self._any_peer_gone(dests))
         for handle, section in posted:
             if outcome[handle] is not None:
-                self._fail(plan.transfers[section.transfer].dest, result, [section.request], outcome[handle])
+                dest = plan.transfers[section.transfer].dest
+                # a dead receiver is the cause, whatever the engine says about the write
+                self._fail(dest, result, [section.request], self._peer_gone(dest) or outcome[handle])
         return result
 
     def _prepare(self, dest: int) -> None:
