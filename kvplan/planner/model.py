@@ -102,12 +102,25 @@ class Entry:
         return cls(int(base_ptr), int(item_len), int(data_len) // int(item_len))
 
     @classmethod
-    def from_tensor(cls, tensor: Any) -> "Entry":
-        """An entry over a contiguous tensor whose first dimension indexes items."""
+    def from_tensor(cls, tensor: Any, tokens_per_item: int) -> "Entry":
+        """An entry over a contiguous tensor whose first dimension indexes tokens or pages.
+
+        ``tokens_per_item`` says which: the page size for a token-indexed buffer (SGLang's
+        ``k_buffer`` is ``[tokens, heads, dim]``: an item is ``page_size`` rows), or 1 for a buffer
+        already indexed by page (``[pages, page_size, heads, dim]``) or by slot (Mamba, aux). It is
+        required because the two layouts cannot be told apart from the tensor.
+
+        Example::
+
+            k_buffer = torch.zeros(64, 8, 128, dtype=torch.bfloat16)   # [tokens, heads, dim]
+            Entry.from_tensor(k_buffer, tokens_per_item=16)             # 4 pages of 32768 bytes
+        """
         if not tensor.is_contiguous():
             raise LayoutError("entry tensors must be contiguous")
-        item_len = tensor.stride(0) * tensor.element_size()
-        return cls(int(tensor.data_ptr()), int(item_len), int(tensor.shape[0]))
+        if tokens_per_item < 1 or tensor.shape[0] % tokens_per_item:
+            raise LayoutError(f"a tensor of {tensor.shape[0]} rows does not hold whole items of {tokens_per_item} rows")
+        item_len = tensor.stride(0) * tensor.element_size() * tokens_per_item
+        return cls(int(tensor.data_ptr()), int(item_len), int(tensor.shape[0]) // tokens_per_item)
 
 
 @dataclass(frozen=True)
