@@ -43,7 +43,7 @@ from .lists import (
 )
 from .model import Policy, SideMemory
 from .plan import DestinationLists
-from .rules import check_row
+from .rules import check_row, check_token_table
 from .state_kinds import rules_of
 
 __all__ = ["Expectation", "PendingDestinations", "PreallocatedRequest", "PublishedRequest", "decode_message",
@@ -180,6 +180,7 @@ def plan_destinations(side: SideMemory, requests: Sequence[PreallocatedRequest],
     """
     if side.req_to_token is None:
         raise InputError(None, "the decode side needs its token table (req_to_token)")
+    check_token_table(side.req_to_token)
     table = side.req_to_token
     device = table.device if isinstance(table, torch.Tensor) else torch.device("cpu")
     table = as_device_tensor(table, device, "req_to_token")

@@ -56,6 +56,7 @@ from .model import Batch, Policy, SideMemory
 from .pairing import Mode, SidePairing, pair_sides
 from .plan import ComponentPlan, Plan, TransferPlan, empty_descs, empty_runs
 from .prepared import AUX, KV, PreparedIndices, prepared_slots
+from .rules import check_token_table
 from .state_kinds import rules_of
 from .transfer_lists import transfer_lists
 
@@ -77,17 +78,9 @@ def _pow2(n: int, least: int) -> int:
 
 
 def _token_table(side: SideMemory) -> torch.Tensor:
+    check_token_table(side.req_to_token)
     table = side.req_to_token
-    if table is None:
-        raise InputError(None, "the source side needs its token table (req_to_token)")
-    if isinstance(table, np.ndarray):
-        table = torch.from_numpy(table)
-    if not isinstance(table, torch.Tensor) or table.dtype != torch.int32 or table.dim() != 2:
-        what = f"{table.dtype} {tuple(table.shape)}" if isinstance(table, torch.Tensor) else type(table).__name__
-        raise InputError(None, f"req_to_token must be a 2-D int32 tensor, got {what}")
-    if table.shape[1] > 1 and table.stride(1) != 1:
-        raise InputError(None, f"req_to_token must have unit column stride, got strides {tuple(table.stride())}")
-    return table
+    return torch.from_numpy(table) if isinstance(table, np.ndarray) else table
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..errors import LayoutError
+from ..errors import InputError, LayoutError
 
 __all__ = [
     "Attention",
@@ -302,8 +302,11 @@ class Transfer:
     dest: int = 0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "dst_pages", _index_array(self.dst_pages))
-        object.__setattr__(self, "dst_state", tuple(_index_array(x) for x in self.dst_state))
+        try:
+            object.__setattr__(self, "dst_pages", _index_array(self.dst_pages))
+            object.__setattr__(self, "dst_state", tuple(_index_array(x) for x in self.dst_state))
+        except TypeError as err:
+            raise InputError(self.request, str(err)) from None
 
 
 @dataclass(frozen=True)
@@ -325,7 +328,10 @@ class Batch:
     validate: bool = True
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "policy", Policy(self.policy))
+        try:
+            object.__setattr__(self, "policy", Policy(self.policy))
+        except ValueError:
+            raise InputError(None, f"policy must be one of {[p.value for p in Policy]}, got {self.policy!r}") from None
         object.__setattr__(self, "dsts", tuple(self.dsts))
         object.__setattr__(self, "transfers", tuple(self.transfers))
 

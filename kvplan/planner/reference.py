@@ -24,7 +24,7 @@ from .host_expand import contiguous_runs, direct_descriptors, head_sliced_descri
 from .model import Batch, SideMemory, Transfer
 from .pairing import Mode, SidePairing, pair_sides
 from .plan import ComponentPlan, DestinationLists, Plan, TransferPlan, empty_descs, empty_runs
-from .rules import check_bounds, check_paged_slots, check_row, chunk_end, host, token_pages
+from .rules import check_bounds, check_paged_slots, check_row, check_token_table, chunk_end, host, token_pages
 from .state_kinds import rules_of, state_list
 from .transfer_lists import transfer_lists
 
@@ -48,6 +48,7 @@ def destination_lists(
     ps = side.kv.page_size
     if prefix_len % ps:
         raise AlignmentError(request, f"decode prefix {prefix_len} is not a multiple of page size {ps}")
+    check_token_table(side.req_to_token)
     table = host(side.req_to_token)
     check_row(request, table.shape, row, prompt_len)
     if validate:
@@ -100,8 +101,7 @@ def _plan_transfer(batch: Batch, t: Transfer, pairing: SidePairing) -> TransferP
 
 def plan_reference(batch: Batch) -> Plan:
     """Plan a whole batch with NumPy; raise a :class:`~kvplan.errors.PlanError` naming the first bad request."""
-    if batch.src.req_to_token is None:
-        raise InputError(None, "the source side needs its token table (req_to_token)")
+    check_token_table(batch.src.req_to_token)
     pairings = [pair_sides(batch.src, d) for d in batch.dsts]
     out = []
     for t in batch.transfers:

@@ -32,6 +32,7 @@ __all__ = [
     "check_bounds",
     "check_paged_slots",
     "check_row",
+    "check_token_table",
     "chunk_end",
     "host",
     "paired_length",
@@ -52,6 +53,24 @@ def host(values: Any) -> np.ndarray:
     if hasattr(values, "detach"):
         return values.detach().cpu().numpy()
     return np.asarray(values)
+
+
+def check_token_table(table: Any) -> None:
+    """The token table is what every path accepts: a 2-D int32 array or tensor, rows contiguous.
+
+    The reference and the device planner call this alike, so a table one of them accepts is never
+    refused (or misread) by the other.
+    """
+    if table is None:
+        raise InputError(None, "the side needs its token table (req_to_token)")
+    shape = tuple(getattr(table, "shape", ()))
+    dtype = str(getattr(table, "dtype", type(table).__name__)).replace("torch.", "")
+    if len(shape) != 2 or dtype != "int32":
+        raise InputError(None, f"req_to_token must be a 2-D int32 array or tensor, got {dtype} {shape}")
+    unit = table.stride(1) == 1 if hasattr(table, "stride") and callable(table.stride) else table.strides[1] == 4
+    if shape[1] > 1 and not unit:
+        raise InputError(None, "req_to_token must be row-major (unit column stride); got a column-major or strided "
+                         "view: pass .contiguous() / np.ascontiguousarray(...)")
 
 
 def chunk_end(start: int, fill_len: int, prompt_len: int, page_size: int, last: bool) -> int:

@@ -18,8 +18,8 @@ import numpy as np
 
 from ..errors import InputError, LengthMismatchError
 from .model import Batch, Transfer
-from .rules import check_aux, check_bounds, check_paged_slots, host, paired_length, require_both_or_neither, \
-    resolve_chunk, token_pages
+from .rules import check_aux, check_bounds, check_paged_slots, check_token_table, host, paired_length, \
+    require_both_or_neither, resolve_chunk, token_pages
 from .state_kinds import rules_of, state_list
 
 __all__ = ["TransferLists", "transfer_lists"]
@@ -49,8 +49,7 @@ def transfer_lists(batch: Batch, t: Transfer) -> TransferLists:
     if not 0 <= t.dest < len(batch.dsts):
         raise InputError(t.request, f"destination {t.dest} is not one of the batch's {len(batch.dsts)} destinations")
     src, dst, policy, request = batch.src, batch.dsts[t.dest], batch.policy, t.request
-    if src.req_to_token is None:
-        raise InputError(None, "the source side needs its token table (req_to_token)")
+    check_token_table(src.req_to_token)
     ps = src.kv.page_size
     table = host(src.req_to_token)
     chunk = resolve_chunk(t, ps, table.shape, dst.kv.num_pages, policy)
