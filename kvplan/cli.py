@@ -102,12 +102,15 @@ def _bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvplan", description="GPU-resident KV-cache transfer planning.")
     parser.add_argument("--version", action="version", version=f"kvplan {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="-v: INFO lines per batch; -vv: DEBUG")
+    verbosity = argparse.ArgumentParser(add_help=False)  # so that -v also works after the subcommand
+    verbosity.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                           help="-v: INFO lines per batch; -vv: DEBUG lines per section")
     sub = parser.add_subparsers(dest="command", required=True)
     from .demo import FAULTS
 
     demo = sub.add_parser(
-        "demo", help="a real prefill-to-decode hand-off on this machine, verified byte for byte",
+        "demo", parents=[verbosity], help="a real prefill-to-decode hand-off on this machine, verified byte for byte",
         description="Starts a decode and a prefill process on 127.0.0.1 with model-shaped, fragmented paged pools "
                     "(GPU memory when a GPU is present), plans the batch with kvplan, moves it through a real engine "
                     "and checks every byte on the decode side. Exits 1 if any request fails or any byte is wrong.")
@@ -147,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench import SCENARIOS
 
     bench = sub.add_parser(
-        "bench", help="plan latency against the strongest host planners for the scenarios of docs/benchmarks.md",
+        "bench", parents=[verbosity], help="plan latency against the strongest host planners for the scenarios of docs/benchmarks.md",
         description="Plans each scenario with kvplan and with the SGLang-style baseline in this process, checks "
                     "that the descriptors are equal, and reports medians, the ratio and which targets are met. "
                     "Without a GPU the kernels run in Triton's interpreter: use --scale to keep it short.")
@@ -176,5 +179,7 @@ def _use_interpreter_without_gpu() -> None:
 def main(argv: list[str] | None = None) -> int:
     _use_interpreter_without_gpu()  # before anything imports the kernels
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    level = logging.DEBUG if args.verbose >= 2 else logging.INFO if args.verbose else logging.WARNING
+    logging.basicConfig(level=level, format="%(levelname)s %(message)s")
+    os.environ["KVPLAN_LOG_LEVEL"] = logging.getLevelName(level)  # the demo's processes log alike
     return args.run(args)

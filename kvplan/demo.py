@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import statistics
@@ -48,7 +49,7 @@ from .verify import AddressSpace, execute
 __all__ = ["DemoConfig", "DemoReport", "FAULTS", "run_demo"]
 
 FAULTS = ("none", "dead-decode", "dead-prefill", "dead-decode-mid", "dead-prefill-mid", "bad-registration", "deadline")
-ENGINE_ENV = (("UCX_NET_DEVICES", "lo"), ("NIXL_LOG_LEVEL", "WARN"),
+ENGINE_ENV = (("UCX_NET_DEVICES", "lo"), ("NIXL_LOG_LEVEL", "WARN"), ("GLOG_minloglevel", "2"),
               ("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "65535"), ("MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER", "65535"))
 STAGES = ("start decode", "start prefill", "pair", "publish lists", "plan", "transfer", "complete", "verify")
 
@@ -180,11 +181,19 @@ class DemoReport:
         return "\n".join(lines)
 
 
+def _child_setup() -> None:
+    """Engine settings and the parent's log level in a spawned process."""
+    for key, value in ENGINE_ENV:
+        os.environ.setdefault(key, value)
+    level = os.environ.get("KVPLAN_LOG_LEVEL")
+    if level:
+        logging.basicConfig(level=level, format="%(levelname)s %(processName)s %(message)s")
+
+
 def decode_process(config: DemoConfig, conn) -> None:
     """The receiving side: publish, wait, verify; every outcome goes back through ``conn``."""
     try:
-        for key, value in ENGINE_ENV:
-            os.environ.setdefault(key, value)
+        _child_setup()
         device = config.resolved_device()
         batch = config.batch()
         side, dst_tensors = materialize(batch.dsts[0], device)
@@ -230,8 +239,7 @@ def decode_process(config: DemoConfig, conn) -> None:
 def prefill_process(config: DemoConfig, port: int, conn) -> None:
     """The sending side: pair, receive lists, plan (and time it), move the batch."""
     try:
-        for key, value in ENGINE_ENV:
-            os.environ.setdefault(key, value)
+        _child_setup()
         device = config.resolved_device()
         batch = config.batch()
         side, _ = materialize(batch.src, device, seed=config.seed)

@@ -56,3 +56,11 @@ def test_bad_options_get_a_clear_message():
     done = subprocess.run([sys.executable, "-m", "kvplan", "demo", "--requests", "0"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "must be >= 1" in done.stderr
+
+
+@pytest.mark.engines
+def test_verbose_after_the_subcommand_logs_each_batch():
+    done = subprocess.run([sys.executable, "-m", "kvplan", "demo", "-v", "--requests", "2", "--no-progress"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "INFO" in done.stderr and "sending 4 transfers" in done.stderr

@@ -184,6 +184,7 @@ class PrefillEndpoint:
         if mode == "auto":
             mode = self._auto_mode(plan)
         self.last_mode = mode
+        log.info("sending %d transfers (%d descriptors) %s", len(transfers), plan.num_descs, mode)
         if mode == "direct":
             return self._send_direct(plan, deadline)
         if mode == "prepared":
@@ -237,6 +238,7 @@ class PrefillEndpoint:
         for s in plan.sections():
             dest = plan.transfers[s.transfer].dest
             posted.append((self.engine.post(self.peers[dest].name, descs[s.lo : s.hi], encode_notification(s)), s))
+            log.debug("posted %s of %r: %d descriptors to peer %d", s.name, s.request, s.hi - s.lo, dest)
         return self._settle(plan, posted, deadline)
 
     def _settle(self, plan: Plan, posted: list[tuple[Handle, Section]], deadline: float) -> dict[Any, str | None]:
