@@ -14,6 +14,8 @@ from .transport.engines import engine_names
 
 log = logging.getLogger("kvplan")
 
+CPU_SCALE = 0.02  # kvplan bench's scale without a GPU
+
 
 def _positive(text: str) -> int:
     value = int(text)
@@ -87,9 +89,16 @@ def _bench(args: argparse.Namespace) -> int:
 
     from .bench import SCENARIOS, progress_printer, render, rows_as_dicts, run_bench
 
+    import torch
+
     names = args.scenario or list(SCENARIOS)
+    scale = args.scale
+    if scale is None:  # full size on a GPU; on a CPU the interpreter would take hours
+        scale = 1.0 if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else CPU_SCALE
+        if scale != 1.0:
+            sys.stderr.write(f"kvplan bench: no GPU: scenarios scaled by {scale} (--scale to choose)\n")
     show = None if args.no_progress else progress_printer(len(names))
-    rows = run_bench(names, runs=args.runs, scale=args.scale, staging=args.staging, progress=show)
+    rows = run_bench(names, runs=args.runs, scale=scale, staging=args.staging, progress=show)
     if show:
         sys.stderr.write("\n")
     sys.stdout.write(render(rows) + "\n")
@@ -157,8 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--scenario", action="append", choices=list(SCENARIOS),
                        help="a scenario to run (repeatable; default: all)")
     bench.add_argument("--runs", type=_positive, default=20, help="timed runs per measurement (default: 20)")
-    bench.add_argument("--scale", type=float, default=1.0,
-                       help="shrink requests, tokens and layers by this factor, e.g. 0.02 on a CPU (default: 1)")
+    bench.add_argument("--scale", type=float, default=None,
+                       help=f"shrink requests, tokens and layers by this factor (default: 1 on a GPU, {CPU_SCALE} "
+                            "without one)")
     bench.add_argument("--staging", action="store_true",
                        help="also measure the staging gather/scatter against a device-to-device copy (GPU)")
     bench.add_argument("--json", help="write the results as JSON to this file")

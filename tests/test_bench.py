@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from kvplan.bench import render, run_bench
 
 
@@ -26,3 +28,15 @@ def test_bench_command_writes_json(tmp_path):
     assert rows[0]["scenario"] == "qwen3next-mamba-p64" and rows[0]["descriptors"] > 0
     assert {"numpy-batch", "prepared-ids", "sglang-loop"} <= set(rows[0]["baselines"])
     assert rows[0]["strongest_baseline"] == "numpy-batch" and "kvplan_graph_ms" in rows[0] and "floor_ms" in rows[0]
+
+
+def test_bench_picks_a_small_scale_by_itself_without_a_gpu(tmp_path):
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("checks the CPU machine's default")
+    out = tmp_path / "bench.json"
+    done = subprocess.run([sys.executable, "-m", "kvplan", "bench", "--scenario", "qwen3next-mamba-p64", "--runs", "1",
+                           "--json", str(out), "--no-progress"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "scaled by 0.02" in done.stderr, done.stderr
+    assert json.loads(out.read_text())[0]["requests"] < 64
