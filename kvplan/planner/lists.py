@@ -22,6 +22,7 @@ from ..errors import AllocatorInvariantError, InputError, PoolBoundsError, Unmap
 from ..kernels import index_lists as ki
 from ..kernels import slot_check as ks
 from .model import Policy, StateComponent
+from .plan import Role
 from .rules import cdiv
 from .state_kinds import rules_of
 
@@ -36,7 +37,7 @@ class Segment:
     """One list of one request: ``n`` ids by the kernel formula ``kind`` (see index_lists)."""
 
     owner: int  # index of the transfer or request it belongs to
-    role: int  # KV (-1), AUX (-2) or a component index
+    role: int  # Role.KV, Role.AUX or a component index
     kind: int
     row: int
     a: int
@@ -82,7 +83,7 @@ class SegmentTable:
 
     def what(self, s: int, component_names: Sequence[str]) -> str:
         role = int(self.role[s])
-        return "KV page" if role == -1 else "aux" if role == -2 else component_names[role]
+        return "KV page" if role == Role.KV else "aux" if role == Role.AUX else component_names[role]
 
 
 def pages_segment(owner: int, row: int, a: int, end: int, page_size: int, num_pages: int, validate: bool,
@@ -90,7 +91,7 @@ def pages_segment(owner: int, row: int, a: int, end: int, page_size: int, num_pa
     """KV pages of tokens ``[a, end)`` (``n`` overrides the count after truncation)."""
     check = (row, a, end - a, page_size) if validate and end > a else None
     count = cdiv(end - a, page_size) if n is None else n
-    return Segment(owner, -1, ki.TOKEN_PAGES, row, a, page_size, count, 1, num_pages, check=check)
+    return Segment(owner, Role.KV, ki.TOKEN_PAGES, row, a, page_size, count, 1, num_pages, check=check)
 
 
 def component_segment(owner: int, c: int, comp: StateComponent, side_page_size: int, row: int, seq: int,
@@ -228,7 +229,7 @@ def raise_list_errors(segments: SegmentTable, component_names: Sequence[str], re
         raise UnmappedSlotError(request, f"{what}: token {pos} inside the window has no SWA slot")
     if inv[s]:
         row, a, _, ps = (int(x) for x in segments.check[s])
-        raise AllocatorInvariantError(request, f"{'KV' if segments.role[s] == -1 else what}: token {a + int(invariant[s])} "
+        raise AllocatorInvariantError(request, f"{'KV' if segments.role[s] == Role.KV else what}: token {a + int(invariant[s])} "
                                       f"breaks the paged allocator invariant (page size {ps})")
     k = int(errors[s, 0])
     value = int(ids[seg_off[s] + k]) if k < segments.n[s] else -1

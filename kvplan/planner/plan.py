@@ -8,6 +8,7 @@ planning.md §5 fixes: KV (entry-major, then runs), then each state component in
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -15,9 +16,16 @@ import numpy as np
 from .model import StateKind
 from .pairing import Mode
 
-__all__ = ["ComponentPlan", "DestinationLists", "Plan", "Section", "TransferPlan", "empty_descs", "empty_runs"]
+__all__ = ["ComponentPlan", "DestinationLists", "Plan", "Role", "Section", "TransferPlan", "empty_descs", "empty_runs"]
 
-KV_ROLE, AUX_ROLE = -1, -2
+class Role(enum.IntEnum):
+    """What a section or list carries besides a state component (a component's role is its index, >= 0)."""
+
+    KV = -1
+    AUX = -2
+
+
+KV_ROLE, AUX_ROLE = Role.KV, Role.AUX
 
 
 def empty_descs() -> np.ndarray:

@@ -26,11 +26,11 @@ import numpy as np
 from ..errors import LayoutError
 from .model import Batch, SideMemory
 from .pairing import Mode, pair_sides
-from .plan import Plan
+from .plan import Plan, Role
 
 __all__ = ["AUX", "KV", "PreparedIndices", "prepared_indices_reference", "prepared_slots"]
 
-KV, AUX = -1, -2  # section roles besides component indices
+KV, AUX = Role.KV, Role.AUX  # section roles besides component indices
 INT32_MAX = (1 << 31) - 1
 
 
