@@ -56,11 +56,11 @@ def staging_offsets(descs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return ends - descs[:, 2], ends
 
 
-def _check_staging(staging: torch.Tensor, ends: torch.Tensor, need: int | None) -> None:
+def _check_staging(staging: torch.Tensor, descs: torch.Tensor, offsets: torch.Tensor, need: int | None) -> None:
     if staging.dtype != torch.uint8 or not staging.is_contiguous():
         raise InputError(None, "the staging buffer must be a contiguous uint8 tensor")
-    if need is None:  # one read of the size from the device; callers that know it pass `need`
-        need = int(ends[-1]) if ends.numel() else 0
+    if need is None:  # one read of the end from the device; callers that know it pass `need`
+        need = int(offsets[-1] + descs[-1, 2]) if descs.shape[0] else 0
     if need > staging.numel():
         raise InputError(None, f"the staging buffer holds {staging.numel()} bytes; the transfer needs {need}")
 
@@ -70,14 +70,14 @@ def gather(descs: torch.Tensor, offsets: torch.Tensor, staging: torch.Tensor, al
     """Copy each descriptor's source bytes to ``staging[offsets[i]:]`` (the source side of staged mode).
 
     ``need``: the staging bytes the copy reaches, when the caller knows it (else read from the device)."""
-    _check_staging(staging, offsets + descs[:, 2], need)
+    _check_staging(staging, descs, offsets, need)
     kc.copy_descriptors(descs, kc.GATHER, offsets, staging.data_ptr(), alignment, typical_bytes)
 
 
 def scatter(descs: torch.Tensor, offsets: torch.Tensor, staging: torch.Tensor, alignment: int,
             typical_bytes: int = 4096, need: int | None = None) -> None:
     """Copy ``staging[offsets[i]:]`` to each descriptor's destination (the receiving side of staged mode)."""
-    _check_staging(staging, offsets + descs[:, 2], need)
+    _check_staging(staging, descs, offsets, need)
     kc.copy_descriptors(descs, kc.SCATTER, offsets, staging.data_ptr(), alignment, typical_bytes)
 
 

@@ -109,7 +109,6 @@ def drain_seconds() -> float:
 
 
 def wait_all(engine: Engine, handles: list[Handle], deadline: float,
-             on_done: Callable[[Handle], None] | None = None,
              give_up: Callable[[], str | None] | None = None) -> dict[Handle, str | None]:
     """Wait for every handle until ``deadline``; ``None`` per handle that completed, else the reason.
 
@@ -131,8 +130,6 @@ def wait_all(engine: Engine, handles: list[Handle], deadline: float,
             state = engine.progress(h)
             if state == "DONE":
                 outcome[h] = None
-                if on_done is not None:
-                    on_done(h)
             elif state == "ERR":
                 outcome[h] = h.error or "the engine reported an error"
             else:
