@@ -70,7 +70,8 @@ def _demo(args: argparse.Namespace) -> int:
     config = DemoConfig(preset=args.preset, layers=args.layers, requests=args.requests, prompt_len=args.prompt_len,
                         chunks=args.chunks, prefix_len=args.prefix_len, mean_run=args.fragmentation,
                         engine=args.engine, mode=args.mode, device=args.device, seed=args.seed, timeout=args.timeout,
-                        fault=args.fault, repeat=args.repeat, engine_threads=args.engine_threads, staging_bytes=args.staging_mib << 20)
+                        fault=args.fault, repeat=args.repeat, engine_threads=args.engine_threads, staging_bytes=args.staging_mib << 20,
+                        staging_slots=args.staging_slots)
     if config.mode == "prepared" and config.engine != "nixl":
         raise SystemExit("kvplan demo: error: --mode prepared needs --engine nixl (prepared lists are NIXL's)")
     shape = config.model()
@@ -146,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="NIXL's UCX worker threads (default: 0, NIXL's own default)")
     demo.add_argument("--staging-mib", type=_positive, default=64,
                       help="staging buffer per side, in MiB, for staged and auto modes (default: 64)")
+    demo.add_argument("--staging-slots", type=_positive, default=4,
+                      help="slots of the sender's staging ring: waves in flight at once (default: 4)")
     demo.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                       help="where the pools live; auto picks the GPU when there is one (default: auto)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the allocation and the bytes (default: 0)")

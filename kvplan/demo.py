@@ -73,6 +73,7 @@ class DemoConfig:
     fault: str = "none"
     shape: ModelShape | None = None  # overrides preset/layers/mean_run (tests use small custom shapes)
     staging_bytes: int = 64 << 20
+    staging_slots: int = 4  # the staging ring's length on the sending side
     engine_threads: int = 0  # NIXL's UCX worker threads (0: NIXL's default)
     repeat: int = 1  # batches sent one after another (new request ids each time); timing: first and steady
 
@@ -190,6 +191,36 @@ def _child_setup() -> None:
         logging.basicConfig(level=level, format="%(levelname)s %(processName)s %(message)s")
 
 
+class _Profile:
+    """cProfile of a demo process's transfer loop when ``KVPLAN_PROFILE`` names a folder: the
+    functions with the most own time go to ``<folder>/<side>.txt``."""
+
+    def __init__(self, side: str):
+        self.folder, self.side = os.environ.get("KVPLAN_PROFILE"), side
+        self.profiler = None
+
+    def __enter__(self) -> "_Profile":
+        if self.folder:
+            import cProfile
+
+            self.profiler = cProfile.Profile()
+            self.profiler.enable()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.profiler is None:
+            return
+        import io
+        import pstats
+
+        self.profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(self.profiler, stream=text).sort_stats("tottime").print_stats(40)
+        os.makedirs(self.folder, exist_ok=True)
+        with open(os.path.join(self.folder, f"{self.side}.txt"), "w") as out:
+            out.write(text.getvalue())
+
+
 def decode_process(config: DemoConfig, conn) -> None:
     """The receiving side: publish, wait, verify; every outcome goes back through ``conn``."""
     try:
@@ -207,6 +238,7 @@ def decode_process(config: DemoConfig, conn) -> None:
         last = {t.request: t for t in batch.transfers if t.last}
         timeout = 3.0 if config.fault in ("deadline", "dead-prefill") else config.timeout
         states, failures = {}, {}
+        profile = _Profile("decode").__enter__()
         for k in range(config.repeat):
             tag = config.round_ids(k)
             endpoint.publish([PreallocatedRequest(f"{r}{tag}", t.src_row, t.prompt_len, t.prefix_len, t.aux_dst)
@@ -222,6 +254,7 @@ def decode_process(config: DemoConfig, conn) -> None:
             failures.update(endpoint.failures)
             if any(v != "complete" for v in states.values()):
                 break
+        profile.__exit__()
         conn.send(("stage", "complete"))
         verified = None
         if all(s == "complete" for s in states.values()):
@@ -245,7 +278,8 @@ def prefill_process(config: DemoConfig, port: int, conn) -> None:
         side, _ = materialize(batch.src, device, seed=config.seed)
         side = side.to(device)
         staging = torch.zeros(config.staging_bytes, dtype=torch.uint8, device=device) if config.mode == "staged" or config.mode == "auto" and device == "cuda" else None
-        endpoint = PrefillEndpoint(side, make_engine(config.engine, "prefill", config.memory, **config.engine_settings()), ControlChannel(port), staging)
+        endpoint = PrefillEndpoint(side, make_engine(config.engine, "prefill", config.memory, **config.engine_settings()), ControlChannel(port), staging,
+                                   slots=config.staging_slots)
         try:
             endpoint.accept(timeout=config.timeout)
         except Exception as err:  # noqa: BLE001 - a refused pairing is an outcome to report
@@ -270,6 +304,7 @@ def prefill_process(config: DemoConfig, port: int, conn) -> None:
         if not conn.poll(config.timeout * 2) or conn.recv() != "go":
             return
         result, times = {}, []
+        profile = _Profile("prefill").__enter__()
         for k in range(config.repeat):
             tag = config.round_ids(k)
             if k:
@@ -287,6 +322,7 @@ def prefill_process(config: DemoConfig, port: int, conn) -> None:
             result.update(sent)
             if any(sent.values()):
                 break
+        profile.__exit__()
         conn.send(("sent", result, times, endpoint.last_mode))
     except Exception:  # noqa: BLE001
         conn.send(("error", traceback.format_exc()))

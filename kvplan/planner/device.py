@@ -54,7 +54,7 @@ from .lists import as_device_tensor, host_empty
 from .host_expand import direct_descriptors, head_sliced_descriptors, unit_runs
 from .model import Batch, Policy, SideMemory
 from .pairing import Mode, SidePairing, pair_sides
-from .plan import ComponentPlan, Plan, TransferPlan, empty_descs, empty_runs
+from .plan import ComponentPlan, Plan, Role, Section, TransferPlan, empty_descs, empty_runs
 from .prepared import AUX, KV, PreparedIndices, prepared_slots
 from .rules import check_token_table
 from .state_kinds import rules_of
@@ -184,9 +184,11 @@ class _Buffers:
         self.seg_sums = z(4, S)
         self.head = z(int(ks.HEAD) + t_cap + 1)
         self.head_host = host_empty(int(ks.HEAD) + t_cap + 1, torch.int64, device)
-        self.sums_host = host_empty(4 * S, torch.int64, device) if outputs & {"prepared", "runs"} else None
-        self.keep = z(S) if "prepared" in outputs else None  # which segments are sections
-        self.keep_host = host_empty(S, torch.int64, device) if "prepared" in outputs else None
+        sectioned = bool(outputs & {"prepared", "descriptors", "device_descriptors"})
+        self.sums_host = host_empty(4 * S, torch.int64, device) if sectioned or "runs" in outputs else None
+        # per segment: whether it is a section (a unit the receiver counts) and its element count
+        self.keep = z(S, 2) if sectioned else None
+        self.keep_host = host_empty(2 * S, torch.int64, device) if sectioned else None
         d_cap = st.per_element * e_cap + st.aux_entries * t_cap
         self.descs = self.prep_src = self.prep_dst = self.runs = None
         if outputs & {"descriptors", "device_descriptors"}:
@@ -379,8 +381,9 @@ class Planner:
         if b.sums_host is not None:
             b.sums_host.copy_(b.seg_sums.reshape(-1), non_blocking=True)
         if b.keep is not None:
-            b.keep.copy_(b.seg[:, int(sg.F_KEEP)])
-            b.keep_host.copy_(b.keep, non_blocking=True)
+            b.keep[:, 0].copy_(b.seg[:, int(sg.F_KEEP)])
+            b.keep[:, 1].copy_(b.seg[:, int(sg.F_N)])
+            b.keep_host.copy_(b.keep.reshape(-1), non_blocking=True)
 
 
 class PendingPlan:
@@ -489,7 +492,7 @@ class PendingPlan:
             raise InputError(None, "this plan was made without prepared=True")
         K, T = self.planner.static.K, self.columns.num_transfers
         total = int(head[ks.TOTAL_PREPARED])
-        keep = b.keep_host.numpy()[: T * K] != 0
+        keep = b.keep_host.numpy().reshape(-1, 2)[: T * K, 0] != 0
         ends = b.sums_host.numpy()[3 * b.S : 4 * b.S][: T * K][keep]
         ids = np.flatnonzero(keep)
         role = ids % K
@@ -497,6 +500,32 @@ class PendingPlan:
         return PreparedIndices(self._to_host("prep_src", b.prep_src[:total]).copy(),
                                self._to_host("prep_dst", b.prep_dst[:total]).copy(),
                                np.concatenate([[0], ends]).astype(np.int64), role.astype(np.int64), ids // K)
+
+    def sections(self) -> list[Section]:
+        """What the receiver counts (as :meth:`Plan.sections`), from the plan's segment sums alone.
+
+        Needs descriptors or prepared indices among the outputs; no per-transfer plan is assembled.
+        """
+        head = self._head()
+        b = self._b
+        if b.keep_host is None:
+            raise InputError(None, "this planner makes neither descriptors nor prepared indices: it has no sections")
+        st, T = self.planner.static, self.columns.num_transfers
+        S = T * st.K
+        keep_n = b.keep_host.numpy().reshape(-1, 2)[:S]
+        ends = b.sums_host.numpy()[2 * b.S : 2 * b.S + S]
+        starts = np.empty_like(ends)
+        starts[:1] = 0
+        starts[1:] = ends[:-1]
+        live = np.flatnonzero((keep_n[:, 0] != 0) & (keep_n[:, 1] > 0) & (ends > starts))
+        roles = [Role.KV, *range(st.C), Role.AUX]
+        names = ["kv", *(c.name for c in self.planner.src.state), "aux"]
+        out = []
+        for s in live.tolist():
+            t, k = divmod(s, st.K)
+            out.append(Section(t, self.columns.request(t), roles[k], names[k], int(starts[s]), int(ends[s]),
+                               int(keep_n[s, 1]) if k == 0 else 1))
+        return out
 
     def runs(self) -> CompactRuns:
         """The compact runs form (``"runs"`` among the outputs)."""

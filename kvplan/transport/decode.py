@@ -178,9 +178,8 @@ class DecodeEndpoint:
                     self.guard.forget(r)
                     self._owner.pop(r, None)
                 if self.trace:
-                    t0 = self.trace[0][2]
-                    log.warning("decode waves (wave, step, ms): %s",
-                                [(w, k, round((t - t0) * 1e3, 3)) for w, k, t in self.trace])
+                    log.warning("decode waves (wave, step, clock ms): %s",
+                                [(w.split(":")[-1], k, round(t * 1e3, 3)) for w, k, t in self.trace])
                     self.trace.clear()
                 return states
             if self._waves or len(self.channels) > 1:  # look at the engine and every sender again at once
@@ -221,37 +220,46 @@ class DecodeEndpoint:
             self.channels[peer].send("wave-done", {"wave": index, "error": str(err)})
             return
         self._mark(key, "table")
-        self._waves[key] = _StagedWave(index, peer, lo, nbytes, alignment, rows, sections, requests,
-                                       landed=key in self._early)
+        wave = self._waves[key] = _StagedWave(index, peer, lo, nbytes, alignment, rows, sections, requests,
+                                              landed=key in self._early)
         self._early.discard(key)
+        self._stage_inputs(wave)
+
+    def _stage_inputs(self, wave: _StagedWave) -> None:
+        """The scatter's descriptors ``(0, dst, nbytes)`` and staging offsets, on the device ahead of
+        the bytes: uploaded from pinned memory on the scatter stream as soon as the table is checked,
+        so that the landing only launches the scatter."""
+        n = len(wave.table)
+        host = torch.empty((2 * n + 1, 3), dtype=torch.int64, pin_memory=self._stream is not None)
+        rows = host.numpy()
+        rows[:n, 0] = 0
+        rows[:n, 1:] = wave.table.view(np.int64)
+        offsets = rows[n:].reshape(-1)[:n]
+        offsets[0] = wave.lo
+        np.cumsum(wave.table[:-1, 1].view(np.int64), out=offsets[1:])
+        offsets[1:] += wave.lo
+        if self._stream is not None:
+            with torch.cuda.stream(self._stream):
+                on_device = host.to(self.staging.device, non_blocking=True)
+            wave.keep = (host, on_device)  # alive until the scatter has finished
+        else:
+            wave.keep = (host, host)
 
     def _scatter_landed(self) -> None:
         for key, wave in self._waves.items():
             if not wave.landed or wave.event is not None or wave.scattered:
                 continue
             n = len(wave.table)
-            device = self.staging.device
-            # descriptors (0, dst, nbytes) and staging offsets through pinned memory: the uploads are
-            # asynchronous (a pageable upload would wait for the stream's previous scatter)
-            host = torch.empty((2 * n + 1, 3), dtype=torch.int64, pin_memory=self._stream is not None)
-            rows = host.numpy()
-            rows[:n, 0] = 0
-            rows[:n, 1:] = wave.table.view(np.int64)
-            offsets = rows[n:].reshape(-1)[: n]
-            offsets[0] = wave.lo
-            np.cumsum(wave.table[:-1, 1].view(np.int64), out=offsets[1:])
-            offsets[1:] += wave.lo
+            inputs = wave.keep[1]
             typical = max(1, wave.nbytes // max(1, n))
             if self._stream is not None:
                 with torch.cuda.stream(self._stream):
-                    on_device = host.to(device, non_blocking=True)
-                    scatter(on_device[:n], on_device[n:].reshape(-1)[:n], self.staging, wave.alignment,
+                    scatter(inputs[:n], inputs[n:].reshape(-1)[:n], self.staging, wave.alignment,
                             typical_bytes=typical, need=wave.lo + wave.nbytes)
                     wave.event = torch.cuda.Event()
                     wave.event.record(self._stream)
-                wave.keep = (host, on_device)  # alive until the scatter has finished
             else:
-                scatter(host[:n], host[n:].reshape(-1)[:n], self.staging, wave.alignment, typical_bytes=typical,
+                scatter(inputs[:n], inputs[n:].reshape(-1)[:n], self.staging, wave.alignment, typical_bytes=typical,
                         need=wave.lo + wave.nbytes)
                 wave.event = True
             self._mark(key, "scatter")

@@ -56,9 +56,12 @@ def staging_offsets(descs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return ends - descs[:, 2], ends
 
 
-def _check_staging(staging: torch.Tensor, descs: torch.Tensor, offsets: torch.Tensor, need: int | None) -> None:
+def _check_staging(staging: torch.Tensor, descs: torch.Tensor, offsets: torch.Tensor, need: int | None,
+                   shift: int = 0) -> None:
     if staging.dtype != torch.uint8 or not staging.is_contiguous():
         raise InputError(None, "the staging buffer must be a contiguous uint8 tensor")
+    if shift and need is None:
+        raise InputError(None, "a shifted staging copy needs the staging bytes it reaches (need)")
     if need is None:  # one read of the end from the device; callers that know it pass `need`
         need = int(offsets[-1] + descs[-1, 2]) if descs.shape[0] else 0
     if need > staging.numel():
@@ -66,19 +69,21 @@ def _check_staging(staging: torch.Tensor, descs: torch.Tensor, offsets: torch.Te
 
 
 def gather(descs: torch.Tensor, offsets: torch.Tensor, staging: torch.Tensor, alignment: int,
-           typical_bytes: int = 4096, need: int | None = None) -> None:
-    """Copy each descriptor's source bytes to ``staging[offsets[i]:]`` (the source side of staged mode).
+           typical_bytes: int = 4096, need: int | None = None, shift: int = 0) -> None:
+    """Copy each descriptor's source bytes to ``staging[offsets[i] + shift:]`` (the source side of staged mode).
 
-    ``need``: the staging bytes the copy reaches, when the caller knows it (else read from the device)."""
-    _check_staging(staging, descs, offsets, need)
-    kc.copy_descriptors(descs, kc.GATHER, offsets, staging.data_ptr(), alignment, typical_bytes)
+    ``need``: the staging bytes the copy reaches, when the caller knows it (else read from the device;
+    a caller that passes ``shift`` must pass ``need``). ``shift`` lets a slice of a whole batch's
+    offsets land in one slot of the buffer without a new offsets tensor."""
+    _check_staging(staging, descs, offsets, need, shift)
+    kc.copy_descriptors(descs, kc.GATHER, offsets, staging.data_ptr() + shift, alignment, typical_bytes)
 
 
 def scatter(descs: torch.Tensor, offsets: torch.Tensor, staging: torch.Tensor, alignment: int,
-            typical_bytes: int = 4096, need: int | None = None) -> None:
-    """Copy ``staging[offsets[i]:]`` to each descriptor's destination (the receiving side of staged mode)."""
-    _check_staging(staging, descs, offsets, need)
-    kc.copy_descriptors(descs, kc.SCATTER, offsets, staging.data_ptr(), alignment, typical_bytes)
+            typical_bytes: int = 4096, need: int | None = None, shift: int = 0) -> None:
+    """Copy ``staging[offsets[i] + shift:]`` to each descriptor's destination (the receiving side of staged mode)."""
+    _check_staging(staging, descs, offsets, need, shift)
+    kc.copy_descriptors(descs, kc.SCATTER, offsets, staging.data_ptr() + shift, alignment, typical_bytes)
 
 
 def warm_up(staging: torch.Tensor, alignment: int = 16) -> None:

@@ -46,7 +46,8 @@ from ..planner import gpu
 from ..planner.destinations import decode_message
 from ..planner.model import Batch, Policy, SideMemory, Transfer
 from ..planner.pairing import pair_sides
-from ..planner.plan import AUX_ROLE, KV_ROLE, DestinationLists, Plan, Section
+from ..planner.device import Planner
+from ..planner.plan import AUX_ROLE, KV_ROLE, DestinationLists, Section
 from ..planner.prepared import PreparedIndices, prepared_slots
 from .completion import encode_notification
 from .control import ControlChannel, ControlTimeout
@@ -114,6 +115,7 @@ class PrefillEndpoint:
         self._next_wave = 0
         self.id = uuid.uuid4().hex[:12]  # names this sender's waves on receivers that have several senders
         self.last_mode: str | None = None  # the mode the last send used (what ``auto`` chose)
+        self._planners: dict[bool, Planner] = {}  # by prepared or not
 
     # the first peer, for the common one-to-one pairing
     channel = property(lambda self: self.peers[0].channel)
@@ -174,39 +176,46 @@ class PrefillEndpoint:
         transfers = tuple(transfers)
         batch = Batch(self.side, tuple(p.side for p in self.peers), transfers, self.policy)
         try:
-            pending = gpu.plan(batch, prepared=mode == "prepared")
-            plan = pending.result()
+            pending = self._planner(prepared=mode == "prepared").plan(batch)
+            descs, per_transfer = pending.descriptors()
+            sections = pending.sections()
         except PlanError as err:
             for t in transfers:
                 self._report(t.dest, t.request, f"batch refused: {err}")
             raise
         deadline = time.monotonic() + timeout
         if mode == "auto":
-            mode = self._auto_mode(plan)
+            mode = self._auto_mode(descs)
         self.last_mode = mode
-        log.info("sending %d transfers (%d descriptors) %s", len(transfers), plan.num_descs, mode)
+        log.info("sending %d transfers (%d descriptors) %s", len(transfers), len(descs), mode)
         if mode == "direct":
-            return self._send_direct(plan, deadline)
+            return self._send_direct(transfers, descs, sections, deadline)
         if mode == "prepared":
-            return self._send_prepared(plan, pending.prepared_indices(), deadline)
+            return self._send_prepared(transfers, sections, pending.prepared_indices(), deadline)
         result: dict[Any, str | None] = {}
         for dest in sorted({t.dest for t in transfers}):  # each peer's share through its own staging ring
             if len(self.peers) == 1:
-                one, device_descs = plan, pending.device_descriptors()
+                one = _Batch(transfers, descs, per_transfer, sections, pending.device_descriptors())
             else:
                 share = tuple(replace(t, dest=0) for t in transfers if t.dest == dest)
-                sub = Batch(self.side, (self.peers[dest].side,), share, self.policy)
-                sub_pending = gpu.plan(sub)
-                one, device_descs = sub_pending.result(), sub_pending.device_descriptors()
-            for request, reason in self._send_staged(dest, one, device_descs, plan_alignment(batch),
-                                                     deadline).items():
+                sub = gpu.plan(Batch(self.side, (self.peers[dest].side,), share, self.policy))
+                one = _Batch(share, *sub.descriptors(), sub.sections(), sub.device_descriptors())
+            for request, reason in self._send_staged(dest, one, plan_alignment(batch), deadline).items():
                 result[request] = result.get(request) or reason
         return result
 
-    def _auto_mode(self, plan: Plan) -> str:
+    def _planner(self, prepared: bool) -> Planner:
+        """This endpoint's device planner (graph replay on a GPU), made on the first send of its kind."""
+        planner = self._planners.get(prepared)
+        if planner is None or planner.dsts != tuple(p.side for p in self.peers):
+            outputs = ("descriptors", "prepared") if prepared else ("descriptors",)
+            planner = self._planners[prepared] = Planner(self.side, tuple(p.side for p in self.peers),
+                                                         policy=self.policy, outputs=outputs)
+        return planner
+
+    def _auto_mode(self, descs: np.ndarray) -> str:
         if self.staging is None or any(p.staging is None for p in self.peers) or not self.staging.is_cuda:
             return "direct"  # (on the CPU the gather and scatter kernels run interpreted: far slower)
-        descs, _ = plan.descriptors()
         many = len(descs) >= AUTO_MIN_DESCS
         return "staged" if many and int(descs[:, 2].sum()) <= AUTO_MAX_AVG_BYTES * len(descs) else "direct"
 
@@ -232,22 +241,23 @@ class PrefillEndpoint:
                 self._report(peer, request, reason)
 
     # -- direct and prepared ----------------------------------------------------------------------
-    def _send_direct(self, plan: Plan, deadline: float) -> dict[Any, str | None]:
-        descs, _ = plan.descriptors()
+    def _send_direct(self, transfers: Sequence[Transfer], descs: np.ndarray, sections: Sequence[Section],
+                     deadline: float) -> dict[Any, str | None]:
         posted = []
-        for s in plan.sections():
-            dest = plan.transfers[s.transfer].dest
+        for s in sections:
+            dest = transfers[s.transfer].dest
             posted.append((self.engine.post(self.peers[dest].name, descs[s.lo : s.hi], encode_notification(s)), s))
             log.debug("posted %s of %r: %d descriptors to peer %d", s.name, s.request, s.hi - s.lo, dest)
-        return self._settle(plan, posted, deadline)
+        return self._settle(transfers, posted, deadline)
 
-    def _settle(self, plan: Plan, posted: list[tuple[Handle, Section]], deadline: float) -> dict[Any, str | None]:
-        result: dict[Any, str | None] = {t.request: None for t in plan.transfers}
-        dests = sorted({t.dest for t in plan.transfers})
+    def _settle(self, transfers: Sequence[Transfer], posted: list[tuple[Handle, Section]],
+                deadline: float) -> dict[Any, str | None]:
+        result: dict[Any, str | None] = {t.request: None for t in transfers}
+        dests = sorted({t.dest for t in transfers})
         outcome = wait_all(self.engine, [h for h, _ in posted], deadline, give_up=lambda: self._any_peer_gone(dests))
         for handle, section in posted:
             if outcome[handle] is not None:
-                dest = plan.transfers[section.transfer].dest
+                dest = transfers[section.transfer].dest
                 # a dead receiver is the cause, whatever the engine says about the write
                 self._fail(dest, result, [section.request], self._peer_gone(dest) or outcome[handle])
         return result
@@ -266,29 +276,38 @@ class PrefillEndpoint:
             self.engine.prepare(peer.name, role, items(src_t, src_slots), items(dst_t, dst_slots))
         peer.prepared = True
 
-    def _send_prepared(self, plan: Plan, indices: PreparedIndices, deadline: float) -> dict[Any, str | None]:
-        names = {KV_ROLE: "kv", AUX_ROLE: "aux", **{c: comp.name for c, comp in enumerate(self.side.state)}}
+    def _send_prepared(self, transfers: Sequence[Transfer], sections: Sequence[Section], indices: PreparedIndices,
+                       deadline: float) -> dict[Any, str | None]:
+        counted = {(s.transfer, s.role): s for s in sections}
         posted = []
         for s, (role, owner) in enumerate(zip(indices.section_role.tolist(), indices.section_transfer.tolist())):
             lo, hi = int(indices.section_offsets[s]), int(indices.section_offsets[s + 1])
-            if lo == hi:
+            section = counted.get((owner, role))
+            if lo == hi or section is None:
                 continue
-            t = plan.transfers[owner]
-            if not self.peers[t.dest].prepared:
-                self._prepare(t.dest)
-            count = len(t.dst_pages) if role == KV_ROLE else 1
-            section = Section(owner, t.request, role, names[role], lo, hi, count)
-            posted.append((self.engine.post_prepared(self.peers[t.dest].name, role, indices.src[lo:hi],
+            dest = transfers[owner].dest
+            if not self.peers[dest].prepared:
+                self._prepare(dest)
+            posted.append((self.engine.post_prepared(self.peers[dest].name, role, indices.src[lo:hi],
                                                      indices.dst[lo:hi], encode_notification(section)), section))
-        return self._settle(plan, posted, deadline)
+        return self._settle(transfers, posted, deadline)
 
     # -- staged -----------------------------------------------------------------------------------
-    def _send_staged(self, dest: int, plan: Plan, device_descs: torch.Tensor, alignment: int,
-                     deadline: float) -> dict[Any, str | None]:
+    def _send_staged(self, dest: int, batch: "_Batch", alignment: int, deadline: float) -> dict[Any, str | None]:
         if self.staging is None or self.peers[dest].staging is None:
             raise LayoutError("staged mode needs a registered staging buffer on both sides")
-        run = _StagedRun(self, dest, plan, device_descs, alignment, deadline)
-        return run.go()
+        return _StagedRun(self, dest, batch, alignment, deadline).go()
+
+
+@dataclass
+class _Batch:
+    """What staged mode needs of one peer's share of a planned batch."""
+
+    transfers: Sequence[Transfer]
+    descs: np.ndarray  # [n, 3] uint64 on the host (the destination tables come from it)
+    per_transfer: np.ndarray  # [T + 1] descriptor offsets
+    sections: list[Section]
+    device_descs: torch.Tensor  # the same descriptors on the device (what the gathers read)
 
 
 def split_descriptors(descs: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray]:
@@ -312,29 +331,32 @@ def split_descriptors(descs: np.ndarray, limit: int) -> tuple[np.ndarray, np.nda
 class _StagedRun:
     """One batch through the staging ring (see :class:`PrefillEndpoint`)."""
 
-    def __init__(self, ep: PrefillEndpoint, dest: int, plan: Plan, device_descs: torch.Tensor, alignment: int,
-                 deadline: float):
+    def __init__(self, ep: PrefillEndpoint, dest: int, batch: _Batch, alignment: int, deadline: float):
         self.ep, self.dest, self.peer = ep, dest, ep.peers[dest]
-        self.plan, self.alignment, self.deadline = plan, alignment, deadline
-        self.result: dict[Any, str | None] = {t.request: None for t in plan.transfers}
+        self.alignment, self.deadline = alignment, deadline
+        self.result: dict[Any, str | None] = {t.request: None for t in batch.transfers}
         capacity = min(ep.staging.numel(), self.peer.staging[1])
         self.slots = max(1, min(ep.slots, capacity // max(alignment, 1)))
         self.slot_bytes = (capacity // self.slots) // alignment * alignment
-        descs, per_transfer = plan.descriptors()
-        owners = np.repeat(np.array([t.request for t in plan.transfers] + [None], dtype=object)[:-1],
-                           np.diff(per_transfer))
-        self.descs, first = split_descriptors(descs, self.slot_bytes)
-        if len(self.descs) != len(descs):  # a descriptor larger than a slot goes in pieces
+        owners = np.repeat(np.array([t.request for t in batch.transfers] + [None], dtype=object)[:-1],
+                           np.diff(batch.per_transfer))
+        self.descs, first = split_descriptors(batch.descs, self.slot_bytes)
+        device_descs = batch.device_descs
+        if len(self.descs) != len(batch.descs):  # a descriptor larger than a slot goes in pieces
             self.owners = np.repeat(owners, np.diff(first))
             device_descs = torch.from_numpy(self.descs.view(np.int64)).to(device_descs.device)
+            self.sections = [replace(s, lo=int(first[s.lo]), hi=int(first[s.hi])) for s in batch.sections]
         else:
-            self.owners = owners
-        self.sections = [Section(s.transfer, s.request, s.role, s.name, int(first[s.lo]), int(first[s.hi]), s.count)
-                         for s in plan.sections()]
+            self.owners, self.sections = owners, batch.sections
         self.device_descs = device_descs
-        sizes = device_descs[:, 2]
-        self.dev_starts = torch.cumsum(sizes, 0) - sizes  # staging offsets of the whole plan, on the device
-        self.host_starts = np.concatenate([[0], np.cumsum(self.descs[:, 2].astype(np.int64))])
+        self.host_starts = np.zeros(len(self.descs) + 1, np.int64)
+        np.cumsum(self.descs[:, 2].view(np.int64), out=self.host_starts[1:])
+        if ep._stream is not None:  # the descriptors were made on the current stream
+            ep._stream.wait_stream(torch.cuda.current_stream(ep.staging.device))
+            with torch.cuda.stream(ep._stream):  # each descriptor's offset in the whole batch's byte stream
+                self.dev_starts = torch.cumsum(device_descs[:, 2], 0).sub_(device_descs[:, 2])
+        else:
+            self.dev_starts = torch.cumsum(device_descs[:, 2], 0) - device_descs[:, 2]
         self.remote_free = [True] * self.slots
         self.local_write: list[Handle | None] = [None] * self.slots
         self.gathered: list[tuple[Wave, Any]] = []  # waves gathered, not yet posted, in order
@@ -342,7 +364,7 @@ class _StagedRun:
         self.acked: set[int] = set()
         self.gone: str | None = None  # why the receiver is known to be gone
         self.base_id = ep._next_wave
-        self.trace: list[tuple[int, str, float]] = []  # (wave, step, time) when KVPLAN_TRACE is set
+        self.trace: list[tuple[int, str, float]] | None = [] if os.environ.get("KVPLAN_TRACE") else None
 
     def go(self) -> dict[Any, str | None]:
         ep = self.ep
@@ -366,10 +388,14 @@ class _StagedRun:
                 ep._fail(self.dest, self.result, wave.requests(self.owners), reason)
         for wave in [w for w, _ in self.gathered] + waves[sent:]:
             ep._fail(self.dest, self.result, wave.requests(self.owners), self.gone or "deadline passed before the wave was sent")
-        if os.environ.get("KVPLAN_TRACE"):
-            t0 = self.trace[0][2] if self.trace else 0.0
-            log.warning("staged waves (wave, step, ms): %s", [(w, k, round((t - t0) * 1e3, 3)) for w, k, t in self.trace])
+        if self.trace is not None:
+            log.warning("staged waves (wave, step, clock ms): %s", [(self.base_id + w, k, round(t * 1e3, 3))
+                                                                    for w, k, t in self.trace])
         return self.result
+
+    def _mark(self, wave: int, step: str) -> None:
+        if self.trace is not None:
+            self.trace.append((wave, step, time.perf_counter()))
 
     def _local_free(self, slot: int) -> bool:
         handle = self.local_write[slot]
@@ -391,25 +417,25 @@ class _StagedRun:
                 os.sched_yield()
 
     def _gather(self, wave: Wave) -> None:
+        """Gather a wave into its slot: the batch-wide offsets, shifted onto the slot (no per-wave tensors)."""
         ep = self.ep
         slot_lo = wave.slot * self.slot_bytes
-        base = int(self.host_starts[wave.lo])
-        descs = self.device_descs[wave.lo : wave.hi]
+        shift = slot_lo - int(self.host_starts[wave.lo])
+        descs, offsets = self.device_descs[wave.lo : wave.hi], self.dev_starts[wave.lo : wave.hi]
         typical = max(1, wave.nbytes // max(1, wave.hi - wave.lo))
         self.remote_free[wave.slot] = False
         if ep._stream is not None:
-            ep._stream.wait_stream(torch.cuda.current_stream(ep.staging.device))
-            with torch.cuda.stream(ep._stream):  # allocated on the gather's stream: reused only after it
-                offsets = self.dev_starts[wave.lo : wave.hi] - base + slot_lo
-                gather(descs, offsets, ep.staging, self.alignment, typical_bytes=typical, need=slot_lo + wave.nbytes)
+            with torch.cuda.stream(ep._stream):
+                gather(descs, offsets, ep.staging, self.alignment, typical_bytes=typical, need=slot_lo + wave.nbytes,
+                       shift=shift)
                 event = torch.cuda.Event()
                 event.record(ep._stream)
         else:
-            gather(descs, self.dev_starts[wave.lo : wave.hi] - base + slot_lo, ep.staging, self.alignment,
-                   typical_bytes=typical, need=slot_lo + wave.nbytes)
+            gather(descs, offsets, ep.staging, self.alignment, typical_bytes=typical, need=slot_lo + wave.nbytes,
+                   shift=shift)
             event = None
         self.gathered.append((wave, event))
-        self.trace.append((wave.index, "gather", time.perf_counter()))
+        self._mark(wave.index, "gather")
 
     def _pump(self) -> None:
         """Post gathered waves whose gather has finished; take in credits; progress writes."""
@@ -427,7 +453,7 @@ class _StagedRun:
                 continue
             wave, _ = self.posted[index]
             self.acked.add(index)
-            self.trace.append((index, "ack", time.perf_counter()))
+            self._mark(index, "ack")
             self.remote_free[wave.slot] = True
             if header.get("error"):
                 ep._fail(self.dest, self.result, wave.requests(self.owners), f"the receiver refused the wave: {header['error']}")
@@ -457,6 +483,6 @@ class _StagedRun:
                           np.uint64)
         handle = ep.engine.post(self.peer.name, region, wave_note(wave_id, ep.id),
                                 reuse=("slot", wave.slot, self.slot_bytes))
-        self.trace.append((wave.index, "post", time.perf_counter()))
+        self._mark(wave.index, "post")
         self.posted[wave.index] = (wave, handle)
         self.local_write[wave.slot] = handle

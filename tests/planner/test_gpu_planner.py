@@ -41,6 +41,7 @@ def check_same(batch: Batch, device: torch.device, block: int = 1024) -> None:
     want_descs, want_offsets = expected.descriptors()
     assert descs.dtype == np.uint64 and np.array_equal(descs, want_descs)
     assert np.array_equal(offsets, want_offsets)
+    assert pending.sections() == expected.sections()  # from the segment sums, with no plan assembled
 
 
 @settings(max_examples=40, deadline=None)

@@ -41,9 +41,9 @@ def test_a_table_one_path_would_refuse_is_refused_by_both(name):
         plan_destinations(side, [PreallocatedRequest("r1", 1, 8)])
 
 
-def test_the_good_table_plans_on_both_paths():
+def test_the_good_table_plans_on_both_paths(device):
     batch = batch_with(GOOD)
-    gpu.plan(batch).result().assert_equal(plan_reference(batch))
+    gpu.plan(batch.to(device)).result().assert_equal(plan_reference(batch))
 
 
 def test_an_unknown_policy_and_float_pages_are_input_errors_naming_what_is_wrong():
