@@ -1,25 +1,28 @@
 #!/usr/bin/env bash
-# Staged mode through NIXL on one GPU, traced and profiled: where each wave's time goes.
+# Staged mode through NIXL on one GPU: steady throughput, then a traced run (per-wave steps on the
+# shared clock of both processes), optionally profiled (PROFILE=1).
 # Usage on the GPU machine (NIXL and pyzmq wheels carried in .whl):
-#   OUT=/some/dir bash benchmarks/gpu_staged.sh [MIB:SLOTS ...]     (default: 64:4 256:4 256:2)
+#   OUT=/some/dir bash benchmarks/gpu_staged.sh "MIB:SLOTS ..."     (default: 64:4 256:4 256:2)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1 UCX_NET_DEVICES=lo NIXL_LOG_LEVEL=WARN TRITON_INTERPRET=0
 OUT=${OUT:-/tmp/kvplan-gpu}; mkdir -p "$OUT"
 log="$OUT/staged.txt"
-nvidia-smi --query-gpu=name --format=csv,noheader | tee "$log"
-for spec in "${@:-64:4 256:4 256:2}"; do
-  for one in $spec; do
-    mib=${one%%:*}; slots=${one##*:}
-    echo "\$ kvplan demo --mode staged --staging-mib $mib --staging-slots $slots (profiled)" | tee -a "$log"
+nvidia-smi --query-gpu=name --format=csv,noheader | tee -a "$log"
+demo() {
+  timeout 300 python3 -m kvplan demo --no-progress --engine nixl --preset llama70b-tp8-p64 --layers 8 --requests 8 \
+    --prompt-len 8192 "$@"
+}
+for one in ${1:-64:4 256:4 256:2}; do
+  mib=${one%%:*}; slots=${one##*:}
+  echo "\$ kvplan demo --mode ${MODE:-staged} --staging-mib $mib --staging-slots $slots --repeat 12" | tee -a "$log"
+  demo --mode "${MODE:-staged}" --staging-mib "$mib" --staging-slots "$slots" --repeat 12 2>&1 | tee -a "$log"
+  echo "\$ the same, traced, --repeat 4" >> "$log"
+  KVPLAN_TRACE=1 demo --mode "${MODE:-staged}" --staging-mib "$mib" --staging-slots "$slots" --repeat 4 2>&1 \
+    | grep "waves" >> "$log"
+  if [ -n "${PROFILE:-}" ]; then
     rm -rf /tmp/prof
-    KVPLAN_PROFILE=/tmp/prof timeout 300 python3 -m kvplan demo --no-progress --engine nixl --mode staged \
-      --staging-mib "$mib" --staging-slots "$slots" --preset llama70b-tp8-p64 --layers 8 --requests 8 \
-      --prompt-len 8192 --repeat 12 2>&1 | tee -a "$log"
-    for side in prefill decode; do echo "== $side profile"; head -60 /tmp/prof/$side.txt; done >> "$log"
-    echo "\$ the same, traced (unprofiled)" | tee -a "$log"
-    KVPLAN_TRACE=1 timeout 300 python3 -m kvplan demo --no-progress --engine nixl --mode staged \
-      --staging-mib "$mib" --staging-slots "$slots" --preset llama70b-tp8-p64 --layers 8 --requests 8 \
-      --prompt-len 8192 --repeat 4 2>&1 | tail -14 >> "$log"
-  done
+    KVPLAN_PROFILE=/tmp/prof demo --mode "${MODE:-staged}" --staging-mib "$mib" --staging-slots "$slots" --repeat 12 >/dev/null 2>&1
+    for side in prefill decode; do echo "== $side profile"; head -50 /tmp/prof/$side.txt; done >> "$log"
+  fi
 done
