@@ -1,7 +1,7 @@
 """An engine's own ceiling on this machine: one contiguous WRITE between two processes.
 
-``python -m benchmarks.engine_ceiling nixl|mooncake [MiB]``; GPU memory (VRAM) when a GPU is
-present. The median of 5 writes after one warm-up, in GiB/s, next to which kvplan's end-to-end
+``python -m benchmarks.engine_ceiling nixl|mooncake [MiB] [target GPU]``; GPU memory (VRAM) when a
+GPU is present; the target buffer on another card when a target GPU is named (two-card runs). The median of 5 writes after one warm-up, in GiB/s, next to which kvplan's end-to-end
 numbers (``kvplan demo``) are read.
 """
 
@@ -24,9 +24,14 @@ def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def target(kind: str, size: int, conn) -> None:
-    engine = make_engine(kind, "ceiling-target", "VRAM" if _device() == "cuda" else "DRAM")
-    buf = torch.zeros(size, dtype=torch.uint8, device=_device())
+def target(kind: str, size: int, gpu: int, conn) -> None:
+    device = _device()
+    if device == "cuda" and gpu:
+        torch.cuda.set_device(gpu)
+        device = f"cuda:{gpu}"
+    engine = make_engine(kind, "ceiling-target", "VRAM" if _device() == "cuda" else "DRAM",
+                         **({"device_id": gpu} if gpu else {}))
+    buf = torch.zeros(size, dtype=torch.uint8, device=device)
     engine.register([(buf.data_ptr(), size)])
     conn.send((engine.metadata(), buf.data_ptr()))
     conn.poll(DEADLINE * 4)
@@ -35,9 +40,10 @@ def target(kind: str, size: int, conn) -> None:
 def main() -> None:
     kind = sys.argv[1]
     size = int(sys.argv[2] if len(sys.argv) > 2 else 256) << 20
+    gpu = int(sys.argv[3]) if len(sys.argv) > 3 else 0
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
-    proc = ctx.Process(target=target, args=(kind, size, there), daemon=True)
+    proc = ctx.Process(target=target, args=(kind, size, gpu, there), daemon=True)
     proc.start()
     try:
         if not here.poll(DEADLINE):
@@ -55,7 +61,8 @@ def main() -> None:
             if i:
                 times.append(time.perf_counter() - t0)
         gibs = size / statistics.median(times) / 2**30
-        print(f"{kind} ceiling, one contiguous write of {size >> 20} MiB, {_device()} memory: {gibs:.2f} GiB/s")
+        where = f", GPU 0 to GPU {gpu}" if gpu else ""
+        print(f"{kind} ceiling, one contiguous write of {size >> 20} MiB, {_device()} memory{where}: {gibs:.2f} GiB/s")
     finally:
         here.send("bye")
         proc.join(10)

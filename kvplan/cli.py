@@ -54,6 +54,9 @@ def _check_demo(config, shape) -> None:
     if config.device == "cuda" and not torch.cuda.is_available():
         fail("--device cuda, but torch sees no CUDA device here")
     device = config.resolved_device()
+    if config.decode_gpu and (device != "cuda" or not 0 <= config.decode_gpu < torch.cuda.device_count()):
+        fail(f"--decode-gpu {config.decode_gpu}: this machine has "
+             f"{torch.cuda.device_count() if device == 'cuda' else 'no'} GPUs for the demo")
     entries = shape.layers * (2 if shape.attention.value == "mha" else 1)
     need = 2 * config.requests * longest * shape.token_bytes * entries  # both sides' KV pools, at least
     have = (torch.cuda.mem_get_info()[0] if device == "cuda"
@@ -71,7 +74,7 @@ def _demo(args: argparse.Namespace) -> int:
                         chunks=args.chunks, prefix_len=args.prefix_len, mean_run=args.fragmentation,
                         engine=args.engine, mode=args.mode, device=args.device, seed=args.seed, timeout=args.timeout,
                         fault=args.fault, repeat=args.repeat, engine_threads=args.engine_threads, staging_bytes=args.staging_mib << 20,
-                        staging_slots=args.staging_slots)
+                        staging_slots=args.staging_slots, decode_gpu=args.decode_gpu)
     if config.mode == "prepared" and config.engine != "nixl":
         raise SystemExit("kvplan demo: error: --mode prepared needs --engine nixl (prepared lists are NIXL's)")
     shape = config.model()
@@ -147,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="NIXL's UCX worker threads (default: 0, NIXL's own default)")
     demo.add_argument("--staging-mib", type=_positive, default=64,
                       help="staging buffer per side, in MiB, for staged and auto modes (default: 64)")
+    demo.add_argument("--decode-gpu", type=int, default=0,
+                      help="the decode process's GPU (the prefill's is GPU 0); 1 measures between two cards")
     demo.add_argument("--staging-slots", type=_positive, default=4,
                       help="slots of the sender's staging ring: waves in flight at once (default: 4)")
     demo.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",

@@ -74,11 +74,15 @@ class DemoConfig:
     shape: ModelShape | None = None  # overrides preset/layers/mean_run (tests use small custom shapes)
     staging_bytes: int = 64 << 20
     staging_slots: int = 4  # the staging ring's length on the sending side
+    decode_gpu: int = 0  # the decode process's GPU (the prefill's is GPU 0): 1 moves bytes between two cards
     engine_threads: int = 0  # NIXL's UCX worker threads (0: NIXL's default)
     repeat: int = 1  # batches sent one after another (new request ids each time); timing: first and steady
 
-    def engine_settings(self) -> dict[str, int]:
-        return {"num_threads": self.engine_threads} if self.engine_threads else {}
+    def engine_settings(self, gpu: int = 0) -> dict[str, int]:
+        settings = {"num_threads": self.engine_threads} if self.engine_threads and self.engine == "nixl" else {}
+        if gpu:
+            settings["device_id"] = gpu
+        return settings
 
     def round_ids(self, k: int) -> str:
         return "" if self.repeat == 1 else f"#{k}"
@@ -226,13 +230,17 @@ def decode_process(config: DemoConfig, conn) -> None:
     try:
         _child_setup()
         device = config.resolved_device()
+        if device == "cuda" and config.decode_gpu:
+            torch.cuda.set_device(config.decode_gpu)  # kernels launch on the current device
+            device = f"cuda:{config.decode_gpu}"
         batch = config.batch()
         side, dst_tensors = materialize(batch.dsts[0], device)
         side = side.to(device)
         if config.fault == "bad-registration":
             side = replace(side, aux=())
-        staging = torch.zeros(config.staging_bytes, dtype=torch.uint8, device=device) if config.mode == "staged" or config.mode == "auto" and device == "cuda" else None
-        endpoint = DecodeEndpoint(side, make_engine(config.engine, "decode", config.memory, **config.engine_settings()), ControlChannel(), staging)
+        staging = torch.zeros(config.staging_bytes, dtype=torch.uint8, device=device) if config.mode == "staged" or config.mode == "auto" and device != "cpu" else None
+        endpoint = DecodeEndpoint(side, make_engine(config.engine, "decode", config.memory,
+                                                    **config.engine_settings(config.decode_gpu)), ControlChannel(), staging)
         conn.send(("port", endpoint.channel.port))
         endpoint.register(timeout=config.timeout + 60)  # the prefill process may still be starting
         last = {t.request: t for t in batch.transfers if t.last}
@@ -249,6 +257,7 @@ def decode_process(config: DemoConfig, conn) -> None:
                 while time.monotonic() < deadline:
                     endpoint.poll()
                     if "complete" in endpoint.tracker.states().values():
+                        time.sleep(0.2)  # dies once the credit of its completed request has left
                         os._exit(0)
             states.update(endpoint.wait())
             failures.update(endpoint.failures)

@@ -37,7 +37,7 @@ from .engines import Engine
 from .landing import LandingGuard
 from .local import scatter, warm_up
 from .registration import describe_side
-from .waves import decode_wave_note, wave_key
+from .waves import check_run, decode_wave_note, wave_key
 
 __all__ = ["DecodeEndpoint", "engine_regions"]
 
@@ -53,19 +53,22 @@ def engine_regions(side: SideMemory) -> list[tuple[int, int]]:
 
 @dataclass
 class _StagedWave:
-    """A wave announced by the sender: where it lies in the staging buffer, its table, its sections."""
+    """A wave announced by the sender: where it lies in the staging buffer, its rows of the run's
+    scatter inputs, its sections."""
 
     index: int
     peer: int  # the channel it came on (its credit goes back there)
-    lo: int
+    lo: int  # in this side's staging buffer
     nbytes: int
     alignment: int
-    table: np.ndarray  # [n, 2] uint64 (dst, nbytes)
+    row_lo: int  # its rows of the run's table
+    row_hi: int
     sections: list[SectionNote]
     requests: list[Any]
+    inputs: Any  # the run's scatter inputs on the device: [2n + 1, 3] int64 (descriptors, then offsets)
+    keep: Any = None  # their pinned host rows, alive until the upload has run
     landed: bool = False
     event: Any = None  # the scatter's CUDA event once launched
-    keep: Any = None  # the scatter's inputs, kept until it has finished
     scattered: bool = False
 
 
@@ -177,6 +180,9 @@ class DecodeEndpoint:
                     self.tracker.forget(r)
                     self.guard.forget(r)
                     self._owner.pop(r, None)
+                for key in [k for k, w in self._waves.items() if w.event is None and not w.landed
+                            and all(r not in self._owner for r in w.requests)]:
+                    del self._waves[key]  # announced for requests that have failed: it will never be scattered
                 if self.trace:
                     log.warning("decode waves (wave, step, clock ms): %s",
                                 [(w.split(":")[-1], k, round(t * 1e3, 3)) for w, k, t in self.trace])
@@ -190,79 +196,92 @@ class DecodeEndpoint:
 
     # -- staged waves -----------------------------------------------------------------------------
     def _announce(self, peer: int, header: dict[str, Any], table: bytes) -> None:
-        """Check a wave's table against what this side published before anything is written."""
-        index = int(header["wave"])
-        key = wave_key(index, str(header["from"]))
-        sections = [SectionNote(r, int(role), str(name), int(count)) for r, role, name, count in header["sections"]]
-        requests = list(dict.fromkeys(header["requests"]))
+        """Check a staged run's tables against what this side published before anything is written,
+        then upload every wave's scatter inputs ahead of its bytes (see :func:`~.waves.run_message`)."""
+        sender = str(header["from"])
+        waves = header["waves"]
+        spans = [(r, int(lo), int(hi)) for r, lo, hi in header["requests"]]
+        requests = list(dict.fromkeys(r for r, _, _ in spans))
         try:
             strangers = [r for r in requests if self._owner.get(r, peer) != peer]
             if strangers:
-                raise PeerError(f"wave {index} names requests published to another sender: {strangers[:4]}")
+                raise PeerError(f"the run names requests published to another sender: {strangers[:4]}")
             if self.staging is None:
-                raise PeerError("a staged wave arrived, but this side registered no staging buffer")
+                raise PeerError("a staged run arrived, but this side registered no staging buffer")
             rows = np.frombuffer(table, dtype=np.uint64).reshape(-1, 2)
-            lo, nbytes, alignment = int(header["staging_lo"]), int(header["nbytes"]), int(header["alignment"])
-            if lo < 0 or nbytes < 0 or lo + nbytes > self._share or int(rows[:, 1].sum()) != nbytes:
-                raise PeerError(f"wave {index} claims staging bytes [{lo}, +{nbytes}) with rows of "
-                                f"{int(rows[:, 1].sum())} bytes; the staging buffer holds {self._share} for it")
-            lo += peer * self._share
-            if alignment < 1 or alignment & (alignment - 1) or lo % alignment or (rows % np.uint64(alignment)).any():
-                raise PeerError(f"wave {index}: its rows or offset are not aligned to {alignment}")
-            for other in self._waves.values():
-                if not other.scattered and lo < other.lo + other.nbytes and other.lo < lo + nbytes:
-                    raise PeerError(f"wave {index} overlaps wave {other.index} in the staging buffer before it is free")
-            self.guard.check(requests, rows)
+            check_run(rows, spans, waves, int(header["alignment"]), self._share)
+            for r, lo, hi in spans:
+                self.guard.check([r], rows[lo:hi])
         except PeerError as err:
             for r in requests:
                 if self._owner.get(r) == peer:
-                    self.tracker.fail(r, f"refused staged wave {index}: {err}")
-            self.channels[peer].send("wave-done", {"wave": index, "error": str(err)})
+                    self.tracker.fail(r, f"refused staged run: {err}")
+            for w in waves:
+                self.channels[peer].send("wave-done", {"wave": int(w[0]), "error": str(err)})
             return
-        self._mark(key, "table")
-        wave = self._waves[key] = _StagedWave(index, peer, lo, nbytes, alignment, rows, sections, requests,
-                                              landed=key in self._early)
-        self._early.discard(key)
-        self._stage_inputs(wave)
+        host, inputs = self._stage_inputs(rows, waves, peer * self._share)
+        owner_ends = np.array([hi for _, _, hi in spans], np.int64)
+        for index, lo_in_slot, lo, hi, nbytes, notes in waves:
+            key = wave_key(int(index), sender)
+            first, last = np.searchsorted(owner_ends, [lo, hi - 1], side="right") if hi > lo else (0, -1)
+            self._waves[key] = _StagedWave(
+                int(index), peer, int(lo_in_slot) + peer * self._share, int(nbytes), int(header["alignment"]),
+                int(lo), int(hi), [SectionNote(r, int(role), str(name), int(count)) for r, role, name, count in notes],
+                [spans[k][0] for k in range(int(first), int(last) + 1)], inputs, host, landed=key in self._early)
+            self._early.discard(key)
+            self._mark(key, "table")
 
-    def _stage_inputs(self, wave: _StagedWave) -> None:
-        """The scatter's descriptors ``(0, dst, nbytes)`` and staging offsets, on the device ahead of
-        the bytes: uploaded from pinned memory on the scatter stream as soon as the table is checked,
-        so that the landing only launches the scatter."""
-        n = len(wave.table)
+    def _stage_inputs(self, rows: np.ndarray, waves: list, share_lo: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every wave's scatter descriptors ``(0, dst, nbytes)`` and staging offsets, uploaded from pinned
+        memory on the scatter stream now, so that a landing only launches its scatter."""
+        n = len(rows)
         host = torch.empty((2 * n + 1, 3), dtype=torch.int64, pin_memory=self._stream is not None)
-        rows = host.numpy()
-        rows[:n, 0] = 0
-        rows[:n, 1:] = wave.table.view(np.int64)
-        offsets = rows[n:].reshape(-1)[:n]
-        offsets[0] = wave.lo
-        np.cumsum(wave.table[:-1, 1].view(np.int64), out=offsets[1:])
-        offsets[1:] += wave.lo
-        if self._stream is not None:
-            with torch.cuda.stream(self._stream):
-                on_device = host.to(self.staging.device, non_blocking=True)
-            wave.keep = (host, on_device)  # alive until the scatter has finished
-        else:
-            wave.keep = (host, host)
+        out = host.numpy()
+        out[:n, 0] = 0
+        out[:n, 1:] = rows.view(np.int64)
+        offsets = out[n:].reshape(-1)[:n]
+        offsets[:1] = 0
+        np.cumsum(rows[:-1, 1].view(np.int64), out=offsets[1:])  # offset in the run's byte stream
+        for _, lo_in_slot, lo, hi, _, _ in waves:  # ... shifted onto each wave's slot
+            if hi > lo:
+                offsets[lo:hi] += share_lo + int(lo_in_slot) - int(offsets[lo])
+        if self._stream is None:
+            return host, host
+        with torch.cuda.stream(self._stream):
+            return host, host.to(self.staging.device, non_blocking=True)
 
     def _scatter_landed(self) -> None:
-        for key, wave in self._waves.items():
+        for key, wave in list(self._waves.items()):
             if not wave.landed or wave.event is not None or wave.scattered:
                 continue
-            n = len(wave.table)
-            inputs = wave.keep[1]
-            typical = max(1, wave.nbytes // max(1, n))
+            busy = [o.index for o in self._waves.values() if o.index < wave.index and o.landed and not o.scattered
+                    and o.peer == wave.peer and wave.lo < o.lo + o.nbytes and o.lo < wave.lo + wave.nbytes]
+            if busy:  # the sender wrote a slot before its credit came back
+                self._refuse(wave, f"wave {wave.index} landed on staging bytes that wave {busy[0]} has not freed")
+                del self._waves[key]
+                continue
+            n_all = (wave.inputs.shape[0] - 1) // 2
+            descs = wave.inputs[wave.row_lo : wave.row_hi]
+            offsets = wave.inputs[n_all:].reshape(-1)[wave.row_lo : wave.row_hi]
+            typical = max(1, wave.nbytes // max(1, wave.row_hi - wave.row_lo))
             if self._stream is not None:
                 with torch.cuda.stream(self._stream):
-                    scatter(inputs[:n], inputs[n:].reshape(-1)[:n], self.staging, wave.alignment,
-                            typical_bytes=typical, need=wave.lo + wave.nbytes)
+                    scatter(descs, offsets, self.staging, wave.alignment, typical_bytes=typical,
+                            need=wave.lo + wave.nbytes)
                     wave.event = torch.cuda.Event()
                     wave.event.record(self._stream)
             else:
-                scatter(inputs[:n], inputs[n:].reshape(-1)[:n], self.staging, wave.alignment, typical_bytes=typical,
-                        need=wave.lo + wave.nbytes)
+                scatter(descs, offsets, self.staging, wave.alignment, typical_bytes=typical, need=wave.lo + wave.nbytes)
                 wave.event = True
             self._mark(key, "scatter")
+
+    def _refuse(self, wave: _StagedWave, why: str) -> None:
+        """Fail a wave's requests and tell its sender (its slot is not credited back)."""
+        for r in wave.requests:
+            if self._owner.get(r) == wave.peer:
+                self.tracker.fail(r, f"refused staged wave {wave.index}: {why}")
+        self.channels[wave.peer].send("wave-done", {"wave": wave.index, "error": why})
+        wave.scattered = True  # nothing of it is written
 
     def _mark(self, wave: str, step: str) -> None:
         if self.trace is not None:

@@ -55,7 +55,7 @@ from .decode import engine_regions
 from .engines import Engine, Handle, wait_all
 from .local import gather, plan_alignment, warm_up
 from .registration import side_from_description
-from .waves import Wave, plan_waves, wave_note
+from .waves import Wave, plan_waves, run_message, wave_note
 
 __all__ = ["Chunk", "MODES", "Peer", "PrefillEndpoint"]
 
@@ -349,6 +349,8 @@ class _StagedRun:
         else:
             self.owners, self.sections = owners, batch.sections
         self.device_descs = device_descs
+        rows = first[batch.per_transfer] if len(self.descs) != len(batch.descs) else batch.per_transfer
+        self.spans = [(t.request, int(rows[k]), int(rows[k + 1])) for k, t in enumerate(batch.transfers)]
         self.host_starts = np.zeros(len(self.descs) + 1, np.int64)
         np.cumsum(self.descs[:, 2].view(np.int64), out=self.host_starts[1:])
         if ep._stream is not None:  # the descriptors were made on the current stream
@@ -371,6 +373,13 @@ class _StagedRun:
         waves = plan_waves(self.descs[:, 2], self.sections, self.slot_bytes, self.slots)
         ep._next_wave += len(waves)
         sent = 0
+        header, table = run_message(ep.id, self.base_id, waves, self.slot_bytes, self.alignment, self.spans, self.descs)
+        try:  # every wave's table, ahead of the first byte: the receiver checks them all before any lands
+            self.peer.channel.send("staged", header, table, timeout=max(0.0, self.deadline - time.monotonic()))
+        except ControlTimeout as err:
+            ep._fail(self.dest, self.result, list(self.result), str(err))
+            return self.result
+        self._mark(0, "tables")
         for wave in waves:
             if not self._wait(lambda: self.remote_free[wave.slot] and self._local_free(wave.slot)):
                 break
@@ -463,26 +472,14 @@ class _StagedRun:
 
     def _post(self, wave: Wave) -> None:
         ep = self.ep
-        slot_lo = wave.slot * self.slot_bytes
-        wave_id = self.base_id + wave.index
-        requests = wave.requests(self.owners)
-        table = np.ascontiguousarray(self.descs[wave.lo : wave.hi, 1:])
-        notes = [[s.request, s.role, s.name, s.count] for s in wave.sections if self.result[s.request] is None]
-        header = {"wave": wave_id, "from": ep.id, "sections": notes, "requests": requests, "staging_lo": slot_lo,
-                  "nbytes": wave.nbytes, "alignment": self.alignment}
-        try:  # the table first: the receiver checks it before the bytes may be scattered
-            self.peer.channel.send("staged", header, table.tobytes(),
-                                   timeout=max(0.0, self.deadline - time.monotonic()))
-        except ControlTimeout as err:
-            ep._fail(self.dest, self.result, requests, str(err))
-            self.remote_free[wave.slot] = True
+        if any(v is not None for v in self.result.values()) and \
+                all(self.result[r] is not None for r in wave.requests(self.owners)):
+            self.remote_free[wave.slot] = True  # every request of it has failed already: nothing to write
             return
-        # the whole slot, so that each slot's write is one reposted handle (bytes past the wave are
-        # the slot's stale bytes, written into the receiver's free slot and never scattered)
-        region = np.array([[ep.staging.data_ptr() + slot_lo, self.peer.staging[0] + slot_lo, self.slot_bytes]],
-                          np.uint64)
-        handle = ep.engine.post(self.peer.name, region, wave_note(wave_id, ep.id),
-                                reuse=("slot", wave.slot, self.slot_bytes))
+        slot_lo = wave.slot * self.slot_bytes
+        region = np.array([[ep.staging.data_ptr() + slot_lo, self.peer.staging[0] + slot_lo, wave.nbytes]], np.uint64)
+        handle = ep.engine.post(self.peer.name, region, wave_note(self.base_id + wave.index, ep.id),
+                                reuse=("slot", wave.slot, wave.nbytes))
         self._mark(wave.index, "post")
         self.posted[wave.index] = (wave, handle)
         self.local_write[wave.slot] = handle

@@ -6,9 +6,16 @@ destination table. Slots form a ring; the receiver returns a slot's credit once 
 it. A transfer larger than a slot is split over several waves; a section (what the receiver
 counts) completes with the wave that holds its last descriptor.
 
+A run (one batch's share for one receiver) is announced by one control message ahead of its
+first byte, :func:`run_message`: the destination table of every descriptor ``(dst, nbytes)``,
+each request's rows of it, and per wave its id, its offset in the slot ring, its rows, its byte
+count and the sections it completes. The receiver checks it with :func:`check_run` and its
+landing guard, and uploads every wave's scatter inputs at once; after that a wave costs one engine
+write with its notification and one credit.
+
 Example::
 
-    waves = plan_waves(sizes, sections, slot_bytes=32 << 20)
+    waves = plan_waves(sizes, sections, slot_bytes=32 << 20, slots=4)
     waves[0].lo, waves[0].hi, waves[0].nbytes, waves[0].sections
 """
 
@@ -20,9 +27,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..errors import PeerError
 from ..planner.plan import Section
 
-__all__ = ["Wave", "decode_wave_note", "plan_waves", "wave_key", "wave_note"]
+__all__ = ["Wave", "check_run", "decode_wave_note", "plan_waves", "run_message", "wave_key", "wave_note"]
 
 
 @dataclass
@@ -42,17 +50,25 @@ class Wave:
 
 
 def plan_waves(sizes: np.ndarray, sections: Sequence[Section], slot_bytes: int, slots: int) -> list[Wave]:
-    """Greedy waves of consecutive descriptors of at most ``slot_bytes`` each, assigned to slots in turn.
+    """Waves of consecutive descriptors of at most ``slot_bytes`` each, assigned to slots in turn.
 
+    As few waves as the slot size allows, of about equal size (each wave is written as its own
+    bytes, so a last wave of a few bytes would cost a write's latency for nothing).
     Raises ``ValueError`` if one descriptor is larger than a slot.
     """
     sizes = np.asarray(sizes, np.int64)
     if len(sizes) and int(sizes.max()) > slot_bytes:
         raise ValueError(f"a descriptor of {int(sizes.max())} bytes does not fit a {slot_bytes}-byte staging slot")
     ends = np.cumsum(sizes)
+    total = int(ends[-1]) if len(ends) else 0
+    target = -(-total // max(1, -(-total // slot_bytes))) if total else slot_bytes
     waves, lo, base = [], 0, 0
     while lo < len(sizes):
-        hi = int(np.searchsorted(ends, base + slot_bytes, side="right"))
+        if total - base <= slot_bytes:
+            hi = len(sizes)
+        else:
+            hi = int(np.searchsorted(ends, base + min(target, slot_bytes), side="right"))
+            hi = max(hi, lo + 1)
         waves.append(Wave(len(waves), lo, hi, int(ends[hi - 1] - base), len(waves) % slots))
         base, lo = int(ends[hi - 1]), hi
     his = np.array([w.hi for w in waves], np.int64)
@@ -75,3 +91,56 @@ def decode_wave_note(raw: bytes) -> str | None:
     """The :func:`wave_key` of a wave notification, or ``None`` for a section notification."""
     note = json.loads(raw)
     return wave_key(int(note["wave"]), str(note["from"])) if isinstance(note, dict) else None
+
+
+def run_message(sender: str, base_id: int, waves: Sequence[Wave], slot_bytes: int, alignment: int,
+                spans: Sequence[tuple[Any, int, int]], descs: np.ndarray,
+                live: Any = lambda request: True) -> tuple[dict[str, Any], bytes]:
+    """The header and table frame announcing a run (see the module docstring).
+
+    ``spans``: ``(request, lo, hi)`` rows of each request, in order, tiling the table; ``live``
+    says whether a request's sections are still to be counted (a failed one's are left out).
+    """
+    header = {
+        "from": sender, "alignment": alignment,
+        "requests": [[r, int(lo), int(hi)] for r, lo, hi in spans],
+        "waves": [[base_id + w.index, w.slot * slot_bytes, w.lo, w.hi, w.nbytes,
+                   [[s.request, int(s.role), s.name, s.count] for s in w.sections if live(s.request)]] for w in waves],
+    }
+    return header, np.ascontiguousarray(descs[:, 1:], dtype=np.uint64).tobytes()
+
+
+def check_run(rows: np.ndarray, spans: Sequence[tuple[Any, int, int]], waves: Sequence[Sequence[Any]],
+              alignment: int, capacity: int) -> None:
+    """Raise :class:`~kvplan.errors.PeerError` unless a run's shape is sound: request spans tile the
+    table, waves tile it too, each wave's bytes add up and fit ``capacity`` staging bytes, and every
+    size and offset is aligned. (Where the rows may write is the landing guard's to check.)"""
+    n = len(rows)
+    if alignment < 1 or alignment & (alignment - 1):
+        raise PeerError(f"the alignment {alignment} is not a power of two")
+    at = 0
+    for r, lo, hi in spans:
+        if lo != at or hi < lo:
+            raise PeerError(f"request {r!r}'s rows [{lo}, {hi}) do not follow the previous request's (row {at})")
+        at = hi
+    if at != n:
+        raise PeerError(f"the requests' rows cover {at} of the table's {n} rows")
+    ends = np.zeros(n + 1, np.int64)
+    np.cumsum(rows[:, 1].view(np.int64), out=ends[1:])
+    at = 0
+    for index, lo_in_slot, lo, hi, nbytes, _ in waves:
+        lo, hi, lo_in_slot, nbytes = int(lo), int(hi), int(lo_in_slot), int(nbytes)
+        if lo != at or hi < lo:
+            raise PeerError(f"wave {index}'s rows [{lo}, {hi}) do not follow the previous wave's (row {at})")
+        at = hi
+        if int(ends[hi] - ends[lo]) != nbytes:
+            raise PeerError(f"wave {index} claims {nbytes} bytes; its rows hold {int(ends[hi] - ends[lo])}")
+        if lo_in_slot < 0 or lo_in_slot + nbytes > capacity:
+            raise PeerError(f"wave {index} claims staging bytes [{lo_in_slot}, +{nbytes}); the staging buffer holds "
+                            f"{capacity} for it")
+        if lo_in_slot % alignment:
+            raise PeerError(f"wave {index}: its staging offset is not aligned to {alignment}")
+    if at != n:
+        raise PeerError(f"the waves cover {at} of the table's {n} rows")
+    if (rows % np.uint64(alignment)).any():
+        raise PeerError(f"the table's rows are not aligned to {alignment}")

@@ -39,9 +39,10 @@ def decode():
 
 
 def _announce(channel, rows, wave=7, staging_lo=0):
+    """A run of one wave, as the sender announces it (waves.run_message)."""
     table = np.array(rows, np.uint64)
-    header = {"wave": wave, "from": "p0", "sections": [["r1", KV_ROLE, "kv", 2]], "requests": ["r1"], "staging_lo": staging_lo,
-              "nbytes": int(table[:, 1].sum()), "alignment": 16}
+    header = {"from": "p0", "alignment": 16, "requests": [["r1", 0, len(rows)]],
+              "waves": [[wave, staging_lo, 0, len(rows), int(table[:, 1].sum()), [["r1", KV_ROLE, "kv", 2]]]]}
     channel.send("staged", header, table.tobytes())
 
 
@@ -68,7 +69,7 @@ def test_a_wave_that_writes_outside_the_published_pages_is_refused(decode, rows,
     _announce(prefill, [[base + a, n] for a, n in rows])
     endpoint.engine.inbox.append(wave_note(7, "p0"))
     states = endpoint.wait()
-    assert states == {"r1": "failed"} and "refused staged wave 7" in endpoint.failures["r1"]
+    assert states == {"r1": "failed"} and "refused staged run" in endpoint.failures["r1"]
     kind, header, _ = prefill.try_recv()
     assert kind == "wave-done" and "outside what this side published" in header["error"]
     assert int(pool.sum()) == 0, "bytes were written outside the published pages"
@@ -103,3 +104,16 @@ def test_settled_requests_are_pruned_over_a_thousand_batches(decode):
     tracemalloc.stop()
     assert len(endpoint.tracker) == 0 and len(endpoint.guard) == 0
     assert grown < 64 << 10, f"{grown} bytes kept by 1,000 settled batches"
+
+
+def test_a_wave_that_lands_on_a_slot_before_its_credit_is_refused(decode):
+    endpoint, prefill, pool, _ = decode
+    base = pool.data_ptr()
+    rows = np.array([[base + 3 * PAGE_BYTES, PAGE_BYTES], [base + 4 * PAGE_BYTES, PAGE_BYTES]], np.uint64)
+    header = {"from": "p0", "alignment": 16, "requests": [["r1", 0, 2]],
+              "waves": [[7, 0, 0, 1, PAGE_BYTES, []], [8, 0, 1, 2, PAGE_BYTES, [["r1", KV_ROLE, "kv", 2]]]]}
+    prefill.send("staged", header, rows.tobytes())
+    endpoint.engine.inbox += [wave_note(7, "p0"), wave_note(8, "p0")]  # both on slot 0, no credit between
+    states = endpoint.wait()
+    assert states == {"r1": "failed"} and "has not freed" in endpoint.failures["r1"]
+    assert int(pool[4 * PAGE_BYTES :].sum()) == 0, "the early wave was scattered"

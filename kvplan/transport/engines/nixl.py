@@ -37,6 +37,7 @@ class NixlEngine:
     """NIXL (UCX). See the module docstring for the settings."""
 
     capabilities = Capabilities(prepared=True, arrays=True, abortable=True)
+    KEPT = 64  # reusable handles kept (staged mode keeps one per slot and wave size)
 
     def __init__(self, name: str, memory: str = "DRAM", device_id: int = 0, num_threads: int = 0):
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -49,7 +50,8 @@ class NixlEngine:
         self.agent = nixl_agent(name, config)
         self._registrations = []
         self._prepared: dict[tuple[str, object], tuple[object, object]] = {}
-        self._kept: dict[tuple[str, object], tuple[object, np.ndarray]] = {}  # reusable handles by (peer, key)
+        # reusable handles by (peer, key), oldest first: (native handle, descriptors, its last Handle)
+        self._kept: dict[tuple[str, object], tuple[object, np.ndarray, Handle]] = {}
 
     def register(self, regions: list[tuple[int, int]]) -> None:
         table = np.array([(addr, size, self.device_id) for addr, size in regions], dtype=np.uint64).reshape(-1, 3)
@@ -85,16 +87,30 @@ class NixlEngine:
             "WRITE", self._dlist(descs[:, 0], descs[:, 2]), self._dlist(descs[:, 1], descs[:, 2]), peer, notification)
         if reuse is None:
             return self._start(peer, int(descs[:, 2].sum()), make)
-        kept = self._kept.get((peer, reuse))
+        kept = self._kept.pop((peer, reuse), None)
         if kept is not None and np.array_equal(kept[1], descs):  # repost the finished handle (NIXL allows it)
             handle = self._start(peer, int(descs[:, 2].sum()), lambda: kept[0], notification, keep=True)
         else:
+            if kept is not None and kept[2].state != "PROC":
+                kept[0].release()  # made for other descriptors under the same key
             handle = self._start(peer, int(descs[:, 2].sum()), make, keep=True)
         if handle.native is not None:
-            self._kept[(peer, reuse)] = (handle.native, descs)
-        else:
-            self._kept.pop((peer, reuse), None)
+            self._kept[(peer, reuse)] = (handle.native, descs, handle)
+            self._evict()
         return handle
+
+    def _evict(self) -> None:
+        """Release the oldest kept handles beyond ``KEPT`` that are not in flight."""
+        for key in list(self._kept):
+            if len(self._kept) <= self.KEPT:
+                return
+            native, _, last = self._kept[key]
+            if last.state != "PROC":
+                del self._kept[key]
+                try:
+                    native.release()
+                except Exception as err:  # noqa: BLE001
+                    log.warning("could not release a kept NIXL handle: %s", err)
 
     def prepare(self, peer: str, key: object, local_items: np.ndarray, remote_items: np.ndarray) -> None:
         """Prepare, once per peer, a descriptor list per side: one descriptor per entry x slot.
@@ -164,7 +180,7 @@ class NixlEngine:
         return [msg for msgs in self.agent.get_new_notifs().values() for msg in msgs]
 
     def close(self) -> None:
-        for native, _ in self._kept.values():
+        for native, _, _ in self._kept.values():
             native.release()
         self._kept.clear()
         for local, remote in self._prepared.values():
