@@ -200,6 +200,8 @@ class DecodeEndpoint:
         then upload every wave's scatter inputs ahead of its bytes (see :func:`~.waves.run_message`)."""
         sender = str(header["from"])
         waves = header["waves"]
+        if waves:
+            self._mark(wave_key(int(waves[0][0]), sender), "received")
         spans = [(r, int(lo), int(hi)) for r, lo, hi in header["requests"]]
         requests = list(dict.fromkeys(r for r, _, _ in spans))
         try:
@@ -210,8 +212,9 @@ class DecodeEndpoint:
                 raise PeerError("a staged run arrived, but this side registered no staging buffer")
             rows = np.frombuffer(table, dtype=np.uint64).reshape(-1, 2)
             check_run(rows, spans, waves, int(header["alignment"]), self._share)
-            for r, lo, hi in spans:
-                self.guard.check([r], rows[lo:hi])
+            self.guard.check_spans(spans, rows)
+            if waves:
+                self._mark(wave_key(int(waves[0][0]), sender), "checked")
         except PeerError as err:
             for r in requests:
                 if self._owner.get(r) == peer:
@@ -260,6 +263,7 @@ class DecodeEndpoint:
                 self._refuse(wave, f"wave {wave.index} landed on staging bytes that wave {busy[0]} has not freed")
                 del self._waves[key]
                 continue
+            self._mark(key, "launch")
             n_all = (wave.inputs.shape[0] - 1) // 2
             descs = wave.inputs[wave.row_lo : wave.row_hi]
             offsets = wave.inputs[n_all:].reshape(-1)[wave.row_lo : wave.row_hi]

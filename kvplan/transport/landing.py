@@ -10,12 +10,13 @@ Example::
     guard = LandingGuard(side)
     guard.publish("r1", lists, aux_index=3)
     guard.check(["r1"], dst_and_size)        # [n, 2] uint64 rows from the peer
+    guard.check_spans([("r1", 0, n)], dst_and_size)   # each request's own rows, checked in one search
     guard.forget("r1")                       # once the request has settled
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
@@ -90,3 +91,41 @@ class LandingGuard:
             k = int(bad[0])
             raise PeerError(f"scatter row {k} writes [{int(dst[k]):#x}, +{int(size[k])}) outside what this side "
                             f"published for requests {requests[:4]}{'...' if len(requests) > 4 else ''}")
+
+    def check_spans(self, spans: Sequence[tuple[Any, int, int]], dst_and_size: np.ndarray) -> None:
+        """Raise :class:`PeerError` unless rows ``lo:hi`` of each ``(request, lo, hi)`` lie in that
+        request's own ranges: one search over every request's ranges at once (tagged by request in
+        the top 16 bits of 64-bit keys, since user-space addresses fit 48 bits), or one search per
+        span where an address does not fit."""
+        rows = np.asarray(dst_and_size, np.uint64).reshape(-1, 2)
+        order = list(dict.fromkeys(r for r, _, _ in spans))
+        unknown = [r for r in order if r not in self._ranges]
+        if unknown:
+            raise PeerError(f"the peer names requests this side has not published (or already settled): {unknown[:4]}")
+        if len(rows) == 0:
+            return
+        dst, size = rows[:, 0], rows[:, 1]
+        starts = [self._ranges[r][0] for r in order]
+        ends = np.concatenate([self._ranges[r][1] for r in order])
+        top = max(int(dst.max()) + int(size.max()), int(ends.max()) if len(ends) else 0)
+        if top >= 1 << 48 or len(order) >= 1 << 15:
+            for r, lo, hi in spans:
+                self.check([r], rows[lo:hi])
+            return
+        index = {r: k for k, r in enumerate(order)}
+        keys = np.concatenate(starts) | np.repeat(np.arange(len(order), dtype=np.uint64) << np.uint64(48),
+                                                 [len(s) for s in starts])
+        tags = np.repeat(np.array([index[r] for r, _, _ in spans], np.uint64) << np.uint64(48),
+                         [hi - lo for _, lo, hi in spans])
+        wanted = dst | tags
+        at = np.searchsorted(keys, wanted, side="right").astype(np.int64) - 1
+        inside = (at >= 0) & (size > 0)
+        hit = at[inside]
+        inside[inside] = ((keys[hit] >> np.uint64(48)) == (tags[inside] >> np.uint64(48))) & \
+            (dst[inside] + size[inside] <= ends[hit])
+        bad = np.flatnonzero(~inside)
+        if bad.size:
+            k = int(bad[0])
+            owner = next(r for r, lo, hi in spans if lo <= k < hi)
+            raise PeerError(f"scatter row {k} writes [{int(dst[k]):#x}, +{int(size[k])}) outside what this side "
+                            f"published for request {owner!r}")

@@ -116,6 +116,7 @@ class PrefillEndpoint:
         self.id = uuid.uuid4().hex[:12]  # names this sender's waves on receivers that have several senders
         self.last_mode: str | None = None  # the mode the last send used (what ``auto`` chose)
         self._planners: dict[bool, Planner] = {}  # by prepared or not
+        self._times: list[float] = []
 
     # the first peer, for the common one-to-one pairing
     channel = property(lambda self: self.peers[0].channel)
@@ -173,12 +174,14 @@ class PrefillEndpoint:
         """
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        self._times = [time.perf_counter()]  # (send, planned): the first steps of a staged trace
         transfers = tuple(transfers)
         batch = Batch(self.side, tuple(p.side for p in self.peers), transfers, self.policy)
         try:
             pending = self._planner(prepared=mode == "prepared").plan(batch)
             descs, per_transfer = pending.descriptors()
             sections = pending.sections()
+            self._times.append(time.perf_counter())
         except PlanError as err:
             for t in transfers:
                 self._report(t.dest, t.request, f"batch refused: {err}")
@@ -366,7 +369,10 @@ class _StagedRun:
         self.acked: set[int] = set()
         self.gone: str | None = None  # why the receiver is known to be gone
         self.base_id = ep._next_wave
-        self.trace: list[tuple[int, str, float]] | None = [] if os.environ.get("KVPLAN_TRACE") else None
+        self.trace: list[tuple[int, str, float]] | None = None
+        if os.environ.get("KVPLAN_TRACE"):
+            self.trace = [(0, step, t) for step, t in zip(("send", "planned"), ep._times)]
+            self._mark(0, "init")
 
     def go(self) -> dict[Any, str | None]:
         ep = self.ep
@@ -383,6 +389,7 @@ class _StagedRun:
         for wave in waves:
             if not self._wait(lambda: self.remote_free[wave.slot] and self._local_free(wave.slot)):
                 break
+            self._mark(wave.index, "gather0")
             self._gather(wave)
             sent += 1
             self._pump()

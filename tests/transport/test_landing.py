@@ -41,6 +41,8 @@ def test_a_row_outside_what_was_published_is_refused(row, why):
     guard = guard_with()
     with pytest.raises(PeerError, match="outside what this side published"):
         guard.check(["r1"], np.array([row], np.uint64))
+    with pytest.raises(PeerError, match="outside what this side published"):
+        guard.check_spans([("r1", 0, 1)], np.array([row], np.uint64))
 
 
 def test_a_wave_may_only_use_the_ranges_of_the_requests_it_names():
@@ -75,3 +77,17 @@ def test_merge_ranges_joins_touching_and_overlapping_ranges():
     for a, b in zip(s, e):
         merged[a:b] = True
     assert np.array_equal(covered, merged) and (s[1:] > e[:-1]).all()
+
+
+def test_span_checks_keep_each_requests_rows_to_its_own_ranges():
+    guard = LandingGuard(SIDE)
+    guard.publish("a", DestinationLists(np.array([1, 2]), (np.array([0]),)), aux_index=0)
+    guard.publish("b", DestinationLists(np.array([5]), (np.array([1]),)), aux_index=1)
+    rows = np.array([[0x10000 + 1 * 256, 512], [0x10000 + 5 * 256, 256]], np.uint64)
+    guard.check_spans([("a", 0, 1), ("b", 1, 2)], rows)
+    with pytest.raises(PeerError, match="row 1 .* request 'a'"):  # b's page, in a's rows
+        guard.check_spans([("a", 0, 2), ("b", 2, 2)], rows)
+    with pytest.raises(PeerError, match="row 0 .* request 'b'"):
+        guard.check_spans([("b", 0, 1), ("a", 1, 2)], rows)
+    with pytest.raises(PeerError, match="has not published"):
+        guard.check_spans([("c", 0, 2)], rows)
