@@ -89,6 +89,7 @@ class DecodeEndpoint:
         self._owner: dict[Any, int] = {}  # request -> the channel (sender) it was published to
         self._waves: dict[str, _StagedWave] = {}
         self._early: set[str] = set()  # waves whose bytes landed before their table was read
+        self._uploads: dict[int, tuple[torch.Tensor, Any]] = {}  # per sender: pinned rows, their last upload
         self.trace: list[tuple[str, str, float]] | None = [] if os.environ.get("KVPLAN_TRACE") else None
         self._stream = torch.cuda.Stream(staging.device) if staging is not None and staging.is_cuda else None
         self._share = (staging.numel() // len(self.channels)) // 256 * 256 if staging is not None else 0
@@ -238,7 +239,7 @@ class DecodeEndpoint:
         """Every wave's scatter descriptors ``(0, dst, nbytes)`` and staging offsets, uploaded from pinned
         memory on the scatter stream now, so that a landing only launches its scatter."""
         n = len(rows)
-        host = torch.empty((2 * n + 1, 3), dtype=torch.int64, pin_memory=self._stream is not None)
+        host = self._host_rows(share_lo, 3 * (2 * n + 1)).view(2 * n + 1, 3)
         out = host.numpy()
         out[:n, 0] = 0
         out[:n, 1:] = rows.view(np.int64)
@@ -249,9 +250,24 @@ class DecodeEndpoint:
             if hi > lo:
                 offsets[lo:hi] += share_lo + int(lo_in_slot) - int(offsets[lo])
         if self._stream is None:
-            return host, host
+            return host, host.clone()  # the kept buffer is rewritten by this sender's next run
         with torch.cuda.stream(self._stream):
-            return host, host.to(self.staging.device, non_blocking=True)
+            on_device = host.to(self.staging.device, non_blocking=True)
+            uploaded = torch.cuda.Event()
+            uploaded.record(self._stream)
+        self._uploads[share_lo] = (self._uploads[share_lo][0], uploaded)
+        return host, on_device
+
+    def _host_rows(self, key: int, count: int) -> torch.Tensor:
+        """``count`` int64 of a pinned buffer kept per sender, free once its last upload has run."""
+        buffer, uploaded = self._uploads.get(key, (None, None))
+        if buffer is None or buffer.numel() < count:
+            buffer = torch.empty(max(count, 2 * (buffer.numel() if buffer is not None else 0)), dtype=torch.int64,
+                                 pin_memory=self._stream is not None)
+        elif uploaded is not None:
+            uploaded.synchronize()  # the previous run's upload from it (long finished in practice)
+        self._uploads[key] = (buffer, None)
+        return buffer[:count]
 
     def _scatter_landed(self) -> None:
         for key, wave in list(self._waves.items()):

@@ -341,19 +341,17 @@ class _StagedRun:
         capacity = min(ep.staging.numel(), self.peer.staging[1])
         self.slots = max(1, min(ep.slots, capacity // max(alignment, 1)))
         self.slot_bytes = (capacity // self.slots) // alignment * alignment
-        owners = np.repeat(np.array([t.request for t in batch.transfers] + [None], dtype=object)[:-1],
-                           np.diff(batch.per_transfer))
+        self.transfers = batch.transfers
         self.descs, first = split_descriptors(batch.descs, self.slot_bytes)
         device_descs = batch.device_descs
         if len(self.descs) != len(batch.descs):  # a descriptor larger than a slot goes in pieces
-            self.owners = np.repeat(owners, np.diff(first))
             device_descs = torch.from_numpy(self.descs.view(np.int64)).to(device_descs.device)
             self.sections = [replace(s, lo=int(first[s.lo]), hi=int(first[s.hi])) for s in batch.sections]
+            self.rows = first[batch.per_transfer]  # each transfer's rows
         else:
-            self.owners, self.sections = owners, batch.sections
+            self.sections, self.rows = batch.sections, batch.per_transfer
         self.device_descs = device_descs
-        rows = first[batch.per_transfer] if len(self.descs) != len(batch.descs) else batch.per_transfer
-        self.spans = [(t.request, int(rows[k]), int(rows[k + 1])) for k, t in enumerate(batch.transfers)]
+        self._owners: np.ndarray | None = None
         self.host_starts = np.zeros(len(self.descs) + 1, np.int64)
         np.cumsum(self.descs[:, 2].view(np.int64), out=self.host_starts[1:])
         if ep._stream is not None:  # the descriptors were made on the current stream
@@ -374,19 +372,32 @@ class _StagedRun:
             self.trace = [(0, step, t) for step, t in zip(("send", "planned"), ep._times)]
             self._mark(0, "init")
 
+    @property
+    def owners(self) -> np.ndarray:
+        """Each descriptor's request (made when first asked: only failures need it)."""
+        if self._owners is None:
+            requests = np.array([t.request for t in self.transfers] + [None], dtype=object)[:-1]
+            self._owners = np.repeat(requests, np.diff(self.rows))
+        return self._owners
+
     def go(self) -> dict[Any, str | None]:
         ep = self.ep
         waves = plan_waves(self.descs[:, 2], self.sections, self.slot_bytes, self.slots)
         ep._next_wave += len(waves)
-        sent = 0
-        header, table = run_message(ep.id, self.base_id, waves, self.slot_bytes, self.alignment, self.spans, self.descs)
+        sent = min(self.slots, len(waves))
+        for wave in waves[:sent]:  # the device gathers while the announcement is made and sent
+            self._mark(wave.index, "gather0")
+            self._gather(wave)
+        spans = [(t.request, int(self.rows[k]), int(self.rows[k + 1])) for k, t in enumerate(self.transfers)]
+        header, table = run_message(ep.id, self.base_id, waves, self.slot_bytes, self.alignment, spans, self.descs)
         try:  # every wave's table, ahead of the first byte: the receiver checks them all before any lands
             self.peer.channel.send("staged", header, table, timeout=max(0.0, self.deadline - time.monotonic()))
         except ControlTimeout as err:
             ep._fail(self.dest, self.result, list(self.result), str(err))
+            self.gathered.clear()
             return self.result
         self._mark(0, "tables")
-        for wave in waves:
+        for wave in waves[sent:]:
             if not self._wait(lambda: self.remote_free[wave.slot] and self._local_free(wave.slot)):
                 break
             self._mark(wave.index, "gather0")

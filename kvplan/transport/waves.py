@@ -142,5 +142,5 @@ def check_run(rows: np.ndarray, spans: Sequence[tuple[Any, int, int]], waves: Se
             raise PeerError(f"wave {index}: its staging offset is not aligned to {alignment}")
     if at != n:
         raise PeerError(f"the waves cover {at} of the table's {n} rows")
-    if (rows % np.uint64(alignment)).any():
+    if (rows & np.uint64(alignment - 1)).any():
         raise PeerError(f"the table's rows are not aligned to {alignment}")
