@@ -11,11 +11,11 @@ log="$OUT/staged.txt"
 nvidia-smi --query-gpu=name --format=csv,noheader | tee -a "$log"
 demo() {
   timeout 300 python3 -m kvplan demo --no-progress --engine nixl --preset llama70b-tp8-p64 --layers 8 --requests 8 \
-    --prompt-len 8192 "$@"
+    --prompt-len 8192 ${EXTRA:-} "$@"
 }
 for one in ${1:-64:4 256:4 256:2}; do
   mib=${one%%:*}; slots=${one##*:}
-  echo "\$ kvplan demo --mode ${MODE:-staged} --staging-mib $mib --staging-slots $slots --repeat 12" | tee -a "$log"
+  echo "\$ kvplan demo --mode ${MODE:-staged} --staging-mib $mib --staging-slots $slots ${EXTRA:-} --repeat 12" | tee -a "$log"
   demo --mode "${MODE:-staged}" --staging-mib "$mib" --staging-slots "$slots" --repeat 12 2>&1 | tee -a "$log"
   echo "\$ the same, traced, --repeat 4" >> "$log"
   KVPLAN_TRACE=1 demo --mode "${MODE:-staged}" --staging-mib "$mib" --staging-slots "$slots" --repeat 4 2>&1 \

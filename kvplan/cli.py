@@ -74,7 +74,8 @@ def _demo(args: argparse.Namespace) -> int:
                         chunks=args.chunks, prefix_len=args.prefix_len, mean_run=args.fragmentation,
                         engine=args.engine, mode=args.mode, device=args.device, seed=args.seed, timeout=args.timeout,
                         fault=args.fault, repeat=args.repeat, engine_threads=args.engine_threads, staging_bytes=args.staging_mib << 20,
-                        staging_slots=args.staging_slots, decode_gpu=args.decode_gpu)
+                        staging_slots=args.staging_slots, decode_gpu=args.decode_gpu,
+                        progress_thread=args.progress_thread == "on")
     if config.mode == "prepared" and config.engine != "nixl":
         raise SystemExit("kvplan demo: error: --mode prepared needs --engine nixl (prepared lists are NIXL's)")
     shape = config.model()
@@ -150,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="NIXL's UCX worker threads (default: 0, NIXL's own default)")
     demo.add_argument("--staging-mib", type=_positive, default=64,
                       help="staging buffer per side, in MiB, for staged and auto modes (default: 64)")
+    demo.add_argument("--progress-thread", choices=("on", "off"), default="on",
+                      help="NIXL's own progress thread (default: on); off, kvplan's loops drive the engine")
     demo.add_argument("--decode-gpu", type=int, default=0,
                       help="the decode process's GPU (the prefill's is GPU 0); 1 measures between two cards")
     demo.add_argument("--staging-slots", type=_positive, default=4,

@@ -74,6 +74,7 @@ class DemoConfig:
     shape: ModelShape | None = None  # overrides preset/layers/mean_run (tests use small custom shapes)
     staging_bytes: int = 64 << 20
     staging_slots: int = 4  # the staging ring's length on the sending side
+    progress_thread: bool = True  # NIXL's own (spinning) progress thread
     decode_gpu: int = 0  # the decode process's GPU (the prefill's is GPU 0): 1 moves bytes between two cards
     engine_threads: int = 0  # NIXL's UCX worker threads (0: NIXL's default)
     repeat: int = 1  # batches sent one after another (new request ids each time); timing: first and steady
@@ -82,6 +83,8 @@ class DemoConfig:
         settings = {"num_threads": self.engine_threads} if self.engine_threads and self.engine == "nixl" else {}
         if gpu:
             settings["device_id"] = gpu
+        if not self.progress_thread and self.engine == "nixl":
+            settings["progress_thread"] = False
         return settings
 
     def round_ids(self, k: int) -> str:

@@ -1,8 +1,10 @@
 """NIXL with its UCX backend: one-shot and prepared writes, notifications, cancellation.
 
-Settings: ``memory`` ``"DRAM"`` (CPU tensors) or ``"VRAM"`` (CUDA), ``device_id``, and
+Settings: ``memory`` ``"DRAM"`` (CPU tensors) or ``"VRAM"`` (CUDA), ``device_id``,
 ``num_threads`` (NIXL's UCX workers; lists of many descriptors are split across them, as vLLM
-runs it). Traffic stays on 127.0.0.1 unless ``UCX_NET_DEVICES`` says otherwise; kvplan sets it to
+runs it) and ``progress_thread`` (NIXL's own progress thread, which spins with no delay; off,
+the worker progresses only when kvplan looks at a write or at notifications, which its loops do
+continually while a transfer is in flight). Traffic stays on 127.0.0.1 unless ``UCX_NET_DEVICES`` says otherwise; kvplan sets it to
 ``lo`` when it is unset.
 """
 
@@ -39,14 +41,15 @@ class NixlEngine:
     capabilities = Capabilities(prepared=True, arrays=True, abortable=True)
     KEPT = 64  # reusable handles kept (staged mode keeps one per slot and wave size)
 
-    def __init__(self, name: str, memory: str = "DRAM", device_id: int = 0, num_threads: int = 0):
+    def __init__(self, name: str, memory: str = "DRAM", device_id: int = 0, num_threads: int = 0,
+                 progress_thread: bool = True):
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
         nixl_agent, nixl_agent_config = nixl_api()
         self.name, self.memory, self.device_id = name, memory, device_id
         try:
-            config = nixl_agent_config(backends=["UCX"], num_threads=num_threads)
+            config = nixl_agent_config(progress_thread, backends=["UCX"], num_threads=num_threads)
         except TypeError:  # older bindings without the thread setting
-            config = nixl_agent_config(backends=["UCX"])
+            config = nixl_agent_config(progress_thread, backends=["UCX"])
         self.agent = nixl_agent(name, config)
         self._registrations = []
         self._prepared: dict[tuple[str, object], tuple[object, object]] = {}
