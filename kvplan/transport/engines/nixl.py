@@ -52,6 +52,7 @@ class NixlEngine:
             config = nixl_agent_config(progress_thread, backends=["UCX"])
         self.agent = nixl_agent(name, config)
         self._registrations = []
+        self._peer_device: dict[str, int] = {}  # each connected peer's GPU index
         self._prepared: dict[tuple[str, object], tuple[object, object]] = {}
         # reusable handles by (peer, key), oldest first: (native handle, descriptors, its last Handle)
         self._kept: dict[tuple[str, object], tuple[object, np.ndarray, Handle]] = {}
@@ -61,14 +62,18 @@ class NixlEngine:
         self._registrations.append(self.agent.register_memory(table, self.memory))
 
     def metadata(self) -> bytes:
-        return self.agent.get_agent_metadata()
+        """NIXL's agent metadata behind this side's GPU index (a peer's descriptors name its device)."""
+        return self.device_id.to_bytes(4, "little") + self.agent.get_agent_metadata()
 
     def connect(self, peer_metadata: bytes) -> str:
-        name = self.agent.add_remote_agent(peer_metadata)
-        return name.decode() if isinstance(name, bytes) else name
+        device, nixl_metadata = int.from_bytes(peer_metadata[:4], "little"), peer_metadata[4:]
+        name = self.agent.add_remote_agent(nixl_metadata)
+        name = name.decode() if isinstance(name, bytes) else name
+        self._peer_device[name] = device
+        return name
 
-    def _dlist(self, addrs: np.ndarray, sizes: np.ndarray):
-        devices = np.full(len(addrs), self.device_id, dtype=np.uint64)
+    def _dlist(self, addrs: np.ndarray, sizes: np.ndarray, device: int | None = None):
+        devices = np.full(len(addrs), self.device_id if device is None else device, dtype=np.uint64)
         return self.agent.get_xfer_descs(np.stack([addrs, sizes, devices], axis=1), self.memory)
 
     def _start(self, peer: str, nbytes: int, make, notification: bytes = b"", keep: bool = False) -> Handle:
@@ -87,7 +92,8 @@ class NixlEngine:
     def post(self, peer: str, descs: np.ndarray, notification: bytes, reuse: object = None) -> Handle:
         descs = np.ascontiguousarray(descs, dtype=np.uint64)
         make = lambda: self.agent.initialize_xfer(  # noqa: E731
-            "WRITE", self._dlist(descs[:, 0], descs[:, 2]), self._dlist(descs[:, 1], descs[:, 2]), peer, notification)
+            "WRITE", self._dlist(descs[:, 0], descs[:, 2]),
+            self._dlist(descs[:, 1], descs[:, 2], self._peer_device.get(peer, self.device_id)), peer, notification)
         if reuse is None:
             return self._start(peer, int(descs[:, 2].sum()), make)
         kept = self._kept.pop((peer, reuse), None)
@@ -122,16 +128,17 @@ class NixlEngine:
         descriptor ``e * slots + s`` is ``(base_e + s * item_len_e, item_len_e)``, matching the
         index arrays of :mod:`kvplan.planner.prepared`.
         """
-        def rows(items: np.ndarray) -> np.ndarray:
+        def rows(items: np.ndarray, device: int) -> np.ndarray:
             base, item, slots = (items[:, i].astype(np.uint64) for i in range(3))
             counts = slots.astype(np.int64)
             slot = np.concatenate([np.arange(n, dtype=np.uint64) for n in counts]) if len(counts) else base
             addr = np.repeat(base, counts) + slot * np.repeat(item, counts)
             size = np.repeat(item, counts)
-            return np.stack([addr, size, np.full(len(addr), self.device_id, dtype=np.uint64)], axis=1)
+            return np.stack([addr, size, np.full(len(addr), device, dtype=np.uint64)], axis=1)
 
-        local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows(local_items), self.memory)
-        remote = self.agent.prep_xfer_dlist(peer, rows(remote_items), self.memory)
+        local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows(local_items, self.device_id), self.memory)
+        remote = self.agent.prep_xfer_dlist(peer, rows(remote_items, self._peer_device.get(peer, self.device_id)),
+                                            self.memory)
         self._prepared[(peer, key)] = (local, remote)
 
     def post_prepared(self, peer: str, key: object, src_idx: np.ndarray, dst_idx: np.ndarray,
