@@ -402,6 +402,11 @@ class PendingPlan:
     def ready(self) -> bool:
         return self.event is None or self.event.query()
 
+    def check(self) -> None:
+        """Wait for the plan and raise its first error (a :class:`~kvplan.errors.PlanError` naming the
+        request); return if it planned."""
+        self._head()
+
     @property
     def _b(self) -> _Buffers:
         if self._slot.generation != self._generation:

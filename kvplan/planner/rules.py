@@ -117,6 +117,10 @@ def check_paged_slots(request: Any, what: str, slots: np.ndarray, a: int, page_s
     bad = np.flatnonzero(slots != expected)
     if bad.size:
         k = int(bad[0])
+        if not slots[k:].any():
+            raise AllocatorInvariantError(
+                request, f"{what}: the slots of tokens {int(pos[k])} to {int(pos[-1])} are all 0: the row is "
+                "unallocated there (SGLang's req_to_token holds 0 where no page was allocated)")
         raise AllocatorInvariantError(
             request,
             f"{what}: slot {int(slots[k])} of token {int(pos[k])} breaks the paged allocator invariant "

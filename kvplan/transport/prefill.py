@@ -47,6 +47,7 @@ from ..planner.destinations import decode_message
 from ..planner.model import Batch, Policy, SideMemory, Transfer
 from ..planner.pairing import pair_sides
 from ..planner.device import Planner
+from ..planner.isolate import plan_each
 from ..planner.plan import AUX_ROLE, KV_ROLE, DestinationLists, Section
 from ..planner.prepared import PreparedIndices, prepared_slots
 from .completion import encode_notification
@@ -104,8 +105,11 @@ class PrefillEndpoint:
     """
 
     def __init__(self, side: SideMemory, engine: Engine, channels: ControlChannel | Sequence[ControlChannel],
-                 staging: torch.Tensor | None = None, policy: Policy = Policy.STRICT, slots: int = 4):
-        self.side, self.engine, self.staging, self.policy = side, engine, staging, policy
+                 staging: torch.Tensor | None = None, policy: Policy = Policy.STRICT, slots: int = 4,
+                 refuse: str = "batch"):
+        if refuse not in ("batch", "request"):
+            raise ValueError(f"refuse must be 'batch' or 'request', got {refuse!r}")
+        self.side, self.engine, self.staging, self.policy, self.refuse = side, engine, staging, policy, refuse
         self.peers = [Peer(c) for c in (channels if isinstance(channels, (list, tuple)) else [channels])]
         self.slots = slots
         self.engine.register(engine_regions(side) + ([(staging.data_ptr(), staging.numel())] if staging is not None else []))
@@ -171,14 +175,25 @@ class PrefillEndpoint:
 
         A batch that does not plan (bad input) is refused whole: nothing is sent, every request of
         it is reported failed to its decode endpoint, and the :class:`~kvplan.errors.PlanError` is raised.
+        With ``refuse="request"`` (set on the endpoint) only the bad requests fail, each with its own
+        error, and the rest of the batch is sent.
         """
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         self._times = [time.perf_counter()]  # (send, planned): the first steps of a staged trace
         transfers = tuple(transfers)
         batch = Batch(self.side, tuple(p.side for p in self.peers), transfers, self.policy)
+        refused: dict[Any, str] = {}
         try:
-            pending = self._planner(prepared=mode == "prepared").plan(batch)
+            if self.refuse == "request":
+                pending, errors = plan_each(batch, self._planner(prepared=mode == "prepared").plan)
+                for t in transfers:
+                    if t.request in errors and t.request not in refused:
+                        refused[t.request] = f"request refused: {errors[t.request]}"
+                        self._report(t.dest, t.request, refused[t.request])
+                transfers = tuple(t for t in transfers if t.request not in errors)
+            else:
+                pending = self._planner(prepared=mode == "prepared").plan(batch)
             descs, per_transfer = pending.descriptors()
             sections = pending.sections()
             self._times.append(time.perf_counter())
@@ -186,6 +201,12 @@ class PrefillEndpoint:
             for t in transfers:
                 self._report(t.dest, t.request, f"batch refused: {err}")
             raise
+        if not transfers:
+            return dict(refused)
+        return {**self._move(transfers, mode, pending, descs, per_transfer, sections, batch, timeout), **refused}
+
+    def _move(self, transfers: tuple[Transfer, ...], mode: str, pending, descs: np.ndarray, per_transfer: np.ndarray,
+              sections: list[Section], batch: Batch, timeout: float) -> dict[Any, str | None]:
         deadline = time.monotonic() + timeout
         if mode == "auto":
             mode = self._auto_mode(descs)

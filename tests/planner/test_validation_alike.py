@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvplan.errors import InputError
+from kvplan.errors import AllocatorInvariantError, InputError
 from kvplan.planner import gpu
 from kvplan.planner.destinations import PreallocatedRequest, plan_destinations
 from kvplan.planner.model import Batch, Transfer
@@ -52,3 +52,14 @@ def test_an_unknown_policy_and_float_pages_are_input_errors_naming_what_is_wrong
     with pytest.raises(InputError) as raised:
         Transfer("r9", 1, 0, 9, 8, True, np.array([3.0, 4.0]))
     assert raised.value.request == "r9" and "integer" in str(raised.value)
+
+
+def test_an_unallocated_row_is_named_as_such_on_both_paths(device):
+    table = table_with({1: [5, 6]}, 4, max_ctx=16)  # row 2 was never allocated: all zeros
+    src = mha_side(0x1000_0000, page_size=4, table=table)
+    batch = Batch(src, (mha_side(0x9000_0000, page_size=4),), (last_transfer("r2", row=2, length=8, dst_pages=[3, 4]),))
+    with pytest.raises(AllocatorInvariantError, match="tokens 1 to 7 are all 0: the row is unallocated") as host_err:
+        plan_reference(batch)
+    with pytest.raises(AllocatorInvariantError, match="are all 0: the row is unallocated") as device_err:
+        gpu.plan(batch.to(device)).result()
+    assert host_err.value.request == device_err.value.request == "r2"

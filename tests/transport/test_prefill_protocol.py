@@ -3,8 +3,10 @@ credits (the next requests' lists) survive a staged send and reach receive_reque
 
 import json
 
+import pytest
 import torch
 
+from kvplan.errors import AllocatorInvariantError
 from kvplan.planner.destinations import PreallocatedRequest, plan_destinations
 from kvplan.planner.model import Attention, Entry, KVLayout, SideMemory
 from kvplan.transport.control import ControlTimeout
@@ -46,3 +48,45 @@ def test_lists_that_arrive_during_a_staged_send_are_kept_for_receive_requests():
     except ControlTimeout:
         raise AssertionError("the next request's lists were consumed by the staged send") from None
     assert "r2" in prefill.lists
+
+
+def _direct_pair(refuse):
+    src_pool, dst_pool = torch.zeros(16 * PAGE_BYTES, dtype=torch.uint8), torch.zeros(16 * PAGE_BYTES, dtype=torch.uint8)
+    decode_side = side(dst_pool, {1: [3, 4], 2: [6, 7]})
+    mine, theirs = FakeChannel.pair()
+    engine = FakeEngine()
+    prefill = PrefillEndpoint(side(src_pool, {1: [5, 9]}), engine, mine, refuse=refuse)  # row 2: never allocated
+    theirs.send("register", {"side": describe_side(decode_side), "staging": None}, b"meta")
+    prefill.accept(timeout=1)
+    messages = plan_destinations(decode_side, [PreallocatedRequest("r1", 1, 8), PreallocatedRequest("r2", 2, 8)]).messages()
+    for request, message in zip(("r1", "r2"), messages):
+        theirs.send("request", {"request": request, "prompt_len": 8, "prefix_len": 0}, message)
+    prefill.receive_requests(2, timeout=1)
+    chunks = [prefill.transfer(Chunk("r1", 1, 0, 9, 8, True)), prefill.transfer(Chunk("r2", 2, 0, 9, 8, True))]
+    return prefill, engine, theirs, chunks
+
+
+def _failures(channel):
+    out = {}
+    while (msg := channel.try_recv()) is not None:
+        if msg[0] == "failed":
+            out[msg[1]["request"]] = msg[1]["reason"]
+    return out
+
+
+def test_with_refuse_request_one_bad_request_fails_alone_and_the_rest_is_sent():
+    prefill, engine, decode, chunks = _direct_pair("request")
+    result = prefill.send(chunks, mode="direct", timeout=5)
+    assert result["r1"] is None
+    assert result["r2"].startswith("request refused:") and "unallocated" in result["r2"]
+    assert set(_failures(decode)) == {"r2"}
+    notes = [json.loads(note) for _, note in engine.posted]
+    assert notes and all(note[0] == "r1" for note in notes), notes  # nothing of r2 was written
+
+
+def test_by_default_one_bad_request_refuses_the_whole_batch():
+    prefill, engine, decode, chunks = _direct_pair("batch")
+    with pytest.raises(AllocatorInvariantError) as err:
+        prefill.send(chunks, mode="direct", timeout=5)
+    assert err.value.request == "r2" and not engine.posted
+    assert set(_failures(decode)) == {"r1", "r2"}
