@@ -11,9 +11,9 @@ import sys
 
 import torch
 
-from kvplan.bench import SCENARIOS
+from kvplan.tools.bench import SCENARIOS
 from kvplan.planner.device import Planner
-from kvplan.scenarios import PRESETS, build_batch
+from kvplan.tools.scenarios import PRESETS, build_batch
 
 
 def main() -> None:

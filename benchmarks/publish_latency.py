@@ -15,11 +15,11 @@ import json
 import numpy as np
 import torch
 
-from kvplan.bench import median_ms
+from kvplan.tools.bench import median_ms
 from kvplan.compat.sglang import kv_to_page_indices, pack_int_lists
 from kvplan.planner.destinations import PreallocatedRequest, plan_destinations
 from kvplan.planner.model import SideMemory, StateKind
-from kvplan.scenarios import PRESETS, build_batch
+from kvplan.tools.scenarios import PRESETS, build_batch
 
 PROMPT_LEN = 4096
 PRESET_NAMES = ("llama70b-tp8-p64", "gptoss-swa-p16")

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvplan.bench import SCENARIOS, TARGETS, median_ms
-from kvplan.host_baselines import NumpyBatchPlanner
+from kvplan.tools.bench import SCENARIOS, TARGETS, median_ms
+from kvplan.tools.host_baselines import NumpyBatchPlanner
 from kvplan.planner.columns import BatchColumns
 from kvplan.planner.device import Planner
-from kvplan.scenarios import PRESETS, build_batch
+from kvplan.tools.scenarios import PRESETS, build_batch
 
 SCALE = float(os.environ.get("KVPLAN_BENCH_SCALE", "0.02"))
 GATES = os.environ.get("KVPLAN_BENCH_GATES") == "1"

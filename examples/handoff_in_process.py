@@ -2,7 +2,7 @@
 
 Run: ``UCX_NET_DEVICES=lo python examples/handoff_in_process.py`` (without a GPU, also
 ``TRITON_INTERPRET=1``). Real deployments run the two endpoints in two processes (see
-``kvplan/demo.py``); here the decode side waits in a thread.
+``kvplan/tools/demo.py``); here the decode side waits in a thread.
 """
 
 import os
@@ -13,11 +13,11 @@ from dataclasses import replace
 from kvplan.planner.destinations import PreallocatedRequest
 from kvplan.planner.model import Batch
 from kvplan.planner.reference import plan_reference
-from kvplan.scenarios import PRESETS, build_batch, materialize
+from kvplan.tools.scenarios import PRESETS, build_batch, materialize
 from kvplan.transport.control import ControlChannel
 from kvplan.transport.endpoints import Chunk, DecodeEndpoint, PrefillEndpoint
 from kvplan.transport.engines import make_engine
-from kvplan.verify import AddressSpace, execute
+from kvplan.tools.verify import AddressSpace, execute
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 batch = build_batch(PRESETS["qwen3next-mamba-p64"].scaled(layers=2), requests=2, prompt_len=[256, 130], chunks=2)

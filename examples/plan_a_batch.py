@@ -10,7 +10,7 @@ import torch
 from kvplan.planner.columns import BatchColumns
 from kvplan.planner.device import Planner
 from kvplan.planner.reference import plan_reference
-from kvplan.scenarios import PRESETS, build_batch
+from kvplan.tools.scenarios import PRESETS, build_batch
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 shape = PRESETS["gptoss-swa-p16"].scaled(layers=2)

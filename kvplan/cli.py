@@ -6,9 +6,10 @@ import argparse
 import logging
 import os
 import sys
+from dataclasses import replace
 
 from . import __version__
-from .scenarios import PRESETS
+from .tools.scenarios import PRESETS
 from .transport.endpoints import MODES
 from .transport.engines import engine_names
 
@@ -67,17 +68,33 @@ def _check_demo(config, shape) -> None:
              "--layers")
 
 
+INTERPRETED_BYTES_PER_S = 1e6  # staged copies under Triton's interpreter: ~2 MB/s measured on 2 cores, halved
+
+
+def default_timeout(config) -> float:
+    """60 s, plus, for staged mode on the CPU (its gather and scatter run interpreted), 1 s per MB of KV."""
+    if config.mode != "staged" or config.resolved_device() != "cpu":
+        return 60.0
+    shape = config.model()
+    longest = max(config.prompt_len) if isinstance(config.prompt_len, tuple) else config.prompt_len
+    entries = shape.layers * (2 if shape.attention.value == "mha" else 1)
+    return 60.0 + config.requests * longest * shape.token_bytes * entries / INTERPRETED_BYTES_PER_S
+
+
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import DemoConfig, run_demo
+    from .tools.demo import DemoConfig, run_demo
 
     config = DemoConfig(preset=args.preset, layers=args.layers, requests=args.requests, prompt_len=args.prompt_len,
                         chunks=args.chunks, prefix_len=args.prefix_len, mean_run=args.fragmentation,
-                        engine=args.engine, mode=args.mode, device=args.device, seed=args.seed, timeout=args.timeout,
+                        engine=args.engine, mode=args.mode, device=args.device, seed=args.seed,
+                        timeout=60.0 if args.timeout is None else args.timeout,
                         fault=args.fault, repeat=args.repeat, engine_threads=args.engine_threads, staging_bytes=args.staging_mib << 20,
                         staging_slots=args.staging_slots, decode_gpu=args.decode_gpu,
                         progress_thread=args.progress_thread == "on")
     if config.mode == "prepared" and config.engine != "nixl":
         raise SystemExit("kvplan demo: error: --mode prepared needs --engine nixl (prepared lists are NIXL's)")
+    if args.timeout is None:
+        config = replace(config, timeout=default_timeout(config))
     shape = config.model()
     _check_demo(config, shape)
     report = run_demo(config, progress=not args.no_progress)
@@ -92,7 +109,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     import json
 
-    from .bench import SCENARIOS, progress_printer, render, rows_as_dicts, run_bench
+    from .tools.bench import SCENARIOS, progress_printer, render, rows_as_dicts, run_bench
 
     import torch
 
@@ -121,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     verbosity.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
                            help="-v: INFO lines per batch; -vv: DEBUG lines per section")
     sub = parser.add_subparsers(dest="command", required=True)
-    from .demo import FAULTS
+    from .tools.demo import FAULTS
 
     demo = sub.add_parser(
         "demo", parents=[verbosity], help="a real prefill-to-decode hand-off on this machine, verified byte for byte",
@@ -160,14 +177,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                       help="where the pools live; auto picks the GPU when there is one (default: auto)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the allocation and the bytes (default: 0)")
-    demo.add_argument("--timeout", type=float, default=60.0, help="deadline of every wait, in seconds (default: 60)")
+    demo.add_argument("--timeout", type=float, default=None,
+                      help="deadline of every wait, in seconds (default: 60; for --mode staged on the CPU, where "
+                           "the copy kernels run interpreted, 60 plus 1 per MB of KV)")
     demo.add_argument("--fault", choices=FAULTS, default="none",
                       help="drill a failure path: the decode or prefill process dies, the layouts do not pair, or "
                            "nothing is sent before the deadline (default: none)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar on standard error")
     demo.set_defaults(run=_demo)
 
-    from .bench import SCENARIOS
+    from .tools.bench import SCENARIOS
 
     bench = sub.add_parser(
         "bench", parents=[verbosity], help="plan latency against the strongest host planners for the scenarios of docs/benchmarks.md",

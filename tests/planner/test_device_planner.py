@@ -5,13 +5,13 @@ import pytest
 import torch
 
 from kvplan.errors import InputError, LengthMismatchError
-from kvplan.host_baselines import NumpyBatchPlanner, prepared_ids
+from kvplan.tools.host_baselines import NumpyBatchPlanner, prepared_ids
 from kvplan.planner.columns import BatchColumns
 from kvplan.planner.device import Planner
 from kvplan.planner.model import Batch, Transfer
 from kvplan.planner.prepared import prepared_indices_reference
 from kvplan.planner.reference import plan_reference
-from kvplan.scenarios import PRESETS, build_batch
+from kvplan.tools.scenarios import PRESETS, build_batch
 from tests.planner.builders import mha_side, table_with
 
 

@@ -15,7 +15,7 @@ from kvplan.planner.model import Batch, SideMemory, StateComponent
 from kvplan.planner.pairing import Mode
 from kvplan.planner.prepared import prepared_indices_reference
 from kvplan.planner.reference import plan_reference
-from kvplan.scenarios import PRESETS, build_batch
+from kvplan.tools.scenarios import PRESETS, build_batch
 from tests.kernels.order import shuffled_program_order
 from tests.planner.test_reference_properties import scenarios
 

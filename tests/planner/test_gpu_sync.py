@@ -16,7 +16,7 @@ from kvplan.planner import gpu
 from kvplan.planner.columns import BatchColumns
 from kvplan.planner.device import Planner
 from kvplan.planner.reference import plan_reference
-from kvplan.scenarios import PRESETS, build_batch
+from kvplan.tools.scenarios import PRESETS, build_batch
 from tests.planner.test_gpu_planner import on_device
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(

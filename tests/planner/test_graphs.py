@@ -10,7 +10,7 @@ from kvplan.errors import InputError
 from kvplan.planner import gpu
 from kvplan.planner.columns import BatchColumns
 from kvplan.planner.device import Planner
-from kvplan.scenarios import PRESETS, build_batch
+from kvplan.tools.scenarios import PRESETS, build_batch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "0",

@@ -19,7 +19,7 @@ from kvplan.errors import (
 )
 from kvplan.planner.model import Batch, Entry, Policy, StateComponent, StateKind
 from kvplan.planner.reference import destination_lists, plan_reference
-from kvplan.verify import AddressSpace, execute
+from kvplan.tools.verify import AddressSpace, execute
 from tests.planner.builders import entries, last_transfer, mha_side, swa, table_with
 
 SK, DK = 0x10000000, 0x90000000

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from kvplan.planner.model import Attention, StateKind
 from kvplan.planner.pairing import Mode
 from kvplan.planner.reference import plan_reference
-from kvplan.scenarios import ComponentShape, ModelShape, build_batch
-from kvplan.verify import AddressSpace, execute
+from kvplan.tools.scenarios import ComponentShape, ModelShape, build_batch
+from kvplan.tools.verify import AddressSpace, execute
 
 COMPONENTS = {
     StateKind.SWA: ComponentShape(StateKind.SWA, 2, 48, window=5),

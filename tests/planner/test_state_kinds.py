@@ -15,7 +15,8 @@ from kvplan.planner.state_kinds import RULES, rules_of
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "kvplan"
 
 # modules allowed to name a kind: the enum, its rules, and the independent baselines and presets
-NAMES_KINDS = {"planner/model.py", "planner/state_kinds.py", "baseline.py", "host_baselines.py", "scenarios.py"}
+NAMES_KINDS = {"planner/model.py", "planner/state_kinds.py", "tools/baseline.py", "tools/host_baselines.py",
+               "tools/scenarios.py"}
 
 
 def test_every_kind_has_rules_and_unknown_kinds_raise():

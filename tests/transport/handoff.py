@@ -1,7 +1,7 @@
-"""Small model shapes for the two-process hand-off tests (the processes are kvplan.demo's)."""
+"""Small model shapes for the two-process hand-off tests (the processes are kvplan.tools.demo's)."""
 
 from kvplan.planner.model import Attention, StateKind
-from kvplan.scenarios import ComponentShape, ModelShape
+from kvplan.tools.scenarios import ComponentShape, ModelShape
 
 HYBRID = ModelShape(
     "hybrid-test", Attention.MHA, 2, 32, 4,

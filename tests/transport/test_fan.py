@@ -12,11 +12,11 @@ import pytest
 from kvplan.planner.destinations import PreallocatedRequest
 from kvplan.planner.model import Batch
 from kvplan.planner.reference import plan_reference
-from kvplan.scenarios import build_batch, materialize
+from kvplan.tools.scenarios import build_batch, materialize
 from kvplan.transport.control import ControlChannel
 from kvplan.transport.endpoints import Chunk, DecodeEndpoint, PrefillEndpoint
 from kvplan.transport.engines import make_engine
-from kvplan.verify import AddressSpace, execute
+from kvplan.tools.verify import AddressSpace, execute
 from tests.transport.handoff import HYBRID
 
 pytestmark = pytest.mark.engines

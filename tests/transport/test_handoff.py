@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvplan.demo import DemoConfig, run_demo
+from kvplan.tools.demo import DemoConfig, run_demo
 from tests.transport.handoff import LENGTHS, SHAPES
 
 pytestmark = pytest.mark.engines

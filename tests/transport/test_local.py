@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 from kvplan.planner import gpu
 from kvplan.planner.model import Batch
 from kvplan.planner.reference import plan_reference
-from kvplan.scenarios import materialize
+from kvplan.tools.scenarios import materialize
 from kvplan.transport.local import gather, plan_alignment, run_direct, scatter, staging_offsets
-from kvplan.verify import AddressSpace, execute
+from kvplan.tools.verify import AddressSpace, execute
 from tests.planner.test_gpu_planner import on_device
 from tests.planner.test_reference_properties import scenarios
 
@@ -44,7 +44,7 @@ def test_local_execution_matches_the_reference(device, case, staged, typical_byt
 
 
 def test_alignment_is_a_power_of_two_dividing_every_address(device):
-    from kvplan.scenarios import PRESETS, build_batch
+    from kvplan.tools.scenarios import PRESETS, build_batch
 
     batch = build_batch(PRESETS["llama70b-tp4to8-p64"].scaled(layers=2), 1, 64)
     align = plan_alignment(batch)

@@ -9,9 +9,9 @@ import torch
 from kvplan.planner import gpu
 from kvplan.planner.model import Batch
 from kvplan.planner.reference import plan_reference
-from kvplan.scenarios import PRESETS, build_batch, materialize
+from kvplan.tools.scenarios import PRESETS, build_batch, materialize
 from kvplan.transport.local import gather, plan_alignment, run_direct, scatter, staging_offsets
-from kvplan.verify import AddressSpace, execute
+from kvplan.tools.verify import AddressSpace, execute
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "0" or torch.cuda.device_count() < 2

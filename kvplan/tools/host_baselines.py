@@ -27,11 +27,11 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .errors import LayoutError
-from .planner.columns import COLUMNS, BatchColumns
-from .planner.model import SideMemory, StateKind
-from .planner.pairing import Mode, SidePairing, pair_sides
-from .planner.prepared import prepared_slots
+from ..errors import LayoutError
+from ..planner.columns import COLUMNS, BatchColumns
+from ..planner.model import SideMemory, StateKind
+from ..planner.pairing import Mode, SidePairing, pair_sides
+from ..planner.prepared import prepared_slots
 
 __all__ = ["HostLists", "NumpyBatchPlanner", "host_lists", "prepared_ids"]
 

@@ -4,7 +4,7 @@ benchmarks compare equal work."""
 import numpy as np
 from hypothesis import given, settings
 
-from kvplan.baseline import sglang_style_descs
+from kvplan.tools.baseline import sglang_style_descs
 from kvplan.planner.reference import plan_reference
 from tests.planner.test_reference_properties import scenarios
 

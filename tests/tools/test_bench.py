@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from kvplan.bench import render, run_bench
+from kvplan.tools.bench import render, run_bench
 
 
 def test_bench_rows_render_and_agree_with_the_baseline():

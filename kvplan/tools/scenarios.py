@@ -6,7 +6,7 @@ source and the destination, from a fixed seed. Page 0 and row 0 are never used.
 
 Example::
 
-    from kvplan.scenarios import PRESETS, build_batch
+    from kvplan.tools.scenarios import PRESETS, build_batch
     batch = build_batch(PRESETS["llama70b-tp8-p64"].scaled(layers=4), requests=2, prompt_len=1000)
 """
 
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .planner.model import (
+from ..planner.model import (
     Attention,
     Batch,
     Entry,
@@ -28,8 +28,8 @@ from .planner.model import (
     StateKind,
     Transfer,
 )
-from .planner.reference import destination_lists
-from .planner.rules import cdiv
+from ..planner.reference import destination_lists
+from ..planner.rules import cdiv
 
 if TYPE_CHECKING:
     import torch

@@ -23,7 +23,7 @@ def test_a_fault_drill_that_observes_its_failure_exits_zero_and_says_which():
 
 
 def test_a_drill_report_with_another_failure_is_not_observed():
-    from kvplan.demo import DemoConfig, DemoReport
+    from kvplan.tools.demo import DemoConfig, DemoReport
 
     report = DemoReport(DemoConfig(fault="deadline"), states={"r1": "failed", "r2": "failed"},
                         failures={"r1": "deadline passed before every section arrived", "r2": "engine error"})
@@ -64,3 +64,13 @@ def test_verbose_after_the_subcommand_logs_each_batch():
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "INFO" in done.stderr and "sending 4 transfers" in done.stderr
+
+
+def test_staged_mode_on_the_cpu_gets_a_deadline_scaled_to_its_interpreted_copies():
+    from kvplan.cli import default_timeout
+    from kvplan.tools.demo import DemoConfig
+
+    assert default_timeout(DemoConfig(mode="direct", device="cpu")) == 60.0
+    staged = default_timeout(DemoConfig(mode="staged", device="cpu"))
+    assert staged > 60.0 + 100  # the default batch holds about 143 MB, copied at about 2 MB/s interpreted
+    assert default_timeout(DemoConfig(mode="staged", device="cpu", requests=2)) < staged

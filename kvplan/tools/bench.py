@@ -3,7 +3,7 @@
 For each scenario one process plans the same batch every way, checks that every output equals
 kvplan's, then measures (median of ``runs`` after warm-up, GPU otherwise idle):
 
-* the baselines (``kvplan.host_baselines``, ``kvplan.baseline``): ``numpy-batch`` with one thread
+* the baselines (``kvplan.tools.host_baselines``, ``kvplan.tools.baseline``): ``numpy-batch`` with one thread
   and with a pool (the best is the headline baseline), ``prepared-ids`` (NIXL prepared lists as
   vLLM and SGLang build them) and ``sglang-loop`` (SGLang's Mooncake path; kept for continuity);
 * kvplan, from the call to the output in host memory: eager (:class:`Planner` without graphs) and
@@ -37,13 +37,13 @@ import torch
 
 from .baseline import sglang_style_descs
 from .host_baselines import NumpyBatchPlanner, prepared_ids
-from .planner import gpu
-from .planner.columns import BatchColumns
-from .planner.device import Planner
-from .planner.model import Batch
-from .planner.pairing import Mode, pair_sides
+from ..planner import gpu
+from ..planner.columns import BatchColumns
+from ..planner.device import Planner
+from ..planner.model import Batch
+from ..planner.pairing import Mode, pair_sides
 from .scenarios import PRESETS, build_batch, materialize
-from .transport.local import gather, plan_alignment, scatter, staging_offsets
+from ..transport.local import gather, plan_alignment, scatter, staging_offsets
 
 __all__ = ["SCENARIOS", "BenchRow", "TARGETS", "render", "run_bench"]
 

@@ -35,15 +35,15 @@ import torch
 
 from .baseline import sglang_style_descs
 from .bench import median_ms
-from .planner import gpu
-from .planner.destinations import PreallocatedRequest
-from .planner.model import Batch
-from .planner.pairing import Mode, pair_sides
-from .planner.reference import plan_reference
+from ..planner import gpu
+from ..planner.destinations import PreallocatedRequest
+from ..planner.model import Batch
+from ..planner.pairing import Mode, pair_sides
+from ..planner.reference import plan_reference
 from .scenarios import PRESETS, ModelShape, build_batch, materialize
-from .transport.control import ControlChannel
-from .transport.endpoints import Chunk, DecodeEndpoint, PrefillEndpoint
-from .transport.engines import make_engine
+from ..transport.control import ControlChannel
+from ..transport.endpoints import Chunk, DecodeEndpoint, PrefillEndpoint
+from ..transport.engines import make_engine
 from .verify import AddressSpace, execute
 
 __all__ = ["DemoConfig", "DemoReport", "FAULTS", "run_demo"]
