@@ -6,7 +6,7 @@ export PYTHONPATH=. TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/kvplan-gpu}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/card.txt"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/card.txt"
-python3 -m pytest -q -p no:cacheprovider tests/planner tests/compat tests/kernels tests/test_baseline.py 2>&1 \
+python3 -m pytest -q -p no:cacheprovider tests/planner tests/compat tests/kernels tests/tools/test_baseline.py 2>&1 \
   | tee "$OUT/tests.log" | tail -25
 python3 -m kvplan bench --staging --no-progress --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.md"
 python3 -m benchmarks.publish_latency --json "$OUT/publish_latency.json" 2>&1 | tee "$OUT/publish_latency.md"
