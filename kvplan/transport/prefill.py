@@ -375,12 +375,7 @@ class _StagedRun:
         self._owners: np.ndarray | None = None
         self.host_starts = np.zeros(len(self.descs) + 1, np.int64)
         np.cumsum(self.descs[:, 2].view(np.int64), out=self.host_starts[1:])
-        if ep._stream is not None:  # the descriptors were made on the current stream
-            ep._stream.wait_stream(torch.cuda.current_stream(ep.staging.device))
-            with torch.cuda.stream(ep._stream):  # each descriptor's offset in the whole batch's byte stream
-                self.dev_starts = torch.cumsum(device_descs[:, 2], 0).sub_(device_descs[:, 2])
-        else:
-            self.dev_starts = torch.cumsum(device_descs[:, 2], 0) - device_descs[:, 2]
+        self.dev_starts: torch.Tensor | None = None  # made after the announcement has left
         self.remote_free = [True] * self.slots
         self.local_write: list[Handle | None] = [None] * self.slots
         self.gathered: list[tuple[Wave, Any]] = []  # waves gathered, not yet posted, in order
@@ -405,20 +400,23 @@ class _StagedRun:
         ep = self.ep
         waves = plan_waves(self.descs[:, 2], self.sections, self.slot_bytes, self.slots)
         ep._next_wave += len(waves)
-        sent = min(self.slots, len(waves))
-        for wave in waves[:sent]:  # the device gathers while the announcement is made and sent
-            self._mark(wave.index, "gather0")
-            self._gather(wave)
         spans = [(t.request, int(self.rows[k]), int(self.rows[k + 1])) for k, t in enumerate(self.transfers)]
         header, table = run_message(ep.id, self.base_id, waves, self.slot_bytes, self.alignment, spans, self.descs)
-        try:  # every wave's table, ahead of the first byte: the receiver checks them all before any lands
+        try:  # every wave's table first: the receiver checks them while this side gathers and writes
             self.peer.channel.send("staged", header, table, timeout=max(0.0, self.deadline - time.monotonic()))
         except ControlTimeout as err:
             ep._fail(self.dest, self.result, list(self.result), str(err))
-            self.gathered.clear()
             return self.result
         self._mark(0, "tables")
-        for wave in waves[sent:]:
+        device_descs = self.device_descs
+        if ep._stream is not None:  # the descriptors were made on the current stream
+            ep._stream.wait_stream(torch.cuda.current_stream(ep.staging.device))
+            with torch.cuda.stream(ep._stream):  # each descriptor's offset in the whole batch's byte stream
+                self.dev_starts = torch.cumsum(device_descs[:, 2], 0).sub_(device_descs[:, 2])
+        else:
+            self.dev_starts = torch.cumsum(device_descs[:, 2], 0) - device_descs[:, 2]
+        sent = 0
+        for wave in waves:
             if not self._wait(lambda: self.remote_free[wave.slot] and self._local_free(wave.slot)):
                 break
             self._mark(wave.index, "gather0")
