@@ -24,7 +24,9 @@ class ControlChannel:
 
     ZeroMQ's own heartbeats run both ways (every 0.2 s; a peer silent for ``peer_timeout`` seconds
     is dropped), and a monitor watches the connection: :meth:`peer_gone` turns true within about
-    ``peer_timeout`` of the peer dying or hanging, and at once when its process exits. Messages
+    ``peer_timeout`` of the peer dying or hanging, and at once when its process exits. A bound
+    channel takes a new peer once the old one is gone (a restarted process connecting to the same
+    port); :meth:`replaced` says when that happened, so that the owner can pair again. Messages
     still queued at :meth:`close` get a second to leave (a final ``failed`` must not be lost).
     """
 
@@ -43,6 +45,8 @@ class ControlChannel:
             zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self._connected = False
         self._gone = False
+        self._ever = False  # a peer has connected at least once
+        self._replaced = False  # a peer connected after an earlier one was lost (see replaced())
         self.host = host
         if connect_port is None:
             self.port = self.socket.bind_to_random_port(f"tcp://{host}")
@@ -86,10 +90,18 @@ class ControlChannel:
         while self._monitor.poll(0):
             event = recv_monitor_message(self._monitor)["event"]
             if event in (self._zmq.EVENT_ACCEPTED, self._zmq.EVENT_CONNECTED):
-                self._connected, self._gone = True, False
+                self._replaced = self._replaced or self._ever
+                self._ever, self._connected, self._gone = True, True, False
             elif event == self._zmq.EVENT_DISCONNECTED and self._connected:
                 self._gone = True
         return self._gone
+
+    def replaced(self) -> bool:
+        """Whether a new peer has connected in place of a lost one since the last call (a restarted
+        sender reconnecting to this bound channel): true once per such connection."""
+        self.peer_gone()
+        replaced, self._replaced = self._replaced, False
+        return replaced
 
     def close(self) -> None:
         self.socket.disable_monitor()

@@ -101,10 +101,14 @@ class DecodeEndpoint:
         """Publish this side's layout, engine metadata and staging buffer; waits up to ``timeout``
         seconds for the prefill side to connect."""
         deadline = time.monotonic() + timeout
-        for k, channel in enumerate(self.channels):  # each sender gets its own share of the staging buffer
-            share = [self.staging.data_ptr() + k * self._share, self._share] if self.staging is not None else None
-            channel.send("register", {"side": describe_side(self.side), "staging": share}, self.engine.metadata(),
-                         timeout=max(0.0, deadline - time.monotonic()))
+        for k in range(len(self.channels)):
+            self._register(k, deadline)
+
+    def _register(self, peer: int, deadline: float) -> None:
+        """Send sender ``peer`` this side's layout, engine metadata and its share of the staging buffer."""
+        share = [self.staging.data_ptr() + peer * self._share, self._share] if self.staging is not None else None
+        self.channels[peer].send("register", {"side": describe_side(self.side), "staging": share},
+                                 self.engine.metadata(), timeout=max(0.0, deadline - time.monotonic()))
 
     @property
     def channel(self) -> ControlChannel:
@@ -157,9 +161,23 @@ class DecodeEndpoint:
         self._scatter_landed()
         self._finish_scatters()
         for k, channel in enumerate(self.channels):
-            if channel.peer_gone():
+            if channel.replaced():
+                self._pair_again(k)
+            elif channel.peer_gone():
                 self._fail_owned(k, "the prefill side is gone: its control connection was lost")
         self.tracker.check_deadlines(time.monotonic())
+
+    def _pair_again(self, peer: int) -> None:
+        """A restarted sender connected on channel ``peer``: what the old one left fails, its staged
+        waves are dropped, and the new one gets this side's registration (then new requests)."""
+        log.warning("a prefill endpoint connected again on channel %d: registering with it", peer)
+        self._fail_owned(peer, "the prefill side is gone: it restarted and connected again")
+        for key in [k for k, w in self._waves.items() if w.peer == peer and w.event is None]:
+            del self._waves[key]
+        try:
+            self._register(peer, time.monotonic() + 5.0)
+        except ControlTimeout as err:
+            log.warning("could not register with the restarted prefill endpoint: %s", err)
 
     def _fail_owned(self, peer: int, reason: str) -> None:
         for request in self.tracker.pending():

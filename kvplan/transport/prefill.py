@@ -135,6 +135,8 @@ class PrefillEndpoint:
         deadline = time.monotonic() + timeout
         for peer in self.peers:
             kind, header, frames = peer.recv(deadline)
+            while kind == "wave-done":  # a receiver that outlived an earlier sender may still answer its waves
+                kind, header, frames = peer.recv(deadline)
             if kind != "register":
                 raise LayoutError(f"expected a registration, got {kind!r}")
             peer_side = side_from_description(header["side"])

@@ -1,0 +1,56 @@
+"""The control path survives a restarted sender: a new prefill endpoint that connects to the same
+decode channel is registered again and its requests complete; what the old one left has failed."""
+
+import time
+
+import numpy as np
+import torch
+
+from kvplan.planner.destinations import PreallocatedRequest
+from kvplan.planner.model import Attention, Entry, KVLayout, SideMemory
+from kvplan.transport.control import ControlChannel
+from kvplan.transport.decode import DecodeEndpoint
+from kvplan.transport.prefill import Chunk, PrefillEndpoint
+from tests.planner.builders import table_with
+from tests.transport.fakes import FakeEngine
+
+PAGE, PAGE_BYTES = 4, 256
+
+
+def side(pool, rows):
+    return SideMemory(KVLayout(Attention.MLA, PAGE, (Entry(pool.data_ptr(), PAGE_BYTES, 16),)),
+                      req_to_token=table_with(rows, PAGE, max_ctx=16))
+
+
+def until(predicate, decode, seconds=10.0):
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        decode.poll()
+        time.sleep(0.005)
+
+
+def test_a_restarted_prefill_endpoint_is_registered_again_and_its_requests_complete():
+    src_pool, dst_pool = torch.zeros(16 * PAGE_BYTES, dtype=torch.uint8), torch.zeros(16 * PAGE_BYTES, dtype=torch.uint8)
+    decode = DecodeEndpoint(side(dst_pool, {1: [3, 4], 2: [6, 7]}), FakeEngine(), ControlChannel())
+    port = decode.channel.port
+
+    first = PrefillEndpoint(side(src_pool, {1: [5, 9], 2: [10, 11]}), FakeEngine(), ControlChannel(port))
+    decode.register(timeout=5)
+    first.accept(timeout=5)
+    decode.publish([PreallocatedRequest("r1", 1, 8)], timeout=5)
+    first.receive_requests(1, timeout=5)
+    first.channel.close()  # the sender dies before sending anything
+    until(lambda: decode.tracker.state("r1") == "failed", decode)
+    assert "the prefill side is gone" in decode.tracker.failure("r1")
+
+    second = PrefillEndpoint(side(src_pool, {1: [5, 9], 2: [10, 11]}), FakeEngine(), ControlChannel(port))
+    until(lambda: second.channel.wait_readable(0), decode)  # the registration, sent again
+    second.accept(timeout=5)
+    decode.publish([PreallocatedRequest("r2", 2, 8)], timeout=5)
+    second.receive_requests(1, timeout=5)
+    assert second.send([second.transfer(Chunk("r2", 2, 0, 9, 8, True))], mode="direct", timeout=5) == {"r2": None}
+    decode.engine.inbox.extend(note for _, note in second.engine.posted)  # the engine's notifications
+    states = decode.wait()
+    assert states["r2"] == "complete" and states["r1"] == "failed"
+    assert np.array_equal(second.engine.posted[0][0][:, 2], [2 * PAGE_BYTES])  # two pages, one run
