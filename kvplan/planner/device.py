@@ -105,6 +105,10 @@ class _Static:
 
     def __init__(self, src: SideMemory, dsts: Sequence[SideMemory], device: torch.device, prepared: bool):
         self.pairings: list[SidePairing] = [pair_sides(src, d) for d in dsts]
+        for d in dsts:
+            if d.kv.page_size != src.kv.page_size:
+                raise LayoutError(f"page sizes differ (source {src.kv.page_size}, destination {d.kv.page_size}): the "
+                                  "NumPy reference plans this (docs/page_sizes.md), the kernels do not yet (issue 14)")
         C = self.C = len(src.state)
         K = self.K = 2 + C
         D = len(dsts)

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import AlignmentError, InputError
+from . import page_mapping
 from .host_expand import contiguous_runs, direct_descriptors, head_sliced_descriptors, unit_runs
 from .model import Batch, SideMemory, Transfer
 from .pairing import Mode, SidePairing, pair_sides
@@ -107,5 +108,8 @@ def plan_reference(batch: Batch) -> Plan:
     for t in batch.transfers:
         if not 0 <= t.dest < len(pairings):
             raise InputError(t.request, f"destination {t.dest} is not one of the batch's {len(pairings)} destinations")
-        out.append(_plan_transfer(batch, t, pairings[t.dest]))
+        if batch.dsts[t.dest].kv.page_size != batch.src.kv.page_size:
+            out.append(page_mapping.plan_transfer(batch, t, pairings[t.dest]))  # docs/page_sizes.md
+        else:
+            out.append(_plan_transfer(batch, t, pairings[t.dest]))
     return Plan(tuple(out))

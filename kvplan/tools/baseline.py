@@ -36,6 +36,8 @@ def sglang_style_plan(batch: Batch) -> tuple[list[int], list[int], list[int]]:
     table = _as_tensor(src_side.req_to_token)
     ps = src_side.kv.page_size
     pairings = [pair_sides(src_side, d) for d in batch.dsts]
+    if any(d.kv.page_size != src_side.kv.page_size for d in batch.dsts):
+        raise LayoutError("the SGLang-style baseline plans equal page sizes only (SGLang refuses a mismatch)")
     src_addrs: list[int] = []
     dst_addrs: list[int] = []
     lengths: list[int] = []

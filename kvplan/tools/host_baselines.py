@@ -125,6 +125,8 @@ class NumpyBatchPlanner:
     def __init__(self, src: SideMemory, dsts: Sequence[SideMemory], threads: int = 1):
         self.src, self.dsts = src, tuple(dsts)
         self.pairings: list[SidePairing] = [pair_sides(src, d) for d in self.dsts]
+        if any(d.kv.page_size != src.kv.page_size for d in self.dsts):
+            raise LayoutError("numpy-batch plans equal page sizes only so far (issue 14)")
         self.pool = ThreadPoolExecutor(threads) if threads > 1 else None
         self.threads = threads
         self.out = np.empty((0, 3), _U64)

@@ -142,6 +142,9 @@ class PrefillEndpoint:
             peer_side = side_from_description(header["side"])
             try:
                 pair_sides(self.side, peer_side)
+                if peer_side.kv.page_size != self.side.kv.page_size:
+                    raise LayoutError(f"page sizes differ (source {self.side.kv.page_size}, destination "
+                                      f"{peer_side.kv.page_size}): not planned on the device yet (issue 14)")
             except LayoutError as err:
                 peer.channel.send("refused", {"reason": str(err)})
                 raise

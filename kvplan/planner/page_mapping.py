@@ -1,0 +1,94 @@
+"""Different page sizes on the two sides (docs/page_sizes.md), on the host: the reference's formulas.
+
+With a source page size ``ps_s`` and a destination page size ``ps_d``, every position maps to a
+slot on each side; positions move in units of ``g = gcd(ps_s, ps_d)`` tokens (a unit never
+straddles a page on either side), chunks end on multiples of ``G = lcm(ps_s, ps_d)``, and runs
+and descriptors are counted in units. With equal page sizes a unit is a page and nothing here is
+used: the rules of planning.md apply unchanged.
+
+So far the reference implements direct-mode KV (MLA, or MHA with equal attention TP) and aux;
+pairing refuses different page sizes with head slicing or state components, and the device planner
+and the endpoints refuse them all, until the kernels implement this page.
+
+Example::
+
+    plan = plan_reference(batch)      # a batch whose source has page size 16, destination 64
+    plan.transfers[0].runs            # (s0, d0, len) in units of 16 tokens
+"""
+
+from __future__ import annotations
+
+from math import gcd
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..errors import AlignmentError, InputError, LengthMismatchError
+from .host_expand import contiguous_runs, direct_descriptors, unit_runs
+from .model import Policy
+from .plan import TransferPlan, empty_descs, empty_runs
+from .rules import check_aux, check_bounds, check_paged_slots, check_row, chunk_end, host, token_pages
+
+if TYPE_CHECKING:
+    from .model import Batch, Transfer
+    from .pairing import SidePairing
+
+__all__ = ["plan_transfer", "unit_tables"]
+
+
+def unit_tables(pairing: "SidePairing", ps_s: int, ps_d: int) -> tuple[np.ndarray, np.ndarray]:
+    """The KV entry tables with the item length of one unit (``g`` tokens) on each side."""
+    g = gcd(ps_s, ps_d)
+    src, dst = pairing.kv_src.copy(), pairing.kv_dst.copy()
+    src[:, 1] = src[:, 1] // np.uint64(ps_s) * np.uint64(g)
+    dst[:, 1] = dst[:, 1] // np.uint64(ps_d) * np.uint64(g)
+    return src, dst
+
+
+def plan_transfer(batch: "Batch", t: "Transfer", pairing: "SidePairing") -> TransferPlan:
+    """One transfer between sides of different page sizes (docs/page_sizes.md §1-§5, direct mode)."""
+    src, dst, request, policy = batch.src, batch.dsts[t.dest], t.request, batch.policy
+    ps_s, ps_d = src.kv.page_size, dst.kv.page_size
+    g = gcd(ps_s, ps_d)
+    grain = ps_s * ps_d // g
+    if t.prefix_len % grain or t.start % grain or t.start < t.prefix_len:
+        raise AlignmentError(request, f"chunk start {t.start} / decode prefix {t.prefix_len} must be multiples of "
+                             f"{grain}, the least common multiple of the page sizes {ps_s} and {ps_d}")
+    end = chunk_end(t.start, t.fill_len, t.prompt_len, grain, t.last)
+    if end < t.start:
+        raise InputError(request, f"chunk [{t.start}, {end}) is empty or reversed (fill_len {t.fill_len}, "
+                         f"prompt {t.prompt_len})")
+    table = host(src.req_to_token)
+    check_row(request, table.shape, t.src_row, end)
+    if batch.validate:
+        check_paged_slots(request, "KV", table[t.src_row, t.start:end].astype(np.int64), t.start, ps_s)
+    src_pages = token_pages(table, t.src_row, t.start, end, ps_s)
+    check_bounds(request, "KV page", src_pages, 1, src.kv.num_pages)
+    moved_end = -(-end // g) * g  # whole units: the rest of a unit is its page's stale bytes
+    first, need = (t.start - t.prefix_len) // ps_d, -(-(moved_end - t.prefix_len) // ps_d)
+    dst_pages = np.asarray(t.dst_pages, np.int64)[first:need]
+    what = f"chunk [{t.start}, {end}) KV pages"
+    if len(dst_pages) < need - first:
+        if policy is Policy.STRICT:
+            raise LengthMismatchError(request, f"{what}: {need - first} destination pages of {ps_d} tokens needed, "
+                                      f"{len(dst_pages)} left")
+        moved_end = min(moved_end, t.prefix_len + (first + len(dst_pages)) * ps_d)
+    check_bounds(request, "destination KV page", dst_pages, 1, dst.kv.num_pages)
+    last = first + len(dst_pages) >= len(t.dst_pages)
+    if last != t.last and policy is Policy.STRICT:
+        raise LengthMismatchError(request, f"{what}: the scheduler says last={t.last} but the destination pages say "
+                                  f"last={last} ({first} + {len(dst_pages)} of {len(t.dst_pages)})")
+    pos = np.arange(t.start, moved_end, g, dtype=np.int64)
+    src_page_of = src_pages[(pos - t.start) // ps_s] if len(pos) else pos
+    src_units = (src_page_of * ps_s + pos % ps_s) // g
+    dst_units = (dst_pages[(pos - t.prefix_len) // ps_d - first] * ps_d + (pos - t.prefix_len) % ps_d) // g
+    sent = last or len(pos) > 0
+    runs = contiguous_runs(src_units, dst_units) if len(pos) else empty_runs()
+    src_t, dst_t = unit_tables(pairing, ps_s, ps_d)
+    kv_descs = direct_descriptors(src_t, dst_t, runs) if sent else empty_descs()
+    aux = last and check_aux(t, src, dst)
+    aux_descs = direct_descriptors(pairing.aux_src, pairing.aux_dst, unit_runs([t.aux_src], [t.aux_dst])) \
+        if aux else empty_descs()
+    return TransferPlan(request=request, dest=t.dest, mode=pairing.mode, start=t.start, end=end, last=last,
+                        sent=sent, src_pages=src_pages, dst_pages=dst_pages, runs=runs, kv_descs=kv_descs,
+                        state=(), aux_descs=aux_descs)
