@@ -216,40 +216,46 @@ class DecodeEndpoint:
     # -- staged waves -----------------------------------------------------------------------------
     def _announce(self, peer: int, header: dict[str, Any], table: bytes) -> None:
         """Check a staged run's tables against what this side published before anything is written,
-        then upload every wave's scatter inputs ahead of its bytes (see :func:`~.waves.run_message`)."""
-        sender = str(header["from"])
-        waves = header["waves"]
-        if waves:
-            self._mark(wave_key(int(waves[0][0]), sender), "received")
-        spans = [(r, int(lo), int(hi)) for r, lo, hi in header["requests"]]
-        requests = list(dict.fromkeys(r for r, _, _ in spans))
+        then upload every wave's scatter inputs ahead of its bytes (see :func:`~.waves.run_message`).
+        A run that is malformed or writes outside what was published is refused whole."""
+        requests: list[Any] = []
+        waves: list = []
         try:
+            sender = str(header["from"])
+            waves = [[int(i), int(slot_lo), int(lo), int(hi), int(n), [SectionNote(r, int(role), str(name), int(c))
+                                                                      for r, role, name, c in notes]]
+                     for i, slot_lo, lo, hi, n, notes in header["waves"]]
+            if waves:
+                self._mark(wave_key(waves[0][0], sender), "received")
+            spans = [(r, int(lo), int(hi)) for r, lo, hi in header["requests"]]
+            requests = list(dict.fromkeys(r for r, _, _ in spans))
+            alignment = int(header["alignment"])
             strangers = [r for r in requests if self._owner.get(r, peer) != peer]
             if strangers:
                 raise PeerError(f"the run names requests published to another sender: {strangers[:4]}")
             if self.staging is None:
                 raise PeerError("a staged run arrived, but this side registered no staging buffer")
             rows = np.frombuffer(table, dtype=np.uint64).reshape(-1, 2)
-            check_run(rows, spans, waves, int(header["alignment"]), self._share)
+            check_run(rows, spans, waves, alignment, self._share)
             self.guard.check_spans(spans, rows)
             if waves:
-                self._mark(wave_key(int(waves[0][0]), sender), "checked")
-        except PeerError as err:
+                self._mark(wave_key(waves[0][0], sender), "checked")
+        except (PeerError, KeyError, TypeError, ValueError) as err:
+            why = str(err) if isinstance(err, PeerError) else f"a malformed announcement ({type(err).__name__}: {err})"
             for r in requests:
                 if self._owner.get(r) == peer:
-                    self.tracker.fail(r, f"refused staged run: {err}")
+                    self.tracker.fail(r, f"refused staged run: {why}")
             for w in waves:
-                self.channels[peer].send("wave-done", {"wave": int(w[0]), "error": str(err)})
+                self.channels[peer].send("wave-done", {"wave": w[0], "error": why})
             return
         host, inputs = self._stage_inputs(rows, waves, peer * self._share)
         owner_ends = np.array([hi for _, _, hi in spans], np.int64)
         for index, lo_in_slot, lo, hi, nbytes, notes in waves:
-            key = wave_key(int(index), sender)
+            key = wave_key(index, sender)
             first, last = np.searchsorted(owner_ends, [lo, hi - 1], side="right") if hi > lo else (0, -1)
-            self._waves[key] = _StagedWave(
-                int(index), peer, int(lo_in_slot) + peer * self._share, int(nbytes), int(header["alignment"]),
-                int(lo), int(hi), [SectionNote(r, int(role), str(name), int(count)) for r, role, name, count in notes],
-                [spans[k][0] for k in range(int(first), int(last) + 1)], inputs, host, landed=key in self._early)
+            self._waves[key] = _StagedWave(index, peer, lo_in_slot + peer * self._share, nbytes, alignment, lo, hi,
+                                           notes, [spans[k][0] for k in range(int(first), int(last) + 1)], inputs,
+                                           host, landed=key in self._early)
             self._early.discard(key)
             self._mark(key, "table")
 

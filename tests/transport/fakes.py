@@ -92,6 +92,9 @@ class FakeChannel:
     def wait_readable(self, timeout):
         return bool(self.inbox)
 
+    def replaced(self) -> bool:
+        return False  # an in-memory pair never reconnects
+
     def peer_gone(self) -> bool:
         return False
 

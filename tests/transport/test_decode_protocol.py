@@ -117,3 +117,16 @@ def test_a_wave_that_lands_on_a_slot_before_its_credit_is_refused(decode):
     states = endpoint.wait()
     assert states == {"r1": "failed"} and "has not freed" in endpoint.failures["r1"]
     assert int(pool[4 * PAGE_BYTES :].sum()) == 0, "the early wave was scattered"
+
+
+@pytest.mark.parametrize("header", [
+    {"from": "p0", "alignment": 16, "requests": [["r1", 0]], "waves": [[7, 0, 0, 1, 512, []]]},
+    {"from": "p0", "alignment": "x", "requests": [["r1", 0, 1]], "waves": [[7, 0, 0, 1, 512, []]]},
+    {"from": "p0", "alignment": 16, "requests": [["r1", 0, 1]], "waves": [[7, 0, 0, 1]]},
+    {"alignment": 16, "requests": [["r1", 0, 1]], "waves": []},
+])
+def test_a_malformed_announcement_is_refused_not_a_crash(decode, header):
+    endpoint, prefill, pool, _ = decode
+    prefill.send("staged", header, np.array([[pool.data_ptr() + 3 * PAGE_BYTES, 512]], np.uint64).tobytes())
+    endpoint.poll()  # raises nothing
+    assert int(pool.sum()) == 0 and not endpoint._waves
