@@ -77,6 +77,21 @@ def head_sliced_descriptors(
     return out.reshape(-1, 3)
 
 
+def position_sliced_descriptors(src_table: np.ndarray, dst_table: np.ndarray, src_slots: np.ndarray,
+                                dst_slots: np.ndarray, heads: HeadSlice) -> np.ndarray:
+    """One descriptor per entry x position carrying ``heads_sent`` heads, from each side's token slot
+    (docs/page_sizes.md §5: head slicing between different page sizes)."""
+    if len(src_table) == 0 or len(src_slots) == 0:
+        return empty_descs()
+    out = np.empty((len(src_table), len(src_slots), 3), dtype=_U64)
+    out[..., 0] = (src_table[:, 0][:, None] + src_slots.astype(_U64)[None, :] * _U64(heads.src_token_bytes)
+                   + _U64(heads.src_head * heads.bytes_per_head))
+    out[..., 1] = (dst_table[:, 0][:, None] + dst_slots.astype(_U64)[None, :] * _U64(heads.dst_token_bytes)
+                   + _U64(heads.dst_head * heads.bytes_per_head))
+    out[..., 2] = _U64(heads.nbytes)
+    return out.reshape(-1, 3)
+
+
 def unit_runs(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
     """One run of length 1 per id pair: the runs of a list that never merges (Mamba slots, aux)."""
     src = np.asarray(src, np.int64)

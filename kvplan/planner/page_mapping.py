@@ -6,9 +6,9 @@ straddles a page on either side), chunks end on multiples of ``G = lcm(ps_s, ps_
 and descriptors are counted in units. With equal page sizes a unit is a page and nothing here is
 used: the rules of planning.md apply unchanged.
 
-So far the reference implements direct-mode KV (MLA, or MHA with equal attention TP) and aux;
-pairing refuses different page sizes with head slicing or state components, and the device planner
-and the endpoints refuse them all, until the kernels implement this page.
+So far the reference implements KV (direct and head-sliced) and aux; pairing refuses different page
+sizes with state components, and the device planner and the endpoints refuse them all, until the
+kernels implement this page.
 
 Example::
 
@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import AlignmentError, InputError, LengthMismatchError
-from .host_expand import contiguous_runs, direct_descriptors, unit_runs
+from .host_expand import contiguous_runs, direct_descriptors, position_sliced_descriptors, unit_runs
 from .model import Policy
+from .pairing import Mode
 from .plan import TransferPlan, empty_descs, empty_runs
 from .rules import check_aux, check_bounds, check_paged_slots, check_row, chunk_end, host, token_pages
 
@@ -84,8 +85,15 @@ def plan_transfer(batch: "Batch", t: "Transfer", pairing: "SidePairing") -> Tran
     dst_units = (dst_pages[(pos - t.prefix_len) // ps_d - first] * ps_d + (pos - t.prefix_len) % ps_d) // g
     sent = last or len(pos) > 0
     runs = contiguous_runs(src_units, dst_units) if len(pos) else empty_runs()
-    src_t, dst_t = unit_tables(pairing, ps_s, ps_d)
-    kv_descs = direct_descriptors(src_t, dst_t, runs) if sent else empty_descs()
+    if not sent:
+        kv_descs = empty_descs()
+    elif pairing.mode is Mode.DIRECT:
+        kv_descs = direct_descriptors(*unit_tables(pairing, ps_s, ps_d), runs)
+    else:
+        every = np.arange(t.start, moved_end, dtype=np.int64)  # one descriptor per entry and position
+        src_slots = src_pages[(every - t.start) // ps_s] * ps_s + every % ps_s
+        dst_slots = dst_pages[(every - t.prefix_len) // ps_d - first] * ps_d + (every - t.prefix_len) % ps_d
+        kv_descs = position_sliced_descriptors(pairing.kv_src, pairing.kv_dst, src_slots, dst_slots, pairing.heads)
     aux = last and check_aux(t, src, dst)
     aux_descs = direct_descriptors(pairing.aux_src, pairing.aux_dst, unit_runs([t.aux_src], [t.aux_dst])) \
         if aux else empty_descs()

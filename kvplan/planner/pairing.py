@@ -47,11 +47,11 @@ def head_slice(src: KVLayout, dst: KVLayout, src_item: int, dst_item: int) -> He
     """
     if src.num_kv_heads != dst.num_kv_heads:
         raise LayoutError(f"the sides disagree on the number of KV heads: {src.num_kv_heads} vs {dst.num_kv_heads}")
-    heads, ts, td, ps = src.num_kv_heads, src.tp_size, dst.tp_size, src.page_size
+    heads, ts, td, ps_s, ps_d = src.num_kv_heads, src.tp_size, dst.tp_size, src.page_size, dst.page_size
     src_heads, dst_heads = max(1, heads // ts), max(1, heads // td)
-    if src_item % ps or dst_item % ps:
-        raise LayoutError(f"item lengths {src_item}/{dst_item} are not whole tokens of page size {ps}")
-    src_token, dst_token = src_item // ps, dst_item // ps
+    if src_item % ps_s or dst_item % ps_d:
+        raise LayoutError(f"item lengths {src_item}/{dst_item} are not whole tokens of page sizes {ps_s}/{ps_d}")
+    src_token, dst_token = src_item // ps_s, dst_item // ps_d
     if dst_token % dst_heads or src_token % src_heads:
         raise LayoutError(f"token bytes {src_token}/{dst_token} do not split into {src_heads}/{dst_heads} heads")
     bph = dst_token // dst_heads
@@ -132,10 +132,10 @@ def _pair_sides(src: SideMemory, dst: SideMemory) -> SidePairing:
             kv_dst.append(dk.entries[dk.entry_index(part, layer)])
     mode = Mode.DIRECT if sk.attention is Attention.MLA or sk.tp_size == dk.tp_size else Mode.HEAD_SLICED
     heads = None
-    if sk.page_size != dk.page_size:  # docs/page_sizes.md: so far direct-mode KV and aux only
-        if mode is not Mode.DIRECT or src.state:
-            raise LayoutError(f"page sizes differ (source {sk.page_size}, destination {dk.page_size}): planned so far "
-                              "for direct-mode KV and aux, not yet with head slicing or state components (issue 14)")
+    if sk.page_size != dk.page_size and src.state:  # docs/page_sizes.md: so far KV and aux only
+        raise LayoutError(f"page sizes differ (source {sk.page_size}, destination {dk.page_size}): planned so far "
+                          "for KV and aux, not yet with state components (issue 14)")
+    if sk.page_size != dk.page_size and mode is Mode.DIRECT:
         for i, (s, d) in enumerate(zip(kv_src, kv_dst)):
             if s.item_len * dk.page_size != d.item_len * sk.page_size:
                 raise LayoutError(f"KV entry {i}: bytes per token differ (source {s.item_len}/{sk.page_size}, "

@@ -76,6 +76,21 @@ def test_d_256_to_1():
     assert descs_of(plan) == [(SB + 1536, DB + 20, 4), (SB + 1540, DB + 80, 6)]
 
 
+def test_e_head_sliced_16_to_64():
+    """MHA, 4 KV heads, source TP 2, destination TP 4 rank 1: destination head 0 takes source head 1."""
+    src = SideMemory(KVLayout(Attention.MHA, 16, (Entry(SB, 64, 64), Entry(SB + (1 << 20), 64, 64)), num_kv_heads=4,
+                              tp_size=2, tp_rank=0), req_to_token=slots_table(paged_slots([4, 9], 16, 32)))
+    dst = SideMemory(KVLayout(Attention.MHA, 64, (Entry(DB, 128, 64), Entry(DB + (1 << 20), 128, 64)), num_kv_heads=4,
+                              tp_size=4, tp_rank=1))
+    plan = plan_reference(Batch(src, (dst,), (transfer("r", [2], 21, 20, True),)))
+    descs = descs_of(plan)
+    assert len(descs) == 2 * 32  # two entries (K, V) x 32 positions: whole units of 16
+    k = descs[:32]
+    assert [k[0], k[15], k[16], k[31]] == [(SB + 258, DB + 256, 2), (SB + 318, DB + 286, 2),
+                                          (SB + 578, DB + 288, 2), (SB + 638, DB + 318, 2)]
+    assert descs[32] == (SB + (1 << 20) + 258, DB + (1 << 20) + 256, 2)
+
+
 @settings(max_examples=60, deadline=None)
 @given(ps_s=st.sampled_from([1, 2, 4, 16, 64]), ps_d=st.sampled_from([1, 2, 4, 16, 64]),
        length=st.integers(1, 300), split=st.floats(0, 1), seed=st.integers(0, 2**31))
