@@ -249,24 +249,23 @@ def decode_process(config: DemoConfig, conn) -> None:
         last = {t.request: t for t in batch.transfers if t.last}
         timeout = 3.0 if config.fault in ("deadline", "dead-prefill") else config.timeout
         states, failures = {}, {}
-        profile = _Profile("decode").__enter__()
-        for k in range(config.repeat):
-            tag = config.round_ids(k)
-            endpoint.publish([PreallocatedRequest(f"{r}{tag}", t.src_row, t.prompt_len, t.prefix_len, t.aux_dst)
-                              for r, t in last.items()], timeout=timeout)
-            conn.send(("stage", "publish lists"))
-            if config.fault == "dead-decode-mid":  # die once the first request is complete
-                deadline = time.monotonic() + config.timeout
-                while time.monotonic() < deadline:
-                    endpoint.poll()
-                    if "complete" in endpoint.tracker.states().values():
-                        time.sleep(0.2)  # dies once the credit of its completed request has left
-                        os._exit(0)
-            states.update(endpoint.wait())
-            failures.update(endpoint.failures)
-            if any(v != "complete" for v in states.values()):
-                break
-        profile.__exit__()
+        with _Profile("decode"):
+            for k in range(config.repeat):
+                tag = config.round_ids(k)
+                endpoint.publish([PreallocatedRequest(f"{r}{tag}", t.src_row, t.prompt_len, t.prefix_len, t.aux_dst)
+                                  for r, t in last.items()], timeout=timeout)
+                conn.send(("stage", "publish lists"))
+                if config.fault == "dead-decode-mid":  # die once the first request is complete
+                    deadline = time.monotonic() + config.timeout
+                    while time.monotonic() < deadline:
+                        endpoint.poll()
+                        if "complete" in endpoint.tracker.states().values():
+                            time.sleep(0.2)  # dies once the credit of its completed request has left
+                            os._exit(0)
+                states.update(endpoint.wait())
+                failures.update(endpoint.failures)
+                if any(v != "complete" for v in states.values()):
+                    break
         conn.send(("stage", "complete"))
         verified = None
         if all(s == "complete" for s in states.values()):
@@ -316,25 +315,24 @@ def prefill_process(config: DemoConfig, port: int, conn) -> None:
         if not conn.poll(config.timeout * 2) or conn.recv() != "go":
             return
         result, times = {}, []
-        profile = _Profile("prefill").__enter__()
-        for k in range(config.repeat):
-            tag = config.round_ids(k)
-            if k:
-                endpoint.receive_requests(config.requests, timeout=config.timeout)
-            chunks = [endpoint.transfer(Chunk(f"{t.request}{tag}", t.src_row, t.start, t.fill_len, t.prompt_len,
-                                              t.last, t.aux_src)) for t in batch.transfers]
-            if config.fault == "dead-prefill-mid":  # the first chunks only, then die
-                conn.send(("sent", endpoint.send([c for c in chunks if not c.last], config.mode, config.timeout), [1.0],
-                           endpoint.last_mode))
-                os._exit(0)
-            t0 = time.perf_counter()
-            sent = endpoint.send(chunks, config.mode, timeout=config.timeout)
-            times.append(time.perf_counter() - t0)
-            endpoint.forget(list(sent))
-            result.update(sent)
-            if any(sent.values()):
-                break
-        profile.__exit__()
+        with _Profile("prefill"):
+            for k in range(config.repeat):
+                tag = config.round_ids(k)
+                if k:
+                    endpoint.receive_requests(config.requests, timeout=config.timeout)
+                chunks = [endpoint.transfer(Chunk(f"{t.request}{tag}", t.src_row, t.start, t.fill_len, t.prompt_len,
+                                                  t.last, t.aux_src)) for t in batch.transfers]
+                if config.fault == "dead-prefill-mid":  # the first chunks only, then die
+                    conn.send(("sent", endpoint.send([c for c in chunks if not c.last], config.mode, config.timeout), [1.0],
+                               endpoint.last_mode))
+                    os._exit(0)
+                t0 = time.perf_counter()
+                sent = endpoint.send(chunks, config.mode, timeout=config.timeout)
+                times.append(time.perf_counter() - t0)
+                endpoint.forget(list(sent))
+                result.update(sent)
+                if any(sent.values()):
+                    break
         conn.send(("sent", result, times, endpoint.last_mode))
     except Exception:  # noqa: BLE001
         conn.send(("error", traceback.format_exc()))

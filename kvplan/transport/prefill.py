@@ -236,7 +236,8 @@ class PrefillEndpoint:
     def _planner(self, prepared: bool) -> Planner:
         """This endpoint's device planner (graph replay on a GPU), made on the first send of its kind."""
         planner = self._planners.get(prepared)
-        if planner is None or planner.dsts != tuple(p.side for p in self.peers):
+        sides = [p.side for p in self.peers]
+        if planner is None or len(planner.dsts) != len(sides) or any(a is not b for a, b in zip(planner.dsts, sides)):
             outputs = ("descriptors", "prepared") if prepared else ("descriptors",)
             planner = self._planners[prepared] = Planner(self.side, tuple(p.side for p in self.peers),
                                                          policy=self.policy, outputs=outputs)
