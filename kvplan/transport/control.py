@@ -19,6 +19,17 @@ class ControlTimeout(KvplanError, TimeoutError):
     """No control message arrived before the deadline."""
 
 
+def _parse(parts: list[bytes]) -> tuple[str, dict[str, Any], list[bytes]]:
+    """A message's kind, header and frames; what a peer sends malformed becomes kind ``"malformed"``
+    (every handler ignores kinds it does not know), never an exception in the receiving loop."""
+    try:
+        header = json.loads(parts[1])
+        if isinstance(header, dict):
+            return parts[0].decode(), header, parts[2:]
+    except (IndexError, UnicodeDecodeError, ValueError):
+        pass
+    return "malformed", {}, parts
+
 class ControlChannel:
     """One end of a PAIR socket; the decode side binds an ephemeral port, the prefill side connects.
 
@@ -70,8 +81,7 @@ class ControlChannel:
         timeout_ms = max(0, int((deadline - time.monotonic()) * 1000))
         if not self.socket.poll(timeout_ms):
             raise ControlTimeout("no control message before the deadline")
-        kind, header, *frames = self.socket.recv_multipart()
-        return kind.decode(), json.loads(header), frames
+        return _parse(self.socket.recv_multipart())
 
     def wait_readable(self, timeout: float) -> bool:
         """Block up to ``timeout`` seconds (ZeroMQ counts whole milliseconds) until a message can be read."""
@@ -80,8 +90,7 @@ class ControlChannel:
     def try_recv(self) -> tuple[str, dict[str, Any], list[bytes]] | None:
         if not self.socket.poll(0):
             return None
-        kind, header, *frames = self.socket.recv_multipart()
-        return kind.decode(), json.loads(header), frames
+        return _parse(self.socket.recv_multipart())
 
     def peer_gone(self) -> bool:
         """Whether the peer was connected and its connection has since been lost (death or silence)."""

@@ -145,10 +145,10 @@ class DecodeEndpoint:
                 kind, header, frames = msg
                 if kind == "staged":
                     self._announce(k, header, frames[0])
-                elif kind == "failed" and self._owner.get(header["request"]) == k:
-                    self.tracker.fail(header["request"], f"the prefill side reports: {header['reason']}")
+                elif kind == "failed" and self._owner.get(header.get("request")) == k:
+                    self.tracker.fail(header["request"], f"the prefill side reports: {header.get('reason')}")
                 elif kind == "refused":
-                    self._fail_owned(k, f"the prefill side refused the pairing: {header['reason']}")
+                    self._fail_owned(k, f"the prefill side refused the pairing: {header.get('reason')}")
         for raw in self.engine.notifications():
             wave = decode_wave_note(raw)
             if wave is None:

@@ -500,7 +500,11 @@ class _StagedRun:
             if kind != "wave-done":  # e.g. the next requests' lists: kept for receive_requests
                 self.peer.backlog.append(msg)
                 continue
-            index = int(header["wave"]) - self.base_id
+            try:
+                index = int(header["wave"]) - self.base_id
+            except (KeyError, TypeError, ValueError):
+                log.warning("ignored a malformed credit from the decode side: %r", header)
+                continue
             if index not in self.posted:
                 continue
             wave, _ = self.posted[index]

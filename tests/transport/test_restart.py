@@ -54,3 +54,18 @@ def test_a_restarted_prefill_endpoint_is_registered_again_and_its_requests_compl
     states = decode.wait()
     assert states["r2"] == "complete" and states["r1"] == "failed"
     assert np.array_equal(second.engine.posted[0][0][:, 2], [2 * PAGE_BYTES])  # two pages, one run
+
+
+def test_malformed_control_messages_from_a_peer_are_ignored_not_a_crash():
+    dst_pool = torch.zeros(16 * PAGE_BYTES, dtype=torch.uint8)
+    decode = DecodeEndpoint(side(dst_pool, {1: [3, 4]}), FakeEngine(), ControlChannel())
+    peer = ControlChannel(decode.channel.port)
+    decode.register(timeout=5)
+    assert peer.recv(time.monotonic() + 5)[0] == "register"
+    decode.publish([PreallocatedRequest("r1", 1, 8)], timeout=5)
+    for parts in ([b"failed", b"not json"], [b"failed", b"{}"], [b"failed", b"[1, 2]"], [b"\xff\xfe", b"{}"], [b"x"]):
+        peer.socket.send_multipart(parts)
+    for _ in range(50):  # half a second: every message arrives and is read
+        decode.poll()
+        time.sleep(0.01)
+    assert decode.tracker.state("r1") == "pending"  # nothing named it: nothing failed
