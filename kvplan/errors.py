@@ -50,6 +50,20 @@ class UnmappedSlotError(PlanError):
     """A token inside the sliding window has no SWA slot (translated slot 0)."""
 
 
+class DestinationOverlapError(PlanError):
+    """Two transfers of one batch (or one transfer twice) write the same destination page, slot or row.
+
+    Attributes:
+        request: the later of the two claimants, in batch order.
+        other: the request that claimed the destination item first (equal to ``request`` when one
+            request lists the item twice).
+    """
+
+    def __init__(self, request: object | None, other: object | None, reason: str):
+        self.other = other
+        super().__init__(request, reason)
+
+
 class InputError(PlanError):
     """An input has the wrong dtype, device, shape or value range."""
 

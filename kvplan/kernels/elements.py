@@ -12,6 +12,12 @@ Shape contract
 * :func:`list_elements` writes ``src``/``dst`` ``[N_CAP]`` ids and ``starts`` ``[N_CAP]`` (1 where a
   run starts: a segment's first element, an element of a segment that forms no runs, or a break
   of planning.md §4; 0 past ``N``), and or-s error bits into ``seg_err[s]``.
+* Claims (planning.md §6.1): ``own`` int64 ``[D * K, 2]`` gives, per destination and segment slot
+  ``k = s % K``, the first bit and the item count of its region of ``claimed``, an int32 bitmap
+  that is all zero between plans. Each element with a destination id inside its region sets its
+  bit; one that finds the bit already set or-s ``ERR_OVERLAP`` into ``seg_err[s]``. ``claim_word``
+  ``[N_CAP]`` int32 receives the bitmap word each element set (-1 for none), for
+  :func:`clear_claims` to zero once every element has claimed.
 * :func:`check_tokens` checks every token of every segment's check range: the allocator
   invariant (ERR_INVARIANT), slot-map bounds and page bounds (ERR_FATAL).
 """
@@ -33,8 +39,9 @@ def _map_ptr(map_slot, map0_ptr, map1_ptr, map2_ptr, map3_ptr):
 
 @triton.jit
 def _elements_kernel(seg_ptr, seg_end_ptr, table_ptr, table_stride, map0_ptr, map1_ptr, map2_ptr, map3_ptr,
-                     dst_flat_ptr, src_ptr, dst_ptr, starts_ptr, err_ptr, N_CAP: tl.constexpr, S: tl.constexpr,
-                     LOG: tl.constexpr, SF: tl.constexpr, BLOCK: tl.constexpr):
+                     dst_flat_ptr, src_ptr, dst_ptr, starts_ptr, err_ptr, own_ptr, claimed_ptr, claim_word_ptr,
+                     N_CAP: tl.constexpr, S: tl.constexpr, K: tl.constexpr, LOG: tl.constexpr, SF: tl.constexpr,
+                     BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     total = tl.load(seg_end_ptr + S - 1)
     live = i < total
@@ -67,11 +74,29 @@ def _elements_kernel(seg_ptr, seg_end_ptr, table_ptr, table_stride, map0_ptr, ma
     start = live & (~has_prev | (ids - prev != 1) | (dst - prev_dst != 1))
 
     bad = map_bad | (live & ~unmapped & ((ids < lo) | (ids >= hi))) | (live & ((dst < dlo) | (dst >= dhi)))
-    bits = tl.where(bad, sg.ERR_FATAL, 0) + tl.where(unmapped, sg.ERR_UNMAPPED, 0)
+    # the destination item this element claims: one bit of its (destination, slot) region
+    region = own_ptr + (tl.load(row_ptr + sg.F_DEST, mask=live, other=0) * K + s % K) * 2
+    items = tl.load(region + 1, mask=live, other=0)
+    claims = live & (dst >= 0) & (dst < items)
+    bit = tl.load(region, mask=claims, other=0) + dst
+    word = tl.where(claims, bit >> 5, -1)
+    one = (tl.full([BLOCK], 1, tl.int32) << (bit & 31).to(tl.int32))
+    before = tl.atomic_or(claimed_ptr + word, one, mask=claims)
+    again = claims & ((before & one) != 0)
+
+    bits = tl.where(bad, sg.ERR_FATAL, 0) + tl.where(unmapped, sg.ERR_UNMAPPED, 0) + tl.where(again, sg.ERR_OVERLAP, 0)
     tl.atomic_or(err_ptr + s, bits, mask=bits != 0)
+    tl.store(claim_word_ptr + i, word.to(tl.int32), mask=i < N_CAP)
     tl.store(src_ptr + i, ids, mask=live)
     tl.store(dst_ptr + i, dst, mask=live)
     tl.store(starts_ptr + i, start.to(tl.int64), mask=i < N_CAP)
+
+
+@triton.jit
+def _clear_kernel(claim_word_ptr, claimed_ptr, N_CAP: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    word = tl.load(claim_word_ptr + i, mask=i < N_CAP, other=-1)
+    tl.store(claimed_ptr + word, tl.zeros([BLOCK], tl.int32), mask=word >= 0)
 
 
 @triton.jit
@@ -113,12 +138,20 @@ def _maps(maps: list) -> list:
     return (list(maps) + [maps[0]] * 4)[:4]
 
 
-def list_elements(seg, seg_end, table, maps, dst_flat, src, dst, starts, seg_err, block: int) -> None:
+def list_elements(seg, seg_end, table, maps, dst_flat, src, dst, starts, seg_err, own, claimed, claim_word, *,
+                  segments_per_transfer: int, block: int) -> None:
     """One program per ``block`` elements of capacity ``src.numel()`` (see the shape contract)."""
     S = seg_end.numel()
     grid = (triton.cdiv(src.numel(), block),)
     _elements_kernel[grid](seg, seg_end, table, table.stride(0), *_maps(maps), dst_flat, src, dst, starts, seg_err,
-                           N_CAP=src.numel(), S=S, LOG=sg.log2_ceil(S), SF=sg.SEG_FIELDS, BLOCK=block)
+                           own, claimed, claim_word, N_CAP=src.numel(), S=S, K=segments_per_transfer,
+                           LOG=sg.log2_ceil(S), SF=sg.SEG_FIELDS, BLOCK=block)
+
+
+def clear_claims(claim_word, claimed, block: int) -> None:
+    """Zero every bitmap word the last :func:`list_elements` set, so ``claimed`` is all zero again."""
+    _clear_kernel[(triton.cdiv(claim_word.numel(), block),)](claim_word, claimed, N_CAP=claim_word.numel(),
+                                                             BLOCK=block)
 
 
 def check_tokens(seg, chk_end, table, maps, seg_err, programs: int, block: int) -> None:
@@ -133,8 +166,12 @@ COMPILE_SPECS = [
     (_elements_kernel,
      {"seg_ptr": "*i64", "seg_end_ptr": "*i64", "table_ptr": "*i32", "table_stride": "i64", **_MAPS,
       "dst_flat_ptr": "*i64", "src_ptr": "*i64", "dst_ptr": "*i64", "starts_ptr": "*i64", "err_ptr": "*i64",
-      "N_CAP": "constexpr", "S": "constexpr", "LOG": "constexpr", "SF": "constexpr", "BLOCK": "constexpr"},
-     {"N_CAP": 4096, "S": 256, "LOG": 9, "SF": sg.SEG_FIELDS, "BLOCK": 1024}),
+      "own_ptr": "*i64", "claimed_ptr": "*i32", "claim_word_ptr": "*i32",
+      "N_CAP": "constexpr", "S": "constexpr", "K": "constexpr", "LOG": "constexpr", "SF": "constexpr",
+      "BLOCK": "constexpr"},
+     {"N_CAP": 4096, "S": 256, "K": 4, "LOG": 9, "SF": sg.SEG_FIELDS, "BLOCK": 1024}),
+    (_clear_kernel, {"claim_word_ptr": "*i32", "claimed_ptr": "*i32", "N_CAP": "constexpr", "BLOCK": "constexpr"},
+     {"N_CAP": 4096, "BLOCK": 1024}),
     (_check_kernel,
      {"seg_ptr": "*i64", "chk_end_ptr": "*i64", "table_ptr": "*i32", "table_stride": "i64", **_MAPS,
       "err_ptr": "*i64", "S": "constexpr", "LOG": "constexpr", "SF": "constexpr", "BLOCK": "constexpr"},

@@ -26,7 +26,8 @@ SEG_FIELDS = tl.constexpr(32)
 CHK_INVARIANT, CHK_MAPPED, CHK_PAGE_BOUNDS = tl.constexpr(1), tl.constexpr(2), tl.constexpr(4)
 
 # per-segment error bits (atomically or-ed by the kernels; judged by the summary kernel)
-ERR_FATAL, ERR_WARN, ERR_INVARIANT, ERR_UNMAPPED = (tl.constexpr(1 << v) for v in range(4))
+# ERR_OVERLAP: an element of the segment claimed a destination item already claimed (planning.md §6.1)
+ERR_FATAL, ERR_WARN, ERR_INVARIANT, ERR_UNMAPPED, ERR_OVERLAP = (tl.constexpr(1 << v) for v in range(5))
 
 
 

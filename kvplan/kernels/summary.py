@@ -10,7 +10,8 @@ Shape contract
 * In: ``seg`` ``[S, SEG_FIELDS]``, ``seg_end`` ``[S]``, ``run_id`` ``[N_CAP]``, ``seg_err`` ``[S]``.
 * Out: ``seg_sums`` int64 ``[4, S]``: run start, runs, descriptor end (inclusive) and prepared
   end (inclusive) per segment; ``head`` int64 ``[HEAD + T_CAP + 1]``: :data:`HEAD` words
-  (``TOTAL_DESCS, TOTAL_RUNS, ELEMENTS, FIRST_FATAL, FIRST_WARN, TOTAL_PREPARED``, the rest 0),
+  (``TOTAL_DESCS, TOTAL_RUNS, ELEMENTS, FIRST_FATAL, FIRST_WARN, TOTAL_PREPARED, OVERLAP``, the rest
+  0; ``OVERLAP`` is 1 when any segment has ``ERR_OVERLAP``),
   then the descriptor offsets of the transfers ``[T_CAP + 1]``. A missing transfer is ``NONE``.
 
 Policy: an unmapped SWA slot is fatal under ``strict`` and a warning under ``truncate``, where
@@ -25,7 +26,8 @@ import triton.language as tl
 from . import segments as sg
 
 HEAD = tl.constexpr(8)
-TOTAL_DESCS, TOTAL_RUNS, ELEMENTS, FIRST_FATAL, FIRST_WARN, TOTAL_PREPARED = (tl.constexpr(v) for v in range(6))
+TOTAL_DESCS, TOTAL_RUNS, ELEMENTS, FIRST_FATAL, FIRST_WARN, TOTAL_PREPARED, OVERLAP = (
+    tl.constexpr(v) for v in range(7))
 NONE = tl.constexpr(1 << 62)
 
 
@@ -36,6 +38,7 @@ def _summary_kernel(seg_ptr, seg_end_ptr, run_id_ptr, err_ptr, sums_ptr, head_pt
     carry_p = carry_d
     fatal_at = carry_d + NONE
     warn_at = fatal_at
+    overlap = carry_d
     for base in range(0, S, BS):
         s = base + tl.arange(0, BS).to(tl.int64)
         live = s < S
@@ -70,6 +73,7 @@ def _summary_kernel(seg_ptr, seg_end_ptr, run_id_ptr, err_ptr, sums_ptr, head_pt
             warn |= unmapped
         fatal_at = tl.minimum(fatal_at, tl.min(tl.where(fatal, s // K, NONE), axis=0))
         warn_at = tl.minimum(warn_at, tl.min(tl.where(warn, s // K, NONE), axis=0))
+        overlap = tl.maximum(overlap, tl.max(tl.where((err & sg.ERR_OVERLAP) != 0, 1, 0).to(tl.int64), axis=0))
     elements = tl.load(seg_end_ptr + S - 1)
     tl.store(head_ptr + TOTAL_DESCS, carry_d)
     tl.store(head_ptr + TOTAL_RUNS, tl.load(run_id_ptr + elements - 1, mask=elements > 0, other=0))
@@ -77,6 +81,7 @@ def _summary_kernel(seg_ptr, seg_end_ptr, run_id_ptr, err_ptr, sums_ptr, head_pt
     tl.store(head_ptr + FIRST_FATAL, fatal_at)
     tl.store(head_ptr + FIRST_WARN, warn_at)
     tl.store(head_ptr + TOTAL_PREPARED, carry_p)
+    tl.store(head_ptr + OVERLAP, overlap)
     tl.store(head_ptr + HEAD, carry_d * 0)
 
 

@@ -49,6 +49,7 @@ from ..kernels import expand as kx
 from ..kernels import run_table as kr
 from ..kernels import segments as sg
 from ..kernels import summary as ks
+from .claims import Claims, check_claims
 from .columns import COLUMNS, BatchColumns
 from .lists import as_device_tensor, host_empty
 from .host_expand import direct_descriptors, head_sliced_descriptors, unit_runs
@@ -132,6 +133,11 @@ class _Static:
                 heads[d] = (h.src_token_bytes, h.dst_token_bytes, h.src_head * h.bytes_per_head,
                             h.dst_head * h.bytes_per_head, h.nbytes)
         self.entry_span = dest_meta[:, 3 : 3 + 2 * K].reshape(-1, K, 2).copy()  # per dest and slot
+        # claims (planning.md §6.1): per dest and slot, the first bit and the item count of its bitmap region
+        own = np.zeros((max(1, D) * K, 2), np.int64)
+        own[:, 1] = np.concatenate([[m[0], *m[3 + 2 * K :], m[1]] for m in dest_meta]) if D else 0
+        own[:, 0] = np.cumsum(own[:, 1]) - own[:, 1]
+        self.claim_words = int(own[:, 1].sum()) // 32 + 1
         self.entries_host = np.concatenate(blocks) if blocks else np.zeros((0, 4), np.uint64)
         self.maps: list[torch.Tensor] = []
         comp_meta = np.zeros((max(1, C), int(kl.COMP_FIELDS)), np.int64)
@@ -163,8 +169,8 @@ class _Static:
         self.per_element = max(multiplier)
         self.aux_entries = len(src.aux)
         to = lambda a: torch.from_numpy(np.ascontiguousarray(a).view(np.int64)).to(device)  # noqa: E731
-        self.entries, self.dest_meta, self.heads, self.comp_meta, self.slots = (
-            to(self.entries_host), to(dest_meta), to(heads), to(comp_meta), to(slots))
+        self.entries, self.dest_meta, self.heads, self.comp_meta, self.slots, self.own = (
+            to(self.entries_host), to(dest_meta), to(heads), to(comp_meta), to(slots), to(own))
         if not self.maps:
             self.maps = [self.entries]
 
@@ -185,6 +191,9 @@ class _Buffers:
         self.seg, self.seg_end, self.chk_end, self.seg_err, self.xfer = z(S, int(sg.SEG_FIELDS)), z(S), z(S), z(S), z(t_cap, 4)
         self.src, self.dst, self.starts, self.run_id = z(n_cap), z(n_cap), z(n_cap), z(n_cap)
         self.run_first, self.run_last = z(n_cap), z(n_cap)
+        # the claim bitmap: all zero between plans (each plan clears the words it set)
+        self.claimed = torch.zeros(st.claim_words, dtype=torch.int32, device=device)
+        self.claim_word = torch.empty(n_cap, dtype=torch.int32, device=device)
         self.seg_sums = z(4, S)
         self.head = z(int(ks.HEAD) + t_cap + 1)
         self.head_host = host_empty(int(ks.HEAD) + t_cap + 1, torch.int64, device)
@@ -363,7 +372,9 @@ class Planner:
             self.check_stream.wait_stream(here)
             with torch.cuda.stream(self.check_stream):
                 ke.check_tokens(b.seg, b.chk_end, self.table, st.maps, b.seg_err, programs, block)
-        ke.list_elements(b.seg, b.seg_end, self.table, st.maps, dst_flat, b.src, b.dst, b.starts, b.seg_err, block)
+        ke.list_elements(b.seg, b.seg_end, self.table, st.maps, dst_flat, b.src, b.dst, b.starts, b.seg_err, st.own,
+                         b.claimed, b.claim_word, segments_per_transfer=st.K, block=block)
+        ke.clear_claims(b.claim_word, b.claimed, block)
         if fork:
             here.wait_stream(self.check_stream)
         else:
@@ -441,6 +452,14 @@ class PendingPlan:
         if first != int(ks.NONE):
             self._check_on_host(first)
             raise InputError(cols.request(first), "the device checks reject this request, the host rules accept it "
+                             "(a kvplan defect: please report it with the batch)")
+        if head[ks.OVERLAP]:
+            p = self.planner
+            batch = Batch(p.src, p.dsts, tuple(cols.transfer(t) for t in range(cols.num_transfers)), p.policy,
+                          p.validate)
+            check_claims([Claims.of_lists(t, transfer_lists(batch, t)) for t in batch.transfers],
+                         [c.name for c in p.src.state])
+            raise InputError(None, "the device found two writes to one destination item, the host rules do not "
                              "(a kvplan defect: please report it with the batch)")
 
     def _check_on_host(self, t: int) -> None:

@@ -4,7 +4,8 @@ By default kvplan refuses a batch whole: when any request is bad, nothing of the
 sent. An integrator that prefers per-request failure (SGLang fails one request and goes on) asks
 for it explicitly with :func:`plan_each`. The good batch plans on the device as usual; only when it
 does not are the transfers checked one by one on the host by the shared rules, and every request
-with a refused transfer is left out (all of its transfers: its lists are one unit).
+with a refused transfer is left out (all of its transfers: its lists are one unit). Two requests
+that claim one destination item (planning.md §6.1) are both left out.
 
 Example::
 
@@ -18,6 +19,7 @@ from dataclasses import replace
 from typing import Any, Callable, Iterable
 
 from ..errors import PlanError
+from .claims import Claims, overlaps
 from .device import PendingPlan
 from .model import Batch
 from .transfer_lists import transfer_lists
@@ -26,15 +28,23 @@ __all__ = ["plan_each", "refused_requests", "without"]
 
 
 def refused_requests(batch: Batch) -> dict[Any, PlanError]:
-    """Each request with a transfer the rules refuse, with the first error of its first bad transfer."""
+    """Each request with a transfer the rules refuse, with the first error of its first bad transfer.
+
+    Then, among the rest, both requests of every pair that claims one destination item
+    (planning.md §6.1), each with that pair's :class:`~kvplan.errors.DestinationOverlapError`.
+    """
     refused: dict[Any, PlanError] = {}
+    claims = []
     for t in batch.transfers:
         if t.request in refused:
             continue
         try:
-            transfer_lists(batch, t)
+            claims.append(Claims.of_lists(t, transfer_lists(batch, t)))
         except PlanError as err:
             refused[t.request] = err
+    for err in overlaps([c for c in claims if c.request not in refused], [c.name for c in batch.src.state]):
+        for request in (err.request, err.other):
+            refused.setdefault(request, err)
     return refused
 
 

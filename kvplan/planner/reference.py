@@ -21,6 +21,7 @@ import numpy as np
 
 from ..errors import AlignmentError, InputError
 from . import page_mapping
+from .claims import Claims, check_claims
 from .host_expand import contiguous_runs, direct_descriptors, head_sliced_descriptors, unit_runs
 from .model import Batch, SideMemory, Transfer
 from .pairing import Mode, SidePairing, pair_sides
@@ -101,7 +102,11 @@ def _plan_transfer(batch: Batch, t: Transfer, pairing: SidePairing) -> TransferP
 
 
 def plan_reference(batch: Batch) -> Plan:
-    """Plan a whole batch with NumPy; raise a :class:`~kvplan.errors.PlanError` naming the first bad request."""
+    """Plan a whole batch with NumPy; raise a :class:`~kvplan.errors.PlanError` naming the first bad request.
+
+    Every transfer is checked first, in batch order; then no two of them may write one destination
+    item (:mod:`kvplan.planner.claims`).
+    """
     check_token_table(batch.src.req_to_token)
     pairings = [pair_sides(batch.src, d) for d in batch.dsts]
     out = []
@@ -112,4 +117,5 @@ def plan_reference(batch: Batch) -> Plan:
             out.append(page_mapping.plan_transfer(batch, t, pairings[t.dest]))  # docs/page_sizes.md
         else:
             out.append(_plan_transfer(batch, t, pairings[t.dest]))
+    check_claims([Claims.of_plan(t, p) for t, p in zip(batch.transfers, out)], [c.name for c in batch.src.state])
     return Plan(tuple(out))
