@@ -17,7 +17,7 @@ Shape contract
   that is all zero between plans. Each element with a destination id inside its region sets its
   bit; one that finds the bit already set or-s ``ERR_OVERLAP`` into ``seg_err[s]``. ``claim_word``
   ``[N_CAP]`` int32 receives the bitmap word each element set (-1 for none), for
-  :func:`clear_claims` to zero once every element has claimed.
+  :func:`kvplan.kernels.run_table.compact_runs` to zero once every element has claimed.
 * :func:`check_tokens` checks every token of every segment's check range: the allocator
   invariant (ERR_INVARIANT), slot-map bounds and page bounds (ERR_FATAL).
 """
@@ -93,13 +93,6 @@ def _elements_kernel(seg_ptr, seg_end_ptr, table_ptr, table_stride, map0_ptr, ma
 
 
 @triton.jit
-def _clear_kernel(claim_word_ptr, claimed_ptr, N_CAP: tl.constexpr, BLOCK: tl.constexpr):
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    word = tl.load(claim_word_ptr + i, mask=i < N_CAP, other=-1)
-    tl.store(claimed_ptr + word, tl.zeros([BLOCK], tl.int32), mask=word >= 0)
-
-
-@triton.jit
 def _check_kernel(seg_ptr, chk_end_ptr, table_ptr, table_stride, map0_ptr, map1_ptr, map2_ptr, map3_ptr, err_ptr,
                   S: tl.constexpr, LOG: tl.constexpr, SF: tl.constexpr, BLOCK: tl.constexpr):
     total = tl.load(chk_end_ptr + S - 1)
@@ -148,12 +141,6 @@ def list_elements(seg, seg_end, table, maps, dst_flat, src, dst, starts, seg_err
                            LOG=sg.log2_ceil(S), SF=sg.SEG_FIELDS, BLOCK=block)
 
 
-def clear_claims(claim_word, claimed, block: int) -> None:
-    """Zero every bitmap word the last :func:`list_elements` set, so ``claimed`` is all zero again."""
-    _clear_kernel[(triton.cdiv(claim_word.numel(), block),)](claim_word, claimed, N_CAP=claim_word.numel(),
-                                                             BLOCK=block)
-
-
 def check_tokens(seg, chk_end, table, maps, seg_err, programs: int, block: int) -> None:
     """A fixed grid of ``programs`` looping over every checked token (see the shape contract)."""
     S = chk_end.numel()
@@ -170,8 +157,6 @@ COMPILE_SPECS = [
       "N_CAP": "constexpr", "S": "constexpr", "K": "constexpr", "LOG": "constexpr", "SF": "constexpr",
       "BLOCK": "constexpr"},
      {"N_CAP": 4096, "S": 256, "K": 4, "LOG": 9, "SF": sg.SEG_FIELDS, "BLOCK": 1024}),
-    (_clear_kernel, {"claim_word_ptr": "*i32", "claimed_ptr": "*i32", "N_CAP": "constexpr", "BLOCK": "constexpr"},
-     {"N_CAP": 4096, "BLOCK": 1024}),
     (_check_kernel,
      {"seg_ptr": "*i64", "chk_end_ptr": "*i64", "table_ptr": "*i32", "table_stride": "i64", **_MAPS,
       "err_ptr": "*i64", "S": "constexpr", "LOG": "constexpr", "SF": "constexpr", "BLOCK": "constexpr"},

@@ -7,6 +7,10 @@ Shape contract
   ``run_id[N - 1]`` is the run count.
 * :func:`compact_runs` writes ``run_first``/``run_last`` ``[N_CAP]``: the first and last element
   of run ``r``. Runs never cross segments because every segment's first element starts a run.
+* :func:`compact_runs` also zeroes the claim bitmap words ``claim_word`` names (int32 ``[N_CAP]``,
+  -1 for none; see :mod:`kvplan.kernels.elements`): it is the first pass over the elements after
+  every element has claimed, so the bitmap is clear again for the next plan without a launch of
+  its own.
 * :func:`runs_out` writes the compact runs form ``out`` ``[R, 3]`` ``(s0, d0, len)`` (a host
   pinned buffer or a device one), looping over ``R`` read on the device.
 """
@@ -18,9 +22,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _compact_kernel(starts_ptr, run_id_ptr, count_ptr, run_first_ptr, run_last_ptr, N_CAP: tl.constexpr,
-                    BLOCK: tl.constexpr):
+def _compact_kernel(starts_ptr, run_id_ptr, count_ptr, run_first_ptr, run_last_ptr, claim_word_ptr, claimed_ptr,
+                    N_CAP: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    word = tl.load(claim_word_ptr + i, mask=i < N_CAP, other=-1)
+    tl.store(claimed_ptr + word, tl.zeros([BLOCK], tl.int32), mask=word >= 0)
     count = tl.load(count_ptr)
     live = i < count
     starts = tl.load(starts_ptr + i, mask=live, other=0) != 0
@@ -47,11 +53,11 @@ def _runs_out_kernel(run_id_ptr, run_first_ptr, run_last_ptr, src_ptr, dst_ptr, 
         tl.store(out_ptr + w, tl.where(col == 0, s0, tl.where(col == 1, d0, last - first + 1)), mask=live)
 
 
-def compact_runs(starts, run_id, count, run_first, run_last, block: int) -> None:
+def compact_runs(starts, run_id, count, run_first, run_last, claim_word, claimed, block: int) -> None:
     """``count``: a one-element device tensor holding the element count ``N``."""
     n_cap = starts.numel()
-    _compact_kernel[(triton.cdiv(n_cap, block),)](starts, run_id, count, run_first, run_last, N_CAP=n_cap,
-                                                  BLOCK=block)
+    _compact_kernel[(triton.cdiv(n_cap, block),)](starts, run_id, count, run_first, run_last, claim_word, claimed,
+                                                  N_CAP=n_cap, BLOCK=block)
 
 
 def runs_out(run_id, run_first, run_last, src, dst, out, programs: int, block: int) -> None:
@@ -59,7 +65,8 @@ def runs_out(run_id, run_first, run_last, src, dst, out, programs: int, block: i
 
 
 COMPILE_SPECS = [
-    (_compact_kernel, {"starts_ptr": "*i64", "run_id_ptr": "*i64", "count_ptr": "*i64", "run_first_ptr": "*i64", "run_last_ptr": "*i64",
+    (_compact_kernel, {"starts_ptr": "*i64", "run_id_ptr": "*i64", "count_ptr": "*i64", "run_first_ptr": "*i64",
+                       "run_last_ptr": "*i64", "claim_word_ptr": "*i32", "claimed_ptr": "*i32",
                        "N_CAP": "constexpr", "BLOCK": "constexpr"}, {"N_CAP": 4096, "BLOCK": 1024}),
     (_runs_out_kernel, {"run_id_ptr": "*i64", "run_first_ptr": "*i64", "run_last_ptr": "*i64", "src_ptr": "*i64",
                         "dst_ptr": "*i64", "out_ptr": "*i64", "N_CAP": "constexpr", "BLOCK": "constexpr"},

@@ -12,7 +12,9 @@ Shape contract
   end (inclusive) per segment; ``head`` int64 ``[HEAD + T_CAP + 1]``: :data:`HEAD` words
   (``TOTAL_DESCS, TOTAL_RUNS, ELEMENTS, FIRST_FATAL, FIRST_WARN, TOTAL_PREPARED, OVERLAP``, the rest
   0; ``OVERLAP`` is 1 when any segment has ``ERR_OVERLAP``),
-  then the descriptor offsets of the transfers ``[T_CAP + 1]``. A missing transfer is ``NONE``.
+  then the descriptor offsets of the transfers ``[T_CAP + 1]``. A missing transfer is ``NONE``;
+  ``keep`` int64 ``[S, 2]``: per segment whether it is a section the receiver counts
+  (``F_KEEP``) and its element count (``F_N``).
 
 Policy: an unmapped SWA slot is fatal under ``strict`` and a warning under ``truncate``, where
 it also excuses the allocator invariant of its segment (planning.md §6).
@@ -32,7 +34,7 @@ NONE = tl.constexpr(1 << 62)
 
 
 @triton.jit
-def _summary_kernel(seg_ptr, seg_end_ptr, run_id_ptr, err_ptr, sums_ptr, head_ptr, S: tl.constexpr,
+def _summary_kernel(seg_ptr, seg_end_ptr, run_id_ptr, err_ptr, sums_ptr, head_ptr, keep_ptr, S: tl.constexpr,
                     K: tl.constexpr, PS: tl.constexpr, STRICT: tl.constexpr, SF: tl.constexpr, BS: tl.constexpr):
     carry_d = tl.zeros([1], dtype=tl.int64).sum(axis=0)
     carry_p = carry_d
@@ -58,6 +60,8 @@ def _summary_kernel(seg_ptr, seg_end_ptr, run_id_ptr, err_ptr, sums_ptr, head_pt
         tl.store(sums_ptr + S + s, runs, mask=live)
         tl.store(sums_ptr + 2 * S + s, desc_end, mask=live)
         tl.store(sums_ptr + 3 * S + s, prep_end, mask=live)
+        tl.store(keep_ptr + 2 * s, keep, mask=live)
+        tl.store(keep_ptr + 2 * s + 1, n, mask=live)
         tl.store(head_ptr + HEAD + 1 + s // K, desc_end, mask=live & (s % K == K - 1))
         carry_d += tl.sum(descs, axis=0)
         carry_p += tl.sum(prepared, axis=0)
@@ -85,18 +89,18 @@ def _summary_kernel(seg_ptr, seg_end_ptr, run_id_ptr, err_ptr, sums_ptr, head_pt
     tl.store(head_ptr + HEAD, carry_d * 0)
 
 
-def summarize(seg, seg_end, run_id, seg_err, seg_sums, head, *, segments_per_transfer: int, page_size: int,
+def summarize(seg, seg_end, run_id, seg_err, seg_sums, head, keep, *, segments_per_transfer: int, page_size: int,
               strict: bool) -> None:
     """Launch the summary (one program; see the module's shape contract)."""
     S = seg_end.numel()
-    _summary_kernel[(1,)](seg, seg_end, run_id, seg_err, seg_sums, head, S=S, K=segments_per_transfer, PS=page_size,
+    _summary_kernel[(1,)](seg, seg_end, run_id, seg_err, seg_sums, head, keep, S=S, K=segments_per_transfer, PS=page_size,
                           STRICT=strict, SF=sg.SEG_FIELDS, BS=min(1024, triton.next_power_of_2(S)))
 
 
 COMPILE_SPECS = [
     (_summary_kernel,
      {"seg_ptr": "*i64", "seg_end_ptr": "*i64", "run_id_ptr": "*i64", "err_ptr": "*i64", "sums_ptr": "*i64",
-      "head_ptr": "*i64", "S": "constexpr", "K": "constexpr", "PS": "constexpr", "STRICT": "constexpr",
+      "head_ptr": "*i64", "keep_ptr": "*i64", "S": "constexpr", "K": "constexpr", "PS": "constexpr", "STRICT": "constexpr",
       "SF": "constexpr", "BS": "constexpr"},
      {"S": 256, "K": 4, "PS": 16, "STRICT": True, "SF": sg.SEG_FIELDS, "BS": 256}),
 ]

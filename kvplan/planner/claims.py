@@ -42,7 +42,7 @@ class Claims:
 
     @classmethod
     def of_lists(cls, t: Any, lists: Any) -> "Claims":
-        """The claims of transfer ``t`` from its checked lists (:class:`~kvplan.planner.transfer_lists.TransferLists`)."""
+        """The claims of transfer ``t`` from its checked lists (a ``TransferLists``)."""
         return cls(t.request, t.dest, lists.dst_pages if lists.sent else lists.dst_pages[:0],
                    tuple(d for _, d in lists.state), t.aux_dst if lists.aux else None)
 

@@ -194,14 +194,19 @@ class _Buffers:
         # the claim bitmap: all zero between plans (each plan clears the words it set)
         self.claimed = torch.zeros(st.claim_words, dtype=torch.int32, device=device)
         self.claim_word = torch.empty(n_cap, dtype=torch.int32, device=device)
-        self.seg_sums = z(4, S)
-        self.head = z(int(ks.HEAD) + t_cap + 1)
-        self.head_host = host_empty(int(ks.HEAD) + t_cap + 1, torch.int64, device)
-        sectioned = bool(outputs & {"prepared", "descriptors", "device_descriptors"})
-        self.sums_host = host_empty(4 * S, torch.int64, device) if sectioned or "runs" in outputs else None
-        # per segment: whether it is a section (a unit the receiver counts) and its element count
-        self.keep = z(S, 2) if sectioned else None
-        self.keep_host = host_empty(2 * S, torch.int64, device) if sectioned else None
+        # the report, one buffer copied to the host in one piece: the head (totals, verdicts, the
+        # transfers' descriptor offsets), the segment sums and per segment whether it is a section
+        # (a unit the receiver counts) and its element count
+        H = int(ks.HEAD) + t_cap + 1
+        self.report = z(H + 6 * S)
+        self.report_host = host_empty(H + 6 * S, torch.int64, device)
+        self.head = self.report[:H]
+        self.seg_sums = self.report[H : H + 4 * S].view(4, S)
+        self.keep = self.report[H + 4 * S :].view(S, 2)
+        self.head_host = self.report_host[:H]
+        self.sums_host = self.report_host[H : H + 4 * S]
+        self.keep_host = self.report_host[H + 4 * S :]
+        self.sectioned = bool(outputs & {"prepared", "descriptors", "device_descriptors"})
         d_cap = st.per_element * e_cap + st.aux_entries * t_cap
         self.descs = self.prep_src = self.prep_dst = self.runs = None
         if outputs & {"descriptors", "device_descriptors"}:
@@ -210,8 +215,8 @@ class _Buffers:
             p_cap = max(1, st.per_element * e_cap + st.aux_entries * t_cap)
             self.prep_src = torch.empty(p_cap, dtype=torch.int32, device=device)
             self.prep_dst = torch.empty(p_cap, dtype=torch.int32, device=device)
-        if "runs" in outputs:
-            self.runs = z(n_cap, 3)
+        if "runs" in outputs:  # small (one row per run): the kernel stores it straight into pinned memory
+            self.runs = host_empty(3 * n_cap, torch.int64, device).view(n_cap, 3)
         self.landing: dict[str, torch.Tensor] = {}  # pinned host copies of the outputs, grown on demand
 
     def fill(self, columns: BatchColumns) -> None:
@@ -374,14 +379,13 @@ class Planner:
                 ke.check_tokens(b.seg, b.chk_end, self.table, st.maps, b.seg_err, programs, block)
         ke.list_elements(b.seg, b.seg_end, self.table, st.maps, dst_flat, b.src, b.dst, b.starts, b.seg_err, st.own,
                          b.claimed, b.claim_word, segments_per_transfer=st.K, block=block)
-        ke.clear_claims(b.claim_word, b.claimed, block)
         if fork:
             here.wait_stream(self.check_stream)
         else:
             ke.check_tokens(b.seg, b.chk_end, self.table, st.maps, b.seg_err, programs, block)
         torch.cumsum(b.starts, 0, out=b.run_id)
-        kr.compact_runs(b.starts, b.run_id, b.seg_end[-1:], b.run_first, b.run_last, block)
-        ks.summarize(b.seg, b.seg_end, b.run_id, b.seg_err, b.seg_sums, b.head, segments_per_transfer=st.K,
+        kr.compact_runs(b.starts, b.run_id, b.seg_end[-1:], b.run_first, b.run_last, b.claim_word, b.claimed, block)
+        ks.summarize(b.seg, b.seg_end, b.run_id, b.seg_err, b.seg_sums, b.head, b.keep, segments_per_transfer=st.K,
                      page_size=self.src.kv.page_size, strict=self.policy is Policy.STRICT)
         ps = self.src.kv.page_size
         if b.descs is not None:
@@ -392,13 +396,7 @@ class Planner:
                                 segments_per_transfer=st.K, programs=programs, block=block)
         if b.runs is not None:
             kr.runs_out(b.run_id, b.run_first, b.run_last, b.src, b.dst, b.runs, programs, block)
-        b.head_host.copy_(b.head, non_blocking=True)
-        if b.sums_host is not None:
-            b.sums_host.copy_(b.seg_sums.reshape(-1), non_blocking=True)
-        if b.keep is not None:
-            b.keep[:, 0].copy_(b.seg[:, int(sg.F_KEEP)])
-            b.keep[:, 1].copy_(b.seg[:, int(sg.F_N)])
-            b.keep_host.copy_(b.keep.reshape(-1), non_blocking=True)
+        b.report_host.copy_(b.report, non_blocking=True)
 
 
 class PendingPlan:
@@ -536,7 +534,7 @@ class PendingPlan:
         """
         head = self._head()
         b = self._b
-        if b.keep_host is None:
+        if not b.sectioned:
             raise InputError(None, "this planner makes neither descriptors nor prepared indices: it has no sections")
         st, T = self.planner.static, self.columns.num_transfers
         S = T * st.K
@@ -565,8 +563,7 @@ class PendingPlan:
         total = int(head[ks.TOTAL_RUNS])
         run0 = b.sums_host.numpy()[: b.S][: T * st.K]
         span = st.entry_span[self.columns.column("dest")].reshape(-1, 2)
-        return CompactRuns(self._to_host("runs", b.runs[:total]), np.append(run0, total), span,
-                           st.entries_host, st.K)
+        return CompactRuns(b.runs[:total].numpy(), np.append(run0, total), span, st.entries_host, st.K)
 
     def _segment_table(self) -> np.ndarray:
         return self._to_host("seg", self._b.seg)
