@@ -9,7 +9,7 @@ export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1 UCX_NET_DEVICES=lo NIXL_LOG_LEV
 OUT=${OUT:-/tmp/kvplan-gpu}; mkdir -p "$OUT"
 log="$OUT/staged.txt"
 nvidia-smi --query-gpu=name --format=csv,noheader | tee -a "$log"
-echo "cpus: nproc $(nproc), cgroup cpu.max $(cat /sys/fs/cgroup/cpu.max 2>/dev/null || echo n/a)" | tee -a "$log"
+echo "cpus: nproc $(nproc), cgroup cpu.max $(cat /sys/fs/cgroup/cpu.max 2>/dev/null || echo n/a), $(grep -m1 "model name" /proc/cpuinfo), load $(cut -d" " -f1-3 /proc/loadavg)" | tee -a "$log"
 demo() {
   timeout 300 python3 -m kvplan demo --no-progress --engine nixl --preset llama70b-tp8-p64 --layers 8 --requests 8 \
     --prompt-len 8192 ${EXTRA:-} "$@"

@@ -130,10 +130,11 @@ def test_every_token_lands_in_its_destination_slot(ps_s, ps_d, length, split, se
     assert not got[~mine].any(), "bytes landed outside the request's destination pages"
 
 
-def test_a_prefix_off_the_common_grain_is_refused_and_the_kernels_refuse_the_mismatch():
+def test_a_prefix_off_the_common_grain_is_refused_and_the_kernels_refuse_the_mismatch(device):
     src = mla(SB, 16, 64, slots_table(paged_slots([5, 6, 7, 8], 16, 64)))
     batch = Batch(src, (mla(DB, 64, 64),), (Transfer("r", 1, 16, 65, 64, True, np.array([3]), prefix_len=16),))
     with pytest.raises(AlignmentError, match="least common multiple"):
         plan_reference(batch)
     with pytest.raises(LayoutError, match="kernels do not yet"):
-        Planner(src, (mla(DB, 64, 64),))
+        on_device = batch.to(device)
+        Planner(on_device.src, on_device.dsts)
