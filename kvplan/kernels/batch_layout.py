@@ -11,8 +11,10 @@ Shape contract
 * ``cols``: int64 ``[NCOL, T_CAP]`` column-major: the columns of
   :data:`kvplan.planner.columns.COLUMNS`, then ``(lo, len)`` per component; ``count_ptr[0]`` is
   the number of live transfers ``T <= T_CAP``.
-* ``dest_meta``: int64 ``[D, 3 + 2K + C]``: ``(kv_pages, aux_items, head_sliced)``, then
-  ``(entry_off, entries)`` per slot, then each component's pool size on that destination.
+* ``dest_meta``: int64 ``[D, 6 + 2K + C]``: ``(kv_pages, aux_items, head_sliced)``, then
+  ``(entry_off, entries)`` per slot, then each component's pool size on that destination, then
+  ``(page_size, unit, grain)``: its KV page size, ``gcd`` and ``lcm`` with the source's (read only
+  when ``UNITS``: some destination's page size differs; docs/page_sizes.md).
 * ``comp_meta``: int64 ``[C, COMP_FIELDS]``: ``(kind, window, page_size, ring, num_items, map,
   map_len, always_strict)``; ``kind`` is 0 SWA, 1 DSA, 2 SWA_RING, 3 MAMBA.
 * Outputs: ``seg`` ``[T_CAP * K, SEG_FIELDS]``; ``seg_end``/``chk_end`` ``[T_CAP * K]``
@@ -32,6 +34,7 @@ COMP_FIELDS = tl.constexpr(8)
 SWA, DSA, SWA_RING, MAMBA = (tl.constexpr(v) for v in range(4))
 NCOL_BASE = tl.constexpr(12)  # per-transfer columns before the component pairs
 BIG = tl.constexpr(1 << 62)
+DEST_FIELDS_BASE = 6  # a destination row's fields besides its 2K entry spans and C component sizes
 
 
 @triton.jit
@@ -42,7 +45,7 @@ def _put(seg_ptr, s, F: tl.constexpr, value, SF: tl.constexpr):
 @triton.jit
 def _write_segment(seg_ptr, err_ptr, s, kind, row, a, step, div, ring, n, dst_lo, dst_const, lo, hi, dlo, dhi,
                    map_slot, map_len, merge, entry_off, entries, sliced, dest, chk_a, chk_ps, chk_flags, chk_n, keep,
-                   err, SF: tl.constexpr):
+                   err, ratio, SF: tl.constexpr):
     _put(seg_ptr, s, 0, kind, SF)
     _put(seg_ptr, s, 1, row, SF)
     _put(seg_ptr, s, 2, a, SF)
@@ -68,6 +71,7 @@ def _write_segment(seg_ptr, err_ptr, s, kind, row, a, step, div, ring, n, dst_lo
     _put(seg_ptr, s, 22, chk_flags, SF)
     _put(seg_ptr, s, 23, keep, SF)
     _put(seg_ptr, s, 26, chk_n, SF)
+    _put(seg_ptr, s, 27, ratio, SF)
     tl.store(err_ptr + s, err)
 
 
@@ -75,8 +79,8 @@ def _write_segment(seg_ptr, err_ptr, s, kind, row, a, step, div, ring, n, dst_lo
 def _layout_kernel(cols_ptr, count_ptr, dest_meta_ptr, comp_meta_ptr, seg_ptr, seg_end_ptr, chk_end_ptr, err_ptr,
                    xfer_ptr, rows, max_ctx, src_pages, src_aux_items, num_dests,
                    T_CAP: tl.constexpr, K: tl.constexpr, C: tl.constexpr, PS: tl.constexpr, STRICT: tl.constexpr,
-                   VALIDATE: tl.constexpr, HAS_AUX: tl.constexpr, SF: tl.constexpr, DF: tl.constexpr,
-                   CF: tl.constexpr, BT: tl.constexpr):
+                   VALIDATE: tl.constexpr, HAS_AUX: tl.constexpr, UNITS: tl.constexpr, SF: tl.constexpr,
+                   DF: tl.constexpr, CF: tl.constexpr, BT: tl.constexpr):
     count = tl.load(count_ptr)
     carry_n = tl.zeros([1], dtype=tl.int64).sum(axis=0)
     carry_c = carry_n
@@ -99,17 +103,35 @@ def _layout_kernel(cols_ptr, count_ptr, dest_meta_ptr, comp_meta_ptr, seg_ptr, s
         # the chunk (planning.md §3) and every check that needs no token slot
         fatal = (dest < 0) | (dest >= num_dests)
         dest = tl.where(fatal, 0, dest)
-        fatal |= (start < 0) | (prefix < 0) | (start % PS != 0) | (prefix % PS != 0) | (start < prefix)
+        dmeta = dest_meta_ptr + dest * DF
+        if UNITS:  # docs/page_sizes.md: chunks on the grain lcm(ps_s, ps_d), KV moved in units of gcd
+            pd = tl.load(dmeta + DF - 3)
+            unit = tl.load(dmeta + DF - 2)
+            grain = tl.load(dmeta + DF - 1)
+        else:
+            pd = PS
+            unit = PS
+            grain = PS
+        fatal |= (start < 0) | (prefix < 0) | (start % grain != 0) | (prefix % grain != 0) | (start < prefix)
         seq = tl.minimum(fill, prompt)
-        end = tl.where(flag, seq, tl.maximum(start, seq // PS * PS))
+        end = tl.where(flag, seq, tl.maximum(start, seq // grain * grain))
         fatal |= end < start
         fatal |= (row <= 0) | (row >= rows) | (end > max_ctx)
-        n = tl.where(end > start, (end - start + PS - 1) // PS, 0)
-        cursor = tl.maximum(start - prefix, 0) // PS
+        cursor = tl.maximum(start - prefix, 0) // pd
+        if UNITS:
+            moved = (end + unit - 1) // unit * unit
+            need = tl.where(moved > start, (moved - prefix + pd - 1) // pd - cursor, 0)
+        else:
+            need = tl.where(end > start, (end - start + PS - 1) // PS, 0)
         avail = tl.maximum(kv_len - cursor, 0)
-        short = avail < n
-        n = tl.minimum(n, avail)
-        last = cursor + n >= kv_len
+        short = avail < need
+        pages = tl.minimum(need, avail)
+        last = cursor + pages >= kv_len
+        if UNITS:  # the units the available destination pages hold
+            moved = tl.where(short, tl.minimum(moved, prefix + (cursor + pages) * pd), moved)
+            n = tl.where(moved > start, (moved - start) // unit, 0)
+        else:
+            n = pages
         warn = live & (live != live)
         if STRICT:
             fatal |= short | (last != flag)
@@ -121,7 +143,6 @@ def _layout_kernel(cols_ptr, count_ptr, dest_meta_ptr, comp_meta_ptr, seg_ptr, s
         fatal |= ok & last & (n_state != C)
         ok &= ~fatal
         act = ok & last
-        dmeta = dest_meta_ptr + dest * DF
         zero = t * 0
         tl.store(xfer_ptr + t * 4, end)
         tl.store(xfer_ptr + t * 4 + 1, last.to(tl.int64))
@@ -131,14 +152,18 @@ def _layout_kernel(cols_ptr, count_ptr, dest_meta_ptr, comp_meta_ptr, seg_ptr, s
         # KV: pages of [start, end); the token range is checked whenever it is not empty
         s = t * K
         checked = ok & (end > start)
-        chk_flags = tl.where(checked, sg.CHK_PAGE_BOUNDS + (sg.CHK_INVARIANT if VALIDATE else 0), 0)
+        # with units, the element kernel's bounds check of every unit covers the pages' bounds
+        chk_flags = tl.where(checked, (0 if UNITS else sg.CHK_PAGE_BOUNDS) + (sg.CHK_INVARIANT if VALIDATE else 0), 0)
         n_kv = tl.where(sent, n, 0)
         sliced = tl.load(dmeta + 2) * sent.to(tl.int64)
         errs = tl.where(fatal, sg.ERR_FATAL, 0) + tl.where(warn & ok, sg.ERR_WARN, 0)
-        _write_segment(seg_ptr, err_ptr, s, zero + sg.TOKEN_PAGES, row, start, zero + PS, zero + PS, zero + 1, n_kv,
-                       kv_lo + cursor, zero, zero + 1, zero + src_pages, zero + 1, tl.load(dmeta + 0), zero - 1, zero,
-                       zero + 1, tl.load(dmeta + 3), tl.load(dmeta + 4), sliced, dest, start, zero + PS, chk_flags,
-                       tl.where(checked, end - start, 0), sent.to(tl.int64), errs, SF)
+        src_ratio = PS // unit  # units per page on each side (1 and 1 with equal page sizes)
+        dst_ratio = pd // unit
+        _write_segment(seg_ptr, err_ptr, s, zero + sg.TOKEN_PAGES, row, start, zero + unit, zero + unit, zero + 1,
+                       n_kv, kv_lo + cursor, zero, zero + src_ratio, zero + src_pages * src_ratio, zero + dst_ratio,
+                       tl.load(dmeta + 0) * dst_ratio, zero - 1, zero, zero + 1, tl.load(dmeta + 3),
+                       tl.load(dmeta + 4), sliced, dest, start, zero + PS, chk_flags, tl.where(checked, end - start, 0),
+                       sent.to(tl.int64), errs, zero + dst_ratio, SF)
         tot_n = n_kv
         tot_c = tl.where(checked, end - start, 0)
 
@@ -183,7 +208,7 @@ def _layout_kernel(cols_ptr, count_ptr, dest_meta_ptr, comp_meta_ptr, seg_ptr, s
                            zero + tl.where((kind == SWA) | (kind == MAMBA), map_slot, -1), zero + map_len,
                            zero + tl.where(kind == MAMBA, 0, 1), tl.load(dmeta + 3 + 2 * (1 + c)),
                            tl.load(dmeta + 4 + 2 * (1 + c)), zero, dest, a, step, chk_flags, n_chk, act.to(tl.int64),
-                           tl.where(c_fatal, sg.ERR_FATAL, 0) + tl.where(c_warn, sg.ERR_WARN, 0), SF)
+                           tl.where(c_fatal, sg.ERR_FATAL, 0) + tl.where(c_warn, sg.ERR_WARN, 0), zero + 1, SF)
             tot_n += n_c
             tot_c += n_chk
 
@@ -199,7 +224,7 @@ def _layout_kernel(cols_ptr, count_ptr, dest_meta_ptr, comp_meta_ptr, seg_ptr, s
         _write_segment(seg_ptr, err_ptr, s + K - 1, zero + sg.CONST, row, aux_s, zero + 1, zero + 1, zero + 1, aux_n,
                        aux_d, zero + 1, zero, zero + BIG, zero, zero + BIG, zero - 1, zero, zero,
                        tl.load(dmeta + 3 + 2 * (K - 1)), tl.load(dmeta + 4 + 2 * (K - 1)), zero, dest, zero, zero + 1,
-                       zero, zero, aux_keep, tl.where(aux_bad, sg.ERR_FATAL, 0), SF)
+                       zero, zero, aux_keep, tl.where(aux_bad, sg.ERR_FATAL, 0), zero + 1, SF)
         tot_n += aux_n
 
         # prefix sums: first element and first checked token of every segment, in segment order
@@ -221,13 +246,13 @@ def _layout_kernel(cols_ptr, count_ptr, dest_meta_ptr, comp_meta_ptr, seg_ptr, s
 
 def lay_out(cols, count, dest_meta, comp_meta, seg, seg_end, chk_end, seg_err, xfer, *, rows: int, max_ctx: int,
             src_pages: int, src_aux_items: int, num_dests: int, t_cap: int, components: int, page_size: int,
-            strict: bool, validate: bool, has_aux: bool) -> None:
+            strict: bool, validate: bool, has_aux: bool, units: bool = False) -> None:
     """Launch the layout (one program; see the module's shape contract)."""
     K = 2 + components
     _layout_kernel[(1,)](cols, count, dest_meta, comp_meta, seg, seg_end, chk_end, seg_err, xfer, rows, max_ctx,
                          src_pages, src_aux_items, num_dests, T_CAP=t_cap, K=K, C=components, PS=page_size,
-                         STRICT=strict, VALIDATE=validate, HAS_AUX=has_aux, SF=sg.SEG_FIELDS,
-                         DF=3 + 2 * K + components, CF=COMP_FIELDS, BT=min(t_cap, 256))
+                         STRICT=strict, VALIDATE=validate, HAS_AUX=has_aux, UNITS=units, SF=sg.SEG_FIELDS,
+                         DF=DEST_FIELDS_BASE + 2 * K + components, CF=COMP_FIELDS, BT=min(t_cap, 256))
 
 
 COMPILE_SPECS = [
@@ -236,7 +261,9 @@ COMPILE_SPECS = [
       "seg_end_ptr": "*i64", "chk_end_ptr": "*i64", "err_ptr": "*i64", "xfer_ptr": "*i64", "rows": "i64",
       "max_ctx": "i64", "src_pages": "i64", "src_aux_items": "i64", "num_dests": "i64", "T_CAP": "constexpr",
       "K": "constexpr", "C": "constexpr", "PS": "constexpr", "STRICT": "constexpr", "VALIDATE": "constexpr",
-      "HAS_AUX": "constexpr", "SF": "constexpr", "DF": "constexpr", "CF": "constexpr", "BT": "constexpr"},
-     {"T_CAP": 64, "K": 4, "C": 2, "PS": 16, "STRICT": True, "VALIDATE": True, "HAS_AUX": True,
-      "SF": sg.SEG_FIELDS, "DF": 3 + 8 + 2, "CF": COMP_FIELDS, "BT": 64}),
+      "HAS_AUX": "constexpr", "UNITS": "constexpr", "SF": "constexpr", "DF": "constexpr", "CF": "constexpr",
+      "BT": "constexpr"},
+     {"T_CAP": 64, "K": 4, "C": 2, "PS": 16, "STRICT": True, "VALIDATE": True, "HAS_AUX": True, "UNITS": units,
+      "SF": sg.SEG_FIELDS, "DF": DEST_FIELDS_BASE + 8 + 2, "CF": COMP_FIELDS, "BT": 64})
+    for units in (False, True)
 ]

@@ -41,7 +41,7 @@ def _map_ptr(map_slot, map0_ptr, map1_ptr, map2_ptr, map3_ptr):
 def _elements_kernel(seg_ptr, seg_end_ptr, table_ptr, table_stride, map0_ptr, map1_ptr, map2_ptr, map3_ptr,
                      dst_flat_ptr, src_ptr, dst_ptr, starts_ptr, err_ptr, own_ptr, claimed_ptr, claim_word_ptr,
                      N_CAP: tl.constexpr, S: tl.constexpr, K: tl.constexpr, LOG: tl.constexpr, SF: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     UNITS: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     total = tl.load(seg_end_ptr + S - 1)
     live = i < total
@@ -67,10 +67,17 @@ def _elements_kernel(seg_ptr, seg_end_ptr, table_ptr, table_stride, map0_ptr, ma
     maps = _map_ptr(map_slot, map0_ptr, map1_ptr, map2_ptr, map3_ptr)
 
     ids, unmapped, map_bad = element_ids(kind, row, a, step, div, ring, k, live, table_ptr, table_stride, maps, map_len)
-    dst = tl.where(dst_const, dst_lo, tl.load(dst_flat_ptr + dst_lo + k, mask=live & ~dst_const, other=0))
     has_prev = live & (k > 0) & merge
+    if UNITS:  # F_RATIO destination units per list entry (docs/page_sizes.md)
+        ratio = tl.load(row_ptr + sg.F_RATIO, mask=live, other=1)
+        dst = tl.load(dst_flat_ptr + dst_lo + k // ratio, mask=live & ~dst_const, other=0) * ratio + k % ratio
+        prev_dst = (tl.load(dst_flat_ptr + dst_lo + (k - 1) // ratio, mask=has_prev & ~dst_const, other=0) * ratio
+                    + (k - 1) % ratio)
+    else:
+        dst = tl.load(dst_flat_ptr + dst_lo + k, mask=live & ~dst_const, other=0)
+        prev_dst = tl.load(dst_flat_ptr + dst_lo + k - 1, mask=has_prev & ~dst_const, other=0)
+    dst = tl.where(dst_const, dst_lo, dst)
     prev, _, _ = element_ids(kind, row, a, step, div, ring, k - 1, has_prev, table_ptr, table_stride, maps, map_len)
-    prev_dst = tl.load(dst_flat_ptr + dst_lo + k - 1, mask=has_prev & ~dst_const, other=0)
     start = live & (~has_prev | (ids - prev != 1) | (dst - prev_dst != 1))
 
     bad = map_bad | (live & ~unmapped & ((ids < lo) | (ids >= hi))) | (live & ((dst < dlo) | (dst >= dhi)))
@@ -132,13 +139,13 @@ def _maps(maps: list) -> list:
 
 
 def list_elements(seg, seg_end, table, maps, dst_flat, src, dst, starts, seg_err, own, claimed, claim_word, *,
-                  segments_per_transfer: int, block: int) -> None:
+                  segments_per_transfer: int, block: int, units: bool = False) -> None:
     """One program per ``block`` elements of capacity ``src.numel()`` (see the shape contract)."""
     S = seg_end.numel()
     grid = (triton.cdiv(src.numel(), block),)
     _elements_kernel[grid](seg, seg_end, table, table.stride(0), *_maps(maps), dst_flat, src, dst, starts, seg_err,
                            own, claimed, claim_word, N_CAP=src.numel(), S=S, K=segments_per_transfer,
-                           LOG=sg.log2_ceil(S), SF=sg.SEG_FIELDS, BLOCK=block)
+                           LOG=sg.log2_ceil(S), SF=sg.SEG_FIELDS, UNITS=units, BLOCK=block)
 
 
 def check_tokens(seg, chk_end, table, maps, seg_err, programs: int, block: int) -> None:
@@ -155,8 +162,11 @@ COMPILE_SPECS = [
       "dst_flat_ptr": "*i64", "src_ptr": "*i64", "dst_ptr": "*i64", "starts_ptr": "*i64", "err_ptr": "*i64",
       "own_ptr": "*i64", "claimed_ptr": "*i32", "claim_word_ptr": "*i32",
       "N_CAP": "constexpr", "S": "constexpr", "K": "constexpr", "LOG": "constexpr", "SF": "constexpr",
-      "BLOCK": "constexpr"},
-     {"N_CAP": 4096, "S": 256, "K": 4, "LOG": 9, "SF": sg.SEG_FIELDS, "BLOCK": 1024}),
+      "UNITS": "constexpr", "BLOCK": "constexpr"},
+     {"N_CAP": 4096, "S": 256, "K": 4, "LOG": 9, "SF": sg.SEG_FIELDS, "UNITS": units, "BLOCK": 1024})
+    for units in (False, True)
+]
+COMPILE_SPECS += [
     (_check_kernel,
      {"seg_ptr": "*i64", "chk_end_ptr": "*i64", "table_ptr": "*i32", "table_stride": "i64", **_MAPS,
       "err_ptr": "*i64", "S": "constexpr", "LOG": "constexpr", "SF": "constexpr", "BLOCK": "constexpr"},

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from math import gcd
 from typing import Any, Sequence
 
 import numpy as np
@@ -51,6 +52,7 @@ from ..kernels import segments as sg
 from ..kernels import summary as ks
 from .claims import Claims, check_claims
 from .columns import COLUMNS, BatchColumns
+from .page_mapping import unit_tables
 from .lists import as_device_tensor, host_empty
 from .host_expand import direct_descriptors, head_sliced_descriptors, unit_runs
 from .model import Batch, Policy, SideMemory
@@ -106,18 +108,24 @@ class _Static:
 
     def __init__(self, src: SideMemory, dsts: Sequence[SideMemory], device: torch.device, prepared: bool):
         self.pairings: list[SidePairing] = [pair_sides(src, d) for d in dsts]
-        for d in dsts:
-            if d.kv.page_size != src.kv.page_size:
-                raise LayoutError(f"page sizes differ (source {src.kv.page_size}, destination {d.kv.page_size}): the "
-                                  "NumPy reference plans this (docs/page_sizes.md), the kernels do not yet (issue 14)")
+        ps = src.kv.page_size
+        # docs/page_sizes.md: with a destination of another page size, KV moves in units of gcd tokens
+        self.unit_ratios = [(ps // gcd(ps, d.kv.page_size), d.kv.page_size // gcd(ps, d.kv.page_size)) for d in dsts]
+        self.units = any(r != (1, 1) for r in self.unit_ratios)
+        if self.units:
+            if prepared or any(p.mode is not Mode.DIRECT for p in self.pairings):
+                raise LayoutError(f"page sizes differ (source {ps}, destinations "
+                                  f"{[d.kv.page_size for d in dsts]}): the NumPy reference plans head-sliced KV and "
+                                  "prepared lists across them (docs/page_sizes.md), the kernels do not yet (issue 14)")
         C = self.C = len(src.state)
         K = self.K = 2 + C
         D = len(dsts)
         blocks, count = [], 0
-        dest_meta = np.zeros((max(1, D), 3 + 2 * K + C), np.int64)
+        dest_meta = np.zeros((max(1, D), int(kl.DEST_FIELDS_BASE) + 2 * K + C), np.int64)
         heads = np.zeros((max(1, D), int(kx.HEAD_FIELDS)), np.int64)
         for d, (p, side) in enumerate(zip(self.pairings, dsts)):
-            tables = [(p.kv_src, p.kv_dst), *zip(p.state_src, p.state_dst), (p.aux_src, p.aux_dst)]
+            kv_tables = unit_tables(p, ps, side.kv.page_size) if self.unit_ratios[d] != (1, 1) else (p.kv_src, p.kv_dst)
+            tables = [kv_tables, *zip(p.state_src, p.state_dst), (p.aux_src, p.aux_dst)]
             for k, (src_t, dst_t) in enumerate(tables):
                 block = np.zeros((len(src_t), 4), dtype=np.uint64)
                 block[:, 0], block[:, 1], block[:, 2], block[:, 3] = src_t[:, 0], dst_t[:, 0], src_t[:, 1], dst_t[:, 1]
@@ -127,7 +135,9 @@ class _Static:
             dest_meta[d, 0] = side.kv.num_pages
             dest_meta[d, 1] = min((e.num_items for e in side.aux), default=0)
             dest_meta[d, 2] = p.mode is Mode.HEAD_SLICED
-            dest_meta[d, 3 + 2 * K :] = [c.num_items for c in side.state]
+            dest_meta[d, 3 + 2 * K : 3 + 2 * K + C] = [c.num_items for c in side.state]
+            unit = gcd(ps, side.kv.page_size)
+            dest_meta[d, -3:] = side.kv.page_size, unit, ps * side.kv.page_size // unit
             if p.mode is Mode.HEAD_SLICED:
                 h = p.heads
                 heads[d] = (h.src_token_bytes, h.dst_token_bytes, h.src_head * h.bytes_per_head,
@@ -135,7 +145,8 @@ class _Static:
         self.entry_span = dest_meta[:, 3 : 3 + 2 * K].reshape(-1, K, 2).copy()  # per dest and slot
         # claims (planning.md §6.1): per dest and slot, the first bit and the item count of its bitmap region
         own = np.zeros((max(1, D) * K, 2), np.int64)
-        own[:, 1] = np.concatenate([[m[0], *m[3 + 2 * K :], m[1]] for m in dest_meta]) if D else 0
+        own[:, 1] = np.concatenate([[m[0] * r[1], *m[3 + 2 * K : 3 + 2 * K + C], m[1]]
+                                    for m, r in zip(dest_meta, self.unit_ratios)]) if D else 0
         own[:, 0] = np.cumsum(own[:, 1]) - own[:, 1]
         self.claim_words = int(own[:, 1].sum()) // 32 + 1
         self.entries_host = np.concatenate(blocks) if blocks else np.zeros((0, 4), np.uint64)
@@ -167,6 +178,8 @@ class _Static:
             multiplier.append(kv_entries * (src.kv.page_size if p.mode is Mode.HEAD_SLICED else 1))
             multiplier += [int(dest_meta[d, 4 + 2 * k]) for k in range(1, K - 1)]
         self.per_element = max(multiplier)
+        # list elements per destination-list entry at most (a destination page holds this many units)
+        self.units_per_entry = max((r[1] for r in self.unit_ratios), default=1)
         self.aux_entries = len(src.aux)
         to = lambda a: torch.from_numpy(np.ascontiguousarray(a).view(np.int64)).to(device)  # noqa: E731
         self.entries, self.dest_meta, self.heads, self.comp_meta, self.slots, self.own = (
@@ -186,7 +199,7 @@ class _Buffers:
         self.inp_host = host_empty(size, torch.int64, device)
         self.inp = torch.empty(size, dtype=torch.int64, device=device)
         S = self.S = t_cap * st.K
-        n_cap = e_cap + t_cap
+        n_cap = e_cap * st.units_per_entry + t_cap
         z = lambda *shape: torch.empty(shape, dtype=torch.int64, device=device)  # noqa: E731
         self.seg, self.seg_end, self.chk_end, self.seg_err, self.xfer = z(S, int(sg.SEG_FIELDS)), z(S), z(S), z(S), z(t_cap, 4)
         self.src, self.dst, self.starts, self.run_id = z(n_cap), z(n_cap), z(n_cap), z(n_cap)
@@ -207,12 +220,12 @@ class _Buffers:
         self.sums_host = self.report_host[H : H + 4 * S]
         self.keep_host = self.report_host[H + 4 * S :]
         self.sectioned = bool(outputs & {"prepared", "descriptors", "device_descriptors"})
-        d_cap = st.per_element * e_cap + st.aux_entries * t_cap
+        d_cap = st.per_element * e_cap * st.units_per_entry + st.aux_entries * t_cap
         self.descs = self.prep_src = self.prep_dst = self.runs = None
         if outputs & {"descriptors", "device_descriptors"}:
             self.descs = z(d_cap, 3)
         if "prepared" in outputs:
-            p_cap = max(1, st.per_element * e_cap + st.aux_entries * t_cap)
+            p_cap = max(1, st.per_element * e_cap * st.units_per_entry + st.aux_entries * t_cap)
             self.prep_src = torch.empty(p_cap, dtype=torch.int32, device=device)
             self.prep_dst = torch.empty(p_cap, dtype=torch.int32, device=device)
         if "runs" in outputs:  # small (one row per run): the kernel stores it straight into pinned memory
@@ -368,7 +381,8 @@ class Planner:
                    rows=self.table.shape[0], max_ctx=self.table.shape[1], src_pages=self.src.kv.num_pages,
                    src_aux_items=min((e.num_items for e in self.src.aux), default=0), num_dests=len(self.dsts),
                    t_cap=b.t_cap, components=st.C, page_size=self.src.kv.page_size,
-                   strict=self.policy is Policy.STRICT, validate=self.validate, has_aux=bool(self.src.aux))
+                   strict=self.policy is Policy.STRICT, validate=self.validate, has_aux=bool(self.src.aux),
+                   units=st.units)
         # the token checks and the list elements are independent (both only or error bits into
         # seg_err): on a GPU the checks run on a side stream, a parallel branch of the graph
         fork = self.check_stream is not None
@@ -378,7 +392,7 @@ class Planner:
             with torch.cuda.stream(self.check_stream):
                 ke.check_tokens(b.seg, b.chk_end, self.table, st.maps, b.seg_err, programs, block)
         ke.list_elements(b.seg, b.seg_end, self.table, st.maps, dst_flat, b.src, b.dst, b.starts, b.seg_err, st.own,
-                         b.claimed, b.claim_word, segments_per_transfer=st.K, block=block)
+                         b.claimed, b.claim_word, segments_per_transfer=st.K, block=block, units=st.units)
         if fork:
             here.wait_stream(self.check_stream)
         else:
@@ -546,11 +560,15 @@ class PendingPlan:
         live = np.flatnonzero((keep_n[:, 0] != 0) & (keep_n[:, 1] > 0) & (ends > starts))
         roles = [Role.KV, *range(st.C), Role.AUX]
         names = ["kv", *(c.name for c in self.planner.src.state), "aux"]
+        dests = self.columns.column("dest")
         out = []
         for s in live.tolist():
             t, k = divmod(s, st.K)
-            out.append(Section(t, self.columns.request(t), roles[k], names[k], int(starts[s]), int(ends[s]),
-                               int(keep_n[s, 1]) if k == 0 else 1))
+            count = 1
+            if k == 0:  # the destination pages: with units of gcd tokens, rd units to a page
+                rd = st.unit_ratios[int(dests[t])][1] if st.units else 1
+                count = -(-int(keep_n[s, 1]) // rd)
+            out.append(Section(t, self.columns.request(t), roles[k], names[k], int(starts[s]), int(ends[s]), count))
         return out
 
     def runs(self) -> CompactRuns:
@@ -607,25 +625,31 @@ class PendingPlan:
                               seg_descs))
             end, last_flag, sent = (int(x) for x in xfer[t, :3])
             kv = parts[0]
+            rs, rd = st.unit_ratios[dest]
+            if (rs, rd) != (1, 1):  # units of gcd tokens: each side's pages are its every rs-th / rd-th unit
+                kv = (kv[0][::rs] // rs, kv[1][::rd] // rd, *kv[2:])
             state = ()
             if last_flag:
                 state = tuple(ComponentPlan(comp.name, comp.kind, parts[1 + c][0], parts[1 + c][1],
                                             parts[1 + c][2] if rules_of(comp.kind).forms_runs else empty_runs(),
-                                            self._descs(parts[1 + c], pairing, 1 + c))
+                                            self._descs(parts[1 + c], dest, 1 + c))
                               for c, comp in enumerate(p.src.state))
             out.append(TransferPlan(
                 request=cols.request(t), dest=dest, mode=pairing.mode, start=int(starts[t]), end=end,
                 last=bool(last_flag), sent=bool(sent), src_pages=kv[0], dst_pages=kv[1],
-                runs=kv[2] if sent else empty_runs(), kv_descs=self._descs(kv, pairing, 0) if sent else empty_descs(),
-                state=state, aux_descs=self._descs(parts[K - 1], pairing, K - 1) if last_flag else empty_descs()))
+                runs=kv[2] if sent else empty_runs(), kv_descs=self._descs(parts[0], dest, 0) if sent else empty_descs(),
+                state=state, aux_descs=self._descs(parts[K - 1], dest, K - 1) if last_flag else empty_descs()))
         return Plan(tuple(out))
 
-    def _descs(self, part: tuple, pairing: SidePairing, k: int) -> np.ndarray:
+    def _descs(self, part: tuple, dest: int, k: int) -> np.ndarray:
         """A segment's descriptors: the kernel's, or expanded here from its runs when none were made."""
         if part[3] is not None:
             return part[3]
         st = self.planner.static
+        pairing = st.pairings[dest]
         src_t, dst_t = _pairing_tables(pairing, k, st.K)
+        if k == 0 and st.unit_ratios[dest] != (1, 1):
+            src_t, dst_t = unit_tables(pairing, self.planner.src.kv.page_size, self.planner.dsts[dest].kv.page_size)
         if k == 0 and pairing.mode is Mode.HEAD_SLICED:
             return head_sliced_descriptors(src_t, dst_t, part[0], part[1], pairing.heads, self.planner.src.kv.page_size)
         runs = part[2]

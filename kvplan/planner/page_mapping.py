@@ -6,9 +6,11 @@ straddles a page on either side), chunks end on multiples of ``G = lcm(ps_s, ps_
 and descriptors are counted in units. With equal page sizes a unit is a page and nothing here is
 used: the rules of planning.md apply unchanged.
 
-So far the reference implements KV (direct and head-sliced) and aux; pairing refuses different page
-sizes with state components, and the device planner and the endpoints refuse them all, until the
-kernels implement this page.
+So far this covers KV (direct and head-sliced) and aux; pairing refuses different page sizes with
+state components. The device planner implements direct KV and aux (units in its elements kernel);
+head-sliced KV and prepared lists across page sizes are refused there. :func:`mapped_lists` is the
+one statement of the checks: the reference plans from it, and the device planner's error path and
+:func:`~kvplan.planner.transfer_lists.transfer_lists` call it.
 
 Example::
 
@@ -29,12 +31,13 @@ from .model import Policy
 from .pairing import Mode
 from .plan import TransferPlan, empty_descs, empty_runs
 from .rules import check_aux, check_bounds, check_paged_slots, check_row, chunk_end, host, token_pages
+from .transfer_lists import TransferLists
 
 if TYPE_CHECKING:
     from .model import Batch, Transfer
     from .pairing import SidePairing
 
-__all__ = ["plan_transfer", "unit_tables"]
+__all__ = ["mapped_lists", "moved_end", "plan_transfer", "unit_tables"]
 
 
 def unit_tables(pairing: "SidePairing", ps_s: int, ps_d: int) -> tuple[np.ndarray, np.ndarray]:
@@ -46,8 +49,12 @@ def unit_tables(pairing: "SidePairing", ps_s: int, ps_d: int) -> tuple[np.ndarra
     return src, dst
 
 
-def plan_transfer(batch: "Batch", t: "Transfer", pairing: "SidePairing") -> TransferPlan:
-    """One transfer between sides of different page sizes (docs/page_sizes.md §1-§5, direct mode)."""
+def mapped_lists(batch: "Batch", t: "Transfer") -> TransferLists:
+    """Resolve and check transfer ``t`` between sides of different page sizes (docs/page_sizes.md §1-§5).
+
+    The lists are in pages of each side (``dst_pages`` the destination pages the chunk writes, at
+    least one unit of each); :func:`moved_end` says where the moved units end.
+    """
     src, dst, request, policy = batch.src, batch.dsts[t.dest], t.request, batch.policy
     ps_s, ps_d = src.kv.page_size, dst.kv.page_size
     g = gcd(ps_s, ps_d)
@@ -65,38 +72,54 @@ def plan_transfer(batch: "Batch", t: "Transfer", pairing: "SidePairing") -> Tran
         check_paged_slots(request, "KV", table[t.src_row, t.start:end].astype(np.int64), t.start, ps_s)
     src_pages = token_pages(table, t.src_row, t.start, end, ps_s)
     check_bounds(request, "KV page", src_pages, 1, src.kv.num_pages)
-    moved_end = -(-end // g) * g  # whole units: the rest of a unit is its page's stale bytes
-    first, need = (t.start - t.prefix_len) // ps_d, -(-(moved_end - t.prefix_len) // ps_d)
+    moved = -(-end // g) * g  # whole units: the rest of a unit is its page's stale bytes
+    first, need = (t.start - t.prefix_len) // ps_d, -(-(moved - t.prefix_len) // ps_d)
     dst_pages = np.asarray(t.dst_pages, np.int64)[first:need]
     what = f"chunk [{t.start}, {end}) KV pages"
-    if len(dst_pages) < need - first:
-        if policy is Policy.STRICT:
-            raise LengthMismatchError(request, f"{what}: {need - first} destination pages of {ps_d} tokens needed, "
-                                      f"{len(dst_pages)} left")
-        moved_end = min(moved_end, t.prefix_len + (first + len(dst_pages)) * ps_d)
+    if len(dst_pages) < need - first and policy is Policy.STRICT:
+        raise LengthMismatchError(request, f"{what}: {need - first} destination pages of {ps_d} tokens needed, "
+                                  f"{len(dst_pages)} left")
     check_bounds(request, "destination KV page", dst_pages, 1, dst.kv.num_pages)
     last = first + len(dst_pages) >= len(t.dst_pages)
     if last != t.last and policy is Policy.STRICT:
         raise LengthMismatchError(request, f"{what}: the scheduler says last={t.last} but the destination pages say "
                                   f"last={last} ({first} + {len(dst_pages)} of {len(t.dst_pages)})")
-    pos = np.arange(t.start, moved_end, g, dtype=np.int64)
+    units = moved_end(t, end, len(dst_pages), ps_d, g) > t.start
+    aux = last and check_aux(t, src, dst)
+    return TransferLists(end, last, last or units, src_pages, dst_pages, units, (), (), aux)
+
+
+def moved_end(t: "Transfer", end: int, dst_count: int, ps_d: int, g: int) -> int:
+    """Where a chunk's moved units end: ``end`` rounded up to a unit, cut to its ``dst_count`` pages."""
+    first = (t.start - t.prefix_len) // ps_d
+    return min(-(-end // g) * g, t.prefix_len + (first + dst_count) * ps_d)
+
+
+def plan_transfer(batch: "Batch", t: "Transfer", pairing: "SidePairing") -> TransferPlan:
+    """One transfer between sides of different page sizes (docs/page_sizes.md §1-§5)."""
+    src, dst = batch.src, batch.dsts[t.dest]
+    ps_s, ps_d = src.kv.page_size, dst.kv.page_size
+    g = gcd(ps_s, ps_d)
+    lists = mapped_lists(batch, t)
+    src_pages, dst_pages, end = lists.src_pages, lists.dst_pages, lists.end
+    first = (t.start - t.prefix_len) // ps_d
+    moved = moved_end(t, end, len(dst_pages), ps_d, g)
+    pos = np.arange(t.start, moved, g, dtype=np.int64)
     src_page_of = src_pages[(pos - t.start) // ps_s] if len(pos) else pos
     src_units = (src_page_of * ps_s + pos % ps_s) // g
     dst_units = (dst_pages[(pos - t.prefix_len) // ps_d - first] * ps_d + (pos - t.prefix_len) % ps_d) // g
-    sent = last or len(pos) > 0
     runs = contiguous_runs(src_units, dst_units) if len(pos) else empty_runs()
-    if not sent:
+    if not lists.sent:
         kv_descs = empty_descs()
     elif pairing.mode is Mode.DIRECT:
         kv_descs = direct_descriptors(*unit_tables(pairing, ps_s, ps_d), runs)
     else:
-        every = np.arange(t.start, moved_end, dtype=np.int64)  # one descriptor per entry and position
+        every = np.arange(t.start, moved, dtype=np.int64)  # one descriptor per entry and position
         src_slots = src_pages[(every - t.start) // ps_s] * ps_s + every % ps_s
         dst_slots = dst_pages[(every - t.prefix_len) // ps_d - first] * ps_d + (every - t.prefix_len) % ps_d
         kv_descs = position_sliced_descriptors(pairing.kv_src, pairing.kv_dst, src_slots, dst_slots, pairing.heads)
-    aux = last and check_aux(t, src, dst)
     aux_descs = direct_descriptors(pairing.aux_src, pairing.aux_dst, unit_runs([t.aux_src], [t.aux_dst])) \
-        if aux else empty_descs()
-    return TransferPlan(request=request, dest=t.dest, mode=pairing.mode, start=t.start, end=end, last=last,
-                        sent=sent, src_pages=src_pages, dst_pages=dst_pages, runs=runs, kv_descs=kv_descs,
+        if lists.aux else empty_descs()
+    return TransferPlan(request=t.request, dest=t.dest, mode=pairing.mode, start=t.start, end=end, last=lists.last,
+                        sent=lists.sent, src_pages=src_pages, dst_pages=dst_pages, runs=runs, kv_descs=kv_descs,
                         state=(), aux_descs=aux_descs)

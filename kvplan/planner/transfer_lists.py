@@ -50,6 +50,10 @@ def transfer_lists(batch: Batch, t: Transfer) -> TransferLists:
         raise InputError(t.request, f"destination {t.dest} is not one of the batch's {len(batch.dsts)} destinations")
     src, dst, policy, request = batch.src, batch.dsts[t.dest], batch.policy, t.request
     check_token_table(src.req_to_token)
+    if dst.kv.page_size != src.kv.page_size:  # docs/page_sizes.md: the rules of its own module
+        from .page_mapping import mapped_lists
+
+        return mapped_lists(batch, t)
     ps = src.kv.page_size
     table = host(src.req_to_token)
     chunk = resolve_chunk(t, ps, table.shape, dst.kv.num_pages, policy)

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvplan.errors import AlignmentError, LayoutError
+from kvplan.errors import AlignmentError, DestinationOverlapError, LayoutError
+from kvplan.planner import gpu
 from kvplan.planner.device import Planner
 from kvplan.planner.model import Attention, Batch, Entry, KVLayout, SideMemory, Transfer
 from kvplan.planner.reference import plan_reference
@@ -130,11 +131,94 @@ def test_every_token_lands_in_its_destination_slot(ps_s, ps_d, length, split, se
     assert not got[~mine].any(), "bytes landed outside the request's destination pages"
 
 
-def test_a_prefix_off_the_common_grain_is_refused_and_the_kernels_refuse_the_mismatch(device):
+def test_a_prefix_off_the_common_grain_is_refused_on_both_paths(device):
     src = mla(SB, 16, 64, slots_table(paged_slots([5, 6, 7, 8], 16, 64)))
     batch = Batch(src, (mla(DB, 64, 64),), (Transfer("r", 1, 16, 65, 64, True, np.array([3]), prefix_len=16),))
     with pytest.raises(AlignmentError, match="least common multiple"):
         plan_reference(batch)
+    with pytest.raises(AlignmentError, match="least common multiple"):
+        gpu.plan(batch.to(device)).check()
+
+
+def test_the_kernels_refuse_head_sliced_kv_and_prepared_lists_across_page_sizes(device):
+    src = mla(SB, 16, 64, slots_table(paged_slots([5, 6], 16, 32)))
+    on_device = Batch(src, (mla(DB, 64, 64),), ()).to(device)
     with pytest.raises(LayoutError, match="kernels do not yet"):
-        on_device = batch.to(device)
-        Planner(on_device.src, on_device.dsts)
+        Planner(on_device.src, on_device.dsts, outputs=("descriptors", "prepared"))
+    kv = (Entry(SB, 64, 64), Entry(SB + (1 << 20), 64, 64))
+    heads = SideMemory(KVLayout(Attention.MHA, 16, kv, num_kv_heads=4, tp_size=2), req_to_token=on_device.src.req_to_token)
+    kv = (Entry(DB, 128, 64), Entry(DB + (1 << 20), 128, 64))
+    with pytest.raises(LayoutError, match="kernels do not yet"):
+        Planner(heads, (SideMemory(KVLayout(Attention.MHA, 64, kv, num_kv_heads=4, tp_size=4)),))
+
+
+# -- the device planner: the same plans, bit for bit -----------------------------------------------
+
+@pytest.mark.parametrize("vector", [test_a_16_to_64, test_b_64_to_16, test_c_1_to_16_chunked, test_d_256_to_1])
+def test_the_device_planner_reproduces_the_golden_vectors(device, vector, monkeypatch):
+    """Each golden test again, with ``golden`` planning on the device and checked against the reference."""
+    import tests.planner.test_page_sizes as here
+
+    by_reference = here.golden
+
+    def on_device(ps_s, ps_d, src_slots, dst_pages, transfers, width=None):
+        expected = by_reference(ps_s, ps_d, src_slots, dst_pages, transfers, width)
+        src = mla(SB, ps_s, 512, slots_table(src_slots, width))
+        pending = gpu.plan(Batch(src, (mla(DB, ps_d, 512),), tuple(transfers)).to(device))
+        pending.result().assert_equal(expected)
+        assert pending.sections() == expected.sections()
+        return pending.result()
+
+    monkeypatch.setattr(here, "golden", on_device)
+    vector()
+
+
+@settings(max_examples=40, deadline=None)
+@given(ps_s=st.sampled_from([1, 2, 4, 16, 64]), ps_d=st.sampled_from([1, 2, 4, 16, 64]),
+       lens=st.lists(st.integers(1, 200), min_size=1, max_size=3), chunked=st.booleans(),
+       seed=st.integers(0, 2**31))
+def test_the_device_planner_matches_the_reference_on_random_batches(device, ps_s, ps_d, lens, chunked, seed):
+    """Several requests, chunked on the grain, aux rows too: plans, descriptors and sections equal."""
+    rng = np.random.default_rng(seed)
+    grain = ps_s * ps_d // np.gcd(ps_s, ps_d)
+    width = max(-(-n // ps_s) * ps_s for n in lens)
+    table = np.zeros((len(lens) + 1, width), np.int32)
+    src_free = iter(rng.permutation(np.arange(1, 1024)))
+    dst_free = iter(rng.permutation(np.arange(1, 1024)))
+    transfers = []
+    for r, length in enumerate(lens, start=1):
+        pages = [next(src_free) for _ in range(-(-length // ps_s))]
+        table[r, :length] = paged_slots(pages, ps_s, length)
+        dst_pages = np.array([next(dst_free) for _ in range(-(-length // ps_d))], np.int64)
+        cut = length // 2 // grain * grain if chunked else 0
+        if -(-cut // ps_d) >= len(dst_pages):
+            cut = 0
+        if cut:
+            transfers.append(Transfer(f"q{r}", r, 0, cut, length, False, dst_pages, aux_src=r, aux_dst=r + 3))
+        transfers.append(Transfer(f"q{r}", r, cut, length + 1, length, True, dst_pages, aux_src=r, aux_dst=r + 3))
+    aux = (Entry(0x7000_0000, 8, 16),)
+    src = SideMemory(KVLayout(Attention.MLA, ps_s, (Entry(SB, ps_s * TB, 1024), Entry(SB + (1 << 24), ps_s * TB, 1024))),
+                     aux=aux, req_to_token=table)
+    dst = SideMemory(KVLayout(Attention.MLA, ps_d, (Entry(DB, ps_d * TB, 1024), Entry(DB + (1 << 24), ps_d * TB, 1024))),
+                     aux=(Entry(0x7800_0000, 8, 16),))
+    batch = Batch(src, (dst,), tuple(transfers))
+    expected = plan_reference(batch)
+    pending = gpu.plan(batch.to(device))
+    pending.result().assert_equal(expected)
+    descs, offsets = pending.descriptors()
+    want, want_offsets = expected.descriptors()
+    assert np.array_equal(descs, want) and np.array_equal(offsets, want_offsets)
+    assert pending.sections() == expected.sections()
+    # one request given another's destination page: both paths refuse it alike
+    if len(transfers) > 1 and transfers[0].request != transfers[-1].request:
+        last = transfers[-1]
+        stolen = last.dst_pages.copy()
+        stolen[0] = transfers[0].dst_pages[0]
+        bad = Batch(src, (dst,), tuple(t if t.request != last.request else Transfer(
+            t.request, t.src_row, t.start, t.fill_len, t.prompt_len, t.last, stolen, aux_src=t.aux_src,
+            aux_dst=t.aux_dst) for t in transfers))
+        with pytest.raises(DestinationOverlapError) as by_reference:
+            plan_reference(bad)
+        with pytest.raises(DestinationOverlapError) as on_device:
+            gpu.plan(bad.to(device)).check()
+        assert str(on_device.value) == str(by_reference.value)
