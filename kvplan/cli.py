@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 from dataclasses import replace
@@ -40,8 +41,15 @@ def _check_demo(config, shape) -> None:
         raise SystemExit(f"kvplan demo: error: {why}")
 
     longest = max(config.prompt_len) if isinstance(config.prompt_len, tuple) else config.prompt_len
-    if config.prefix_len < 0 or config.prefix_len % shape.page_size:
-        fail(f"--prefix-len must be a non-negative multiple of the page size {shape.page_size}")
+    grain = shape.page_size
+    if config.dst_page_size:
+        if shape.state:
+            fail(f"--dst-page-size: {config.preset} has state components; different page sizes are planned for "
+                 "KV and aux only so far (issue 14)")
+        grain = shape.page_size * config.dst_page_size // math.gcd(shape.page_size, config.dst_page_size)
+    if config.prefix_len < 0 or config.prefix_len % grain:
+        fail(f"--prefix-len must be a non-negative multiple of {grain} (the page size, or the least common multiple "
+             "of both sides' page sizes)")
     if config.prefix_len >= longest:
         fail(f"--prefix-len {config.prefix_len} must be shorter than the prompt ({longest} tokens)")
     if not config.timeout > 0:
@@ -90,7 +98,7 @@ def _demo(args: argparse.Namespace) -> int:
                         timeout=60.0 if args.timeout is None else args.timeout,
                         fault=args.fault, repeat=args.repeat, engine_threads=args.engine_threads, staging_bytes=args.staging_mib << 20,
                         staging_slots=args.staging_slots, decode_gpu=args.decode_gpu,
-                        progress_thread=args.progress_thread == "on")
+                        progress_thread=args.progress_thread == "on", dst_page_size=args.dst_page_size)
     if config.mode == "prepared" and config.engine != "nixl":
         raise SystemExit("kvplan demo: error: --mode prepared needs --engine nixl (prepared lists are NIXL's)")
     if args.timeout is None:
@@ -172,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="NIXL's own progress thread (default: on); off, kvplan's loops drive the engine")
     demo.add_argument("--decode-gpu", type=int, default=0,
                       help="the decode process's GPU (the prefill's is GPU 0); 1 measures between two cards")
+    demo.add_argument("--dst-page-size", type=_positive, default=None,
+                      help="the decode side's KV page size, when not the preset's (docs/page_sizes.md)")
     demo.add_argument("--staging-slots", type=_positive, default=4,
                       help="slots of the sender's staging ring: waves in flight at once (default: 4)")
     demo.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",

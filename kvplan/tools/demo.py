@@ -78,6 +78,7 @@ class DemoConfig:
     decode_gpu: int = 0  # the decode process's GPU (the prefill's is GPU 0): 1 moves bytes between two cards
     engine_threads: int = 0  # NIXL's UCX worker threads (0: NIXL's default)
     repeat: int = 1  # batches sent one after another (new request ids each time); timing: first and steady
+    dst_page_size: int | None = None  # the decode side's KV page size, when not the preset's (docs/page_sizes.md)
 
     def engine_settings(self, gpu: int = 0) -> dict[str, int]:
         settings = {"num_threads": self.engine_threads} if self.engine_threads and self.engine == "nixl" else {}
@@ -110,7 +111,8 @@ class DemoConfig:
         head_sliced = model.src_tp != model.dst_tp
         return build_batch(model, self.requests, list(self.prompt_len) if isinstance(self.prompt_len, tuple)
                            else self.prompt_len, chunks=self.chunks, prefix_len=self.prefix_len, seed=self.seed,
-                           src_rank=1 % model.src_tp if head_sliced else 0, dst_rank=2 % model.dst_tp if head_sliced else 0)
+                           src_rank=1 % model.src_tp if head_sliced else 0, dst_rank=2 % model.dst_tp if head_sliced else 0,
+                           dst_page_size=self.dst_page_size)
 
 
 @dataclass
@@ -160,7 +162,9 @@ class DemoReport:
     def render(self) -> str:
         c = self.config
         model = c.model()
-        lines = [f"kvplan demo: {model.name} ({model.layers} layers, page size {model.page_size}), "
+        pages = (f"page size {model.page_size}" if not self.config.dst_page_size else
+                 f"page size {model.page_size} to {self.config.dst_page_size}")
+        lines = [f"kvplan demo: {model.name} ({model.layers} layers, {pages}), "
                  f"{c.engine} {c.mode}{f' ({self.mode_used})' if c.mode == 'auto' and self.mode_used else ''}, "
                  f"{self.device} memory, 127.0.0.1"]
         lines.append(f"  requests      {c.requests} x {c.prompt_len} tokens in {self.transfers} chunks "
@@ -168,7 +172,8 @@ class DemoReport:
         lines.append(f"  descriptors   {self.descriptors:,}   bytes {self.nbytes:,}")
         if self.kvplan_ms is not None:
             where = "GPU" if self.device == "cuda" else "CPU, Triton interpreter: not a speed measurement"
-            base = f"{self.baseline_ms:.2f} ms" if self.baseline_ms is not None else "n/a (head-sliced)"
+            why = "different page sizes" if self.config.dst_page_size else "head-sliced"
+            base = f"{self.baseline_ms:.2f} ms" if self.baseline_ms is not None else f"n/a ({why})"
             lines.append(f"  plan latency  kvplan {self.kvplan_ms:.2f} ms ({where}); SGLang-style {base}")
         if self.transfer_s:
             lines.append(f"  transfer      {self.transfer_s * 1e3:.1f} ms, {self.nbytes / self.transfer_s / 2**30:.3f} GiB/s"
@@ -309,7 +314,8 @@ def prefill_process(config: DemoConfig, port: int, conn) -> None:
         runs = 5 if device == "cuda" else 1
         kvplan_ms = median_ms(lambda: gpu.plan(planned).descriptors(), runs)
         direct = pair_sides(side, endpoint.peer_side).mode is Mode.DIRECT
-        baseline_ms = median_ms(lambda: sglang_style_descs(planned), runs) if direct else None
+        same_pages = endpoint.peer_side.kv.page_size == side.kv.page_size  # SGLang refuses a mismatch
+        baseline_ms = median_ms(lambda: sglang_style_descs(planned), runs) if direct and same_pages else None
         conn.send(("planned", len(transfers), len(descs), int(descs[:, 2].sum()) if len(descs) else 0,
                    "direct" if direct else "head-sliced", kvplan_ms, baseline_ms))
         if not conn.poll(config.timeout * 2) or conn.recv() != "go":

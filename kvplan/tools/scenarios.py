@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from math import gcd
+
 import numpy as np
 
 from ..planner.model import (
@@ -172,17 +174,22 @@ def build_batch(
     src_rank: int = 0,
     dst_rank: int = 0,
     policy: Policy = Policy.STRICT,
+    dst_page_size: int | None = None,
 ) -> Batch:
     """A batch of ``requests`` requests, each split into ``chunks`` chunks, all to one destination.
 
     Each request's last chunk has ``fill_len = prompt_len + 1`` (the sampled token, never sent).
+    ``dst_page_size``: the destination's KV page size when it differs from the model's
+    (docs/page_sizes.md); chunks then end on the least common multiple of the two.
     """
     rng = np.random.default_rng(seed)
     lens = [prompt_len] * requests if isinstance(prompt_len, int) else list(prompt_len)
     rows = len(lens) + 1
     ps = shape.page_size
+    dst_shape = shape.scaled(page_size=dst_page_size) if dst_page_size else shape
+    ps = ps * dst_shape.page_size // gcd(ps, dst_shape.page_size)  # the chunk grain
     src, _ = _side(shape, rng, rows, lens, shape.src_tp, src_rank, shape.num_kv_heads)
-    dst, _ = _side(shape, rng, rows, lens, shape.dst_tp, dst_rank, shape.num_kv_heads)
+    dst, _ = _side(dst_shape, rng, rows, lens, shape.dst_tp, dst_rank, shape.num_kv_heads)
     src_aux = rng.permutation(rows * 2)[:rows]
     dst_aux = rng.permutation(rows * 2)[:rows]
     transfers = []

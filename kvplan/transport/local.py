@@ -24,6 +24,7 @@ import torch
 from ..errors import InputError
 from ..kernels import copy as kc
 from ..planner.model import Batch
+from ..planner.page_mapping import unit_tables
 from ..planner.pairing import pair_sides
 
 __all__ = ["gather", "plan_alignment", "run_direct", "scatter", "staging_offsets", "warm_up"]
@@ -34,7 +35,10 @@ def plan_alignment(batch: Batch) -> int:
     values = [16]
     for dst in batch.dsts:
         p = pair_sides(batch.src, dst)
-        for table in (p.kv_src, p.kv_dst, p.aux_src, p.aux_dst, *p.state_src, *p.state_dst):
+        kv = (p.kv_src, p.kv_dst)
+        if dst.kv.page_size != batch.src.kv.page_size:  # KV moves in units of gcd tokens (docs/page_sizes.md)
+            kv = unit_tables(p, batch.src.kv.page_size, dst.kv.page_size)
+        for table in (*kv, p.aux_src, p.aux_dst, *p.state_src, *p.state_dst):
             values += [int(v) for v in table.reshape(-1)]
         if p.heads is not None:
             h = p.heads

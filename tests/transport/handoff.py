@@ -10,5 +10,9 @@ HYBRID = ModelShape(
     num_kv_heads=2, aux_items=(16, 64),
 )
 HEAD_SLICED = ModelShape("tp2to4-test", Attention.MHA, 2, 64, 4, num_kv_heads=4, src_tp=2, dst_tp=4)
-SHAPES = {"hybrid": HYBRID, "head_sliced": HEAD_SLICED}
+# KV and aux only, for sides of different page sizes (docs/page_sizes.md): the source page size is
+# in the name, the destination's is the demo's ``dst_page_size``
+KV1, KV16, KV64 = (ModelShape(f"kv-p{ps}-test", Attention.MHA, 2, 32, ps, num_kv_heads=2, aux_items=(16,))
+                   for ps in (1, 16, 64))
+SHAPES = {"hybrid": HYBRID, "head_sliced": HEAD_SLICED, "kv1": KV1, "kv16": KV16, "kv64": KV64}
 LENGTHS = (100, 37, 64)
