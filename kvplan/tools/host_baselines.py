@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
@@ -30,6 +31,7 @@ import torch
 from ..errors import LayoutError
 from ..planner.columns import COLUMNS, BatchColumns
 from ..planner.model import SideMemory, StateKind
+from ..planner.page_mapping import unit_tables
 from ..planner.pairing import Mode, SidePairing, pair_sides
 from ..planner.prepared import prepared_slots
 
@@ -53,8 +55,14 @@ def _ranges(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return owner, local
 
 
-def host_lists(src: SideMemory, columns: BatchColumns) -> tuple[HostLists, np.ndarray, np.ndarray]:
-    """``(lists, last, sent)``: one device gather of the rows used, then NumPy over the whole batch."""
+def host_lists(src: SideMemory, columns: BatchColumns, dst_page_size: int | None = None
+               ) -> tuple[HostLists, np.ndarray, np.ndarray]:
+    """``(lists, last, sent)``: one device gather of the rows used, then NumPy over the whole batch.
+
+    With ``dst_page_size`` other than the source's, KV lists are in units of their gcd tokens
+    (docs/page_sizes.md): chunks end on the lcm, destination unit ``k`` of a chunk lies in its
+    ``k // rd``-th page.
+    """
     c = dict(zip(COLUMNS, columns.table.T))
     ps, C = src.kv.page_size, len(src.state)
     K, T = 2 + C, columns.num_transfers
@@ -68,19 +76,30 @@ def host_lists(src: SideMemory, columns: BatchColumns) -> tuple[HostLists, np.nd
                    if comp.kind is StateKind.SWA}
     mamba = {k: comp.slot_map[index].cpu().numpy() for k, comp in enumerate(src.state) if comp.kind is StateKind.MAMBA}
     seq = np.minimum(c["fill_len"], c["prompt_len"])
-    end = np.where(c["last"] != 0, seq, np.maximum(c["start"], seq // ps * ps))
-    cursor = (c["start"] - c["prefix_len"]) // ps
-    n = np.minimum(-(-(end - c["start"]) // ps), c["kv_len"] - cursor)
-    last = cursor + n >= c["kv_len"]
+    pd = dst_page_size or ps
+    unit = math.gcd(ps, pd)
+    grain = ps * pd // unit
+    end = np.where(c["last"] != 0, seq, np.maximum(c["start"], seq // grain * grain))
+    cursor = (c["start"] - c["prefix_len"]) // pd
+    moved = -(-end // unit) * unit
+    pages = np.minimum(-(-(moved - c["prefix_len"]) // pd) - cursor, c["kv_len"] - cursor)
+    last = cursor + pages >= c["kv_len"]
+    moved = np.minimum(moved, c["prefix_len"] + (cursor + pages) * pd)
+    n = np.maximum(moved - c["start"], 0) // unit
     sent = last | (n > 0)
+    rd = pd // unit
     counts = np.zeros((T, K), np.int64)
     merge = np.ones(K, bool)
     parts: list[tuple[np.ndarray, np.ndarray]] = []
 
     counts[:, 0] = np.where(sent, n, 0)
     t, k = _ranges(counts[:, 0])
-    parts.append((host_rows[inv[t], c["start"][t] + k * ps].astype(np.int64) // ps,
-                  columns.dst_flat[c["kv_lo"][t] + cursor[t] + k]))
+    if rd == 1 and unit == ps:
+        parts.append((host_rows[inv[t], c["start"][t] + k * ps].astype(np.int64) // ps,
+                      columns.dst_flat[c["kv_lo"][t] + cursor[t] + k]))
+    else:
+        parts.append((host_rows[inv[t], c["start"][t] + k * unit].astype(np.int64) // unit,
+                      columns.dst_flat[c["kv_lo"][t] + cursor[t] + k // rd] * rd + k % rd))
     lasts = np.flatnonzero(last)
     for j, comp in enumerate(src.state):
         lo_col, len_col = columns.table[lasts, len(COLUMNS) + 2 * j], columns.table[lasts, len(COLUMNS) + 2 * j + 1]
@@ -125,8 +144,12 @@ class NumpyBatchPlanner:
     def __init__(self, src: SideMemory, dsts: Sequence[SideMemory], threads: int = 1):
         self.src, self.dsts = src, tuple(dsts)
         self.pairings: list[SidePairing] = [pair_sides(src, d) for d in self.dsts]
-        if any(d.kv.page_size != src.kv.page_size for d in self.dsts):
-            raise LayoutError("numpy-batch plans equal page sizes only so far (issue 14)")
+        sizes = {d.kv.page_size for d in self.dsts}
+        if len(sizes) > 1:
+            raise LayoutError("numpy-batch plans destinations of one page size at a time")
+        self.dst_page_size = sizes.pop() if sizes else src.kv.page_size
+        if self.dst_page_size != src.kv.page_size and any(p.mode is not Mode.DIRECT for p in self.pairings):
+            raise LayoutError("numpy-batch plans different page sizes for direct KV only")
         self.pool = ThreadPoolExecutor(threads) if threads > 1 else None
         self.threads = threads
         self.out = np.empty((0, 3), _U64)
@@ -135,6 +158,8 @@ class NumpyBatchPlanner:
     def _tables(self, d: int, slot: int) -> tuple[np.ndarray, np.ndarray]:
         p, K = self.pairings[d], 2 + len(self.src.state)
         if slot == 0:
+            if self.dst_page_size != self.src.kv.page_size:  # units of gcd tokens (docs/page_sizes.md)
+                return unit_tables(p, self.src.kv.page_size, self.dst_page_size)
             return p.kv_src, p.kv_dst
         if slot == K - 1:
             return p.aux_src, p.aux_dst
@@ -150,7 +175,7 @@ class NumpyBatchPlanner:
 
     def runs(self, columns: BatchColumns) -> tuple[np.ndarray, np.ndarray, HostLists, np.ndarray, np.ndarray]:
         """The compact runs form: ``(runs [R, 3] (s0, d0, len), runs per segment, lists, run starts, lengths)``."""
-        lists, _, _ = host_lists(self.src, columns)
+        lists, _, _ = host_lists(self.src, columns, self.dst_page_size)
         src, dst, seg_n, seg_off = lists.src, lists.dst, lists.seg_n, lists.seg_off
         total = len(src)
         brk = np.ones(total, bool)

@@ -38,6 +38,25 @@ def test_columns_plan_like_the_reference_in_every_form(device, preset):
                                                                                     pending.prepared_indices().dst)
 
 
+@pytest.mark.parametrize("dst_page_size", [16, 256, 1])
+def test_a_decode_side_of_another_page_size_plans_alike_in_descriptors_runs_and_numpy_batch(device, dst_page_size):
+    """docs/page_sizes.md: 64 -> 16, 64 -> 256 and 64 -> 1, chunked on the grain, with a decode prefix."""
+    batch = build_batch(PRESETS["llama70b-tp8-p64"].scaled(layers=2), requests=3, prompt_len=[300, 129, 1000],
+                        chunks=2, prefix_len=256, seed=5, dst_page_size=dst_page_size).to(device)
+    planner = Planner(batch.src, batch.dsts, outputs=("descriptors", "runs"), block=128)
+    cols = BatchColumns.from_batch(batch)
+    pending = planner.plan(cols)
+    expected = plan_reference(batch)
+    pending.result().assert_equal(expected)
+    want = expected.descriptors()[0]
+    assert np.array_equal(pending.descriptors()[0], want)
+    host = NumpyBatchPlanner(batch.src, batch.dsts)
+    compact = pending.runs()
+    assert np.array_equal(compact.runs, host.runs(cols)[0])
+    assert np.array_equal(_expand_compact(compact), want)
+    assert np.array_equal(host.plan(cols)[0], want)
+
+
 def _expand_compact(compact):
     """Entry x run expansion of the compact form as an engine would write it (direct mode)."""
     out = []
