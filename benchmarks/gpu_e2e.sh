@@ -18,6 +18,7 @@ run() {
 }
 run --mode direct
 [ "$engine" = nixl ] && run --mode direct --engine-threads 4
-run --mode staged --staging-mib 64
-run --mode staged --staging-mib 256
-run --mode auto --staging-mib 256
+run --mode staged --staging-mib 512 --staging-slots 1
+run --mode staged --staging-mib 256 --staging-slots 2
+run --mode auto --staging-mib 512 --staging-slots 1
+run --mode staged --staging-mib 512 --staging-slots 1 --dst-page-size 16
