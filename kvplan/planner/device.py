@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from math import gcd
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch

@@ -14,10 +14,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from .pairing import HeadSlice
-from .plan import empty_descs, empty_runs
+from typing import TYPE_CHECKING
 
-__all__ = ["contiguous_runs", "direct_descriptors", "head_sliced_descriptors", "unit_runs"]
+from .pairing import HeadSlice
+from .plan import ComponentPlan, empty_descs, empty_runs
+from .state_kinds import rules_of
+
+if TYPE_CHECKING:
+    from .model import SideMemory
+    from .pairing import SidePairing
+    from .transfer_lists import TransferLists
+
+__all__ = ["component_plans", "contiguous_runs", "direct_descriptors", "head_sliced_descriptors", "unit_runs"]
 
 _U64 = np.uint64
 
@@ -96,3 +104,18 @@ def unit_runs(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
     """One run of length 1 per id pair: the runs of a list that never merges (Mamba slots, aux)."""
     src = np.asarray(src, np.int64)
     return np.stack([src, np.asarray(dst, np.int64), np.ones_like(src)], axis=1)
+
+
+def component_plans(src: "SideMemory", pairing: "SidePairing", lists: "TransferLists") -> tuple[ComponentPlan, ...]:
+    """A last chunk's component plans from its checked lists: runs where the kind merges them
+    (else one descriptor per id), descriptors entry-major (planning.md §5, §6)."""
+    out = []
+    for c, (comp, (src_list, dst_list), merged) in enumerate(zip(src.state, lists.state, lists.state_runs)):
+        if rules_of(comp.kind).forms_runs:
+            runs = contiguous_runs(src_list, dst_list) if merged else empty_runs()
+            descs = direct_descriptors(pairing.state_src[c], pairing.state_dst[c], runs)
+        else:
+            runs = empty_runs()
+            descs = direct_descriptors(pairing.state_src[c], pairing.state_dst[c], unit_runs(src_list, dst_list))
+        out.append(ComponentPlan(comp.name, comp.kind, src_list, dst_list, runs, descs))
+    return tuple(out)

@@ -6,8 +6,9 @@ straddles a page on either side), chunks end on multiples of ``G = lcm(ps_s, ps_
 and descriptors are counted in units. With equal page sizes a unit is a page and nothing here is
 used: the rules of planning.md apply unchanged.
 
-So far this covers KV (direct and head-sliced) and aux; pairing refuses different page sizes with
-state components. The device planner implements direct KV and aux (units in its elements kernel);
+So far this covers KV (direct and head-sliced), aux, and the state components whose lists do not
+depend on the page size (Mamba, rings, and paged state of equal page sizes on both sides), paired
+as in planning.md §6; pairing refuses paged state whose pages differ. The device planner implements direct KV and aux (units in its elements kernel);
 head-sliced KV and prepared lists across page sizes are refused there. :func:`mapped_lists` is the
 one statement of the checks: the reference plans from it, and the device planner's error path and
 :func:`~kvplan.planner.transfer_lists.transfer_lists` call it.
@@ -26,12 +27,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import AlignmentError, InputError, LengthMismatchError
-from .host_expand import contiguous_runs, direct_descriptors, position_sliced_descriptors, unit_runs
+from .host_expand import component_plans, contiguous_runs, direct_descriptors, position_sliced_descriptors, \
+    unit_runs
 from .model import Policy
 from .pairing import Mode
 from .plan import TransferPlan, empty_descs, empty_runs
-from .rules import check_aux, check_bounds, check_paged_slots, check_row, chunk_end, host, token_pages
-from .transfer_lists import TransferLists
+from .rules import check_bounds, check_paged_slots, check_row, chunk_end, host, token_pages
+from .transfer_lists import TransferLists, last_chunk_lists
 
 if TYPE_CHECKING:
     from .model import Batch, Transfer
@@ -85,8 +87,8 @@ def mapped_lists(batch: "Batch", t: "Transfer") -> TransferLists:
         raise LengthMismatchError(request, f"{what}: the scheduler says last={t.last} but the destination pages say "
                                   f"last={last} ({first} + {len(dst_pages)} of {len(t.dst_pages)})")
     units = moved_end(t, end, len(dst_pages), ps_d, g) > t.start
-    aux = last and check_aux(t, src, dst)
-    return TransferLists(end, last, last or units, src_pages, dst_pages, units, (), (), aux)
+    state, state_runs, aux = last_chunk_lists(batch, t) if last else ((), (), False)  # §6: paired as they are
+    return TransferLists(end, last, last or units, src_pages, dst_pages, units, state, state_runs, aux)
 
 
 def moved_end(t: "Transfer", end: int, dst_count: int, ps_d: int, g: int) -> int:
@@ -122,4 +124,4 @@ def plan_transfer(batch: "Batch", t: "Transfer", pairing: "SidePairing") -> Tran
         if lists.aux else empty_descs()
     return TransferPlan(request=t.request, dest=t.dest, mode=pairing.mode, start=t.start, end=end, last=lists.last,
                         sent=lists.sent, src_pages=src_pages, dst_pages=dst_pages, runs=runs, kv_descs=kv_descs,
-                        state=(), aux_descs=aux_descs)
+                        state=component_plans(src, pairing, lists), aux_descs=aux_descs)

@@ -13,6 +13,7 @@ import numpy as np
 
 from ..errors import LayoutError
 from .model import Attention, Entry, KVLayout, SideMemory
+from .state_kinds import rules_of
 
 __all__ = ["HeadSlice", "Mode", "SidePairing", "head_slice", "pair_sides"]
 
@@ -132,9 +133,6 @@ def _pair_sides(src: SideMemory, dst: SideMemory) -> SidePairing:
             kv_dst.append(dk.entries[dk.entry_index(part, layer)])
     mode = Mode.DIRECT if sk.attention is Attention.MLA or sk.tp_size == dk.tp_size else Mode.HEAD_SLICED
     heads = None
-    if sk.page_size != dk.page_size and src.state:  # docs/page_sizes.md: so far KV and aux only
-        raise LayoutError(f"page sizes differ (source {sk.page_size}, destination {dk.page_size}): planned so far "
-                          "for KV and aux, not yet with state components (issue 14)")
     if sk.page_size != dk.page_size and mode is Mode.DIRECT:
         for i, (s, d) in enumerate(zip(kv_src, kv_dst)):
             if s.item_len * dk.page_size != d.item_len * sk.page_size:
@@ -153,6 +151,12 @@ def _pair_sides(src: SideMemory, dst: SideMemory) -> SidePairing:
         if sc.kind is not dc.kind:
             raise LayoutError(f"state component {i}: kinds differ ({sc.kind.value} vs {dc.kind.value})")
         _require_equal_items(f"state component {i} ({sc.name})", sc.entries, dc.entries)
+        if sk.page_size != dk.page_size and rules_of(sc.kind).paged and \
+                sc.pages_of(sk.page_size) != dc.pages_of(dk.page_size):  # docs/page_sizes.md §6
+            raise LayoutError(f"state component {i} ({sc.name}): its pages hold {sc.pages_of(sk.page_size)} tokens "
+                              f"on the source and {dc.pages_of(dk.page_size)} on the destination; across KV page "
+                              "sizes kvplan plans so far Mamba and ring state and paged state of equal page sizes "
+                              "(issue 14)")
     _require_equal_items("aux", src.aux, dst.aux)
     return SidePairing(
         mode=mode,

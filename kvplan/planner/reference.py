@@ -22,12 +22,12 @@ import numpy as np
 from ..errors import AlignmentError, InputError
 from . import page_mapping
 from .claims import Claims, check_claims
-from .host_expand import contiguous_runs, direct_descriptors, head_sliced_descriptors, unit_runs
+from .host_expand import component_plans, contiguous_runs, direct_descriptors, head_sliced_descriptors, unit_runs
 from .model import Batch, SideMemory, Transfer
 from .pairing import Mode, SidePairing, pair_sides
-from .plan import ComponentPlan, DestinationLists, Plan, TransferPlan, empty_descs, empty_runs
+from .plan import DestinationLists, Plan, TransferPlan, empty_descs, empty_runs
 from .rules import check_bounds, check_paged_slots, check_row, check_token_table, chunk_end, host, token_pages
-from .state_kinds import rules_of, state_list
+from .state_kinds import state_list
 from .transfer_lists import transfer_lists
 
 __all__ = [
@@ -72,15 +72,7 @@ def _plan_transfer(batch: Batch, t: Transfer, pairing: SidePairing) -> TransferP
     else:
         kv_descs = head_sliced_descriptors(pairing.kv_src, pairing.kv_dst, src_pages, dst_pages, pairing.heads,
                                            batch.src.kv.page_size)
-    state = []
-    for c, (comp, (src_list, dst_list), merged) in enumerate(zip(batch.src.state, lists.state, lists.state_runs)):
-        if rules_of(comp.kind).forms_runs:
-            comp_runs = contiguous_runs(src_list, dst_list) if merged else empty_runs()
-            descs = direct_descriptors(pairing.state_src[c], pairing.state_dst[c], comp_runs)
-        else:
-            comp_runs = empty_runs()
-            descs = direct_descriptors(pairing.state_src[c], pairing.state_dst[c], unit_runs(src_list, dst_list))
-        state.append(ComponentPlan(comp.name, comp.kind, src_list, dst_list, comp_runs, descs))
+    state = component_plans(batch.src, pairing, lists)
     aux_descs = empty_descs()
     if lists.aux:
         aux_descs = direct_descriptors(pairing.aux_src, pairing.aux_dst, unit_runs([t.aux_src], [t.aux_dst]))
@@ -96,7 +88,7 @@ def _plan_transfer(batch: Batch, t: Transfer, pairing: SidePairing) -> TransferP
         dst_pages=dst_pages,
         runs=runs,
         kv_descs=kv_descs,
-        state=tuple(state),
+        state=state,
         aux_descs=aux_descs,
     )
 

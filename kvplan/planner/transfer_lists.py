@@ -22,7 +22,7 @@ from .rules import check_aux, check_bounds, check_paged_slots, check_token_table
     require_both_or_neither, resolve_chunk, token_pages
 from .state_kinds import rules_of, state_list
 
-__all__ = ["TransferLists", "transfer_lists"]
+__all__ = ["TransferLists", "last_chunk_lists", "transfer_lists"]
 
 
 @dataclass(frozen=True)
@@ -65,24 +65,29 @@ def transfer_lists(batch: Batch, t: Transfer) -> TransferLists:
     src_pages = src_pages[: chunk.pages]
     kv_runs = chunk.sent and require_both_or_neither(request, f"chunk [{t.start}, {end}) KV pages",
                                                      len(src_pages), len(chunk.dst_pages), policy)
+    state, state_runs, aux = last_chunk_lists(batch, t) if chunk.last else ((), (), False)
+    return TransferLists(end, chunk.last, chunk.sent, src_pages, chunk.dst_pages, kv_runs, state, state_runs, aux)
+
+
+def last_chunk_lists(batch: Batch, t: Transfer) -> tuple[tuple[tuple[np.ndarray, np.ndarray], ...],
+                                                         tuple[bool, ...], bool]:
+    """A last chunk's state lists (paired, checked, truncated under ``truncate``), whether each forms
+    runs, and whether it carries aux rows (planning.md §6)."""
+    src, dst, policy, request = batch.src, batch.dsts[t.dest], batch.policy, t.request
+    seq = min(t.fill_len, t.prompt_len)
+    if len(t.dst_state) != len(src.state):
+        raise LengthMismatchError(
+            request, f"{len(src.state)} state components on the source, {len(t.dst_state)} destination lists"
+        )
     state: list[tuple[np.ndarray, np.ndarray]] = []
     state_runs: list[bool] = []
-    aux = False
-    if chunk.last:
-        seq = min(t.fill_len, t.prompt_len)
-        if len(t.dst_state) != len(src.state):
-            raise LengthMismatchError(
-                request, f"{len(src.state)} state components on the source, {len(t.dst_state)} destination lists"
-            )
-        for comp, dst_list in zip(src.state, t.dst_state):
-            rules = rules_of(comp.kind)
-            what = f"state component {comp.name}"
-            src_list = state_list(src, comp, t.src_row, seq, request, policy, batch.validate)
-            n = paired_length(request, what, len(src_list), len(dst_list), policy, rules.always_strict)
-            state.append((src_list[:n], dst_list[:n]))
-            state_runs.append(rules.forms_runs and require_both_or_neither(request, what, n, n, policy))
-        for (_, dst_list), comp in zip(state, dst.state):
-            check_bounds(request, f"destination {comp.name}", dst_list, 0, comp.num_items)
-        aux = check_aux(t, src, dst)
-    return TransferLists(end, chunk.last, chunk.sent, src_pages, chunk.dst_pages, kv_runs, tuple(state),
-                         tuple(state_runs), aux)
+    for comp, dst_list in zip(src.state, t.dst_state):
+        rules = rules_of(comp.kind)
+        what = f"state component {comp.name}"
+        src_list = state_list(src, comp, t.src_row, seq, request, policy, batch.validate)
+        n = paired_length(request, what, len(src_list), len(dst_list), policy, rules.always_strict)
+        state.append((src_list[:n], dst_list[:n]))
+        state_runs.append(rules.forms_runs and require_both_or_neither(request, what, n, n, policy))
+    for (_, dst_list), comp in zip(state, dst.state):
+        check_bounds(request, f"destination {comp.name}", dst_list, 0, comp.num_items)
+    return tuple(state), tuple(state_runs), check_aux(t, src, dst)

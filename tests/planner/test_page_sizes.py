@@ -222,3 +222,12 @@ def test_the_device_planner_matches_the_reference_on_random_batches(device, ps_s
         with pytest.raises(DestinationOverlapError) as on_device:
             gpu.plan(bad.to(device)).check()
         assert str(on_device.value) == str(by_reference.value)
+
+
+def test_paged_state_of_different_page_sizes_is_refused_by_pairing_naming_the_component():
+    from kvplan.planner.pairing import pair_sides
+    from kvplan.tools.scenarios import PRESETS, build_batch
+
+    batch = build_batch(PRESETS["gptoss-swa-p16"].scaled(layers=2), 2, 100, dst_page_size=64)
+    with pytest.raises(LayoutError, match=r"state component 0 \(swa\): its pages hold 16 tokens on the source and 64"):
+        pair_sides(batch.src, batch.dsts[0])

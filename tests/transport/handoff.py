@@ -14,5 +14,12 @@ HEAD_SLICED = ModelShape("tp2to4-test", Attention.MHA, 2, 64, 4, num_kv_heads=4,
 # in the name, the destination's is the demo's ``dst_page_size``
 KV1, KV16, KV64 = (ModelShape(f"kv-p{ps}-test", Attention.MHA, 2, 32, ps, num_kv_heads=2, aux_items=(16,))
                    for ps in (1, 16, 64))
-SHAPES = {"hybrid": HYBRID, "head_sliced": HEAD_SLICED, "kv1": KV1, "kv16": KV16, "kv64": KV64}
+# state whose lists do not depend on the page size (docs/page_sizes.md §6), for a destination of another
+RING_MAMBA = ModelShape(
+    "ring-mamba-test", Attention.MHA, 2, 32, 4,
+    state=(ComponentShape(StateKind.SWA_RING, 2, 48, window=6, ring_size=8), ComponentShape(StateKind.MAMBA, 3, 144)),
+    num_kv_heads=2, aux_items=(16,),
+)
+SHAPES = {"hybrid": HYBRID, "head_sliced": HEAD_SLICED, "kv1": KV1, "kv16": KV16, "kv64": KV64,
+          "ring_mamba": RING_MAMBA}
 LENGTHS = (100, 37, 64)
