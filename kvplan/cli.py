@@ -43,9 +43,12 @@ def _check_demo(config, shape) -> None:
     longest = max(config.prompt_len) if isinstance(config.prompt_len, tuple) else config.prompt_len
     grain = shape.page_size
     if config.dst_page_size:
-        if shape.state:
-            fail(f"--dst-page-size: {config.preset} has state components; different page sizes are planned for "
-                 "KV and aux only so far (issue 14)")
+        from .planner.state_kinds import rules_of
+
+        unmapped = [c.kind.value for c in shape.state if rules_of(c.kind).paged and not rules_of(c.kind).maps_pages]
+        if unmapped:
+            fail(f"--dst-page-size: {config.preset} has {unmapped[0]} state, which is not planned across page sizes "
+                 "yet (docs/page_sizes.md §6, issue 14)")
         grain = shape.page_size * config.dst_page_size // math.gcd(shape.page_size, config.dst_page_size)
     if config.prefix_len < 0 or config.prefix_len % grain:
         fail(f"--prefix-len must be a non-negative multiple of {grain} (the page size, or the least common multiple "

@@ -11,10 +11,11 @@ Shape contract
 * ``cols``: int64 ``[NCOL, T_CAP]`` column-major: the columns of
   :data:`kvplan.planner.columns.COLUMNS`, then ``(lo, len)`` per component; ``count_ptr[0]`` is
   the number of live transfers ``T <= T_CAP``.
-* ``dest_meta``: int64 ``[D, 6 + 2K + C]``: ``(kv_pages, aux_items, head_sliced)``, then
+* ``dest_meta``: int64 ``[D, 6 + 2K + 3C]``: ``(kv_pages, aux_items, head_sliced)``, then
   ``(entry_off, entries)`` per slot, then each component's pool size on that destination, then
-  ``(page_size, unit, grain)``: its KV page size, ``gcd`` and ``lcm`` with the source's (read only
-  when ``UNITS``: some destination's page size differs; docs/page_sizes.md).
+  each component's ``(page_size, unit)`` there, then ``(page_size, unit, grain)``: its KV page size,
+  ``gcd`` and ``lcm`` with the source's (the last 2C + 3 read only when ``UNITS``: some page size
+  differs; docs/page_sizes.md).
 * ``comp_meta``: int64 ``[C, COMP_FIELDS]``: ``(kind, window, page_size, ring, num_items, map,
   map_len, always_strict)``; ``kind`` is 0 SWA, 1 DSA, 2 SWA_RING, 3 MAMBA.
 * Outputs: ``seg`` ``[T_CAP * K, SEG_FIELDS]``; ``seg_end``/``chk_end`` ``[T_CAP * K]``
@@ -189,7 +190,18 @@ def _layout_kernel(cols_ptr, count_ptr, dest_meta_ptr, comp_meta_ptr, seg_ptr, s
             paged = (kind == SWA) | (kind == DSA)
             list_kind = tl.where(kind == SWA, sg.MAPPED_PAGES, tl.where(kind == DSA, sg.TOKEN_PAGES,
                                                                        tl.where(kind == SWA_RING, sg.RING, sg.ROW_MAP)))
-            mismatch = act & (n_src != c_len)
+            # a DSA component whose pages differ on this destination moves in units (docs/page_sizes.md §6)
+            if UNITS:
+                cps_d = tl.load(dmeta + 3 + 2 * K + C + 2 * c)
+                cunit = tl.load(dmeta + 4 + 2 * K + C + 2 * c)
+                in_units = (kind == DSA) & (cps_d != cps)
+            else:
+                cps_d = zero + cps
+                cunit = zero + cps
+                in_units = zero != 0
+            c_ratio = tl.where(in_units, cps_d // cunit, 1)
+            n_src = tl.where(in_units, (seq + cunit - 1) // cunit, n_src)
+            mismatch = act & tl.where(in_units, (seq + cps_d - 1) // cps_d != c_len, n_src != c_len)
             c_fatal = act & paged & (seq > max_ctx)
             c_warn = act & (act != act)
             if STRICT:
@@ -197,18 +209,23 @@ def _layout_kernel(cols_ptr, count_ptr, dest_meta_ptr, comp_meta_ptr, seg_ptr, s
             else:
                 c_fatal |= mismatch & always_strict
                 c_warn |= mismatch & ~always_strict
-            n_c = tl.where(act, tl.minimum(n_src, c_len), 0)
+            n_c = tl.where(act, tl.minimum(n_src, c_len * c_ratio), 0)
             checked = act & paged & (seq > a)
-            chk_flags = tl.where(checked, tl.where(kind == SWA, sg.CHK_MAPPED, sg.CHK_PAGE_BOUNDS)
+            # in units, the element kernel's bounds check of every unit covers the pages' bounds
+            chk_flags = tl.where(checked, tl.where(kind == SWA, sg.CHK_MAPPED,
+                                                   tl.where(in_units, 0, sg.CHK_PAGE_BOUNDS))
                                  + (sg.CHK_INVARIANT if VALIDATE else 0), 0)
             n_chk = tl.where(checked, seq - a, 0)
-            step = tl.where(paged, cps, 1)
+            step = tl.where(paged, tl.where(in_units, cunit, cps), 1)
+            s_ratio = tl.where(in_units, cps // cunit, 1)
             _write_segment(seg_ptr, err_ptr, s + 1 + c, list_kind, row, a, step, step, tl.where(kind == SWA_RING, ring, 1),
-                           n_c, c_lo, zero, zero + tl.where(paged, 1, 0), zero + items, zero, tl.load(dmeta + 3 + 2 * K + c),
+                           n_c, c_lo, zero, tl.where(paged, 1, 0) * s_ratio, items * s_ratio, zero,
+                           tl.load(dmeta + 3 + 2 * K + c) * c_ratio,
                            zero + tl.where((kind == SWA) | (kind == MAMBA), map_slot, -1), zero + map_len,
                            zero + tl.where(kind == MAMBA, 0, 1), tl.load(dmeta + 3 + 2 * (1 + c)),
-                           tl.load(dmeta + 4 + 2 * (1 + c)), zero, dest, a, step, chk_flags, n_chk, act.to(tl.int64),
-                           tl.where(c_fatal, sg.ERR_FATAL, 0) + tl.where(c_warn, sg.ERR_WARN, 0), zero + 1, SF)
+                           tl.load(dmeta + 4 + 2 * (1 + c)), zero, dest, a, tl.where(paged, cps, 1), chk_flags, n_chk,
+                           act.to(tl.int64), tl.where(c_fatal, sg.ERR_FATAL, 0) + tl.where(c_warn, sg.ERR_WARN, 0),
+                           c_ratio, SF)
             tot_n += n_c
             tot_c += n_chk
 
@@ -252,7 +269,7 @@ def lay_out(cols, count, dest_meta, comp_meta, seg, seg_end, chk_end, seg_err, x
     _layout_kernel[(1,)](cols, count, dest_meta, comp_meta, seg, seg_end, chk_end, seg_err, xfer, rows, max_ctx,
                          src_pages, src_aux_items, num_dests, T_CAP=t_cap, K=K, C=components, PS=page_size,
                          STRICT=strict, VALIDATE=validate, HAS_AUX=has_aux, UNITS=units, SF=sg.SEG_FIELDS,
-                         DF=DEST_FIELDS_BASE + 2 * K + components, CF=COMP_FIELDS, BT=min(t_cap, 256))
+                         DF=DEST_FIELDS_BASE + 2 * K + 3 * components, CF=COMP_FIELDS, BT=min(t_cap, 256))
 
 
 COMPILE_SPECS = [
@@ -264,6 +281,6 @@ COMPILE_SPECS = [
       "HAS_AUX": "constexpr", "UNITS": "constexpr", "SF": "constexpr", "DF": "constexpr", "CF": "constexpr",
       "BT": "constexpr"},
      {"T_CAP": 64, "K": 4, "C": 2, "PS": 16, "STRICT": True, "VALIDATE": True, "HAS_AUX": True, "UNITS": units,
-      "SF": sg.SEG_FIELDS, "DF": DEST_FIELDS_BASE + 8 + 2, "CF": COMP_FIELDS, "BT": 64})
+      "SF": sg.SEG_FIELDS, "DF": DEST_FIELDS_BASE + 8 + 6, "CF": COMP_FIELDS, "BT": 64})
     for units in (False, True)
 ]

@@ -54,7 +54,7 @@ from .claims import Claims, check_claims
 from .columns import COLUMNS, BatchColumns
 from .page_mapping import unit_tables
 from .lists import as_device_tensor, host_empty
-from .host_expand import direct_descriptors, head_sliced_descriptors, unit_runs
+from .host_expand import direct_descriptors, head_sliced_descriptors, scaled_tables, unit_runs
 from .model import Batch, Policy, SideMemory
 from .pairing import Mode, SidePairing, pair_sides
 from .plan import ComponentPlan, Plan, Role, Section, TransferPlan, empty_descs, empty_runs
@@ -111,7 +111,12 @@ class _Static:
         ps = src.kv.page_size
         # docs/page_sizes.md: with a destination of another page size, KV moves in units of gcd tokens
         self.unit_ratios = [(ps // gcd(ps, d.kv.page_size), d.kv.page_size // gcd(ps, d.kv.page_size)) for d in dsts]
-        self.units = any(r != (1, 1) for r in self.unit_ratios)
+        # per destination and component: (source, destination) units per page of a paged component
+        # whose pages differ there (DSA; docs/page_sizes.md §6), else (1, 1)
+        self.comp_ratios = [[_ratios(c.pages_of(ps), dc.pages_of(d.kv.page_size)) if rules_of(c.kind).paged else (1, 1)
+                             for c, dc in zip(src.state, d.state)] for d in dsts]
+        self.units = any(r != (1, 1) for r in self.unit_ratios) or any(r != (1, 1) for rs in self.comp_ratios
+                                                                         for r in rs)
         if self.units:
             if prepared or any(p.mode is not Mode.DIRECT for p in self.pairings):
                 raise LayoutError(f"page sizes differ (source {ps}, destinations "
@@ -121,11 +126,14 @@ class _Static:
         K = self.K = 2 + C
         D = len(dsts)
         blocks, count = [], 0
-        dest_meta = np.zeros((max(1, D), int(kl.DEST_FIELDS_BASE) + 2 * K + C), np.int64)
+        dest_meta = np.zeros((max(1, D), int(kl.DEST_FIELDS_BASE) + 2 * K + 3 * C), np.int64)
         heads = np.zeros((max(1, D), int(kx.HEAD_FIELDS)), np.int64)
         for d, (p, side) in enumerate(zip(self.pairings, dsts)):
             kv_tables = unit_tables(p, ps, side.kv.page_size) if self.unit_ratios[d] != (1, 1) else (p.kv_src, p.kv_dst)
-            tables = [kv_tables, *zip(p.state_src, p.state_dst), (p.aux_src, p.aux_dst)]
+            comp_tables = [scaled_tables(st, dt, c.pages_of(ps), dc.pages_of(side.kv.page_size))
+                           if self.comp_ratios[d][i] != (1, 1) else (st, dt)
+                           for i, (st, dt, c, dc) in enumerate(zip(p.state_src, p.state_dst, src.state, side.state))]
+            tables = [kv_tables, *comp_tables, (p.aux_src, p.aux_dst)]
             for k, (src_t, dst_t) in enumerate(tables):
                 block = np.zeros((len(src_t), 4), dtype=np.uint64)
                 block[:, 0], block[:, 1], block[:, 2], block[:, 3] = src_t[:, 0], dst_t[:, 0], src_t[:, 1], dst_t[:, 1]
@@ -136,6 +144,9 @@ class _Static:
             dest_meta[d, 1] = min((e.num_items for e in side.aux), default=0)
             dest_meta[d, 2] = p.mode is Mode.HEAD_SLICED
             dest_meta[d, 3 + 2 * K : 3 + 2 * K + C] = [c.num_items for c in side.state]
+            for i, c in enumerate(side.state):
+                cps_d = c.pages_of(side.kv.page_size)
+                dest_meta[d, 3 + 2 * K + C + 2 * i : 5 + 2 * K + C + 2 * i] = cps_d, gcd(cps_d, src.state[i].pages_of(ps))
             unit = gcd(ps, side.kv.page_size)
             dest_meta[d, -3:] = side.kv.page_size, unit, ps * side.kv.page_size // unit
             if p.mode is Mode.HEAD_SLICED:
@@ -145,8 +156,8 @@ class _Static:
         self.entry_span = dest_meta[:, 3 : 3 + 2 * K].reshape(-1, K, 2).copy()  # per dest and slot
         # claims (planning.md §6.1): per dest and slot, the first bit and the item count of its bitmap region
         own = np.zeros((max(1, D) * K, 2), np.int64)
-        own[:, 1] = np.concatenate([[m[0] * r[1], *m[3 + 2 * K : 3 + 2 * K + C], m[1]]
-                                    for m, r in zip(dest_meta, self.unit_ratios)]) if D else 0
+        own[:, 1] = np.concatenate([[m[0] * r[1], *(m[3 + 2 * K : 3 + 2 * K + C] * [cr[1] for cr in crs]), m[1]]
+                                    for m, r, crs in zip(dest_meta, self.unit_ratios, self.comp_ratios)]) if D else 0
         own[:, 0] = np.cumsum(own[:, 1]) - own[:, 1]
         self.claim_words = int(own[:, 1].sum()) // 32 + 1
         self.entries_host = np.concatenate(blocks) if blocks else np.zeros((0, 4), np.uint64)
@@ -179,7 +190,8 @@ class _Static:
             multiplier += [int(dest_meta[d, 4 + 2 * k]) for k in range(1, K - 1)]
         self.per_element = max(multiplier)
         # list elements per destination-list entry at most (a destination page holds this many units)
-        self.units_per_entry = max((r[1] for r in self.unit_ratios), default=1)
+        self.units_per_entry = max([r[1] for r in self.unit_ratios] + [r[1] for rs in self.comp_ratios for r in rs]
+                                   + [1])
         self.aux_entries = len(src.aux)
         to = lambda a: torch.from_numpy(np.ascontiguousarray(a).view(np.int64)).to(device)  # noqa: E731
         self.entries, self.dest_meta, self.heads, self.comp_meta, self.slots, self.own = (
@@ -625,9 +637,8 @@ class PendingPlan:
                               seg_descs))
             end, last_flag, sent = (int(x) for x in xfer[t, :3])
             kv = parts[0]
-            rs, rd = st.unit_ratios[dest]
-            if (rs, rd) != (1, 1):  # units of gcd tokens: each side's pages are its every rs-th / rd-th unit
-                kv = (kv[0][::rs] // rs, kv[1][::rd] // rd, *kv[2:])
+            kv = _pages_of_units(kv, st.unit_ratios[dest])
+            parts[1 : K - 1] = [_pages_of_units(part, r) for part, r in zip(parts[1 : K - 1], st.comp_ratios[dest])]
             state = ()
             if last_flag:
                 state = tuple(ComponentPlan(comp.name, comp.kind, parts[1 + c][0], parts[1 + c][1],
@@ -650,12 +661,28 @@ class PendingPlan:
         src_t, dst_t = _pairing_tables(pairing, k, st.K)
         if k == 0 and st.unit_ratios[dest] != (1, 1):
             src_t, dst_t = unit_tables(pairing, self.planner.src.kv.page_size, self.planner.dsts[dest].kv.page_size)
+        if 0 < k < st.K - 1 and st.comp_ratios[dest][k - 1] != (1, 1):
+            raise InputError(None, "a component moved in units has no host expansion here: plan with descriptors")
         if k == 0 and pairing.mode is Mode.HEAD_SLICED:
             return head_sliced_descriptors(src_t, dst_t, part[0], part[1], pairing.heads, self.planner.src.kv.page_size)
         runs = part[2]
         if k == st.K - 1 or 0 < k and not rules_of(self.planner.src.state[k - 1].kind).forms_runs:
             runs = unit_runs(part[0], part[1])
         return direct_descriptors(src_t, dst_t, runs)
+
+
+def _ratios(ps_s: int, ps_d: int) -> tuple[int, int]:
+    """Units of ``gcd(ps_s, ps_d)`` tokens per page on each side."""
+    unit = gcd(ps_s, ps_d)
+    return ps_s // unit, ps_d // unit
+
+
+def _pages_of_units(part: tuple, ratios: tuple[int, int]) -> tuple:
+    """A segment's ``(src, dst, ...)`` lists of units as each side's pages: every ``r``-th unit."""
+    rs, rd = ratios
+    if (rs, rd) == (1, 1):
+        return part
+    return (part[0][::rs] // rs, part[1][::rd] // rd, *part[2:])
 
 
 def _pairing_tables(pairing: SidePairing, k: int, K: int) -> tuple[np.ndarray, np.ndarray]:

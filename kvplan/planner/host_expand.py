@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from .pairing import SidePairing
     from .transfer_lists import TransferLists
 
-__all__ = ["component_plans", "contiguous_runs", "direct_descriptors", "head_sliced_descriptors", "unit_runs"]
+__all__ = ["component_plans", "contiguous_runs", "scaled_tables", "unit_lists", "direct_descriptors", "head_sliced_descriptors", "unit_runs"]
 
 _U64 = np.uint64
 
@@ -106,11 +106,49 @@ def unit_runs(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
     return np.stack([src, np.asarray(dst, np.int64), np.ones_like(src)], axis=1)
 
 
-def component_plans(src: "SideMemory", pairing: "SidePairing", lists: "TransferLists") -> tuple[ComponentPlan, ...]:
+def scaled_tables(src_t: np.ndarray, dst_t: np.ndarray, ps_s: int, ps_d: int) -> tuple[np.ndarray, np.ndarray]:
+    """Entry tables ``(base, item)`` whose items are one unit of ``gcd(ps_s, ps_d)`` tokens on each side
+    (docs/page_sizes.md §5): pages of ``ps_s`` and ``ps_d`` tokens moved in units."""
+    g = np.uint64(np.gcd(ps_s, ps_d))
+    src, dst = src_t.copy(), dst_t.copy()
+    src[:, 1] = src[:, 1] // _U64(ps_s) * g
+    dst[:, 1] = dst[:, 1] // _U64(ps_d) * g
+    return src, dst
+
+
+def unit_lists(src_pages: np.ndarray, dst_pages: np.ndarray, a: int, b: int, ps_s: int, ps_d: int
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """The units ``(src, dst)`` of positions ``[a, b)`` (multiples of the unit ``g = gcd(ps_s, ps_d)``)
+    whose pages are ``src_pages[(pos - a) // ps_s]`` and ``dst_pages[(pos - a) // ps_d]`` (``a`` on
+    a page boundary of both sides)."""
+    g = int(np.gcd(ps_s, ps_d))
+    pos = np.arange(a, b, g, dtype=np.int64)
+    src = (np.asarray(src_pages, np.int64)[(pos - a) // ps_s] * ps_s + (pos - a) % ps_s) // g
+    dst = (np.asarray(dst_pages, np.int64)[(pos - a) // ps_d] * ps_d + (pos - a) % ps_d) // g
+    return src, dst
+
+
+def component_plans(src: "SideMemory", pairing: "SidePairing", lists: "TransferLists",
+                    dst: "SideMemory | None" = None) -> tuple[ComponentPlan, ...]:
     """A last chunk's component plans from its checked lists: runs where the kind merges them
-    (else one descriptor per id), descriptors entry-major (planning.md §5, §6)."""
+    (else one descriptor per id), descriptors entry-major (planning.md §5, §6).
+
+    A paged component whose pages differ between ``src`` and ``dst`` (``DSA``; docs/page_sizes.md
+    §6) moves in units of the gcd of its page sizes: its runs count units, its descriptors use unit
+    item lengths, its lists stay in each side's pages.
+    """
     out = []
     for c, (comp, (src_list, dst_list), merged) in enumerate(zip(src.state, lists.state, lists.state_runs)):
+        cps_s = comp.pages_of(src.kv.page_size)
+        cps_d = dst.state[c].pages_of(dst.kv.page_size) if dst is not None else cps_s
+        if rules_of(comp.kind).paged and cps_s != cps_d:
+            g = int(np.gcd(cps_s, cps_d))
+            moved = min(-(-lists.end // g) * g, len(dst_list) * cps_d)
+            runs = contiguous_runs(*unit_lists(src_list, dst_list, 0, moved, cps_s, cps_d)) if merged \
+                else empty_runs()
+            descs = direct_descriptors(*scaled_tables(pairing.state_src[c], pairing.state_dst[c], cps_s, cps_d), runs)
+            out.append(ComponentPlan(comp.name, comp.kind, src_list, dst_list, runs, descs))
+            continue
         if rules_of(comp.kind).forms_runs:
             runs = contiguous_runs(src_list, dst_list) if merged else empty_runs()
             descs = direct_descriptors(pairing.state_src[c], pairing.state_dst[c], runs)

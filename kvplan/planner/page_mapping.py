@@ -28,7 +28,7 @@ import numpy as np
 
 from ..errors import AlignmentError, InputError, LengthMismatchError
 from .host_expand import component_plans, contiguous_runs, direct_descriptors, position_sliced_descriptors, \
-    unit_runs
+    scaled_tables, unit_runs
 from .model import Policy
 from .pairing import Mode
 from .plan import TransferPlan, empty_descs, empty_runs
@@ -44,11 +44,7 @@ __all__ = ["mapped_lists", "moved_end", "plan_transfer", "unit_tables"]
 
 def unit_tables(pairing: "SidePairing", ps_s: int, ps_d: int) -> tuple[np.ndarray, np.ndarray]:
     """The KV entry tables with the item length of one unit (``g`` tokens) on each side."""
-    g = gcd(ps_s, ps_d)
-    src, dst = pairing.kv_src.copy(), pairing.kv_dst.copy()
-    src[:, 1] = src[:, 1] // np.uint64(ps_s) * np.uint64(g)
-    dst[:, 1] = dst[:, 1] // np.uint64(ps_d) * np.uint64(g)
-    return src, dst
+    return scaled_tables(pairing.kv_src, pairing.kv_dst, ps_s, ps_d)
 
 
 def mapped_lists(batch: "Batch", t: "Transfer") -> TransferLists:
@@ -124,4 +120,4 @@ def plan_transfer(batch: "Batch", t: "Transfer", pairing: "SidePairing") -> Tran
         if lists.aux else empty_descs()
     return TransferPlan(request=t.request, dest=t.dest, mode=pairing.mode, start=t.start, end=end, last=lists.last,
                         sent=lists.sent, src_pages=src_pages, dst_pages=dst_pages, runs=runs, kv_descs=kv_descs,
-                        state=component_plans(src, pairing, lists), aux_descs=aux_descs)
+                        state=component_plans(src, pairing, lists, dst), aux_descs=aux_descs)

@@ -99,6 +99,17 @@ def _require_equal_items(what: str, src: tuple[Entry, ...], dst: tuple[Entry, ..
             raise LayoutError(f"{what} entry {i}: item lengths differ (source {s.item_len}, destination {d.item_len})")
 
 
+def _require_equal_token_bytes(what: str, src: tuple[Entry, ...], dst: tuple[Entry, ...], ps_s: int, ps_d: int
+                               ) -> None:
+    """Entries of pages of ``ps_s`` and ``ps_d`` tokens hold the same bytes per token (docs/page_sizes.md)."""
+    if len(src) != len(dst):
+        raise LayoutError(f"{what}: source has {len(src)} entries, destination {len(dst)}")
+    for i, (s, d) in enumerate(zip(src, dst)):
+        if s.item_len * ps_d != d.item_len * ps_s:
+            raise LayoutError(f"{what} entry {i}: bytes per token differ (source {s.item_len}/{ps_s}, "
+                              f"destination {d.item_len}/{ps_d})")
+
+
 _PAIRINGS: dict[tuple[int, int], tuple[SideMemory, SideMemory, SidePairing]] = {}
 _PAIRINGS_KEPT = 64
 
@@ -134,10 +145,7 @@ def _pair_sides(src: SideMemory, dst: SideMemory) -> SidePairing:
     mode = Mode.DIRECT if sk.attention is Attention.MLA or sk.tp_size == dk.tp_size else Mode.HEAD_SLICED
     heads = None
     if sk.page_size != dk.page_size and mode is Mode.DIRECT:
-        for i, (s, d) in enumerate(zip(kv_src, kv_dst)):
-            if s.item_len * dk.page_size != d.item_len * sk.page_size:
-                raise LayoutError(f"KV entry {i}: bytes per token differ (source {s.item_len}/{sk.page_size}, "
-                                  f"destination {d.item_len}/{dk.page_size})")
+        _require_equal_token_bytes("KV", tuple(kv_src), tuple(kv_dst), sk.page_size, dk.page_size)
     elif mode is Mode.DIRECT:
         _require_equal_items("KV", tuple(kv_src), tuple(kv_dst))
     else:
@@ -150,13 +158,16 @@ def _pair_sides(src: SideMemory, dst: SideMemory) -> SidePairing:
     for i, (sc, dc) in enumerate(zip(src.state, dst.state)):
         if sc.kind is not dc.kind:
             raise LayoutError(f"state component {i}: kinds differ ({sc.kind.value} vs {dc.kind.value})")
-        _require_equal_items(f"state component {i} ({sc.name})", sc.entries, dc.entries)
-        if sk.page_size != dk.page_size and rules_of(sc.kind).paged and \
-                sc.pages_of(sk.page_size) != dc.pages_of(dk.page_size):  # docs/page_sizes.md §6
-            raise LayoutError(f"state component {i} ({sc.name}): its pages hold {sc.pages_of(sk.page_size)} tokens "
-                              f"on the source and {dc.pages_of(dk.page_size)} on the destination; across KV page "
-                              "sizes kvplan plans so far Mamba and ring state and paged state of equal page sizes "
-                              "(issue 14)")
+        rules = rules_of(sc.kind)
+        cps_s, cps_d = sc.pages_of(sk.page_size), dc.pages_of(dk.page_size)
+        if rules.paged and not rules.maps_pages and cps_s != cps_d:
+            raise LayoutError(f"state component {i} ({sc.name}): its pages hold {cps_s} tokens on the source and "
+                              f"{cps_d} on the destination; {sc.kind.value} state across page sizes is not planned "
+                              "yet (docs/page_sizes.md §6, issue 14)")
+        if rules.paged and cps_s != cps_d:  # docs/page_sizes.md §6: moved in units; bytes per token must agree
+            _require_equal_token_bytes(f"state component {i} ({sc.name})", sc.entries, dc.entries, cps_s, cps_d)
+        else:
+            _require_equal_items(f"state component {i} ({sc.name})", sc.entries, dc.entries)
     _require_equal_items("aux", src.aux, dst.aux)
     return SidePairing(
         mode=mode,

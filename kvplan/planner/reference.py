@@ -72,7 +72,7 @@ def _plan_transfer(batch: Batch, t: Transfer, pairing: SidePairing) -> TransferP
     else:
         kv_descs = head_sliced_descriptors(pairing.kv_src, pairing.kv_dst, src_pages, dst_pages, pairing.heads,
                                            batch.src.kv.page_size)
-    state = component_plans(batch.src, pairing, lists)
+    state = component_plans(batch.src, pairing, lists, batch.dsts[t.dest])
     aux_descs = empty_descs()
     if lists.aux:
         aux_descs = direct_descriptors(pairing.aux_src, pairing.aux_dst, unit_runs([t.aux_src], [t.aux_dst]))

@@ -71,6 +71,8 @@ class KindRules:
         forms_runs: paired lists merge into contiguous runs (else one descriptor per id).
         paged: lists are in pages of the component's page size (which follows the side's KV page
             size unless set), so they depend on each side's page size (docs/page_sizes.md §6).
+        maps_pages: a paged kind whose pages may differ between the sides (moved in units of the
+            gcd of its page sizes; docs/page_sizes.md §6). Pairing refuses a paged kind without it.
         list_shape: ``(component, side page size, seq) -> ListShape`` for the device kernels.
         host_list: the list on the host, validated (the reference's formula).
     """
@@ -84,6 +86,7 @@ class KindRules:
     always_strict: bool
     forms_runs: bool
     paged: bool
+    maps_pages: bool
     list_shape: Callable[[StateComponent, int, int], ListShape]
     host_list: HostList
 
@@ -196,16 +199,19 @@ def _mamba_list(side: SideMemory, comp: StateComponent, row: int, seq: int, requ
 
 RULES: dict[StateKind, KindRules] = {
     StateKind.SWA: KindRules(StateKind.SWA, int(kl.SWA), needs_window=True, needs_ring=False, needs_map=True,
-                             map_by_row=False, always_strict=False, forms_runs=True, paged=True, list_shape=_swa_shape,
+                             map_by_row=False, always_strict=False, forms_runs=True, paged=True, maps_pages=False,
+                             list_shape=_swa_shape,
                              host_list=_swa_list),
     StateKind.DSA: KindRules(StateKind.DSA, int(kl.DSA), needs_window=False, needs_ring=False, needs_map=False,
-                             map_by_row=False, always_strict=False, forms_runs=True, paged=True, list_shape=_dsa_shape,
+                             map_by_row=False, always_strict=False, forms_runs=True, paged=True, maps_pages=True,
+                             list_shape=_dsa_shape,
                              host_list=_dsa_list),
     StateKind.SWA_RING: KindRules(StateKind.SWA_RING, int(kl.SWA_RING), needs_window=True, needs_ring=True,
                                   needs_map=False, map_by_row=False, always_strict=True, forms_runs=True, paged=False,
-                                  list_shape=_ring_shape, host_list=_ring_list),
+                                  maps_pages=False, list_shape=_ring_shape, host_list=_ring_list),
     StateKind.MAMBA: KindRules(StateKind.MAMBA, int(kl.MAMBA), needs_window=False, needs_ring=False, needs_map=True,
-                               map_by_row=True, always_strict=True, forms_runs=False, paged=False, list_shape=_mamba_shape,
+                               map_by_row=True, always_strict=True, forms_runs=False, paged=False,
+                               maps_pages=False, list_shape=_mamba_shape,
                                host_list=_mamba_list),
 }
 

@@ -13,12 +13,13 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import gcd
 
 import numpy as np
 
 from ..errors import InputError, LengthMismatchError
 from .model import Batch, Transfer
-from .rules import check_aux, check_bounds, check_paged_slots, check_token_table, host, paired_length, \
+from .rules import cdiv, check_aux, check_bounds, check_paged_slots, check_token_table, host, paired_length, \
     require_both_or_neither, resolve_chunk, token_pages
 from .state_kinds import rules_of, state_list
 
@@ -81,12 +82,20 @@ def last_chunk_lists(batch: Batch, t: Transfer) -> tuple[tuple[tuple[np.ndarray,
         )
     state: list[tuple[np.ndarray, np.ndarray]] = []
     state_runs: list[bool] = []
-    for comp, dst_list in zip(src.state, t.dst_state):
+    for comp, dst_comp, dst_list in zip(src.state, dst.state, t.dst_state):
         rules = rules_of(comp.kind)
         what = f"state component {comp.name}"
         src_list = state_list(src, comp, t.src_row, seq, request, policy, batch.validate)
-        n = paired_length(request, what, len(src_list), len(dst_list), policy, rules.always_strict)
-        state.append((src_list[:n], dst_list[:n]))
+        cps_s, cps_d = comp.pages_of(src.kv.page_size), dst_comp.pages_of(dst.kv.page_size)
+        if rules.paged and cps_s != cps_d:  # docs/page_sizes.md §6: positions [0, seq) in units, each side's pages
+            unit = gcd(cps_s, cps_d)
+            need = cdiv(seq, cps_d)
+            n = paired_length(request, what, need, len(dst_list), policy, rules.always_strict)
+            moved = min(cdiv(seq, unit) * unit, n * cps_d)
+            state.append((src_list[: cdiv(moved, cps_s)], dst_list[:n]))
+        else:
+            n = paired_length(request, what, len(src_list), len(dst_list), policy, rules.always_strict)
+            state.append((src_list[:n], dst_list[:n]))
         state_runs.append(rules.forms_runs and require_both_or_neither(request, what, n, n, policy))
     for (_, dst_list), comp in zip(state, dst.state):
         check_bounds(request, f"destination {comp.name}", dst_list, 0, comp.num_items)

@@ -31,6 +31,7 @@ import torch
 from ..errors import LayoutError
 from ..planner.columns import COLUMNS, BatchColumns
 from ..planner.model import SideMemory, StateKind
+from ..planner.host_expand import scaled_tables
 from ..planner.page_mapping import unit_tables
 from ..planner.pairing import Mode, SidePairing, pair_sides
 from ..planner.prepared import prepared_slots
@@ -55,13 +56,14 @@ def _ranges(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return owner, local
 
 
-def host_lists(src: SideMemory, columns: BatchColumns, dst_page_size: int | None = None
-               ) -> tuple[HostLists, np.ndarray, np.ndarray]:
+def host_lists(src: SideMemory, columns: BatchColumns, dst_page_size: int | None = None,
+               dst_comp_pages: Sequence[int] | None = None) -> tuple[HostLists, np.ndarray, np.ndarray]:
     """``(lists, last, sent)``: one device gather of the rows used, then NumPy over the whole batch.
 
     With ``dst_page_size`` other than the source's, KV lists are in units of their gcd tokens
     (docs/page_sizes.md): chunks end on the lcm, destination unit ``k`` of a chunk lies in its
-    ``k // rd``-th page.
+    ``k // rd``-th page. ``dst_comp_pages``: each component's destination page size; a DSA
+    component whose pages differ moves in units the same way.
     """
     c = dict(zip(COLUMNS, columns.table.T))
     ps, C = src.kv.page_size, len(src.state)
@@ -103,10 +105,20 @@ def host_lists(src: SideMemory, columns: BatchColumns, dst_page_size: int | None
     lasts = np.flatnonzero(last)
     for j, comp in enumerate(src.state):
         lo_col, len_col = columns.table[lasts, len(COLUMNS) + 2 * j], columns.table[lasts, len(COLUMNS) + 2 * j + 1]
+        cps = comp.pages_of(ps)
+        cps_d = dst_comp_pages[j] if dst_comp_pages is not None else cps
+        if comp.kind is StateKind.DSA and cps_d != cps:  # units of gcd tokens over [0, seq)
+            cu = math.gcd(cps, cps_d)
+            units = np.minimum(-(-seq[lasts] // cu), len_col * (cps_d // cu))
+            counts[lasts, 1 + j] = units
+            t, k = _ranges(units)
+            owner, r = lasts[t], cps_d // cu
+            parts.append((host_rows[inv[owner], k * cu].astype(np.int64) // cu,
+                          columns.dst_flat[lo_col[t] + k // r] * r + k % r))
+            continue
         counts[lasts, 1 + j] = len_col
         t, k = _ranges(len_col)
         owner = lasts[t]
-        cps = comp.pages_of(ps)
         s = seq[owner]
         if comp.kind is StateKind.SWA:
             ws = np.maximum(s - comp.window, 0) // cps * cps
@@ -150,6 +162,7 @@ class NumpyBatchPlanner:
         self.dst_page_size = sizes.pop() if sizes else src.kv.page_size
         if self.dst_page_size != src.kv.page_size and any(p.mode is not Mode.DIRECT for p in self.pairings):
             raise LayoutError("numpy-batch plans different page sizes for direct KV only")
+        self.comp_pages = [c.pages_of(self.dst_page_size) for c in self.dsts[0].state] if self.dsts else []
         self.pool = ThreadPoolExecutor(threads) if threads > 1 else None
         self.threads = threads
         self.out = np.empty((0, 3), _U64)
@@ -163,6 +176,10 @@ class NumpyBatchPlanner:
             return p.kv_src, p.kv_dst
         if slot == K - 1:
             return p.aux_src, p.aux_dst
+        comp = self.src.state[slot - 1]
+        cps_s, cps_d = comp.pages_of(self.src.kv.page_size), self.comp_pages[slot - 1]
+        if comp.kind is StateKind.DSA and cps_s != cps_d:  # moved in units (docs/page_sizes.md §6)
+            return scaled_tables(p.state_src[slot - 1], p.state_dst[slot - 1], cps_s, cps_d)
         return p.state_src[slot - 1], p.state_dst[slot - 1]
 
     def _uniform_item(self, d: int, slot: int) -> np.uint64 | None:
@@ -175,7 +192,7 @@ class NumpyBatchPlanner:
 
     def runs(self, columns: BatchColumns) -> tuple[np.ndarray, np.ndarray, HostLists, np.ndarray, np.ndarray]:
         """The compact runs form: ``(runs [R, 3] (s0, d0, len), runs per segment, lists, run starts, lengths)``."""
-        lists, _, _ = host_lists(self.src, columns, self.dst_page_size)
+        lists, _, _ = host_lists(self.src, columns, self.dst_page_size, self.comp_pages)
         src, dst, seg_n, seg_off = lists.src, lists.dst, lists.seg_n, lists.seg_off
         total = len(src)
         brk = np.ones(total, bool)

@@ -67,8 +67,12 @@ class ModelShape:
     def scaled(self, layers: int | None = None, page_size: int | None = None) -> "ModelShape":
         """The same model with fewer layers (and components scaled alike) or another page size."""
         layers = layers or self.layers
-        state = tuple(replace(c, entries=max(1, c.entries * layers // self.layers)) for c in self.state)
-        return replace(self, layers=layers, state=state, page_size=page_size or self.page_size)
+        page_size = page_size or self.page_size
+        state = tuple(replace(c, entries=max(1, c.entries * layers // self.layers),
+                              item_len=c.item_len * page_size // self.page_size
+                              if c.kind in (StateKind.SWA, StateKind.DSA) else c.item_len)  # per page of the side
+                      for c in self.state)
+        return replace(self, layers=layers, state=state, page_size=page_size)
 
 
 PRESETS: dict[str, ModelShape] = {

@@ -231,3 +231,36 @@ def test_paged_state_of_different_page_sizes_is_refused_by_pairing_naming_the_co
     batch = build_batch(PRESETS["gptoss-swa-p16"].scaled(layers=2), 2, 100, dst_page_size=64)
     with pytest.raises(LayoutError, match=r"state component 0 \(swa\): its pages hold 16 tokens on the source and 64"):
         pair_sides(batch.src, batch.dsts[0])
+
+
+@pytest.mark.parametrize("dst_page_size", [16, 128, 1])
+def test_dsa_state_lands_position_by_position_and_the_device_plans_it_alike(device, dst_page_size):
+    """docs/page_sizes.md §6: the indexer's positions [0, L) through each side's own pages, checked per
+    position on executed bytes (not against the plan's own lists), then the device against the reference."""
+    from kvplan.tools.scenarios import PRESETS, build_batch
+    from kvplan.tools.verify import AddressSpace, execute
+
+    batch = build_batch(PRESETS["dsv32-mla-dsa-p64"].scaled(layers=2), requests=3, prompt_len=[300, 129, 1000],
+                        chunks=2, prefix_len=128, seed=4, dst_page_size=dst_page_size)
+    plan = plan_reference(batch)
+    src_space = AddressSpace.of_side(batch.src, np.random.default_rng(1))
+    dst_space = AddressSpace.of_side(batch.dsts[0])
+    execute(plan.descriptors()[0], src_space, dst_space)
+    src_dsa, dst_dsa = batch.src.state[0], batch.dsts[0].state[0]
+    ps_s, ps_d = src_dsa.pages_of(batch.src.kv.page_size), dst_dsa.pages_of(dst_page_size)
+    tb = src_dsa.entries[0].item_len // ps_s
+    table = batch.src.req_to_token
+    for t in batch.transfers:
+        if not t.last:
+            continue
+        dst_pages = t.dst_state[0]
+        for pos in range(t.prompt_len):
+            slot_s = int(table[t.src_row, pos])
+            slot_d = int(dst_pages[pos // ps_d]) * ps_d + pos % ps_d
+            for e_s, e_d in zip(src_dsa.entries, dst_dsa.entries):
+                s_arr, s_off = src_space.locate(e_s.base_ptr + slot_s * tb, tb)
+                d_arr, d_off = dst_space.locate(e_d.base_ptr + slot_d * tb, tb)
+                assert np.array_equal(d_arr[d_off : d_off + tb], s_arr[s_off : s_off + tb]), (t.request, pos)
+    pending = gpu.plan(batch.to(device))
+    pending.result().assert_equal(plan)
+    assert np.array_equal(pending.descriptors()[0], plan.descriptors()[0])

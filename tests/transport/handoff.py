@@ -20,6 +20,9 @@ RING_MAMBA = ModelShape(
     state=(ComponentShape(StateKind.SWA_RING, 2, 48, window=6, ring_size=8), ComponentShape(StateKind.MAMBA, 3, 144)),
     num_kv_heads=2, aux_items=(16,),
 )
+# a sparse-attention indexer (DSA) whose pages follow each side's page size: moved in units
+DSA16 = ModelShape("dsa-p16-test", Attention.MLA, 2, 32, 16, state=(ComponentShape(StateKind.DSA, 1, 16 * 8),),
+                   aux_items=(16,))
 SHAPES = {"hybrid": HYBRID, "head_sliced": HEAD_SLICED, "kv1": KV1, "kv16": KV16, "kv64": KV64,
-          "ring_mamba": RING_MAMBA}
+          "ring_mamba": RING_MAMBA, "dsa16": DSA16}
 LENGTHS = (100, 37, 64)
