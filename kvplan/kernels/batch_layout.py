@@ -46,7 +46,7 @@ def _put(seg_ptr, s, F: tl.constexpr, value, SF: tl.constexpr):
 @triton.jit
 def _write_segment(seg_ptr, err_ptr, s, kind, row, a, step, div, ring, n, dst_lo, dst_const, lo, hi, dlo, dhi,
                    map_slot, map_len, merge, entry_off, entries, sliced, dest, chk_a, chk_ps, chk_flags, chk_n, keep,
-                   err, ratio, SF: tl.constexpr):
+                   err, ratio, skip, SF: tl.constexpr):
     _put(seg_ptr, s, 0, kind, SF)
     _put(seg_ptr, s, 1, row, SF)
     _put(seg_ptr, s, 2, a, SF)
@@ -73,6 +73,7 @@ def _write_segment(seg_ptr, err_ptr, s, kind, row, a, step, div, ring, n, dst_lo
     _put(seg_ptr, s, 23, keep, SF)
     _put(seg_ptr, s, 26, chk_n, SF)
     _put(seg_ptr, s, 27, ratio, SF)
+    _put(seg_ptr, s, 28, skip, SF)
     tl.store(err_ptr + s, err)
 
 
@@ -164,7 +165,7 @@ def _layout_kernel(cols_ptr, count_ptr, dest_meta_ptr, comp_meta_ptr, seg_ptr, s
                        n_kv, kv_lo + cursor, zero, zero + src_ratio, zero + src_pages * src_ratio, zero + dst_ratio,
                        tl.load(dmeta + 0) * dst_ratio, zero - 1, zero, zero + 1, tl.load(dmeta + 3),
                        tl.load(dmeta + 4), sliced, dest, start, zero + PS, chk_flags, tl.where(checked, end - start, 0),
-                       sent.to(tl.int64), errs, zero + dst_ratio, SF)
+                       sent.to(tl.int64), errs, zero + dst_ratio, zero, SF)
         tot_n = n_kv
         tot_c = tl.where(checked, end - start, 0)
 
@@ -190,18 +191,21 @@ def _layout_kernel(cols_ptr, count_ptr, dest_meta_ptr, comp_meta_ptr, seg_ptr, s
             paged = (kind == SWA) | (kind == DSA)
             list_kind = tl.where(kind == SWA, sg.MAPPED_PAGES, tl.where(kind == DSA, sg.TOKEN_PAGES,
                                                                        tl.where(kind == SWA_RING, sg.RING, sg.ROW_MAP)))
-            # a DSA component whose pages differ on this destination moves in units (docs/page_sizes.md §6)
+            # a paged component whose pages differ on this destination moves in units of their gcd, from
+            # the later of both lists' starts (the SWA window start of each side; docs/page_sizes.md §6)
             if UNITS:
                 cps_d = tl.load(dmeta + 3 + 2 * K + C + 2 * c)
                 cunit = tl.load(dmeta + 4 + 2 * K + C + 2 * c)
-                in_units = (kind == DSA) & (cps_d != cps)
+                in_units = paged & (cps_d != cps)
             else:
                 cps_d = zero + cps
                 cunit = zero + cps
                 in_units = zero != 0
             c_ratio = tl.where(in_units, cps_d // cunit, 1)
-            n_src = tl.where(in_units, (seq + cunit - 1) // cunit, n_src)
-            mismatch = act & tl.where(in_units, (seq + cps_d - 1) // cps_d != c_len, n_src != c_len)
+            from_d = tl.where(kind == SWA, tl.maximum(seq - window, 0) // cps_d * cps_d, 0)
+            a_units = tl.maximum(a, from_d)
+            moved = tl.minimum((seq + cunit - 1) // cunit * cunit, from_d + c_len * cps_d)
+            mismatch = act & tl.where(in_units, (seq - from_d + cps_d - 1) // cps_d != c_len, n_src != c_len)
             c_fatal = act & paged & (seq > max_ctx)
             c_warn = act & (act != act)
             if STRICT:
@@ -209,7 +213,7 @@ def _layout_kernel(cols_ptr, count_ptr, dest_meta_ptr, comp_meta_ptr, seg_ptr, s
             else:
                 c_fatal |= mismatch & always_strict
                 c_warn |= mismatch & ~always_strict
-            n_c = tl.where(act, tl.minimum(n_src, c_len * c_ratio), 0)
+            n_c = tl.where(act, tl.where(in_units, tl.maximum(moved - a_units, 0) // cunit, tl.minimum(n_src, c_len)), 0)
             checked = act & paged & (seq > a)
             # in units, the element kernel's bounds check of every unit covers the pages' bounds
             chk_flags = tl.where(checked, tl.where(kind == SWA, sg.CHK_MAPPED,
@@ -218,14 +222,15 @@ def _layout_kernel(cols_ptr, count_ptr, dest_meta_ptr, comp_meta_ptr, seg_ptr, s
             n_chk = tl.where(checked, seq - a, 0)
             step = tl.where(paged, tl.where(in_units, cunit, cps), 1)
             s_ratio = tl.where(in_units, cps // cunit, 1)
-            _write_segment(seg_ptr, err_ptr, s + 1 + c, list_kind, row, a, step, step, tl.where(kind == SWA_RING, ring, 1),
+            _write_segment(seg_ptr, err_ptr, s + 1 + c, list_kind, row, tl.where(in_units, a_units, a), step, step,
+                           tl.where(kind == SWA_RING, ring, 1),
                            n_c, c_lo, zero, tl.where(paged, 1, 0) * s_ratio, items * s_ratio, zero,
                            tl.load(dmeta + 3 + 2 * K + c) * c_ratio,
                            zero + tl.where((kind == SWA) | (kind == MAMBA), map_slot, -1), zero + map_len,
                            zero + tl.where(kind == MAMBA, 0, 1), tl.load(dmeta + 3 + 2 * (1 + c)),
                            tl.load(dmeta + 4 + 2 * (1 + c)), zero, dest, a, tl.where(paged, cps, 1), chk_flags, n_chk,
                            act.to(tl.int64), tl.where(c_fatal, sg.ERR_FATAL, 0) + tl.where(c_warn, sg.ERR_WARN, 0),
-                           c_ratio, SF)
+                           c_ratio, tl.where(in_units, (a_units - from_d) // cunit, 0), SF)
             tot_n += n_c
             tot_c += n_chk
 
@@ -241,7 +246,7 @@ def _layout_kernel(cols_ptr, count_ptr, dest_meta_ptr, comp_meta_ptr, seg_ptr, s
         _write_segment(seg_ptr, err_ptr, s + K - 1, zero + sg.CONST, row, aux_s, zero + 1, zero + 1, zero + 1, aux_n,
                        aux_d, zero + 1, zero, zero + BIG, zero, zero + BIG, zero - 1, zero, zero,
                        tl.load(dmeta + 3 + 2 * (K - 1)), tl.load(dmeta + 4 + 2 * (K - 1)), zero, dest, zero, zero + 1,
-                       zero, zero, aux_keep, tl.where(aux_bad, sg.ERR_FATAL, 0), zero + 1, SF)
+                       zero, zero, aux_keep, tl.where(aux_bad, sg.ERR_FATAL, 0), zero + 1, zero, SF)
         tot_n += aux_n
 
         # prefix sums: first element and first checked token of every segment, in segment order

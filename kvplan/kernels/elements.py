@@ -15,7 +15,7 @@ Shape contract
 * Claims (planning.md §6.1): ``own`` int64 ``[D * K, 2]`` gives, per destination and segment slot
   ``k = s % K``, the first bit and the item count of its region of ``claimed``, an int32 bitmap
   that is all zero between plans. Each element with a destination id inside its region sets its
-  bit; one that finds the bit already set or-s ``ERR_OVERLAP`` into ``seg_err[s]``. ``claim_word``
+  bit (elements in units: the first unit of each destination page sets the page's bit); one that finds the bit already set or-s ``ERR_OVERLAP`` into ``seg_err[s]``. ``claim_word``
   ``[N_CAP]`` int32 receives the bitmap word each element set (-1 for none), for
   :func:`kvplan.kernels.run_table.compact_runs` to zero once every element has claimed.
 * :func:`check_tokens` checks every token of every segment's check range: the allocator
@@ -68,12 +68,15 @@ def _elements_kernel(seg_ptr, seg_end_ptr, table_ptr, table_stride, map0_ptr, ma
 
     ids, unmapped, map_bad = element_ids(kind, row, a, step, div, ring, k, live, table_ptr, table_stride, maps, map_len)
     has_prev = live & (k > 0) & merge
-    if UNITS:  # F_RATIO destination units per list entry (docs/page_sizes.md)
+    if UNITS:  # F_RATIO destination units per list entry, from unit F_SKIP of the list (docs/page_sizes.md)
         ratio = tl.load(row_ptr + sg.F_RATIO, mask=live, other=1)
-        dst = tl.load(dst_flat_ptr + dst_lo + k // ratio, mask=live & ~dst_const, other=0) * ratio + k % ratio
-        prev_dst = (tl.load(dst_flat_ptr + dst_lo + (k - 1) // ratio, mask=has_prev & ~dst_const, other=0) * ratio
-                    + (k - 1) % ratio)
+        kk = k + tl.load(row_ptr + sg.F_SKIP, mask=live, other=0)
+        dst = tl.load(dst_flat_ptr + dst_lo + kk // ratio, mask=live & ~dst_const, other=0) * ratio + kk % ratio
+        prev_dst = (tl.load(dst_flat_ptr + dst_lo + (kk - 1) // ratio, mask=has_prev & ~dst_const, other=0) * ratio
+                    + (kk - 1) % ratio)
     else:
+        ratio = tl.full([BLOCK], 1, tl.int64)
+        kk = k
         dst = tl.load(dst_flat_ptr + dst_lo + k, mask=live & ~dst_const, other=0)
         prev_dst = tl.load(dst_flat_ptr + dst_lo + k - 1, mask=has_prev & ~dst_const, other=0)
     dst = tl.where(dst_const, dst_lo, dst)
@@ -81,11 +84,13 @@ def _elements_kernel(seg_ptr, seg_end_ptr, table_ptr, table_stride, map0_ptr, ma
     start = live & (~has_prev | (ids - prev != 1) | (dst - prev_dst != 1))
 
     bad = map_bad | (live & ~unmapped & ((ids < lo) | (ids >= hi))) | (live & ((dst < dlo) | (dst >= dhi)))
-    # the destination item this element claims: one bit of its (destination, slot) region
+    # the destination item this element claims: one bit of its (destination, slot) region; in units,
+    # the page, claimed by the segment's first unit in it
     region = own_ptr + (tl.load(row_ptr + sg.F_DEST, mask=live, other=0) * K + s % K) * 2
     items = tl.load(region + 1, mask=live, other=0)
-    claims = live & (dst >= 0) & (dst < items)
-    bit = tl.load(region, mask=claims, other=0) + dst
+    item = dst // ratio
+    claims = live & (dst >= 0) & (item < items) & ((k == 0) | (kk % ratio == 0))
+    bit = tl.load(region, mask=claims, other=0) + item
     word = tl.where(claims, bit >> 5, -1)
     one = (tl.full([BLOCK], 1, tl.int32) << (bit & 31).to(tl.int32))
     before = tl.atomic_or(claimed_ptr + word, one, mask=claims)

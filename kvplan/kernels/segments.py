@@ -19,10 +19,12 @@ TOKEN_PAGES, MAPPED_PAGES, RING, ROW_MAP, CONST = (tl.constexpr(v) for v in rang
 # segment table columns
 (F_KIND, F_ROW, F_A, F_STEP, F_DIV, F_RING, F_N, F_DST_LO, F_DST_CONST, F_LO, F_HI, F_DLO, F_DHI, F_MAP, F_MAP_LEN,
  F_MERGE, F_ENTRY_OFF, F_ENTRIES, F_SLICED, F_DEST, F_CHK_A, F_CHK_PS, F_CHK_FLAGS, F_KEEP, F_START,
- F_CHK_START, F_CHK_N, F_RATIO) = (tl.constexpr(v) for v in range(28))
+ F_CHK_START, F_CHK_N, F_RATIO, F_SKIP) = (tl.constexpr(v) for v in range(29))
 # F_RATIO: destination ids per destination-list entry. 1, except for KV between sides of different
 # page sizes (docs/page_sizes.md), whose elements are units of gcd(ps_s, ps_d) tokens: element k's
-# destination id is dst_flat[F_DST_LO + k // F_RATIO] * F_RATIO + k % F_RATIO.
+# destination id is dst_flat[F_DST_LO + kk // F_RATIO] * F_RATIO + kk % F_RATIO with kk = k + F_SKIP
+# (F_SKIP: units of the destination list before the segment's first position, for SWA windows that
+# start later on the source than on the destination).
 SEG_FIELDS = tl.constexpr(32)
 
 # check flags of a segment's token range

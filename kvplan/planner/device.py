@@ -156,8 +156,7 @@ class _Static:
         self.entry_span = dest_meta[:, 3 : 3 + 2 * K].reshape(-1, K, 2).copy()  # per dest and slot
         # claims (planning.md §6.1): per dest and slot, the first bit and the item count of its bitmap region
         own = np.zeros((max(1, D) * K, 2), np.int64)
-        own[:, 1] = np.concatenate([[m[0] * r[1], *(m[3 + 2 * K : 3 + 2 * K + C] * [cr[1] for cr in crs]), m[1]]
-                                    for m, r, crs in zip(dest_meta, self.unit_ratios, self.comp_ratios)]) if D else 0
+        own[:, 1] = np.concatenate([[m[0], *m[3 + 2 * K : 3 + 2 * K + C], m[1]] for m in dest_meta]) if D else 0
         own[:, 0] = np.cumsum(own[:, 1]) - own[:, 1]
         self.claim_words = int(own[:, 1].sum()) // 32 + 1
         self.entries_host = np.concatenate(blocks) if blocks else np.zeros((0, 4), np.uint64)
@@ -678,11 +677,12 @@ def _ratios(ps_s: int, ps_d: int) -> tuple[int, int]:
 
 
 def _pages_of_units(part: tuple, ratios: tuple[int, int]) -> tuple:
-    """A segment's ``(src, dst, ...)`` lists of units as each side's pages: every ``r``-th unit."""
-    rs, rd = ratios
-    if (rs, rd) == (1, 1):
+    """A segment's ``(src, dst, ...)`` lists of units as each side's pages, in order (a list may
+    start inside its first page)."""
+    if ratios == (1, 1):
         return part
-    return (part[0][::rs] // rs, part[1][::rd] // rd, *part[2:])
+    pages = [units // r for units, r in zip(part[:2], ratios)]
+    return (*(p[np.r_[True, p[1:] != p[:-1]]] if len(p) else p for p in pages), *part[2:])
 
 
 def _pairing_tables(pairing: SidePairing, k: int, K: int) -> tuple[np.ndarray, np.ndarray]:

@@ -116,15 +116,17 @@ def scaled_tables(src_t: np.ndarray, dst_t: np.ndarray, ps_s: int, ps_d: int) ->
     return src, dst
 
 
-def unit_lists(src_pages: np.ndarray, dst_pages: np.ndarray, a: int, b: int, ps_s: int, ps_d: int
-               ) -> tuple[np.ndarray, np.ndarray]:
+def unit_lists(src_pages: np.ndarray, dst_pages: np.ndarray, a: int, b: int, ps_s: int, ps_d: int,
+               src_from: int | None = None, dst_from: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The units ``(src, dst)`` of positions ``[a, b)`` (multiples of the unit ``g = gcd(ps_s, ps_d)``)
-    whose pages are ``src_pages[(pos - a) // ps_s]`` and ``dst_pages[(pos - a) // ps_d]`` (``a`` on
-    a page boundary of both sides)."""
+    whose pages are ``src_pages[(pos - src_from) // ps_s]`` and ``dst_pages[(pos - dst_from) // ps_d]``
+    (each list starting on a page boundary of its side; both ``from`` default to ``a``)."""
     g = int(np.gcd(ps_s, ps_d))
+    src_from = a if src_from is None else src_from
+    dst_from = a if dst_from is None else dst_from
     pos = np.arange(a, b, g, dtype=np.int64)
-    src = (np.asarray(src_pages, np.int64)[(pos - a) // ps_s] * ps_s + (pos - a) % ps_s) // g
-    dst = (np.asarray(dst_pages, np.int64)[(pos - a) // ps_d] * ps_d + (pos - a) % ps_d) // g
+    src = (np.asarray(src_pages, np.int64)[(pos - src_from) // ps_s] * ps_s + (pos - src_from) % ps_s) // g
+    dst = (np.asarray(dst_pages, np.int64)[(pos - dst_from) // ps_d] * ps_d + (pos - dst_from) % ps_d) // g
     return src, dst
 
 
@@ -133,19 +135,22 @@ def component_plans(src: "SideMemory", pairing: "SidePairing", lists: "TransferL
     """A last chunk's component plans from its checked lists: runs where the kind merges them
     (else one descriptor per id), descriptors entry-major (planning.md §5, §6).
 
-    A paged component whose pages differ between ``src`` and ``dst`` (``DSA``; docs/page_sizes.md
-    §6) moves in units of the gcd of its page sizes: its runs count units, its descriptors use unit
-    item lengths, its lists stay in each side's pages.
+    A paged component whose pages differ between ``src`` and ``dst`` (docs/page_sizes.md §6) moves
+    in units of the gcd of its page sizes, from the later of the two lists' starts: its runs count
+    units, its descriptors use unit item lengths, its lists stay in each side's pages.
     """
     out = []
     for c, (comp, (src_list, dst_list), merged) in enumerate(zip(src.state, lists.state, lists.state_runs)):
         cps_s = comp.pages_of(src.kv.page_size)
         cps_d = dst.state[c].pages_of(dst.kv.page_size) if dst is not None else cps_s
-        if rules_of(comp.kind).paged and cps_s != cps_d:
+        rules = rules_of(comp.kind)
+        if rules.paged and cps_s != cps_d:
             g = int(np.gcd(cps_s, cps_d))
-            moved = min(-(-lists.end // g) * g, len(dst_list) * cps_d)
-            runs = contiguous_runs(*unit_lists(src_list, dst_list, 0, moved, cps_s, cps_d)) if merged \
-                else empty_runs()
+            from_s, from_d = rules.list_start(comp, cps_s, lists.end), rules.list_start(comp, cps_d, lists.end)
+            a = max(from_s, from_d)
+            moved = min(-(-lists.end // g) * g, from_d + len(dst_list) * cps_d)
+            runs = contiguous_runs(*unit_lists(src_list, dst_list, a, moved, cps_s, cps_d, from_s, from_d)) \
+                if merged and moved > a else empty_runs()
             descs = direct_descriptors(*scaled_tables(pairing.state_src[c], pairing.state_dst[c], cps_s, cps_d), runs)
             out.append(ComponentPlan(comp.name, comp.kind, src_list, dst_list, runs, descs))
             continue

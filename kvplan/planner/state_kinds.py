@@ -73,6 +73,8 @@ class KindRules:
             size unless set), so they depend on each side's page size (docs/page_sizes.md §6).
         maps_pages: a paged kind whose pages may differ between the sides (moved in units of the
             gcd of its page sizes; docs/page_sizes.md §6). Pairing refuses a paged kind without it.
+        list_start: ``(component, its page size, seq) -> position`` where a paged list's first page
+            starts (the SWA window start; 0 for DSA).
         list_shape: ``(component, side page size, seq) -> ListShape`` for the device kernels.
         host_list: the list on the host, validated (the reference's formula).
     """
@@ -87,6 +89,7 @@ class KindRules:
     forms_runs: bool
     paged: bool
     maps_pages: bool
+    list_start: Callable[[StateComponent, int, int], int]
     list_shape: Callable[[StateComponent, int, int], ListShape]
     host_list: HostList
 
@@ -100,6 +103,10 @@ class KindRules:
     def require_map(self, comp: StateComponent) -> None:
         if self.needs_map and comp.slot_map is None:
             raise LayoutError(f"component {comp.name}: a slot_map is required to compute {comp.kind.value} lists")
+
+
+def _from_zero(comp: StateComponent, ps: int, seq: int) -> int:
+    return 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -199,19 +206,19 @@ def _mamba_list(side: SideMemory, comp: StateComponent, row: int, seq: int, requ
 
 RULES: dict[StateKind, KindRules] = {
     StateKind.SWA: KindRules(StateKind.SWA, int(kl.SWA), needs_window=True, needs_ring=False, needs_map=True,
-                             map_by_row=False, always_strict=False, forms_runs=True, paged=True, maps_pages=False,
-                             list_shape=_swa_shape,
+                             map_by_row=False, always_strict=False, forms_runs=True, paged=True, maps_pages=True,
+                             list_start=_swa_window_start, list_shape=_swa_shape,
                              host_list=_swa_list),
     StateKind.DSA: KindRules(StateKind.DSA, int(kl.DSA), needs_window=False, needs_ring=False, needs_map=False,
                              map_by_row=False, always_strict=False, forms_runs=True, paged=True, maps_pages=True,
-                             list_shape=_dsa_shape,
+                             list_start=_from_zero, list_shape=_dsa_shape,
                              host_list=_dsa_list),
     StateKind.SWA_RING: KindRules(StateKind.SWA_RING, int(kl.SWA_RING), needs_window=True, needs_ring=True,
                                   needs_map=False, map_by_row=False, always_strict=True, forms_runs=True, paged=False,
-                                  maps_pages=False, list_shape=_ring_shape, host_list=_ring_list),
+                                  maps_pages=False, list_start=_from_zero, list_shape=_ring_shape, host_list=_ring_list),
     StateKind.MAMBA: KindRules(StateKind.MAMBA, int(kl.MAMBA), needs_window=False, needs_ring=False, needs_map=True,
                                map_by_row=True, always_strict=True, forms_runs=False, paged=False,
-                               maps_pages=False, list_shape=_mamba_shape,
+                               maps_pages=False, list_start=_from_zero, list_shape=_mamba_shape,
                                host_list=_mamba_list),
 }
 

@@ -87,12 +87,12 @@ def last_chunk_lists(batch: Batch, t: Transfer) -> tuple[tuple[tuple[np.ndarray,
         what = f"state component {comp.name}"
         src_list = state_list(src, comp, t.src_row, seq, request, policy, batch.validate)
         cps_s, cps_d = comp.pages_of(src.kv.page_size), dst_comp.pages_of(dst.kv.page_size)
-        if rules.paged and cps_s != cps_d:  # docs/page_sizes.md §6: positions [0, seq) in units, each side's pages
+        if rules.paged and cps_s != cps_d:  # docs/page_sizes.md §6: in units, each side's pages
             unit = gcd(cps_s, cps_d)
-            need = cdiv(seq, cps_d)
-            n = paired_length(request, what, need, len(dst_list), policy, rules.always_strict)
-            moved = min(cdiv(seq, unit) * unit, n * cps_d)
-            state.append((src_list[: cdiv(moved, cps_s)], dst_list[:n]))
+            from_s, from_d = rules.list_start(comp, cps_s, seq), rules.list_start(comp, cps_d, seq)
+            n = paired_length(request, what, cdiv(seq - from_d, cps_d), len(dst_list), policy, rules.always_strict)
+            moved = min(cdiv(seq, unit) * unit, from_d + n * cps_d)
+            state.append((src_list[: cdiv(moved - from_s, cps_s)], dst_list[:n]))
         else:
             n = paired_length(request, what, len(src_list), len(dst_list), policy, rules.always_strict)
             state.append((src_list[:n], dst_list[:n]))

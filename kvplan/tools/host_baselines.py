@@ -107,14 +107,19 @@ def host_lists(src: SideMemory, columns: BatchColumns, dst_page_size: int | None
         lo_col, len_col = columns.table[lasts, len(COLUMNS) + 2 * j], columns.table[lasts, len(COLUMNS) + 2 * j + 1]
         cps = comp.pages_of(ps)
         cps_d = dst_comp_pages[j] if dst_comp_pages is not None else cps
-        if comp.kind is StateKind.DSA and cps_d != cps:  # units of gcd tokens over [0, seq)
-            cu = math.gcd(cps, cps_d)
-            units = np.minimum(-(-seq[lasts] // cu), len_col * (cps_d // cu))
+        if comp.kind in (StateKind.DSA, StateKind.SWA) and cps_d != cps:  # in units of gcd tokens
+            cu, r, s = math.gcd(cps, cps_d), cps_d // math.gcd(cps, cps_d), seq[lasts]
+            swa = comp.kind is StateKind.SWA
+            from_s = np.maximum(s - comp.window, 0) // cps * cps if swa else 0 * s
+            from_d = np.maximum(s - comp.window, 0) // cps_d * cps_d if swa else 0 * s
+            a = np.maximum(from_s, from_d)
+            moved = np.minimum(-(-s // cu) * cu, from_d + len_col * cps_d)
+            units = np.maximum(moved - a, 0) // cu
             counts[lasts, 1 + j] = units
             t, k = _ranges(units)
-            owner, r = lasts[t], cps_d // cu
-            parts.append((host_rows[inv[owner], k * cu].astype(np.int64) // cu,
-                          columns.dst_flat[lo_col[t] + k // r] * r + k % r))
+            owner, kk = lasts[t], k + ((a - from_d) // cu)[t]
+            slots = (mapped_rows[j] if swa else host_rows)[inv[owner], a[t] + k * cu]
+            parts.append((slots.astype(np.int64) // cu, columns.dst_flat[lo_col[t] + kk // r] * r + kk % r))
             continue
         counts[lasts, 1 + j] = len_col
         t, k = _ranges(len_col)
@@ -178,7 +183,7 @@ class NumpyBatchPlanner:
             return p.aux_src, p.aux_dst
         comp = self.src.state[slot - 1]
         cps_s, cps_d = comp.pages_of(self.src.kv.page_size), self.comp_pages[slot - 1]
-        if comp.kind is StateKind.DSA and cps_s != cps_d:  # moved in units (docs/page_sizes.md §6)
+        if comp.kind in (StateKind.DSA, StateKind.SWA) and cps_s != cps_d:  # in units (docs/page_sizes.md §6)
             return scaled_tables(p.state_src[slot - 1], p.state_dst[slot - 1], cps_s, cps_d)
         return p.state_src[slot - 1], p.state_dst[slot - 1]
 

@@ -40,11 +40,12 @@ def test_columns_plan_like_the_reference_in_every_form(device, preset):
 
 @pytest.mark.parametrize("preset, dst_page_size", [("llama70b-tp8-p64", 16), ("llama70b-tp8-p64", 256),
                                                    ("llama70b-tp8-p64", 1), ("qwen3next-mamba-p64", 16),
-                                                   ("dsv32-mla-dsa-p64", 16), ("dsv32-mla-dsa-p64", 1)])
+                                                   ("dsv32-mla-dsa-p64", 16), ("dsv32-mla-dsa-p64", 1),
+                                                   ("gptoss-swa-p16", 64), ("gptoss-swa-p16", 1)])
 def test_a_decode_side_of_another_page_size_plans_alike_in_descriptors_runs_and_numpy_batch(device, preset,
                                                                                            dst_page_size):
     """docs/page_sizes.md: 64 -> 16, 64 -> 256 and 64 -> 1, chunked on the grain, with a decode prefix;
-    Mamba state, whose lists do not depend on the page size, and DSA state in units, with it."""
+    Mamba state, whose lists do not depend on the page size, and DSA and SWA state in units, with it."""
     batch = build_batch(PRESETS[preset].scaled(layers=2), requests=3, prompt_len=[300, 129, 1000],
                         chunks=2, prefix_len=256, seed=5, dst_page_size=dst_page_size).to(device)
     planner = Planner(batch.src, batch.dsts, outputs=("descriptors", "runs"), block=128)

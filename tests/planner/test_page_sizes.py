@@ -224,13 +224,37 @@ def test_the_device_planner_matches_the_reference_on_random_batches(device, ps_s
         assert str(on_device.value) == str(by_reference.value)
 
 
-def test_paged_state_of_different_page_sizes_is_refused_by_pairing_naming_the_component():
-    from kvplan.planner.pairing import pair_sides
+@pytest.mark.parametrize("dst_page_size", [64, 4, 1])
+def test_swa_state_lands_every_attended_position_and_the_device_plans_it_alike(device, dst_page_size):
+    """docs/page_sizes.md §6: each side's window start on its own SWA pages; every position the decode
+    side attends lands in its published SWA page (executed bytes), then the device against the reference."""
     from kvplan.tools.scenarios import PRESETS, build_batch
+    from kvplan.tools.verify import AddressSpace, execute
 
-    batch = build_batch(PRESETS["gptoss-swa-p16"].scaled(layers=2), 2, 100, dst_page_size=64)
-    with pytest.raises(LayoutError, match=r"state component 0 \(swa\): its pages hold 16 tokens on the source and 64"):
-        pair_sides(batch.src, batch.dsts[0])
+    batch = build_batch(PRESETS["gptoss-swa-p16"].scaled(layers=2), requests=3, prompt_len=[300, 129, 1000],
+                        chunks=2, prefix_len=64, seed=4, dst_page_size=dst_page_size)
+    plan = plan_reference(batch)
+    src_space = AddressSpace.of_side(batch.src, np.random.default_rng(1))
+    dst_space = AddressSpace.of_side(batch.dsts[0])
+    execute(plan.descriptors()[0], src_space, dst_space)
+    src_swa, dst_swa = batch.src.state[0], batch.dsts[0].state[0]
+    ps_s, ps_d = src_swa.pages_of(batch.src.kv.page_size), dst_swa.pages_of(dst_page_size)
+    tb = src_swa.entries[0].item_len // ps_s
+    for t in batch.transfers:
+        if not t.last:
+            continue
+        ws_d = max(0, t.prompt_len - src_swa.window) // ps_d * ps_d
+        for pos in range(max(0, t.prompt_len - src_swa.window), t.prompt_len):
+            slot_s = int(src_swa.slot_map[int(batch.src.req_to_token[t.src_row, pos])])
+            slot_d = int(t.dst_state[0][(pos - ws_d) // ps_d]) * ps_d + pos % ps_d
+            for e_s, e_d in zip(src_swa.entries, dst_swa.entries):
+                s_arr, s_off = src_space.locate(e_s.base_ptr + slot_s * tb, tb)
+                d_arr, d_off = dst_space.locate(e_d.base_ptr + slot_d * tb, tb)
+                assert np.array_equal(d_arr[d_off : d_off + tb], s_arr[s_off : s_off + tb]), (t.request, pos)
+    pending = gpu.plan(batch.to(device))
+    pending.result().assert_equal(plan)
+    assert np.array_equal(pending.descriptors()[0], plan.descriptors()[0])
+    assert pending.sections() == plan.sections()
 
 
 @pytest.mark.parametrize("dst_page_size", [16, 128, 1])

@@ -81,10 +81,10 @@ def test_item_length_mismatch_names_the_entry():
         plan(mha_side(SK, table=table), mha_side(DK, item_len=2048), last_transfer(length=1, dst_pages=[1]))
 
 
-def test_a_page_size_mismatch_pairs_only_with_equal_bytes_per_token_and_no_paged_state_of_other_pages_yet():
+def test_a_page_size_mismatch_pairs_only_with_equal_bytes_per_token_in_kv_and_paged_state():
     with pytest.raises(LayoutError, match="KV entry 0: bytes per token differ"):  # 4096 per page on both sides
         plan(mha_side(SK, table=table_with({}, 1)), mha_side(DK, page_size=2), last_transfer(length=1, dst_pages=[1]))
-    with pytest.raises(LayoutError, match=r"state component 0 \(swa\): its pages hold 1 tokens on the source and 2"):
+    with pytest.raises(LayoutError, match=r"state component 0 \(swa\) entry 0: bytes per token differ \(source 512/1"):
         plan(mha_side(SK, table=table_with({}, 1), state=[swa(SK + (1 << 30), np.zeros(64, np.int64), 2)]),
              mha_side(DK, page_size=2, item_len=8192, state=[swa(DK + (1 << 30), np.zeros(64, np.int64), 2)]),
              last_transfer(length=1, dst_pages=[1]))

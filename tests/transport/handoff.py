@@ -23,6 +23,10 @@ RING_MAMBA = ModelShape(
 # a sparse-attention indexer (DSA) whose pages follow each side's page size: moved in units
 DSA16 = ModelShape("dsa-p16-test", Attention.MLA, 2, 32, 16, state=(ComponentShape(StateKind.DSA, 1, 16 * 8),),
                    aux_items=(16,))
+# sliding-window state (gpt-oss-like) whose SWA pages follow each side's page size
+SWA1, SWA16 = (ModelShape(f"swa-p{ps}-test", Attention.MHA, 2, 32, ps,
+                          state=(ComponentShape(StateKind.SWA, 2, 32 * ps, window=24),), num_kv_heads=2,
+                          aux_items=(16,)) for ps in (1, 16))
 SHAPES = {"hybrid": HYBRID, "head_sliced": HEAD_SLICED, "kv1": KV1, "kv16": KV16, "kv64": KV64,
-          "ring_mamba": RING_MAMBA, "dsa16": DSA16}
+          "ring_mamba": RING_MAMBA, "dsa16": DSA16, "swa1": SWA1, "swa16": SWA16}
 LENGTHS = (100, 37, 64)
