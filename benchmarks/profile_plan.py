@@ -11,16 +11,14 @@ import sys
 
 import torch
 
-from kvplan.tools.bench import SCENARIOS
+from kvplan.tools.bench import scenario_batch
 from kvplan.planner.device import Planner
-from kvplan.tools.scenarios import PRESETS, build_batch
 
 
 def main() -> None:
     name = sys.argv[1] if len(sys.argv) > 1 else "llama70b-tp8-p64"
     graph = "--graph" in sys.argv
-    requests, prompt_len = SCENARIOS[name]
-    batch = build_batch(PRESETS[name], requests, prompt_len).to("cuda")
+    batch = scenario_batch(name)[0].to("cuda")
     planner = Planner(batch.src, batch.dsts, graphs=graph)
     run = lambda: planner.plan(batch).descriptors()  # noqa: E731
     for _ in range(5):

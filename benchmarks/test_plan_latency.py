@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvplan.tools.bench import SCENARIOS, TARGETS, median_ms
+from kvplan.tools.bench import DST_PAGE_SIZES, SCENARIOS, TARGETS, median_ms
 from kvplan.tools.host_baselines import NumpyBatchPlanner
 from kvplan.planner.columns import BatchColumns
 from kvplan.planner.device import Planner
@@ -27,11 +27,12 @@ ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") == "0"
 @pytest.fixture(scope="module", params=list(SCENARIOS))
 def scenario(request):
     requests, prompt_len = SCENARIOS[request.param]
-    shape = PRESETS[request.param]
+    preset, dst_page_size = DST_PAGE_SIZES.get(request.param, (request.param, None))
+    shape = PRESETS[preset]
     if SCALE < 1:
         shape = shape.scaled(layers=2)
         requests, prompt_len = max(1, int(requests * SCALE)), max(64, int(prompt_len * SCALE))
-    batch = build_batch(shape, requests, prompt_len).to("cuda" if ON_GPU else "cpu")
+    batch = build_batch(shape, requests, prompt_len, dst_page_size=dst_page_size).to("cuda" if ON_GPU else "cpu")
     return request.param, batch, BatchColumns.from_batch(batch)
 
 

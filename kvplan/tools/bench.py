@@ -45,7 +45,7 @@ from ..planner.pairing import Mode, pair_sides
 from .scenarios import PRESETS, build_batch, materialize
 from ..transport.local import gather, plan_alignment, scatter, staging_offsets
 
-__all__ = ["SCENARIOS", "BenchRow", "TARGETS", "render", "run_bench"]
+__all__ = ["SCENARIOS", "BenchRow", "TARGETS", "render", "run_bench", "scenario_batch"]
 
 SCENARIOS: dict[str, tuple[int, int]] = {  # name -> (requests, prompt tokens), benchmarks.md
     "llama70b-tp8-p64": (32, 8192),
@@ -161,7 +161,8 @@ def _staging_gbps(batch: Batch, device: torch.device, runs: int) -> tuple[float,
     return tuple(2 * nbytes / (ms / 1e3) / 1e9 for ms in (g, s, c))
 
 
-def _batch_of(name: str, scale: float) -> tuple[Batch, int, int, int]:
+def scenario_batch(name: str, scale: float = 1.0) -> tuple[Batch, int, int, int]:
+    """A scenario's batch (and its requests, prompt length, layers), shrunk by ``scale`` < 1."""
     requests, prompt_len = SCENARIOS[name]
     preset, dst_page_size = DST_PAGE_SIZES.get(name, (name, None))
     shape = PRESETS[preset]
@@ -273,7 +274,7 @@ def run_bench(names: list[str], runs: int = 20, scale: float = 1.0, staging: boo
     for name in names:
         if progress:
             progress(name)
-        batch, requests, prompt_len, layers = _batch_of(name, scale)
+        batch, requests, prompt_len, layers = scenario_batch(name, scale)
         device_batch = batch.to(device)
         cols = BatchColumns.from_batch(device_batch)
         same_pages = all(d.kv.page_size == batch.src.kv.page_size for d in batch.dsts)

@@ -21,12 +21,14 @@ RING_MAMBA = ModelShape(
     num_kv_heads=2, aux_items=(16,),
 )
 # a sparse-attention indexer (DSA) whose pages follow each side's page size: moved in units
-DSA16 = ModelShape("dsa-p16-test", Attention.MLA, 2, 32, 16, state=(ComponentShape(StateKind.DSA, 1, 16 * 8),),
-                   aux_items=(16,))
+DSA1, DSA16, DSA64 = (ModelShape(f"dsa-p{ps}-test", Attention.MLA, 2, 32, ps,
+                                 state=(ComponentShape(StateKind.DSA, 1, ps * 8),), aux_items=(16,))
+                      for ps in (1, 16, 64))
 # sliding-window state (gpt-oss-like) whose SWA pages follow each side's page size
-SWA1, SWA16 = (ModelShape(f"swa-p{ps}-test", Attention.MHA, 2, 32, ps,
-                          state=(ComponentShape(StateKind.SWA, 2, 32 * ps, window=24),), num_kv_heads=2,
-                          aux_items=(16,)) for ps in (1, 16))
+SWA1, SWA16, SWA64 = (ModelShape(f"swa-p{ps}-test", Attention.MHA, 2, 32, ps,
+                                 state=(ComponentShape(StateKind.SWA, 2, 32 * ps, window=24),), num_kv_heads=2,
+                                 aux_items=(16,)) for ps in (1, 16, 64))
 SHAPES = {"hybrid": HYBRID, "head_sliced": HEAD_SLICED, "kv1": KV1, "kv16": KV16, "kv64": KV64,
-          "ring_mamba": RING_MAMBA, "dsa16": DSA16, "swa1": SWA1, "swa16": SWA16}
+          "ring_mamba": RING_MAMBA, "dsa1": DSA1, "dsa16": DSA16, "dsa64": DSA64, "swa1": SWA1, "swa16": SWA16,
+          "swa64": SWA64}
 LENGTHS = (100, 37, 64)

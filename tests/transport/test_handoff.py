@@ -41,11 +41,12 @@ def test_batch_arrives_byte_for_byte(engine, shape, mode):
     ("nixl", "kv16", 64, "direct"), ("mooncake", "kv16", 64, "direct"), ("nixl", "kv64", 16, "staged"),
     ("mooncake", "kv64", 16, "direct"), ("nixl", "kv1", 64, "direct"), ("nixl", "ring_mamba", 16, "direct"),
     ("nixl", "dsa16", 64, "direct"), ("mooncake", "dsa16", 4, "staged"), ("nixl", "swa16", 64, "direct"),
-    ("mooncake", "swa16", 4, "direct"), ("nixl", "swa1", 64, "direct"), ("nixl", "hybrid", 16, "staged")])
+    ("mooncake", "swa16", 4, "direct"), ("nixl", "swa1", 64, "direct"), ("nixl", "swa64", 16, "direct"),
+    ("mooncake", "dsa64", 16, "direct"), ("nixl", "dsa1", 64, "direct"), ("nixl", "hybrid", 16, "staged")])
 def test_sides_of_different_page_sizes_hand_off_byte_for_byte(engine, shape, dst_page_size, mode):
     """16 -> 64, 64 -> 16 and 1 -> 64 (docs/page_sizes.md), chunked, with aux rows; 4 -> 16 with ring
-    and Mamba state; 16 -> 64 and 16 -> 4 with DSA state, 16 -> 64, 16 -> 4 and 1 -> 64 with SWA state
-    in units; 4 -> 16 with every state kind at once, staged."""
+    and Mamba state; 16 -> 64, 64 -> 16, 16 -> 4 and 1 -> 64 with DSA state and with SWA state in units;
+    4 -> 16 with every state kind at once, staged."""
     if engine not in ENGINES:
         pytest.skip(f"{engine} is not among the engines of this run")
     report = run_demo(replace(config(engine, shape, mode), prefix_len=0, dst_page_size=dst_page_size))
