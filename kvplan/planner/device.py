@@ -660,8 +660,10 @@ class PendingPlan:
         src_t, dst_t = _pairing_tables(pairing, k, st.K)
         if k == 0 and st.unit_ratios[dest] != (1, 1):
             src_t, dst_t = unit_tables(pairing, self.planner.src.kv.page_size, self.planner.dsts[dest].kv.page_size)
-        if 0 < k < st.K - 1 and st.comp_ratios[dest][k - 1] != (1, 1):
-            raise InputError(None, "a component moved in units has no host expansion here: plan with descriptors")
+        if 0 < k < st.K - 1 and st.comp_ratios[dest][k - 1] != (1, 1):  # its runs count units
+            p = self.planner
+            src_t, dst_t = scaled_tables(src_t, dst_t, p.src.state[k - 1].pages_of(p.src.kv.page_size),
+                                         p.dsts[dest].state[k - 1].pages_of(p.dsts[dest].kv.page_size))
         if k == 0 and pairing.mode is Mode.HEAD_SLICED:
             return head_sliced_descriptors(src_t, dst_t, part[0], part[1], pairing.heads, self.planner.src.kv.page_size)
         runs = part[2]

@@ -60,6 +60,8 @@ def test_a_decode_side_of_another_page_size_plans_alike_in_descriptors_runs_and_
     assert np.array_equal(compact.runs, host.runs(cols)[0])
     assert np.array_equal(_expand_compact(compact), want)
     assert np.array_equal(host.plan(cols)[0], want)
+    # with no descriptors made, the plan's descriptors are expanded on the host from its unit runs
+    Planner(batch.src, batch.dsts, outputs=("runs",), block=128).plan(cols).result().assert_equal(expected)
 
 
 def _expand_compact(compact):

@@ -224,30 +224,31 @@ def test_the_device_planner_matches_the_reference_on_random_batches(device, ps_s
         assert str(on_device.value) == str(by_reference.value)
 
 
-@pytest.mark.parametrize("dst_page_size", [64, 4, 1])
-def test_swa_state_lands_every_attended_position_and_the_device_plans_it_alike(device, dst_page_size):
-    """docs/page_sizes.md §6: each side's window start on its own SWA pages; every position the decode
-    side attends lands in its published SWA page (executed bytes), then the device against the reference."""
+def _check_state_lands(device, preset: str, dst_page_size: int, prefix_len: int, first, dst_slot) -> None:
+    """Plan ``preset`` to a destination of ``dst_page_size``, execute the reference's descriptors, and
+    check that component 0's bytes of every position ``first(L) <= pos < L`` of each last chunk land at
+    ``dst_slot(t, pos, ps_d)``; then the device's plan against the reference."""
     from kvplan.tools.scenarios import PRESETS, build_batch
     from kvplan.tools.verify import AddressSpace, execute
 
-    batch = build_batch(PRESETS["gptoss-swa-p16"].scaled(layers=2), requests=3, prompt_len=[300, 129, 1000],
-                        chunks=2, prefix_len=64, seed=4, dst_page_size=dst_page_size)
+    batch = build_batch(PRESETS[preset].scaled(layers=2), requests=3, prompt_len=[300, 129, 1000], chunks=2,
+                        prefix_len=prefix_len, seed=4, dst_page_size=dst_page_size)
     plan = plan_reference(batch)
     src_space = AddressSpace.of_side(batch.src, np.random.default_rng(1))
     dst_space = AddressSpace.of_side(batch.dsts[0])
     execute(plan.descriptors()[0], src_space, dst_space)
-    src_swa, dst_swa = batch.src.state[0], batch.dsts[0].state[0]
-    ps_s, ps_d = src_swa.pages_of(batch.src.kv.page_size), dst_swa.pages_of(dst_page_size)
-    tb = src_swa.entries[0].item_len // ps_s
+    src_comp, dst_comp = batch.src.state[0], batch.dsts[0].state[0]
+    ps_s, ps_d = src_comp.pages_of(batch.src.kv.page_size), dst_comp.pages_of(dst_page_size)
+    tb = src_comp.entries[0].item_len // ps_s
+    full_to_comp = src_comp.slot_map  # SWA translates token slots; DSA pages hold them as they are
     for t in batch.transfers:
         if not t.last:
             continue
-        ws_d = max(0, t.prompt_len - src_swa.window) // ps_d * ps_d
-        for pos in range(max(0, t.prompt_len - src_swa.window), t.prompt_len):
-            slot_s = int(src_swa.slot_map[int(batch.src.req_to_token[t.src_row, pos])])
-            slot_d = int(t.dst_state[0][(pos - ws_d) // ps_d]) * ps_d + pos % ps_d
-            for e_s, e_d in zip(src_swa.entries, dst_swa.entries):
+        for pos in range(first(src_comp, t.prompt_len), t.prompt_len):
+            slot_s = int(batch.src.req_to_token[t.src_row, pos])
+            slot_s = int(full_to_comp[slot_s]) if full_to_comp is not None else slot_s
+            slot_d = dst_slot(src_comp, t, pos, ps_d)
+            for e_s, e_d in zip(src_comp.entries, dst_comp.entries):
                 s_arr, s_off = src_space.locate(e_s.base_ptr + slot_s * tb, tb)
                 d_arr, d_off = dst_space.locate(e_d.base_ptr + slot_d * tb, tb)
                 assert np.array_equal(d_arr[d_off : d_off + tb], s_arr[s_off : s_off + tb]), (t.request, pos)
@@ -257,34 +258,21 @@ def test_swa_state_lands_every_attended_position_and_the_device_plans_it_alike(d
     assert pending.sections() == plan.sections()
 
 
+@pytest.mark.parametrize("dst_page_size", [64, 4, 1])
+def test_swa_state_lands_every_attended_position_and_the_device_plans_it_alike(device, dst_page_size):
+    """docs/page_sizes.md §6: each side's window start on its own SWA pages; every position the decode
+    side attends lands in its published SWA page (executed bytes), then the device against the reference."""
+
+    def window_start(comp, length, ps_d):
+        return max(0, length - comp.window) // ps_d * ps_d
+    _check_state_lands(device, "gptoss-swa-p16", dst_page_size, 64, lambda comp, length: max(0, length - comp.window),
+                       lambda comp, t, pos, ps_d: int(t.dst_state[0][(pos - window_start(comp, t.prompt_len, ps_d))
+                                                                     // ps_d]) * ps_d + pos % ps_d)
+
+
 @pytest.mark.parametrize("dst_page_size", [16, 128, 1])
 def test_dsa_state_lands_position_by_position_and_the_device_plans_it_alike(device, dst_page_size):
     """docs/page_sizes.md §6: the indexer's positions [0, L) through each side's own pages, checked per
     position on executed bytes (not against the plan's own lists), then the device against the reference."""
-    from kvplan.tools.scenarios import PRESETS, build_batch
-    from kvplan.tools.verify import AddressSpace, execute
-
-    batch = build_batch(PRESETS["dsv32-mla-dsa-p64"].scaled(layers=2), requests=3, prompt_len=[300, 129, 1000],
-                        chunks=2, prefix_len=128, seed=4, dst_page_size=dst_page_size)
-    plan = plan_reference(batch)
-    src_space = AddressSpace.of_side(batch.src, np.random.default_rng(1))
-    dst_space = AddressSpace.of_side(batch.dsts[0])
-    execute(plan.descriptors()[0], src_space, dst_space)
-    src_dsa, dst_dsa = batch.src.state[0], batch.dsts[0].state[0]
-    ps_s, ps_d = src_dsa.pages_of(batch.src.kv.page_size), dst_dsa.pages_of(dst_page_size)
-    tb = src_dsa.entries[0].item_len // ps_s
-    table = batch.src.req_to_token
-    for t in batch.transfers:
-        if not t.last:
-            continue
-        dst_pages = t.dst_state[0]
-        for pos in range(t.prompt_len):
-            slot_s = int(table[t.src_row, pos])
-            slot_d = int(dst_pages[pos // ps_d]) * ps_d + pos % ps_d
-            for e_s, e_d in zip(src_dsa.entries, dst_dsa.entries):
-                s_arr, s_off = src_space.locate(e_s.base_ptr + slot_s * tb, tb)
-                d_arr, d_off = dst_space.locate(e_d.base_ptr + slot_d * tb, tb)
-                assert np.array_equal(d_arr[d_off : d_off + tb], s_arr[s_off : s_off + tb]), (t.request, pos)
-    pending = gpu.plan(batch.to(device))
-    pending.result().assert_equal(plan)
-    assert np.array_equal(pending.descriptors()[0], plan.descriptors()[0])
+    _check_state_lands(device, "dsv32-mla-dsa-p64", dst_page_size, 128, lambda comp, length: 0,
+                       lambda comp, t, pos, ps_d: int(t.dst_state[0][pos // ps_d]) * ps_d + pos % ps_d)
