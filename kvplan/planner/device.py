@@ -110,9 +110,9 @@ class _Static:
         self.pairings: list[SidePairing] = [pair_sides(src, d) for d in dsts]
         ps = src.kv.page_size
         # docs/page_sizes.md: with a destination of another page size, KV moves in units of gcd tokens
-        self.unit_ratios = [(ps // gcd(ps, d.kv.page_size), d.kv.page_size // gcd(ps, d.kv.page_size)) for d in dsts]
+        self.unit_ratios = [_ratios(ps, d.kv.page_size) for d in dsts]
         # per destination and component: (source, destination) units per page of a paged component
-        # whose pages differ there (DSA; docs/page_sizes.md §6), else (1, 1)
+        # whose pages differ there (SWA, DSA; docs/page_sizes.md §6), else (1, 1)
         self.comp_ratios = [[_ratios(c.pages_of(ps), dc.pages_of(d.kv.page_size)) if rules_of(c.kind).paged else (1, 1)
                              for c, dc in zip(src.state, d.state)] for d in dsts]
         self.units = any(r != (1, 1) for r in self.unit_ratios) or any(r != (1, 1) for rs in self.comp_ratios
