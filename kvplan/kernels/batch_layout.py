@@ -11,7 +11,8 @@ Shape contract
 * ``cols``: int64 ``[NCOL, T_CAP]`` column-major: the columns of
   :data:`kvplan.planner.columns.COLUMNS`, then ``(lo, len)`` per component; ``count_ptr[0]`` is
   the number of live transfers ``T <= T_CAP``.
-* ``dest_meta``: int64 ``[D, 6 + 2K + 3C]``: ``(kv_pages, aux_items, head_sliced)``, then
+* ``dest_meta``: int64 ``[D, 6 + 2K + 3C]``: ``(kv_pages, aux_items, sliced_tokens)`` (tokens per
+  KV element when head-sliced, else 0; written to ``F_SLICED``), then
   ``(entry_off, entries)`` per slot, then each component's pool size on that destination, then
   each component's ``(page_size, unit)`` there, then ``(page_size, unit, grain)``: its KV page size,
   ``gcd`` and ``lcm`` with the source's (the last 2C + 3 read only when ``UNITS``: some page size

@@ -14,7 +14,8 @@ Shape contract
   ``(src_token_bytes, dst_token_bytes, src_head_offset, dst_head_offset, nbytes)``.
 * :func:`descriptors` writes ``out`` int64 ``[n, 3]`` ``(src_addr, dst_addr, nbytes)``, addresses
   as two's-complement bit patterns of uint64. Segment ``s`` writes its descriptors entry-major:
-  direct ``(e, run)``, head-sliced ``(e, page, token)``. Lanes own output *words*, so stores
+  direct ``(e, run)``, head-sliced ``(e, element, token)``, where an element (a page, or a unit
+  of ``gcd`` tokens between sides of different page sizes) holds ``F_SLICED`` tokens. Lanes own output *words*, so stores
   are contiguous even when ``out`` is pinned host memory written across the bus.
 * :func:`prepared_indices` writes ``src_idx``/``dst_idx`` int32: ``e * slots + id`` per entry and
   element of every kept segment; ``slots`` int64 ``[D * K, 2]`` ``(src_slots, dst_slots)``.
@@ -33,8 +34,8 @@ HEAD_FIELDS = tl.constexpr(5)
 
 @triton.jit
 def _descs_kernel(seg_ptr, sums_ptr, head_ptr, src_ptr, dst_ptr, run_first_ptr, run_last_ptr, entries_ptr, heads_ptr,
-                  out_ptr, S: tl.constexpr, LOG: tl.constexpr, PS: tl.constexpr, SF: tl.constexpr,
-                  HF: tl.constexpr, BLOCK: tl.constexpr):
+                  out_ptr, S: tl.constexpr, LOG: tl.constexpr, SF: tl.constexpr, HF: tl.constexpr,
+                  BLOCK: tl.constexpr):
     words = tl.load(head_ptr + TOTAL_DESCS) * 3
     stride = tl.num_programs(0).to(tl.int64) * BLOCK
     for base in range(tl.program_id(0).to(tl.int64) * BLOCK, words, stride):
@@ -46,13 +47,15 @@ def _descs_kernel(seg_ptr, sums_ptr, head_ptr, src_ptr, dst_ptr, run_first_ptr, 
         row_ptr = seg_ptr + s * SF
         n = tl.load(row_ptr + sg.F_N, mask=live, other=1)
         first = tl.load(row_ptr + sg.F_START, mask=live, other=0)
-        sliced = tl.load(row_ptr + sg.F_SLICED, mask=live, other=0) != 0
+        tokens = tl.load(row_ptr + sg.F_SLICED, mask=live, other=0)  # per element when head-sliced, else 0
+        sliced = tokens != 0
+        tokens = tl.where(sliced, tokens, 1)
         dest = tl.load(row_ptr + sg.F_DEST, mask=live, other=0)
         entry_off = tl.load(row_ptr + sg.F_ENTRY_OFF, mask=live, other=0)
         entries = tl.load(row_ptr + sg.F_ENTRIES, mask=live, other=0)
         run0 = tl.load(sums_ptr + s, mask=live, other=0)
         runs = tl.load(sums_ptr + S + s, mask=live, other=1)
-        per_entry = tl.where(sliced, n * PS, runs)
+        per_entry = tl.where(sliced, n * tokens, runs)
         per_entry = tl.where(per_entry > 0, per_entry, 1)
         local = d - (tl.load(sums_ptr + 2 * S + s, mask=live, other=0) - entries * per_entry)
         e = local // per_entry
@@ -66,9 +69,9 @@ def _descs_kernel(seg_ptr, sums_ptr, head_ptr, src_ptr, dst_ptr, run_first_ptr, 
         direct = live & ~sliced
         run_lo = tl.load(run_first_ptr + run0 + r, mask=direct, other=0)
         run_hi = tl.load(run_last_ptr + run0 + r, mask=direct, other=0)
-        # head-sliced: page r // PS, token r % PS
-        tok = r % PS
-        elem = tl.where(sliced, first + r // PS, run_lo)
+        # head-sliced: element r // tokens, token r % tokens
+        tok = r % tokens
+        elem = tl.where(sliced, first + r // tokens, run_lo)
         sp = tl.load(src_ptr + elem, mask=live & (col != 1), other=0)
         dp = tl.load(dst_ptr + elem, mask=live & (col == 1), other=0)
         hs = heads_ptr + dest * HF
@@ -109,11 +112,11 @@ def _prepared_kernel(seg_ptr, sums_ptr, head_ptr, src_ptr, dst_ptr, slots_ptr, s
         tl.store(dst_idx_ptr + p, (e * dst_slots + d_id).to(tl.int32), mask=live)
 
 
-def descriptors(seg, seg_sums, head, src, dst, run_first, run_last, entries, heads, out, *, page_size: int,
-                programs: int, block: int) -> None:
+def descriptors(seg, seg_sums, head, src, dst, run_first, run_last, entries, heads, out, *, programs: int,
+                block: int) -> None:
     S = seg.shape[0]
     _descs_kernel[(programs,)](seg, seg_sums, head, src, dst, run_first, run_last, entries, heads, out, S=S,
-                               LOG=sg.log2_ceil(S), PS=page_size, SF=sg.SEG_FIELDS, HF=HEAD_FIELDS, BLOCK=block)
+                               LOG=sg.log2_ceil(S), SF=sg.SEG_FIELDS, HF=HEAD_FIELDS, BLOCK=block)
 
 
 def prepared_indices(seg, seg_sums, head, src, dst, slots, src_idx, dst_idx, *, segments_per_transfer: int,
@@ -127,9 +130,8 @@ COMPILE_SPECS = [
     (_descs_kernel,
      {"seg_ptr": "*i64", "sums_ptr": "*i64", "head_ptr": "*i64", "src_ptr": "*i64", "dst_ptr": "*i64",
       "run_first_ptr": "*i64", "run_last_ptr": "*i64", "entries_ptr": "*i64", "heads_ptr": "*i64", "out_ptr": "*i64",
-      "S": "constexpr", "LOG": "constexpr", "PS": "constexpr", "SF": "constexpr", "HF": "constexpr",
-      "BLOCK": "constexpr"},
-     {"S": 256, "LOG": 9, "PS": 64, "SF": sg.SEG_FIELDS, "HF": HEAD_FIELDS, "BLOCK": 1024}),
+      "S": "constexpr", "LOG": "constexpr", "SF": "constexpr", "HF": "constexpr", "BLOCK": "constexpr"},
+     {"S": 256, "LOG": 9, "SF": sg.SEG_FIELDS, "HF": HEAD_FIELDS, "BLOCK": 1024}),
     (_prepared_kernel,
      {"seg_ptr": "*i64", "sums_ptr": "*i64", "head_ptr": "*i64", "src_ptr": "*i64", "dst_ptr": "*i64",
       "slots_ptr": "*i64", "src_idx_ptr": "*i32", "dst_idx_ptr": "*i32", "S": "constexpr", "LOG": "constexpr",

@@ -25,6 +25,8 @@ TOKEN_PAGES, MAPPED_PAGES, RING, ROW_MAP, CONST = (tl.constexpr(v) for v in rang
 # destination id is dst_flat[F_DST_LO + kk // F_RATIO] * F_RATIO + kk % F_RATIO with kk = k + F_SKIP
 # (F_SKIP: units of the destination list before the segment's first position, for SWA windows that
 # start later on the source than on the destination).
+# F_SLICED: 0 for direct descriptors; for head-sliced KV the tokens one element holds (the page
+# size, or the unit between sides of different page sizes): one descriptor per entry and token.
 SEG_FIELDS = tl.constexpr(32)
 
 # check flags of a segment's token range

@@ -1,7 +1,7 @@
 """Per-segment totals of a batch, descriptor offsets, and the verdict on its errors.
 
 One program walks the segments in order with running sums: each segment's runs, its descriptor
-count (direct: entries x runs; head-sliced: entries x pages x page size) and prepared-index count
+count (direct: entries x runs; head-sliced: entries x elements x ``F_SLICED`` tokens) and prepared-index count
 (entries x elements of a kept section), their exclusive offsets, the descriptor offsets of every
 transfer, and the first transfer whose errors are fatal under the batch's policy.
 
@@ -35,7 +35,7 @@ NONE = tl.constexpr(1 << 62)
 
 @triton.jit
 def _summary_kernel(seg_ptr, seg_end_ptr, run_id_ptr, err_ptr, sums_ptr, head_ptr, keep_ptr, S: tl.constexpr,
-                    K: tl.constexpr, PS: tl.constexpr, STRICT: tl.constexpr, SF: tl.constexpr, BS: tl.constexpr):
+                    K: tl.constexpr, STRICT: tl.constexpr, SF: tl.constexpr, BS: tl.constexpr):
     carry_d = tl.zeros([1], dtype=tl.int64).sum(axis=0)
     carry_p = carry_d
     fatal_at = carry_d + NONE
@@ -48,11 +48,11 @@ def _summary_kernel(seg_ptr, seg_end_ptr, run_id_ptr, err_ptr, sums_ptr, head_pt
         n = tl.load(row_ptr + sg.F_N, mask=live, other=0)
         first = tl.load(row_ptr + sg.F_START, mask=live, other=0)
         entries = tl.load(row_ptr + sg.F_ENTRIES, mask=live, other=0)
-        sliced = tl.load(row_ptr + sg.F_SLICED, mask=live, other=0) != 0
+        tokens = tl.load(row_ptr + sg.F_SLICED, mask=live, other=0)  # per element when head-sliced, else 0
         keep = tl.load(row_ptr + sg.F_KEEP, mask=live, other=0)
         before = tl.load(run_id_ptr + first - 1, mask=live & (first > 0), other=0)
         runs = tl.where(n > 0, tl.load(run_id_ptr + first + n - 1, mask=live & (n > 0), other=0) - before, 0)
-        descs = entries * tl.where(sliced, n * PS, runs)
+        descs = entries * tl.where(tokens != 0, n * tokens, runs)
         prepared = entries * n * keep
         desc_end = carry_d + tl.cumsum(descs, axis=0)
         prep_end = carry_p + tl.cumsum(prepared, axis=0)
@@ -89,18 +89,18 @@ def _summary_kernel(seg_ptr, seg_end_ptr, run_id_ptr, err_ptr, sums_ptr, head_pt
     tl.store(head_ptr + HEAD, carry_d * 0)
 
 
-def summarize(seg, seg_end, run_id, seg_err, seg_sums, head, keep, *, segments_per_transfer: int, page_size: int,
+def summarize(seg, seg_end, run_id, seg_err, seg_sums, head, keep, *, segments_per_transfer: int,
               strict: bool) -> None:
     """Launch the summary (one program; see the module's shape contract)."""
     S = seg_end.numel()
-    _summary_kernel[(1,)](seg, seg_end, run_id, seg_err, seg_sums, head, keep, S=S, K=segments_per_transfer, PS=page_size,
+    _summary_kernel[(1,)](seg, seg_end, run_id, seg_err, seg_sums, head, keep, S=S, K=segments_per_transfer,
                           STRICT=strict, SF=sg.SEG_FIELDS, BS=min(1024, triton.next_power_of_2(S)))
 
 
 COMPILE_SPECS = [
     (_summary_kernel,
      {"seg_ptr": "*i64", "seg_end_ptr": "*i64", "run_id_ptr": "*i64", "err_ptr": "*i64", "sums_ptr": "*i64",
-      "head_ptr": "*i64", "keep_ptr": "*i64", "S": "constexpr", "K": "constexpr", "PS": "constexpr", "STRICT": "constexpr",
+      "head_ptr": "*i64", "keep_ptr": "*i64", "S": "constexpr", "K": "constexpr", "STRICT": "constexpr",
       "SF": "constexpr", "BS": "constexpr"},
-     {"S": 256, "K": 4, "PS": 16, "STRICT": True, "SF": sg.SEG_FIELDS, "BS": 256}),
+     {"S": 256, "K": 4, "STRICT": True, "SF": sg.SEG_FIELDS, "BS": 256}),
 ]

@@ -106,22 +106,29 @@ class CompactRuns:
 class _Static:
     """What does not change from batch to batch: pairings and the device tables built from them."""
 
+    def sliced_tokens(self, dest: int) -> int:
+        """Tokens per KV element of a head-sliced destination (one descriptor each; its page, or the
+        unit between sides of different page sizes), 0 for a direct one."""
+        if self.pairings[dest].mode is not Mode.HEAD_SLICED:
+            return 0
+        return self.unit_sizes[dest]
+
     def __init__(self, src: SideMemory, dsts: Sequence[SideMemory], device: torch.device, prepared: bool):
         self.pairings: list[SidePairing] = [pair_sides(src, d) for d in dsts]
         ps = src.kv.page_size
         # docs/page_sizes.md: with a destination of another page size, KV moves in units of gcd tokens
         self.unit_ratios = [_ratios(ps, d.kv.page_size) for d in dsts]
+        self.unit_sizes = [gcd(ps, d.kv.page_size) for d in dsts]
         # per destination and component: (source, destination) units per page of a paged component
         # whose pages differ there (SWA, DSA; docs/page_sizes.md §6), else (1, 1)
         self.comp_ratios = [[_ratios(c.pages_of(ps), dc.pages_of(d.kv.page_size)) if rules_of(c.kind).paged else (1, 1)
                              for c, dc in zip(src.state, d.state)] for d in dsts]
         self.units = any(r != (1, 1) for r in self.unit_ratios) or any(r != (1, 1) for rs in self.comp_ratios
                                                                          for r in rs)
-        if self.units:
-            if prepared or any(p.mode is not Mode.DIRECT for p in self.pairings):
-                raise LayoutError(f"page sizes differ (source {ps}, destinations "
-                                  f"{[d.kv.page_size for d in dsts]}): the NumPy reference plans head-sliced KV and "
-                                  "prepared lists across them (docs/page_sizes.md), the kernels do not yet (issue 14)")
+        if self.units and prepared:
+            raise LayoutError(f"page sizes differ (source {ps}, destinations {[d.kv.page_size for d in dsts]}): "
+                              "NIXL prepared lists index whole pages of one size on each side; plan descriptors "
+                              "(docs/page_sizes.md §5)")
         C = self.C = len(src.state)
         K = self.K = 2 + C
         D = len(dsts)
@@ -142,7 +149,7 @@ class _Static:
                 count += len(block)
             dest_meta[d, 0] = side.kv.num_pages
             dest_meta[d, 1] = min((e.num_items for e in side.aux), default=0)
-            dest_meta[d, 2] = p.mode is Mode.HEAD_SLICED
+            dest_meta[d, 2] = self.sliced_tokens(d)
             dest_meta[d, 3 + 2 * K : 3 + 2 * K + C] = [c.num_items for c in side.state]
             for i, c in enumerate(side.state):
                 cps_d = c.pages_of(side.kv.page_size)
@@ -185,7 +192,7 @@ class _Static:
         multiplier = [1]
         for d, p in enumerate(self.pairings):
             kv_entries = int(dest_meta[d, 4])
-            multiplier.append(kv_entries * (src.kv.page_size if p.mode is Mode.HEAD_SLICED else 1))
+            multiplier.append(kv_entries * max(1, self.sliced_tokens(d)))
             multiplier += [int(dest_meta[d, 4 + 2 * k]) for k in range(1, K - 1)]
         self.per_element = max(multiplier)
         # list elements per destination-list entry at most (a destination page holds this many units)
@@ -411,11 +418,10 @@ class Planner:
         torch.cumsum(b.starts, 0, out=b.run_id)
         kr.compact_runs(b.starts, b.run_id, b.seg_end[-1:], b.run_first, b.run_last, b.claim_word, b.claimed, block)
         ks.summarize(b.seg, b.seg_end, b.run_id, b.seg_err, b.seg_sums, b.head, b.keep, segments_per_transfer=st.K,
-                     page_size=self.src.kv.page_size, strict=self.policy is Policy.STRICT)
-        ps = self.src.kv.page_size
+                     strict=self.policy is Policy.STRICT)
         if b.descs is not None:
             kx.descriptors(b.seg, b.seg_sums, b.head, b.src, b.dst, b.run_first, b.run_last, st.entries, st.heads,
-                           b.descs, page_size=ps, programs=programs, block=block)
+                           b.descs, programs=programs, block=block)
         if b.prep_src is not None:
             kx.prepared_indices(b.seg, b.seg_sums, b.head, b.src, b.dst, st.slots, b.prep_src, b.prep_dst,
                                 segments_per_transfer=st.K, programs=programs, block=block)
@@ -630,7 +636,7 @@ class PendingPlan:
                 n, lo = int(seg[s, sg.F_N]), int(seg[s, sg.F_START])
                 r0, nr = int(sums[0, s]), int(sums[1, s])
                 d_end = int(sums[2, s])
-                d_count = int(seg[s, sg.F_ENTRIES]) * (n * p.src.kv.page_size if seg[s, sg.F_SLICED] else nr)
+                d_count = int(seg[s, sg.F_ENTRIES]) * (n * int(seg[s, sg.F_SLICED]) if seg[s, sg.F_SLICED] else nr)
                 seg_descs = descs[d_end - d_count : d_end] if descs is not None else None
                 parts.append((src[lo : lo + n].copy(), dst[lo : lo + n].copy(), runs_all[r0 : r0 + nr].copy(),
                               seg_descs))
@@ -665,7 +671,7 @@ class PendingPlan:
             src_t, dst_t = scaled_tables(src_t, dst_t, p.src.state[k - 1].pages_of(p.src.kv.page_size),
                                          p.dsts[dest].state[k - 1].pages_of(p.dsts[dest].kv.page_size))
         if k == 0 and pairing.mode is Mode.HEAD_SLICED:
-            return head_sliced_descriptors(src_t, dst_t, part[0], part[1], pairing.heads, self.planner.src.kv.page_size)
+            return head_sliced_descriptors(src_t, dst_t, part[0], part[1], pairing.heads, st.sliced_tokens(dest))
         runs = part[2]
         if k == st.K - 1 or 0 < k and not rules_of(self.planner.src.state[k - 1].kind).forms_runs:
             runs = unit_runs(part[0], part[1])

@@ -6,10 +6,10 @@ straddles a page on either side), chunks end on multiples of ``G = lcm(ps_s, ps_
 and descriptors are counted in units. With equal page sizes a unit is a page and nothing here is
 used: the rules of planning.md apply unchanged.
 
-So far this covers KV (direct and head-sliced), aux, and the state components whose lists do not
-depend on the page size (Mamba, rings, and paged state of equal page sizes on both sides), paired
-as in planning.md §6; pairing refuses paged state whose pages differ. The device planner implements direct KV and aux (units in its elements kernel);
-head-sliced KV and prepared lists across page sizes are refused there. :func:`mapped_lists` is the
+This covers KV (direct and head-sliced), aux and every state kind: the components whose lists do
+not depend on the page size (Mamba, rings, paged state of equal page sizes) as in planning.md §6,
+paged state whose pages differ in units (docs/page_sizes.md §6). The device planner implements the
+same; only NIXL prepared lists are refused across page sizes. :func:`mapped_lists` is the
 one statement of the checks: the reference plans from it, and the device planner's error path and
 :func:`~kvplan.planner.transfer_lists.transfer_lists` call it.
 

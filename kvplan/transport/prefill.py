@@ -45,7 +45,7 @@ from ..errors import LayoutError, PlanError
 from ..planner import gpu
 from ..planner.destinations import decode_message
 from ..planner.model import Batch, Policy, SideMemory, Transfer
-from ..planner.pairing import Mode, pair_sides
+from ..planner.pairing import pair_sides
 from ..planner.device import Planner
 from ..planner.isolate import plan_each
 from ..planner.plan import AUX_ROLE, KV_ROLE, DestinationLists, Section
@@ -141,11 +141,7 @@ class PrefillEndpoint:
                 raise LayoutError(f"expected a registration, got {kind!r}")
             peer_side = side_from_description(header["side"])
             try:
-                pairing = pair_sides(self.side, peer_side)
-                if peer_side.kv.page_size != self.side.kv.page_size and pairing.mode is not Mode.DIRECT:
-                    raise LayoutError(f"page sizes differ (source {self.side.kv.page_size}, destination "
-                                      f"{peer_side.kv.page_size}) with head-sliced KV: not planned on the device yet "
-                                      "(issue 14)")
+                pair_sides(self.side, peer_side)
             except LayoutError as err:
                 peer.channel.send("refused", {"reason": str(err)})
                 raise

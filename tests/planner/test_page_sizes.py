@@ -1,6 +1,6 @@
 """Different page sizes on the two sides (docs/page_sizes.md): the reference against the golden
-vectors of §8 written by hand, against a token-by-token byte copy on random layouts, and the
-paths that do not plan it yet refuse it."""
+vectors of §8 written by hand, against a token-by-token byte copy on random layouts (direct and
+head-sliced); the device planner against the reference; prepared lists refused."""
 
 import numpy as np
 import pytest
@@ -140,45 +140,76 @@ def test_a_prefix_off_the_common_grain_is_refused_on_both_paths(device):
         gpu.plan(batch.to(device)).check()
 
 
-def test_the_kernels_refuse_head_sliced_kv_and_prepared_lists_across_page_sizes(device):
+def test_the_kernels_refuse_prepared_lists_across_page_sizes(device):
     src = mla(SB, 16, 64, slots_table(paged_slots([5, 6], 16, 32)))
     on_device = Batch(src, (mla(DB, 64, 64),), ()).to(device)
-    with pytest.raises(LayoutError, match="kernels do not yet"):
+    with pytest.raises(LayoutError, match="prepared lists index whole pages"):
         Planner(on_device.src, on_device.dsts, outputs=("descriptors", "prepared"))
-    kv = (Entry(SB, 64, 64), Entry(SB + (1 << 20), 64, 64))
-    heads = SideMemory(KVLayout(Attention.MHA, 16, kv, num_kv_heads=4, tp_size=2), req_to_token=on_device.src.req_to_token)
-    kv = (Entry(DB, 128, 64), Entry(DB + (1 << 20), 128, 64))
-    with pytest.raises(LayoutError, match="kernels do not yet"):
-        Planner(heads, (SideMemory(KVLayout(Attention.MHA, 64, kv, num_kv_heads=4, tp_size=4)),))
 
 
 # -- the device planner: the same plans, bit for bit -----------------------------------------------
 
-@pytest.mark.parametrize("vector", [test_a_16_to_64, test_b_64_to_16, test_c_1_to_16_chunked, test_d_256_to_1])
+@pytest.mark.parametrize("vector", [test_a_16_to_64, test_b_64_to_16, test_c_1_to_16_chunked, test_d_256_to_1,
+                                    test_e_head_sliced_16_to_64])
 def test_the_device_planner_reproduces_the_golden_vectors(device, vector, monkeypatch):
-    """Each golden test again, with ``golden`` planning on the device and checked against the reference."""
+    """Each golden test again, its plans made on the device and checked against the reference's."""
     import tests.planner.test_page_sizes as here
 
-    by_reference = here.golden
+    by_reference = here.plan_reference
 
-    def on_device(ps_s, ps_d, src_slots, dst_pages, transfers, width=None):
-        expected = by_reference(ps_s, ps_d, src_slots, dst_pages, transfers, width)
-        src = mla(SB, ps_s, 512, slots_table(src_slots, width))
-        pending = gpu.plan(Batch(src, (mla(DB, ps_d, 512),), tuple(transfers)).to(device))
+    def on_device(batch):
+        expected = by_reference(batch)
+        pending = gpu.plan(batch.to(device))
         pending.result().assert_equal(expected)
+        assert np.array_equal(pending.descriptors()[0], expected.descriptors()[0])
         assert pending.sections() == expected.sections()
         return pending.result()
 
-    monkeypatch.setattr(here, "golden", on_device)
+    monkeypatch.setattr(here, "plan_reference", on_device)
     vector()
+
+
+def sliced_sides(ps_s, ps_d, table, pages=1024, aux=()):
+    """MHA with 4 KV heads, source TP 2 rank 0, destination TP 4 rank 1 (golden vector E's heads),
+    two entries per side, ``bph = 2``."""
+    src = SideMemory(KVLayout(Attention.MHA, ps_s, (Entry(SB, ps_s * 4, pages), Entry(SB + (1 << 24), ps_s * 4, pages)),
+                              num_kv_heads=4, tp_size=2, tp_rank=0), aux=aux, req_to_token=table)
+    dst = SideMemory(KVLayout(Attention.MHA, ps_d, (Entry(DB, ps_d * 2, pages), Entry(DB + (1 << 24), ps_d * 2, pages)),
+                              num_kv_heads=4, tp_size=4, tp_rank=1), aux=tuple(Entry(DB + (1 << 28), e.item_len, e.num_items)
+                                                                             for e in aux))
+    return src, dst
+
+
+@settings(max_examples=30, deadline=None)
+@given(ps_s=st.sampled_from([1, 4, 16, 64]), ps_d=st.sampled_from([1, 4, 16, 64]), length=st.integers(1, 200),
+       seed=st.integers(0, 2**31))
+def test_head_sliced_kv_lands_each_position_s_heads(ps_s, ps_d, length, seed):
+    """Executing a head-sliced plan between page sizes copies, for every position, the source's head 1
+    into the destination's head 0 of that position's slot, in both entries."""
+    rng = np.random.default_rng(seed)
+    src_pages = rng.permutation(np.arange(1, 256))[: -(-length // ps_s)]
+    dst_pages = rng.permutation(np.arange(1, 256))[: -(-length // ps_d)]
+    src_slots = paged_slots(src_pages, ps_s, -(-length // ps_s) * ps_s)
+    src, dst = sliced_sides(ps_s, ps_d, slots_table(src_slots), pages=256)
+    plan = plan_reference(Batch(src, (dst,), (transfer("r", dst_pages, length + 1, length, True),)))
+    src_bytes = rng.integers(0, 256, (1 << 24) + 256 * ps_s * 4, dtype=np.uint8)
+    got = np.zeros((1 << 24) + 256 * ps_d * 2, np.uint8)
+    for s, d, n in plan.descriptors()[0].astype(np.int64):
+        got[d - DB : d - DB + n] = src_bytes[s - SB : s - SB + n]
+    for entry in (0, 1 << 24):
+        for pos in range(length):
+            s = entry + int(src_slots[pos]) * 4 + 2  # head 1 of the source's two
+            d = entry + (int(dst_pages[pos // ps_d]) * ps_d + pos % ps_d) * 2
+            assert got[d : d + 2].tolist() == src_bytes[s : s + 2].tolist(), (entry, pos)
 
 
 @settings(max_examples=40, deadline=None)
 @given(ps_s=st.sampled_from([1, 2, 4, 16, 64]), ps_d=st.sampled_from([1, 2, 4, 16, 64]),
-       lens=st.lists(st.integers(1, 200), min_size=1, max_size=3), chunked=st.booleans(),
+       lens=st.lists(st.integers(1, 200), min_size=1, max_size=3), chunked=st.booleans(), sliced=st.booleans(),
        seed=st.integers(0, 2**31))
-def test_the_device_planner_matches_the_reference_on_random_batches(device, ps_s, ps_d, lens, chunked, seed):
-    """Several requests, chunked on the grain, aux rows too: plans, descriptors and sections equal."""
+def test_the_device_planner_matches_the_reference_on_random_batches(device, ps_s, ps_d, lens, chunked, sliced, seed):
+    """Several requests, chunked on the grain, aux rows too, direct (MLA) or head-sliced (MHA, TP 2 ->
+    4): plans, descriptors and sections equal."""
     rng = np.random.default_rng(seed)
     grain = ps_s * ps_d // np.gcd(ps_s, ps_d)
     width = max(-(-n // ps_s) * ps_s for n in lens)
@@ -197,10 +228,13 @@ def test_the_device_planner_matches_the_reference_on_random_batches(device, ps_s
             transfers.append(Transfer(f"q{r}", r, 0, cut, length, False, dst_pages, aux_src=r, aux_dst=r + 3))
         transfers.append(Transfer(f"q{r}", r, cut, length + 1, length, True, dst_pages, aux_src=r, aux_dst=r + 3))
     aux = (Entry(0x7000_0000, 8, 16),)
-    src = SideMemory(KVLayout(Attention.MLA, ps_s, (Entry(SB, ps_s * TB, 1024), Entry(SB + (1 << 24), ps_s * TB, 1024))),
-                     aux=aux, req_to_token=table)
-    dst = SideMemory(KVLayout(Attention.MLA, ps_d, (Entry(DB, ps_d * TB, 1024), Entry(DB + (1 << 24), ps_d * TB, 1024))),
-                     aux=(Entry(0x7800_0000, 8, 16),))
+    if sliced:
+        src, dst = sliced_sides(ps_s, ps_d, table, aux=aux)
+    else:
+        src = SideMemory(KVLayout(Attention.MLA, ps_s, (Entry(SB, ps_s * TB, 1024),
+                                                        Entry(SB + (1 << 24), ps_s * TB, 1024))), aux=aux, req_to_token=table)
+        dst = SideMemory(KVLayout(Attention.MLA, ps_d, (Entry(DB, ps_d * TB, 1024),
+                                                        Entry(DB + (1 << 24), ps_d * TB, 1024))), aux=(Entry(0x7800_0000, 8, 16),))
     batch = Batch(src, (dst,), tuple(transfers))
     expected = plan_reference(batch)
     pending = gpu.plan(batch.to(device))

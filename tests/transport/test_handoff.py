@@ -42,11 +42,12 @@ def test_batch_arrives_byte_for_byte(engine, shape, mode):
     ("mooncake", "kv64", 16, "direct"), ("nixl", "kv1", 64, "direct"), ("nixl", "ring_mamba", 16, "direct"),
     ("nixl", "dsa16", 64, "direct"), ("mooncake", "dsa16", 4, "staged"), ("nixl", "swa16", 64, "direct"),
     ("mooncake", "swa16", 4, "direct"), ("nixl", "swa1", 64, "direct"), ("nixl", "swa64", 16, "direct"),
-    ("mooncake", "dsa64", 16, "direct"), ("nixl", "dsa1", 64, "direct"), ("nixl", "hybrid", 16, "staged")])
+    ("mooncake", "dsa64", 16, "direct"), ("nixl", "dsa1", 64, "direct"), ("nixl", "hybrid", 16, "staged"),
+    ("nixl", "head_sliced", 16, "direct"), ("mooncake", "head_sliced", 1, "staged")])
 def test_sides_of_different_page_sizes_hand_off_byte_for_byte(engine, shape, dst_page_size, mode):
     """16 -> 64, 64 -> 16 and 1 -> 64 (docs/page_sizes.md), chunked, with aux rows; 4 -> 16 with ring
     and Mamba state; 16 -> 64, 64 -> 16, 16 -> 4 and 1 -> 64 with DSA state and with SWA state in units;
-    4 -> 16 with every state kind at once, staged."""
+    4 -> 16 with every state kind at once, staged; head-sliced KV (TP 2 -> 4) 4 -> 16 and 4 -> 1."""
     if engine not in ENGINES:
         pytest.skip(f"{engine} is not among the engines of this run")
     report = run_demo(replace(config(engine, shape, mode), prefix_len=0, dst_page_size=dst_page_size))
