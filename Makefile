@@ -5,6 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.kvplan-installed
+SGLANG_STAMP := $(VENV)/.sglang-installed
 
 export UCX_NET_DEVICES := lo
 export NIXL_LOG_LEVEL := WARN
@@ -12,7 +13,7 @@ export MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER := 65535
 export MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER := 65535
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup test test-interpreted test-compile demo bench clean
+.PHONY: setup setup-sglang test test-sglang demo bench clean
 
 setup: $(STAMP)
 
@@ -35,11 +36,25 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 	@touch $(STAMP)
 
-# Two passes: every test with the kernels interpreted on the CPU, then a compile check of every
-# kernel for sm_90 in a process of its own (the two cannot share a process).
-test: setup
+# SGLang 0.5.23's own code for the differential tests (tests/sglang_real.py): sglang without its
+# dependencies (they would replace the CPU torch), then what its import chain needs (the extra).
+setup-sglang: $(SGLANG_STAMP)
+
+$(SGLANG_STAMP): $(STAMP)
+	$(PIP) install -q --no-deps sglang==0.5.23
+	$(PIP) install -q --no-build-isolation -e ".[sglang-test]"
+	@touch $(SGLANG_STAMP)
+
+# Two passes: every test with the kernels interpreted on the CPU (the SGLang differential tests
+# among them), then a compile check of every kernel for sm_90 in a process of its own (the two
+# cannot share a process).
+test: setup setup-sglang
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not compile_check" --benchmark-disable -p no:cacheprovider
 	TRITON_INTERPRET=0 $(PY) -m pytest -q -m compile_check -p no:cacheprovider tests/kernels
+
+# only the differential tests against SGLang's own code
+test-sglang: setup setup-sglang
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m sglang --benchmark-disable -p no:cacheprovider
 
 demo: setup
 	$(VENV)/bin/kvplan demo

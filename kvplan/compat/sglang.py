@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import operator
 import struct
 from typing import Sequence
 
@@ -29,11 +30,15 @@ __all__ = [
     "kv_to_page_num",
     "pack_int_lists",
     "pack_list_of_buffers",
+    "unpack_int_arrays",
     "unpack_int_lists",
     "unpack_list_of_buffers",
 ]
 
-_FORMATS = {"i": np.dtype("<i4"), "I": np.dtype("<u4"), "q": np.dtype("<i8"), "Q": np.dtype("<u8")}
+# every integer format SGLang's struct-based packing accepts, in its little-endian standard sizes
+_FORMATS = {"b": np.dtype("i1"), "B": np.dtype("u1"), "h": np.dtype("<i2"), "H": np.dtype("<u2"),
+            "i": np.dtype("<i4"), "I": np.dtype("<u4"), "l": np.dtype("<i4"), "L": np.dtype("<u4"),
+            "q": np.dtype("<i8"), "Q": np.dtype("<u8")}
 
 
 def kv_to_page_indices(kv_indices: npt.NDArray, page_size: int) -> npt.NDArray:
@@ -98,19 +103,36 @@ def _dtype(fmt: str) -> np.dtype:
 
 
 def pack_int_lists(lists: Sequence[Sequence[int] | npt.NDArray], fmt: str) -> bytes:
-    """Pack each inner list as little-endian ``fmt`` integers, then the buffers (planning.md §7)."""
+    """Pack each inner list as little-endian ``fmt`` integers, then the buffers (planning.md §7).
+
+    Exact over each format's whole range, as SGLang's ``struct`` packing is; a value outside it
+    raises ``InputError`` (SGLang raises ``struct.error``).
+    """
     dtype = _dtype(fmt)
-    buffers = []
-    for values in lists:
-        arr = np.asarray(values)
-        if arr.size and not np.array_equal(arr.astype(dtype).astype(np.int64 if fmt != "Q" else np.uint64), arr):
-            raise InputError(None, f"values do not fit the {fmt!r} format")
-        buffers.append(arr.astype(dtype).tobytes())
-    return pack_list_of_buffers(buffers)
+    return pack_list_of_buffers([_packed(values, fmt, dtype) for values in lists])
 
 
-def unpack_int_lists(data: bytes, fmt: str) -> list[npt.NDArray]:
-    """The inverse of :func:`pack_int_lists`: one NumPy array per inner list."""
+def _packed(values: Sequence[int] | npt.NDArray, fmt: str, dtype: np.dtype) -> bytes:
+    if isinstance(values, np.ndarray) and values.dtype.kind in "iu":  # the fast path, range-checked
+        info = np.iinfo(dtype)
+        if values.size and (values.min() < info.min or values.max() > info.max):
+            raise InputError(None, f"values do not fit the {fmt!r} format ({info.min} to {info.max})")
+        return values.astype(dtype, copy=False).tobytes()
+    ints = [operator.index(v) for v in values]  # Python ints: exact, even at and above 2**63
+    try:
+        return struct.pack(f"<{len(ints)}{fmt}", *ints)
+    except struct.error as err:
+        raise InputError(None, f"values do not fit the {fmt!r} format: {err}") from None
+
+
+def unpack_int_lists(data: bytes, fmt: str) -> list[list[int]]:
+    """The inverse of :func:`pack_int_lists`: one list of Python ints per inner list, as SGLang's."""
+    return [arr.tolist() for arr in unpack_int_arrays(data, fmt)]
+
+
+def unpack_int_arrays(data: bytes, fmt: str) -> list[npt.NDArray]:
+    """:func:`unpack_int_lists` as one NumPy array (native byte order) per inner list, for callers
+    that compute on them."""
     dtype = _dtype(fmt)
     out = []
     for buf in unpack_list_of_buffers(data):

@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..compat.sglang import unpack_int_lists
+from ..compat.sglang import unpack_int_arrays
 from ..errors import AlignmentError, InputError
 from ..kernels import require_runnable
 from .lists import (
@@ -94,7 +94,7 @@ class PublishedRequest:
 
 def decode_message(data: bytes, num_components: int) -> tuple[DestinationLists, int]:
     """The prefill side's view of a :meth:`PublishedRequest.message`: lists (int64) and aux index."""
-    lists = unpack_int_lists(data, "i")
+    lists = unpack_int_arrays(data, "i")
     if len(lists) != num_components + 2 or len(lists[-1]) != 1:
         raise InputError(None, f"a destination message holds {len(lists)} lists; expected {num_components + 2} "
                          "(pages, one per state component, aux index)")

@@ -63,7 +63,7 @@ def test_group_concurrent_contiguous_unequal_lengths_raise():
 )
 def test_pack_int_lists_golden(lists, fmt, packed):
     assert pack_int_lists(lists, fmt) == h(packed)
-    assert [x.tolist() for x in unpack_int_lists(h(packed), fmt)] == lists
+    assert unpack_int_lists(h(packed), fmt) == lists
 
 
 def test_pack_list_of_buffers_empty_is_empty_bytes():
@@ -88,3 +88,30 @@ def test_pack_int_lists_rejects_values_that_do_not_fit():
         pack_int_lists([[2**31]], "i")
     with pytest.raises(InputError):
         pack_int_lists([[-1]], "Q")
+
+
+def test_unpack_int_lists_gives_lists_of_python_ints_as_sglang_does():
+    lists = unpack_int_lists(pack_int_lists([[1, 2], [3]], "i"), "i")
+    assert lists == [[1, 2], [3]]
+    assert lists[0] + [9] == [1, 2, 9]  # list concatenation, not element-wise addition
+    assert all(type(v) is int for inner in lists for v in inner)
+    assert not unpack_int_lists(pack_int_lists([[]], "i"), "i")[0]  # an empty list is falsy
+
+
+@pytest.mark.parametrize("values", [[2**62 + 1, 2**63 + 3], [2**64 - 1, 0, 2**53 + 1]])
+def test_q_values_at_and_above_2_63_round_trip_exactly(values):
+    assert unpack_int_lists(pack_int_lists([values], "Q"), "Q") == [values]
+    assert unpack_int_lists(pack_int_lists([np.array(values, np.uint64)], "Q"), "Q") == [values]
+
+
+@pytest.mark.parametrize("fmt, lo, hi", [("b", -128, 127), ("B", 0, 255), ("h", -2**15, 2**15 - 1),
+                                         ("H", 0, 2**16 - 1), ("l", -2**31, 2**31 - 1), ("L", 0, 2**32 - 1),
+                                         ("q", -2**63, 2**63 - 1)])
+def test_every_struct_integer_format_packs_its_whole_range(fmt, lo, hi):
+    assert unpack_int_lists(pack_int_lists([[lo, hi]], fmt), fmt) == [[lo, hi]]
+    for bad in (lo - 1, hi + 1):
+        with pytest.raises(InputError):
+            pack_int_lists([[bad]], fmt)
+        if -2**63 <= bad < 2**64:  # as an array too, where NumPy can hold it
+            with pytest.raises(InputError):
+                pack_int_lists([np.array([bad], np.int64 if bad < 2**63 else np.uint64)], fmt)

@@ -1,0 +1,83 @@
+"""SGLang's own code (0.5.23), imported for the differential tests, or a skip where it is absent.
+
+``make setup`` installs ``sglang==0.5.23`` without its dependencies (they would replace the CPU
+torch with a CUDA one), then the packages its import chain asks for (``make setup-sglang``).
+SGLang's configs import ``torchvision.transforms`` for multimodal preprocessing, which nothing in
+its disaggregation code calls; the torchvision wheels on PyPI need CUDA libraries and the CPU ones
+are not reachable here, so where ``import torchvision`` fails a stand-in module answers that import
+with inert objects. Everything the tests call is SGLang's real code.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import types
+
+import pytest
+
+SGLANG_VERSION = "0.5.23"
+
+
+class _Inert:
+    """Any attribute, any call, any base class: what SGLang's multimodal imports touch at import."""
+
+    def __getattr__(self, name: str) -> "_Inert":
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Inert()
+
+    def __call__(self, *args, **kwargs) -> "_Inert":
+        return _Inert()
+
+    def __mro_entries__(self, bases):
+        return (object,)
+
+
+class _StandInLoader(importlib.abc.Loader):
+    def create_module(self, spec):
+        module = types.ModuleType(spec.name)
+        module.__path__ = []
+        module.__version__ = "0.0.0"  # transformers reads it; 0.0.0 keeps its torchvision paths off
+
+        def attr(name: str):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return _Inert()
+
+        module.__getattr__ = attr
+        return module
+
+    def exec_module(self, module) -> None:
+        pass
+
+
+class _StandInFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "torchvision" or name.startswith("torchvision."):
+            return importlib.machinery.ModuleSpec(name, _StandInLoader(), is_package=True)
+        return None
+
+
+def _torchvision_or_stand_in() -> None:
+    try:
+        import torchvision  # noqa: F401
+    except Exception:  # absent, or a CUDA build that cannot load its ops here
+        for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
+            del sys.modules[name]
+        sys.meta_path.insert(0, _StandInFinder())
+
+
+def sglang_module(name: str):
+    """Import ``sglang.<name>`` from the installed SGLang, or skip the test where it is not installed."""
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip(f"sglang {SGLANG_VERSION} is not installed (make setup-sglang)")
+    _torchvision_or_stand_in()
+    import sglang
+
+    if sglang.__version__ != SGLANG_VERSION:
+        pytest.skip(f"these tests pin sglang {SGLANG_VERSION}, found {sglang.__version__}")
+    return importlib.import_module(f"sglang.{name}")
