@@ -1,0 +1,1 @@
+"""kvplan inside serving engines: adapters over their own disaggregation interfaces."""
