@@ -161,3 +161,119 @@ def test_kv_and_aux_byte_ranges_equal_sglang_s(sglang, monkeypatch, mla, heads, 
         assert len(ours) <= len(theirs)  # kvplan never cuts finer than SGLang
 
     check()
+
+
+# -- state components and aux: SGLang's maybe_send_extra -------------------------------------------
+
+def kv_args_of(sglang, side, rank: int = 0):
+    """The ``KVArgs`` SGLang registers for the memory a kvplan side describes (state included)."""
+    args = sglang.base.KVArgs()
+    kv = side.kv
+    args.kv_data_ptrs = [e.base_ptr for e in kv.entries]
+    args.kv_data_lens = [e.item_len * e.num_items for e in kv.entries]
+    args.kv_item_lens = [e.item_len for e in kv.entries]
+    args.kv_layer_ids = None
+    args.prefill_start_layer, args.prefill_end_layer, args.mla_compression_ratios = kv.first_layer, None, None
+    args.page_size, args.engine_rank = kv.page_size, rank
+    args.kv_head_num, args.total_kv_head_num = max(1, kv.num_kv_heads // kv.tp_size), kv.num_kv_heads
+    args.aux_data_ptrs = [e.base_ptr for e in side.aux]
+    args.aux_data_lens = [e.item_len * e.num_items for e in side.aux]
+    args.aux_item_lens = [e.item_len for e in side.aux]
+    args.state_types = [sglang.base.StateType(c.kind.value) for c in side.state]
+    args.state_data_ptrs = [[e.base_ptr for e in c.entries] for c in side.state]
+    args.state_data_lens = [[e.item_len * e.num_items for e in c.entries] for c in side.state]
+    args.state_item_lens = [[e.item_len for e in c.entries] for c in side.state]
+    args.state_layer_ids = [[] for _ in side.state]
+    args.state_dim_per_tensor = [[] for _ in side.state]
+    args.state_slice_outer_counts = [[] for _ in side.state]
+    args.state_conv_shard_groups = [[] for _ in side.state]
+    return args
+
+
+@pytest.mark.parametrize("shape", ["ring_mamba", "swa16", "dsa16"])
+@pytest.mark.parametrize("prefix_len, chunks", [(0, 1), (0, 2), (32, 2)])
+def test_state_kinds_and_aux_byte_ranges_equal_sglang_s(sglang, monkeypatch, shape, prefix_len, chunks):
+    """An SWA ring and Mamba state (MHA), SWA state (MHA, gpt-oss-like) and DSA indexer pages (MLA,
+    as SGLang has them only with MLA) with KV and aux: the state lists kvplan computes, handed to
+    SGLang's ``maybe_send_extra`` with the decode's published lists, give the blocks of kvplan's
+    plan."""
+    from kvplan.planner.model import Attention
+    from kvplan.tools.scenarios import build_batch
+    from tests.transport.handoff import LENGTHS, SHAPES
+
+    model = SHAPES[shape]
+    batch = build_batch(model, requests=len(LENGTHS), prompt_len=list(LENGTHS), chunks=chunks,
+                        prefix_len=prefix_len, seed=5)
+    plan = plan_reference(batch)
+    mla = model.attention is Attention.MLA
+    src_args, dst_args = kv_args_of(sglang, batch.src), kv_args_of(sglang, batch.dsts[0])
+    mine = side_from_kv_args(src_args, mla=mla, req_to_token=batch.src.req_to_token, state=batch.src.state)
+    assert (mine.kv, mine.aux) == (batch.src.kv, batch.src.aux)  # the mapping round-trips
+    mgr = manager(sglang, src_args, mla=mla, attn_tp_size=1, monkeypatch=monkeypatch)
+    monkeypatch.setattr(sglang.conn, "get_parallel", lambda: types.SimpleNamespace(enable_kv_cache_sharding=False))
+    mgr.state_tp_size, mgr.request_status = 1, {}
+    target = types.SimpleNamespace(
+        dst_state_data_ptrs=dst_args.state_data_ptrs, dst_state_item_lens=dst_args.state_item_lens,
+        dst_state_dim_per_tensor=dst_args.state_dim_per_tensor, dst_state_layer_ids=dst_args.state_layer_ids,
+        dst_attn_tp_size=1, dst_tp_rank=0)
+    sglang_blocks(sglang, mgr, batch, dst_args, head_sliced=False, dst_tp=1)  # KV and aux
+    with concurrent.futures.ThreadPoolExecutor(2) as executor:
+        for t, tp in zip(batch.transfers, plan.transfers):
+            if not t.last:
+                continue
+            req = types.SimpleNamespace(mooncake_session_id="peer", room=0, dst_aux_index=t.aux_dst,
+                                        dst_state_indices=[list(map(int, ids)) for ids in t.dst_state])
+            mgr.request_status[0] = sglang.base.KVPoll.Transferring
+            src_lists = [np.asarray(c.src_list, np.int32) for c in tp.state]
+            assert mgr.maybe_send_extra(req, src_lists, executor, target) == 0
+    assert byte_ranges(plan.descriptors()[0]) == byte_ranges(mgr.engine.blocks)
+
+
+@pytest.mark.parametrize("shape", ["ring_mamba", "swa16", "dsa16"])
+@pytest.mark.parametrize("prefix_len", [0, 32])
+def test_state_lists_are_sglang_s_payloads_and_the_prefix_variants_are_named(sglang, shape, prefix_len):
+    """The source's state lists against SGLang 0.5.23's payloads (``PrefillMixin.send_kv_chunk`` in
+    ``disaggregation/prefill.py``: ``_swa_payload``, ``_dsa_pages_payload``, ``_swa_ring_payload``,
+    ``_mamba_payload``). Those are closures over a live scheduler, so their formulas are restated
+    here around SGLang's own ``kv_to_page_indices`` and ``suffix_page_indices``.
+
+    Named differences (docs/planning.md §6, "optional later variants"): with a decode prefix
+    ``P > 0``, 0.5.23 starts the SWA window at ``max(P, seq - W)`` and sends DSA pages of
+    ``[P, seq)``; kvplan starts at ``max(0, seq - W)`` and sends DSA pages of ``[0, seq)``, so its
+    lists are SGLang's with the prefix's pages in front (the decode side publishes the same, so
+    they pair). With ``P = 0`` they are equal."""
+    from kvplan.planner.model import StateKind
+    from kvplan.tools.scenarios import build_batch
+    from tests.transport.handoff import LENGTHS, SHAPES
+
+    batch = build_batch(SHAPES[shape], requests=len(LENGTHS), prompt_len=list(LENGTHS), chunks=2,
+                        prefix_len=prefix_len, seed=7)
+    plan = plan_reference(batch)
+    table = torch.from_numpy(np.asarray(batch.src.req_to_token).astype(np.int64))
+    ps = batch.src.kv.page_size
+    checked = 0
+    for t, tp in zip(batch.transfers, plan.transfers):
+        if not t.last:
+            continue
+        seq, p = t.prompt_len, t.prefix_len
+        for comp, lists in zip(batch.src.state, tp.state):
+            ours = np.asarray(lists.src_list).tolist()
+            if comp.kind is StateKind.DSA:
+                theirs = sglang.pages.suffix_page_indices(table, t.src_row, p, seq, ps).tolist()
+                prefix_pages = sglang.pages.kv_to_page_indices(table[t.src_row, :p], ps).tolist()
+                assert ours == prefix_pages + theirs
+            elif comp.kind is StateKind.SWA:
+                full_to_swa = torch.from_numpy(np.asarray(comp.slot_map))
+                start = max(p, seq - comp.window) // ps * ps  # 0.5.23: max(decode_prefix_len, seq - W)
+                theirs = sglang.pages.kv_to_page_indices(full_to_swa[table[t.src_row, start:seq]], ps).tolist()
+                start0 = max(0, seq - comp.window) // ps * ps  # kvplan, and 0.5.23 whenever P <= that
+                extra = sglang.pages.kv_to_page_indices(full_to_swa[table[t.src_row, start0:start]], ps).tolist() \
+                    if start > start0 else []
+                assert ours == extra + theirs
+            elif comp.kind is StateKind.SWA_RING:
+                positions = np.arange(max(0, seq - comp.window), seq)
+                assert ours == (t.src_row * comp.ring_size + positions % comp.ring_size).tolist()
+            else:  # MAMBA: the row's slot
+                assert ours == [int(np.asarray(comp.slot_map)[t.src_row])]
+            checked += 1
+    assert checked >= len(LENGTHS)
