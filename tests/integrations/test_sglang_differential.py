@@ -1,12 +1,18 @@
-"""kvplan's plan against what SGLang 0.5.23's own Mooncake KV manager would post, for the same
-``KVArgs`` and indices, as sets of byte ranges.
+"""kvplan's plan against what SGLang 0.5.23's own Mooncake and NIXL KV managers would post, for
+the same ``KVArgs`` and indices, as sets of byte ranges.
 
-SGLang's ``MooncakeKVManager`` is built without its constructor (no engine, no threads, no
-sockets); its transfer engine is a recorder of ``batch_transfer_sync`` calls and its memory
-configuration a namespace with ``enable_unified_memory=False`` (the default). Everything else it
-runs is its own planning code: ``send_kvcache`` (``group_concurrent_contiguous`` per layer),
-``send_kvcache_slice`` (one block per token and head slice) and ``send_aux``. The indices are the
-ones SGLang's scheduler hands it: the chunk's page ids by SGLang's own ``kv_to_page_indices`` over
+SGLang's ``MooncakeKVManager`` and ``NixlKVManager`` are built without their constructors (no
+engine, no threads, no sockets), with the attributes their planning methods read. Their engines are
+recorders: Mooncake's ``batch_transfer_sync``, and NIXL's ``get_xfer_descs``, ``prep_xfer_dlist``,
+``initialize_xfer`` and ``make_prepped_xfer`` (a prepared transfer is recorded as the descriptors
+its indices select from the two prepared lists). Their memory configuration is a namespace with
+``enable_unified_memory=False`` and ``enable_kv_cache_sharding=False`` (the defaults). Everything
+else they run is their own planning code: Mooncake's ``send_kvcache`` (runs per layer),
+``send_kvcache_slice`` (one block per token and head slice), ``send_aux`` and
+``maybe_send_extra``; NIXL's prepared lists for equal and different TP sizes
+(``_init_equal_tp_prep_handle``, ``_init_hetero_tp_prep_handle``), ``send_kvcache``,
+``send_kvcache_slice``, ``send_aux`` and ``maybe_send_extra``. The indices are the ones SGLang's
+scheduler hands them: the chunk's page ids by SGLang's own ``kv_to_page_indices`` over
 ``req_to_token``, the decode's pages sliced at the chunk's first page.
 """
 
@@ -30,7 +36,7 @@ pytestmark = pytest.mark.sglang
 
 
 class Recorder:
-    """SGLang's transfer engine, replaced: it records every block and moves nothing."""
+    """SGLang's Mooncake transfer engine, replaced: it records every block and moves nothing."""
 
     def __init__(self):
         self.blocks: list[tuple[int, int, int]] = []
@@ -40,10 +46,46 @@ class Recorder:
         return 0
 
 
+class NixlRecorder:
+    """SGLang's NIXL agent, replaced: descriptor lists are kept as arrays, transfers are recorded
+    as the blocks they pair, nothing moves. Strided (Nx5) lists are refused with ``TypeError``, as an
+    older NIXL does, so SGLang expands them itself."""
+
+    def __init__(self):
+        self.blocks: list[tuple[int, int, int]] = []
+        self.lists: list[np.ndarray] = []
+
+    def get_xfer_descs(self, descs, mem_kind):
+        return np.asarray(descs, dtype=np.uint64).reshape(-1, 3)
+
+    def prep_xfer_dlist(self, agent_name, descs, mem_kind):
+        descs = np.asarray(descs, dtype=np.uint64)
+        if descs.ndim == 2 and descs.shape[1] == 5:
+            raise TypeError("strided descriptors are not supported by this recorder")
+        self.lists.append(descs.reshape(-1, 3))
+        return len(self.lists) - 1
+
+    def _pair(self, src, dst):
+        assert len(src) == len(dst) and np.array_equal(src[:, 1], dst[:, 1]), "SGLang paired unequal descriptors"
+        self.blocks += [(int(s), int(d), int(n)) for s, d, n in zip(src[:, 0], dst[:, 0], src[:, 1])]
+        return len(self.blocks) or 1
+
+    def initialize_xfer(self, op, src_descs, dst_descs, peer_name, *args):
+        return self._pair(src_descs, dst_descs)
+
+    def make_prepped_xfer(self, op, src_handle, src_indices, dst_handle, dst_indices, *args):
+        src_idx, dst_idx = np.asarray(src_indices, np.int64), np.asarray(dst_indices, np.int64)
+        return self._pair(self.lists[src_handle][src_idx], self.lists[dst_handle][dst_idx])
+
+    def transfer(self, handle, *args):
+        return "PROC"
+
+
 @pytest.fixture(scope="module")
 def sglang():
-    conn = sglang_module("srt.disaggregation.mooncake.conn")
-    return types.SimpleNamespace(conn=conn, base=sglang_module("srt.disaggregation.base.conn"),
+    return types.SimpleNamespace(conn=sglang_module("srt.disaggregation.mooncake.conn"),
+                                 nixl=sglang_module("srt.disaggregation.nixl.conn"),
+                                 base=sglang_module("srt.disaggregation.base.conn"),
                                  pages=sglang_module("srt.mem_cache.common"))
 
 
@@ -75,40 +117,117 @@ def kv_args(sglang, *, base: int, layers: int, mla: bool, page_size: int, num_pa
     args.aux_data_ptrs = [base + (1 << 40) + i * (1 << 32) for i in range(len(aux_items))]
     args.aux_data_lens = [n * 64 for n in aux_items]
     args.aux_item_lens = list(aux_items)
+    args.gpu_id, args.state_types, args.state_data_ptrs, args.state_item_lens = 0, [], [], []
+    args.state_layer_ids = args.state_dim_per_tensor = []
     return args
 
 
-def manager(sglang, args, *, mla: bool, attn_tp_size: int, monkeypatch):
-    monkeypatch.setattr(sglang.conn, "get_memory", lambda: types.SimpleNamespace(enable_unified_memory=False))
-    mgr = object.__new__(sglang.conn.MooncakeKVManager)
-    mgr.kv_args, mgr.is_mla_backend, mgr.is_hybrid_mla_backend = args, mla, False
-    mgr.pp_size, mgr.attn_tp_size = 1, attn_tp_size
-    mgr.enable_custom_mem_pool, mgr.custom_mem_pool_type = False, None
-    mgr.max_transfer_batch_indices, mgr.state_strides_validated = 0, set()
-    mgr.engine = Recorder()
-    return mgr
+class MooncakeDriver:
+    """SGLang's ``MooncakeKVManager`` on the prefill side, its engine a :class:`Recorder`."""
+
+    def __init__(self, sglang, src_args, dst_args, *, mla: bool, src_tp: int, dst_tp: int, monkeypatch):
+        conn = sglang.conn
+        monkeypatch.setattr(conn, "get_memory", lambda: types.SimpleNamespace(enable_unified_memory=False))
+        monkeypatch.setattr(conn, "get_parallel", lambda: types.SimpleNamespace(enable_kv_cache_sharding=False))
+        mgr = self.mgr = object.__new__(conn.MooncakeKVManager)
+        mgr.kv_args, mgr.is_mla_backend, mgr.is_hybrid_mla_backend = src_args, mla, False
+        mgr.pp_size, mgr.attn_tp_size, mgr.state_tp_size = 1, src_tp, src_tp
+        mgr.enable_custom_mem_pool, mgr.custom_mem_pool_type = False, None
+        mgr.max_transfer_batch_indices, mgr.state_strides_validated = 0, set()
+        mgr.request_status = {0: sglang.base.KVPoll.Transferring}
+        mgr.engine = Recorder()
+        self.dst, self.dst_tp, self.head_sliced = dst_args, dst_tp, src_tp != dst_tp and not mla
+        self.executor = concurrent.futures.ThreadPoolExecutor(2)
+
+    @property
+    def blocks(self):
+        return self.mgr.engine.blocks
+
+    def kv(self, src_pages, dst_pages):
+        if self.head_sliced:
+            ret = self.mgr.send_kvcache_slice("peer", src_pages, self.dst.kv_data_ptrs, dst_pages,
+                                              self.dst.engine_rank, self.dst_tp, self.dst.kv_item_lens[0],
+                                              self.executor)
+        else:
+            ret = self.mgr.send_kvcache("peer", src_pages, self.dst.kv_data_ptrs, dst_pages, self.executor)
+        assert ret == 0
+
+    def aux(self, src_row, dst_row):
+        info = types.SimpleNamespace(mooncake_session_id="peer", dst_aux_index=dst_row)
+        assert self.mgr.send_aux(info, src_row, self.dst.aux_data_ptrs) == 0
+
+    def state(self, src_lists, dst_lists):
+        req = types.SimpleNamespace(mooncake_session_id="peer", room=0, dst_state_indices=dst_lists)
+        target = types.SimpleNamespace(
+            dst_state_data_ptrs=self.dst.state_data_ptrs, dst_state_item_lens=self.dst.state_item_lens,
+            dst_state_dim_per_tensor=self.dst.state_dim_per_tensor, dst_state_layer_ids=self.dst.state_layer_ids,
+            dst_attn_tp_size=self.dst_tp, dst_tp_rank=self.dst.engine_rank)
+        assert self.mgr.maybe_send_extra(req, src_lists, self.executor, target) == 0
 
 
-def sglang_blocks(sglang, mgr, batch, dst_args, *, head_sliced: bool, dst_tp: int) -> list[tuple[int, int, int]]:
+class NixlDriver:
+    """SGLang's ``NixlKVManager`` on the prefill side, its agent a :class:`NixlRecorder`; the
+    prepared lists are made by SGLang's ``_prepare_payload_xfer`` from the decode's registration."""
+
+    def __init__(self, sglang, src_args, dst_args, *, mla: bool, src_tp: int, dst_tp: int, monkeypatch):
+        conn = sglang.nixl
+        monkeypatch.setattr(conn, "get_memory", lambda: types.SimpleNamespace(enable_unified_memory=False),
+                            raising=False)
+        mgr = self.mgr = object.__new__(conn.NixlKVManager)
+        mgr.kv_args, mgr.is_mla_backend, mgr.is_hybrid_mla_backend = src_args, mla, False
+        mgr.pp_size, mgr.attn_tp_size, mgr.state_tp_size = 1, src_tp, src_tp
+        mgr.agent, mgr.src_mem_kind, mgr._use_strided_descs = NixlRecorder(), "VRAM", True
+        mgr.prep_handles, mgr.prep_handle_slice_src, mgr.prep_handles_slice_dst = {}, None, {}
+        mgr._num_slots_src = src_args.kv_data_lens[0] // src_args.kv_item_lens[0]
+        mgr._state_layout_rejections, mgr._prepared_state_plans = {}, {}
+        self.info = conn.KVArgsRegisterInfo(
+            room="0", endpoint="127.0.0.1", dst_port=0, agent_name="peer", agent_metadata=b"",
+            dst_kv_ptrs=list(dst_args.kv_data_ptrs), dst_kv_mem_kinds=["VRAM"] * len(dst_args.kv_data_ptrs),
+            dst_aux_ptrs=list(dst_args.aux_data_ptrs), dst_state_data_ptrs=dst_args.state_data_ptrs, gpu_id=0,
+            decode_tp_size=dst_tp, decode_tp_rank=dst_args.engine_rank, dst_kv_item_len=dst_args.kv_item_lens[0],
+            dst_kv_item_lens=list(dst_args.kv_item_lens),
+            dst_num_slots=dst_args.kv_data_lens[0] // dst_args.kv_item_lens[0],
+            dst_state_item_lens=dst_args.state_item_lens, dst_state_layer_ids=dst_args.state_layer_ids)
+        mgr.decode_kv_args_table = {"peer": self.info}
+        mgr._prepare_payload_xfer(self.info)
+        self.dst, self.dst_tp, self.head_sliced = dst_args, dst_tp, src_tp != dst_tp and not mla
+
+    @property
+    def blocks(self):
+        return self.mgr.agent.blocks
+
+    def kv(self, src_pages, dst_pages):
+        if self.head_sliced:
+            assert self.mgr.send_kvcache_slice("peer", src_pages, dst_pages)
+        else:
+            assert self.mgr.send_kvcache("peer", src_pages, self.dst.kv_data_ptrs, dst_pages, 0)
+
+    def aux(self, src_row, dst_row):
+        assert self.mgr.send_aux("peer", src_row, self.dst.aux_data_ptrs, dst_row)
+
+    def state(self, src_lists, dst_lists):
+        handles = self.mgr.maybe_send_extra("peer", src_lists, self.dst.state_data_ptrs, dst_lists, 0, self.dst_tp,
+                                            self.dst.engine_rank, dst_state_item_lens=self.dst.state_item_lens,
+                                            dst_state_dim_per_tensor=self.dst.state_dim_per_tensor,
+                                            dst_state_layer_ids=self.dst.state_layer_ids)
+        list(handles)  # a generator: each state handle is yielded to the chunk's owner
+
+
+DRIVERS = {"mooncake": MooncakeDriver, "nixl": NixlDriver}
+
+
+def drive(sglang, driver, batch) -> list[tuple[int, int, int]]:
     """Every block SGLang posts for the batch's transfers, chunk by chunk as its scheduler sends them."""
     table = torch.from_numpy(np.asarray(batch.src.req_to_token))
     ps = batch.src.kv.page_size
-    with concurrent.futures.ThreadPoolExecutor(2) as executor:
-        for t in batch.transfers:
-            end = t.prompt_len if t.last else t.fill_len // ps * ps
-            src_pages = sglang.pages.kv_to_page_indices(table[t.src_row, t.start:end], ps).astype(np.int32)
-            first = (t.start - t.prefix_len) // ps
-            dst_pages = np.asarray(t.dst_pages, np.int32)[first : first + len(src_pages)]
-            if head_sliced:
-                ret = mgr.send_kvcache_slice("peer", src_pages, dst_args.kv_data_ptrs, dst_pages,
-                                             dst_args.engine_rank, dst_tp, dst_args.kv_item_lens[0], executor)
-            else:
-                ret = mgr.send_kvcache("peer", src_pages, dst_args.kv_data_ptrs, dst_pages, executor)
-            assert ret == 0
-            if t.last:
-                info = types.SimpleNamespace(mooncake_session_id="peer", dst_aux_index=t.aux_dst)
-                assert mgr.send_aux(info, t.aux_src, dst_args.aux_data_ptrs) == 0
-    return mgr.engine.blocks
+    for t in batch.transfers:
+        end = t.prompt_len if t.last else t.fill_len // ps * ps
+        src_pages = sglang.pages.kv_to_page_indices(table[t.src_row, t.start:end], ps).astype(np.int32)
+        first = (t.start - t.prefix_len) // ps
+        driver.kv(src_pages, np.asarray(t.dst_pages, np.int32)[first : first + len(src_pages)])
+        if t.last:
+            driver.aux(t.aux_src, t.aux_dst)
+    return driver.blocks
 
 
 def random_batch(rng, src, dst, requests: int, prefix_pages: int, chunked: bool) -> Batch:
@@ -139,14 +258,16 @@ LAYOUTS = [(False, 4, 1, 0, 1, 0), (True, 1, 1, 0, 1, 0), (False, 4, 2, 1, 4, 3)
            (False, 2, 2, 1, 8, 6)]
 
 
+@pytest.mark.parametrize("engine", sorted(DRIVERS))
 @pytest.mark.parametrize("mla, heads, src_tp, src_rank, dst_tp, dst_rank", LAYOUTS)
-def test_kv_and_aux_byte_ranges_equal_sglang_s(sglang, monkeypatch, mla, heads, src_tp, src_rank, dst_tp, dst_rank):
-    @settings(max_examples=12, deadline=None)
+def test_kv_and_aux_byte_ranges_equal_sglang_s(sglang, monkeypatch, engine, mla, heads, src_tp, src_rank, dst_tp,
+                                               dst_rank):
+    @settings(max_examples=10, deadline=None)
     @given(page_size=st.sampled_from([1, 4, 16]), layers=st.integers(1, 3), requests=st.integers(1, 4),
            prefix_pages=st.integers(0, 2), chunked=st.booleans(), seed=st.integers(0, 2**31))
     def check(page_size, layers, requests, prefix_pages, chunked, seed):
         bph = 8  # bytes per head and token
-        shape = dict(layers=layers, mla=mla, page_size=page_size, num_pages=128, heads=heads, aux_items=(16, 48))
+        shape = dict(layers=layers, mla=mla, page_size=page_size, num_pages=64, heads=heads, aux_items=(16, 48))
         src_args = kv_args(sglang, base=1 << 48, token_bytes=bph * (1 if mla else max(1, heads // src_tp)),
                            tp_size=src_tp, rank=src_rank, **shape)
         dst_args = kv_args(sglang, base=2 << 48, token_bytes=bph * (1 if mla else max(1, heads // dst_tp)),
@@ -155,8 +276,9 @@ def test_kv_and_aux_byte_ranges_equal_sglang_s(sglang, monkeypatch, mla, heads, 
         dst = side_from_kv_args(dst_args, mla=mla, attn_tp_size=dst_tp)
         batch = random_batch(np.random.default_rng(seed), src, dst, requests, prefix_pages, chunked)
         ours = plan_reference(batch).descriptors()[0]
-        mgr = manager(sglang, src_args, mla=mla, attn_tp_size=src_tp, monkeypatch=monkeypatch)
-        theirs = sglang_blocks(sglang, mgr, batch, dst_args, head_sliced=src_tp != dst_tp and not mla, dst_tp=dst_tp)
+        driver = DRIVERS[engine](sglang, src_args, dst_args, mla=mla, src_tp=src_tp, dst_tp=dst_tp,
+                                 monkeypatch=monkeypatch)
+        theirs = drive(sglang, driver, batch)
         assert byte_ranges(ours) == byte_ranges(theirs)
         assert len(ours) <= len(theirs)  # kvplan never cuts finer than SGLang
 
@@ -187,12 +309,14 @@ def kv_args_of(sglang, side, rank: int = 0):
     args.state_dim_per_tensor = [[] for _ in side.state]
     args.state_slice_outer_counts = [[] for _ in side.state]
     args.state_conv_shard_groups = [[] for _ in side.state]
+    args.gpu_id = 0
     return args
 
 
+@pytest.mark.parametrize("engine", sorted(DRIVERS))
 @pytest.mark.parametrize("shape", ["ring_mamba", "swa16", "dsa16"])
 @pytest.mark.parametrize("prefix_len, chunks", [(0, 1), (0, 2), (32, 2)])
-def test_state_kinds_and_aux_byte_ranges_equal_sglang_s(sglang, monkeypatch, shape, prefix_len, chunks):
+def test_state_kinds_and_aux_byte_ranges_equal_sglang_s(sglang, monkeypatch, engine, shape, prefix_len, chunks):
     """An SWA ring and Mamba state (MHA), SWA state (MHA, gpt-oss-like) and DSA indexer pages (MLA,
     as SGLang has them only with MLA) with KV and aux: the state lists kvplan computes, handed to
     SGLang's ``maybe_send_extra`` with the decode's published lists, give the blocks of kvplan's
@@ -209,24 +333,13 @@ def test_state_kinds_and_aux_byte_ranges_equal_sglang_s(sglang, monkeypatch, sha
     src_args, dst_args = kv_args_of(sglang, batch.src), kv_args_of(sglang, batch.dsts[0])
     mine = side_from_kv_args(src_args, mla=mla, req_to_token=batch.src.req_to_token, state=batch.src.state)
     assert (mine.kv, mine.aux) == (batch.src.kv, batch.src.aux)  # the mapping round-trips
-    mgr = manager(sglang, src_args, mla=mla, attn_tp_size=1, monkeypatch=monkeypatch)
-    monkeypatch.setattr(sglang.conn, "get_parallel", lambda: types.SimpleNamespace(enable_kv_cache_sharding=False))
-    mgr.state_tp_size, mgr.request_status = 1, {}
-    target = types.SimpleNamespace(
-        dst_state_data_ptrs=dst_args.state_data_ptrs, dst_state_item_lens=dst_args.state_item_lens,
-        dst_state_dim_per_tensor=dst_args.state_dim_per_tensor, dst_state_layer_ids=dst_args.state_layer_ids,
-        dst_attn_tp_size=1, dst_tp_rank=0)
-    sglang_blocks(sglang, mgr, batch, dst_args, head_sliced=False, dst_tp=1)  # KV and aux
-    with concurrent.futures.ThreadPoolExecutor(2) as executor:
-        for t, tp in zip(batch.transfers, plan.transfers):
-            if not t.last:
-                continue
-            req = types.SimpleNamespace(mooncake_session_id="peer", room=0, dst_aux_index=t.aux_dst,
-                                        dst_state_indices=[list(map(int, ids)) for ids in t.dst_state])
-            mgr.request_status[0] = sglang.base.KVPoll.Transferring
-            src_lists = [np.asarray(c.src_list, np.int32) for c in tp.state]
-            assert mgr.maybe_send_extra(req, src_lists, executor, target) == 0
-    assert byte_ranges(plan.descriptors()[0]) == byte_ranges(mgr.engine.blocks)
+    driver = DRIVERS[engine](sglang, src_args, dst_args, mla=mla, src_tp=1, dst_tp=1, monkeypatch=monkeypatch)
+    drive(sglang, driver, batch)  # KV and aux
+    for t, tp in zip(batch.transfers, plan.transfers):
+        if t.last:
+            driver.state([np.asarray(c.src_list, np.int32) for c in tp.state],
+                         [list(map(int, ids)) for ids in t.dst_state])
+    assert byte_ranges(plan.descriptors()[0]) == byte_ranges(driver.blocks)
 
 
 @pytest.mark.parametrize("shape", ["ring_mamba", "swa16", "dsa16"])
