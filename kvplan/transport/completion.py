@@ -108,6 +108,9 @@ class CompletionTracker:
     def __len__(self) -> int:
         return len(self._status)
 
+    def __contains__(self, request: Any) -> bool:
+        return request in self._status
+
     def state(self, request: Any) -> str:
         status = self._status[request]
         return "failed" if status.failure is not None else "complete" if status.complete() else "pending"

@@ -31,7 +31,8 @@ def _parse(parts: list[bytes]) -> tuple[str, dict[str, Any], list[bytes]]:
     return "malformed", {}, parts
 
 class ControlChannel:
-    """One end of a PAIR socket; the decode side binds an ephemeral port, the prefill side connects.
+    """One end of a PAIR socket; the decode side binds an ephemeral port (or ``bind_port``), the
+    prefill side connects (either end may bind: the SGLang adapter binds the prefill's bootstrap port).
 
     ZeroMQ's own heartbeats run both ways (every 0.2 s; a peer silent for ``peer_timeout`` seconds
     is dropped), and a monitor watches the connection: :meth:`peer_gone` turns true within about
@@ -41,7 +42,8 @@ class ControlChannel:
     still queued at :meth:`close` get a second to leave (a final ``failed`` must not be lost).
     """
 
-    def __init__(self, connect_port: int | None = None, peer_timeout: float = 1.0, host: str = "127.0.0.1"):
+    def __init__(self, connect_port: int | None = None, peer_timeout: float = 1.0, host: str = "127.0.0.1",
+                 bind_port: int | None = None):
         import zmq
 
         self._zmq = zmq
@@ -59,7 +61,10 @@ class ControlChannel:
         self._ever = False  # a peer has connected at least once
         self._replaced = False  # a peer connected after an earlier one was lost (see replaced())
         self.host = host
-        if connect_port is None:
+        if connect_port is None and bind_port:  # a known port (an SGLang bootstrap port)
+            self.socket.bind(f"tcp://{host}:{bind_port}")
+            self.port = bind_port
+        elif connect_port is None:
             self.port = self.socket.bind_to_random_port(f"tcp://{host}")
         else:
             self.port = connect_port

@@ -133,21 +133,13 @@ class PrefillEndpoint:
         """Receive every decode endpoint's registration and pair with it (refusing one that cannot
         pair, with the reason, and raising)."""
         deadline = time.monotonic() + timeout
-        for peer in self.peers:
+        for k, peer in enumerate(self.peers):
             kind, header, frames = peer.recv(deadline)
             while kind == "wave-done":  # a receiver that outlived an earlier sender may still answer its waves
                 kind, header, frames = peer.recv(deadline)
             if kind != "register":
                 raise LayoutError(f"expected a registration, got {kind!r}")
-            peer_side = side_from_description(header["side"])
-            try:
-                pair_sides(self.side, peer_side)
-            except LayoutError as err:
-                peer.channel.send("refused", {"reason": str(err)})
-                raise
-            peer.side = peer_side
-            peer.staging = tuple(header["staging"]) if header["staging"] else None
-            peer.name = self.engine.connect(frames[0])
+            self._on_register(k, header, frames)
 
     def receive_requests(self, count: int, timeout: float, peer: int = 0) -> None:
         """Receive ``count`` requests' destination lists (wire messages) from decode endpoint ``peer``."""
@@ -157,8 +149,39 @@ class PrefillEndpoint:
             kind, header, frames = p.recv(deadline)
             if kind != "request":
                 raise LayoutError(f"expected destination lists, got {kind!r}")
-            lists, aux = decode_message(frames[0], len(p.side.state))
-            p.lists[header["request"]] = (lists, aux, header["prefix_len"])
+            self._on_request(peer, header, frames)
+
+    def progress(self) -> list[tuple[int, Any]]:
+        """Take in, without blocking, whatever the decode endpoints have sent: registrations (paired
+        as :meth:`accept` pairs them) and destination lists. Returns the ``(peer, request)`` pairs
+        whose lists arrived; a registration that cannot pair is refused and raises ``LayoutError``."""
+        arrived = []
+        for k, p in enumerate(self.peers):
+            while (msg := (p.backlog.popleft() if p.backlog else p.channel.try_recv())) is not None:
+                kind, header, frames = msg
+                if kind == "register":
+                    self._on_register(k, header, frames)
+                elif kind == "request" and p.side is not None:
+                    arrived.append((k, self._on_request(k, header, frames)))
+        return arrived
+
+    def _on_register(self, k: int, header: dict[str, Any], frames: list[bytes]) -> None:
+        peer = self.peers[k]
+        peer_side = side_from_description(header["side"])
+        try:
+            pair_sides(self.side, peer_side)
+        except LayoutError as err:
+            peer.channel.send("refused", {"reason": str(err)})
+            raise
+        peer.side = peer_side
+        peer.staging = tuple(header["staging"]) if header["staging"] else None
+        peer.name = self.engine.connect(frames[0])
+
+    def _on_request(self, k: int, header: dict[str, Any], frames: list[bytes]) -> Any:
+        p = self.peers[k]
+        lists, aux = decode_message(frames[0], len(p.side.state))
+        p.lists[header["request"]] = (lists, aux, header["prefix_len"])
+        return header["request"]
 
     def transfer(self, chunk: Chunk, peer: int = 0) -> Transfer:
         """The :class:`Transfer` of a chunk to decode endpoint ``peer``, with the lists it published."""

@@ -1,0 +1,308 @@
+"""kvplan behind SGLang's disaggregation interfaces: ``KVManager``, ``KVSender``, ``KVReceiver``.
+
+They subclass SGLang's ``BaseKVManager``, ``BaseKVSender`` and ``BaseKVReceiver``, take the same
+constructor arguments (``KVArgs``, the disaggregation mode, the server args) and report SGLang's
+``KVPoll`` states. Underneath, a prefill manager owns a kvplan :class:`PrefillEndpoint` and a decode
+manager a :class:`DecodeEndpoint`: pages are planned by kvplan (on the GPU when there is one) and
+moved by kvplan's transport through NIXL or Mooncake.
+
+SGLang's sender is per request: ``init(num_pages, aux_index)``, then ``send(page_ids)`` per chunk.
+The prefill manager gathers every ``send`` of one scheduler step and plans them as one batch at the
+first ``poll`` after them (or at :meth:`KVManager.flush`): that is where planning on the GPU pays.
+
+Scope of this version (issue 12): KV pages and aux rows, direct or head-sliced, chunked, with a
+decode prefix; one decode manager per prefill manager (the control channel is a PAIR socket on the
+prefill's bootstrap port, 127.0.0.1). State components are refused with a clear error. Sends are
+moved when planned: ``poll`` returns ``Success`` or ``Failed`` for a request whose last chunk has
+gone.
+
+Example (prefill and decode in two processes; ``kv_args`` as SGLang fills them)::
+
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from kvplan.integrations.sglang.adapter import KVManager, KVReceiver, KVSender
+
+    # prefill
+    mgr = KVManager(kv_args, DisaggregationMode.PREFILL, server_args)
+    sender = KVSender(mgr, "127.0.0.1:8998", bootstrap_room=7)
+    sender.init(num_kv_indices=len(pages), aux_index=3)
+    while sender.poll() == KVPoll.Bootstrapping: ...        # until the decode's lists arrived
+    sender.send(pages)                                      # the last chunk: all pages
+    while sender.poll() not in (KVPoll.Success, KVPoll.Failed): ...
+
+    # decode
+    mgr = KVManager(kv_args, DisaggregationMode.DECODE, server_args)
+    receiver = KVReceiver(mgr, "127.0.0.1:8998", bootstrap_room=7)
+    receiver.init(prefill_dp_rank=0)
+    receiver.send_metadata(dst_pages, aux_index=5)
+    while receiver.poll() not in (KVPoll.Success, KVPoll.Failed): ...
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from sglang.srt.disaggregation.base.conn import (
+    BaseKVManager,
+    BaseKVReceiver,
+    BaseKVSender,
+    KVPoll,
+    KVTransferMetric,
+)
+from sglang.srt.disaggregation.utils import DisaggregationMode
+
+from ...errors import KvplanError, LayoutError
+from ...planner.destinations import PublishedRequest
+from ...planner.model import SideMemory
+from ...planner.plan import DestinationLists
+from ...transport.control import ControlChannel
+from ...transport.decode import DecodeEndpoint
+from ...transport.engines import make_engine
+from ...transport.prefill import Chunk, PrefillEndpoint
+from .kv_args import side_from_kv_args
+
+__all__ = ["KVManager", "KVReceiver", "KVSender", "TransferFailed"]
+
+log = logging.getLogger("kvplan")
+
+DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's --disaggregation-bootstrap-port default
+
+
+class TransferFailed(KvplanError):
+    """What ``failure_exception`` raises: the request's transfer failed, with the reason."""
+
+
+def _setting(server_args: Any, name: str, default: Any) -> Any:
+    value = getattr(server_args, name, None)
+    return default if value is None else value
+
+
+def _planning_device() -> torch.device:
+    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class KVManager(BaseKVManager):
+    """One side's kvplan endpoint under SGLang's ``BaseKVManager`` (see the module docstring).
+
+    Server args read (each with a default): ``disaggregation_transfer_backend`` (``"nixl"`` or
+    ``"mooncake"``), ``disaggregation_bootstrap_port``, ``attn_tp_size`` (else ``tp_size``),
+    ``max_running_requests`` (rows of the planning table), ``context_length`` (its width),
+    ``kvplan_mode`` (``auto``, ``direct``, ``staged``), ``kvplan_timeout_s``.
+    """
+
+    def __init__(self, args: Any, disaggregation_mode: DisaggregationMode, server_args: Any,
+                 is_mla_backend: Optional[bool] = False):
+        if getattr(args, "state_types", None):
+            raise LayoutError(f"the kvplan SGLang adapter does not move state components yet (got "
+                              f"{[str(getattr(t, 'value', t)) for t in args.state_types]}): KV and aux only (issue 12)")
+        self.kv_args, self.mode, self.server_args = args, disaggregation_mode, server_args
+        self.is_mla = bool(is_mla_backend)
+        self.attn_tp_size = int(_setting(server_args, "attn_tp_size", _setting(server_args, "tp_size", 1)))
+        self.page_size = int(args.page_size)
+        self.timeout = float(_setting(server_args, "kvplan_timeout_s", 30.0))
+        self.transfer_mode = str(_setting(server_args, "kvplan_mode", "auto"))
+        self.device = _planning_device()
+        memory = "VRAM" if self.device.type == "cuda" else "DRAM"
+        engine_kind = str(_setting(server_args, "disaggregation_transfer_backend", "nixl"))
+        self.engine = make_engine(engine_kind, f"{disaggregation_mode.value}-{os.getpid()}-{id(self):x}", memory,
+                                  self.device.index or 0)
+        self.bootstrap_port = int(_setting(server_args, "disaggregation_bootstrap_port", DEFAULT_BOOTSTRAP_PORT))
+        self.status: dict[int, int] = {}
+        self.failures: dict[int, str] = {}
+        if disaggregation_mode is DisaggregationMode.PREFILL:
+            rows = int(_setting(server_args, "max_running_requests", 256)) + 1
+            width = int(_setting(server_args, "context_length", self._pool_tokens()))
+            width = -(-width // self.page_size) * self.page_size
+            self.table = torch.zeros((rows, width), dtype=torch.int32, device=self.device)
+            side = side_from_kv_args(args, mla=self.is_mla, attn_tp_size=self.attn_tp_size, req_to_token=self.table)
+            channel = ControlChannel(bind_port=self.bootstrap_port)
+            self.prefill: PrefillEndpoint | None = PrefillEndpoint(side, self.engine, channel)
+            self._pending: list[tuple[KVSender, np.ndarray]] = []
+        elif disaggregation_mode is DisaggregationMode.DECODE:
+            self.side: SideMemory = side_from_kv_args(args, mla=self.is_mla, attn_tp_size=self.attn_tp_size)
+            self.decode: DecodeEndpoint | None = None
+            self.bootstrap_addr: str | None = None
+        else:
+            raise ValueError(f"a KVManager is for PREFILL or DECODE, not {disaggregation_mode}")
+
+    def _pool_tokens(self) -> int:
+        lens = self.kv_args.kv_data_lens
+        return int(lens[0] // self.kv_args.kv_item_lens[0]) * self.page_size if lens else self.page_size
+
+    def register_to_bootstrap(self) -> None:
+        """Nothing to do: the decode manager connects to this prefill's bootstrap port itself."""
+
+    # -- prefill --------------------------------------------------------------------------------------
+    def paired(self) -> bool:
+        return self.prefill is not None and self.prefill.peers[0].side is not None
+
+    def has_lists(self, room: int) -> bool:
+        return room in self.prefill.peers[0].lists
+
+    def enqueue(self, sender: "KVSender", pages: np.ndarray) -> None:
+        self._pending.append((sender, pages))
+
+    def progress(self) -> None:
+        """Take in registrations and destination lists (prefill), or notifications (decode)."""
+        if self.mode is DisaggregationMode.PREFILL:
+            self.prefill.progress()
+        elif self.decode is not None:
+            self.decode.poll()
+
+    def flush(self) -> None:
+        """Plan every ``send`` since the last flush as one kvplan batch and move it."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        ps, endpoint = self.page_size, self.prefill
+        if len(pending) >= self.table.shape[0]:
+            raise LayoutError(f"{len(pending)} sends in one step; the planning table has "
+                              f"{self.table.shape[0] - 1} rows (server arg max_running_requests)")
+        chunks, rows = [], np.zeros((len(pending) + 1, self.table.shape[1]), np.int32)
+        for row, (sender, pages) in enumerate(pending, start=1):
+            _, _, prefix = endpoint.peers[0].lists[sender.room]
+            start = prefix + sender.pages_sent * ps
+            end = start + len(pages) * ps
+            if end > rows.shape[1]:
+                raise LayoutError(f"request {sender.room}: {end} tokens exceed the planning table's "
+                                  f"{rows.shape[1]} (server arg context_length)")
+            rows[row, start:end] = (pages[:, None].astype(np.int64) * ps + np.arange(ps)).reshape(-1)
+            sender.pages_sent += len(pages)
+            last = sender.pages_sent >= sender.num_pages
+            prompt = prefix + sender.num_pages * ps  # SGLang moves whole pages; so does this
+            chunks.append(endpoint.transfer(Chunk(sender.room, row, start, end, prompt, last, sender.aux_index)))
+        self.table[: rows.shape[0]].copy_(torch.from_numpy(rows))
+        try:
+            results = endpoint.send(chunks, mode=self.transfer_mode, timeout=self.timeout)
+        except KvplanError as err:
+            results = {t.request: f"{type(err).__name__}: {err}" for t in chunks}
+        for t in chunks:
+            reason = results.get(t.request)
+            if reason is not None:
+                self._settle(t.request, KVPoll.Failed, reason)
+            elif t.last:
+                self._settle(t.request, KVPoll.Success)
+                endpoint.forget([t.request])
+
+    def _settle(self, room: int, state: int, reason: str | None = None) -> None:
+        if self.status.get(room) == KVPoll.Failed:
+            return
+        self.status[room] = state
+        if reason is not None:
+            self.failures[room] = reason
+            log.warning("request %s failed: %s", room, reason)
+
+    # -- decode ---------------------------------------------------------------------------------------
+    def connect(self, bootstrap_addr: str) -> None:
+        """Connect to the prefill's bootstrap port and register this side's layout (once)."""
+        if self.decode is not None:
+            if bootstrap_addr != self.bootstrap_addr:
+                raise LayoutError(f"this decode manager is paired with {self.bootstrap_addr}; one prefill manager per "
+                                  f"decode manager in this version, not also {bootstrap_addr}")
+            return
+        host, _, port = bootstrap_addr.rpartition(":")
+        channel = ControlChannel(connect_port=int(port), host=host or "127.0.0.1")
+        self.decode = DecodeEndpoint(self.side, self.engine, channel)
+        self.decode.register(timeout=self.timeout)
+        self.bootstrap_addr = bootstrap_addr
+
+    def publish(self, room: int, pages: np.ndarray, aux_index: int, prefix_len: int) -> None:
+        published = PublishedRequest(room, DestinationLists(pages.astype(np.int64), ()), int(aux_index), (),
+                                     bool(self.side.aux))
+        self.decode.track([published], time.monotonic() + self.timeout)
+        self.decode.channel.send("request", {"request": room, "prompt_len": prefix_len + len(pages) * self.page_size,
+                                             "prefix_len": prefix_len}, published.message(), timeout=self.timeout)
+
+    def decode_state(self, room: int) -> int:
+        tracker = self.decode.tracker
+        state = tracker.state(room) if room in tracker else None
+        if state == "complete":
+            self._settle(room, KVPoll.Success)
+        elif state == "failed":
+            self._settle(room, KVPoll.Failed, tracker.failure(room) or "failed")
+        if state in ("complete", "failed"):
+            tracker.forget(room)
+            self.decode.guard.forget(room)
+        return self.status.get(room, KVPoll.Transferring)
+
+
+class KVSender(BaseKVSender):
+    """One request's sender on the prefill side (SGLang's ``BaseKVSender``)."""
+
+    def __init__(self, mgr: KVManager, bootstrap_addr: str, bootstrap_room: int,
+                 req_has_disagg_prefill_dp_rank: bool = False):
+        self.mgr, self.room = mgr, int(bootstrap_room)
+        self.num_pages, self.aux_index, self.pages_sent = 0, 0, 0
+        self._started = time.monotonic()
+
+    def init(self, num_kv_indices: int, aux_index: Optional[int] = None) -> None:
+        self.num_pages, self.aux_index = int(num_kv_indices), int(aux_index or 0)
+
+    def send(self, kv_indices: Any, state_indices: Optional[list] = None, num_kv_tokens: Optional[int] = None) -> None:
+        if state_indices and any(x is not None and len(x) for x in state_indices):
+            raise LayoutError(f"request {self.room}: state indices given, but this adapter moves KV and aux only")
+        pages = np.asarray(kv_indices.cpu() if isinstance(kv_indices, torch.Tensor) else kv_indices, np.int64)
+        self.mgr.enqueue(self, pages.reshape(-1))
+
+    def poll(self) -> int:
+        mgr = self.mgr
+        if self.room in mgr.status:
+            return mgr.status[self.room]
+        try:
+            mgr.progress()
+            mgr.flush()
+        except KvplanError as err:
+            mgr._settle(self.room, KVPoll.Failed, f"{type(err).__name__}: {err}")
+        if self.room in mgr.status:
+            return mgr.status[self.room]
+        if not mgr.paired() or not mgr.has_lists(self.room):
+            if time.monotonic() - self._started > mgr.timeout:
+                mgr._settle(self.room, KVPoll.Failed, "no destination lists from the decode side before the deadline")
+                return KVPoll.Failed
+            return KVPoll.Bootstrapping
+        return KVPoll.Transferring if self.pages_sent else KVPoll.WaitingForInput
+
+    def failure_exception(self):
+        raise TransferFailed(self.mgr.failures.get(self.room, f"request {self.room} failed"))
+
+    def get_transfer_metric(self) -> KVTransferMetric:
+        return KVTransferMetric()
+
+
+class KVReceiver(BaseKVReceiver):
+    """One request's receiver on the decode side (SGLang's ``BaseKVReceiver``)."""
+
+    def __init__(self, mgr: KVManager, bootstrap_addr: str, bootstrap_room: Optional[int] = None):
+        self.mgr, self.bootstrap_addr, self.room = mgr, bootstrap_addr, int(bootstrap_room or 0)
+        self.published = False
+
+    def init(self, prefill_dp_rank: int = 0) -> None:
+        self.mgr.connect(self.bootstrap_addr)
+
+    def send_metadata(self, kv_indices: Any, aux_index: Optional[int] = None, state_indices: Optional[list] = None,
+                      decode_prefix_len: Optional[int] = None, destination: Any = None) -> None:
+        if state_indices and any(x is not None and len(x) for x in state_indices):
+            raise LayoutError(f"request {self.room}: state indices given, but this adapter moves KV and aux only")
+        pages = np.asarray(kv_indices.cpu() if isinstance(kv_indices, torch.Tensor) else kv_indices, np.int64)
+        self.mgr.publish(self.room, pages.reshape(-1), int(aux_index or 0), int(decode_prefix_len or 0))
+        self.published = True
+
+    def poll(self) -> int:
+        mgr = self.mgr
+        if self.room in mgr.status:
+            return mgr.status[self.room]
+        if mgr.decode is None:
+            return KVPoll.Bootstrapping
+        if not self.published:
+            return KVPoll.WaitingForInput
+        mgr.progress()
+        return mgr.decode_state(self.room)
+
+    def failure_exception(self):
+        raise TransferFailed(self.mgr.failures.get(self.room, f"request {self.room} failed"))

@@ -1,0 +1,56 @@
+"""kvplan behind SGLang's KVManager, KVSender and KVReceiver: a prefill and a decode process hand
+three requests (one chunked, one with a decode prefix) over loopback through NIXL and through
+Mooncake, driven through SGLang's interfaces, every byte checked, SGLang's KVPoll states seen."""
+
+import multiprocessing as mp
+import os
+import socket
+
+import pytest
+
+from tests.integrations import sglang_sides
+from tests.sglang_real import sglang_module
+
+pytestmark = [pytest.mark.sglang, pytest.mark.engines]
+
+ENGINES = os.environ.get("KVPLAN_TEST_ENGINES", "nixl,mooncake").split(",")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_two_processes_hand_off_through_sglang_s_interfaces(engine):
+    base = sglang_module("srt.disaggregation.base.conn")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=sglang_sides.run_prefill, args=(engine, port, 11, results, 60.0)),
+             ctx.Process(target=sglang_sides.run_decode, args=(engine, port, 11, results, 60.0))]
+    for p in procs:
+        p.start()
+    try:
+        got = dict((kind, rest) for kind, *rest in (results.get(timeout=150) for _ in procs))
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    prefill_states, failures = got["prefill"]
+    decode_states, wrong = got["decode"]
+    assert not any(failures.values()), failures
+    assert not wrong, f"bytes differ on the decode side: {wrong[:8]}"
+    first = sglang_sides.REQUESTS[0][0]
+    assert decode_states[first][0] == base.KVPoll.Bootstrapping  # before any receiver connected
+    for room, states in decode_states.items():
+        # after init: WaitingForInput; after its metadata: Transferring, then Success
+        assert states[1] == base.KVPoll.WaitingForInput and base.KVPoll.Transferring in states[2:], (room, states)
+        assert states[-1] == base.KVPoll.Success, (room, states)
+    for room, states in prefill_states.items():
+        assert states[-1] == base.KVPoll.Success, (room, states)
+    chunked = [room for room, _, _, chunks in sglang_sides.REQUESTS if chunks == 2][0]
+    assert prefill_states[chunked][0] == base.KVPoll.Transferring  # its first chunk went, its last not yet
