@@ -22,3 +22,17 @@ def test_plan_a_batch():
 @pytest.mark.engines
 def test_handoff_in_process():
     assert "every byte matches" in run("handoff_in_process.py")
+
+
+@pytest.mark.engines
+@pytest.mark.sglang
+def test_sglang_integration():
+    """Run as an SGLang deployment would, with SGLang 0.5.23 importable (tests/sglang_real.py)."""
+    pytest.importorskip("sglang")
+    script = EXAMPLES / "sglang_integration.py"
+    code = ("import runpy, tests.sglang_real as real; real.sglang_module('srt.disaggregation.base.conn'); "
+            f"runpy.run_path({str(script)!r}, run_name='__main__')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          cwd=EXAMPLES.parent)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "every byte matches" in done.stdout, done.stdout
