@@ -56,6 +56,7 @@ from sglang.srt.disaggregation.base.conn import (
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from ...errors import KvplanError, LayoutError
+from ...planner.block_tables import token_table_from_blocks
 from ...planner.destinations import PublishedRequest
 from ...planner.model import SideMemory
 from ...planner.plan import DestinationLists
@@ -164,20 +165,22 @@ class KVManager(BaseKVManager):
         if len(pending) >= self.table.shape[0]:
             raise LayoutError(f"{len(pending)} sends in one step; the planning table has "
                               f"{self.table.shape[0] - 1} rows (server arg max_running_requests)")
-        chunks, rows = [], np.zeros((len(pending) + 1, self.table.shape[1]), np.int32)
+        # SGLang hands page ids: a block table (one row per send), expanded into token slots on the
+        # planning device (kvplan.planner.block_tables)
+        chunks, blocks = [], np.zeros((len(pending) + 1, self.table.shape[1] // ps), np.int32)
         for row, (sender, pages) in enumerate(pending, start=1):
             _, _, prefix = endpoint.peers[0].lists[sender.room]
-            start = prefix + sender.pages_sent * ps
-            end = start + len(pages) * ps
-            if end > rows.shape[1]:
-                raise LayoutError(f"request {sender.room}: {end} tokens exceed the planning table's "
-                                  f"{rows.shape[1]} (server arg context_length)")
-            rows[row, start:end] = (pages[:, None].astype(np.int64) * ps + np.arange(ps)).reshape(-1)
+            first = prefix // ps + sender.pages_sent
+            if first + len(pages) > blocks.shape[1]:
+                raise LayoutError(f"request {sender.room}: {(first + len(pages)) * ps} tokens exceed the planning "
+                                  f"table's {self.table.shape[1]} (server arg context_length)")
+            blocks[row, first : first + len(pages)] = pages
+            start, end = first * ps, (first + len(pages)) * ps
             sender.pages_sent += len(pages)
             last = sender.pages_sent >= sender.num_pages
             prompt = prefix + sender.num_pages * ps  # SGLang moves whole pages; so does this
             chunks.append(endpoint.transfer(Chunk(sender.room, row, start, end, prompt, last, sender.aux_index)))
-        self.table[: rows.shape[0]].copy_(torch.from_numpy(rows))
+        token_table_from_blocks(torch.from_numpy(blocks).to(self.device), ps, out=self.table)
         try:
             results = endpoint.send(chunks, mode=self.transfer_mode, timeout=self.timeout)
         except KvplanError as err:
