@@ -1,0 +1,182 @@
+"""SGLang's control messages (0.5.23, Mooncake transfer backend), encoded and parsed by kvplan.
+
+A decode rank sends the prefill two kinds of ZeroMQ multipart messages:
+
+* a **registration** once per peer (``build_receiver_registration_message``; the prefill reads it
+  with ``KVArgsRegisterInfo.from_zmq``): where its buffers are, its TP place, item lengths;
+* a **transfer request** per request (``build_receiver_metadata_message``; read with
+  ``TransferInfo.from_zmq``): the destination pages, aux row, state lists and decode prefix.
+
+:func:`registration_frames` / :func:`transfer_frames` write them as SGLang's decode would;
+:func:`parse_registration` / :func:`parse_transfer` read them as SGLang's prefill would, but
+strictly: a field of the wrong size or an unparsable number is a :class:`~kvplan.errors.PeerError`
+naming the field, where SGLang would read short or raise from deep inside ``struct``. Integers are
+little-endian (SGLang packs pointers with the native ``"Q"``: the same bytes on every platform it
+runs on).
+
+Example::
+
+    frames = transfer_frames(TransferRequest(room=7, endpoint="127.0.0.1", port=17000, session_id="127.0.0.1:17001",
+                                             dst_pages=np.array([3, 4], np.int32), aux_index=2))
+    TransferInfo.from_zmq(frames)          # SGLang's own parser reads it
+    parse_transfer(frames).dst_pages       # array([3, 4], dtype=int32)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from ...compat.sglang import pack_int_lists, unpack_int_lists
+from ...errors import KvplanError, PeerError
+
+__all__ = ["Registration", "TransferRequest", "parse_registration", "parse_transfer", "registration_frames",
+           "transfer_frames"]
+
+REGISTRATION_FIELDS = 20  # frames in 0.5.23's registration (the staging and DCP fields included)
+TRANSFER_FIELDS = 10
+
+
+@dataclass(frozen=True)
+class Registration:
+    """A decode rank's registration: its endpoint, buffers and TP place.
+
+    SGLang's registration carries no pool sizes, only base pointers and item lengths: a prefill
+    that reads one cannot bound-check destination pages against the decode's pools.
+    """
+
+    endpoint: str
+    port: int
+    session_id: str
+    kv_ptrs: tuple[int, ...]
+    kv_item_lens: tuple[int, ...]
+    aux_ptrs: tuple[int, ...]
+    tp_rank: int
+    attn_tp_size: int
+    state_ptrs: tuple[tuple[int, ...], ...] = ()
+    state_item_lens: tuple[tuple[int, ...], ...] = ()
+    state_dim_per_tensor: tuple[tuple[int, ...], ...] = ()
+    kv_layer_ids: tuple[int, ...] = ()
+    state_layer_ids: tuple[tuple[int, ...], ...] = ()
+    dcp_size: int = 1
+    dcp_rank: int = 0
+
+
+@dataclass(frozen=True)
+class TransferRequest:
+    """One request's destination as a decode rank sends it (``is_dummy``: a rank that receives
+    nothing for this request, but must be counted)."""
+
+    room: int
+    endpoint: str
+    port: int
+    session_id: str
+    dst_pages: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    aux_index: int | None = None
+    state_lists: Sequence[Sequence[int]] = ()
+    required_dst_info_num: int = 1
+    decode_prefix_len: int = 0
+    is_dummy: bool = False
+
+
+def _ascii(value: object) -> bytes:
+    return str(value).encode("ascii")
+
+
+def _words(values: Sequence[int], fmt: str) -> bytes:
+    return np.asarray(values, dtype=np.dtype(fmt)).tobytes()
+
+
+def registration_frames(reg: Registration) -> list[bytes]:
+    """The registration frames, in 0.5.23's order (no staging buffer)."""
+    return [b"None", reg.endpoint.encode("ascii"), _ascii(reg.port), reg.session_id.encode("ascii"),
+            _words(reg.kv_ptrs, "<u8"), _words(reg.aux_ptrs, "<u8"), pack_int_lists(reg.state_ptrs, "Q"),
+            _ascii(reg.tp_rank), _ascii(reg.attn_tp_size), _ascii(reg.kv_item_lens[0] if reg.kv_item_lens else 0),
+            pack_int_lists(reg.state_item_lens, "I"), pack_int_lists(reg.state_dim_per_tensor, "I"),
+            _words(reg.kv_layer_ids, "<u4"), pack_int_lists(reg.state_layer_ids, "I"), b"", b"",
+            _ascii(reg.dcp_size), _ascii(reg.dcp_rank), b"", _words(reg.kv_item_lens, "<u8")]
+
+
+def transfer_frames(req: TransferRequest) -> list[bytes]:
+    """A transfer request's frames, in 0.5.23's order."""
+    dummy = req.is_dummy
+    state = pack_int_lists(req.state_lists, "i") if not dummy and req.state_lists else b""
+    return [_ascii(req.room), req.endpoint.encode("ascii"), _ascii(req.port), req.session_id.encode("ascii"),
+            b"" if dummy else np.asarray(req.dst_pages, dtype="<i4").tobytes(),
+            b"" if dummy else _ascii(req.aux_index), state, _ascii(req.required_dst_info_num),
+            _ascii(req.decode_prefix_len or 0), b""]
+
+
+class _Frames:
+    """Field access that names what is wrong (a peer's message is never trusted)."""
+
+    def __init__(self, frames: Sequence[bytes], what: str, needed: int):
+        self.frames, self.what = [bytes(f) for f in frames], what
+        if len(self.frames) < needed:
+            raise PeerError(f"{what}: {len(self.frames)} frames, at least {needed} expected")
+
+    def get(self, i: int) -> bytes:
+        return self.frames[i] if i < len(self.frames) else b""
+
+    def text(self, i: int, name: str) -> str:
+        try:
+            return self.get(i).decode("ascii")
+        except UnicodeDecodeError:
+            raise PeerError(f"{self.what}: field {name} is not ASCII") from None
+
+    def integer(self, i: int, name: str, default: int | None = None) -> int:
+        raw = self.text(i, name)
+        if raw == "" and default is not None:
+            return default
+        try:
+            return int(raw)
+        except ValueError:
+            raise PeerError(f"{self.what}: field {name} is not an integer: {raw[:40]!r}") from None
+
+    def array(self, i: int, name: str, dtype: str) -> np.ndarray:
+        raw, size = self.get(i), np.dtype(dtype).itemsize
+        if len(raw) % size:
+            raise PeerError(f"{self.what}: field {name} holds {len(raw)} bytes, not whole {size}-byte items")
+        return np.frombuffer(raw, dtype=dtype)
+
+    def lists(self, i: int, name: str, fmt: str) -> tuple[tuple[int, ...], ...]:
+        try:
+            return tuple(tuple(x) for x in unpack_int_lists(self.get(i), fmt))
+        except KvplanError as err:
+            raise PeerError(f"{self.what}: field {name}: {err}") from None
+
+
+def parse_registration(frames: Sequence[bytes]) -> Registration:
+    """A decode rank's registration frames (SGLang's or :func:`registration_frames`'), checked."""
+    f = _Frames(frames, "an SGLang registration", 10)
+    kv_item_lens = tuple(int(x) for x in f.array(19, "kv_item_lens", "<u8"))
+    kv_ptrs = tuple(int(x) for x in f.array(4, "kv_ptrs", "<u8"))
+    if kv_item_lens and len(kv_item_lens) != len(kv_ptrs):
+        raise PeerError(f"an SGLang registration: {len(kv_ptrs)} KV pointers but {len(kv_item_lens)} item lengths")
+    if not kv_item_lens:  # older senders: one item length for every entry
+        kv_item_lens = (f.integer(9, "kv_item_len"),) * len(kv_ptrs)
+    return Registration(
+        endpoint=f.text(1, "endpoint"), port=f.integer(2, "port"), session_id=f.text(3, "session_id"),
+        kv_ptrs=kv_ptrs, kv_item_lens=kv_item_lens, aux_ptrs=tuple(int(x) for x in f.array(5, "aux_ptrs", "<u8")),
+        tp_rank=f.integer(7, "tp_rank"), attn_tp_size=f.integer(8, "attn_tp_size"),
+        state_ptrs=f.lists(6, "state_ptrs", "Q"), state_item_lens=f.lists(10, "state_item_lens", "I"),
+        state_dim_per_tensor=f.lists(11, "state_dim_per_tensor", "I"),
+        kv_layer_ids=tuple(int(x) for x in f.array(12, "kv_layer_ids", "<u4")),
+        state_layer_ids=f.lists(13, "state_layer_ids", "I"), dcp_size=f.integer(16, "dcp_size", 1),
+        dcp_rank=f.integer(17, "dcp_rank", 0))
+
+
+def parse_transfer(frames: Sequence[bytes]) -> TransferRequest:
+    """A transfer request's frames (SGLang's or :func:`transfer_frames`'), checked."""
+    f = _Frames(frames, "an SGLang transfer request", 8)
+    dummy = f.get(4) == b"" and f.get(5) == b""
+    return TransferRequest(
+        room=f.integer(0, "room"), endpoint=f.text(1, "endpoint"), port=f.integer(2, "port"),
+        session_id=f.text(3, "session_id"),
+        dst_pages=np.zeros(0, np.int32) if dummy else f.array(4, "dst_pages", "<i4").astype(np.int32),
+        aux_index=None if dummy else f.integer(5, "aux_index"),
+        state_lists=() if dummy or f.get(6) == b"" else f.lists(6, "state_lists", "i"),
+        required_dst_info_num=f.integer(7, "required_dst_info_num"),
+        decode_prefix_len=f.integer(8, "decode_prefix_len", 0), is_dummy=dummy)

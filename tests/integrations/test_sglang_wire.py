@@ -1,0 +1,119 @@
+"""SGLang 0.5.23's control messages (Mooncake backend): kvplan's frames read by SGLang's own
+parsers (``TransferInfo.from_zmq``, ``KVArgsRegisterInfo.from_zmq``), and the frames SGLang's own
+decode builds (``build_receiver_registration_message``, ``build_receiver_metadata_message``) read
+by kvplan's; malformed frames refused with the field named."""
+
+import types
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvplan.errors import PeerError
+from kvplan.integrations.sglang.wire import (
+    Registration,
+    TransferRequest,
+    parse_registration,
+    parse_transfer,
+    registration_frames,
+    transfer_frames,
+)
+from tests.sglang_real import sglang_module
+
+pytestmark = pytest.mark.sglang
+
+ptr = st.integers(0, 2**64 - 1)
+small = st.integers(0, 2**32 - 1)
+nested = st.lists(st.lists(small, max_size=4), max_size=3)
+
+
+@pytest.fixture(scope="module")
+def conn():
+    return sglang_module("srt.disaggregation.mooncake.conn")
+
+
+def sglang_decode(conn, *, kv_ptrs, kv_item_lens, aux_ptrs, state_ptrs, state_item_lens, state_dims, kv_layer_ids,
+                  state_layer_ids, tp_rank, attn_tp_size, endpoint, port, session):
+    """SGLang's Mooncake manager on the decode side, with what its message builders read."""
+    base = sglang_module("srt.disaggregation.base.conn")
+    args = base.KVArgs()
+    args.kv_data_ptrs, args.kv_item_lens, args.aux_data_ptrs = kv_ptrs, kv_item_lens, aux_ptrs
+    args.state_data_ptrs, args.state_item_lens, args.state_dim_per_tensor = state_ptrs, state_item_lens, state_dims
+    args.kv_layer_ids, args.state_layer_ids, args.engine_rank = kv_layer_ids, state_layer_ids, tp_rank
+    mgr = object.__new__(conn.MooncakeKVManager)
+    mgr.kv_args, mgr.local_ip, mgr.rank_port, mgr.attn_tp_size = args, endpoint, port, attn_tp_size
+    mgr.dcp_size, mgr.dcp_rank, mgr.enable_staging = 1, 0, False
+    mgr.engine = types.SimpleNamespace(get_session_id=lambda: session)
+    return mgr
+
+
+@settings(max_examples=40, deadline=None)
+@given(kv=st.lists(st.tuples(ptr, st.integers(1, 2**40)), min_size=1, max_size=6), aux=st.lists(ptr, max_size=3),
+       state_ptrs=st.lists(st.lists(ptr, max_size=3), max_size=3), state_item_lens=nested, state_dims=nested,
+       layer_ids=st.lists(small, max_size=4), state_layer_ids=nested, tp_rank=st.integers(0, 63),
+       tp=st.integers(1, 64), port=st.integers(1, 65535))
+def test_registrations_read_alike_both_ways(conn, kv, aux, state_ptrs, state_item_lens, state_dims, layer_ids,
+                                            state_layer_ids, tp_rank, tp, port):
+    reg = Registration("127.0.0.1", port, f"127.0.0.1:{port}", tuple(p for p, _ in kv), tuple(n for _, n in kv),
+                       tuple(aux), tp_rank, tp, tuple(map(tuple, state_ptrs)), tuple(map(tuple, state_item_lens)),
+                       tuple(map(tuple, state_dims)), tuple(layer_ids), tuple(map(tuple, state_layer_ids)))
+    theirs = conn.KVArgsRegisterInfo.from_zmq(registration_frames(reg))  # SGLang reads ours
+    assert (theirs.endpoint, theirs.dst_port, theirs.mooncake_session_id) == (reg.endpoint, port, reg.session_id)
+    assert (theirs.dst_kv_ptrs, theirs.dst_aux_ptrs, theirs.dst_kv_item_lens) == (
+        list(reg.kv_ptrs), list(reg.aux_ptrs), list(reg.kv_item_lens))
+    assert (theirs.dst_tp_rank, theirs.dst_attn_tp_size, theirs.dst_kv_item_len) == (tp_rank, tp, reg.kv_item_lens[0])
+    assert theirs.dst_state_data_ptrs == [list(x) for x in reg.state_ptrs]
+    assert theirs.dst_state_item_lens == [list(x) for x in reg.state_item_lens]
+    assert theirs.dst_state_dim_per_tensor == [list(x) for x in reg.state_dim_per_tensor]
+    assert (theirs.dst_kv_layer_ids, theirs.dst_state_layer_ids) == (list(layer_ids), [list(x) for x in state_layer_ids])
+    assert (theirs.staging_base_ptr, theirs.staging_total_size, theirs.dst_dcp_size) == (0, 0, 1)
+    mgr = sglang_decode(conn, kv_ptrs=list(reg.kv_ptrs), kv_item_lens=list(reg.kv_item_lens), aux_ptrs=aux,
+                        state_ptrs=state_ptrs, state_item_lens=state_item_lens, state_dims=state_dims,
+                        kv_layer_ids=layer_ids, state_layer_ids=state_layer_ids, tp_rank=tp_rank, attn_tp_size=tp,
+                        endpoint="127.0.0.1", port=port, session=reg.session_id)
+    assert parse_registration(mgr.build_receiver_registration_message()) == reg  # we read SGLang's
+
+
+@settings(max_examples=60, deadline=None)
+@given(room=st.integers(0, 2**63 - 1), pages=st.lists(st.integers(0, 2**31 - 1), max_size=20),
+       aux=st.integers(0, 2**20), state=st.lists(st.lists(st.integers(-2**31, 2**31 - 1), max_size=5), max_size=4),
+       required=st.integers(1, 8), prefix=st.integers(0, 2**20), dummy=st.booleans())
+def test_transfer_requests_read_alike_both_ways(conn, room, pages, aux, state, required, prefix, dummy):
+    pages = np.array(pages, np.int32)
+    req = TransferRequest(room, "127.0.0.1", 17000, "127.0.0.1:17001", pages if not dummy else np.zeros(0, np.int32),
+                          None if dummy else aux, () if dummy else tuple(map(tuple, state)), required, prefix, dummy)
+    theirs = conn.TransferInfo.from_zmq(transfer_frames(req))
+    assert (theirs.room, theirs.is_dummy, theirs.required_dst_info_num) == (room, dummy, required)
+    assert theirs.dst_kv_indices.tolist() == req.dst_pages.tolist() and theirs.dst_aux_index == req.aux_index
+    assert theirs.dst_state_indices == [list(x) for x in req.state_lists]
+    assert (theirs.decode_prefix_len or 0) == prefix
+    mgr = sglang_decode(conn, kv_ptrs=[], kv_item_lens=[], aux_ptrs=[], state_ptrs=[], state_item_lens=[],
+                        state_dims=[], kv_layer_ids=[], state_layer_ids=[], tp_rank=0, attn_tp_size=1,
+                        endpoint="127.0.0.1", port=17000, session="127.0.0.1:17001")
+    frames = mgr.build_receiver_metadata_message(bootstrap_room=room, required_dst_info_num=required, kv_indices=pages,
+                                                 aux_index=aux, state_indices=[list(x) for x in state],
+                                                 decode_prefix_len=prefix, is_dummy=dummy)
+    ours = parse_transfer(frames)
+    assert (ours.room, ours.is_dummy, ours.required_dst_info_num, ours.decode_prefix_len) == (room, dummy, required,
+                                                                                             prefix)
+    assert ours.dst_pages.tolist() == ([] if dummy else pages.tolist())
+    assert list(map(list, ours.state_lists)) == ([] if dummy else [list(x) for x in state])
+    assert ours.aux_index == (None if dummy else aux)
+
+
+@pytest.mark.parametrize("index, blob, field", [(4, b"\x01\x02\x03", "kv_ptrs"), (7, b"x", "tp_rank"),
+                                                (19, b"\x00" * 9, "kv_item_lens"), (6, b"\x05\x00", "state_ptrs")])
+def test_a_malformed_registration_is_refused_naming_the_field(index, blob, field):
+    frames = registration_frames(Registration("127.0.0.1", 1, "s", (4096,), (64,), (), 0, 1))
+    frames[index] = blob
+    with pytest.raises(PeerError, match=field):
+        parse_registration(frames)
+
+
+def test_a_malformed_transfer_request_is_refused_naming_the_field():
+    frames = transfer_frames(TransferRequest(1, "127.0.0.1", 1, "s", np.array([3], np.int32), 0))
+    with pytest.raises(PeerError, match="dst_pages"):
+        parse_transfer(frames[:4] + [b"\x01\x02"] + frames[5:])
+    with pytest.raises(PeerError, match="frames"):
+        parse_transfer(frames[:3])
