@@ -11,10 +11,11 @@ Shape contract
 * ``cols``: int64 ``[NCOL, T_CAP]`` column-major: the columns of
   :data:`kvplan.planner.columns.COLUMNS`, then ``(lo, len)`` per component; ``count_ptr[0]`` is
   the number of live transfers ``T <= T_CAP``.
-* ``dest_meta``: int64 ``[D, 6 + 2K + 3C]``: ``(kv_pages, aux_items, sliced_tokens)`` (tokens per
+* ``dest_meta``: int64 ``[D, 6 + 2K + 4C]``: ``(kv_pages, aux_items, sliced_tokens)`` (tokens per
   KV element when head-sliced, else 0; written to ``F_SLICED``), then
   ``(entry_off, entries)`` per slot, then each component's pool size on that destination, then
-  each component's ``(page_size, unit)`` there, then ``(page_size, unit, grain)``: its KV page size,
+  each component's ``(page_size, unit)`` there, then each component's sliced tokens (as KV's;
+  docs/tp_state.md), then ``(page_size, unit, grain)``: its KV page size,
   ``gcd`` and ``lcm`` with the source's (the last 2C + 3 read only when ``UNITS``: some page size
   differs; docs/page_sizes.md).
 * ``comp_meta``: int64 ``[C, COMP_FIELDS]``: ``(kind, window, page_size, ring, num_items, map,
@@ -36,7 +37,7 @@ COMP_FIELDS = tl.constexpr(8)
 SWA, DSA, SWA_RING, MAMBA = (tl.constexpr(v) for v in range(4))
 NCOL_BASE = tl.constexpr(12)  # per-transfer columns before the component pairs
 BIG = tl.constexpr(1 << 62)
-DEST_FIELDS_BASE = 6  # a destination row's fields besides its 2K entry spans and C component sizes
+DEST_FIELDS_BASE = 6  # a destination row's fields besides its 2K entry spans and 4C per-component fields
 
 
 @triton.jit
@@ -229,7 +230,8 @@ def _layout_kernel(cols_ptr, count_ptr, dest_meta_ptr, comp_meta_ptr, seg_ptr, s
                            tl.load(dmeta + 3 + 2 * K + c) * c_ratio,
                            zero + tl.where((kind == SWA) | (kind == MAMBA), map_slot, -1), zero + map_len,
                            zero + tl.where(kind == MAMBA, 0, 1), tl.load(dmeta + 3 + 2 * (1 + c)),
-                           tl.load(dmeta + 4 + 2 * (1 + c)), zero, dest, a, tl.where(paged, cps, 1), chk_flags, n_chk,
+                           tl.load(dmeta + 4 + 2 * (1 + c)), tl.load(dmeta + 3 + 2 * K + 3 * C + c), dest, a,
+                           tl.where(paged, cps, 1), chk_flags, n_chk,
                            act.to(tl.int64), tl.where(c_fatal, sg.ERR_FATAL, 0) + tl.where(c_warn, sg.ERR_WARN, 0),
                            c_ratio, tl.where(in_units, (a_units - from_d) // cunit, 0), SF)
             tot_n += n_c
@@ -275,7 +277,7 @@ def lay_out(cols, count, dest_meta, comp_meta, seg, seg_end, chk_end, seg_err, x
     _layout_kernel[(1,)](cols, count, dest_meta, comp_meta, seg, seg_end, chk_end, seg_err, xfer, rows, max_ctx,
                          src_pages, src_aux_items, num_dests, T_CAP=t_cap, K=K, C=components, PS=page_size,
                          STRICT=strict, VALIDATE=validate, HAS_AUX=has_aux, UNITS=units, SF=sg.SEG_FIELDS,
-                         DF=DEST_FIELDS_BASE + 2 * K + 3 * components, CF=COMP_FIELDS, BT=min(t_cap, 256))
+                         DF=DEST_FIELDS_BASE + 2 * K + 4 * components, CF=COMP_FIELDS, BT=min(t_cap, 256))
 
 
 COMPILE_SPECS = [
@@ -287,6 +289,6 @@ COMPILE_SPECS = [
       "HAS_AUX": "constexpr", "UNITS": "constexpr", "SF": "constexpr", "DF": "constexpr", "CF": "constexpr",
       "BT": "constexpr"},
      {"T_CAP": 64, "K": 4, "C": 2, "PS": 16, "STRICT": True, "VALIDATE": True, "HAS_AUX": True, "UNITS": units,
-      "SF": sg.SEG_FIELDS, "DF": DEST_FIELDS_BASE + 8 + 6, "CF": COMP_FIELDS, "BT": 64})
+      "SF": sg.SEG_FIELDS, "DF": DEST_FIELDS_BASE + 8 + 8, "CF": COMP_FIELDS, "BT": 64})
     for units in (False, True)
 ]

@@ -10,8 +10,9 @@ Shape contract
 * ``src``, ``dst``: int64 element ids; ``run_first``/``run_last`` from
   :mod:`kvplan.kernels.run_table`.
 * ``entries``: int64 ``[NE, 4]`` ``(src_base, dst_base, src_item, dst_item)``; segment ``s`` uses
-  rows ``F_ENTRY_OFF .. + F_ENTRIES``. ``heads``: int64 ``[D, 5]`` per destination
-  ``(src_token_bytes, dst_token_bytes, src_head_offset, dst_head_offset, nbytes)``.
+  rows ``F_ENTRY_OFF .. + F_ENTRIES``. ``heads``: int64 ``[D * K, 5]`` per destination and slot
+  (KV, each component, aux) ``(src_token_bytes, dst_token_bytes, src_head_offset, dst_head_offset,
+  nbytes)``, read for head-sliced segments.
 * :func:`descriptors` writes ``out`` int64 ``[n, 3]`` ``(src_addr, dst_addr, nbytes)``, addresses
   as two's-complement bit patterns of uint64. Segment ``s`` writes its descriptors entry-major:
   direct ``(e, run)``, head-sliced ``(e, element, token)``, where an element (a page, or a unit
@@ -34,8 +35,8 @@ HEAD_FIELDS = tl.constexpr(5)
 
 @triton.jit
 def _descs_kernel(seg_ptr, sums_ptr, head_ptr, src_ptr, dst_ptr, run_first_ptr, run_last_ptr, entries_ptr, heads_ptr,
-                  out_ptr, S: tl.constexpr, LOG: tl.constexpr, SF: tl.constexpr, HF: tl.constexpr,
-                  BLOCK: tl.constexpr):
+                  out_ptr, S: tl.constexpr, LOG: tl.constexpr, K: tl.constexpr, SF: tl.constexpr,
+                  HF: tl.constexpr, BLOCK: tl.constexpr):
     words = tl.load(head_ptr + TOTAL_DESCS) * 3
     stride = tl.num_programs(0).to(tl.int64) * BLOCK
     for base in range(tl.program_id(0).to(tl.int64) * BLOCK, words, stride):
@@ -74,7 +75,7 @@ def _descs_kernel(seg_ptr, sums_ptr, head_ptr, src_ptr, dst_ptr, run_first_ptr, 
         elem = tl.where(sliced, first + r // tokens, run_lo)
         sp = tl.load(src_ptr + elem, mask=live & (col != 1), other=0)
         dp = tl.load(dst_ptr + elem, mask=live & (col == 1), other=0)
-        hs = heads_ptr + dest * HF
+        hs = heads_ptr + (dest * K + s % K) * HF
         slice_mask = live & sliced
         src_tok = tl.load(hs, mask=slice_mask, other=0)
         dst_tok = tl.load(hs + 1, mask=slice_mask, other=0)
@@ -112,11 +113,12 @@ def _prepared_kernel(seg_ptr, sums_ptr, head_ptr, src_ptr, dst_ptr, slots_ptr, s
         tl.store(dst_idx_ptr + p, (e * dst_slots + d_id).to(tl.int32), mask=live)
 
 
-def descriptors(seg, seg_sums, head, src, dst, run_first, run_last, entries, heads, out, *, programs: int,
-                block: int) -> None:
+def descriptors(seg, seg_sums, head, src, dst, run_first, run_last, entries, heads, out, *,
+                segments_per_transfer: int, programs: int, block: int) -> None:
     S = seg.shape[0]
     _descs_kernel[(programs,)](seg, seg_sums, head, src, dst, run_first, run_last, entries, heads, out, S=S,
-                               LOG=sg.log2_ceil(S), SF=sg.SEG_FIELDS, HF=HEAD_FIELDS, BLOCK=block)
+                               LOG=sg.log2_ceil(S), K=segments_per_transfer, SF=sg.SEG_FIELDS, HF=HEAD_FIELDS,
+                               BLOCK=block)
 
 
 def prepared_indices(seg, seg_sums, head, src, dst, slots, src_idx, dst_idx, *, segments_per_transfer: int,
@@ -130,8 +132,9 @@ COMPILE_SPECS = [
     (_descs_kernel,
      {"seg_ptr": "*i64", "sums_ptr": "*i64", "head_ptr": "*i64", "src_ptr": "*i64", "dst_ptr": "*i64",
       "run_first_ptr": "*i64", "run_last_ptr": "*i64", "entries_ptr": "*i64", "heads_ptr": "*i64", "out_ptr": "*i64",
-      "S": "constexpr", "LOG": "constexpr", "SF": "constexpr", "HF": "constexpr", "BLOCK": "constexpr"},
-     {"S": 256, "LOG": 9, "SF": sg.SEG_FIELDS, "HF": HEAD_FIELDS, "BLOCK": 1024}),
+      "S": "constexpr", "LOG": "constexpr", "K": "constexpr", "SF": "constexpr", "HF": "constexpr",
+      "BLOCK": "constexpr"},
+     {"S": 256, "LOG": 9, "K": 4, "SF": sg.SEG_FIELDS, "HF": HEAD_FIELDS, "BLOCK": 1024}),
     (_prepared_kernel,
      {"seg_ptr": "*i64", "sums_ptr": "*i64", "head_ptr": "*i64", "src_ptr": "*i64", "dst_ptr": "*i64",
       "slots_ptr": "*i64", "src_idx_ptr": "*i32", "dst_idx_ptr": "*i32", "S": "constexpr", "LOG": "constexpr",

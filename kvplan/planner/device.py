@@ -106,6 +106,13 @@ class CompactRuns:
 class _Static:
     """What does not change from batch to batch: pairings and the device tables built from them."""
 
+    def component_sliced_tokens(self, dest: int, c: int, src: SideMemory) -> int:
+        """Tokens per list element of component ``c`` when it is head-sliced to ``dest`` (its page
+        size: one descriptor per entry, element and token; docs/tp_state.md), else 0."""
+        if self.pairings[dest].component_heads(c) is None:
+            return 0
+        return src.state[c].pages_of(src.kv.page_size)
+
     def sliced_tokens(self, dest: int) -> int:
         """Tokens per KV element of a head-sliced destination (one descriptor each; its page, or the
         unit between sides of different page sizes), 0 for a direct one."""
@@ -133,8 +140,8 @@ class _Static:
         K = self.K = 2 + C
         D = len(dsts)
         blocks, count = [], 0
-        dest_meta = np.zeros((max(1, D), int(kl.DEST_FIELDS_BASE) + 2 * K + 3 * C), np.int64)
-        heads = np.zeros((max(1, D), int(kx.HEAD_FIELDS)), np.int64)
+        dest_meta = np.zeros((max(1, D), int(kl.DEST_FIELDS_BASE) + 2 * K + 4 * C), np.int64)
+        heads = np.zeros((max(1, D) * K, int(kx.HEAD_FIELDS)), np.int64)  # per destination and slot
         for d, (p, side) in enumerate(zip(self.pairings, dsts)):
             kv_tables = unit_tables(p, ps, side.kv.page_size) if self.unit_ratios[d] != (1, 1) else (p.kv_src, p.kv_dst)
             comp_tables = [scaled_tables(st, dt, c.pages_of(ps), dc.pages_of(side.kv.page_size))
@@ -156,10 +163,13 @@ class _Static:
                 dest_meta[d, 3 + 2 * K + C + 2 * i : 5 + 2 * K + C + 2 * i] = cps_d, gcd(cps_d, src.state[i].pages_of(ps))
             unit = gcd(ps, side.kv.page_size)
             dest_meta[d, -3:] = side.kv.page_size, unit, ps * side.kv.page_size // unit
-            if p.mode is Mode.HEAD_SLICED:
-                h = p.heads
-                heads[d] = (h.src_token_bytes, h.dst_token_bytes, h.src_head * h.bytes_per_head,
-                            h.dst_head * h.bytes_per_head, h.nbytes)
+            # head slices (planning.md §5; docs/tp_state.md): KV's in slot 0, each head-sliced component's in its slot
+            for k, h in enumerate([p.heads, *(p.component_heads(c) for c in range(C))]):
+                if h is not None and (k > 0 or p.mode is Mode.HEAD_SLICED):
+                    heads[d * K + k] = (h.src_token_bytes, h.dst_token_bytes, h.src_head * h.bytes_per_head,
+                                        h.dst_head * h.bytes_per_head, h.nbytes)
+            dest_meta[d, 3 + 2 * K + 3 * C : 3 + 2 * K + 4 * C] = [self.component_sliced_tokens(d, c, src)
+                                                                   for c in range(C)]
         self.entry_span = dest_meta[:, 3 : 3 + 2 * K].reshape(-1, K, 2).copy()  # per dest and slot
         # claims (planning.md §6.1): per dest and slot, the first bit and the item count of its bitmap region
         own = np.zeros((max(1, D) * K, 2), np.int64)
@@ -193,7 +203,8 @@ class _Static:
         for d, p in enumerate(self.pairings):
             kv_entries = int(dest_meta[d, 4])
             multiplier.append(kv_entries * max(1, self.sliced_tokens(d)))
-            multiplier += [int(dest_meta[d, 4 + 2 * k]) for k in range(1, K - 1)]
+            multiplier += [int(dest_meta[d, 4 + 2 * k]) * max(1, int(dest_meta[d, 3 + 2 * K + 3 * C + k - 1]))
+                           for k in range(1, K - 1)]
         self.per_element = max(multiplier)
         # list elements per destination-list entry at most (a destination page holds this many units)
         self.units_per_entry = max([r[1] for r in self.unit_ratios] + [r[1] for rs in self.comp_ratios for r in rs]
@@ -421,7 +432,7 @@ class Planner:
                      strict=self.policy is Policy.STRICT)
         if b.descs is not None:
             kx.descriptors(b.seg, b.seg_sums, b.head, b.src, b.dst, b.run_first, b.run_last, st.entries, st.heads,
-                           b.descs, programs=programs, block=block)
+                           b.descs, segments_per_transfer=st.K, programs=programs, block=block)
         if b.prep_src is not None:
             kx.prepared_indices(b.seg, b.seg_sums, b.head, b.src, b.dst, st.slots, b.prep_src, b.prep_dst,
                                 segments_per_transfer=st.K, programs=programs, block=block)
@@ -672,6 +683,9 @@ class PendingPlan:
                                          p.dsts[dest].state[k - 1].pages_of(p.dsts[dest].kv.page_size))
         if k == 0 and pairing.mode is Mode.HEAD_SLICED:
             return head_sliced_descriptors(src_t, dst_t, part[0], part[1], pairing.heads, st.sliced_tokens(dest))
+        if 0 < k < st.K - 1 and pairing.component_heads(k - 1) is not None:
+            return head_sliced_descriptors(src_t, dst_t, part[0], part[1], pairing.component_heads(k - 1),
+                                           st.component_sliced_tokens(dest, k - 1, self.planner.src))
         runs = part[2]
         if k == st.K - 1 or 0 < k and not rules_of(self.planner.src.state[k - 1].kind).forms_runs:
             runs = unit_runs(part[0], part[1])

@@ -154,7 +154,12 @@ def component_plans(src: "SideMemory", pairing: "SidePairing", lists: "TransferL
             descs = direct_descriptors(*scaled_tables(pairing.state_src[c], pairing.state_dst[c], cps_s, cps_d), runs)
             out.append(ComponentPlan(comp.name, comp.kind, src_list, dst_list, runs, descs))
             continue
-        if rules_of(comp.kind).forms_runs:
+        heads = pairing.component_heads(c)
+        if heads is not None:  # docs/tp_state.md §3: per entry, list position and token
+            runs = contiguous_runs(src_list, dst_list) if merged else empty_runs()
+            descs = head_sliced_descriptors(pairing.state_src[c], pairing.state_dst[c], src_list if merged else
+                                            src_list[:0], dst_list if merged else dst_list[:0], heads, cps_s)
+        elif rules_of(comp.kind).forms_runs:
             runs = contiguous_runs(src_list, dst_list) if merged else empty_runs()
             descs = direct_descriptors(pairing.state_src[c], pairing.state_dst[c], runs)
         else:

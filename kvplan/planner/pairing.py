@@ -39,8 +39,11 @@ class HeadSlice:
         return self.heads_sent * self.bytes_per_head
 
 
-def head_slice(src: KVLayout, dst: KVLayout, src_item: int, dst_item: int) -> HeadSlice:
-    """The head slice a source rank sends to a destination rank (planning.md §5).
+def head_slice(src: KVLayout, dst: KVLayout, src_item: int, dst_item: int, pages: tuple[int, int] | None = None
+               ) -> HeadSlice:
+    """The head slice a source rank sends to a destination rank (planning.md §5); ``pages``: the
+    tokens per item on each side when they are not the KV page sizes (a state component's pages;
+    docs/tp_state.md).
 
     >>> def lay(ts, rank): return KVLayout(Attention.MHA, 1, (), num_kv_heads=8, tp_size=ts, tp_rank=rank)
     >>> [head_slice(lay(4, r), lay(2, 0), 256, 512).dst_head for r in range(4)]
@@ -48,7 +51,8 @@ def head_slice(src: KVLayout, dst: KVLayout, src_item: int, dst_item: int) -> He
     """
     if src.num_kv_heads != dst.num_kv_heads:
         raise LayoutError(f"the sides disagree on the number of KV heads: {src.num_kv_heads} vs {dst.num_kv_heads}")
-    heads, ts, td, ps_s, ps_d = src.num_kv_heads, src.tp_size, dst.tp_size, src.page_size, dst.page_size
+    heads, ts, td = src.num_kv_heads, src.tp_size, dst.tp_size
+    ps_s, ps_d = pages or (src.page_size, dst.page_size)
     src_heads, dst_heads = max(1, heads // ts), max(1, heads // td)
     if src_item % ps_s or dst_item % ps_d:
         raise LayoutError(f"item lengths {src_item}/{dst_item} are not whole tokens of page sizes {ps_s}/{ps_d}")
@@ -85,6 +89,11 @@ class SidePairing:
     state_dst: tuple[np.ndarray, ...]
     aux_src: np.ndarray
     aux_dst: np.ndarray
+    state_heads: tuple[HeadSlice | None, ...] = ()  # per component: its head slice when head-sliced
+
+    def component_heads(self, c: int) -> HeadSlice | None:
+        """Component ``c``'s head slice, or ``None`` when it moves whole (docs/tp_state.md)."""
+        return self.state_heads[c] if c < len(self.state_heads) else None
 
 
 def _table(entries: list[Entry] | tuple[Entry, ...]) -> np.ndarray:
@@ -155,11 +164,16 @@ def _pair_sides(src: SideMemory, dst: SideMemory) -> SidePairing:
         heads = slices.pop()
     if len(src.state) != len(dst.state):
         raise LayoutError(f"state components differ: source has {len(src.state)}, destination {len(dst.state)}")
+    state_heads: list[HeadSlice | None] = []
     for i, (sc, dc) in enumerate(zip(src.state, dst.state)):
         if sc.kind is not dc.kind:
             raise LayoutError(f"state component {i}: kinds differ ({sc.kind.value} vs {dc.kind.value})")
         rules = rules_of(sc.kind)
         cps_s, cps_d = sc.pages_of(sk.page_size), dc.pages_of(dk.page_size)
+        if mode is Mode.HEAD_SLICED and rules.slices_heads:  # docs/tp_state.md
+            state_heads.append(_component_slice(i, sc, dc, sk, dk, cps_s, cps_d))
+            continue
+        state_heads.append(None)
         if rules.paged and not rules.maps_pages and cps_s != cps_d:
             raise LayoutError(f"state component {i} ({sc.name}): its pages hold {cps_s} tokens on the source and "
                               f"{cps_d} on the destination; {sc.kind.value} state across page sizes is not planned "
@@ -167,7 +181,14 @@ def _pair_sides(src: SideMemory, dst: SideMemory) -> SidePairing:
         if rules.paged and cps_s != cps_d:  # docs/page_sizes.md §6: moved in units; bytes per token must agree
             _require_equal_token_bytes(f"state component {i} ({sc.name})", sc.entries, dc.entries, cps_s, cps_d)
         else:
-            _require_equal_items(f"state component {i} ({sc.name})", sc.entries, dc.entries)
+            try:
+                _require_equal_items(f"state component {i} ({sc.name})", sc.entries, dc.entries)
+            except LayoutError as err:
+                if sk.tp_size != dk.tp_size and not rules.slices_heads:
+                    raise LayoutError(f"{err}: {sc.kind.value} state is moved whole between TP sizes "
+                                      f"{sk.tp_size} and {dk.tp_size}, so its items must be equal "
+                                      "(TP-sliced Mamba state is not planned yet; docs/tp_state.md §4)") from None
+                raise
     _require_equal_items("aux", src.aux, dst.aux)
     return SidePairing(
         mode=mode,
@@ -178,4 +199,22 @@ def _pair_sides(src: SideMemory, dst: SideMemory) -> SidePairing:
         state_dst=tuple(_table(c.entries) for c in dst.state),
         aux_src=_table(src.aux),
         aux_dst=_table(dst.aux),
+        state_heads=tuple(state_heads),
     )
+
+
+def _component_slice(i: int, sc, dc, sk: KVLayout, dk: KVLayout, cps_s: int, cps_d: int) -> HeadSlice:
+    """The head slice of a head-sliced component (docs/tp_state.md §2), one for all its entries."""
+    what = f"state component {i} ({sc.name})"
+    if cps_s != cps_d:
+        raise LayoutError(f"{what}: head-sliced between TP sizes {sk.tp_size} and {dk.tp_size}, its pages must hold "
+                          f"as many tokens on both sides (here {cps_s} and {cps_d}); not planned yet")
+    if len(sc.entries) != len(dc.entries):
+        raise LayoutError(f"{what}: source has {len(sc.entries)} entries, destination {len(dc.entries)}")
+    try:
+        slices = {head_slice(sk, dk, s.item_len, d.item_len, (cps_s, cps_d)) for s, d in zip(sc.entries, dc.entries)}
+    except LayoutError as err:
+        raise LayoutError(f"{what}: {err}") from None
+    if len(slices) != 1:
+        raise LayoutError(f"{what}: head-sliced mode needs one item length per side for every entry")
+    return slices.pop()

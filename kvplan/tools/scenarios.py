@@ -145,6 +145,9 @@ def _side(
     num_slots = num_pages * ps
     for c in shape.state:
         if c.kind is StateKind.SWA:
+            swa_item = c.item_len
+            if shape.attention is Attention.MHA:  # the destination rank's, heads split by TP as KV's
+                swa_item = c.item_len // max(1, heads // shape.dst_tp) * max(1, heads // tp)
             swa_pages = fragmented_free_list(rng, num_pages, shape.mean_run)
             slot_map = np.zeros(num_slots, dtype=np.int64)
             used = 0
@@ -154,7 +157,7 @@ def _side(
                     full_page = table[r, k * ps] // ps
                     slot_map[full_page * ps : full_page * ps + ps] = swa_pages[used] * ps + np.arange(ps)
                     used += 1
-            comps.append(StateComponent(c.kind, _fake_entries(rng, c.entries, c.item_len, num_pages), window=c.window,
+            comps.append(StateComponent(c.kind, _fake_entries(rng, c.entries, swa_item, num_pages), window=c.window,
                                         slot_map=slot_map))
         elif c.kind is StateKind.DSA:
             comps.append(StateComponent(c.kind, _fake_entries(rng, c.entries, c.item_len, num_pages)))

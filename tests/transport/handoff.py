@@ -28,7 +28,10 @@ DSA1, DSA16, DSA64 = (ModelShape(f"dsa-p{ps}-test", Attention.MLA, 2, 32, ps,
 SWA1, SWA16, SWA64 = (ModelShape(f"swa-p{ps}-test", Attention.MHA, 2, 32, ps,
                                  state=(ComponentShape(StateKind.SWA, 2, 32 * ps, window=24),), num_kv_heads=2,
                                  aux_items=(16,)) for ps in (1, 16, 64))
+# gpt-oss-like SWA state between TP sizes (docs/tp_state.md): 8 KV heads, TP 4 -> 8, head-sliced
+SWA_TP4TO8 = ModelShape("swa-tp4to8-test", Attention.MHA, 2, 16, 4, num_kv_heads=8, src_tp=4, dst_tp=8,
+                        state=(ComponentShape(StateKind.SWA, 2, 16 * 4, window=10),), aux_items=(16,))
 SHAPES = {"hybrid": HYBRID, "head_sliced": HEAD_SLICED, "kv1": KV1, "kv16": KV16, "kv64": KV64,
           "ring_mamba": RING_MAMBA, "dsa1": DSA1, "dsa16": DSA16, "dsa64": DSA64, "swa1": SWA1, "swa16": SWA16,
-          "swa64": SWA64}
+          "swa64": SWA64, "swa_tp4to8": SWA_TP4TO8}
 LENGTHS = (100, 37, 64)
