@@ -50,6 +50,17 @@ def _check_demo(config, shape) -> None:
             fail(f"--dst-page-size: {config.preset} has {unmapped[0]} state, which is not planned across page sizes "
                  "yet (docs/page_sizes.md §6, issue 14)")
         grain = shape.page_size * config.dst_page_size // math.gcd(shape.page_size, config.dst_page_size)
+    if config.tp is not None:  # pair a tiny batch of the same shape: what cannot pair is refused here
+        from .errors import LayoutError
+        from .planner.pairing import pair_sides
+        from .tools.scenarios import build_batch
+
+        ts, td = config.tp
+        tiny = build_batch(shape, 1, 2 * shape.page_size, src_rank=1 % ts, dst_rank=2 % td)
+        try:
+            pair_sides(tiny.src, tiny.dsts[0])
+        except LayoutError as err:
+            fail(f"--src-tp {ts} --dst-tp {td}: {err}")
     if config.prefix_len < 0 or config.prefix_len % grain:
         fail(f"--prefix-len must be a non-negative multiple of {grain} (the page size, or the least common multiple "
              "of both sides' page sizes)")
@@ -92,6 +103,16 @@ def default_timeout(config) -> float:
     return 60.0 + config.requests * longest * shape.token_bytes * entries / INTERPRETED_BYTES_PER_S
 
 
+def _tp_sizes(args: argparse.Namespace) -> tuple[int, int] | None:
+    """``(--src-tp, --dst-tp)`` when either is given (the other defaults to the preset's)."""
+    if args.src_tp is None and args.dst_tp is None:
+        return None
+    from .tools.scenarios import PRESETS
+
+    shape = PRESETS[args.preset]
+    return (args.src_tp or shape.src_tp, args.dst_tp or shape.dst_tp)
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .tools.demo import DemoConfig, run_demo
 
@@ -101,7 +122,8 @@ def _demo(args: argparse.Namespace) -> int:
                         timeout=60.0 if args.timeout is None else args.timeout,
                         fault=args.fault, repeat=args.repeat, engine_threads=args.engine_threads, staging_bytes=args.staging_mib << 20,
                         staging_slots=args.staging_slots, decode_gpu=args.decode_gpu,
-                        progress_thread=args.progress_thread == "on", dst_page_size=args.dst_page_size)
+                        progress_thread=args.progress_thread == "on", dst_page_size=args.dst_page_size,
+                        tp=_tp_sizes(args))
     if config.mode == "prepared" and config.engine != "nixl":
         raise SystemExit("kvplan demo: error: --mode prepared needs --engine nixl (prepared lists are NIXL's)")
     if args.timeout is None:
@@ -185,6 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the decode process's GPU (the prefill's is GPU 0); 1 measures between two cards")
     demo.add_argument("--dst-page-size", type=_positive, default=None,
                       help="the decode side's KV page size, when not the preset's (docs/page_sizes.md)")
+    demo.add_argument("--src-tp", type=_positive, default=None,
+                      help="the prefill side's attention TP size, when not the preset's (docs/tp_state.md)")
+    demo.add_argument("--dst-tp", type=_positive, default=None,
+                      help="the decode side's attention TP size, when not the preset's (docs/tp_state.md)")
     demo.add_argument("--staging-slots", type=_positive, default=4,
                       help="slots of the sender's staging ring: waves in flight at once (default: 4)")
     demo.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",

@@ -49,6 +49,17 @@ def sglang_style_plan(batch: Batch) -> tuple[list[int], list[int], list[int]]:
                 dst_addrs.append(db + dg[0] * item)
                 lengths.append(item * len(sg))
 
+    def emit_sliced(src_table, dst_table, src_ids, dst_ids, h, per):
+        """SGLang's head-sliced path (``send_kvcache_slice``, ``_send_swa_state_slice``): one block
+        per entry, id and token."""
+        tokens = np.arange(per, dtype=np.int64)
+        for (sb, s_item), (db, d_item) in zip(src_table.tolist(), dst_table.tolist()):
+            s_addr = sb + src_ids[:, None] * s_item + tokens[None, :] * h.src_token_bytes + h.src_head * h.bytes_per_head
+            d_addr = db + dst_ids[:, None] * d_item + tokens[None, :] * h.dst_token_bytes + h.dst_head * h.bytes_per_head
+            src_addrs.extend(s_addr.reshape(-1).tolist())
+            dst_addrs.extend(d_addr.reshape(-1).tolist())
+            lengths.extend([h.nbytes] * s_addr.size)
+
     for t in batch.transfers:
         pairing = pairings[t.dest]
         end = chunk_end(t.start, t.fill_len, t.prompt_len, ps, t.last)
@@ -57,16 +68,7 @@ def sglang_style_plan(batch: Batch) -> tuple[list[int], list[int], list[int]]:
         cursor = (t.start - t.prefix_len) // ps
         dst_pages = t.dst_pages[cursor : cursor + len(pages)]
         if pairing.mode is Mode.HEAD_SLICED:
-            h = pairing.heads
-            tokens = np.arange(ps, dtype=np.int64)
-            for (sb, s_item), (db, d_item) in zip(pairing.kv_src.tolist(), pairing.kv_dst.tolist()):
-                s_addr = (sb + pages[:, None] * s_item + tokens[None, :] * h.src_token_bytes
-                          + h.src_head * h.bytes_per_head)
-                d_addr = (db + dst_pages[:, None] * d_item + tokens[None, :] * h.dst_token_bytes
-                          + h.dst_head * h.bytes_per_head)
-                src_addrs.extend(s_addr.reshape(-1).tolist())
-                dst_addrs.extend(d_addr.reshape(-1).tolist())
-                lengths.extend([h.nbytes] * s_addr.size)
+            emit_sliced(pairing.kv_src, pairing.kv_dst, pages, np.asarray(dst_pages, np.int64), pairing.heads, ps)
         else:
             emit(pairing.kv_src, pairing.kv_dst, *group_concurrent_contiguous(pages, dst_pages))
         if cursor + len(dst_pages) < len(t.dst_pages):
@@ -89,6 +91,10 @@ def sglang_style_plan(batch: Batch) -> tuple[list[int], list[int], list[int]]:
                 raise LayoutError(f"the sglang-loop baseline has no formula for state kind {comp.kind.value}")
             dst_list = t.dst_state[c]
             n = min(len(src_list), len(dst_list))
+            if pairing.component_heads(c) is not None:  # SWA between TP sizes (docs/tp_state.md)
+                emit_sliced(pairing.state_src[c], pairing.state_dst[c], np.asarray(src_list[:n], np.int64),
+                            np.asarray(dst_list[:n], np.int64), pairing.component_heads(c), cps)
+                continue
             if comp.kind is StateKind.MAMBA:
                 groups = ([[int(x)] for x in src_list[:n]], [[int(x)] for x in dst_list[:n]])
             else:

@@ -79,6 +79,7 @@ class DemoConfig:
     engine_threads: int = 0  # NIXL's UCX worker threads (0: NIXL's default)
     repeat: int = 1  # batches sent one after another (new request ids each time); timing: first and steady
     dst_page_size: int | None = None  # the decode side's KV page size, when not the preset's (docs/page_sizes.md)
+    tp: tuple[int, int] | None = None  # (source, destination) attention TP sizes, when not the preset's
 
     def engine_settings(self, gpu: int = 0) -> dict[str, int]:
         settings = {"num_threads": self.engine_threads} if self.engine_threads and self.engine == "nixl" else {}
@@ -95,6 +96,8 @@ class DemoConfig:
         if self.shape is not None:
             return self.shape
         shape = PRESETS[self.preset].scaled(layers=self.layers)
+        if self.tp is not None:
+            shape = shape.with_tp(*self.tp)
         return replace(shape, mean_run=self.mean_run) if self.mean_run else shape
 
     def resolved_device(self) -> str:

@@ -8,7 +8,8 @@ benchmark checks before it times anything.
 * :class:`NumpyBatchPlanner`: the whole batch at once. One gather of the rows used (and, for SWA,
   their translated slots; for Mamba, their slots) to the host; every list by one fancy index per
   state kind; run breaks by ``diff``/``flatnonzero`` over all lists at once, with breaks at
-  segment ends; descriptors as a broadcast of entries x runs (or entries x pages x tokens) into a
+  segment ends; descriptors as a broadcast of entries x runs (or entries x pages x tokens, for KV
+  and SWA state between TP sizes) into a
   reused buffer, one NumPy expression per segment, optionally spread over a thread pool.
 * :func:`prepared_ids`: what SGLang's NIXL path and vLLM's NIXL connector do: per request, NumPy
   page ids, then ``entry * num_slots + id`` as int32, no run merging.
@@ -172,6 +173,14 @@ class NumpyBatchPlanner:
         self.threads = threads
         self.out = np.empty((0, 3), _U64)
         self._items: dict[tuple[int, int], np.uint64 | None] = {}
+        # per destination and slot: (head slice, tokens per element) where it is head-sliced (KV between
+        # TP sizes, and SWA state with it: docs/tp_state.md), else None
+        ps = src.kv.page_size
+        self.slices = [[(p.heads, ps) if p.mode is Mode.HEAD_SLICED else None]
+                       + [(p.component_heads(c), comp.pages_of(ps)) if p.component_heads(c) is not None else None
+                          for c, comp in enumerate(src.state)] + [None] for p in self.pairings]
+        self._sliced_tokens = np.array([[sl[1] if sl else 0 for sl in row] for row in self.slices], np.int64) \
+            if self.slices else np.zeros((0, 2 + len(src.state)), np.int64)
 
     def _tables(self, d: int, slot: int) -> tuple[np.ndarray, np.ndarray]:
         p, K = self.pairings[d], 2 + len(self.src.state)
@@ -214,15 +223,16 @@ class NumpyBatchPlanner:
     def plan(self, columns: BatchColumns) -> tuple[np.ndarray, np.ndarray]:
         """``(descs [n, 3] uint64, per-transfer offsets [T + 1])``, equal to kvplan's."""
         _, seg_runs, lists, starts, lens = self.runs(columns)
-        K, ps = lists.K, self.src.kv.page_size
+        K = lists.K
         src, dst, seg_n, seg_off = lists.src, lists.dst, lists.seg_n, lists.seg_off
         run_off = np.cumsum(seg_runs) - seg_runs
         dest = columns.column("dest")
         seg_dest = np.repeat(dest, K)
-        sliced = np.array([p.mode is Mode.HEAD_SLICED for p in self.pairings])[seg_dest] & (np.arange(len(seg_n)) % K == 0)
+        tokens = self._sliced_tokens[seg_dest, np.arange(len(seg_n)) % K]
+        sliced = tokens > 0
         entries = np.array([[len(self._tables(d, k)[0]) for k in range(K)] for d in range(len(self.dsts))])
         seg_entries = entries[seg_dest, np.arange(len(seg_n)) % K]
-        count = seg_entries * np.where(sliced, seg_n * ps, seg_runs)
+        count = seg_entries * np.where(sliced, seg_n * tokens, seg_runs)
         desc_end = np.cumsum(count)
         n_descs = int(desc_end[-1]) if len(desc_end) else 0
         if len(self.out) < n_descs:
@@ -236,11 +246,11 @@ class NumpyBatchPlanner:
             src_t, dst_t = self._tables(int(seg_dest[s]), s % K)
             blk = out[desc_end[s] - count[s] : desc_end[s]]
             if sliced[s]:
-                h = self.pairings[int(seg_dest[s])].heads
+                h, per = self.slices[int(seg_dest[s])][s % K]
                 lo = seg_off[s]
                 sp, dp = src[lo : lo + seg_n[s]].astype(_U64), dst[lo : lo + seg_n[s]].astype(_U64)
-                tok = np.arange(ps, dtype=_U64)
-                blk = blk.reshape(len(src_t), seg_n[s], ps, 3)
+                tok = np.arange(per, dtype=_U64)
+                blk = blk.reshape(len(src_t), seg_n[s], per, 3)
                 blk[..., 0] = (src_t[:, 0, None, None] + sp[None, :, None] * src_t[:, 1, None, None]
                                + tok * _U64(h.src_token_bytes) + _U64(h.src_head * h.bytes_per_head))
                 blk[..., 1] = (dst_t[:, 0, None, None] + dp[None, :, None] * dst_t[:, 1, None, None]

@@ -74,6 +74,16 @@ class ModelShape:
                       for c in self.state)
         return replace(self, layers=layers, state=state, page_size=page_size)
 
+    def with_tp(self, src_tp: int, dst_tp: int) -> "ModelShape":
+        """The same model on other attention TP sizes: per-rank KV and SWA bytes follow the heads a
+        destination rank holds (MLA's and the other kinds' items are replicated and stay)."""
+        if self.attention is not Attention.MHA:
+            return replace(self, src_tp=src_tp, dst_tp=dst_tp)
+        old, new = max(1, self.num_kv_heads // self.dst_tp), max(1, self.num_kv_heads // dst_tp)
+        state = tuple(replace(c, item_len=c.item_len // old * new) if c.kind is StateKind.SWA else c
+                      for c in self.state)
+        return replace(self, token_bytes=self.token_bytes // old * new, state=state, src_tp=src_tp, dst_tp=dst_tp)
+
 
 PRESETS: dict[str, ModelShape] = {
     m.name: m
@@ -95,6 +105,8 @@ PRESETS: dict[str, ModelShape] = {
         ),
     )
 }
+# gpt-oss with its SWA state head-sliced from TP 4 to TP 8 (docs/tp_state.md)
+PRESETS["gptoss-swa-tp4to8-p16"] = replace(PRESETS["gptoss-swa-p16"].with_tp(4, 8), name="gptoss-swa-tp4to8-p16")
 
 
 def fragmented_free_list(rng: np.random.Generator, num_pages: int, mean_run: float) -> np.ndarray:

@@ -74,3 +74,13 @@ def test_staged_mode_on_the_cpu_gets_a_deadline_scaled_to_its_interpreted_copies
     staged = default_timeout(DemoConfig(mode="staged", device="cpu"))
     assert staged > 60.0 + 100  # the default batch holds about 143 MB, copied at about 2 MB/s interpreted
     assert default_timeout(DemoConfig(mode="staged", device="cpu", requests=2)) < staged
+
+
+@pytest.mark.engines
+def test_tp_sizes_of_the_two_sides_are_options():
+    """gpt-oss's KV and SWA state head-sliced from TP 4 to TP 8 (docs/tp_state.md)."""
+    done = subprocess.run([sys.executable, "-m", "kvplan", "demo", "--preset", "gptoss-swa-p16", "--src-tp", "4",
+                           "--dst-tp", "8", "--requests", "2", "--prompt-len", "300", "--layers", "2", "--no-progress"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "head-sliced descriptors" in done.stdout and "every byte matches" in done.stdout
