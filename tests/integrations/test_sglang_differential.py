@@ -309,18 +309,19 @@ def kv_args_of(sglang, side, rank: int = 0):
     args.state_dim_per_tensor = [[] for _ in side.state]
     args.state_slice_outer_counts = [[] for _ in side.state]
     args.state_conv_shard_groups = [[] for _ in side.state]
-    args.gpu_id = 0
+    args.gpu_id, args.swa_kv_cache_layout = 0, "nhd"  # kvplan's pages are token-major (NHD)
     return args
 
 
 @pytest.mark.parametrize("engine", sorted(DRIVERS))
-@pytest.mark.parametrize("shape", ["ring_mamba", "swa16", "dsa16"])
+@pytest.mark.parametrize("shape", ["ring_mamba", "swa16", "dsa16", "swa_tp4to8"])
 @pytest.mark.parametrize("prefix_len, chunks", [(0, 1), (0, 2), (32, 2)])
 def test_state_kinds_and_aux_byte_ranges_equal_sglang_s(sglang, monkeypatch, engine, shape, prefix_len, chunks):
-    """An SWA ring and Mamba state (MHA), SWA state (MHA, gpt-oss-like) and DSA indexer pages (MLA,
-    as SGLang has them only with MLA) with KV and aux: the state lists kvplan computes, handed to
-    SGLang's ``maybe_send_extra`` with the decode's published lists, give the blocks of kvplan's
-    plan."""
+    """An SWA ring and Mamba state (MHA), SWA state (MHA, gpt-oss-like), DSA indexer pages (MLA,
+    as SGLang has them only with MLA), and SWA state with KV head-sliced from TP 4 to TP 8
+    (SGLang's ``_send_swa_state_slice``; docs/tp_state.md), with aux: the state lists kvplan
+    computes, handed to SGLang's ``maybe_send_extra`` with the decode's published lists, give the
+    blocks of kvplan's plan."""
     from kvplan.planner.model import Attention
     from kvplan.tools.scenarios import build_batch
     from tests.transport.handoff import LENGTHS, SHAPES
@@ -331,9 +332,11 @@ def test_state_kinds_and_aux_byte_ranges_equal_sglang_s(sglang, monkeypatch, eng
     plan = plan_reference(batch)
     mla = model.attention is Attention.MLA
     src_args, dst_args = kv_args_of(sglang, batch.src), kv_args_of(sglang, batch.dsts[0])
-    mine = side_from_kv_args(src_args, mla=mla, req_to_token=batch.src.req_to_token, state=batch.src.state)
+    mine = side_from_kv_args(src_args, mla=mla, attn_tp_size=model.src_tp, req_to_token=batch.src.req_to_token,
+                             state=batch.src.state)
     assert (mine.kv, mine.aux) == (batch.src.kv, batch.src.aux)  # the mapping round-trips
-    driver = DRIVERS[engine](sglang, src_args, dst_args, mla=mla, src_tp=1, dst_tp=1, monkeypatch=monkeypatch)
+    driver = DRIVERS[engine](sglang, src_args, dst_args, mla=mla, src_tp=model.src_tp, dst_tp=model.dst_tp,
+                             monkeypatch=monkeypatch)
     drive(sglang, driver, batch)  # KV and aux
     for t, tp in zip(batch.transfers, plan.transfers):
         if t.last:
