@@ -44,6 +44,7 @@ __all__ = ["DecodeEndpoint", "engine_regions"]
 log = logging.getLogger("kvplan")
 
 POLL_S = 0.001  # how long one look at the control socket blocks before the engine is looked at again
+EARLY_KEEP_S = 60.0  # how long a landed wave waits for its table (a refused or lost run's never comes)
 
 
 def engine_regions(side: SideMemory) -> list[tuple[int, int]]:
@@ -88,7 +89,7 @@ class DecodeEndpoint:
         self.failures: dict[Any, str | None] = {}
         self._owner: dict[Any, int] = {}  # request -> the channel (sender) it was published to
         self._waves: dict[str, _StagedWave] = {}
-        self._early: set[str] = set()  # waves whose bytes landed before their table was read
+        self._early: dict[str, float] = {}  # waves whose bytes landed before their table was read: when
         self._uploads: dict[int, tuple[torch.Tensor, Any]] = {}  # per sender: pinned rows, their last upload
         self.trace: list[tuple[str, str, float]] | None = [] if os.environ.get("KVPLAN_TRACE") else None
         self._stream = torch.cuda.Stream(staging.device) if staging is not None and staging.is_cuda else None
@@ -157,7 +158,7 @@ class DecodeEndpoint:
                 self._waves[wave].landed = True
                 self._mark(wave, "landed")
             else:  # its table is sent first but may still be on the socket
-                self._early.add(wave)
+                self._early[wave] = time.monotonic()
         self._scatter_landed()
         self._finish_scatters()
         for k, channel in enumerate(self.channels):
@@ -165,7 +166,11 @@ class DecodeEndpoint:
                 self._pair_again(k)
             elif channel.peer_gone():
                 self._fail_owned(k, "the prefill side is gone: its control connection was lost")
-        self.tracker.check_deadlines(time.monotonic())
+        now = time.monotonic()
+        self.tracker.check_deadlines(now)
+        if self._early:  # a wave whose table was refused or lost: its note is never claimed
+            for key in [k for k, at in self._early.items() if now - at > EARLY_KEEP_S]:
+                del self._early[key]
 
     def _pair_again(self, peer: int) -> None:
         """A restarted sender connected on channel ``peer``: what the old one left fails, its staged
@@ -256,7 +261,7 @@ class DecodeEndpoint:
             self._waves[key] = _StagedWave(index, peer, lo_in_slot + peer * self._share, nbytes, alignment, lo, hi,
                                            notes, [spans[k][0] for k in range(int(first), int(last) + 1)], inputs,
                                            host, landed=key in self._early)
-            self._early.discard(key)
+            self._early.pop(key, None)
             self._mark(key, "table")
 
     def _stage_inputs(self, rows: np.ndarray, waves: list, share_lo: int) -> tuple[torch.Tensor, torch.Tensor]:

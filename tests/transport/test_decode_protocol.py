@@ -130,3 +130,18 @@ def test_a_malformed_announcement_is_refused_not_a_crash(decode, header):
     prefill.send("staged", header, np.array([[pool.data_ptr() + 3 * PAGE_BYTES, 512]], np.uint64).tobytes())
     endpoint.poll()  # raises nothing
     assert int(pool.sum()) == 0 and not endpoint._waves
+
+
+def test_a_landed_wave_whose_table_never_comes_is_forgotten(decode, monkeypatch):
+    """The bytes' notification of a wave whose announcement was refused or lost waits a while for
+    its table, then is dropped: the receiver's bookkeeping does not grow with lost waves."""
+    import kvplan.transport.decode as decode_module
+
+    endpoint, _, _, _ = decode
+    endpoint.engine.inbox.append(wave_note(41, "p0"))
+    endpoint.poll()
+    assert len(endpoint._early) == 1  # kept while its table may still be on the socket
+    monkeypatch.setattr(decode_module, "EARLY_KEEP_S", 0.0)
+    time.sleep(0.01)
+    endpoint.poll()
+    assert not endpoint._early
