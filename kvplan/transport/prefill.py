@@ -277,6 +277,13 @@ class PrefillEndpoint:
     def _any_peer_gone(self, peers: Sequence[int]) -> str | None:
         return next((why for p in peers if (why := self._peer_gone(p)) is not None), None)
 
+    def fail(self, requests: Sequence[Any], reason: str, peer: int = 0) -> None:
+        """Tell decode endpoint ``peer`` that ``requests`` failed here before anything was sent (and
+        drop their lists): its side fails them at once instead of at their deadline."""
+        for request in requests:
+            self._report(peer, request, reason)
+        self.forget(requests, peer)
+
     def _report(self, peer: int, request: Any, reason: str) -> None:
         log.warning("request %r failed: %s", request, reason)
         try:

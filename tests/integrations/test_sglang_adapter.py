@@ -5,7 +5,9 @@ Mooncake, driven through SGLang's interfaces, every byte checked, SGLang's KVPol
 import multiprocessing as mp
 import os
 import socket
+import types
 
+import numpy as np
 import pytest
 
 from tests.integrations import sglang_sides
@@ -54,3 +56,24 @@ def test_two_processes_hand_off_through_sglang_s_interfaces(engine):
         assert states[-1] == base.KVPoll.Success, (room, states)
     chunked = [room for room, _, _, chunks in sglang_sides.REQUESTS if chunks == 2][0]
     assert prefill_states[chunked][0] == base.KVPoll.Transferring  # its first chunk went, its last not yet
+
+
+def test_a_step_that_cannot_be_laid_out_fails_every_send_of_it():
+    """More sends in one step than the planning table has rows: nothing is sent, and every sender of
+    the step (not only the one that polled) reports Failed with the reason."""
+    base = sglang_module("srt.disaggregation.base.conn")
+    utils = sglang_module("srt.disaggregation.utils")
+    from kvplan.integrations.sglang.adapter import KVManager, KVSender, TransferFailed
+
+    kv, aux = sglang_sides.pools(1)
+    server_args = types.SimpleNamespace(disaggregation_transfer_backend="nixl", disaggregation_bootstrap_port=free_port(),
+                                        max_running_requests=1, context_length=64)
+    mgr = KVManager(sglang_sides.kv_args_of(base, kv, aux), utils.DisaggregationMode.PREFILL, server_args)
+    senders = [KVSender(mgr, "127.0.0.1:0", room) for room in (1, 2)]
+    for sender in senders:
+        sender.init(1, aux_index=0)
+        sender.send(np.array([3]))
+    assert [s.poll() for s in senders] == [base.KVPoll.Failed, base.KVPoll.Failed]
+    assert all("2 sends in one step" in mgr.failures[room] for room in (1, 2))
+    with pytest.raises(TransferFailed, match="planning table"):
+        senders[1].failure_exception()

@@ -71,6 +71,7 @@ __all__ = ["KVManager", "KVReceiver", "KVSender", "TransferFailed"]
 log = logging.getLogger("kvplan")
 
 DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's --disaggregation-bootstrap-port default
+DEFAULT_CONTEXT = 1 << 17  # planning-table width without a context_length server arg (tokens)
 
 
 class TransferFailed(KvplanError):
@@ -116,9 +117,10 @@ class KVManager(BaseKVManager):
         self.bootstrap_port = int(_setting(server_args, "disaggregation_bootstrap_port", DEFAULT_BOOTSTRAP_PORT))
         self.status: dict[int, int] = {}
         self.failures: dict[int, str] = {}
+        self.broken: str | None = None  # why this manager can send nothing (a refused pairing)
         if disaggregation_mode is DisaggregationMode.PREFILL:
             rows = int(_setting(server_args, "max_running_requests", 256)) + 1
-            width = int(_setting(server_args, "context_length", self._pool_tokens()))
+            width = int(_setting(server_args, "context_length", min(self._pool_tokens(), DEFAULT_CONTEXT)))
             width = -(-width // self.page_size) * self.page_size
             self.table = torch.zeros((rows, width), dtype=torch.int32, device=self.device)
             side = side_from_kv_args(args, mla=self.is_mla, attn_tp_size=self.attn_tp_size, req_to_token=self.table)
@@ -150,17 +152,46 @@ class KVManager(BaseKVManager):
         self._pending.append((sender, pages))
 
     def progress(self) -> None:
-        """Take in registrations and destination lists (prefill), or notifications (decode)."""
+        """Take in registrations and destination lists (prefill), or notifications (decode). A
+        decode side that cannot pair breaks this manager: every sender fails with the reason."""
         if self.mode is DisaggregationMode.PREFILL:
-            self.prefill.progress()
+            if self.broken is None:
+                try:
+                    self.prefill.progress()
+                except LayoutError as err:
+                    self.broken = f"the decode side cannot pair with this one: {err}"
         elif self.decode is not None:
             self.decode.poll()
 
     def flush(self) -> None:
-        """Plan every ``send`` since the last flush as one kvplan batch and move it."""
+        """Plan every ``send`` since the last flush as one kvplan batch and move it. A step that
+        cannot be laid out fails every send of it, on both sides; nothing of it is sent."""
         pending, self._pending = self._pending, []
         if not pending:
             return
+        try:
+            chunks = self._chunks(pending)
+        except KvplanError as err:
+            reason = f"{type(err).__name__}: {err}"
+            for sender, _ in pending:
+                self._settle(sender.room, KVPoll.Failed, reason)
+            self.prefill.fail(list(dict.fromkeys(sender.room for sender, _ in pending)), reason)
+            return
+        endpoint = self.prefill
+        try:
+            results = endpoint.send(chunks, mode=self.transfer_mode, timeout=self.timeout)
+        except KvplanError as err:
+            results = {t.request: f"{type(err).__name__}: {err}" for t in chunks}
+        for t in chunks:
+            reason = results.get(t.request)
+            if reason is not None:
+                self._settle(t.request, KVPoll.Failed, reason)
+            elif t.last:
+                self._settle(t.request, KVPoll.Success)
+                endpoint.forget([t.request])
+
+    def _chunks(self, pending: list[tuple["KVSender", np.ndarray]]) -> list:
+        """The step's transfers, with their pages written into the planning table."""
         ps, endpoint = self.page_size, self.prefill
         if len(pending) >= self.table.shape[0]:
             raise LayoutError(f"{len(pending)} sends in one step; the planning table has "
@@ -181,17 +212,7 @@ class KVManager(BaseKVManager):
             prompt = prefix + sender.num_pages * ps  # SGLang moves whole pages; so does this
             chunks.append(endpoint.transfer(Chunk(sender.room, row, start, end, prompt, last, sender.aux_index)))
         token_table_from_blocks(torch.from_numpy(blocks).to(self.device), ps, out=self.table)
-        try:
-            results = endpoint.send(chunks, mode=self.transfer_mode, timeout=self.timeout)
-        except KvplanError as err:
-            results = {t.request: f"{type(err).__name__}: {err}" for t in chunks}
-        for t in chunks:
-            reason = results.get(t.request)
-            if reason is not None:
-                self._settle(t.request, KVPoll.Failed, reason)
-            elif t.last:
-                self._settle(t.request, KVPoll.Success)
-                endpoint.forget([t.request])
+        return chunks
 
     def _settle(self, room: int, state: int, reason: str | None = None) -> None:
         if self.status.get(room) == KVPoll.Failed:
@@ -257,11 +278,11 @@ class KVSender(BaseKVSender):
         mgr = self.mgr
         if self.room in mgr.status:
             return mgr.status[self.room]
-        try:
-            mgr.progress()
+        mgr.progress()
+        if mgr.broken is not None:
+            mgr._settle(self.room, KVPoll.Failed, mgr.broken)
+        else:
             mgr.flush()
-        except KvplanError as err:
-            mgr._settle(self.room, KVPoll.Failed, f"{type(err).__name__}: {err}")
         if self.room in mgr.status:
             return mgr.status[self.room]
         if not mgr.paired() or not mgr.has_lists(self.room):
