@@ -256,6 +256,14 @@ class KVManager(BaseKVManager):
         return self.status.get(room, KVPoll.Transferring)
 
 
+def _page_ids(room: int, kv_indices: Any, state_indices: Optional[list]) -> np.ndarray:
+    """SGLang's page ids (a tensor, array or list) as int64; state indices are refused by name."""
+    if state_indices and any(x is not None and len(x) for x in state_indices):
+        raise LayoutError(f"request {room}: state indices given, but this adapter moves KV and aux only")
+    ids = kv_indices.cpu() if isinstance(kv_indices, torch.Tensor) else kv_indices
+    return np.asarray(ids, np.int64).reshape(-1)
+
+
 class KVSender(BaseKVSender):
     """One request's sender on the prefill side (SGLang's ``BaseKVSender``)."""
 
@@ -269,10 +277,7 @@ class KVSender(BaseKVSender):
         self.num_pages, self.aux_index = int(num_kv_indices), int(aux_index or 0)
 
     def send(self, kv_indices: Any, state_indices: Optional[list] = None, num_kv_tokens: Optional[int] = None) -> None:
-        if state_indices and any(x is not None and len(x) for x in state_indices):
-            raise LayoutError(f"request {self.room}: state indices given, but this adapter moves KV and aux only")
-        pages = np.asarray(kv_indices.cpu() if isinstance(kv_indices, torch.Tensor) else kv_indices, np.int64)
-        self.mgr.enqueue(self, pages.reshape(-1))
+        self.mgr.enqueue(self, _page_ids(self.room, kv_indices, state_indices))
 
     def poll(self) -> int:
         mgr = self.mgr
@@ -311,10 +316,8 @@ class KVReceiver(BaseKVReceiver):
 
     def send_metadata(self, kv_indices: Any, aux_index: Optional[int] = None, state_indices: Optional[list] = None,
                       decode_prefix_len: Optional[int] = None, destination: Any = None) -> None:
-        if state_indices and any(x is not None and len(x) for x in state_indices):
-            raise LayoutError(f"request {self.room}: state indices given, but this adapter moves KV and aux only")
-        pages = np.asarray(kv_indices.cpu() if isinstance(kv_indices, torch.Tensor) else kv_indices, np.int64)
-        self.mgr.publish(self.room, pages.reshape(-1), int(aux_index or 0), int(decode_prefix_len or 0))
+        pages = _page_ids(self.room, kv_indices, state_indices)
+        self.mgr.publish(self.room, pages, int(aux_index or 0), int(decode_prefix_len or 0))
         self.published = True
 
     def poll(self) -> int:
