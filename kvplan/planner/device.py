@@ -165,7 +165,7 @@ class _Static:
             dest_meta[d, -3:] = side.kv.page_size, unit, ps * side.kv.page_size // unit
             # head slices (planning.md §5; docs/tp_state.md): KV's in slot 0, each head-sliced component's in its slot
             for k, h in enumerate([p.heads, *(p.component_heads(c) for c in range(C))]):
-                if h is not None and (k > 0 or p.mode is Mode.HEAD_SLICED):
+                if h is not None:
                     heads[d * K + k] = (h.src_token_bytes, h.dst_token_bytes, h.src_head * h.bytes_per_head,
                                         h.dst_head * h.bytes_per_head, h.nbytes)
             dest_meta[d, 3 + 2 * K + 3 * C : 3 + 2 * K + 4 * C] = [self.component_sliced_tokens(d, c, src)

@@ -157,8 +157,8 @@ def component_plans(src: "SideMemory", pairing: "SidePairing", lists: "TransferL
         heads = pairing.component_heads(c)
         if heads is not None:  # docs/tp_state.md §3: per entry, list position and token
             runs = contiguous_runs(src_list, dst_list) if merged else empty_runs()
-            descs = head_sliced_descriptors(pairing.state_src[c], pairing.state_dst[c], src_list if merged else
-                                            src_list[:0], dst_list if merged else dst_list[:0], heads, cps_s)
+            descs = head_sliced_descriptors(pairing.state_src[c], pairing.state_dst[c], src_list, dst_list, heads,
+                                            cps_s) if merged else empty_descs()
         elif rules_of(comp.kind).forms_runs:
             runs = contiguous_runs(src_list, dst_list) if merged else empty_runs()
             descs = direct_descriptors(pairing.state_src[c], pairing.state_dst[c], runs)

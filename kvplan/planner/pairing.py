@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
@@ -158,10 +159,7 @@ def _pair_sides(src: SideMemory, dst: SideMemory) -> SidePairing:
     elif mode is Mode.DIRECT:
         _require_equal_items("KV", tuple(kv_src), tuple(kv_dst))
     else:
-        slices = {head_slice(sk, dk, s.item_len, d.item_len) for s, d in zip(kv_src, kv_dst)}
-        if len(slices) != 1:
-            raise LayoutError("head-sliced mode needs the same item length on every KV entry of a side")
-        heads = slices.pop()
+        heads = _one_slice("KV", kv_src, kv_dst, sk, dk, None)
     if len(src.state) != len(dst.state):
         raise LayoutError(f"state components differ: source has {len(src.state)}, destination {len(dst.state)}")
     state_heads: list[HeadSlice | None] = []
@@ -212,9 +210,15 @@ def _component_slice(i: int, sc, dc, sk: KVLayout, dk: KVLayout, cps_s: int, cps
     if len(sc.entries) != len(dc.entries):
         raise LayoutError(f"{what}: source has {len(sc.entries)} entries, destination {len(dc.entries)}")
     try:
-        slices = {head_slice(sk, dk, s.item_len, d.item_len, (cps_s, cps_d)) for s, d in zip(sc.entries, dc.entries)}
+        return _one_slice("component", sc.entries, dc.entries, sk, dk, (cps_s, cps_d))
     except LayoutError as err:
         raise LayoutError(f"{what}: {err}") from None
+
+
+def _one_slice(what: str, src: Sequence[Entry], dst: Sequence[Entry], sk: KVLayout, dk: KVLayout,
+               pages: tuple[int, int] | None) -> HeadSlice:
+    """The one head slice every entry pair of ``what`` shares (planning.md §5), or LayoutError."""
+    slices = {head_slice(sk, dk, s.item_len, d.item_len, pages) for s, d in zip(src, dst)}
     if len(slices) != 1:
-        raise LayoutError(f"{what}: head-sliced mode needs one item length per side for every entry")
+        raise LayoutError(f"head-sliced mode needs the same item length on every {what} entry of a side")
     return slices.pop()
