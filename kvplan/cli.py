@@ -121,7 +121,7 @@ def _demo(args: argparse.Namespace) -> int:
                         engine=args.engine, mode=args.mode, device=args.device, seed=args.seed,
                         timeout=60.0 if args.timeout is None else args.timeout,
                         fault=args.fault, repeat=args.repeat, engine_threads=args.engine_threads, staging_bytes=args.staging_mib << 20,
-                        staging_slots=args.staging_slots, decode_gpu=args.decode_gpu,
+                        staging_slots=args.staging_slots, scatter_tables=args.scatter_tables, decode_gpu=args.decode_gpu,
                         progress_thread=args.progress_thread == "on", dst_page_size=args.dst_page_size,
                         tp=_tp_sizes(args))
     if config.mode == "prepared" and config.engine != "nixl":
@@ -213,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the decode side's attention TP size, when not the preset's (docs/tp_state.md)")
     demo.add_argument("--staging-slots", type=_positive, default=4,
                       help="slots of the sender's staging ring: waves in flight at once (default: 4)")
+    demo.add_argument("--scatter-tables", action="store_true",
+                      help="staged runs carry every descriptor's destination for the receiver to check, instead "
+                           "of letting a receiver that can plan its own scatter do so (for comparison)")
     demo.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                       help="where the pools live; auto picks the GPU when there is one (default: auto)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the allocation and the bytes (default: 0)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 from ..errors import KvplanError
 
@@ -31,3 +32,26 @@ def require_runnable(device_type: str) -> None:
             "kvplan's kernels run on CPU tensors only through Triton's interpreter: set TRITON_INTERPRET=1 in "
             f"the environment before kvplan or triton is imported (it is {setting!r} here), or put the token "
             "table and slot maps on a CUDA device")
+
+
+def _serialize_interpreted_launches() -> None:
+    """Triton's interpreter patches ``triton.language`` for the length of each launch, so launches
+    from two threads at once break each other (a prefill and a decode endpoint in one process, on the
+    CPU). Under the interpreter, every launch takes one process-wide lock; compiled kernels are untouched."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if getattr(InterpretedFunction.run, "kvplan_serialized", False):
+        return
+    lock, run = threading.RLock(), InterpretedFunction.run
+
+    def serialized(self, *args, **kwargs):
+        with lock:
+            return run(self, *args, **kwargs)
+
+    serialized.kvplan_serialized = True
+    InterpretedFunction.run = serialized
+
+
+_serialize_interpreted_launches()

@@ -74,6 +74,7 @@ class DemoConfig:
     shape: ModelShape | None = None  # overrides preset/layers/mean_run (tests use small custom shapes)
     staging_bytes: int = 64 << 20
     staging_slots: int = 4  # the staging ring's length on the sending side
+    scatter_tables: bool = False  # staged runs always carry destination tables (no receiver-planned scatter)
     progress_thread: bool = True  # NIXL's own (spinning) progress thread
     decode_gpu: int = 0  # the decode process's GPU (the prefill's is GPU 0): 1 moves bytes between two cards
     engine_threads: int = 0  # NIXL's UCX worker threads (0: NIXL's default)
@@ -168,7 +169,7 @@ class DemoReport:
         pages = (f"page size {model.page_size}" if not self.config.dst_page_size else
                  f"page size {model.page_size} to {self.config.dst_page_size}")
         lines = [f"kvplan demo: {model.name} ({model.layers} layers, {pages}), "
-                 f"{c.engine} {c.mode}{f' ({self.mode_used})' if c.mode == 'auto' and self.mode_used else ''}, "
+                 f"{c.engine} {c.mode}{f' ({self.mode_used})' if self.mode_used and self.mode_used != c.mode else ''}, "
                  f"{self.device} memory, 127.0.0.1"]
         lines.append(f"  requests      {c.requests} x {c.prompt_len} tokens in {self.transfers} chunks "
                      f"({self.mode} descriptors)")
@@ -298,7 +299,7 @@ def prefill_process(config: DemoConfig, port: int, conn) -> None:
         side = side.to(device)
         staging = torch.zeros(config.staging_bytes, dtype=torch.uint8, device=device) if config.mode == "staged" or config.mode == "auto" and device == "cuda" else None
         endpoint = PrefillEndpoint(side, make_engine(config.engine, "prefill", config.memory, **config.engine_settings()), ControlChannel(port), staging,
-                                   slots=config.staging_slots)
+                                   slots=config.staging_slots, receiver_plans=not config.scatter_tables)
         try:
             endpoint.accept(timeout=config.timeout)
         except Exception as err:  # noqa: BLE001 - a refused pairing is an outcome to report
@@ -342,7 +343,10 @@ def prefill_process(config: DemoConfig, port: int, conn) -> None:
                 result.update(sent)
                 if any(sent.values()):
                     break
-        conn.send(("sent", result, times, endpoint.last_mode))
+        used = endpoint.last_mode
+        if used == "staged":
+            used += {"planned": ", receiver-planned scatter", "table": ", destination tables sent"}[endpoint.last_announcement]
+        conn.send(("sent", result, times, used))
     except Exception:  # noqa: BLE001
         conn.send(("error", traceback.format_exc()))
     conn.poll(60)

@@ -2,10 +2,11 @@
 
 :class:`DecodeEndpoint` registers its pools with the engine and publishes its layout, then, per
 request, its destination lists (SGLang's wire format). Completion comes from the engine's
-notifications (direct and prepared modes) or from staged waves: the sender's destination table
-arrives on the control channel ahead of the bytes, the engine's notification says the wave has
-landed, and the endpoint checks the table against what it published (:mod:`.landing`), scatters
-the wave on its own stream and returns the slot's credit once the scatter has finished. It never
+notifications (direct and prepared modes) or from staged waves. A staged run is announced on the
+control channel ahead of its bytes, either by its chunks alone (the endpoint plans the scatter
+from what it published, :mod:`.receiver_plan`) or with the sender's destination table (checked
+against what it published, :mod:`.landing`). The engine's notification says a wave has landed;
+the endpoint scatters it on its own stream and returns the slot's credit once the scatter has finished. It never
 sleeps: it blocks on the control socket with a short timeout between looks at the engine.
 
 Example::
@@ -30,12 +31,14 @@ import torch
 
 from ..errors import PeerError
 from ..planner.destinations import PreallocatedRequest, PublishedRequest, plan_destinations
-from ..planner.model import SideMemory
+from ..planner.device import Planner
+from ..planner.model import SideMemory, Transfer
 from .completion import CompletionTracker, SectionNote, decode_notification
 from .control import ControlChannel, ControlTimeout
 from .engines import Engine
 from .landing import LandingGuard
 from .local import scatter, warm_up
+from .receiver_plan import PlannedRun, own_transfer, side_alignment
 from .registration import describe_side
 from .waves import check_run, decode_wave_note, wave_key
 
@@ -68,6 +71,9 @@ class _StagedWave:
     requests: list[Any]
     inputs: Any  # the run's scatter inputs on the device: [2n + 1, 3] int64 (descriptors, then offsets)
     keep: Any = None  # their pinned host rows, alive until the upload has run
+    run: PlannedRun | None = None  # a planned run's (this side plans the scatter; no table, no inputs)
+    byte_lo: int = 0  # ... and the wave's bytes of that run
+    byte_hi: int = 0
     landed: bool = False
     event: Any = None  # the scatter's CUDA event once launched
     scattered: bool = False
@@ -91,6 +97,10 @@ class DecodeEndpoint:
         self._waves: dict[str, _StagedWave] = {}
         self._early: dict[str, float] = {}  # waves whose bytes landed before their table was read: when
         self._uploads: dict[int, tuple[torch.Tensor, Any]] = {}  # per sender: pinned rows, their last upload
+        self._published: dict[Any, tuple[PreallocatedRequest, PublishedRequest]] = {}  # what planned runs plan from
+        self._runs: list[tuple[int, PlannedRun]] = []  # planned runs whose scatter is not yet known, by sender
+        self._planner: Planner | None = None  # plans planned runs' scatters (this side to itself)
+        self._alignment = side_alignment(side)
         self.trace: list[tuple[str, str, float]] | None = [] if os.environ.get("KVPLAN_TRACE") else None
         self._stream = torch.cuda.Stream(staging.device) if staging is not None and staging.is_cuda else None
         self._share = (staging.numel() // len(self.channels)) // 256 * 256 if staging is not None else 0
@@ -120,11 +130,14 @@ class DecodeEndpoint:
         """Compute, validate and send every request's destination lists to sender ``peer``; track them."""
         pending = plan_destinations(self.side, requests)
         deadline = time.monotonic() + timeout
-        self.track(pending.result(), deadline, peer)
+        published = pending.result()
+        self.track(published, deadline, peer)
+        for r, p in zip(requests, published):
+            self._published[r.request] = (r, p)
         for r, message in zip(requests, pending.messages()):
             try:
                 self.channels[peer].send("request", {"request": r.request, "prompt_len": r.prompt_len,
-                                              "prefix_len": r.prefix_len}, message,
+                                              "prefix_len": r.prefix_len, "plans": True}, message,
                                   timeout=max(0.0, deadline - time.monotonic()))
             except ControlTimeout as err:
                 self.tracker.fail(r.request, f"its destination lists could not be published: {err}")
@@ -146,6 +159,8 @@ class DecodeEndpoint:
                 kind, header, frames = msg
                 if kind == "staged":
                     self._announce(k, header, frames[0])
+                elif kind == "staged-plan":
+                    self._announce_planned(k, header)
                 elif kind == "failed" and self._owner.get(header.get("request")) == k:
                     self.tracker.fail(header["request"], f"the prefill side reports: {header.get('reason')}")
                 elif kind == "refused":
@@ -159,6 +174,8 @@ class DecodeEndpoint:
                 self._mark(wave, "landed")
             else:  # its table is sent first but may still be on the socket
                 self._early[wave] = time.monotonic()
+        if self._runs:
+            self._advance_runs()
         self._scatter_landed()
         self._finish_scatters()
         for k, channel in enumerate(self.channels):
@@ -179,6 +196,7 @@ class DecodeEndpoint:
         self._fail_owned(peer, "the prefill side is gone: it restarted and connected again")
         for key in [k for k, w in self._waves.items() if w.peer == peer and w.event is None]:
             del self._waves[key]
+        self._runs = [(k, run) for k, run in self._runs if k != peer]
         try:
             self._register(peer, time.monotonic() + 5.0)
         except ControlTimeout as err:
@@ -204,6 +222,7 @@ class DecodeEndpoint:
                     self.tracker.forget(r)
                     self.guard.forget(r)
                     self._owner.pop(r, None)
+                    self._published.pop(r, None)
                 for key in [k for k, w in self._waves.items() if w.event is None and not w.landed
                             and all(r not in self._owner for r in w.requests)]:
                     del self._waves[key]  # announced for requests that have failed: it will never be scattered
@@ -247,11 +266,7 @@ class DecodeEndpoint:
                 self._mark(wave_key(waves[0][0], sender), "checked")
         except (PeerError, KeyError, TypeError, ValueError) as err:
             why = str(err) if isinstance(err, PeerError) else f"a malformed announcement ({type(err).__name__}: {err})"
-            for r in requests:
-                if self._owner.get(r) == peer:
-                    self.tracker.fail(r, f"refused staged run: {why}")
-            for w in waves:
-                self.channels[peer].send("wave-done", {"wave": w[0], "error": why})
+            self._refuse_run(peer, requests, [w[0] for w in waves], why)
             return
         host, inputs = self._stage_inputs(rows, waves, peer * self._share)
         owner_ends = np.array([hi for _, _, hi in spans], np.int64)
@@ -263,6 +278,76 @@ class DecodeEndpoint:
                                            host, landed=key in self._early)
             self._early.pop(key, None)
             self._mark(key, "table")
+
+    def _announce_planned(self, peer: int, header: dict[str, Any]) -> None:
+        """Start planning a planned run's scatter from what this side published (see
+        :mod:`.receiver_plan`); a run that names what this side cannot plan is refused whole."""
+        requests: list[Any] = []
+        waves: list = []
+        try:
+            sender = str(header["from"])
+            waves = [int(w[0]) for w in header["waves"]]
+            requests = list(dict.fromkeys(r for r, *_ in header["transfers"]))
+            strangers = [r for r in requests if self._owner.get(r, peer) != peer]
+            if strangers:
+                raise PeerError(f"the run names requests published to another sender: {strangers[:4]}")
+            if self.staging is None:
+                raise PeerError("a staged run arrived, but this side registered no staging buffer")
+            run = PlannedRun.announce(header, self._share, self._transfer_of, self._scatter_planner(), self.side,
+                                      self._stream, self._alignment)
+        except (PeerError, KeyError, TypeError, ValueError, IndexError) as err:
+            why = str(err) if isinstance(err, PeerError) else f"a malformed or unplannable run ({type(err).__name__}: {err})"
+            self._refuse_run(peer, requests, waves, why)
+            return
+        share_lo = peer * self._share
+        for w in run.waves:
+            key = wave_key(w.index, sender)
+            self._waves[key] = _StagedWave(w.index, peer, share_lo + w.lo_in_share, w.nbytes, run.alignment, 0, 0, [],
+                                           run.requests, None, run=run, byte_lo=w.byte_lo, byte_hi=w.byte_hi,
+                                           landed=key in self._early)
+            self._early.pop(key, None)
+            self._mark(key, "table")
+        self._runs.append((peer, run))
+
+    def _transfer_of(self, request: Any, start: int, fill_len: int, last: bool) -> Transfer:
+        """This side's own transfer of a chunk the sender announces: every list, row and length is the one
+        this side published; only the chunk's bounds come from the peer (and are checked by planning)."""
+        known = self._published.get(request)
+        if known is None or request not in self.tracker:
+            raise PeerError(f"the run names request {request!r}, which this side has not published with a row "
+                            "(or has already settled)")
+        return own_transfer(*known, start, fill_len, last)
+
+    def _scatter_planner(self) -> Planner:
+        if self._planner is None:
+            self._planner = Planner(self.side, (self.side,), outputs=("descriptors",), depth=4)
+        return self._planner
+
+    def _advance_runs(self) -> None:
+        """Planned runs whose plan or byte sums have finished become scatterable (or are refused)."""
+        for peer, run in list(self._runs):
+            if not run.advance(self._stream):
+                continue
+            self._runs.remove((peer, run))
+            keys = [wave_key(w.index, run.sender) for w in run.waves]
+            if run.stage == "refused":
+                for key in keys:
+                    self._waves.pop(key, None)
+                self._refuse_run(peer, run.requests, [w.index for w in run.waves], run.why)
+                continue
+            for key, w in zip(keys, run.waves):
+                if key in self._waves:
+                    self._waves[key].sections = [SectionNote(s.request, int(s.role), s.name, s.count)
+                                                 for s in w.sections]
+                    self._mark(key, "checked")
+
+    def _refuse_run(self, peer: int, requests: Sequence[Any], waves: Sequence[int], why: str) -> None:
+        """Fail a refused run's requests and tell its sender, wave by wave (no slot of it is scattered)."""
+        for r in requests:
+            if self._owner.get(r) == peer:
+                self.tracker.fail(r, f"refused staged run: {why}")
+        for index in waves:
+            self.channels[peer].send("wave-done", {"wave": index, "error": why})
 
     def _stage_inputs(self, rows: np.ndarray, waves: list, share_lo: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every wave's scatter descriptors ``(0, dst, nbytes)`` and staging offsets, uploaded from pinned
@@ -300,7 +385,8 @@ class DecodeEndpoint:
 
     def _scatter_landed(self) -> None:
         for key, wave in list(self._waves.items()):
-            if not wave.landed or wave.event is not None or wave.scattered:
+            if not wave.landed or wave.event is not None or wave.scattered or \
+                    (wave.run is not None and wave.run.stage != "ready"):
                 continue
             busy = [o.index for o in self._waves.values() if o.index < wave.index and o.landed and not o.scattered
                     and o.peer == wave.peer and wave.lo < o.lo + o.nbytes and o.lo < wave.lo + wave.nbytes]
@@ -309,20 +395,30 @@ class DecodeEndpoint:
                 del self._waves[key]
                 continue
             self._mark(key, "launch")
-            n_all = (wave.inputs.shape[0] - 1) // 2
-            descs = wave.inputs[wave.row_lo : wave.row_hi]
-            offsets = wave.inputs[n_all:].reshape(-1)[wave.row_lo : wave.row_hi]
-            typical = max(1, wave.nbytes // max(1, wave.row_hi - wave.row_lo))
             if self._stream is not None:
                 with torch.cuda.stream(self._stream):
-                    scatter(descs, offsets, self.staging, wave.alignment, typical_bytes=typical,
-                            need=wave.lo + wave.nbytes)
+                    self._scatter(wave)
                     wave.event = torch.cuda.Event()
                     wave.event.record(self._stream)
             else:
-                scatter(descs, offsets, self.staging, wave.alignment, typical_bytes=typical, need=wave.lo + wave.nbytes)
+                self._scatter(wave)
                 wave.event = True
             self._mark(key, "scatter")
+
+    def _scatter(self, wave: _StagedWave) -> None:
+        """Launch a landed wave's scatter on the current stream: from its run's rows of the uploaded
+        table, or from this side's own plan of a planned run (offsets in the run, shifted onto the slot)."""
+        if wave.run is not None:
+            descs, offsets = wave.run.scatter_inputs(wave)
+            typical = max(1, wave.nbytes // max(1, len(descs)))
+            scatter(descs, offsets, self.staging, wave.alignment, typical_bytes=typical, need=wave.lo + wave.nbytes,
+                    shift=wave.lo - wave.byte_lo)
+            return
+        n_all = (wave.inputs.shape[0] - 1) // 2
+        descs = wave.inputs[wave.row_lo : wave.row_hi]
+        offsets = wave.inputs[n_all:].reshape(-1)[wave.row_lo : wave.row_hi]
+        typical = max(1, wave.nbytes // max(1, wave.row_hi - wave.row_lo))
+        scatter(descs, offsets, self.staging, wave.alignment, typical_bytes=typical, need=wave.lo + wave.nbytes)
 
     def _refuse(self, wave: _StagedWave, why: str) -> None:
         """Fail a wave's requests and tell its sender (its slot is not credited back)."""

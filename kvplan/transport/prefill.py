@@ -10,8 +10,9 @@ kvplan and moves it:
 * ``staged``: waves of descriptors gathered into a ring of staging slots. The gather of one wave,
   the engine write of another and the receiver's scatter of a third overlap: the sender needs a
   slot's credit (returned by the receiver after its scatter) and the end of its own last write from
-  that slot, nothing else. A wave's destination table travels on the control channel ahead of its
-  bytes; the engine's notification, carrying the wave id, says they have landed.
+  that slot, nothing else. The run is announced on the control channel ahead of its bytes: by its
+  chunks alone where the receiver can plan its own scatter (:mod:`.receiver_plan`), else with every
+  wave's destination table; the engine's notification, carrying the wave id, says a wave has landed.
 * ``auto`` (the default): staged when both sides have staging buffers on a GPU and the batch has at least
   64 descriptors of at most 256 KiB on average, else direct. (TensorRT-LLM gates at 1024 and 16 KiB;
   on an H200 through CUDA IPC a direct write costs ~10 us per descriptor, so staging wins far
@@ -55,6 +56,7 @@ from .control import ControlChannel, ControlTimeout
 from .decode import engine_regions
 from .engines import Engine, Handle, wait_all
 from .local import gather, plan_alignment, warm_up
+from .receiver_plan import planned_run_message, receiver_can_plan
 from .registration import side_from_description
 from .waves import Wave, plan_waves, run_message, wave_note
 
@@ -91,6 +93,8 @@ class Peer:
     lists: dict[Any, tuple[DestinationLists, int, int]] = field(default_factory=dict)
     backlog: deque = field(default_factory=deque)  # messages that arrived while a send read credits
     prepared: bool = False
+    plannable: bool = False  # its staged runs may go without tables (receiver_plan.receiver_can_plan)
+    planning: set = field(default_factory=set)  # requests it published with a row: it can plan their scatter
 
     def recv(self, deadline: float) -> tuple[str, dict[str, Any], list[bytes]]:
         return self.backlog.popleft() if self.backlog else self.channel.recv(deadline)
@@ -101,15 +105,18 @@ class PrefillEndpoint:
 
     ``channels``: one control channel per decode endpoint (peer ``k`` is ``channels[k]``); a batch's
     transfers name their peer in ``Transfer.dest`` (:meth:`transfer` sets it), so one batch can fan
-    out to several decode endpoints. ``slots`` is the staging ring's length.
+    out to several decode endpoints. ``slots`` is the staging ring's length. ``receiver_plans``: a
+    staged run whose receiver can plan its own scatter (:mod:`.receiver_plan`) is announced by its
+    chunks alone; ``False`` always sends the destination table.
     """
 
     def __init__(self, side: SideMemory, engine: Engine, channels: ControlChannel | Sequence[ControlChannel],
                  staging: torch.Tensor | None = None, policy: Policy = Policy.STRICT, slots: int = 4,
-                 refuse: str = "batch"):
+                 refuse: str = "batch", receiver_plans: bool = True):
         if refuse not in ("batch", "request"):
             raise ValueError(f"refuse must be 'batch' or 'request', got {refuse!r}")
         self.side, self.engine, self.staging, self.policy, self.refuse = side, engine, staging, policy, refuse
+        self.receiver_plans = receiver_plans
         self.peers = [Peer(c) for c in (channels if isinstance(channels, (list, tuple)) else [channels])]
         self.slots = slots
         self.engine.register(engine_regions(side) + ([(staging.data_ptr(), staging.numel())] if staging is not None else []))
@@ -119,6 +126,7 @@ class PrefillEndpoint:
         self._next_wave = 0
         self.id = uuid.uuid4().hex[:12]  # names this sender's waves on receivers that have several senders
         self.last_mode: str | None = None  # the mode the last send used (what ``auto`` chose)
+        self.last_announcement: str | None = None  # how its last staged run was announced: "planned" or "table"
         self._planners: dict[bool, Planner] = {}  # by prepared or not
         self._times: list[float] = []
 
@@ -174,6 +182,7 @@ class PrefillEndpoint:
             peer.channel.send("refused", {"reason": str(err)})
             raise
         peer.side = peer_side
+        peer.plannable = receiver_can_plan(self.side, peer_side, self.policy)
         peer.staging = tuple(header["staging"]) if header["staging"] else None
         peer.name = self.engine.connect(frames[0])
 
@@ -181,6 +190,8 @@ class PrefillEndpoint:
         p = self.peers[k]
         lists, aux = decode_message(frames[0], len(p.side.state))
         p.lists[header["request"]] = (lists, aux, header["prefix_len"])
+        if header.get("plans"):
+            p.planning.add(header["request"])
         return header["request"]
 
     def transfer(self, chunk: Chunk, peer: int = 0) -> Transfer:
@@ -194,6 +205,7 @@ class PrefillEndpoint:
         for p in self.peers if peer is None else [self.peers[peer]]:
             for r in requests:
                 p.lists.pop(r, None)
+                p.planning.discard(r)
 
     def send(self, transfers: Sequence[Transfer], mode: str = "auto", timeout: float = 30.0) -> dict[Any, str | None]:
         """Plan and move a batch; returns, per request, ``None`` when sent or the failure reason.
@@ -433,10 +445,18 @@ class _StagedRun:
         ep = self.ep
         waves = plan_waves(self.descs[:, 2], self.sections, self.slot_bytes, self.slots)
         ep._next_wave += len(waves)
-        spans = [(t.request, int(self.rows[k]), int(self.rows[k + 1])) for k, t in enumerate(self.transfers)]
-        header, table = run_message(ep.id, self.base_id, waves, self.slot_bytes, self.alignment, spans, self.descs)
-        try:  # every wave's table first: the receiver checks them while this side gathers and writes
-            self.peer.channel.send("staged", header, table, timeout=max(0.0, self.deadline - time.monotonic()))
+        if ep.receiver_plans and self.peer.plannable and all(t.request in self.peer.planning for t in self.transfers):
+            kind, header = "staged-plan", planned_run_message(ep.id, self.base_id, waves, self.slot_bytes,
+                                                              self.alignment, self.transfers, self.host_starts)
+            frames: tuple[bytes, ...] = ()
+            ep.last_announcement = "planned"
+        else:
+            spans = [(t.request, int(self.rows[k]), int(self.rows[k + 1])) for k, t in enumerate(self.transfers)]
+            header, table = run_message(ep.id, self.base_id, waves, self.slot_bytes, self.alignment, spans, self.descs)
+            kind, frames = "staged", (table,)
+            ep.last_announcement = "table"
+        try:  # announced first: the receiver plans or checks the run while this side gathers and writes
+            self.peer.channel.send(kind, header, *frames, timeout=max(0.0, self.deadline - time.monotonic()))
         except ControlTimeout as err:
             ep._fail(self.dest, self.result, list(self.result), str(err))
             return self.result

@@ -1,0 +1,224 @@
+"""Staged runs whose scatter the receiver plans itself: no destination table on the wire.
+
+In the table form (:func:`~.waves.run_message`) the sender announces a run with the destination
+``(dst, nbytes)`` of every descriptor, and the receiver checks each row against what it published
+before it scatters. In the planned form the sender announces only its chunks ``(request, start,
+fill_len, last)`` and each wave's byte range of the run; the receiver plans the scatter with kvplan's
+planner from its *own* published lists, rows, prompt and prefix lengths, as a plan from its side to
+itself. Nothing the peer sends becomes an address: a chunk outside what was published fails to
+plan, and a wave that does not tile the run's bytes is refused. The receiver's planning runs on the
+device while the sender gathers and writes, so the scatter of a landed wave waits on nothing.
+
+Why the byte streams agree: a plan's descriptors are in transfer order, then sections (KV, each
+component, aux), then entry-major, then runs in token order (planning.md §4), and a staged run
+packs them back to back. A plan from the receiver to itself has the same transfers, sections,
+entries and tokens in the same order; only its runs are longer (they break where the destination
+breaks, not where either side does). Both streams therefore hold the same bytes for the same
+destination addresses, provided the pairing sends whole destination items of equal size
+(:func:`receiver_can_plan`): no head slices, equal page sizes, the same destination entries, the
+strict policy. The receiver checks the byte total of its plan against the run's before it scatters.
+
+Example::
+
+    if receiver_can_plan(prefill_side, decode_side, policy):
+        header = planned_run_message(sender_id, base_id, waves, slot_bytes, alignment, transfers, byte_starts)
+    # on the receiver:
+    run = PlannedRun.announce(header, ...)
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from ..errors import LayoutError, PeerError
+from ..planner.destinations import PreallocatedRequest, PublishedRequest
+from ..planner.device import PendingPlan, Planner
+from ..planner.model import Batch, Policy, SideMemory, Transfer
+from ..planner.pairing import pair_sides
+from ..planner.plan import Section
+from .waves import Wave
+
+__all__ = ["PlannedRun", "PlannedWave", "own_transfer", "planned_run_message", "receiver_can_plan", "side_alignment"]
+
+
+def receiver_can_plan(src: SideMemory, dst: SideMemory, policy: Policy) -> bool:
+    """Whether ``dst`` plans the same byte stream from its own lists as ``src`` sends it (see the module docstring)."""
+    if Policy(policy) is not Policy.STRICT or src.kv.page_size != dst.kv.page_size:
+        return False
+    try:
+        sent, own = pair_sides(src, dst), pair_sides(dst, dst)
+    except LayoutError:
+        return False
+    if sent.heads is not None or any(h is not None for h in sent.state_heads):
+        return False
+    tables = [(sent.kv_dst, own.kv_dst), (sent.aux_dst, own.aux_dst), *zip(sent.state_dst, own.state_dst)]
+    return len(sent.state_dst) == len(own.state_dst) and all(a.shape == b.shape and (a == b).all() for a, b in tables)
+
+
+def own_transfer(allocated: PreallocatedRequest, published: PublishedRequest, start: int, fill_len: int,
+                 last: bool) -> Transfer:
+    """The receiver's transfer of an announced chunk, from its side to itself: the row, lengths and
+    lists are the ones it allocated and published; only the chunk's bounds come from the peer."""
+    aux = published.aux_index if published.has_aux else -1
+    return Transfer(allocated.request, allocated.row, start, fill_len, allocated.prompt_len, last,
+                    published.lists.pages, allocated.prefix_len, aux, aux, published.lists.state)
+
+
+def side_alignment(side: SideMemory) -> int:
+    """The largest power of two dividing every address and size of ``side``'s entries."""
+    g = 0
+    for e in (*side.kv.entries, *(e for c in side.state for e in c.entries), *side.aux):
+        g = math.gcd(math.gcd(g, int(e.base_ptr)), int(e.item_len))
+    return g & -g if g else 1
+
+
+def planned_run_message(sender: str, base_id: int, waves: Sequence[Wave], slot_bytes: int, alignment: int,
+                        transfers: Sequence[Transfer], byte_starts: np.ndarray) -> dict[str, Any]:
+    """The header announcing a planned run: the chunks, and per wave its id, its offset in the slot
+    ring and its bytes ``[lo, hi)`` of the run (``byte_starts``: each descriptor's offset in the run,
+    one more at the end)."""
+    return {
+        "from": sender, "alignment": alignment,
+        "transfers": [[t.request, int(t.start), int(t.fill_len), bool(t.last)] for t in transfers],
+        "waves": [[base_id + w.index, w.slot * slot_bytes, int(byte_starts[w.lo]), int(byte_starts[w.hi])]
+                  for w in waves],
+    }
+
+
+@dataclass
+class PlannedWave:
+    """A wave of a planned run: its id, offset in this sender's staging share and bytes of the run."""
+
+    index: int
+    lo_in_share: int
+    byte_lo: int
+    byte_hi: int
+    sections: list[Section] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return self.byte_hi - self.byte_lo
+
+
+@dataclass
+class PlannedRun:
+    """A planned run on the receiver, from its announcement until its scatter inputs are known.
+
+    ``stage`` goes ``planning`` (the plan runs on the device) -> ``summing`` (the sections' byte ends
+    are being copied to the host) -> ``ready`` (landed waves may scatter), or ``refused`` with ``why``.
+    """
+
+    sender: str
+    requests: list[Any]
+    waves: list[PlannedWave]
+    alignment: int
+    pending: PendingPlan | None
+    stage: str = "planning"
+    why: str | None = None
+    descs: torch.Tensor | None = None  # the run's scatter descriptors ``(dst, dst, nbytes)``, the run's own copy
+    starts: torch.Tensor | None = None  # each one's byte offset in the run
+    _sections: list[Section] = field(default_factory=list)
+    _ends_host: torch.Tensor | None = None
+    _event: Any = None
+
+    @classmethod
+    def announce(cls, header: dict[str, Any], capacity: int, transfer_of: Callable[[Any, int, int, bool], Transfer],
+                 planner: Planner, side: SideMemory, stream: torch.cuda.Stream | None,
+                 own_alignment: int) -> "PlannedRun":
+        """Check a planned run's announcement and start planning its scatter on ``stream``.
+
+        ``transfer_of(request, start, fill_len, last)`` makes the receiver's own transfer of a chunk
+        from what it published (raising :class:`PeerError` for a request it cannot plan). The copy
+        word comes from the smaller of the announced alignment and ``own_alignment``
+        (:func:`side_alignment`), so a peer's claim never makes an unaligned access. Raises :class:`PeerError` (nothing planned) or :class:`~kvplan.errors.PlanError`.
+        """
+        sender, announced = str(header["from"]), int(header["alignment"])
+        if announced < 1 or announced & (announced - 1):
+            raise PeerError(f"the alignment {announced} is not a power of two")
+        alignment = min(announced, own_alignment)
+        chunks = [(r, int(s), int(f), bool(last)) for r, s, f, last in header["transfers"]]
+        waves = [PlannedWave(int(i), int(slot_lo), int(lo), int(hi)) for i, slot_lo, lo, hi in header["waves"]]
+        at = 0
+        for w in waves:
+            if w.byte_lo != at or w.byte_hi < w.byte_lo:
+                raise PeerError(f"wave {w.index}'s bytes [{w.byte_lo}, {w.byte_hi}) do not follow the previous "
+                                f"wave's (byte {at})")
+            if w.lo_in_share < 0 or w.lo_in_share + w.nbytes > capacity:
+                raise PeerError(f"wave {w.index} claims staging bytes [{w.lo_in_share}, +{w.nbytes}); the staging "
+                                f"buffer holds {capacity} for it")
+            if w.lo_in_share % alignment or w.byte_lo % alignment:
+                raise PeerError(f"wave {w.index}: its offsets are not aligned to {alignment}")
+            at = w.byte_hi
+        requests = list(dict.fromkeys(r for r, *_ in chunks))
+        batch = Batch(side, (side,), tuple(transfer_of(*c) for c in chunks), Policy.STRICT)
+        run = cls(sender, requests, waves, alignment, None)
+        run.pending = planner.plan(batch, stream=stream)
+        return run
+
+    def advance(self, stream: torch.cuda.Stream | None) -> bool:
+        """Move on as far as the device allows without waiting; True once ``ready`` or ``refused``."""
+        if self.stage == "planning" and self.pending.ready():
+            try:
+                descs = self.pending.device_descriptors()  # raises the plan's first error, naming the request
+                self._sections = self.pending.sections()
+            except PeerError as err:
+                return self._refuse(str(err))
+            except ValueError as err:  # a PlanError: the chunk is not one this side published
+                return self._refuse(f"the run's chunks do not plan against what this side published: {err}")
+            self._sum(descs, stream)
+        if self.stage == "summing" and (self._event is None or self._event.query()):
+            self._place()
+        return self.stage in ("ready", "refused")
+
+    def _sum(self, descs: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
+        """Copy the plan (it is reused by later plans), its byte offsets and the sections' byte ends."""
+        his = torch.tensor([s.hi - 1 for s in self._sections] + [len(descs) - 1], dtype=torch.int64)
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            self.descs = descs.clone()
+            ends = torch.cumsum(self.descs[:, 2], 0)
+            self.starts = ends - self.descs[:, 2]
+            picked = ends.index_select(0, his.to(descs.device, non_blocking=True)) if len(descs) else his[:0]
+            if stream is not None:
+                self._ends_host = torch.empty(len(picked), dtype=torch.int64, pin_memory=True)
+                self._ends_host.copy_(picked, non_blocking=True)
+                self._event = torch.cuda.Event()
+                self._event.record(stream)
+            else:
+                self._ends_host = picked
+        self.pending = None
+        self.stage = "summing"
+
+    def _place(self) -> None:
+        """Check the run's bytes against the plan's, and give each wave the sections it completes."""
+        ends = self._ends_host.numpy() if len(self._ends_host) else np.zeros(1, np.int64)
+        total, claimed = int(ends[-1]) if len(self._ends_host) else 0, self.waves[-1].byte_hi if self.waves else 0
+        if total != claimed:
+            self._refuse(f"the run carries {claimed} bytes; this side's plan of its chunks has {total}")
+            return
+        his = np.array([w.byte_hi for w in self.waves], np.int64)
+        for section, end in zip(self._sections, ends[:-1].tolist()):
+            self.waves[int(np.searchsorted(his, end, side="left"))].sections.append(section)
+        self.stage = "ready"
+
+    def _refuse(self, why: str) -> bool:
+        self.stage, self.why, self.pending = "refused", why, None
+        return True
+
+    def scatter_inputs(self, wave: PlannedWave) -> tuple[torch.Tensor, torch.Tensor]:
+        """The descriptors and run offsets that scatter ``wave`` (clipped to its bytes when the run
+        has several waves; launched on the current stream)."""
+        if wave.byte_lo == 0 and wave.byte_hi == (self.waves[-1].byte_hi if self.waves else 0):
+            return self.descs, self.starts
+        ends = self.starts + self.descs[:, 2]
+        lo, hi = self.starts.clamp(min=wave.byte_lo), ends.clamp(max=wave.byte_hi)
+        clipped = self.descs.clone()
+        clipped[:, 1] += lo - self.starts
+        clipped[:, 2] = (hi - lo).clamp_(min=0)
+        return clipped, lo
+

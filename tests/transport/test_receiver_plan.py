@@ -1,0 +1,165 @@
+"""Staged runs whose scatter the receiver plans from its own lists (kvplan.transport.receiver_plan).
+
+* the receiver's plan of a run, from its side to itself, puts every byte of the sender's stream at
+  the same destination address as the sender's plan, for every state kind, chunking and prefix;
+* only pairings that move whole destination items of equal size are planned by the receiver;
+* on the receiver: a planned run is scattered wave by wave (runs cut at wave boundaries), and a
+  run whose chunks or bytes disagree with what this side published is refused with nothing written.
+"""
+
+import time
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from kvplan.planner.destinations import PreallocatedRequest, plan_destinations
+from kvplan.planner.model import Attention, Batch, Entry, KVLayout, Policy, SideMemory
+from kvplan.planner.reference import plan_reference
+from kvplan.tools.scenarios import PRESETS, build_batch
+from kvplan.transport.decode import DecodeEndpoint
+from kvplan.transport.receiver_plan import own_transfer, receiver_can_plan
+from kvplan.transport.waves import wave_note
+from tests.planner.builders import table_with
+from tests.transport.fakes import FakeChannel, FakeEngine
+
+SHAPES = ["llama70b-tp8-p64", "gptoss-swa-p16", "dsv32-mla-dsa-p64", "qwen3next-mamba-p64"]
+
+
+def _byte_stream(descs: np.ndarray, unit: int) -> np.ndarray:
+    """The destination address of every ``unit`` bytes of a plan's byte stream, in stream order."""
+    dst, size = descs[:, 1].astype(np.int64), descs[:, 2].astype(np.int64) // unit
+    first = np.repeat(np.cumsum(size) - size, size)
+    return np.repeat(dst, size) + (np.arange(int(size.sum())) - first) * unit
+
+
+def _receiver_batch(batch: Batch) -> Batch:
+    """What the receiver plans for ``batch``: its own transfers of the same chunks, from what it published."""
+    dst = batch.dsts[0]
+    lasts = {t.request: t for t in batch.transfers if t.last}
+    allocated = {r: PreallocatedRequest(r, t.src_row, t.prompt_len, t.prefix_len, t.aux_dst) for r, t in lasts.items()}
+    published = {p.request: p for p in plan_destinations(dst, list(allocated.values())).result()}
+    return Batch(dst, (dst,), tuple(own_transfer(allocated[t.request], published[t.request], t.start, t.fill_len, t.last)
+                                    for t in batch.transfers))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("chunks, prefix_pages, seed", [(1, 0, 1), (3, 0, 2), (2, 1, 3)])
+def test_the_receiver_plans_the_bytes_the_sender_sends(shape, chunks, prefix_pages, seed):
+    model = PRESETS[shape].scaled(layers=2)
+    batch = build_batch(model, 3, [64 * 6, 64 * 4 + 17, 64 * 5], chunks=chunks, prefix_len=prefix_pages * 64,
+                        seed=seed)
+    assert receiver_can_plan(batch.src, batch.dsts[0], Policy.STRICT)
+    sent = plan_reference(batch).descriptors()[0]
+    own = plan_reference(_receiver_batch(batch)).descriptors()[0]
+    assert len(own) <= len(sent)  # its runs break only where the destination breaks
+    unit = int(np.gcd.reduce(np.concatenate([sent[:, 1:], own[:, 1:]]).astype(np.int64).ravel()))
+    assert np.array_equal(_byte_stream(sent, unit), _byte_stream(own, unit))
+
+
+def test_a_wrong_order_would_be_seen():
+    """The comparison above can fail: the same descriptors in another order give another stream."""
+    batch = build_batch(PRESETS["llama70b-tp8-p64"].scaled(layers=2), 2, 64 * 4, seed=5)
+    sent = plan_reference(batch).descriptors()[0]
+    unit = int(np.gcd.reduce(sent[:, 1:].astype(np.int64).ravel()))
+    assert not np.array_equal(_byte_stream(sent, unit), _byte_stream(sent[::-1], unit))
+
+
+@pytest.mark.parametrize("change, plans", [
+    (dict(), True),
+    (dict(tp=(4, 8)), False),  # head-sliced KV
+    (dict(dst_page_size=64), False),  # pages of another size
+    (dict(policy=Policy.TRUNCATE), False),  # the sender may send shorter lists than published
+])
+def test_only_whole_item_pairings_are_planned_by_the_receiver(change, plans):
+    model = PRESETS["gptoss-swa-p16"].scaled(layers=2)
+    if "tp" in change:
+        model = model.with_tp(*change["tp"])
+    batch = build_batch(model, 1, 64, dst_page_size=change.get("dst_page_size"), src_rank=1 if "tp" in change else 0,
+                        dst_rank=2 if "tp" in change else 0)
+    assert receiver_can_plan(batch.src, batch.dsts[0], change.get("policy", Policy.STRICT)) is plans
+
+
+# -- the receiver's side, with an in-memory engine and channel ------------------------------------
+PAGE, PAGE_BYTES = 4, 256
+
+
+@pytest.fixture
+def decode():
+    """A decode side whose request r1 (row 1, 16 tokens) has pages 3, 4, 5 and 9: runs (3, 3) and (9, 1)."""
+    pool = torch.zeros(16 * PAGE_BYTES, dtype=torch.uint8)
+    side = SideMemory(KVLayout(Attention.MLA, PAGE, (Entry(pool.data_ptr(), PAGE_BYTES, 16),)),
+                      req_to_token=table_with({1: [3, 4, 5, 9]}, PAGE, max_ctx=16))
+    staging = torch.arange(4096, dtype=torch.int64).to(torch.uint8)
+    mine, theirs = FakeChannel.pair()
+    endpoint = DecodeEndpoint(side, FakeEngine(), mine, staging)
+    endpoint.publish([PreallocatedRequest("r1", row=1, prompt_len=16)], timeout=30)
+    kind, header, _ = theirs.try_recv()
+    assert kind == "request" and header["plans"] is True
+    return endpoint, theirs, pool, staging
+
+
+def _announce(channel, waves, transfers=(("r1", 0, 17, True),), alignment=16):
+    channel.send("staged-plan", {"from": "p0", "alignment": alignment, "transfers": [list(t) for t in transfers],
+                                 "waves": [list(w) for w in waves]})
+
+
+def test_a_planned_run_is_scattered_wave_by_wave(decode):
+    endpoint, prefill, pool, staging = decode
+    # two waves: bytes [0, 640) in slot 0 and [640, 1024) at 2048; the cut falls inside the run of pages 3-5
+    _announce(prefill, [(7, 0, 0, 640), (8, 2048, 640, 1024)])
+    endpoint.engine.inbox += [wave_note(7, "p0"), wave_note(8, "p0")]
+    deadline = time.monotonic() + 60
+    while endpoint.tracker.state("r1") == "pending" and time.monotonic() < deadline:
+        endpoint.poll()
+    credits = [prefill.try_recv() for _ in range(2)]
+    assert [(k, h) for k, h, _ in credits] == [("wave-done", {"wave": 7}), ("wave-done", {"wave": 8})]
+    assert endpoint.wait() == {"r1": "complete"}
+    stream = torch.cat([staging[0:640], staging[2048 : 2048 + 384]])
+    page = lambda p: pool[p * PAGE_BYTES : (p + 1) * PAGE_BYTES]  # noqa: E731
+    assert torch.equal(torch.cat([page(3), page(4), page(5), page(9)]), stream)
+    untouched = [p for p in range(16) if p not in (3, 4, 5, 9)]
+    assert all(int(page(p).sum()) == 0 for p in untouched)
+
+
+@pytest.mark.parametrize("transfers, waves, why", [
+    ((("r1", 2, 17, True),), [(7, 0, 0, 1024)], "do not plan against what this side published"),  # unaligned
+    ((("r1", 0, 17, True),), [(7, 0, 0, 768)], "this side's plan of its chunks has 1024"),  # a short run
+    ((("r1", 0, 17, True),), [(7, 0, 0, 1280)], "this side's plan of its chunks has 1024"),  # a long one
+    ((("r1", 0, 17, True), ("r2", 0, 17, True)), [(7, 0, 0, 2048)], "has not published"),
+    ((("r1", 0, 17, True),), [(7, 0, 0, 512), (8, 1024, 600, 1024)], "do not follow"),
+    ((("r1", 0, 17, True),), [(7, 4096 - 512, 0, 1024)], "staging buffer holds"),
+])
+def test_a_planned_run_that_disagrees_with_what_was_published_is_refused(decode, transfers, waves, why):
+    endpoint, prefill, pool, _ = decode
+    _announce(prefill, waves, transfers)
+    endpoint.engine.inbox += [wave_note(w[0], "p0") for w in waves]
+    states = endpoint.wait()
+    assert states == {"r1": "failed"} and "refused staged run" in endpoint.failures["r1"]
+    kind, header, _ = prefill.try_recv()
+    assert kind == "wave-done" and why in header["error"]
+    assert int(pool.sum()) == 0, "bytes were written by a refused run"
+
+
+def test_a_request_published_without_a_row_cannot_be_planned(decode):
+    """Lists tracked from elsewhere (an adapter's) have no row here: such a run needs its table."""
+    endpoint, prefill, pool, _ = decode
+    side = endpoint.side
+    published = plan_destinations(replace(side), [PreallocatedRequest("t1", row=1, prompt_len=16)]).result()
+    endpoint.track([replace(published[0], request="t1")], time.monotonic() + 30)
+    _announce(prefill, [(7, 0, 0, 1024)], (("t1", 0, 17, True),))
+    endpoint.engine.inbox.append(wave_note(7, "p0"))
+    deadline = time.monotonic() + 30
+    while endpoint.tracker.state("t1") == "pending" and time.monotonic() < deadline:
+        endpoint.poll()
+    assert "not published with a row" in endpoint.tracker.failure("t1") and int(pool.sum()) == 0
+
+
+def test_an_announced_alignment_above_the_sides_own_is_not_used(decode):
+    endpoint, prefill, pool, staging = decode
+    _announce(prefill, [(7, 0, 0, 1024)], alignment=1 << 20)
+    endpoint.engine.inbox.append(wave_note(7, "p0"))
+    endpoint.poll()
+    assert endpoint._runs == [] or endpoint._runs[0][1].alignment <= 256
+    assert endpoint.wait() == {"r1": "complete"}
