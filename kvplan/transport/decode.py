@@ -32,13 +32,13 @@ import torch
 from ..errors import PeerError
 from ..planner.destinations import PreallocatedRequest, PublishedRequest, plan_destinations
 from ..planner.device import Planner
-from ..planner.model import SideMemory, Transfer
+from ..planner.model import SideMemory
 from .completion import CompletionTracker, SectionNote, decode_notification
 from .control import ControlChannel, ControlTimeout
 from .engines import Engine
 from .landing import LandingGuard
 from .local import scatter, warm_up
-from .receiver_plan import PlannedRun, own_transfer, side_alignment
+from .receiver_plan import OwnLists, PlannedRun, side_alignment
 from .registration import describe_side
 from .waves import check_run, decode_wave_note, wave_key
 
@@ -97,7 +97,7 @@ class DecodeEndpoint:
         self._waves: dict[str, _StagedWave] = {}
         self._early: dict[str, float] = {}  # waves whose bytes landed before their table was read: when
         self._uploads: dict[int, tuple[torch.Tensor, Any]] = {}  # per sender: pinned rows, their last upload
-        self._published: dict[Any, tuple[PreallocatedRequest, PublishedRequest]] = {}  # what planned runs plan from
+        self._own: dict[Any, OwnLists] = {}  # what planned runs are planned from, per request published with a row
         self._runs: list[tuple[int, PlannedRun]] = []  # planned runs whose scatter is not yet known, by sender
         self._planner: Planner | None = None  # plans planned runs' scatters (this side to itself)
         self._alignment = side_alignment(side)
@@ -133,7 +133,7 @@ class DecodeEndpoint:
         published = pending.result()
         self.track(published, deadline, peer)
         for r, p in zip(requests, published):
-            self._published[r.request] = (r, p)
+            self._own[r.request] = OwnLists.of(r, p)
         for r, message in zip(requests, pending.messages()):
             try:
                 self.channels[peer].send("request", {"request": r.request, "prompt_len": r.prompt_len,
@@ -222,7 +222,7 @@ class DecodeEndpoint:
                     self.tracker.forget(r)
                     self.guard.forget(r)
                     self._owner.pop(r, None)
-                    self._published.pop(r, None)
+                    self._own.pop(r, None)
                 for key in [k for k, w in self._waves.items() if w.event is None and not w.landed
                             and all(r not in self._owner for r in w.requests)]:
                     del self._waves[key]  # announced for requests that have failed: it will never be scattered
@@ -293,8 +293,8 @@ class DecodeEndpoint:
                 raise PeerError(f"the run names requests published to another sender: {strangers[:4]}")
             if self.staging is None:
                 raise PeerError("a staged run arrived, but this side registered no staging buffer")
-            run = PlannedRun.announce(header, self._share, self._transfer_of, self._scatter_planner(), self.side,
-                                      self._stream, self._alignment)
+            run = PlannedRun.announce(header, self._share, self._own_lists, self._scatter_planner(), self._stream,
+                                      self._alignment)
         except (PeerError, KeyError, TypeError, ValueError, IndexError) as err:
             why = str(err) if isinstance(err, PeerError) else f"a malformed or unplannable run ({type(err).__name__}: {err})"
             self._refuse_run(peer, requests, waves, why)
@@ -309,14 +309,14 @@ class DecodeEndpoint:
             self._mark(key, "table")
         self._runs.append((peer, run))
 
-    def _transfer_of(self, request: Any, start: int, fill_len: int, last: bool) -> Transfer:
-        """This side's own transfer of a chunk the sender announces: every list, row and length is the one
-        this side published; only the chunk's bounds come from the peer (and are checked by planning)."""
-        known = self._published.get(request)
+    def _own_lists(self, request: Any) -> OwnLists:
+        """What this side published for a request a planned run names: its row, lengths and lists (only the
+        chunks' bounds come from the peer, and planning checks them)."""
+        known = self._own.get(request)
         if known is None or request not in self.tracker:
             raise PeerError(f"the run names request {request!r}, which this side has not published with a row "
                             "(or has already settled)")
-        return own_transfer(*known, start, fill_len, last)
+        return known
 
     def _scatter_planner(self) -> Planner:
         if self._planner is None:

@@ -37,14 +37,19 @@ import numpy as np
 import torch
 
 from ..errors import LayoutError, PeerError
+from ..planner.columns import COLUMNS, BatchColumns
 from ..planner.destinations import PreallocatedRequest, PublishedRequest
 from ..planner.device import PendingPlan, Planner
-from ..planner.model import Batch, Policy, SideMemory, Transfer
+from ..planner.model import Policy, SideMemory, Transfer
 from ..planner.pairing import pair_sides
 from ..planner.plan import Section
 from .waves import Wave
 
-__all__ = ["PlannedRun", "PlannedWave", "own_transfer", "planned_run_message", "receiver_can_plan", "side_alignment"]
+__all__ = ["OwnLists", "PlannedRun", "PlannedWave", "planned_run_message", "receiver_can_plan", "run_columns",
+           "side_alignment"]
+
+_START, _FILL, _LAST = COLUMNS.index("start"), COLUMNS.index("fill_len"), COLUMNS.index("last")
+_LO = [COLUMNS.index("kv_lo")]  # the columns that index dst_flat (then each component's lo)
 
 
 def receiver_can_plan(src: SideMemory, dst: SideMemory, policy: Policy) -> bool:
@@ -61,13 +66,47 @@ def receiver_can_plan(src: SideMemory, dst: SideMemory, policy: Policy) -> bool:
     return len(sent.state_dst) == len(own.state_dst) and all(a.shape == b.shape and (a == b).all() for a, b in tables)
 
 
-def own_transfer(allocated: PreallocatedRequest, published: PublishedRequest, start: int, fill_len: int,
-                 last: bool) -> Transfer:
-    """The receiver's transfer of an announced chunk, from its side to itself: the row, lengths and
-    lists are the ones it allocated and published; only the chunk's bounds come from the peer."""
-    aux = published.aux_index if published.has_aux else -1
-    return Transfer(allocated.request, allocated.row, start, fill_len, allocated.prompt_len, last,
-                    published.lists.pages, allocated.prefix_len, aux, aux, published.lists.state)
+@dataclass(frozen=True)
+class OwnLists:
+    """What a receiver plans a request's chunks from, made once when it publishes the request: its
+    row of :data:`~kvplan.planner.columns.COLUMNS` (chunk columns left zero; list offsets relative to
+    ``lists``) and its lists back to back (pages, then each component's)."""
+
+    row: np.ndarray
+    lists: np.ndarray
+
+    @classmethod
+    def of(cls, allocated: PreallocatedRequest, published: PublishedRequest) -> "OwnLists":
+        aux = published.aux_index if published.has_aux else -1
+        parts = [published.lists.pages, *published.lists.state]
+        lengths = np.array([len(x) for x in parts], np.int64)
+        los = np.cumsum(lengths) - lengths
+        pairs = np.stack([los, lengths], axis=1).reshape(-1)
+        row = np.array([allocated.row, 0, 0, allocated.prompt_len, allocated.prefix_len, 0, 0, aux, aux,
+                        len(parts) - 1, *pairs], np.int64)
+        lists = np.concatenate(parts).astype(np.int64) if len(parts) else np.zeros(0, np.int64)
+        return cls(row, lists)
+
+
+def run_columns(chunks: Sequence[tuple[Any, int, int, bool]], own: Callable[[Any], OwnLists]) -> BatchColumns:
+    """The receiver's batch of a run, from its side to itself: ``chunks`` are the announced ``(request,
+    start, fill_len, last)``; everything else (row, lengths, lists) is what ``own(request)`` published.
+    Chunks of one request share its lists in ``dst_flat``; no object is made per chunk."""
+    requests = [c[0] for c in chunks]
+    first = {r: k for k, r in enumerate(dict.fromkeys(requests))}
+    records = [own(r) for r in first]
+    sizes = np.array([len(o.lists) for o in records], np.int64)
+    base = np.cumsum(sizes) - sizes
+    which = np.array([first[r] for r in requests], np.int64)
+    table = np.stack([o.row for o in records])[which] if records else np.zeros((0, len(COLUMNS)), np.int64)
+    if len(chunks):
+        table[:, _START] = [c[1] for c in chunks]
+        table[:, _FILL] = [c[2] for c in chunks]
+        table[:, _LAST] = [bool(c[3]) for c in chunks]
+        lo_cols = _LO + list(range(len(COLUMNS), table.shape[1], 2))
+        table[:, lo_cols] += base[which][:, None]
+    lists = np.concatenate([o.lists for o in records]) if records else np.zeros(0, np.int64)
+    return BatchColumns(table, lists, requests)
 
 
 def side_alignment(side: SideMemory) -> int:
@@ -128,13 +167,12 @@ class PlannedRun:
     _event: Any = None
 
     @classmethod
-    def announce(cls, header: dict[str, Any], capacity: int, transfer_of: Callable[[Any, int, int, bool], Transfer],
-                 planner: Planner, side: SideMemory, stream: torch.cuda.Stream | None,
-                 own_alignment: int) -> "PlannedRun":
+    def announce(cls, header: dict[str, Any], capacity: int, own: Callable[[Any], OwnLists], planner: Planner,
+                 stream: torch.cuda.Stream | None, own_alignment: int) -> "PlannedRun":
         """Check a planned run's announcement and start planning its scatter on ``stream``.
 
-        ``transfer_of(request, start, fill_len, last)`` makes the receiver's own transfer of a chunk
-        from what it published (raising :class:`PeerError` for a request it cannot plan). The copy
+        ``own(request)`` is what the receiver published for a request (raising :class:`PeerError` for
+        one it cannot plan); the run is planned by :func:`run_columns`. The copy
         word comes from the smaller of the announced alignment and ``own_alignment``
         (:func:`side_alignment`), so a peer's claim never makes an unaligned access. Raises :class:`PeerError` (nothing planned) or :class:`~kvplan.errors.PlanError`.
         """
@@ -155,10 +193,9 @@ class PlannedRun:
             if w.lo_in_share % alignment or w.byte_lo % alignment:
                 raise PeerError(f"wave {w.index}: its offsets are not aligned to {alignment}")
             at = w.byte_hi
-        requests = list(dict.fromkeys(r for r, *_ in chunks))
-        batch = Batch(side, (side,), tuple(transfer_of(*c) for c in chunks), Policy.STRICT)
-        run = cls(sender, requests, waves, alignment, None)
-        run.pending = planner.plan(batch, stream=stream)
+        columns = run_columns(chunks, own)
+        run = cls(sender, list(dict.fromkeys(columns.requests)), waves, alignment, None)
+        run.pending = planner.plan(columns, stream=stream)
         return run
 
     def advance(self, stream: torch.cuda.Stream | None) -> bool:

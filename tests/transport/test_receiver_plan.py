@@ -19,7 +19,7 @@ from kvplan.planner.model import Attention, Batch, Entry, KVLayout, Policy, Side
 from kvplan.planner.reference import plan_reference
 from kvplan.tools.scenarios import PRESETS, build_batch
 from kvplan.transport.decode import DecodeEndpoint
-from kvplan.transport.receiver_plan import own_transfer, receiver_can_plan
+from kvplan.transport.receiver_plan import OwnLists, receiver_can_plan, run_columns
 from kvplan.transport.waves import wave_note
 from tests.planner.builders import table_with
 from tests.transport.fakes import FakeChannel, FakeEngine
@@ -39,9 +39,10 @@ def _receiver_batch(batch: Batch) -> Batch:
     dst = batch.dsts[0]
     lasts = {t.request: t for t in batch.transfers if t.last}
     allocated = {r: PreallocatedRequest(r, t.src_row, t.prompt_len, t.prefix_len, t.aux_dst) for r, t in lasts.items()}
-    published = {p.request: p for p in plan_destinations(dst, list(allocated.values())).result()}
-    return Batch(dst, (dst,), tuple(own_transfer(allocated[t.request], published[t.request], t.start, t.fill_len, t.last)
-                                    for t in batch.transfers))
+    own = {p.request: OwnLists.of(allocated[p.request], p)
+           for p in plan_destinations(dst, list(allocated.values())).result()}
+    columns = run_columns([(t.request, t.start, t.fill_len, t.last) for t in batch.transfers], own.__getitem__)
+    return Batch(dst, (dst,), tuple(columns.transfer(t) for t in range(columns.num_transfers)))
 
 
 @pytest.mark.parametrize("shape", SHAPES)
