@@ -287,6 +287,8 @@ class DecodeEndpoint:
         try:
             sender = str(header["from"])
             waves = [int(w[0]) for w in header["waves"]]
+            if waves:
+                self._mark(wave_key(waves[0], sender), "received")
             requests = list(dict.fromkeys(r for r, *_ in header["transfers"]))
             strangers = [r for r in requests if self._owner.get(r, peer) != peer]
             if strangers:
