@@ -21,11 +21,14 @@ for one in ${1:-512:1 256:2 512:1 64:4}; do
   demo $big --mode staged --staging-mib "$mib" --staging-slots "$slots" --repeat 12 --scatter-tables
 done
 demo $big --mode auto --staging-mib 512 --staging-slots 1 --repeat 12
-for extra in "" "--scatter-tables"; do
-  echo "\$ traced: staged 512:1 $extra --repeat 4" >> "$log"
-  KVPLAN_TRACE=1 timeout 300 python3 -m kvplan demo --no-progress --engine nixl $big --mode staged --staging-mib 512 \
-    --staging-slots 1 --repeat 4 $extra 2>&1 | grep "waves" >> "$log"
+for one in ${TRACE:-512:1 64:4}; do
+  for extra in "" "--scatter-tables"; do
+    echo "\$ traced: staged $one $extra --repeat 5" >> "$log"
+    KVPLAN_TRACE=1 timeout 300 python3 -m kvplan demo --no-progress --engine nixl $big --mode staged --staging-mib \
+      ${one%%:*} --staging-slots ${one##*:} --repeat 5 $extra 2>&1 | grep "waves" >> "$log"
+  done
 done
+[ -n "${QUICK:-}" ] && exit 0
 for preset in gptoss-swa-p16 qwen3next-mamba-p64 dsv32-mla-dsa-p64; do
   demo --preset $preset --layers 8 --requests 8 --prompt-len 4096 --mode staged --staging-mib 256 --staging-slots 2 --repeat 6
 done

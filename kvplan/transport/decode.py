@@ -322,7 +322,9 @@ class DecodeEndpoint:
 
     def _scatter_planner(self) -> Planner:
         if self._planner is None:
-            self._planner = Planner(self.side, (self.side,), outputs=("descriptors",), depth=4)
+            # each run's plan is copied out once it is ready: two buffers per sender keep a second run's
+            # plan from reusing the first's before then (every buffer captures its own CUDA graph)
+            self._planner = Planner(self.side, (self.side,), outputs=("descriptors",), depth=2 * len(self.channels))
         return self._planner
 
     def _advance_runs(self) -> None:
