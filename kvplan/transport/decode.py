@@ -339,10 +339,15 @@ class DecodeEndpoint:
                     self._waves.pop(key, None)
                 self._refuse_run(peer, run.requests, [w.index for w in run.waves], run.why)
                 continue
-            for key, w in zip(keys, run.waves):
+            if run.rows is not None:  # several waves: each scatters its own rows of the cut plan, as a table's
+                described = [[w.index, w.lo_in_share, lo, hi, w.nbytes, None] for w, (lo, hi) in zip(run.waves, run.wave_rows)]
+                host, inputs = self._stage_inputs(run.rows, described, peer * self._share)
+            for k, (key, w) in enumerate(zip(keys, run.waves)):
                 if key in self._waves:
-                    self._waves[key].sections = [SectionNote(s.request, int(s.role), s.name, s.count)
-                                                 for s in w.sections]
+                    wave = self._waves[key]
+                    wave.sections = [SectionNote(s.request, int(s.role), s.name, s.count) for s in w.sections]
+                    if run.rows is not None:
+                        wave.inputs, wave.keep, (wave.row_lo, wave.row_hi), wave.run = inputs, host, run.wave_rows[k], None
                     self._mark(key, "checked")
 
     def _refuse_run(self, peer: int, requests: Sequence[Any], waves: Sequence[int], why: str) -> None:
@@ -413,7 +418,7 @@ class DecodeEndpoint:
         """Launch a landed wave's scatter on the current stream: from its run's rows of the uploaded
         table, or from this side's own plan of a planned run (offsets in the run, shifted onto the slot)."""
         if wave.run is not None:
-            descs, offsets = wave.run.scatter_inputs(wave)
+            descs, offsets = wave.run.scatter_inputs()
             typical = max(1, wave.nbytes // max(1, len(descs)))
             scatter(descs, offsets, self.staging, wave.alignment, typical_bytes=typical, need=wave.lo + wave.nbytes,
                     shift=wave.lo - wave.byte_lo)
