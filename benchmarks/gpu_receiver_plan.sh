@@ -3,6 +3,8 @@
 # on one machine; then a traced run of each, then byte-verified staged hand-offs of every preset.
 # Usage on the GPU machine (NIXL and pyzmq wheels carried in .whl):
 #   OUT=/some/dir bash benchmarks/gpu_receiver_plan.sh "MIB:SLOTS ..."     (default: 512:1 256:2 512:1 64:4)
+# EXTRA: flags for every demo (e.g. --decode-gpu 1 on two cards); QUICK=1 skips the other presets;
+# TRACE: the configurations traced (default: 512:1 64:4).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1 UCX_NET_DEVICES=lo NIXL_LOG_LEVEL=WARN TRITON_INTERPRET=0
@@ -11,8 +13,8 @@ log="$OUT/receiver-plan.txt"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$log"
 echo "cpus: nproc $(nproc), $(grep -m1 "model name" /proc/cpuinfo), load $(cut -d" " -f1-3 /proc/loadavg)" | tee -a "$log"
 demo() {
-  echo "\$ kvplan demo --engine nixl $*" | tee -a "$log"
-  timeout 300 python3 -m kvplan demo --no-progress --engine nixl "$@" 2>&1 | tee -a "$log"
+  echo "\$ kvplan demo --engine nixl $* ${EXTRA:-}" | tee -a "$log"
+  timeout 300 python3 -m kvplan demo --no-progress --engine nixl "$@" ${EXTRA:-} 2>&1 | tee -a "$log"
 }
 big="--preset llama70b-tp8-p64 --layers 8 --requests 8 --prompt-len 8192"
 for one in ${1:-512:1 256:2 512:1 64:4}; do
