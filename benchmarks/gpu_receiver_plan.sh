@@ -27,7 +27,7 @@ for one in ${TRACE:-512:1 64:4}; do
   for extra in "" "--scatter-tables"; do
     echo "\$ traced: staged $one $extra --repeat 5" >> "$log"
     KVPLAN_TRACE=1 timeout 300 python3 -m kvplan demo --no-progress --engine nixl $big --mode staged --staging-mib \
-      ${one%%:*} --staging-slots ${one##*:} --repeat 5 $extra 2>&1 | grep "waves" >> "$log"
+      ${one%%:*} --staging-slots ${one##*:} --repeat 5 $extra ${EXTRA:-} 2>&1 | grep "waves" >> "$log"
   done
 done
 [ -n "${QUICK:-}" ] && exit 0
