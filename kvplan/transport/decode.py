@@ -38,7 +38,7 @@ from .control import ControlChannel, ControlTimeout
 from .engines import Engine
 from .landing import LandingGuard
 from .local import scatter, warm_up
-from .receiver_plan import OwnLists, PlannedRun, side_alignment
+from .receiver_plan import OwnLists, PlannedRun, PlannedWave, side_alignment
 from .registration import describe_side
 from .waves import check_run, decode_wave_note, wave_key
 
@@ -72,8 +72,7 @@ class _StagedWave:
     inputs: Any  # the run's scatter inputs on the device: [2n + 1, 3] int64 (descriptors, then offsets)
     keep: Any = None  # their pinned host rows, alive until the upload has run
     run: PlannedRun | None = None  # a planned run's (this side plans the scatter; no table, no inputs)
-    byte_lo: int = 0  # ... and the wave's bytes of that run
-    byte_hi: int = 0
+    planned: PlannedWave | None = None  # ... and the wave's place in it
     landed: bool = False
     event: Any = None  # the scatter's CUDA event once launched
     scattered: bool = False
@@ -305,8 +304,7 @@ class DecodeEndpoint:
         for w in run.waves:
             key = wave_key(w.index, sender)
             self._waves[key] = _StagedWave(w.index, peer, share_lo + w.lo_in_share, w.nbytes, run.alignment, 0, 0, [],
-                                           run.requests, None, run=run, byte_lo=w.byte_lo, byte_hi=w.byte_hi,
-                                           landed=key in self._early)
+                                           run.requests, None, run=run, planned=w, landed=key in self._early)
             self._early.pop(key, None)
             self._mark(key, "table")
         self._runs.append((peer, run))
@@ -339,15 +337,10 @@ class DecodeEndpoint:
                     self._waves.pop(key, None)
                 self._refuse_run(peer, run.requests, [w.index for w in run.waves], run.why)
                 continue
-            if run.rows is not None:  # several waves: each scatters its own rows of the cut plan, as a table's
-                described = [[w.index, w.lo_in_share, lo, hi, w.nbytes, None] for w, (lo, hi) in zip(run.waves, run.wave_rows)]
-                host, inputs = self._stage_inputs(run.rows, described, peer * self._share)
-            for k, (key, w) in enumerate(zip(keys, run.waves)):
+            for key, w in zip(keys, run.waves):
                 if key in self._waves:
-                    wave = self._waves[key]
-                    wave.sections = [SectionNote(s.request, int(s.role), s.name, s.count) for s in w.sections]
-                    if run.rows is not None:
-                        wave.inputs, wave.keep, (wave.row_lo, wave.row_hi), wave.run = inputs, host, run.wave_rows[k], None
+                    self._waves[key].sections = [SectionNote(s.request, int(s.role), s.name, s.count)
+                                                 for s in w.sections]
                     self._mark(key, "checked")
 
     def _refuse_run(self, peer: int, requests: Sequence[Any], waves: Sequence[int], why: str) -> None:
@@ -418,10 +411,10 @@ class DecodeEndpoint:
         """Launch a landed wave's scatter on the current stream: from its run's rows of the uploaded
         table, or from this side's own plan of a planned run (offsets in the run, shifted onto the slot)."""
         if wave.run is not None:
-            descs, offsets = wave.run.scatter_inputs()
-            typical = max(1, wave.nbytes // max(1, len(descs)))
+            descs, offsets, window = wave.run.scatter_inputs(wave.planned)
+            typical = max(1, wave.run.waves[-1].byte_hi // max(1, len(descs)))
             scatter(descs, offsets, self.staging, wave.alignment, typical_bytes=typical, need=wave.lo + wave.nbytes,
-                    shift=wave.lo - wave.byte_lo)
+                    shift=wave.lo - wave.planned.byte_lo, window=window)
             return
         n_all = (wave.inputs.shape[0] - 1) // 2
         descs = wave.inputs[wave.row_lo : wave.row_hi]

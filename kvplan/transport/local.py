@@ -84,10 +84,16 @@ def gather(descs: torch.Tensor, offsets: torch.Tensor, staging: torch.Tensor, al
 
 
 def scatter(descs: torch.Tensor, offsets: torch.Tensor, staging: torch.Tensor, alignment: int,
-            typical_bytes: int = 4096, need: int | None = None, shift: int = 0) -> None:
-    """Copy ``staging[offsets[i] + shift:]`` to each descriptor's destination (the receiving side of staged mode)."""
+            typical_bytes: int = 4096, need: int | None = None, shift: int = 0,
+            window: tuple[int, int] | None = None) -> None:
+    """Copy ``staging[offsets[i] + shift:]`` to each descriptor's destination (the receiving side of staged mode).
+
+    ``window``: only the bytes ``[lo, hi)`` of the offsets' stream (one wave of a run; pass ``need``);
+    each descriptor is cut to its part inside it."""
+    if window is not None and (need is None or window[0] % kc.word_size(alignment) or window[1] % kc.word_size(alignment)):
+        raise InputError(None, "a scatter window needs `need` and bounds aligned to the copy word")
     _check_staging(staging, descs, offsets, need, shift)
-    kc.copy_descriptors(descs, kc.SCATTER, offsets, staging.data_ptr() + shift, alignment, typical_bytes)
+    kc.copy_descriptors(descs, kc.SCATTER, offsets, staging.data_ptr() + shift, alignment, typical_bytes, window)
 
 
 def warm_up(staging: torch.Tensor, alignment: int = 16) -> None:

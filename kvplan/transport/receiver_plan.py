@@ -149,8 +149,8 @@ class PlannedWave:
 class PlannedRun:
     """A planned run on the receiver, from its announcement until its scatter inputs are known.
 
-    ``stage`` goes ``planning`` (the plan runs on the device) -> ``summing`` (what the host needs of
-    the plan is being copied to it) -> ``ready`` (landed waves may scatter), or ``refused`` with ``why``.
+    ``stage`` goes ``planning`` (the plan runs on the device) -> ``summing`` (the sections' byte ends
+    are being copied to the host) -> ``ready`` (landed waves may scatter), or ``refused`` with ``why``.
     """
 
     sender: str
@@ -160,11 +160,9 @@ class PlannedRun:
     pending: PendingPlan | None
     stage: str = "planning"
     why: str | None = None
-    descs: torch.Tensor | None = None  # one wave: the scatter descriptors ``(dst, dst, nbytes)``, the run's own copy
+    descs: torch.Tensor | None = None  # the scatter descriptors ``(dst, dst, nbytes)``, the run's own copy
     starts: torch.Tensor | None = None  # each one's byte offset in the run
     _sections: list[Section] = field(default_factory=list)
-    rows: np.ndarray | None = None  # several waves: the plan's (dst, nbytes) rows cut at the wave boundaries
-    wave_rows: list[tuple[int, int]] = field(default_factory=list)  # ... and each wave's rows of them
     _host: torch.Tensor | None = None
     _event: Any = None
 
@@ -216,75 +214,41 @@ class PlannedRun:
         return self.stage in ("ready", "refused")
 
     def _sum(self, descs: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
-        """Start copying what the host needs to the host: for one wave, the sections' byte ends (the
-        plan itself is copied on the device: later plans reuse its buffers); for several, every
-        descriptor's ``(dst, nbytes)``, to be cut at the wave boundaries."""
-        one = len(self.waves) <= 1
+        """Copy the plan on the device (later plans reuse its buffers), with each descriptor's offset
+        in the run, and start copying the sections' byte ends and the total to the host."""
         his = torch.tensor([s.hi - 1 for s in self._sections] + [len(descs) - 1], dtype=torch.int64)
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            if one:
-                self.descs = descs.clone()
-                ends = torch.cumsum(self.descs[:, 2], 0)
-                self.starts = ends - self.descs[:, 2]
-                wanted = ends.index_select(0, his.to(descs.device, non_blocking=True)) if len(descs) else his[:0]
-            else:
-                wanted = descs[:, 1:]
+            self.descs = descs.clone()
+            ends = torch.cumsum(self.descs[:, 2], 0)
+            self.starts = ends - self.descs[:, 2]
+            wanted = ends.index_select(0, his.to(descs.device, non_blocking=True)) if len(descs) else his[:0]
             if stream is not None:
                 self._host = torch.empty(wanted.shape, dtype=torch.int64, pin_memory=True)
                 self._host.copy_(wanted, non_blocking=True)
                 self._event = torch.cuda.Event()
                 self._event.record(stream)
             else:
-                self._host = wanted.clone()
+                self._host = wanted
         self.pending = None
         self.stage = "summing"
 
     def _place(self) -> None:
-        """Check the run's bytes against the plan's, and give each wave the sections it completes
-        (and, for several waves, cut the plan into each wave's rows)."""
-        if len(self.waves) <= 1:
-            ends = self._host.numpy()
-            section_ends, total = ends[:-1], int(ends[-1]) if len(ends) else 0
-        else:
-            rows = self._host.numpy().view(np.uint64)
-            ends = np.cumsum(rows[:, 1].view(np.int64))
-            section_ends = ends[[s.hi - 1 for s in self._sections]]
-            total = int(ends[-1]) if len(ends) else 0
-        claimed = self.waves[-1].byte_hi if self.waves else 0
+        """Check the run's bytes against the plan's, and give each wave the sections it completes."""
+        ends = self._host.numpy()
+        total, claimed = (int(ends[-1]) if len(ends) else 0), (self.waves[-1].byte_hi if self.waves else 0)
         if total != claimed:
             self._refuse(f"the run carries {claimed} bytes; this side's plan of its chunks has {total}")
             return
         his = np.array([w.byte_hi for w in self.waves], np.int64)
-        for section, end in zip(self._sections, section_ends.tolist()):
+        for section, end in zip(self._sections, ends[:-1].tolist()):
             self.waves[int(np.searchsorted(his, end, side="left"))].sections.append(section)
-        if len(self.waves) > 1:
-            self.rows, self.wave_rows = cut_at(rows, ends, his[:-1])
         self.stage = "ready"
 
     def _refuse(self, why: str) -> bool:
         self.stage, self.why, self.pending = "refused", why, None
         return True
 
-    def scatter_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """A one-wave run's scatter descriptors and their offsets in the run (device tensors). A run of
-        several waves is scattered from :attr:`rows` instead, each wave from its :attr:`wave_rows`."""
-        return self.descs, self.starts
-
-
-def cut_at(rows: np.ndarray, ends: np.ndarray, cuts: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int]]]:
-    """``(dst, nbytes)`` rows cut at the byte offsets ``cuts`` of their stream (``ends``: each row's
-    end in it), and each part's rows ``[lo, hi)``: rows that cross a cut become two.
-
-    >>> rows, parts = cut_at(np.array([[100, 8], [200, 8]], np.uint64), np.array([8, 16]), np.array([4, 8]))
-    >>> rows.tolist(), parts
-    ([[100, 4], [104, 4], [200, 8]], [(0, 1), (1, 2), (2, 3)])
-    """
-    starts = ends - rows[:, 1].view(np.int64)
-    total = int(ends[-1]) if len(ends) else 0
-    bounds = np.union1d(np.concatenate([starts, cuts[(cuts > 0) & (cuts < total)]]), [total])
-    owner = np.searchsorted(starts, bounds[:-1], side="right") - 1
-    out = np.empty((len(bounds) - 1, 2), np.uint64)
-    out[:, 0] = rows[owner, 0] + (bounds[:-1] - starts[owner]).astype(np.uint64)
-    out[:, 1] = np.diff(bounds).astype(np.uint64)
-    edges = np.searchsorted(bounds[:-1], np.concatenate([[0], cuts, [total]]), side="left")
-    return out, [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:])]
+    def scatter_inputs(self, wave: PlannedWave) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int] | None]:
+        """The run's scatter descriptors ``(dst, dst, nbytes)``, their offsets in the run (device
+        tensors) and the byte window that cuts them to ``wave`` (``None`` for a run of one wave)."""
+        return self.descs, self.starts, None if len(self.waves) == 1 else (wave.byte_lo, wave.byte_hi)

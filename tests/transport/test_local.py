@@ -51,3 +51,26 @@ def test_alignment_is_a_power_of_two_dividing_every_address(device):
     assert align & (align - 1) == 0 and align >= 8
     descs = plan_reference(batch).descriptors()[0]
     assert (descs % np.uint64(align) == 0).all()
+
+
+@settings(max_examples=15, deadline=None)
+@given(scenarios(), st.lists(st.floats(0.0, 1.0), max_size=4), st.sampled_from([16, 4096]))
+def test_a_scatter_cut_into_byte_windows_lands_the_same_bytes(device, case, cuts, typical_bytes):
+    """Each window of a staged stream, scattered from its own slot with the whole stream's
+    descriptors (a wave of a receiver-planned run), lands exactly its bytes; together, every byte."""
+    _, batch = case
+    real, src_tensors, dst_tensors = _real_batch(batch, device)
+    expected = AddressSpace.of_tensors(dst_tensors, zero=True)
+    execute(plan_reference(real).descriptors()[0], AddressSpace.of_tensors(src_tensors), expected)
+    descs = gpu.plan(on_device(real, device)).device_descriptors()
+    align = plan_alignment(real)
+    offsets, ends = staging_offsets(descs)
+    total = int(ends[-1]) if len(ends) else 0
+    staging = torch.zeros(total, dtype=torch.uint8, device=device)
+    gather(descs, offsets, staging, align, typical_bytes)
+    bounds = sorted({0, total, *(int(c * total) // align * align for c in cuts)})
+    slot = torch.zeros(total + align, dtype=torch.uint8, device=device)  # each window lands at the slot's start
+    for lo, hi in zip(bounds, bounds[1:]):
+        slot[: hi - lo] = staging[lo:hi]
+        scatter(descs, offsets, slot, align, typical_bytes, need=hi - lo, shift=-lo, window=(lo, hi))
+    assert expected.matches(dst_tensors)

@@ -165,18 +165,3 @@ def test_an_announced_alignment_above_the_sides_own_is_not_used(decode):
     assert endpoint._runs == [] or endpoint._runs[0][1].alignment <= 256
     assert endpoint.wait() == {"r1": "complete"}
 
-
-@pytest.mark.parametrize("seed", range(5))
-def test_cutting_a_plan_at_wave_boundaries_keeps_every_byte_in_place(seed):
-    from kvplan.transport.receiver_plan import cut_at
-
-    rng = np.random.default_rng(seed)
-    sizes = rng.integers(1, 9, 40) * 16
-    rows = np.stack([rng.integers(1, 1000, 40) * 4096, sizes], axis=1).astype(np.uint64)
-    ends = np.cumsum(sizes)
-    cuts = np.unique(rng.integers(1, int(ends[-1]) // 16, 6) * 16)
-    pieces, parts = cut_at(rows, ends, cuts)
-    assert np.array_equal(_byte_stream(np.c_[pieces[:, :1], pieces], 16), _byte_stream(np.c_[rows[:, :1], rows], 16))
-    bounds = np.concatenate([[0], cuts, [ends[-1]]])
-    assert [int(pieces[lo:hi, 1].sum()) for lo, hi in parts] == np.diff(bounds).tolist()
-    assert parts[0][0] == 0 and parts[-1][1] == len(pieces) and all(a[1] == b[0] for a, b in zip(parts, parts[1:]))
