@@ -337,7 +337,16 @@ def prefill_process(config: DemoConfig, port: int, conn) -> None:
                                endpoint.last_mode))
                     os._exit(0)
                 t0 = time.perf_counter()
-                sent = endpoint.send(chunks, config.mode, timeout=config.timeout)
+                if config.fault == "dead-decode-mid":  # one request lands; the rest go once the decode has died
+                    first = [c for c in chunks if c.request == chunks[0].request]
+                    sent = endpoint.send(first, config.mode, timeout=config.timeout)
+                    gone_by = time.monotonic() + config.timeout
+                    while not endpoint.channel.peer_gone() and time.monotonic() < gone_by:
+                        endpoint.channel.wait_readable(0.05)
+                    sent.update(endpoint.send([c for c in chunks if c.request != chunks[0].request], config.mode,
+                                              timeout=config.timeout))
+                else:
+                    sent = endpoint.send(chunks, config.mode, timeout=config.timeout)
                 times.append(time.perf_counter() - t0)
                 endpoint.forget(list(sent))
                 result.update(sent)
