@@ -7,7 +7,9 @@ it. A transfer larger than a slot is split over several waves; a section (what t
 counts) completes with the wave that holds its last descriptor.
 
 A run (one batch's share for one receiver) is announced by one control message ahead of its
-first byte, :func:`run_message`: the destination table of every descriptor ``(dst, nbytes)``,
+first byte. Where the receiver can plan its own scatter, that message carries only the chunks
+and each wave's bytes (:mod:`.receiver_plan`). Otherwise it is :func:`run_message`: the destination
+table of every descriptor ``(dst, nbytes)``,
 each request's rows of it, and per wave its id, its offset in the slot ring, its rows, its byte
 count and the sections it completes. The receiver checks it with :func:`check_run` and its
 landing guard, and uploads every wave's scatter inputs at once; after that a wave costs one engine

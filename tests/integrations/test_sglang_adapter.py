@@ -4,6 +4,7 @@ Mooncake, driven through SGLang's interfaces, every byte checked, SGLang's KVPol
 
 import multiprocessing as mp
 import os
+import random
 import socket
 import types
 
@@ -19,9 +20,16 @@ ENGINES = os.environ.get("KVPLAN_TEST_ENGINES", "nixl,mooncake").split(",")
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range (32768 and up by default): a port found free in
+    that range can be taken by an outgoing connection before the adapter binds it."""
+    for port in random.Random().sample(range(20000, 32768), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port between 20000 and 32767")
 
 
 @pytest.mark.parametrize("engine", ENGINES)

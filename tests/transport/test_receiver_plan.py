@@ -19,7 +19,7 @@ from kvplan.planner.model import Attention, Batch, Entry, KVLayout, Policy, Side
 from kvplan.planner.reference import plan_reference
 from kvplan.tools.scenarios import PRESETS, build_batch
 from kvplan.transport.decode import DecodeEndpoint
-from kvplan.transport.receiver_plan import OwnLists, receiver_can_plan, run_columns
+from kvplan.transport.receiver_plan import OwnLists, receiver_can_plan, run_columns, side_alignment
 from kvplan.transport.waves import wave_note
 from tests.planner.builders import table_with
 from tests.transport.fakes import FakeChannel, FakeEngine
@@ -158,10 +158,12 @@ def test_a_request_published_without_a_row_cannot_be_planned(decode):
 
 
 def test_an_announced_alignment_above_the_sides_own_is_not_used(decode):
+    """A peer's claim never widens the copy word past what this side's own addresses allow."""
     endpoint, prefill, pool, staging = decode
     _announce(prefill, [(7, 0, 0, 1024)], alignment=1 << 20)
-    endpoint.engine.inbox.append(wave_note(7, "p0"))
     endpoint.poll()
-    assert endpoint._runs == [] or endpoint._runs[0][1].alignment <= 256
+    own = side_alignment(endpoint.side)
+    assert own <= PAGE_BYTES and endpoint._waves["p0:7"].alignment == own
+    endpoint.engine.inbox.append(wave_note(7, "p0"))
     assert endpoint.wait() == {"r1": "complete"}
 
