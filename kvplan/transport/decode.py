@@ -32,13 +32,13 @@ import torch
 from ..errors import PeerError
 from ..planner.destinations import PreallocatedRequest, PublishedRequest, plan_destinations
 from ..planner.device import Planner
-from ..planner.model import SideMemory
+from ..planner.model import Batch, SideMemory
 from .completion import CompletionTracker, SectionNote, decode_notification
 from .control import ControlChannel, ControlTimeout
 from .engines import Engine
 from .landing import LandingGuard
-from .local import scatter, warm_up
-from .receiver_plan import OwnLists, PlannedRun, PlannedWave, side_alignment
+from .local import plan_alignment, scatter, warm_up
+from .receiver_plan import OwnLists, PlannedRun, PlannedWave
 from .registration import describe_side
 from .waves import check_run, decode_wave_note, wave_key
 
@@ -99,7 +99,7 @@ class DecodeEndpoint:
         self._own: dict[Any, OwnLists] = {}  # what planned runs are planned from, per request published with a row
         self._runs: list[tuple[int, PlannedRun]] = []  # planned runs whose scatter is not yet known, by sender
         self._planner: Planner | None = None  # plans planned runs' scatters (this side to itself)
-        self._alignment = side_alignment(side)
+        self._alignment = plan_alignment(Batch(side, (side,), ()))  # caps a planned run's announced alignment
         self.trace: list[tuple[str, str, float]] | None = [] if os.environ.get("KVPLAN_TRACE") else None
         self._stream = torch.cuda.Stream(staging.device) if staging is not None and staging.is_cuda else None
         self._share = (staging.numel() // len(self.channels)) // 256 * 256 if staging is not None else 0
@@ -297,7 +297,8 @@ class DecodeEndpoint:
             run = PlannedRun.announce(header, self._share, self._own_lists, self._scatter_planner(), self._stream,
                                       self._alignment)
         except (PeerError, KeyError, TypeError, ValueError, IndexError) as err:
-            why = str(err) if isinstance(err, PeerError) else f"a malformed or unplannable run ({type(err).__name__}: {err})"
+            why = str(err) if isinstance(err, PeerError) else \
+                f"a malformed or unplannable run ({type(err).__name__}: {err})"
             self._refuse_run(peer, requests, waves, why)
             return
         share_lo = peer * self._share

@@ -28,7 +28,6 @@ Example::
 
 from __future__ import annotations
 
-import math
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -45,8 +44,7 @@ from ..planner.pairing import pair_sides
 from ..planner.plan import Section
 from .waves import Wave
 
-__all__ = ["OwnLists", "PlannedRun", "PlannedWave", "planned_run_message", "receiver_can_plan", "run_columns",
-           "side_alignment"]
+__all__ = ["OwnLists", "PlannedRun", "PlannedWave", "planned_run_message", "receiver_can_plan", "run_columns"]
 
 _START, _FILL, _LAST = COLUMNS.index("start"), COLUMNS.index("fill_len"), COLUMNS.index("last")
 _LO = [COLUMNS.index("kv_lo")]  # the columns that index dst_flat (then each component's lo)
@@ -109,14 +107,6 @@ def run_columns(chunks: Sequence[tuple[Any, int, int, bool]], own: Callable[[Any
     return BatchColumns(table, lists, requests)
 
 
-def side_alignment(side: SideMemory) -> int:
-    """The largest power of two dividing every address and size of ``side``'s entries."""
-    g = 0
-    for e in (*side.kv.entries, *(e for c in side.state for e in c.entries), *side.aux):
-        g = math.gcd(math.gcd(g, int(e.base_ptr)), int(e.item_len))
-    return g & -g if g else 1
-
-
 def planned_run_message(sender: str, base_id: int, waves: Sequence[Wave], slot_bytes: int, alignment: int,
                         transfers: Sequence[Transfer], byte_starts: np.ndarray) -> dict[str, Any]:
     """The header announcing a planned run: the chunks, and per wave its id, its offset in the slot
@@ -174,7 +164,8 @@ class PlannedRun:
         ``own(request)`` is what the receiver published for a request (raising :class:`PeerError` for
         one it cannot plan); the run is planned by :func:`run_columns`. The copy
         word comes from the smaller of the announced alignment and ``own_alignment``
-        (:func:`side_alignment`), so a peer's claim never makes an unaligned access. Raises :class:`PeerError` (nothing planned) or :class:`~kvplan.errors.PlanError`.
+        (:func:`~.local.plan_alignment` of a plan from the side to itself), so a peer's claim never makes
+        an unaligned access. Raises :class:`PeerError` (nothing planned) or :class:`~kvplan.errors.PlanError`.
         """
         sender, announced = str(header["from"]), int(header["alignment"])
         if announced < 1 or announced & (announced - 1):

@@ -19,7 +19,8 @@ from kvplan.planner.model import Attention, Batch, Entry, KVLayout, Policy, Side
 from kvplan.planner.reference import plan_reference
 from kvplan.tools.scenarios import PRESETS, build_batch
 from kvplan.transport.decode import DecodeEndpoint
-from kvplan.transport.receiver_plan import OwnLists, receiver_can_plan, run_columns, side_alignment
+from kvplan.transport.local import plan_alignment
+from kvplan.transport.receiver_plan import OwnLists, receiver_can_plan, run_columns
 from kvplan.transport.waves import wave_note
 from tests.planner.builders import table_with
 from tests.transport.fakes import FakeChannel, FakeEngine
@@ -162,7 +163,7 @@ def test_an_announced_alignment_above_the_sides_own_is_not_used(decode):
     endpoint, prefill, pool, staging = decode
     _announce(prefill, [(7, 0, 0, 1024)], alignment=1 << 20)
     endpoint.poll()
-    own = side_alignment(endpoint.side)
+    own = plan_alignment(Batch(endpoint.side, (endpoint.side,), ()))
     assert own <= PAGE_BYTES and endpoint._waves["p0:7"].alignment == own
     endpoint.engine.inbox.append(wave_note(7, "p0"))
     assert endpoint.wait() == {"r1": "complete"}
