@@ -9,8 +9,10 @@ Shape contract
   ``head[TOTAL_DESCS]`` / ``head[TOTAL_PREPARED]`` the totals.
 * ``src``, ``dst``: int64 element ids; ``run_first``/``run_last`` from
   :mod:`kvplan.kernels.run_table`.
-* ``entries``: int64 ``[NE, 4]`` ``(src_base, dst_base, src_item, dst_item)``; segment ``s`` uses
-  rows ``F_ENTRY_OFF .. + F_ENTRIES``. ``heads``: int64 ``[D * K, 5]`` per destination and slot
+* ``entries``: int64 ``[NE, ENTRY_FIELDS]`` ``(src_base, dst_base, src_item, dst_item, nbytes)``;
+  segment ``s`` uses rows ``F_ENTRY_OFF .. + F_ENTRIES``. ``nbytes`` is what a direct descriptor
+  moves per item: ``src_item``, or a block of it for the sliced entries of TP-sliced state
+  (docs/tp_state.md §4, whose runs are single items). ``heads``: int64 ``[D * K, 5]`` per destination and slot
   (KV, each component, aux) ``(src_token_bytes, dst_token_bytes, src_head_offset, dst_head_offset,
   nbytes)``, read for head-sliced segments.
 * :func:`descriptors` writes ``out`` int64 ``[n, 3]`` ``(src_addr, dst_addr, nbytes)``, addresses
@@ -31,12 +33,13 @@ from . import segments as sg
 from .summary import TOTAL_DESCS, TOTAL_PREPARED
 
 HEAD_FIELDS = tl.constexpr(5)
+ENTRY_FIELDS = tl.constexpr(5)
 
 
 @triton.jit
 def _descs_kernel(seg_ptr, sums_ptr, head_ptr, src_ptr, dst_ptr, run_first_ptr, run_last_ptr, entries_ptr, heads_ptr,
                   out_ptr, S: tl.constexpr, LOG: tl.constexpr, K: tl.constexpr, SF: tl.constexpr,
-                  HF: tl.constexpr, BLOCK: tl.constexpr):
+                  HF: tl.constexpr, EF: tl.constexpr, BLOCK: tl.constexpr):
     words = tl.load(head_ptr + TOTAL_DESCS) * 3
     stride = tl.num_programs(0).to(tl.int64) * BLOCK
     for base in range(tl.program_id(0).to(tl.int64) * BLOCK, words, stride):
@@ -61,11 +64,12 @@ def _descs_kernel(seg_ptr, sums_ptr, head_ptr, src_ptr, dst_ptr, run_first_ptr, 
         local = d - (tl.load(sums_ptr + 2 * S + s, mask=live, other=0) - entries * per_entry)
         e = local // per_entry
         r = local - e * per_entry
-        ent = entries_ptr + (entry_off + e) * 4
+        ent = entries_ptr + (entry_off + e) * EF
         src_base = tl.load(ent, mask=live, other=0)
         dst_base = tl.load(ent + 1, mask=live, other=0)
         src_item = tl.load(ent + 2, mask=live, other=0)
         dst_item = tl.load(ent + 3, mask=live, other=0)
+        per_item = tl.load(ent + 4, mask=live & (col == 2), other=0)
         # direct: run r of the segment
         direct = live & ~sliced
         run_lo = tl.load(run_first_ptr + run0 + r, mask=direct, other=0)
@@ -84,7 +88,7 @@ def _descs_kernel(seg_ptr, sums_ptr, head_ptr, src_ptr, dst_ptr, run_first_ptr, 
         nbytes = tl.load(hs + 4, mask=slice_mask, other=0)
         src_addr = src_base + sp * src_item + tok * src_tok + src_head
         dst_addr = dst_base + dp * dst_item + tok * dst_tok + dst_head
-        size = tl.where(sliced, nbytes, (run_hi - run_lo + 1) * src_item)
+        size = tl.where(sliced, nbytes, (run_hi - run_lo + 1) * per_item)
         tl.store(out_ptr + w, tl.where(col == 0, src_addr, tl.where(col == 1, dst_addr, size)), mask=live)
 
 
@@ -118,7 +122,7 @@ def descriptors(seg, seg_sums, head, src, dst, run_first, run_last, entries, hea
     S = seg.shape[0]
     _descs_kernel[(programs,)](seg, seg_sums, head, src, dst, run_first, run_last, entries, heads, out, S=S,
                                LOG=sg.log2_ceil(S), K=segments_per_transfer, SF=sg.SEG_FIELDS, HF=HEAD_FIELDS,
-                               BLOCK=block)
+                               EF=ENTRY_FIELDS, BLOCK=block)
 
 
 def prepared_indices(seg, seg_sums, head, src, dst, slots, src_idx, dst_idx, *, segments_per_transfer: int,
@@ -133,8 +137,8 @@ COMPILE_SPECS = [
      {"seg_ptr": "*i64", "sums_ptr": "*i64", "head_ptr": "*i64", "src_ptr": "*i64", "dst_ptr": "*i64",
       "run_first_ptr": "*i64", "run_last_ptr": "*i64", "entries_ptr": "*i64", "heads_ptr": "*i64", "out_ptr": "*i64",
       "S": "constexpr", "LOG": "constexpr", "K": "constexpr", "SF": "constexpr", "HF": "constexpr",
-      "BLOCK": "constexpr"},
-     {"S": 256, "LOG": 9, "K": 4, "SF": sg.SEG_FIELDS, "HF": HEAD_FIELDS, "BLOCK": 1024}),
+      "EF": "constexpr", "BLOCK": "constexpr"},
+     {"S": 256, "LOG": 9, "K": 4, "SF": sg.SEG_FIELDS, "HF": HEAD_FIELDS, "EF": ENTRY_FIELDS, "BLOCK": 1024}),
     (_prepared_kernel,
      {"seg_ptr": "*i64", "sums_ptr": "*i64", "head_ptr": "*i64", "src_ptr": "*i64", "dst_ptr": "*i64",
       "slots_ptr": "*i64", "src_idx_ptr": "*i32", "dst_idx_ptr": "*i32", "S": "constexpr", "LOG": "constexpr",

@@ -92,8 +92,10 @@ class CompactRuns:
 
     ``runs[segment_runs[s] : segment_runs[s + 1]]`` are the runs of segment ``s`` (transfer
     ``s // segments_per_transfer``, slot KV, components, aux); with ``first, count = entry_span[s]``,
-    ``entries[first : first + count]`` are its ``(src_base, dst_base, src_item, dst_item)`` rows.
-    An engine expands entry x run itself.
+    ``entries[first : first + count]`` are its ``(src_base, dst_base, src_item, dst_item, nbytes)``
+    rows, ``nbytes`` the bytes a run moves per item (``src_item``, except for the sliced entries of
+    TP-sliced state, docs/tp_state.md §4). An engine expands entry x run itself: ``(src_base +
+    src_page * src_item, dst_base + dst_page * dst_item, len * nbytes)``.
     """
 
     runs: np.ndarray
@@ -148,9 +150,11 @@ class _Static:
                            if self.comp_ratios[d][i] != (1, 1) else (st, dt)
                            for i, (st, dt, c, dc) in enumerate(zip(p.state_src, p.state_dst, src.state, side.state))]
             tables = [kv_tables, *comp_tables, (p.aux_src, p.aux_dst)]
+            moved = [None, *(p.component_bytes(c) for c in range(C)), None]  # bytes per item, when not whole
             for k, (src_t, dst_t) in enumerate(tables):
-                block = np.zeros((len(src_t), 4), dtype=np.uint64)
+                block = np.zeros((len(src_t), int(kx.ENTRY_FIELDS)), dtype=np.uint64)
                 block[:, 0], block[:, 1], block[:, 2], block[:, 3] = src_t[:, 0], dst_t[:, 0], src_t[:, 1], dst_t[:, 1]
+                block[:, 4] = src_t[:, 1] if moved[k] is None else moved[k]
                 blocks.append(block)
                 dest_meta[d, 3 + 2 * k : 5 + 2 * k] = count, len(block)
                 count += len(block)
@@ -176,7 +180,7 @@ class _Static:
         own[:, 1] = np.concatenate([[m[0], *m[3 + 2 * K : 3 + 2 * K + C], m[1]] for m in dest_meta]) if D else 0
         own[:, 0] = np.cumsum(own[:, 1]) - own[:, 1]
         self.claim_words = int(own[:, 1].sum()) // 32 + 1
-        self.entries_host = np.concatenate(blocks) if blocks else np.zeros((0, 4), np.uint64)
+        self.entries_host = np.concatenate(blocks) if blocks else np.zeros((0, int(kx.ENTRY_FIELDS)), np.uint64)
         self.maps: list[torch.Tensor] = []
         comp_meta = np.zeros((max(1, C), int(kl.COMP_FIELDS)), np.int64)
         for c, comp in enumerate(src.state):
@@ -193,8 +197,9 @@ class _Static:
                             comp.num_items, map_slot, map_len, rules.always_strict)
         slots = np.zeros((max(1, D) * K, 2), np.int64)
         if prepared:
-            if any(p.mode is not Mode.DIRECT for p in self.pairings):
-                raise LayoutError("prepared lists are per page: head-sliced transfers need descriptors")
+            if any(p.mode is not Mode.DIRECT or p.slices for p in self.pairings):
+                raise LayoutError("prepared lists are per page: head-sliced transfers and TP-sliced state need "
+                                  "descriptors")
             for d, side in enumerate(dsts):
                 for role, (_, s_slots, d_slots) in prepared_slots(src, side).items():
                     k = 0 if role == KV else K - 1 if role == AUX else 1 + role
@@ -689,7 +694,7 @@ class PendingPlan:
         runs = part[2]
         if k == st.K - 1 or 0 < k and not rules_of(self.planner.src.state[k - 1].kind).forms_runs:
             runs = unit_runs(part[0], part[1])
-        return direct_descriptors(src_t, dst_t, runs)
+        return direct_descriptors(src_t, dst_t, runs, pairing.component_bytes(k - 1) if 0 < k < st.K - 1 else None)
 
 
 def _ratios(ps_s: int, ps_d: int) -> tuple[int, int]:

@@ -47,16 +47,21 @@ def contiguous_runs(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
     return np.stack([src[starts], dst[starts], lengths], axis=1).astype(np.int64)
 
 
-def direct_descriptors(src_table: np.ndarray, dst_table: np.ndarray, runs: np.ndarray) -> np.ndarray:
-    """Entry-major descriptors: for each entry pair, for each run (planning.md §5, direct mode)."""
+def direct_descriptors(src_table: np.ndarray, dst_table: np.ndarray, runs: np.ndarray,
+                       nbytes: np.ndarray | None = None) -> np.ndarray:
+    """Entry-major descriptors: for each entry pair, for each run (planning.md §5, direct mode).
+
+    ``nbytes``: bytes each entry moves per item when it moves part of an item (sliced entries of
+    TP-sliced state, docs/tp_state.md §4; their runs are single items); by default whole items.
+    """
     if len(src_table) == 0 or len(runs) == 0:
         return empty_descs()
-    item = src_table[:, 1][:, None]
+    per_item = (src_table[:, 1] if nbytes is None else np.asarray(nbytes, _U64))[:, None]
     r = runs.astype(_U64)
     out = np.empty((len(src_table), len(runs), 3), dtype=_U64)
-    out[..., 0] = src_table[:, 0][:, None] + r[None, :, 0] * item
-    out[..., 1] = dst_table[:, 0][:, None] + r[None, :, 1] * item
-    out[..., 2] = r[None, :, 2] * item
+    out[..., 0] = src_table[:, 0][:, None] + r[None, :, 0] * src_table[:, 1][:, None]
+    out[..., 1] = dst_table[:, 0][:, None] + r[None, :, 1] * dst_table[:, 1][:, None]
+    out[..., 2] = r[None, :, 2] * per_item
     return out.reshape(-1, 3)
 
 
@@ -164,6 +169,7 @@ def component_plans(src: "SideMemory", pairing: "SidePairing", lists: "TransferL
             descs = direct_descriptors(pairing.state_src[c], pairing.state_dst[c], runs)
         else:
             runs = empty_runs()
-            descs = direct_descriptors(pairing.state_src[c], pairing.state_dst[c], unit_runs(src_list, dst_list))
+            descs = direct_descriptors(pairing.state_src[c], pairing.state_dst[c], unit_runs(src_list, dst_list),
+                                       pairing.component_bytes(c))
         out.append(ComponentPlan(comp.name, comp.kind, src_list, dst_list, runs, descs))
     return tuple(out)

@@ -50,6 +50,7 @@ __all__ = [
     "SideMemory",
     "StateComponent",
     "StateKind",
+    "TensorShard",
     "Transfer",
 ]
 
@@ -178,6 +179,36 @@ class KVLayout:
 
 
 @dataclass(frozen=True)
+class TensorShard:
+    """How one state entry's item is sharded across attention-TP ranks (docs/tp_state.md §4).
+
+    An item is ``outer`` rows, each holding this rank's ``dim`` positions of the sharded dimension
+    (``item_len = outer * dim * unit`` bytes). ``dim = 0`` marks an item replicated on every rank.
+    ``groups`` are the full (unsharded) sizes of sub-blocks sharded each on its own, in item order
+    (GDN's ``conv_state`` is ``query | key | value``); empty means one block of ``dim * tp_size``.
+
+    Example: Qwen3-Next's GDN layer on TP 8, ``conv_state [slots, 8192 / 8, 3]`` in bf16 and
+    ``temporal_state [slots, 32 / 8, 128, 128]`` in fp32::
+
+        conv = TensorShard(dim=1024, groups=(2048, 2048, 4096))
+        temporal = TensorShard(dim=4)
+    """
+
+    dim: int
+    outer: int = 1
+    groups: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "groups", tuple(int(g) for g in self.groups))
+        if self.dim < 0 or self.outer < 1 or any(g < 1 for g in self.groups):
+            raise LayoutError(f"a tensor shard needs dim >= 0, outer >= 1 and positive groups, got {self}")
+
+    @property
+    def replicated(self) -> bool:
+        return self.dim == 0
+
+
+@dataclass(frozen=True)
 class StateComponent:
     """One state component of a hybrid model (planning.md §6), as one side holds it.
 
@@ -191,6 +222,9 @@ class StateComponent:
             MAMBA: row -> Mamba slot. A host array or a tensor on the planning device; needed on
             the side whose lists are computed, not in a description of the peer.
         name: an id for messages and for completion tracking (defaults to the kind).
+        shards: MAMBA: per entry, how its item is sharded across attention-TP ranks
+            (:class:`TensorShard`); required to move the component between different TP sizes
+            (docs/tp_state.md §4), ignored between equal ones.
     """
 
     kind: StateKind
@@ -200,10 +234,15 @@ class StateComponent:
     ring_size: int = 0
     slot_map: Any = None
     name: str = ""
+    shards: tuple[TensorShard, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", StateKind(self.kind))
         object.__setattr__(self, "entries", tuple(self.entries))
+        object.__setattr__(self, "shards", tuple(self.shards))
+        if self.shards and len(self.shards) != len(self.entries):
+            raise LayoutError(f"component {self.name or self.kind.value}: {len(self.shards)} shards for "
+                              f"{len(self.entries)} entries (one per entry)")
         if not self.name:
             object.__setattr__(self, "name", self.kind.value)
         from .state_kinds import rules_of  # the kinds' rules build on this model

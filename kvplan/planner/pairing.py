@@ -15,6 +15,7 @@ import numpy as np
 from ..errors import LayoutError
 from .model import Attention, Entry, KVLayout, SideMemory
 from .state_kinds import rules_of
+from .tensor_slices import sliced_entries
 
 __all__ = ["HeadSlice", "Mode", "SidePairing", "head_slice", "pair_sides"]
 
@@ -91,10 +92,24 @@ class SidePairing:
     aux_src: np.ndarray
     aux_dst: np.ndarray
     state_heads: tuple[HeadSlice | None, ...] = ()  # per component: its head slice when head-sliced
+    # per component: the bytes each (sliced) entry moves per item when its tables hold sliced
+    # entries (TP-sliced Mamba state; docs/tp_state.md §4), else None (whole items)
+    state_bytes: tuple[np.ndarray | None, ...] = ()
 
     def component_heads(self, c: int) -> HeadSlice | None:
         """Component ``c``'s head slice, or ``None`` when it moves whole (docs/tp_state.md)."""
         return self.state_heads[c] if c < len(self.state_heads) else None
+
+    def component_bytes(self, c: int) -> np.ndarray | None:
+        """Bytes per item of component ``c``'s sliced entries, or ``None`` when its entries move whole
+        items (docs/tp_state.md §4)."""
+        return self.state_bytes[c] if c < len(self.state_bytes) else None
+
+    @property
+    def slices(self) -> bool:
+        """Whether anything moves in parts of items: head-sliced KV or state, or sliced state entries."""
+        return (self.heads is not None or any(h is not None for h in self.state_heads)
+                or any(b is not None for b in self.state_bytes))
 
 
 def _table(entries: list[Entry] | tuple[Entry, ...]) -> np.ndarray:
@@ -163,6 +178,8 @@ def _pair_sides(src: SideMemory, dst: SideMemory) -> SidePairing:
     if len(src.state) != len(dst.state):
         raise LayoutError(f"state components differ: source has {len(src.state)}, destination {len(dst.state)}")
     state_heads: list[HeadSlice | None] = []
+    state_src, state_dst = [_table(c.entries) for c in src.state], [_table(c.entries) for c in dst.state]
+    state_bytes: list[np.ndarray | None] = [None] * len(src.state)
     for i, (sc, dc) in enumerate(zip(src.state, dst.state)):
         if sc.kind is not dc.kind:
             raise LayoutError(f"state component {i}: kinds differ ({sc.kind.value} vs {dc.kind.value})")
@@ -172,6 +189,10 @@ def _pair_sides(src: SideMemory, dst: SideMemory) -> SidePairing:
             state_heads.append(_component_slice(i, sc, dc, sk, dk, cps_s, cps_d))
             continue
         state_heads.append(None)
+        if rules.shards_tensors and sk.tp_size != dk.tp_size:  # docs/tp_state.md §4
+            state_src[i], state_dst[i], state_bytes[i] = sliced_entries(f"state component {i} ({sc.name})", sc, dc,
+                                                                        sk, dk)
+            continue
         if rules.paged and not rules.maps_pages and cps_s != cps_d:
             raise LayoutError(f"state component {i} ({sc.name}): its pages hold {cps_s} tokens on the source and "
                               f"{cps_d} on the destination; {sc.kind.value} state across page sizes is not planned "
@@ -183,9 +204,9 @@ def _pair_sides(src: SideMemory, dst: SideMemory) -> SidePairing:
                 _require_equal_items(f"state component {i} ({sc.name})", sc.entries, dc.entries)
             except LayoutError as err:
                 if sk.tp_size != dk.tp_size and not rules.slices_heads:
-                    raise LayoutError(f"{err}: {sc.kind.value} state is moved whole between TP sizes "
-                                      f"{sk.tp_size} and {dk.tp_size}, so its items must be equal "
-                                      "(TP-sliced Mamba state is not planned yet; docs/tp_state.md §4)") from None
+                    raise LayoutError(f"{err}: {sc.kind.value} state is replicated on every rank and moved whole "
+                                      f"between TP sizes {sk.tp_size} and {dk.tp_size}, so its items must be equal "
+                                      "(docs/tp_state.md)") from None
                 raise
     _require_equal_items("aux", src.aux, dst.aux)
     return SidePairing(
@@ -193,11 +214,12 @@ def _pair_sides(src: SideMemory, dst: SideMemory) -> SidePairing:
         kv_src=_table(kv_src),
         kv_dst=_table(kv_dst),
         heads=heads,
-        state_src=tuple(_table(c.entries) for c in src.state),
-        state_dst=tuple(_table(c.entries) for c in dst.state),
+        state_src=tuple(state_src),
+        state_dst=tuple(state_dst),
         aux_src=_table(src.aux),
         aux_dst=_table(dst.aux),
         state_heads=tuple(state_heads),
+        state_bytes=tuple(state_bytes),
     )
 
 

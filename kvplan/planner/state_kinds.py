@@ -76,6 +76,9 @@ class KindRules:
         slices_heads: its items hold per-token KV of the rank's heads, so it is head-sliced exactly
             when KV is (different attention TP sizes; docs/tp_state.md). Other kinds are replicated
             across ranks and move whole.
+        shards_tensors: its entries are sharded along a tensor dimension across ranks
+            (:class:`~kvplan.planner.model.TensorShard`), so between different TP sizes each entry
+            moves in byte blocks of its item (docs/tp_state.md §4).
         list_start: ``(component, its page size, seq) -> position`` where a paged list's first page
             starts (the SWA window start; 0 for DSA).
         list_shape: ``(component, side page size, seq) -> ListShape`` for the device kernels.
@@ -93,6 +96,7 @@ class KindRules:
     paged: bool
     maps_pages: bool
     slices_heads: bool
+    shards_tensors: bool
     list_start: Callable[[StateComponent, int, int], int]
     list_shape: Callable[[StateComponent, int, int], ListShape]
     host_list: HostList
@@ -211,19 +215,21 @@ def _mamba_list(side: SideMemory, comp: StateComponent, row: int, seq: int, requ
 RULES: dict[StateKind, KindRules] = {
     StateKind.SWA: KindRules(StateKind.SWA, int(kl.SWA), needs_window=True, needs_ring=False, needs_map=True,
                              map_by_row=False, always_strict=False, forms_runs=True, paged=True, maps_pages=True,
-                             slices_heads=True, list_start=_swa_window_start, list_shape=_swa_shape,
+                             slices_heads=True, shards_tensors=False, list_start=_swa_window_start, list_shape=_swa_shape,
                              host_list=_swa_list),
     StateKind.DSA: KindRules(StateKind.DSA, int(kl.DSA), needs_window=False, needs_ring=False, needs_map=False,
                              map_by_row=False, always_strict=False, forms_runs=True, paged=True, maps_pages=True,
-                             slices_heads=False, list_start=_from_zero, list_shape=_dsa_shape,
+                             slices_heads=False, shards_tensors=False, list_start=_from_zero, list_shape=_dsa_shape,
                              host_list=_dsa_list),
     StateKind.SWA_RING: KindRules(StateKind.SWA_RING, int(kl.SWA_RING), needs_window=True, needs_ring=True,
                                   needs_map=False, map_by_row=False, always_strict=True, forms_runs=True, paged=False,
-                                  maps_pages=False, slices_heads=False, list_start=_from_zero, list_shape=_ring_shape,
+                                  maps_pages=False, slices_heads=False, shards_tensors=False, list_start=_from_zero,
+                                  list_shape=_ring_shape,
                                   host_list=_ring_list),
     StateKind.MAMBA: KindRules(StateKind.MAMBA, int(kl.MAMBA), needs_window=False, needs_ring=False, needs_map=True,
                                map_by_row=True, always_strict=True, forms_runs=False, paged=False,
-                               maps_pages=False, slices_heads=False, list_start=_from_zero, list_shape=_mamba_shape,
+                               maps_pages=False, slices_heads=False, shards_tensors=True, list_start=_from_zero,
+                               list_shape=_mamba_shape,
                                host_list=_mamba_list),
 }
 

@@ -95,6 +95,15 @@ def sglang_style_plan(batch: Batch) -> tuple[list[int], list[int], list[int]]:
                 emit_sliced(pairing.state_src[c], pairing.state_dst[c], np.asarray(src_list[:n], np.int64),
                             np.asarray(dst_list[:n], np.int64), pairing.component_heads(c), cps)
                 continue
+            per_item = pairing.component_bytes(c)
+            if per_item is not None:  # Mamba between TP sizes: SGLang's _send_mamba_state_slice blocks
+                for (sb, s_item), (db, d_item), nbytes in zip(pairing.state_src[c].tolist(),
+                                                              pairing.state_dst[c].tolist(), per_item.tolist()):
+                    for s_id, d_id in zip(src_list[:n].tolist(), dst_list[:n].tolist()):
+                        src_addrs.append(sb + s_id * s_item)
+                        dst_addrs.append(db + d_id * d_item)
+                        lengths.append(nbytes)
+                continue
             if comp.kind is StateKind.MAMBA:
                 groups = ([[int(x)] for x in src_list[:n]], [[int(x)] for x in dst_list[:n]])
             else:

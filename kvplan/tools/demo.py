@@ -40,7 +40,7 @@ from ..planner.destinations import PreallocatedRequest
 from ..planner.model import Batch
 from ..planner.pairing import Mode, pair_sides
 from ..planner.reference import plan_reference
-from .scenarios import PRESETS, ModelShape, build_batch, materialize
+from .scenarios import PRESETS, ModelShape, build_batch, materialize, paired_ranks
 from ..transport.control import ControlChannel
 from ..transport.endpoints import Chunk, DecodeEndpoint, PrefillEndpoint
 from ..transport.engines import make_engine
@@ -112,11 +112,10 @@ class DemoConfig:
 
     def batch(self) -> Batch:
         model = self.model()
-        head_sliced = model.src_tp != model.dst_tp
+        src_rank, dst_rank = paired_ranks(model.src_tp, model.dst_tp) if model.src_tp != model.dst_tp else (0, 0)
         return build_batch(model, self.requests, list(self.prompt_len) if isinstance(self.prompt_len, tuple)
                            else self.prompt_len, chunks=self.chunks, prefix_len=self.prefix_len, seed=self.seed,
-                           src_rank=1 % model.src_tp if head_sliced else 0, dst_rank=2 % model.dst_tp if head_sliced else 0,
-                           dst_page_size=self.dst_page_size)
+                           src_rank=src_rank, dst_rank=dst_rank, dst_page_size=self.dst_page_size)
 
 
 @dataclass

@@ -196,12 +196,18 @@ class NumpyBatchPlanner:
             return scaled_tables(p.state_src[slot - 1], p.state_dst[slot - 1], cps_s, cps_d)
         return p.state_src[slot - 1], p.state_dst[slot - 1]
 
+    def _per_item(self, d: int, slot: int) -> np.ndarray | None:
+        """Bytes per item of a slot's sliced entries (TP-sliced Mamba state), else None (whole items)."""
+        K = 2 + len(self.src.state)
+        return self.pairings[d].component_bytes(slot - 1) if 0 < slot < K - 1 else None
+
     def _uniform_item(self, d: int, slot: int) -> np.uint64 | None:
         """The item length shared by every source entry of ``(d, slot)``, or ``None``."""
         key = (d, slot)
         if key not in self._items:
             items = np.unique(self._tables(d, slot)[0][:, 1])
-            self._items[key] = _U64(items[0]) if len(items) == 1 else None
+            whole = self._per_item(d, slot) is None
+            self._items[key] = _U64(items[0]) if len(items) == 1 and whole else None
         return self._items[key]
 
     def runs(self, columns: BatchColumns) -> tuple[np.ndarray, np.ndarray, HostLists, np.ndarray, np.ndarray]:
@@ -265,10 +271,10 @@ class NumpyBatchPlanner:
                 np.add(dst_t[:, 0, None], (d0[r] * item)[None], out=blk[..., 1])
                 blk[..., 2] = (ln[r] * item)[None]
                 return
-            item = src_t[:, 1, None]
-            np.add(src_t[:, 0, None], s0[None, r] * item, out=blk[..., 0])
-            np.add(dst_t[:, 0, None], d0[None, r] * item, out=blk[..., 1])
-            np.multiply(ln[None, r], item, out=blk[..., 2])
+            per_item = self._per_item(int(seg_dest[s]), s % K)
+            np.add(src_t[:, 0, None], s0[None, r] * src_t[:, 1, None], out=blk[..., 0])
+            np.add(dst_t[:, 0, None], d0[None, r] * dst_t[:, 1, None], out=blk[..., 1])
+            np.multiply(ln[None, r], src_t[:, 1, None] if per_item is None else per_item[:, None], out=blk[..., 2])
 
         busy = np.flatnonzero(count)
         if self.pool is not None and len(busy) > 1:

@@ -28,6 +28,7 @@ from ..planner.model import (
     SideMemory,
     StateComponent,
     StateKind,
+    TensorShard,
     Transfer,
 )
 from ..planner.reference import destination_lists
@@ -36,16 +37,38 @@ from ..planner.rules import cdiv
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ComponentShape", "ModelShape", "PRESETS", "build_batch", "fragmented_free_list", "materialize"]
+__all__ = ["ComponentShape", "ModelShape", "PRESETS", "ShardedTensor", "build_batch", "fragmented_free_list",
+           "materialize", "paired_ranks"]
+
+
+@dataclass(frozen=True)
+class ShardedTensor:
+    """One per-layer tensor of TP-sharded state (Mamba; docs/tp_state.md §4), for the whole model:
+    ``full_dim`` positions of the sharded dimension (0: replicated), ``unit`` bytes per position
+    and row, ``outer`` rows, ``groups`` the sub-blocks sharded each on its own."""
+
+    full_dim: int
+    unit: int
+    outer: int = 1
+    groups: tuple[int, ...] = ()
+
+    def on(self, tp: int) -> tuple[int, TensorShard]:
+        """``(item_len, shard)`` on a rank of attention-TP size ``tp``."""
+        dim = self.full_dim // tp
+        return self.outer * max(dim, 1) * self.unit, TensorShard(dim, self.outer, self.groups)
 
 
 @dataclass(frozen=True)
 class ComponentShape:
+    """A state component's shape; with ``tensors`` (Mamba), entry ``i`` is ``tensors[i % len]`` and
+    its item follows each side's TP size (``item_len`` is then unused)."""
+
     kind: StateKind
     entries: int
     item_len: int
     window: int = 0
     ring_size: int = 0
+    tensors: tuple[ShardedTensor, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -85,6 +108,12 @@ class ModelShape:
         return replace(self, token_bytes=self.token_bytes // old * new, state=state, src_tp=src_tp, dst_tp=dst_tp)
 
 
+# Qwen3-Next's 36 GDN layers, two tensors each: conv_state [conv_dim / tp, kernel - 1] in bf16, its
+# 8192 channels query | key | value (16 key heads x 128 twice, 32 value heads x 128), and
+# temporal_state [32 heads / tp, ...]. A real temporal head is 128 x 128 fp32 (64 KiB); the preset
+# keeps 2 KiB per head so that a demo's pools fit a CI machine (planning work does not depend on it).
+QWEN3NEXT_GDN = (ShardedTensor(8192, 3 * 2, groups=(2048, 2048, 4096)), ShardedTensor(32, 2048))
+
 PRESETS: dict[str, ModelShape] = {
     m.name: m
     for m in (
@@ -101,12 +130,25 @@ PRESETS: dict[str, ModelShape] = {
         ),
         ModelShape(
             "qwen3next-mamba-p64", Attention.MHA, 12, 2 * 256 * 2, 64, num_kv_heads=2,
-            state=(ComponentShape(StateKind.MAMBA, 72, 4096),),
+            state=(ComponentShape(StateKind.MAMBA, 72, 0, tensors=QWEN3NEXT_GDN),),
         ),
     )
 }
-# gpt-oss with its SWA state head-sliced from TP 4 to TP 8 (docs/tp_state.md)
+# gpt-oss with its SWA state head-sliced from TP 4 to TP 8, Qwen3-Next with its Mamba state sliced
+# (docs/tp_state.md)
 PRESETS["gptoss-swa-tp4to8-p16"] = replace(PRESETS["gptoss-swa-p16"].with_tp(4, 8), name="gptoss-swa-tp4to8-p16")
+PRESETS["qwen3next-mamba-tp4to8-p64"] = replace(PRESETS["qwen3next-mamba-p64"].with_tp(4, 8),
+                                                name="qwen3next-mamba-tp4to8-p64")
+
+
+def paired_ranks(src_tp: int, dst_tp: int) -> tuple[int, int]:
+    """A source rank and the destination rank it serves (TP-sliced state pairs ranks that share a
+    shard: docs/tp_state.md §4): destination rank 2 when scattering, source rank 1 when gathering."""
+    if src_tp <= dst_tp:
+        dst_rank = 2 % dst_tp
+        return dst_rank // (dst_tp // src_tp), dst_rank
+    src_rank = 1 % src_tp
+    return src_rank, src_rank // (src_tp // dst_tp)
 
 
 def fragmented_free_list(rng: np.random.Generator, num_pages: int, mean_run: float) -> np.ndarray:
@@ -176,6 +218,13 @@ def _side(
         elif c.kind is StateKind.SWA_RING:
             comps.append(StateComponent(c.kind, _fake_entries(rng, c.entries, c.item_len, rows * c.ring_size),
                                         window=c.window, ring_size=c.ring_size))
+        elif c.tensors:  # per entry its tensor's item on this side's TP size, and its shard
+            slots = rng.permutation(rows * 2)[:rows].astype(np.int64)
+            items, shards = zip(*(c.tensors[i % len(c.tensors)].on(tp) for i in range(c.entries)))
+            base = _fake_entries(rng, 1, max(items), rows * 2)[0].base_ptr
+            stride = -(-(max(items) * rows * 2) // 4096) * 4096 + 4096
+            comps.append(StateComponent(c.kind, tuple(Entry(base + i * stride, item, rows * 2)
+                                                      for i, item in enumerate(items)), slot_map=slots, shards=shards))
         else:
             slots = rng.permutation(rows * 2)[:rows].astype(np.int64)
             comps.append(StateComponent(c.kind, _fake_entries(rng, c.entries, c.item_len, rows * 2), slot_map=slots))

@@ -38,11 +38,12 @@ def plan_alignment(batch: Batch) -> int:
         kv = (p.kv_src, p.kv_dst)
         if dst.kv.page_size != batch.src.kv.page_size:  # KV moves in units of gcd tokens (docs/page_sizes.md)
             kv = unit_tables(p, batch.src.kv.page_size, dst.kv.page_size)
-        for table in (*kv, p.aux_src, p.aux_dst, *p.state_src, *p.state_dst):
+        moved = [b for b in p.state_bytes if b is not None]  # sliced entries' bytes per item
+        for table in (*kv, p.aux_src, p.aux_dst, *p.state_src, *p.state_dst, *moved):
             values += [int(v) for v in table.reshape(-1)]
-        if p.heads is not None:
-            h = p.heads
-            values += [h.src_token_bytes, h.dst_token_bytes, h.bytes_per_head, h.nbytes]
+        for h in (p.heads, *p.state_heads):
+            if h is not None:
+                values += [h.src_token_bytes, h.dst_token_bytes, h.bytes_per_head, h.nbytes]
     g = 0
     for v in values:
         g = math.gcd(g, v)

@@ -58,7 +58,7 @@ def receiver_can_plan(src: SideMemory, dst: SideMemory, policy: Policy) -> bool:
         sent, own = pair_sides(src, dst), pair_sides(dst, dst)
     except LayoutError:
         return False
-    if sent.heads is not None or any(h is not None for h in sent.state_heads):
+    if sent.slices:
         return False
     tables = [(sent.kv_dst, own.kv_dst), (sent.aux_dst, own.aux_dst), *zip(sent.state_dst, own.state_dst)]
     return len(sent.state_dst) == len(own.state_dst) and all(a.shape == b.shape and (a == b).all() for a, b in tables)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..planner.model import Attention, Entry, KVLayout, SideMemory, StateComponent, StateKind
+from ..planner.model import Attention, Entry, KVLayout, SideMemory, StateComponent, StateKind, TensorShard
 
 __all__ = ["describe_side", "side_from_description"]
 
@@ -29,7 +29,8 @@ def describe_side(side: SideMemory) -> dict[str, Any]:
                "first_layer": kv.first_layer, "num_kv_heads": kv.num_kv_heads, "tp_size": kv.tp_size,
                "tp_rank": kv.tp_rank},
         "state": [{"kind": c.kind.value, "name": c.name, "entries": _entries(c.entries), "window": c.window,
-                   "page_size": c.page_size, "ring_size": c.ring_size} for c in side.state],
+                   "page_size": c.page_size, "ring_size": c.ring_size,
+                   "shards": [[s.dim, s.outer, list(s.groups)] for s in c.shards]} for c in side.state],
         "aux": _entries(side.aux),
     }
 
@@ -39,5 +40,7 @@ def side_from_description(desc: dict[str, Any]) -> SideMemory:
     layout = KVLayout(Attention(kv["attention"]), kv["page_size"], _from_entries(kv["entries"]), kv["first_layer"],
                       kv["num_kv_heads"], kv["tp_size"], kv["tp_rank"])
     state = tuple(StateComponent(StateKind(c["kind"]), _from_entries(c["entries"]), c["window"], c["page_size"],
-                                 c["ring_size"], None, c["name"]) for c in desc["state"])
+                                 c["ring_size"], None, c["name"],
+                                 tuple(TensorShard(int(d), int(o), tuple(g)) for d, o, g in c.get("shards", ())))
+                  for c in desc["state"])
     return SideMemory(layout, state, _from_entries(desc["aux"]))

@@ -70,8 +70,8 @@ def _expand_compact(compact):
     for s in range(len(compact.segment_runs) - 1):
         first, count = compact.entry_span[s]
         runs = compact.runs[compact.segment_runs[s] : compact.segment_runs[s + 1]].astype(np.uint64)
-        for src_base, dst_base, src_item, _ in compact.entries[first : first + count]:
-            out += [(src_base + s0 * src_item, dst_base + d0 * src_item, n * src_item) for s0, d0, n in runs]
+        for src_base, dst_base, src_item, dst_item, per_item in compact.entries[first : first + count]:
+            out += [(src_base + s0 * src_item, dst_base + d0 * dst_item, n * per_item) for s0, d0, n in runs]
     return np.array(out, dtype=np.uint64).reshape(-1, 3)
 
 

@@ -1,6 +1,6 @@
 """State components between different TP sizes (docs/tp_state.md): SWA head-sliced as KV, against
 the golden vectors of §5 written by hand and a head-by-head byte copy; replicated kinds moved whole;
-Mamba with unequal items refused; the device planner bit for bit."""
+Mamba without shard declarations refused (sliced Mamba: test_tp_mamba.py); the device planner bit for bit."""
 
 import numpy as np
 import pytest
@@ -64,13 +64,17 @@ def test_the_device_planner_reproduces_the_golden_vectors(device, name):
     assert pending.sections() == expected.sections()
 
 
-def test_a_component_that_is_not_head_sliced_keeps_equal_items():
+def test_components_that_are_not_head_sliced_keep_equal_items_or_declare_shards():
     batch = sides(H, 4, 1, 8, 3)
     src, dst = batch.src, batch.dsts[0]
     mamba = lambda n: StateComponent(StateKind.MAMBA, (Entry(0x5000_0000, n, 8),), slot_map=np.arange(4))  # noqa: E731
-    with pytest.raises(LayoutError, match="Mamba state is not planned yet"):
+    with pytest.raises(LayoutError, match="must declare how they are sharded"):
         plan_reference(Batch(SideMemory(src.kv, src.state + (mamba(256),), req_to_token=src.req_to_token),
                              (SideMemory(dst.kv, dst.state + (mamba(128),)),), ()))
+    ring = lambda n: StateComponent(StateKind.SWA_RING, (Entry(0x5000_0000, n, 8),), window=2, ring_size=2)  # noqa: E731
+    with pytest.raises(LayoutError, match="swa_ring state is replicated on every rank and moved whole"):
+        plan_reference(Batch(SideMemory(src.kv, src.state + (ring(256),), req_to_token=src.req_to_token),
+                             (SideMemory(dst.kv, dst.state + (ring(128),)),), ()))
 
 
 # -- random batches: a head-by-head byte copy, and the device bit for bit -------------------------------

@@ -1,0 +1,187 @@
+"""Mamba state between different TP sizes (docs/tp_state.md §4): the golden vectors of §5 written by
+hand, every rank's part of a whole model's tensors landing where the destination rank holds it
+(scatter and gather, GDN shard groups, outer rows, replicated items), the device bit for bit, and
+the pairings that must be refused."""
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from kvplan.errors import LayoutError
+from kvplan.planner import gpu
+from kvplan.planner.model import Attention, Batch, Entry, KVLayout, SideMemory, StateComponent, StateKind, Transfer
+from kvplan.planner.model import TensorShard
+from kvplan.planner.reference import plan_reference
+from kvplan.tools.scenarios import ComponentShape, ModelShape, ShardedTensor, build_batch
+from kvplan.tools.verify import AddressSpace, execute
+
+# the four tensors of docs/tp_state.md §5: a GDN conv (query | key | value groups), a temporal state,
+# a tensor of two outer rows (Kimi's conv [K - 1, dim]) and a replicated item
+TENSORS = (ShardedTensor(32, 2, groups=(8, 8, 16)), ShardedTensor(8, 4), ShardedTensor(8, 1, outer=2),
+           ShardedTensor(0, 6))
+MODEL = ModelShape("mamba-tp-test", Attention.MHA, 2, 16, 4, num_kv_heads=8,
+                   state=(ComponentShape(StateKind.MAMBA, 4, 0, tensors=TENSORS),), aux_items=(16,))
+SB, DB, SRC_SLOT, DST_SLOT = 0x1000_0000, 0x9000_0000, 3, 5
+
+
+def golden_batch(ts: int, src_rank: int, td: int, dst_rank: int) -> Batch:
+    """One request whose Mamba slot is 3 on the source and 5 on the destination; entry ``e`` of a
+    side is at ``base + e * 2**20``."""
+    def side(base, tp, rank, table=None, slot_map=None):
+        kv = KVLayout(Attention.MLA, 4, (Entry(base + (1 << 28), 64, 16),), tp_size=tp, tp_rank=rank)
+        items, shards = zip(*(t.on(tp) for t in TENSORS))
+        entries = tuple(Entry(base + e * (1 << 20), item, 8) for e, item in enumerate(items))
+        return SideMemory(kv, (StateComponent(StateKind.MAMBA, entries, slot_map=slot_map, shards=shards),),
+                          req_to_token=table)
+
+    table = np.zeros((2, 8), np.int32)
+    table[1, :4] = np.arange(4, 8)
+    src = side(SB, ts, src_rank, table, np.array([0, SRC_SLOT]))
+    dst = side(DB, td, dst_rank)
+    transfer = Transfer("r", 1, 0, 5, 4, True, np.array([2]), dst_state=(np.array([DST_SLOT]),))
+    return Batch(src, (dst,), (transfer,))
+
+
+VECTORS = {  # docs/tp_state.md §5: (ts, src rank, td, dst rank) -> per entry (src offset, dst offset, bytes)
+    "I: TP 4 -> 8": ((4, 1, 8, 3), [[(2, 0, 2), (6, 2, 2), (12, 4, 4)], [(4, 0, 4)], [(1, 0, 1), (3, 1, 1)],
+                                    [(0, 0, 6)]]),
+    "J: TP 8 -> 4": ((8, 5, 4, 2), [[(0, 2, 2), (2, 6, 2), (4, 12, 4)], [(0, 4, 4)], [(0, 1, 1), (1, 3, 1)], []]),
+    "J': TP 8 -> 4, first writer": ((8, 4, 4, 2), [[(0, 0, 2), (2, 4, 2), (4, 8, 4)], [(0, 0, 4)],
+                                                  [(0, 0, 1), (1, 2, 1)], [(0, 0, 6)]]),
+    "K: TP 2 -> 8": ((2, 0, 8, 2), [[(4, 0, 2), (12, 2, 2), (24, 4, 4)], [(8, 0, 4)], [(2, 0, 1), (6, 1, 1)],
+                                    [(0, 0, 6)]]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VECTORS))
+def test_golden_vectors(name):
+    layout, blocks = VECTORS[name]
+    batch = golden_batch(*layout)
+    src_items = [e.item_len for e in batch.src.state[0].entries]
+    dst_items = [e.item_len for e in batch.dsts[0].state[0].entries]
+    want = [(SB + e * (1 << 20) + SRC_SLOT * src_items[e] + so, DB + e * (1 << 20) + DST_SLOT * dst_items[e] + do, n)
+            for e, rows in enumerate(blocks) for so, do, n in rows]
+    plan = plan_reference(batch)
+    assert [tuple(map(int, d)) for d in plan.transfers[0].state[0].descs] == want
+
+
+@pytest.mark.parametrize("name", sorted(VECTORS))
+def test_the_device_planner_reproduces_the_golden_vectors(device, name):
+    batch = golden_batch(*VECTORS[name][0])
+    expected = plan_reference(batch)
+    pending = gpu.plan(batch.to(device))
+    pending.result().assert_equal(expected)
+    assert np.array_equal(pending.descriptors()[0], expected.descriptors()[0])
+    assert pending.sections() == expected.sections()
+
+
+# -- the whole model's tensors, sharded on both sides ---------------------------------------------------
+
+def rank_part(tensor: ShardedTensor, content: np.ndarray, tp: int, rank: int) -> np.ndarray:
+    """A rank's item of one slot: of every outer row, its part of each shard group, in group order."""
+    if tensor.full_dim == 0:
+        return content.reshape(-1)
+    rows = content.reshape(tensor.outer, tensor.full_dim, tensor.unit)
+    positions, start = [], 0
+    for g in tensor.groups or (tensor.full_dim,):
+        positions += range(start + rank * g // tp, start + (rank + 1) * g // tp)
+        start += g
+    return rows[:, positions, :].reshape(-1)
+
+
+def sources_of(ts: int, td: int, dst_rank: int) -> list[int]:
+    """The source ranks that write into a destination rank's items: one when scattering, the whole
+    aggregated group when gathering."""
+    if ts <= td:
+        return [dst_rank // (td // ts)]
+    return [dst_rank * (ts // td) + j for j in range(ts // td)]
+
+
+@pytest.mark.parametrize("ts, td, dst_rank", [(4, 8, 3), (8, 4, 2), (2, 8, 5), (1, 4, 3), (4, 1, 0), (8, 2, 1)])
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_every_rank_part_lands_where_the_destination_holds_it_and_the_device_plans_alike(device, ts, td, dst_rank,
+                                                                                       chunks):
+    """Each slot of each tensor is a whole model's random bytes. Every source rank that serves the
+    destination rank executes its plan (the reference's descriptors) from its own part; the
+    destination rank then holds exactly its own part of every tensor, replicated items included
+    (one source writes them). The device's plan equals the reference's for every source rank."""
+    model = replace(MODEL, src_tp=ts, dst_tp=td)
+    lens = [100, 37, 64]
+    rng = np.random.default_rng(7)
+    dst_space = None
+    full = None
+    for src_rank in sources_of(ts, td, dst_rank):
+        batch = build_batch(model, requests=len(lens), prompt_len=lens, chunks=chunks, seed=11, src_rank=src_rank,
+                            dst_rank=dst_rank)
+        src_comp, dst_comp = batch.src.state[0], batch.dsts[0].state[0]
+        slots = [int(src_comp.slot_map[t.src_row]) for t in batch.transfers if t.last]
+        if full is None:  # per entry and request: the whole tensor's bytes of its slot
+            full = [[rng.integers(0, 256, t.outer * max(t.full_dim, 1) * t.unit, dtype=np.uint8) for _ in slots]
+                    for t in (TENSORS[e % len(TENSORS)] for e in range(len(src_comp.entries)))]
+            dst_space = AddressSpace.of_side(batch.dsts[0])
+        src_space = AddressSpace.of_side(batch.src, rng)
+        for e, entry in enumerate(src_comp.entries):
+            tensor = TENSORS[e % len(TENSORS)]
+            for r, slot in enumerate(slots):
+                arr, off = src_space.locate(entry.base_ptr + slot * entry.item_len, entry.item_len)
+                arr[off : off + entry.item_len] = rank_part(tensor, full[e][r], ts, src_rank)
+        plan = plan_reference(batch)
+        mamba = np.concatenate([c.descs for tp in plan.transfers for c in tp.state]).reshape(-1, 3)
+        execute(mamba, src_space, dst_space)
+        pending = gpu.plan(batch.to(device))
+        pending.result().assert_equal(plan)
+        assert np.array_equal(pending.descriptors()[0], plan.descriptors()[0])
+    dst_slots = [int(t.dst_state[0][0]) for t in batch.transfers if t.last]
+    for e, entry in enumerate(dst_comp.entries):
+        tensor = TENSORS[e % len(TENSORS)]
+        for r, slot in enumerate(dst_slots):
+            arr, off = dst_space.locate(entry.base_ptr + slot * entry.item_len, entry.item_len)
+            assert np.array_equal(arr[off : off + entry.item_len], rank_part(tensor, full[e][r], td, dst_rank)), (e, r)
+
+
+# -- refusals -------------------------------------------------------------------------------------------
+
+def test_a_rank_that_does_not_hold_the_destination_part_is_refused():
+    with pytest.raises(LayoutError, match="destination rank 3 of TP 8 takes its part from source rank 1"):
+        plan_reference(golden_batch(4, 2, 8, 3))
+    with pytest.raises(LayoutError, match="source rank 5 of TP 8 writes into destination rank 2"):
+        plan_reference(golden_batch(8, 5, 4, 1))
+
+
+def _with_shards(batch: Batch, src_shards, dst_shards) -> Batch:
+    comp = lambda side, shards: replace(side, state=(replace(side.state[0], shards=shards),))  # noqa: E731
+    return replace(batch, src=comp(batch.src, src_shards), dsts=(comp(batch.dsts[0], dst_shards),))
+
+
+def test_mamba_without_shards_is_refused_between_tp_sizes_and_moves_whole_between_equal_ones():
+    batch = golden_batch(4, 1, 8, 3)
+    with pytest.raises(LayoutError, match=r"state component 0 \(mamba\).*must declare how they are sharded"):
+        plan_reference(_with_shards(batch, (), batch.dsts[0].state[0].shards))
+    same = golden_batch(4, 1, 4, 1)
+    plan = plan_reference(_with_shards(same, (), ()))
+    assert [int(n) for n in plan.transfers[0].state[0].descs[:, 2]] == [e.item_len for e in same.src.state[0].entries]
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda s: TensorShard(s.dim + 1, s.outer, s.groups), "sharded dimension differs"),
+    (lambda s: TensorShard(s.dim, s.outer, s.groups[::-1]), "shard the tensor differently"),
+    (lambda s: TensorShard(0), "the other replicates it"),
+])
+def test_shards_that_do_not_describe_one_tensor_are_refused(change, match):
+    batch = golden_batch(4, 1, 8, 3)
+    dst_shards = batch.dsts[0].state[0].shards
+    with pytest.raises(LayoutError, match=f"state component 0 \\(mamba\\) entry 0: .*{match}"):
+        plan_reference(_with_shards(batch, batch.src.state[0].shards, (change(dst_shards[0]), *dst_shards[1:])))
+
+
+def test_groups_that_do_not_split_into_the_ranks_are_refused():
+    batch = golden_batch(4, 1, 8, 3)
+    bad = lambda shards: (TensorShard(shards[0].dim, 1, (4, 12, 16)), *shards[1:])  # noqa: E731
+    with pytest.raises(LayoutError, match=r"groups \(4, 12, 16\) must sum to the dimension 32 and each split into 8"):
+        plan_reference(_with_shards(batch, bad(batch.src.state[0].shards), bad(batch.dsts[0].state[0].shards)))
+
+
+def test_a_shard_count_that_differs_from_the_entries_is_refused():
+    with pytest.raises(LayoutError, match="1 shards for 2 entries"):
+        StateComponent(StateKind.MAMBA, (Entry(0x1000, 8, 4), Entry(0x2000, 8, 4)), shards=(TensorShard(2),))
