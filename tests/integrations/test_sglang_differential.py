@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import types
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -306,9 +307,11 @@ def kv_args_of(sglang, side, rank: int = 0):
     args.state_data_lens = [[e.item_len * e.num_items for e in c.entries] for c in side.state]
     args.state_item_lens = [[e.item_len for e in c.entries] for c in side.state]
     args.state_layer_ids = [[] for _ in side.state]
-    args.state_dim_per_tensor = [[] for _ in side.state]
-    args.state_slice_outer_counts = [[] for _ in side.state]
-    args.state_conv_shard_groups = [[] for _ in side.state]
+    # Mamba's shards (docs/tp_state.md §4) as SGLang registers them: per entry the sharded dimension
+    # on this rank, the outer rows and the GDN groups (None when the entry has none)
+    args.state_dim_per_tensor = [[s.dim for s in c.shards] for c in side.state]
+    args.state_slice_outer_counts = [[s.outer for s in c.shards] for c in side.state]
+    args.state_conv_shard_groups = [[list(s.groups) or None for s in c.shards] for c in side.state]
     args.gpu_id, args.swa_kv_cache_layout = 0, "nhd"  # kvplan's pages are token-major (NHD)
     return args
 
@@ -393,3 +396,40 @@ def test_state_lists_are_sglang_s_payloads_and_the_prefix_variants_are_named(sgl
                 assert ours == [int(np.asarray(comp.slot_map)[t.src_row])]
             checked += 1
     assert checked >= len(LENGTHS)
+
+
+@pytest.mark.parametrize("engine", sorted(DRIVERS))
+@pytest.mark.parametrize("src_tp, dst_tp", [(4, 8), (8, 4), (2, 8)])
+@pytest.mark.parametrize("replicated", [False, True])
+def test_mamba_state_sliced_between_tp_sizes_equals_sglang_s(sglang, monkeypatch, engine, src_tp, dst_tp, replicated):
+    """Mamba state between TP sizes (docs/tp_state.md §4): a GDN conv in query | key | value groups, a
+    temporal state, a tensor of two outer rows and (``replicated``) an item every rank holds whole.
+    SGLang's ``_send_mamba_state_slice`` (``maybe_send_extra``), given the shards kvplan's sides
+    declare, posts the blocks of kvplan's plan, on a scattering and a gathering pair of ranks.
+
+    A difference by design: SGLang's NIXL path refuses replicated Mamba items between TP sizes, while
+    its Mooncake path and kvplan move them (one source rank per destination writes them)."""
+    from kvplan.tools.scenarios import build_batch, paired_ranks
+    from tests.transport.handoff import LENGTHS, MAMBA_TENSORS, MAMBA_TP4TO8
+
+    tensors = MAMBA_TENSORS if replicated else MAMBA_TENSORS[:3]
+    model = replace(MAMBA_TP4TO8, src_tp=src_tp, dst_tp=dst_tp,
+                    state=(replace(MAMBA_TP4TO8.state[0], entries=len(tensors), tensors=tensors),))
+    src_rank, dst_rank = paired_ranks(src_tp, dst_tp)
+    batch = build_batch(model, requests=len(LENGTHS), prompt_len=list(LENGTHS), chunks=2, seed=5, src_rank=src_rank,
+                        dst_rank=dst_rank)
+    plan = plan_reference(batch)
+    assert plan.transfers[-1].state[0].descs[:, 2].min() < batch.src.state[0].entries[0].item_len  # items are sliced
+    src_args, dst_args = kv_args_of(sglang, batch.src, src_rank), kv_args_of(sglang, batch.dsts[0], dst_rank)
+    driver = DRIVERS[engine](sglang, src_args, dst_args, mla=False, src_tp=src_tp, dst_tp=dst_tp,
+                             monkeypatch=monkeypatch)
+    lists = [([np.asarray(c.src_list, np.int32) for c in tp.state], [list(map(int, ids)) for ids in t.dst_state])
+             for t, tp in zip(batch.transfers, plan.transfers) if t.last]
+    if engine == "nixl" and replicated:
+        with pytest.raises(RuntimeError, match="Replicated Mamba PD state transfer currently requires"):
+            driver.state(*lists[0])
+        return
+    for src_lists, dst_lists in lists:
+        driver.state(src_lists, dst_lists)
+    ours = np.concatenate([c.descs for tp in plan.transfers for c in tp.state]).reshape(-1, 3)
+    assert byte_ranges(ours) == byte_ranges(driver.blocks)

@@ -13,15 +13,11 @@ from kvplan.planner import gpu
 from kvplan.planner.model import Attention, Batch, Entry, KVLayout, SideMemory, StateComponent, StateKind, Transfer
 from kvplan.planner.model import TensorShard
 from kvplan.planner.reference import plan_reference
-from kvplan.tools.scenarios import ComponentShape, ModelShape, ShardedTensor, build_batch
+from kvplan.tools.scenarios import ShardedTensor, build_batch
 from kvplan.tools.verify import AddressSpace, execute
+from tests.transport.handoff import MAMBA_TENSORS, MAMBA_TP4TO8
 
-# the four tensors of docs/tp_state.md §5: a GDN conv (query | key | value groups), a temporal state,
-# a tensor of two outer rows (Kimi's conv [K - 1, dim]) and a replicated item
-TENSORS = (ShardedTensor(32, 2, groups=(8, 8, 16)), ShardedTensor(8, 4), ShardedTensor(8, 1, outer=2),
-           ShardedTensor(0, 6))
-MODEL = ModelShape("mamba-tp-test", Attention.MHA, 2, 16, 4, num_kv_heads=8,
-                   state=(ComponentShape(StateKind.MAMBA, 4, 0, tensors=TENSORS),), aux_items=(16,))
+TENSORS, MODEL = MAMBA_TENSORS, replace(MAMBA_TP4TO8, src_tp=1, dst_tp=1)  # docs/tp_state.md §5's four tensors
 SB, DB, SRC_SLOT, DST_SLOT = 0x1000_0000, 0x9000_0000, 3, 5
 
 

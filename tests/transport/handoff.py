@@ -1,7 +1,7 @@
 """Small model shapes for the two-process hand-off tests (the processes are kvplan.tools.demo's)."""
 
 from kvplan.planner.model import Attention, StateKind
-from kvplan.tools.scenarios import ComponentShape, ModelShape
+from kvplan.tools.scenarios import ComponentShape, ModelShape, ShardedTensor
 
 HYBRID = ModelShape(
     "hybrid-test", Attention.MHA, 2, 32, 4,
@@ -31,7 +31,13 @@ SWA1, SWA16, SWA64 = (ModelShape(f"swa-p{ps}-test", Attention.MHA, 2, 32, ps,
 # gpt-oss-like SWA state between TP sizes (docs/tp_state.md): 8 KV heads, TP 4 -> 8, head-sliced
 SWA_TP4TO8 = ModelShape("swa-tp4to8-test", Attention.MHA, 2, 16, 4, num_kv_heads=8, src_tp=4, dst_tp=8,
                         state=(ComponentShape(StateKind.SWA, 2, 16 * 4, window=10),), aux_items=(16,))
+# Mamba state sliced between TP 4 and 8 (docs/tp_state.md §4): the four tensors of the golden vectors,
+# a GDN conv in query | key | value groups, a temporal state, two outer rows, a replicated item
+MAMBA_TENSORS = (ShardedTensor(32, 2, groups=(8, 8, 16)), ShardedTensor(8, 4), ShardedTensor(8, 1, outer=2),
+                 ShardedTensor(0, 6))
+MAMBA_TP4TO8 = ModelShape("mamba-tp4to8-test", Attention.MHA, 2, 16, 4, num_kv_heads=8, src_tp=4, dst_tp=8,
+                          state=(ComponentShape(StateKind.MAMBA, 4, 0, tensors=MAMBA_TENSORS),), aux_items=(16,))
 SHAPES = {"hybrid": HYBRID, "head_sliced": HEAD_SLICED, "kv1": KV1, "kv16": KV16, "kv64": KV64,
           "ring_mamba": RING_MAMBA, "dsa1": DSA1, "dsa16": DSA16, "dsa64": DSA64, "swa1": SWA1, "swa16": SWA16,
-          "swa64": SWA64, "swa_tp4to8": SWA_TP4TO8}
+          "swa64": SWA64, "swa_tp4to8": SWA_TP4TO8, "mamba_tp4to8": MAMBA_TP4TO8}
 LENGTHS = (100, 37, 64)

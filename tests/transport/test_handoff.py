@@ -1,7 +1,8 @@
 """A batch planned by kvplan moved between two processes by NIXL and by Mooncake, verified byte for byte.
 
 All four state types, aux, chunking and a decode prefix (``hybrid``), head-sliced descriptors
-(``head_sliced``), head-sliced SWA state between TP 4 and 8 (``swa_tp4to8``), direct, prepared (NIXL) and staged mode; then the failure paths: a dead peer on
+(``head_sliced``), head-sliced SWA state and sliced Mamba state between TP 4 and 8 (``swa_tp4to8``,
+``mamba_tp4to8``), direct, prepared (NIXL) and staged mode; then the failure paths: a dead peer on
 either side, a bad registration, a deadline. Nothing here may hang: every wait has a deadline.
 """
 
@@ -29,7 +30,8 @@ def config(engine: str, shape: str = "hybrid", mode: str = "direct", **kw) -> De
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("shape, mode", [("hybrid", "direct"), ("hybrid", "staged"), ("head_sliced", "direct"),
                                          ("head_sliced", "staged"), ("swa_tp4to8", "direct"),
-                                         ("swa_tp4to8", "staged")])
+                                         ("swa_tp4to8", "staged"), ("mamba_tp4to8", "direct"),
+                                         ("mamba_tp4to8", "staged")])
 def test_batch_arrives_byte_for_byte(engine, shape, mode):
     report = run_demo(config(engine, shape, mode))
     assert all(reason is None for reason in report.send_failures.values()), report.send_failures
