@@ -56,6 +56,7 @@ SCENARIOS: dict[str, tuple[int, int]] = {  # name -> (requests, prompt tokens), 
     "qwen3next-mamba-p64": (64, 4096),
     "llama70b-tp8-p64-to-p16": (32, 8192),
     "gptoss-swa-tp4to8-p16": (32, 16384),
+    "qwen3next-mamba-tp4to8-p64": (64, 4096),
 }
 # scenarios whose decode side has another page size (docs/page_sizes.md): name -> (preset, its page size)
 DST_PAGE_SIZES = {"llama70b-tp8-p64-to-p16": ("llama70b-tp8-p64", 16)}

@@ -10,7 +10,7 @@ from kvplan.tools.bench import render, run_bench
 
 
 def test_bench_rows_render_and_agree_with_the_baseline():
-    names = ["llama70b-tp4to8-p64", "gptoss-swa-p16", "gptoss-swa-tp4to8-p16"]
+    names = ["llama70b-tp4to8-p64", "gptoss-swa-p16", "gptoss-swa-tp4to8-p16", "qwen3next-mamba-tp4to8-p64"]
     rows = run_bench(names, runs=1, scale=0.02)
     assert [r.scenario for r in rows] == names
     assert all(r.descriptors > 0 and r.kvplan_ms > 0 and r.baselines["numpy-batch"] > 0 for r in rows)
