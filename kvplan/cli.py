@@ -53,11 +53,10 @@ def _check_demo(config, shape) -> None:
     if config.tp is not None:  # pair a tiny batch of the same shape: what cannot pair is refused here
         from .errors import LayoutError
         from .planner.pairing import pair_sides
-        from .tools.scenarios import build_batch
 
         ts, td = config.tp
-        tiny = build_batch(shape, 1, 2 * shape.page_size, src_rank=1 % ts, dst_rank=2 % td)
         try:
+            tiny = config.batch(requests=1, prompt_len=2 * shape.page_size)
             pair_sides(tiny.src, tiny.dsts[0])
         except LayoutError as err:
             fail(f"--src-tp {ts} --dst-tp {td}: {err}")

@@ -110,11 +110,17 @@ class DemoConfig:
     def memory(self) -> str:
         return "VRAM" if self.resolved_device() == "cuda" else "DRAM"
 
-    def batch(self) -> Batch:
+    def ranks(self) -> tuple[int, int]:
+        """The source and destination ranks the demo pairs: ranks that share a shard between TP sizes."""
         model = self.model()
-        src_rank, dst_rank = paired_ranks(model.src_tp, model.dst_tp) if model.src_tp != model.dst_tp else (0, 0)
-        return build_batch(model, self.requests, list(self.prompt_len) if isinstance(self.prompt_len, tuple)
-                           else self.prompt_len, chunks=self.chunks, prefix_len=self.prefix_len, seed=self.seed,
+        return paired_ranks(model.src_tp, model.dst_tp) if model.src_tp != model.dst_tp else (0, 0)
+
+    def batch(self, requests: int | None = None, prompt_len: int | None = None) -> Batch:
+        """The demo's batch (or a smaller one of the same shape and ranks)."""
+        src_rank, dst_rank = self.ranks()
+        lens = list(self.prompt_len) if isinstance(self.prompt_len, tuple) else self.prompt_len
+        return build_batch(self.model(), requests or self.requests, prompt_len or lens, chunks=self.chunks,
+                           prefix_len=self.prefix_len if prompt_len is None else 0, seed=self.seed,
                            src_rank=src_rank, dst_rank=dst_rank, dst_page_size=self.dst_page_size)
 
 
