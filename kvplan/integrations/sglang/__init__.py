@@ -1,6 +1,7 @@
 """kvplan inside SGLang (issue 12).
 
-* :func:`side_from_kv_args`: SGLang's ``KVArgs`` as a kvplan :class:`~kvplan.planner.model.SideMemory`.
+* :func:`side_from_kv_args`: SGLang's ``KVArgs`` as a kvplan :class:`~kvplan.planner.model.SideMemory`,
+  state components included (:func:`state_from_kv_args`).
 * :mod:`.adapter`: ``KVManager``, ``KVSender`` and ``KVReceiver`` under SGLang's base classes
   (imported on first use: they need SGLang installed).
 
@@ -14,9 +15,9 @@ Example::
 
 from typing import Any
 
-from .kv_args import side_from_kv_args
+from .kv_args import side_from_kv_args, state_from_kv_args
 
-__all__ = ["KVManager", "KVReceiver", "KVSender", "side_from_kv_args"]
+__all__ = ["KVManager", "KVReceiver", "KVSender", "side_from_kv_args", "state_from_kv_args"]
 
 
 def __getattr__(name: str) -> Any:
