@@ -215,8 +215,8 @@ def _mamba_list(side: SideMemory, comp: StateComponent, row: int, seq: int, requ
 RULES: dict[StateKind, KindRules] = {
     StateKind.SWA: KindRules(StateKind.SWA, int(kl.SWA), needs_window=True, needs_ring=False, needs_map=True,
                              map_by_row=False, always_strict=False, forms_runs=True, paged=True, maps_pages=True,
-                             slices_heads=True, shards_tensors=False, list_start=_swa_window_start, list_shape=_swa_shape,
-                             host_list=_swa_list),
+                             slices_heads=True, shards_tensors=False, list_start=_swa_window_start,
+                             list_shape=_swa_shape, host_list=_swa_list),
     StateKind.DSA: KindRules(StateKind.DSA, int(kl.DSA), needs_window=False, needs_ring=False, needs_map=False,
                              map_by_row=False, always_strict=False, forms_runs=True, paged=True, maps_pages=True,
                              slices_heads=False, shards_tensors=False, list_start=_from_zero, list_shape=_dsa_shape,
@@ -224,13 +224,11 @@ RULES: dict[StateKind, KindRules] = {
     StateKind.SWA_RING: KindRules(StateKind.SWA_RING, int(kl.SWA_RING), needs_window=True, needs_ring=True,
                                   needs_map=False, map_by_row=False, always_strict=True, forms_runs=True, paged=False,
                                   maps_pages=False, slices_heads=False, shards_tensors=False, list_start=_from_zero,
-                                  list_shape=_ring_shape,
-                                  host_list=_ring_list),
+                                  list_shape=_ring_shape, host_list=_ring_list),
     StateKind.MAMBA: KindRules(StateKind.MAMBA, int(kl.MAMBA), needs_window=False, needs_ring=False, needs_map=True,
                                map_by_row=True, always_strict=True, forms_runs=False, paged=False,
                                maps_pages=False, slices_heads=False, shards_tensors=True, list_start=_from_zero,
-                               list_shape=_mamba_shape,
-                               host_list=_mamba_list),
+                               list_shape=_mamba_shape, host_list=_mamba_list),
 }
 
 

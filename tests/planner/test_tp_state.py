@@ -71,7 +71,10 @@ def test_components_that_are_not_head_sliced_keep_equal_items_or_declare_shards(
     with pytest.raises(LayoutError, match="must declare how they are sharded"):
         plan_reference(Batch(SideMemory(src.kv, src.state + (mamba(256),), req_to_token=src.req_to_token),
                              (SideMemory(dst.kv, dst.state + (mamba(128),)),), ()))
-    ring = lambda n: StateComponent(StateKind.SWA_RING, (Entry(0x5000_0000, n, 8),), window=2, ring_size=2)  # noqa: E731
+
+    def ring(n):
+        return StateComponent(StateKind.SWA_RING, (Entry(0x5000_0000, n, 8),), window=2, ring_size=2)
+
     with pytest.raises(LayoutError, match="swa_ring state is replicated on every rank and moved whole"):
         plan_reference(Batch(SideMemory(src.kv, src.state + (ring(256),), req_to_token=src.req_to_token),
                              (SideMemory(dst.kv, dst.state + (ring(128),)),), ()))
