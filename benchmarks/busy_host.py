@@ -1,6 +1,7 @@
 """Why ``plan()`` returns slower when the stream is busy: host work timed on an idle GPU and right
 after a queued ``torch.cuda._sleep`` (issue 10's busy-return target). Each workload runs 30 times per
-condition; medians in microseconds. Workloads: a pure-Python loop and a NumPy copy into pinned
+condition; medians in microseconds. The last condition keeps the thread busy for 2 ms after queuing
+the sleep, as a scheduler's thread would be (it did not help on the H100 of session 8). Workloads: a pure-Python loop and a NumPy copy into pinned
 memory (no CUDA at all), one small kernel launch, and ``Planner.plan`` of ``qwen3next-mamba-p64``.
 
 Usage on a GPU machine:  PYTHONPATH=. TRITON_INTERPRET=0 python3 -m benchmarks.busy_host
@@ -48,7 +49,8 @@ def main() -> None:
     out = {"card": torch.cuda.get_device_name(dev)}
     for name, fn in work.items():
         row = {}
-        for cond in ("idle", "sleep queued", "sleep on another stream", "idle, after 20 ms of sleep(0)"):
+        for cond in ("idle", "sleep queued", "sleep on another stream", "idle, after 20 ms of sleep(0)",
+                     "sleep queued, thread busy 2 ms first"):
             times = []
             for _ in range(30):
                 torch.cuda.synchronize()
@@ -59,6 +61,11 @@ def main() -> None:
                         torch.cuda._sleep(cycles)
                 elif cond.startswith("idle, after"):
                     time.sleep(0.02)
+                if cond.endswith("busy 2 ms first"):  # as a scheduler's thread is: working, not waiting
+                    torch.cuda._sleep(cycles)
+                    spin_until = time.perf_counter() + 2e-3
+                    while time.perf_counter() < spin_until:
+                        pass
                 t0 = time.perf_counter()
                 fn()
                 times.append(time.perf_counter() - t0)
