@@ -164,9 +164,14 @@ def fragmented_free_list(rng: np.random.Generator, num_pages: int, mean_run: flo
 
 def _fake_entries(rng: np.random.Generator, count: int, item_len: int, num_items: int) -> tuple[Entry, ...]:
     """Entries at made-up, non-overlapping, page-aligned addresses (for planning without memory)."""
+    return _fake_entries_of(rng, [item_len] * count, num_items)
+
+
+def _fake_entries_of(rng: np.random.Generator, item_lens: list[int], num_items: int) -> tuple[Entry, ...]:
+    """Like :func:`_fake_entries`, one item length per entry (spaced by the largest)."""
     base = int(rng.integers(1, 1 << 20)) << 24
-    stride = -(-(item_len * num_items) // 4096) * 4096 + 4096
-    return tuple(Entry(base + i * stride, item_len, num_items) for i in range(count))
+    stride = -(-(max(item_lens, default=0) * num_items) // 4096) * 4096 + 4096
+    return tuple(Entry(base + i * stride, item, num_items) for i, item in enumerate(item_lens))
 
 
 def _side(
@@ -221,10 +226,8 @@ def _side(
         elif c.tensors:  # per entry its tensor's item on this side's TP size, and its shard
             slots = rng.permutation(rows * 2)[:rows].astype(np.int64)
             items, shards = zip(*(c.tensors[i % len(c.tensors)].on(tp) for i in range(c.entries)))
-            base = _fake_entries(rng, 1, max(items), rows * 2)[0].base_ptr
-            stride = -(-(max(items) * rows * 2) // 4096) * 4096 + 4096
-            comps.append(StateComponent(c.kind, tuple(Entry(base + i * stride, item, rows * 2)
-                                                      for i, item in enumerate(items)), slot_map=slots, shards=shards))
+            comps.append(StateComponent(c.kind, _fake_entries_of(rng, list(items), rows * 2), slot_map=slots,
+                                        shards=shards))
         else:
             slots = rng.permutation(rows * 2)[:rows].astype(np.int64)
             comps.append(StateComponent(c.kind, _fake_entries(rng, c.entries, c.item_len, rows * 2), slot_map=slots))
