@@ -23,7 +23,17 @@ import numpy as np
 from ..errors import LayoutError
 from .model import KVLayout, StateComponent, TensorShard
 
-__all__ = ["sliced_entries", "tensor_blocks"]
+__all__ = ["partner_rank", "sliced_entries", "tensor_blocks"]
+
+
+def partner_rank(rank: int, tp: int, other_tp: int) -> int:
+    """The rank of TP size ``other_tp`` whose part of a sharded tensor holds, or lies inside,
+    ``rank``'s part at TP size ``tp`` (the larger TP size's ranks share the smaller's by blocks).
+
+    >>> partner_rank(3, 8, 4), partner_rank(5, 8, 4), partner_rank(1, 4, 8)
+    (1, 2, 2)
+    """
+    return rank // (tp // other_tp) if tp >= other_tp else rank * (other_tp // tp)
 
 
 def tensor_blocks(src_item: int, dst_item: int, src: TensorShard, dst: TensorShard, ts: int, td: int,
@@ -67,12 +77,12 @@ def tensor_blocks(src_item: int, dst_item: int, src: TensorShard, dst: TensorSha
     groups = src.groups or (full,)
     if sum(groups) != full or any(g % big for g in groups):
         raise LayoutError(f"shard groups {groups} must sum to the dimension {full} and each split into {big} ranks")
-    if ts < td and dst_rank // (td // ts) != src_rank:
+    if ts < td and partner_rank(dst_rank, td, ts) != src_rank:
         raise LayoutError(f"destination rank {dst_rank} of TP {td} takes its part from source rank "
-                          f"{dst_rank // (td // ts)} of TP {ts}, not {src_rank}")
-    if ts > td and src_rank // (ts // td) != dst_rank:
-        raise LayoutError(f"source rank {src_rank} of TP {ts} writes into destination rank {src_rank // (ts // td)} "
-                          f"of TP {td}, not {dst_rank}")
+                          f"{partner_rank(dst_rank, td, ts)} of TP {ts}, not {src_rank}")
+    if ts > td and partner_rank(src_rank, ts, td) != dst_rank:
+        raise LayoutError(f"source rank {src_rank} of TP {ts} writes into destination rank "
+                          f"{partner_rank(src_rank, ts, td)} of TP {td}, not {dst_rank}")
     logical = []  # (src position, dst position, positions) within one outer row
     s_off = d_off = 0
     for g in groups:

@@ -33,6 +33,7 @@ from ..planner.model import (
 )
 from ..planner.reference import destination_lists
 from ..planner.rules import cdiv
+from ..planner.tensor_slices import partner_rank
 
 if TYPE_CHECKING:
     import torch
@@ -146,9 +147,9 @@ def paired_ranks(src_tp: int, dst_tp: int) -> tuple[int, int]:
     shard: docs/tp_state.md §4): destination rank 2 when scattering, source rank 1 when gathering."""
     if src_tp <= dst_tp:
         dst_rank = 2 % dst_tp
-        return dst_rank // (dst_tp // src_tp), dst_rank
+        return partner_rank(dst_rank, dst_tp, src_tp), dst_rank
     src_rank = 1 % src_tp
-    return src_rank, src_rank // (src_tp // dst_tp)
+    return src_rank, partner_rank(src_rank, src_tp, dst_tp)
 
 
 def fragmented_free_list(rng: np.random.Generator, num_pages: int, mean_run: float) -> np.ndarray:
