@@ -136,6 +136,9 @@ class KVLayout:
         num_kv_heads: total KV heads of the model (``H``), used by head slicing.
         tp_size: attention-TP size of this side.
         tp_rank: this rank within its attention-TP group.
+        layer_ids: the model-wide layer id of each local layer, for streaming in layer groups
+            (docs/layerwise.md); empty means ``first_layer + i``. A hybrid model whose attention
+            layers are every fourth layer names them here (SGLang's ``kv_layer_ids``).
     """
 
     attention: Attention
@@ -145,10 +148,16 @@ class KVLayout:
     num_kv_heads: int = 1
     tp_size: int = 1
     tp_rank: int = 0
+    layer_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "attention", Attention(self.attention))
         object.__setattr__(self, "entries", tuple(self.entries))
+        object.__setattr__(self, "layer_ids", tuple(int(i) for i in self.layer_ids))
+        if self.layer_ids and (len(self.layer_ids) != self.num_layers
+                               or any(b <= a for a, b in zip(self.layer_ids, self.layer_ids[1:]))):
+            raise LayoutError(f"layer_ids must name each of the {self.num_layers} layers once, in increasing order; "
+                              f"got {self.layer_ids}")
         if self.page_size < 1:
             raise LayoutError(f"page_size must be >= 1, got {self.page_size}")
         if self.attention is Attention.MHA and len(self.entries) % 2:
@@ -161,6 +170,11 @@ class KVLayout:
     @property
     def num_layers(self) -> int:
         return len(self.entries) // (2 if self.attention is Attention.MHA else 1)
+
+    @property
+    def model_layers(self) -> tuple[int, ...]:
+        """The model-wide id of each local layer (``layer_ids``, or ``first_layer + i``)."""
+        return self.layer_ids or tuple(range(self.first_layer, self.first_layer + self.num_layers))
 
     @cached_property
     def num_pages(self) -> int:
@@ -225,6 +239,9 @@ class StateComponent:
         shards: MAMBA: per entry, how its item is sharded across attention-TP ranks
             (:class:`TensorShard`); required to move the component between different TP sizes
             (docs/tp_state.md §4), ignored between equal ones.
+        layers: per entry, the model-wide layer it belongs to (SGLang's ``state_layer_ids``), for
+            streaming in layer groups (docs/layerwise.md); empty: the component moves with the
+            last group. Both sides must declare the same.
     """
 
     kind: StateKind
@@ -235,11 +252,16 @@ class StateComponent:
     slot_map: Any = None
     name: str = ""
     shards: tuple[TensorShard, ...] = ()
+    layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", StateKind(self.kind))
         object.__setattr__(self, "entries", tuple(self.entries))
         object.__setattr__(self, "shards", tuple(self.shards))
+        object.__setattr__(self, "layers", tuple(int(i) for i in self.layers))
+        if self.layers and len(self.layers) != len(self.entries):
+            raise LayoutError(f"component {self.name or self.kind.value}: {len(self.layers)} layer ids for "
+                              f"{len(self.entries)} entries (one per entry)")
         if self.shards and len(self.shards) != len(self.entries):
             raise LayoutError(f"component {self.name or self.kind.value}: {len(self.shards)} shards for "
                               f"{len(self.entries)} entries (one per entry)")

@@ -95,6 +95,14 @@ class SidePairing:
     # per component: the bytes each (sliced) entry moves per item when its tables hold sliced
     # entries (TP-sliced Mamba state; docs/tp_state.md §4), else None (whole items)
     state_bytes: tuple[np.ndarray | None, ...] = ()
+    # per component: the entry each row of its tables moves (sliced entries: several rows, or none,
+    # per entry), else None (row i is entry i)
+    state_rows: tuple[np.ndarray | None, ...] = ()
+
+    def component_rows(self, c: int) -> np.ndarray:
+        """The entry index of each row of component ``c``'s tables."""
+        rows = self.state_rows[c] if c < len(self.state_rows) else None
+        return np.arange(len(self.state_src[c])) if rows is None else rows
 
     def component_heads(self, c: int) -> HeadSlice | None:
         """Component ``c``'s head slice, or ``None`` when it moves whole (docs/tp_state.md)."""
@@ -167,6 +175,12 @@ def _pair_sides(src: SideMemory, dst: SideMemory) -> SidePairing:
             layer = sk.first_layer + local
             kv_src.append(sk.entries[part * sk.num_layers + local])
             kv_dst.append(dk.entries[dk.entry_index(part, layer)])
+    dst_ids = dk.model_layers
+    for local, layer_id in enumerate(sk.model_layers):
+        if layer_id != dst_ids[sk.first_layer + local - dk.first_layer]:
+            raise LayoutError(f"KV layer {sk.first_layer + local}: its model-wide id differs (source {layer_id}, "
+                              f"destination {dst_ids[sk.first_layer + local - dk.first_layer]}; KVLayout.layer_ids, "
+                              "docs/layerwise.md)")
     mode = Mode.DIRECT if sk.attention is Attention.MLA or sk.tp_size == dk.tp_size else Mode.HEAD_SLICED
     heads = None
     if sk.page_size != dk.page_size and mode is Mode.DIRECT:
@@ -180,9 +194,13 @@ def _pair_sides(src: SideMemory, dst: SideMemory) -> SidePairing:
     state_heads: list[HeadSlice | None] = []
     state_src, state_dst = [_table(c.entries) for c in src.state], [_table(c.entries) for c in dst.state]
     state_bytes: list[np.ndarray | None] = [None] * len(src.state)
+    state_rows: list[np.ndarray | None] = [None] * len(src.state)
     for i, (sc, dc) in enumerate(zip(src.state, dst.state)):
         if sc.kind is not dc.kind:
             raise LayoutError(f"state component {i}: kinds differ ({sc.kind.value} vs {dc.kind.value})")
+        if sc.layers != dc.layers:
+            raise LayoutError(f"state component {i} ({sc.name}): its entries' layers differ (source {sc.layers}, "
+                              f"destination {dc.layers}); both sides must declare the same (docs/layerwise.md)")
         rules = rules_of(sc.kind)
         cps_s, cps_d = sc.pages_of(sk.page_size), dc.pages_of(dk.page_size)
         if mode is Mode.HEAD_SLICED and rules.slices_heads:  # docs/tp_state.md
@@ -190,8 +208,8 @@ def _pair_sides(src: SideMemory, dst: SideMemory) -> SidePairing:
             continue
         state_heads.append(None)
         if rules.shards_tensors and sk.tp_size != dk.tp_size:  # docs/tp_state.md §4
-            state_src[i], state_dst[i], state_bytes[i] = sliced_entries(f"state component {i} ({sc.name})", sc, dc,
-                                                                        sk, dk)
+            state_src[i], state_dst[i], state_bytes[i], state_rows[i] = sliced_entries(
+                f"state component {i} ({sc.name})", sc, dc, sk, dk)
             continue
         if rules.paged and not rules.maps_pages and cps_s != cps_d:
             raise LayoutError(f"state component {i} ({sc.name}): its pages hold {cps_s} tokens on the source and "
@@ -220,6 +238,7 @@ def _pair_sides(src: SideMemory, dst: SideMemory) -> SidePairing:
         aux_dst=_table(dst.aux),
         state_heads=tuple(state_heads),
         state_bytes=tuple(state_bytes),
+        state_rows=tuple(state_rows),
     )
 
 

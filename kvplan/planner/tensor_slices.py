@@ -97,10 +97,11 @@ def tensor_blocks(src_item: int, dst_item: int, src: TensorShard, dst: TensorSha
 
 
 def sliced_entries(what: str, sc: StateComponent, dc: StateComponent, sk: KVLayout, dk: KVLayout
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """A sharded component's sliced entries between different TP sizes: ``(src_table, dst_table,
-    nbytes)``, the tables ``[n, 2]`` uint64 ``(base + offset, item_len)`` and ``nbytes`` ``[n]`` the
-    bytes each moves per item, entry by entry in entry order (LayoutError naming ``what``)."""
+    nbytes, entry_of)``, the tables ``[n, 2]`` uint64 ``(base + offset, item_len)``, ``nbytes`` ``[n]``
+    the bytes each moves per item and ``entry_of`` ``[n]`` the entry each slices, entry by entry in
+    entry order (LayoutError naming ``what``)."""
     if len(sc.entries) != len(dc.entries):
         raise LayoutError(f"{what}: source has {len(sc.entries)} entries, destination {len(dc.entries)}")
     if not sc.shards or not dc.shards:
@@ -114,6 +115,6 @@ def sliced_entries(what: str, sc: StateComponent, dc: StateComponent, sk: KVLayo
                                    sk.tp_rank, dk.tp_rank)
         except LayoutError as err:
             raise LayoutError(f"{what} entry {e}: {err}") from None
-        rows += [(s.base_ptr + so, s.item_len, d.base_ptr + do, d.item_len, n) for so, do, n in blocks]
-    table = np.array(rows, dtype=np.uint64).reshape(-1, 5)
-    return table[:, 0:2].copy(), table[:, 2:4].copy(), table[:, 4].copy()
+        rows += [(s.base_ptr + so, s.item_len, d.base_ptr + do, d.item_len, n, e) for so, do, n in blocks]
+    table = np.array(rows, dtype=np.uint64).reshape(-1, 6)
+    return table[:, 0:2].copy(), table[:, 2:4].copy(), table[:, 4].copy(), table[:, 5].astype(np.int64)

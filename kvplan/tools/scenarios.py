@@ -204,6 +204,7 @@ def _side(
     comps = []
     num_slots = num_pages * ps
     for c in shape.state:
+        layers = tuple(i * shape.layers // c.entries for i in range(c.entries))  # entry i: layer i * L / n
         if c.kind is StateKind.SWA:
             swa_item = c.item_len
             if shape.attention is Attention.MHA:  # the destination rank's, heads split by TP as KV's
@@ -218,20 +219,21 @@ def _side(
                     slot_map[full_page * ps : full_page * ps + ps] = swa_pages[used] * ps + np.arange(ps)
                     used += 1
             comps.append(StateComponent(c.kind, _fake_entries(rng, c.entries, swa_item, num_pages), window=c.window,
-                                        slot_map=slot_map))
+                                        slot_map=slot_map, layers=layers))
         elif c.kind is StateKind.DSA:
-            comps.append(StateComponent(c.kind, _fake_entries(rng, c.entries, c.item_len, num_pages)))
+            comps.append(StateComponent(c.kind, _fake_entries(rng, c.entries, c.item_len, num_pages), layers=layers))
         elif c.kind is StateKind.SWA_RING:
             comps.append(StateComponent(c.kind, _fake_entries(rng, c.entries, c.item_len, rows * c.ring_size),
-                                        window=c.window, ring_size=c.ring_size))
+                                        window=c.window, ring_size=c.ring_size, layers=layers))
         elif c.tensors:  # per entry its tensor's item on this side's TP size, and its shard
             slots = rng.permutation(rows * 2)[:rows].astype(np.int64)
             items, shards = zip(*(c.tensors[i % len(c.tensors)].on(tp) for i in range(c.entries)))
             comps.append(StateComponent(c.kind, _fake_entries_of(rng, list(items), rows * 2), slot_map=slots,
-                                        shards=shards))
+                                        shards=shards, layers=layers))
         else:
             slots = rng.permutation(rows * 2)[:rows].astype(np.int64)
-            comps.append(StateComponent(c.kind, _fake_entries(rng, c.entries, c.item_len, rows * 2), slot_map=slots))
+            comps.append(StateComponent(c.kind, _fake_entries(rng, c.entries, c.item_len, rows * 2), slot_map=slots,
+                                        layers=layers))
     aux = tuple(e for size in shape.aux_items for e in _fake_entries(rng, 1, size, rows * 2))
     return SideMemory(kv, tuple(comps), aux, table), table
 

@@ -1,9 +1,15 @@
-"""Completion tracking on the receiver: a request is complete when every KV page, its aux row and
-each non-empty state component have arrived (components counted by id, not by sender).
+"""Completion tracking on the receiver: a request is complete when every KV page of every layer, its
+aux row and each non-empty state component (every layer of it) have arrived (components counted by
+id, not by sender).
+
+A section's notification may name the model-wide layers it covers (a layer group of a streamed
+send, docs/layerwise.md §3); without them it covers every layer. The tracker counts pages per KV
+layer and layers per component against this side's own layout, so a request streamed in groups is
+complete only once every group has landed.
 
 Example::
 
-    tracker = CompletionTracker()
+    tracker = CompletionTracker(side)
     tracker.expect(published.expectation(), deadline=time.monotonic() + 30)
     tracker.on_section(decode_notification(raw))    # from the engine's notifications
     tracker.check_deadlines(time.monotonic())
@@ -17,8 +23,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from ..planner.destinations import Expectation
-from ..planner.plan import AUX_ROLE, KV_ROLE, Section
+from ..planner.model import SideMemory
+from ..planner.plan import AUX_ROLE, KV_ROLE
 
 __all__ = ["CompletionTracker", "SectionNote", "decode_notification", "encode_notification"]
 
@@ -27,46 +36,76 @@ log = logging.getLogger("kvplan")
 
 @dataclass(frozen=True)
 class SectionNote:
-    """What a sender says when a section's bytes have landed."""
+    """What a sender says when a section's bytes have landed: ``layers`` is the model-wide layer
+    range ``[lo, hi)`` it covers, or ``None`` for every layer."""
 
     request: Any
     role: int
     name: str
     count: int
+    layers: tuple[int, int] | None = None
 
 
-def encode_notification(section: Section) -> bytes:
-    return json.dumps([section.request, section.role, section.name, section.count]).encode()
+def encode_notification(section: Any) -> bytes:
+    """A section's notification (a :class:`~kvplan.planner.plan.Section`, or a
+    :class:`~kvplan.planner.layer_groups.GroupSection` with its layers)."""
+    fields = [section.request, section.role, section.name, section.count]
+    layers = getattr(section, "layers", None)
+    return json.dumps(fields if layers is None else fields + list(layers)).encode()
 
 
 def decode_notification(raw: bytes) -> SectionNote:
-    request, role, name, count = json.loads(raw)
-    return SectionNote(request, int(role), str(name), int(count))
+    request, role, name, count, *layers = json.loads(raw)
+    if layers and len(layers) != 2:
+        raise ValueError(f"a section notification names {len(layers)} layer bounds, not 2")
+    return SectionNote(request, int(role), str(name), int(count),
+                       (int(layers[0]), int(layers[1])) if layers else None)
+
+
+_ALL = (None,)  # the one unit of a component that declares no layers
 
 
 @dataclass
 class _Status:
     expected: Expectation
     deadline: float
-    kv_pages: int = 0
+    kv_pages: np.ndarray  # pages landed, per KV layer of this side
+    components: dict[str, tuple] = field(default_factory=dict)  # name -> the layers it must land
+    landed: dict[str, set] = field(default_factory=dict)  # name -> the layers that have landed
     aux: bool = False
-    components: set[str] = field(default_factory=set)
     failure: str | None = None
 
     def complete(self) -> bool:
         e = self.expected
-        return (self.failure is None and self.kv_pages == e.kv_pages and self.aux == e.aux
-                and self.components == set(e.components))
+        return (self.failure is None and bool((self.kv_pages == e.kv_pages).all()) and self.aux == e.aux
+                and all(len(self.landed.get(n, ())) == len(layers) for n, layers in self.components.items()))
 
 
 class CompletionTracker:
-    """Per-request progress towards its :class:`~kvplan.planner.destinations.Expectation`."""
+    """Per-request progress towards its :class:`~kvplan.planner.destinations.Expectation`.
 
-    def __init__(self) -> None:
+    ``side``: this side's layout, whose KV layers (``KVLayout.model_layers``) and components'
+    declared layers are what a streamed request must land; without it every notification is taken
+    to cover every layer.
+    """
+
+    def __init__(self, side: SideMemory | None = None) -> None:
         self._status: dict[Any, _Status] = {}
+        self._kv_layers = np.asarray(side.kv.model_layers if side is not None else (0,), np.int64)
+        self._component_layers = {c.name: tuple(sorted(set(c.layers))) or _ALL for c in side.state} \
+            if side is not None else {}
 
     def expect(self, expectation: Expectation, deadline: float) -> None:
-        self._status[expectation.request] = _Status(expectation, deadline)
+        components = {n: self._component_layers.get(n, _ALL) for n in expectation.components}
+        self._status[expectation.request] = _Status(expectation, deadline, np.zeros(len(self._kv_layers), np.int64),
+                                                    components)
+
+    def _covered(self, layers: tuple[int, ...] | np.ndarray, note: SectionNote) -> np.ndarray:
+        """Which of ``layers`` a note covers (all of them when it names none)."""
+        if note.layers is None:
+            return np.ones(len(layers), bool)
+        ids = np.asarray([-1 if x is None else x for x in layers], np.int64)
+        return (ids >= note.layers[0]) & (ids < note.layers[1])
 
     def on_section(self, note: SectionNote) -> None:
         status = self._status.get(note.request)
@@ -76,13 +115,24 @@ class CompletionTracker:
         if status.failure is not None:
             return
         if note.role == KV_ROLE:
-            status.kv_pages += note.count
-            if status.kv_pages > status.expected.kv_pages:
-                self.fail(note.request, f"received {status.kv_pages} KV pages, expected {status.expected.kv_pages}")
+            covered = self._covered(self._kv_layers, note)
+            if not covered.any():
+                self.fail(note.request, f"received KV of layers {note.layers}, which this side does not hold")
+                return
+            status.kv_pages[covered] += note.count
+            if (status.kv_pages > status.expected.kv_pages).any():
+                self.fail(note.request, f"received {int(status.kv_pages.max())} KV pages of a layer, expected "
+                                        f"{status.expected.kv_pages}")
         elif note.role == AUX_ROLE:
             status.aux = True
-        elif note.name in status.expected.components:
-            status.components.add(note.name)
+        elif note.name in status.components:
+            layers = status.components[note.name]
+            covered = self._covered(layers, note) if layers != _ALL or note.layers is None else np.zeros(1, bool)
+            if not covered.any():
+                self.fail(note.request, f"received state component {note.name!r} for layers {note.layers}, "
+                                        "which it does not hold here")
+                return
+            status.landed.setdefault(note.name, set()).update(x for x, c in zip(layers, covered) if c)
         else:
             self.fail(note.request, f"received state component {note.name!r}, which was not expected")
 

@@ -89,7 +89,7 @@ class DecodeEndpoint:
                  staging: torch.Tensor | None = None):
         self.side, self.engine, self.staging = side, engine, staging
         self.channels = list(channels) if isinstance(channels, (list, tuple)) else [channels]
-        self.tracker = CompletionTracker()
+        self.tracker = CompletionTracker(side)
         self.guard = LandingGuard(side)
         self.failures: dict[Any, str | None] = {}
         self._owner: dict[Any, int] = {}  # request -> the channel (sender) it was published to

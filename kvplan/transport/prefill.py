@@ -49,6 +49,7 @@ from ..planner.model import Batch, Policy, SideMemory, Transfer
 from ..planner.pairing import pair_sides
 from ..planner.device import Planner
 from ..planner.isolate import plan_each
+from ..planner.layer_groups import group_sections
 from ..planner.plan import AUX_ROLE, KV_ROLE, DestinationLists, Section
 from ..planner.prepared import PreparedIndices, prepared_slots
 from .completion import encode_notification
@@ -56,6 +57,7 @@ from .control import ControlChannel, ControlTimeout
 from .decode import engine_regions
 from .engines import Engine, Handle, wait_all
 from .local import gather, plan_alignment, warm_up
+from .readiness import LayerStreaming
 from .receiver_plan import planned_run_message, receiver_can_plan
 from .registration import side_from_description
 from .waves import Wave, plan_waves, run_message, wave_note
@@ -207,8 +209,15 @@ class PrefillEndpoint:
                 p.lists.pop(r, None)
                 p.planning.discard(r)
 
-    def send(self, transfers: Sequence[Transfer], mode: str = "auto", timeout: float = 30.0) -> dict[Any, str | None]:
+    def send(self, transfers: Sequence[Transfer], mode: str = "auto", timeout: float = 30.0,
+             layers: LayerStreaming | None = None) -> dict[Any, str | None]:
         """Plan and move a batch; returns, per request, ``None`` when sent or the failure reason.
+
+        ``layers``: stream the batch while the forward pass still writes it (docs/layerwise.md). The
+        batch is planned at once; each layer group's part of it is posted as soon as
+        ``layers.readiness`` says the group is written, as direct writes whose notifications name
+        their layers (``mode`` must be ``auto`` or ``direct``). Aux, and components that declare no
+        layers, go with the last group.
 
         A batch that does not plan (bad input) is refused whole: nothing is sent, every request of
         it is reported failed to its decode endpoint, and the :class:`~kvplan.errors.PlanError` is raised.
@@ -217,6 +226,8 @@ class PrefillEndpoint:
         """
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if layers is not None and mode not in ("auto", "direct"):
+            raise ValueError(f"streaming in layer groups posts direct writes; mode {mode!r} cannot stream")
         self._times = [time.perf_counter()]  # (send, planned): the first steps of a staged trace
         transfers = tuple(transfers)
         batch = Batch(self.side, tuple(p.side for p in self.peers), transfers, self.policy)
@@ -240,6 +251,9 @@ class PrefillEndpoint:
             raise
         if not transfers:
             return dict(refused)
+        if layers is not None:
+            self.last_mode = "direct"
+            return {**self._send_layerwise(transfers, descs, sections, layers, time.monotonic() + timeout), **refused}
         return {**self._move(transfers, mode, pending, descs, per_transfer, sections, batch, timeout), **refused}
 
     def _move(self, transfers: tuple[Transfer, ...], mode: str, pending, descs: np.ndarray, per_transfer: np.ndarray,
@@ -319,7 +333,47 @@ class PrefillEndpoint:
             log.debug("posted %s of %r: %d descriptors to peer %d", s.name, s.request, s.hi - s.lo, dest)
         return self._settle(transfers, posted, deadline)
 
-    def _settle(self, transfers: Sequence[Transfer], posted: list[tuple[Handle, Section]],
+    def _send_layerwise(self, transfers: Sequence[Transfer], descs: np.ndarray, sections: Sequence[Section],
+                        layers: LayerStreaming, deadline: float) -> dict[Any, str | None]:
+        """Post each layer group's sections once the forward pass has written the group; then wait."""
+        pairings = [pair_sides(self.side, p.side) for p in self.peers]
+        per_group = group_sections(sections, pairings, self.side, [t.dest for t in transfers], layers.groups)
+        dests = sorted({t.dest for t in transfers})
+        posted: list[tuple[Handle, Any]] = []
+        unsent: dict[Any, str | None] = {}
+        for g, parts in enumerate(per_group):
+            why = self._until_ready(layers.readiness, g, posted, dests, deadline)
+            if why is not None:  # nothing of this group or later ones goes out
+                for s in (s for later in per_group[g:] for s in later):
+                    dest = transfers[s.transfer].dest
+                    self._fail(dest, unsent, [s.request], why)
+                break
+            for s in parts:
+                rows = descs[s.spans[0][0]:s.spans[0][1]] if len(s.spans) == 1 else descs[s.rows()]
+                dest = transfers[s.transfer].dest
+                posted.append((self.engine.post(self.peers[dest].name, rows, encode_notification(s)), s))
+            log.debug("posted layer group %d: %d sections", g, len(parts))
+        result = self._settle(transfers, posted, deadline)
+        for request, reason in unsent.items():
+            result[request] = result.get(request) or reason
+        return result
+
+    def _until_ready(self, readiness, group: int, posted: list[tuple[Handle, Any]], dests: Sequence[int],
+                     deadline: float) -> str | None:
+        """Wait (never sleeping; progressing what is posted) until layer group ``group`` is written;
+        the reason it never was, else ``None``."""
+        while readiness.ready() <= group:
+            if time.monotonic() > deadline:
+                return f"layer group {group} was not written before the deadline"
+            if (gone := self._any_peer_gone(dests)) is not None:
+                return gone
+            for handle, _ in posted:
+                if handle.state == "PROC":
+                    self.engine.progress(handle)
+            os.sched_yield()
+        return None
+
+    def _settle(self, transfers: Sequence[Transfer], posted: list[tuple[Handle, Any]],
                 deadline: float) -> dict[Any, str | None]:
         result: dict[Any, str | None] = {t.request: None for t in transfers}
         dests = sorted({t.dest for t in transfers})

@@ -27,10 +27,11 @@ def describe_side(side: SideMemory) -> dict[str, Any]:
     return {
         "kv": {"attention": kv.attention.value, "page_size": kv.page_size, "entries": _entries(kv.entries),
                "first_layer": kv.first_layer, "num_kv_heads": kv.num_kv_heads, "tp_size": kv.tp_size,
-               "tp_rank": kv.tp_rank},
+               "tp_rank": kv.tp_rank, "layer_ids": list(kv.layer_ids)},
         "state": [{"kind": c.kind.value, "name": c.name, "entries": _entries(c.entries), "window": c.window,
                    "page_size": c.page_size, "ring_size": c.ring_size,
-                   "shards": [[s.dim, s.outer, list(s.groups)] for s in c.shards]} for c in side.state],
+                   "shards": [[s.dim, s.outer, list(s.groups)] for s in c.shards], "layers": list(c.layers)}
+                  for c in side.state],
         "aux": _entries(side.aux),
     }
 
@@ -38,9 +39,10 @@ def describe_side(side: SideMemory) -> dict[str, Any]:
 def side_from_description(desc: dict[str, Any]) -> SideMemory:
     kv = desc["kv"]
     layout = KVLayout(Attention(kv["attention"]), kv["page_size"], _from_entries(kv["entries"]), kv["first_layer"],
-                      kv["num_kv_heads"], kv["tp_size"], kv["tp_rank"])
+                      kv["num_kv_heads"], kv["tp_size"], kv["tp_rank"], tuple(kv.get("layer_ids", ())))
     state = tuple(StateComponent(StateKind(c["kind"]), _from_entries(c["entries"]), c["window"], c["page_size"],
                                  c["ring_size"], None, c["name"],
-                                 tuple(TensorShard(int(d), int(o), tuple(g)) for d, o, g in c.get("shards", ())))
+                                 tuple(TensorShard(int(d), int(o), tuple(g)) for d, o, g in c.get("shards", ())),
+                                 tuple(c.get("layers", ())))
                   for c in desc["state"])
     return SideMemory(layout, state, _from_entries(desc["aux"]))

@@ -1,0 +1,132 @@
+"""The sender's side of streaming in layer groups (docs/layerwise.md), with an in-memory engine and
+channel: nothing of a group is posted before the forward pass has marked it, and a group that is
+never marked fails its requests at the deadline with nothing of it or later groups posted."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from kvplan.planner.destinations import PreallocatedRequest, plan_destinations
+from kvplan.planner.layer_groups import LayerGroups
+from kvplan.planner.model import Attention, Entry, KVLayout, SideMemory, StateComponent, StateKind
+from kvplan.transport.completion import CompletionTracker, decode_notification
+from kvplan.transport.prefill import Chunk, PrefillEndpoint
+from kvplan.transport.readiness import LayerReadiness, LayerStreaming
+from kvplan.transport.registration import describe_side
+from tests.planner.builders import table_with
+from tests.transport.fakes import FakeChannel, FakeEngine
+
+PAGE, PAGE_BYTES, LAYERS = 4, 256, 4
+
+
+def side(pools, rows):
+    kv = tuple(Entry(p.data_ptr(), PAGE_BYTES, 16) for p in pools[:2 * LAYERS])
+    dsa = StateComponent(StateKind.DSA, tuple(Entry(p.data_ptr(), 64, 16) for p in pools[2 * LAYERS:]),
+                         layers=(1, 3))
+    aux = (Entry(pools[0].data_ptr(), 16, 16),)
+    return SideMemory(KVLayout(Attention.MHA, PAGE, kv), (dsa,), aux, table_with(rows, PAGE, max_ctx=16))
+
+
+def pools():
+    return [torch.zeros(16 * PAGE_BYTES, dtype=torch.uint8) for _ in range(2 * LAYERS + 2)]
+
+
+class ForwardPass:
+    """Readiness that a stand-in forward pass advances by one group every ``every`` looks."""
+
+    def __init__(self, groups: int, every: int = 3, stop_at: int | None = None):
+        self.signal = LayerReadiness(groups, device="cpu")
+        self.looks, self.every, self.stop_at = 0, every, stop_at
+
+    def ready(self) -> int:
+        self.looks += 1
+        done = self.signal.ready()
+        if self.looks % self.every == 0 and done < self.signal.groups and done != self.stop_at:
+            self.signal.mark(done)
+        return self.signal.ready()
+
+
+def _pair():
+    decode_pools, prefill_pools = pools(), pools()
+    decode_side = side(decode_pools, {1: [3, 4], 2: [6, 7]})
+    mine, theirs = FakeChannel.pair()
+    engine = FakeEngine()
+    prefill = PrefillEndpoint(side(prefill_pools, {1: [5, 9], 2: [10, 11]}), engine, mine)
+    theirs.send("register", {"side": describe_side(decode_side), "staging": None}, b"meta")
+    prefill.accept(timeout=1)
+    requests = [PreallocatedRequest("r1", 1, 8, aux_index=1), PreallocatedRequest("r2", 2, 8, aux_index=2)]
+    pending = plan_destinations(decode_side, requests)
+    for r, message in zip(requests, pending.messages()):
+        theirs.send("request", {"request": r.request, "prompt_len": 8, "prefix_len": 0}, message)
+    prefill.receive_requests(2, timeout=1)
+    chunks = [prefill.transfer(Chunk(r.request, r.row, 0, 9, 8, True, r.row)) for r in requests]
+    return prefill, engine, theirs, chunks, decode_side, pending.result()
+
+
+def test_each_group_is_posted_only_after_the_forward_pass_marked_it_and_the_receiver_completes():
+    prefill, engine, decode, chunks, decode_side, published = _pair()
+    groups = LayerGroups((0, 1, 3, 4))
+    forward = ForwardPass(groups.count)
+    marked_when_posted = []
+    engine.on_post = lambda descs, note: marked_when_posted.append((forward.signal.ready(), json.loads(note)))
+    result = prefill.send(chunks, mode="auto", timeout=5, layers=LayerStreaming(groups, forward))
+    assert result == {"r1": None, "r2": None} and prefill.last_mode == "direct"
+    for ready, note in marked_when_posted:
+        lo, hi = note[4:6] if len(note) == 6 else (groups.bounds[-2], groups.bounds[-1])  # aux: the last group
+        assert hi <= groups.bounds[ready], f"{note} posted when only {ready} groups were written"
+    assert {ready for ready, _ in marked_when_posted} == {1, 2, 3}  # one posting round per group
+    tracker = CompletionTracker(decode_side)
+    for p in published:
+        tracker.expect(p.expectation(), 1e18)
+    for _, note in engine.posted:
+        tracker.on_section(decode_notification(note))
+    assert tracker.states() == {"r1": "complete", "r2": "complete"}
+    posted = np.concatenate([d for d, _ in engine.posted])
+    planned = prefill._planner(False).plan(prefill_batch(prefill, chunks)).descriptors()[0]
+    assert sorted(map(tuple, posted.tolist())) == sorted(map(tuple, planned.tolist()))  # the plan, once
+
+
+def prefill_batch(prefill, chunks):
+    from kvplan.planner.model import Batch
+
+    return Batch(prefill.side, (prefill.peer_side,), tuple(chunks))
+
+
+def test_a_group_never_written_fails_every_request_at_the_deadline_and_nothing_later_is_posted():
+    prefill, engine, decode, chunks, _, _ = _pair()
+    groups = LayerGroups((0, 2, 4))
+    result = prefill.send(chunks, mode="direct", timeout=0.3, layers=LayerStreaming(groups, ForwardPass(2, stop_at=1)))
+    assert set(result) == {"r1", "r2"}
+    assert all(r and "layer group 1 was not written" in r for r in result.values()), result
+    layers = [json.loads(note)[4:6] for _, note in engine.posted]
+    assert layers and all(len(x) == 2 and x[1] <= 2 for x in layers), layers  # group 0 only; no aux
+    failed = set()
+    while (msg := decode.try_recv()) is not None:
+        if msg[0] == "failed":
+            failed.add(msg[1]["request"])
+    assert failed == {"r1", "r2"}
+
+
+def test_streaming_refuses_modes_that_cannot_stream_and_mismatched_signals():
+    prefill, _, _, chunks, _, _ = _pair()
+    groups = LayerGroups((0, 2, 4))
+    with pytest.raises(ValueError, match="cannot stream"):
+        prefill.send(chunks, mode="staged", layers=LayerStreaming(groups, ForwardPass(2)))
+    with pytest.raises(Exception, match="counts 3 groups"):
+        LayerStreaming(groups, LayerReadiness(3, device="cpu"))
+
+
+def test_the_readiness_word_counts_marks_and_resets():
+    signal = LayerReadiness(3, device="cpu")
+    assert signal.ready() == 0
+    signal.mark(0)
+    signal.mark(2)
+    assert signal.ready() == 3
+    signal.reset()
+    assert signal.ready() == 0
+    with pytest.raises(Exception, match="outside"):
+        signal.mark(3)
