@@ -122,7 +122,14 @@ def _demo(args: argparse.Namespace) -> int:
                         fault=args.fault, repeat=args.repeat, engine_threads=args.engine_threads, staging_bytes=args.staging_mib << 20,
                         staging_slots=args.staging_slots, scatter_tables=args.scatter_tables, decode_gpu=args.decode_gpu,
                         progress_thread=args.progress_thread == "on", dst_page_size=args.dst_page_size,
-                        tp=_tp_sizes(args))
+                        tp=_tp_sizes(args), layer_groups=args.layerwise, forward_dim=args.forward_dim)
+    if config.layer_groups and config.mode not in ("auto", "direct"):
+        raise SystemExit("kvplan demo: error: --layerwise posts direct writes; use --mode auto or direct")
+    if config.layer_groups > config.layers:
+        raise SystemExit(f"kvplan demo: error: --layerwise {config.layer_groups}: more groups than the "
+                         f"{config.layers} layers")
+    if config.layer_groups and config.fault != "none":
+        raise SystemExit("kvplan demo: error: --layerwise runs without a fault drill")
     if config.mode == "prepared" and config.engine != "nixl":
         raise SystemExit("kvplan demo: error: --mode prepared needs --engine nixl (prepared lists are NIXL's)")
     if args.timeout is None:
@@ -215,6 +222,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--scatter-tables", action="store_true",
                       help="staged runs carry every descriptor's destination for the receiver to check, instead "
                            "of letting a receiver that can plan its own scatter do so (for comparison)")
+    demo.add_argument("--layerwise", type=_positive, default=0, metavar="GROUPS",
+                      help="stream the batch in this many layer groups while a stand-in forward pass writes it "
+                           "(docs/layerwise.md; direct writes)")
+    demo.add_argument("--forward-dim", type=int, default=0, metavar="DIM",
+                      help="run the stand-in forward pass, each layer a [tokens, DIM] x [DIM, DIM] matmul; without "
+                           "--layerwise the batch is sent after it ends (the non-streamed baseline)")
     demo.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                       help="where the pools live; auto picks the GPU when there is one (default: auto)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the allocation and the bytes (default: 0)")

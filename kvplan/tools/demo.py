@@ -13,6 +13,11 @@ sender dies after the first chunks of every request have been sent),
 ``dead-prefill`` (the sender dies after pairing), ``bad-registration`` (the receiver's layout
 does not pair), ``deadline`` (nothing is ever sent).
 
+``layer_groups`` streams the batch behind a stand-in forward pass (:mod:`.forward`) in that many
+layer groups; ``forward_dim`` sizes its per-layer matmul. With ``forward_dim`` alone the batch is
+sent once the pass has ended: the non-streamed baseline. Either way the report says how long the
+pass took and how long after its end the decode side had every request (the exposed transfer).
+
 Example::
 
     report = run_demo(DemoConfig(preset="gptoss-swa-p16", engine="nixl"))
@@ -37,6 +42,7 @@ from .baseline import sglang_style_descs
 from .bench import median_ms
 from ..planner import gpu
 from ..planner.destinations import PreallocatedRequest
+from ..planner.layer_groups import LayerGroups
 from ..planner.model import Batch
 from ..planner.pairing import Mode, pair_sides
 from ..planner.reference import plan_reference
@@ -44,6 +50,7 @@ from .scenarios import PRESETS, ModelShape, build_batch, materialize, paired_ran
 from ..transport.control import ControlChannel
 from ..transport.endpoints import Chunk, DecodeEndpoint, PrefillEndpoint
 from ..transport.engines import make_engine
+from .forward import StandInForward
 from .verify import AddressSpace, execute
 
 __all__ = ["DemoConfig", "DemoReport", "FAULTS", "run_demo"]
@@ -81,6 +88,13 @@ class DemoConfig:
     repeat: int = 1  # batches sent one after another (new request ids each time); timing: first and steady
     dst_page_size: int | None = None  # the decode side's KV page size, when not the preset's (docs/page_sizes.md)
     tp: tuple[int, int] | None = None  # (source, destination) attention TP sizes, when not the preset's
+    layer_groups: int = 0  # stream behind a stand-in forward pass in this many layer groups (0: no streaming)
+    forward_dim: int = 0  # the stand-in forward pass's per-layer matmul: [tokens, dim] x [dim, dim]
+
+    @property
+    def forward(self) -> bool:
+        """Whether a stand-in forward pass writes the pool before (or while) it is sent."""
+        return bool(self.layer_groups or self.forward_dim)
 
     def engine_settings(self, gpu: int = 0) -> dict[str, int]:
         settings = {"num_threads": self.engine_threads} if self.engine_threads and self.engine == "nixl" else {}
@@ -136,6 +150,8 @@ class DemoReport:
     baseline_ms: float | None = None
     transfer_s: float | None = None  # the first (cold) batch
     steady_s: float | None = None  # median of the later batches (``repeat`` > 1)
+    forward_s: float | None = None  # the stand-in forward pass (median over batches)
+    exposed_s: float | None = None  # from its end until the decode side had every request (median)
     mode_used: str | None = None  # what ``auto`` chose
     states: dict[Any, str] = field(default_factory=dict)
     failures: dict[Any, str | None] = field(default_factory=dict)
@@ -190,6 +206,10 @@ class DemoReport:
         if self.steady_s:
             lines.append(f"  steady        {self.steady_s * 1e3:.1f} ms, {self.nbytes / self.steady_s / 2**30:.3f} GiB/s "
                          f"(median of batches 2..{c.repeat})")
+        if self.forward_s is not None and self.exposed_s is not None:
+            how = f"streamed in {c.layer_groups} layer groups" if c.layer_groups else "sent after the forward pass"
+            lines.append(f"  forward       {self.forward_s * 1e3:.1f} ms (stand-in, {model.layers} layers); {how}")
+            lines.append(f"  exposed       {self.exposed_s * 1e3:.1f} ms from the end of the forward pass to decode-ready")
         if self.refused:
             lines.append(f"  pairing       refused: {self.refused}")
         done = sum(1 for s in self.states.values() if s == "complete")
@@ -262,7 +282,7 @@ def decode_process(config: DemoConfig, conn) -> None:
         endpoint.register(timeout=config.timeout + 60)  # the prefill process may still be starting
         last = {t.request: t for t in batch.transfers if t.last}
         timeout = 3.0 if config.fault in ("deadline", "dead-prefill") else config.timeout
-        states, failures = {}, {}
+        states, failures, ready = {}, {}, []
         with _Profile("decode"):
             for k in range(config.repeat):
                 tag = config.round_ids(k)
@@ -277,6 +297,7 @@ def decode_process(config: DemoConfig, conn) -> None:
                             time.sleep(0.2)  # dies once the credit of its completed request has left
                             os._exit(0)
                 states.update(endpoint.wait())
+                ready.append(time.monotonic())
                 failures.update(endpoint.failures)
                 if any(v != "complete" for v in states.values()):
                     break
@@ -288,7 +309,7 @@ def decode_process(config: DemoConfig, conn) -> None:
             expected = AddressSpace.of_tensors(dst_tensors, zero=True)
             execute(plan_reference(real).descriptors()[0], AddressSpace.of_tensors(src_tensors), expected)
             verified = expected.matches(dst_tensors)
-        conn.send(("result", states, failures, verified))
+        conn.send(("result", states, failures, verified, ready))
     except Exception:  # noqa: BLE001 - reported to the parent process
         conn.send(("error", traceback.format_exc()))
     conn.poll(60)
@@ -300,8 +321,13 @@ def prefill_process(config: DemoConfig, port: int, conn) -> None:
         _child_setup()
         device = config.resolved_device()
         batch = config.batch()
-        side, _ = materialize(batch.src, device, seed=config.seed)
+        side, src_tensors = materialize(batch.src, device, seed=config.seed)
         side = side.to(device)
+        forward = None
+        if config.forward:
+            groups = LayerGroups.even(config.model().layers, max(1, config.layer_groups))
+            tokens = sum(t.prompt_len for t in batch.transfers if t.last)
+            forward = StandInForward(side, src_tensors, groups, config.forward_dim, tokens)
         staging = torch.zeros(config.staging_bytes, dtype=torch.uint8, device=device) if config.mode == "staged" or config.mode == "auto" and device == "cuda" else None
         endpoint = PrefillEndpoint(side, make_engine(config.engine, "prefill", config.memory, **config.engine_settings()), ControlChannel(port), staging,
                                    slots=config.staging_slots, receiver_plans=not config.scatter_tables)
@@ -329,7 +355,7 @@ def prefill_process(config: DemoConfig, port: int, conn) -> None:
                    "direct" if direct else "head-sliced", kvplan_ms, baseline_ms))
         if not conn.poll(config.timeout * 2) or conn.recv() != "go":
             return
-        result, times = {}, []
+        result, times, spans = {}, [], []
         with _Profile("prefill"):
             for k in range(config.repeat):
                 tag = config.round_ids(k)
@@ -339,7 +365,7 @@ def prefill_process(config: DemoConfig, port: int, conn) -> None:
                                                   t.last, t.aux_src)) for t in batch.transfers]
                 if config.fault == "dead-prefill-mid":  # the first chunks only, then die
                     conn.send(("sent", endpoint.send([c for c in chunks if not c.last], config.mode, config.timeout), [1.0],
-                               endpoint.last_mode))
+                               endpoint.last_mode, []))
                     os._exit(0)
                 t0 = time.perf_counter()
                 if config.fault == "dead-decode-mid":  # one request lands; the rest go once the decode has died
@@ -350,6 +376,9 @@ def prefill_process(config: DemoConfig, port: int, conn) -> None:
                         endpoint.channel.wait_readable(0.05)
                     sent.update(endpoint.send([c for c in chunks if c.request != chunks[0].request], config.mode,
                                               timeout=config.timeout))
+                elif forward is not None:
+                    sent, span = _behind_forward(endpoint, forward, chunks, config)
+                    spans.append(span)
                 else:
                     sent = endpoint.send(chunks, config.mode, timeout=config.timeout)
                 times.append(time.perf_counter() - t0)
@@ -360,10 +389,23 @@ def prefill_process(config: DemoConfig, port: int, conn) -> None:
         used = endpoint.last_mode
         if used == "staged":
             used += {"planned": ", receiver-planned scatter", "table": ", destination tables sent"}[endpoint.last_announcement]
-        conn.send(("sent", result, times, used))
+        conn.send(("sent", result, times, used, spans))
     except Exception:  # noqa: BLE001
         conn.send(("error", traceback.format_exc()))
     conn.poll(60)
+
+
+def _behind_forward(endpoint: PrefillEndpoint, forward: StandInForward, chunks, config: DemoConfig
+                    ) -> tuple[dict[Any, str | None], tuple[float, float]]:
+    """Send a batch that a stand-in forward pass writes: streamed in layer groups while it runs, or
+    after it has ended. Returns the send's result and the pass's ``(started, ended)``."""
+    forward.clear()
+    forward.start()
+    if config.layer_groups:
+        sent = endpoint.send(chunks, config.mode, timeout=config.timeout, layers=forward.streaming())
+        return sent, forward.join(config.timeout)
+    span = forward.join(config.timeout)
+    return endpoint.send(chunks, config.mode, timeout=config.timeout), span
 
 
 class _Progress:
@@ -433,6 +475,7 @@ def run_demo(config: DemoConfig, progress: bool = False) -> DemoReport:
     bar = _Progress(progress)
     wait = config.timeout + 120  # process start-up, imports and interpreted kernels on a small machine
     procs = None
+    spans: list = []  # the stand-in forward passes' (started, ended)
     try:
         bar.stage("start decode")
         procs = Processes(config)
@@ -450,7 +493,8 @@ def run_demo(config: DemoConfig, progress: bool = False) -> DemoReport:
                     procs.kill_decode()
                 if config.fault != "deadline":
                     procs.prefill_conn.send("go")
-                    _, report.send_failures, times, report.mode_used = procs.recv(procs.prefill_conn, "prefill", wait)
+                    _, report.send_failures, times, report.mode_used, spans = procs.recv(procs.prefill_conn, "prefill",
+                                                                                        wait)
                     report.transfer_s = times[0]
                     report.steady_s = statistics.median(times[1:]) if len(times) > 1 else None
                     bar.stage("transfer")
@@ -463,7 +507,11 @@ def run_demo(config: DemoConfig, progress: bool = False) -> DemoReport:
         else:
             while (msg := procs.recv(procs.decode_conn, "decode", wait))[0] == "stage":
                 bar.stage(msg[1])
-            _, report.states, report.failures, report.verified = msg
+            _, report.states, report.failures, report.verified, ready = msg
+            if spans and len(ready) == len(spans):
+                later = slice(1 if len(spans) > 1 else 0, None)  # the first pass warms up, when there are more
+                report.forward_s = statistics.median(end - start for start, end in spans[later])
+                report.exposed_s = statistics.median(r - end for r, (_, end) in zip(ready[later], spans[later]))
             bar.stage("verify")
     finally:
         bar.close()

@@ -130,3 +130,14 @@ def test_the_readiness_word_counts_marks_and_resets():
     assert signal.ready() == 0
     with pytest.raises(Exception, match="outside"):
         signal.mark(3)
+
+
+def test_a_decode_that_dies_mid_stream_fails_every_request_and_nothing_later_is_posted():
+    prefill, engine, decode, chunks, _, _ = _pair()
+    gone = []
+    prefill.peers[0].channel.peer_gone = lambda: bool(gone)
+    engine.on_post = lambda descs, note: gone.append(True)  # dies as the first group's writes go out
+    groups = LayerGroups((0, 2, 4))
+    result = prefill.send(chunks, mode="direct", timeout=5, layers=LayerStreaming(groups, ForwardPass(2)))
+    assert all(r and "decode side is gone" in r for r in result.values()), result
+    assert all(json.loads(note)[5] <= 2 for _, note in engine.posted)  # group 0 only
