@@ -62,7 +62,11 @@ class ShardedTensor:
 @dataclass(frozen=True)
 class ComponentShape:
     """A state component's shape; with ``tensors`` (Mamba), entry ``i`` is ``tensors[i % len]`` and
-    its item follows each side's TP size (``item_len`` is then unused)."""
+    its item follows each side's TP size (``item_len`` is then unused).
+
+    Its entries' layers (for streaming in layer groups) spread over the model's: ``parts`` part-major
+    halves (SWA's ``K_0.., V_0..``) or, with ``tensors``, one run of tensors per layer.
+    """
 
     kind: StateKind
     entries: int
@@ -70,6 +74,14 @@ class ComponentShape:
     window: int = 0
     ring_size: int = 0
     tensors: tuple[ShardedTensor, ...] = ()
+    parts: int = 1
+
+    def layers(self, model_layers: int) -> tuple[int, ...]:
+        """The model-wide layer of each entry, spread evenly over ``model_layers`` layers."""
+        per_layer = len(self.tensors) or 1
+        parts = self.parts if self.entries % self.parts == 0 else 1
+        own = max(1, self.entries // (per_layer * parts))  # this component's layers
+        return tuple(((i // per_layer) % own) * model_layers // own for i in range(self.entries))
 
 
 @dataclass(frozen=True)
@@ -127,7 +139,7 @@ PRESETS: dict[str, ModelShape] = {
         ),
         ModelShape(
             "gptoss-swa-p16", Attention.MHA, 18, 8 * 64 * 2, 16, num_kv_heads=8,
-            state=(ComponentShape(StateKind.SWA, 36, 16 * 8 * 64 * 2, window=128),),
+            state=(ComponentShape(StateKind.SWA, 36, 16 * 8 * 64 * 2, window=128, parts=2),),
         ),
         ModelShape(
             "qwen3next-mamba-p64", Attention.MHA, 12, 2 * 256 * 2, 64, num_kv_heads=2,
@@ -204,7 +216,7 @@ def _side(
     comps = []
     num_slots = num_pages * ps
     for c in shape.state:
-        layers = tuple(i * shape.layers // c.entries for i in range(c.entries))  # entry i: layer i * L / n
+        layers = c.layers(shape.layers)
         if c.kind is StateKind.SWA:
             swa_item = c.item_len
             if shape.attention is Attention.MHA:  # the destination rank's, heads split by TP as KV's

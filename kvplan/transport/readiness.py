@@ -1,10 +1,10 @@
 """How far the forward pass has written, as the sender sees it: a word in pinned host memory.
 
 The forward pass calls :meth:`LayerReadiness.mark` after the kernels that write layer group ``g``.
-That enqueues, on the forward pass's stream, a 4-byte device-to-host copy of the constant ``g + 1``
-into a pinned word: it runs after those kernels (stream order), costs the caller no host sync,
-and is captured by a CUDA graph like any other copy (the constants live in a device tensor made
-once, so a replay copies the same values). The sender reads :meth:`ready` without touching CUDA:
+That enqueues, on the forward pass's stream, a 4-byte copy of the constant ``g + 1`` into a pinned
+host word (as the device maps it): it runs after those kernels (stream order), costs the caller no
+host sync, and is captured by a CUDA graph like any other copy (the constants live in a device
+tensor made once, so a replay copies the same values). The sender reads :meth:`ready` without touching CUDA:
 a load from pinned memory. docs/layerwise.md §2 says what it costs the forward pass.
 
 Example::
@@ -36,23 +36,41 @@ class Readiness(Protocol):
     def ready(self) -> int: ...
 
 
-class LayerReadiness:
-    """A counter of layer groups written, set on the device's stream and read on the host."""
+class _Mapped:
+    """A pinned host word as the device addresses it (unified addressing: the same pointer)."""
 
-    def __init__(self, groups: int, device: str | torch.device = "cuda"):
+    def __init__(self, word: torch.Tensor):
+        self.__cuda_array_interface__ = {"shape": (1,), "typestr": "<i4", "data": (word.data_ptr(), False),
+                                         "version": 3}
+
+
+class LayerReadiness:
+    """A counter of layer groups written, set on the device's stream and read on the host.
+
+    ``via``: how a mark reaches the word: ``"mapped"`` (the default on a GPU) is a device-to-device
+    copy into the pinned word as the device maps it; ``"copy"`` a device-to-host copy into it.
+    """
+
+    def __init__(self, groups: int, device: str | torch.device = "cuda", via: str = "mapped"):
         if groups < 1:
             raise LayoutError(f"a readiness signal needs at least one group, got {groups}")
+        if via not in ("mapped", "copy"):
+            raise ValueError(f"via must be 'mapped' or 'copy', got {via!r}")
         self.groups = groups
         self.device = torch.device(device)
         self._marks = torch.arange(1, groups + 1, dtype=torch.int32, device=self.device)
-        self._word = torch.zeros(1, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        cuda = self.device.type == "cuda"
+        self._word = torch.zeros(1, dtype=torch.int32, pin_memory=cuda)
         self._view = self._word.numpy()
+        self._target = self._word
+        if cuda and via == "mapped":
+            self._target = torch.as_tensor(_Mapped(self._word), device=self.device)
 
     def mark(self, group: int) -> None:
         """Say, on the current stream, that every group up to ``group`` is written."""
         if not 0 <= group < self.groups:
             raise LayoutError(f"layer group {group} is outside the {self.groups} groups")
-        self._word.copy_(self._marks[group : group + 1], non_blocking=True)
+        self._target.copy_(self._marks[group : group + 1], non_blocking=True)
 
     def ready(self) -> int:
         """How many groups are written (a read of pinned memory; never syncs)."""

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Streaming in layer groups on one GPU (issue 15): the layer-group and transport tests compiled for
+# the card, then benchmarks/layerwise.py (what the readiness signal costs the forward pass; time to
+# decode-ready with and without streaming) through the engine whose wheels are carried
+# (ENGINE=nixl: .whl; ENGINE=mooncake: .whl-mc). TESTS=0 skips the tests.
+# Usage on the GPU machine:  OUT=/some/dir ENGINE=nixl bash benchmarks/gpu_layerwise.sh
+set -uo pipefail
+ENGINE=${ENGINE:-nixl}
+WHEELS=$([ "$ENGINE" = mooncake ] && echo .whl-mc || echo .whl)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
+  || exit 1
+export PYTHONPATH=.:/tmp/site TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 UCX_NET_DEVICES=lo NIXL_LOG_LEVEL=WARN
+export MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER=65535 MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER=65535
+OUT=${OUT:-/tmp/kvplan-gpu}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/card.txt"
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/card.txt"
+if [ "${TESTS:-1}" = 1 ]; then
+  KVPLAN_TEST_ENGINES=$ENGINE timeout 300 python3 -m pytest -q -p no:cacheprovider tests/planner/test_layer_groups.py \
+    tests/transport/test_layerwise.py tests/transport/test_handoff.py -k "layer" 2>&1 | tee "$OUT/tests.log" | tail -8
+fi
+timeout "${BENCH_S:-420}" python3 benchmarks/layerwise.py --out "$OUT" --engine "$ENGINE" ${SKIP_SIGNAL:+--skip-signal} \
+  2>&1 | tee "$OUT/layerwise.log" | grep -v "^\s*$" | tail -40
+echo "\$ kvplan demo --preset llama70b-tp8-p64 --layers 80 --requests 1 --prompt-len 8192 --chunks 1 --forward-dim 10240 --layerwise 8 --mode direct" | tee "$OUT/demo.txt"
+timeout 120 python3 -m kvplan demo --no-progress --engine "$ENGINE" --preset llama70b-tp8-p64 --layers 80 --requests 1 \
+  --prompt-len 8192 --chunks 1 --forward-dim 10240 --layerwise 8 --mode direct 2>&1 | tee -a "$OUT/demo.txt"
