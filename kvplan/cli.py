@@ -123,8 +123,9 @@ def _demo(args: argparse.Namespace) -> int:
                         staging_slots=args.staging_slots, scatter_tables=args.scatter_tables, decode_gpu=args.decode_gpu,
                         progress_thread=args.progress_thread == "on", dst_page_size=args.dst_page_size,
                         tp=_tp_sizes(args), layer_groups=args.layerwise, forward_dim=args.forward_dim)
-    if config.layer_groups and config.mode not in ("auto", "direct"):
-        raise SystemExit("kvplan demo: error: --layerwise posts direct writes; use --mode auto or direct")
+    if config.layer_groups and config.mode == "prepared":
+        raise SystemExit("kvplan demo: error: --layerwise cannot stream through prepared lists; use --mode auto, "
+                         "direct or staged")
     if config.layer_groups > config.layers:
         raise SystemExit(f"kvplan demo: error: --layerwise {config.layer_groups}: more groups than the "
                          f"{config.layers} layers")
@@ -224,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "of letting a receiver that can plan its own scatter do so (for comparison)")
     demo.add_argument("--layerwise", type=_positive, default=0, metavar="GROUPS",
                       help="stream the batch in this many layer groups while a stand-in forward pass writes it "
-                           "(docs/layerwise.md; direct writes)")
+                           "(docs/layerwise.md)")
     demo.add_argument("--forward-dim", type=int, default=0, metavar="DIM",
                       help="run the stand-in forward pass, each layer a [tokens, DIM] x [DIM, DIM] matmul; without "
                            "--layerwise the batch is sent after it ends (the non-streamed baseline)")

@@ -399,7 +399,9 @@ class Planner:
         graph = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(stream)
-        with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
+        # thread-local: a forward pass that other threads run meanwhile (streaming in layer groups,
+        # docs/layerwise.md) must not invalidate the capture, nor the capture stall it
+        with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
             self._launch(slot.buffers)
         stream.wait_stream(side)
         slot.graph = graph

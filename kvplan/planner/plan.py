@@ -98,7 +98,9 @@ class Section:
     """A contiguous range of a plan's descriptors that the receiver tracks as one unit.
 
     ``role`` is -1 (KV), -2 (aux) or a component index; ``count`` is the number of destination
-    pages for KV and 1 otherwise; ``lo``/``hi`` index :meth:`Plan.descriptors`.
+    pages for KV and 1 otherwise; ``lo``/``hi`` index :meth:`Plan.descriptors`. ``layers``: the
+    model-wide layers ``[lo, hi)`` it covers when it is one layer group's part (docs/layerwise.md),
+    ``None`` for every layer.
     """
 
     transfer: int
@@ -108,6 +110,7 @@ class Section:
     lo: int
     hi: int
     count: int
+    layers: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)

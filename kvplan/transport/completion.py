@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -29,7 +29,7 @@ from ..planner.destinations import Expectation
 from ..planner.model import SideMemory
 from ..planner.plan import AUX_ROLE, KV_ROLE
 
-__all__ = ["CompletionTracker", "SectionNote", "decode_notification", "encode_notification"]
+__all__ = ["CompletionTracker", "SectionNote", "decode_notification", "encode_notification", "note_fields", "note_of"]
 
 log = logging.getLogger("kvplan")
 
@@ -46,20 +46,30 @@ class SectionNote:
     layers: tuple[int, int] | None = None
 
 
+def note_fields(section: Any) -> list:
+    """What the receiver is told of a section (a :class:`~kvplan.planner.plan.Section` or a
+    :class:`~kvplan.planner.layer_groups.GroupSection`): request, role, name, count, and the layer
+    bounds when it covers some layers only."""
+    fields = [section.request, int(section.role), section.name, int(section.count)]
+    return fields if section.layers is None else fields + [int(x) for x in section.layers]
+
+
+def note_of(fields: Sequence[Any]) -> SectionNote:
+    """The :class:`SectionNote` of :func:`note_fields` as they arrived (``ValueError`` if malformed)."""
+    request, role, name, count, *layers = fields
+    if layers and len(layers) != 2:
+        raise ValueError(f"a section names {len(layers)} layer bounds, not 2")
+    return SectionNote(request, int(role), str(name), int(count),
+                       (int(layers[0]), int(layers[1])) if layers else None)
+
+
 def encode_notification(section: Any) -> bytes:
-    """A section's notification (a :class:`~kvplan.planner.plan.Section`, or a
-    :class:`~kvplan.planner.layer_groups.GroupSection` with its layers)."""
-    fields = [section.request, section.role, section.name, section.count]
-    layers = getattr(section, "layers", None)
-    return json.dumps(fields if layers is None else fields + list(layers)).encode()
+    """A section's engine notification (direct and prepared writes)."""
+    return json.dumps(note_fields(section)).encode()
 
 
 def decode_notification(raw: bytes) -> SectionNote:
-    request, role, name, count, *layers = json.loads(raw)
-    if layers and len(layers) != 2:
-        raise ValueError(f"a section notification names {len(layers)} layer bounds, not 2")
-    return SectionNote(request, int(role), str(name), int(count),
-                       (int(layers[0]), int(layers[1])) if layers else None)
+    return note_of(json.loads(raw))
 
 
 _ALL = (None,)  # the one unit of a component that declares no layers

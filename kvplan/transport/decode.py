@@ -33,7 +33,7 @@ from ..errors import PeerError
 from ..planner.destinations import PreallocatedRequest, PublishedRequest, plan_destinations
 from ..planner.device import Planner
 from ..planner.model import Batch, SideMemory
-from .completion import CompletionTracker, SectionNote, decode_notification
+from .completion import CompletionTracker, SectionNote, decode_notification, note_of
 from .control import ControlChannel, ControlTimeout
 from .engines import Engine
 from .landing import LandingGuard
@@ -101,7 +101,9 @@ class DecodeEndpoint:
         self._planner: Planner | None = None  # plans planned runs' scatters (this side to itself)
         self._alignment = plan_alignment(Batch(side, (side,), ()))  # caps a planned run's announced alignment
         self.trace: list[tuple[str, str, float]] | None = [] if os.environ.get("KVPLAN_TRACE") else None
-        self._stream = torch.cuda.Stream(staging.device) if staging is not None and staging.is_cuda else None
+        # high priority: a scatter is short and the request waits on it; it must not queue behind a forward pass
+        self._stream = torch.cuda.Stream(staging.device, priority=-1) if staging is not None and staging.is_cuda \
+            else None
         self._share = (staging.numel() // len(self.channels)) // 256 * 256 if staging is not None else 0
         self.engine.register(engine_regions(side) + ([(staging.data_ptr(), staging.numel())] if staging is not None else []))
         if staging is not None:
@@ -245,8 +247,7 @@ class DecodeEndpoint:
         waves: list = []
         try:
             sender = str(header["from"])
-            waves = [[int(i), int(slot_lo), int(lo), int(hi), int(n), [SectionNote(r, int(role), str(name), int(c))
-                                                                      for r, role, name, c in notes]]
+            waves = [[int(i), int(slot_lo), int(lo), int(hi), int(n), [note_of(fields) for fields in notes]]
                      for i, slot_lo, lo, hi, n, notes in header["waves"]]
             if waves:
                 self._mark(wave_key(waves[0][0], sender), "received")

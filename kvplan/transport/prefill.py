@@ -124,7 +124,10 @@ class PrefillEndpoint:
         self.engine.register(engine_regions(side) + ([(staging.data_ptr(), staging.numel())] if staging is not None else []))
         if staging is not None:
             warm_up(staging)
-        self._stream = torch.cuda.Stream(staging.device) if staging is not None and staging.is_cuda else None
+        # high priority: a wave's gather is short and holds up its write; it must not queue behind the forward
+        # pass that streaming in layer groups overlaps (docs/layerwise.md)
+        self._stream = torch.cuda.Stream(staging.device, priority=-1) if staging is not None and staging.is_cuda \
+            else None
         self._next_wave = 0
         self.id = uuid.uuid4().hex[:12]  # names this sender's waves on receivers that have several senders
         self.last_mode: str | None = None  # the mode the last send used (what ``auto`` chose)
@@ -214,10 +217,11 @@ class PrefillEndpoint:
         """Plan and move a batch; returns, per request, ``None`` when sent or the failure reason.
 
         ``layers``: stream the batch while the forward pass still writes it (docs/layerwise.md). The
-        batch is planned at once; each layer group's part of it is posted as soon as
-        ``layers.readiness`` says the group is written, as direct writes whose notifications name
-        their layers (``mode`` must be ``auto`` or ``direct``). Aux, and components that declare no
-        layers, go with the last group.
+        batch is planned at once; each layer group's part of it goes as soon as ``layers.readiness``
+        says the group is written: as direct writes, or as a staged run with destination tables
+        (``auto`` chooses for the whole batch as it does without streaming; ``prepared`` cannot
+        stream). Its sections name their layers. Aux, and components that declare no layers, go
+        with the last group.
 
         A batch that does not plan (bad input) is refused whole: nothing is sent, every request of
         it is reported failed to its decode endpoint, and the :class:`~kvplan.errors.PlanError` is raised.
@@ -226,8 +230,8 @@ class PrefillEndpoint:
         """
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-        if layers is not None and mode not in ("auto", "direct"):
-            raise ValueError(f"streaming in layer groups posts direct writes; mode {mode!r} cannot stream")
+        if layers is not None and mode == "prepared":
+            raise ValueError("prepared lists cannot stream in layer groups; use direct, staged or auto")
         self._times = [time.perf_counter()]  # (send, planned): the first steps of a staged trace
         transfers = tuple(transfers)
         batch = Batch(self.side, tuple(p.side for p in self.peers), transfers, self.policy)
@@ -252,8 +256,10 @@ class PrefillEndpoint:
         if not transfers:
             return dict(refused)
         if layers is not None:
-            self.last_mode = "direct"
-            return {**self._send_layerwise(transfers, descs, sections, layers, time.monotonic() + timeout), **refused}
+            staged = mode == "staged" or mode == "auto" and self._auto_mode(descs) == "staged"
+            moved = self._send_layerwise(transfers, descs, sections, layers, time.monotonic() + timeout,
+                                         (pending.device_descriptors(), plan_alignment(batch)) if staged else None)
+            return {**moved, **refused}
         return {**self._move(transfers, mode, pending, descs, per_transfer, sections, batch, timeout), **refused}
 
     def _move(self, transfers: tuple[Transfer, ...], mode: str, pending, descs: np.ndarray, per_transfer: np.ndarray,
@@ -334,29 +340,67 @@ class PrefillEndpoint:
         return self._settle(transfers, posted, deadline)
 
     def _send_layerwise(self, transfers: Sequence[Transfer], descs: np.ndarray, sections: Sequence[Section],
-                        layers: LayerStreaming, deadline: float) -> dict[Any, str | None]:
-        """Post each layer group's sections once the forward pass has written the group; then wait."""
+                        layers: LayerStreaming, deadline: float,
+                        staged: tuple[torch.Tensor, int] | None) -> dict[Any, str | None]:
+        """Move each layer group's sections once the forward pass has written the group: posted as
+        direct writes (waited for together at the end), or, with ``staged`` (the batch's device
+        descriptors and alignment), as one staged run per group and peer."""
         pairings = [pair_sides(self.side, p.side) for p in self.peers]
         per_group = group_sections(sections, pairings, self.side, [t.dest for t in transfers], layers.groups)
         dests = sorted({t.dest for t in transfers})
+        self.last_mode, self.last_announcement = ("staged", "table") if staged else ("direct", None)
         posted: list[tuple[Handle, Any]] = []
-        unsent: dict[Any, str | None] = {}
+        failed: dict[Any, str | None] = {}
+        trace = [] if os.environ.get("KVPLAN_TRACE") else None
         for g, parts in enumerate(per_group):
             why = self._until_ready(layers.readiness, g, posted, dests, deadline)
+            if trace is not None:
+                trace.append((g, "ready", time.perf_counter()))
             if why is not None:  # nothing of this group or later ones goes out
                 for s in (s for later in per_group[g:] for s in later):
-                    dest = transfers[s.transfer].dest
-                    self._fail(dest, unsent, [s.request], why)
+                    self._fail(transfers[s.transfer].dest, failed, [s.request], why)
                 break
-            for s in parts:
-                rows = descs[s.spans[0][0]:s.spans[0][1]] if len(s.spans) == 1 else descs[s.rows()]
-                dest = transfers[s.transfer].dest
-                posted.append((self.engine.post(self.peers[dest].name, rows, encode_notification(s)), s))
-            log.debug("posted layer group %d: %d sections", g, len(parts))
+            if staged is not None:
+                for dest in dests:
+                    mine = [s for s in parts if transfers[s.transfer].dest == dest]
+                    if mine:
+                        run = self._group_run(transfers, dest, mine, descs, *staged)
+                        for request, reason in self._send_staged(dest, run, staged[1], deadline).items():
+                            failed[request] = failed.get(request) or reason
+            else:
+                for s in parts:
+                    rows = descs[s.spans[0][0]:s.spans[0][1]] if len(s.spans) == 1 else descs[s.rows()]
+                    dest = transfers[s.transfer].dest
+                    posted.append((self.engine.post(self.peers[dest].name, rows, encode_notification(s)), s))
+            if trace is not None:
+                trace.append((g, "sent", time.perf_counter()))
         result = self._settle(transfers, posted, deadline)
-        for request, reason in unsent.items():
+        if trace is not None:
+            trace.append((len(per_group), "settled", time.perf_counter()))
+            log.warning("layer groups (group, step, clock ms): %s", [(g, k, round(t * 1e3, 3)) for g, k, t in trace])
+        for request, reason in failed.items():
             result[request] = result.get(request) or reason
         return result
+
+    @staticmethod
+    def _group_run(transfers: Sequence[Transfer], dest: int, parts: Sequence[Any], descs: np.ndarray,
+                   device_descs: torch.Tensor, alignment: int) -> "_Batch":
+        """One layer group's share for peer ``dest`` as a staged batch: its parts' descriptors back to
+        back (transfer by transfer), each part one section over them, announced with tables."""
+        mine = [k for k, t in enumerate(transfers) if t.dest == dest]
+        local = {k: i for i, k in enumerate(mine)}
+        rows = np.concatenate([p.rows() for p in parts])
+        counts = np.zeros(len(mine), np.int64)
+        group_sections_, at = [], 0
+        for p in parts:
+            group_sections_.append(Section(local[p.transfer], p.request, p.role, p.name, at, at + p.num_descs, p.count,
+                                           p.layers))
+            counts[local[p.transfer]] += p.num_descs
+            at += p.num_descs
+        per_transfer = np.concatenate([[0], np.cumsum(counts)])
+        index = torch.from_numpy(rows).to(device_descs.device, non_blocking=True)
+        return _Batch([transfers[k] for k in mine], descs[rows], per_transfer, group_sections_,
+                      device_descs.index_select(0, index), plannable=False)
 
     def _until_ready(self, readiness, group: int, posted: list[tuple[Handle, Any]], dests: Sequence[int],
                      deadline: float) -> str | None:
@@ -431,6 +475,7 @@ class _Batch:
     per_transfer: np.ndarray  # [T + 1] descriptor offsets
     sections: list[Section]
     device_descs: torch.Tensor  # the same descriptors on the device (what the gathers read)
+    plannable: bool = True  # False: a part of a plan (a layer group) the receiver cannot plan itself
 
 
 def split_descriptors(descs: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray]:
@@ -461,7 +506,7 @@ class _StagedRun:
         capacity = min(ep.staging.numel(), self.peer.staging[1])
         self.slots = max(1, min(ep.slots, capacity // max(alignment, 1)))
         self.slot_bytes = (capacity // self.slots) // alignment * alignment
-        self.transfers = batch.transfers
+        self.transfers, self.plannable = batch.transfers, batch.plannable
         self.descs, first = split_descriptors(batch.descs, self.slot_bytes)
         device_descs = batch.device_descs
         if len(self.descs) != len(batch.descs):  # a descriptor larger than a slot goes in pieces
@@ -499,7 +544,8 @@ class _StagedRun:
         ep = self.ep
         waves = plan_waves(self.descs[:, 2], self.sections, self.slot_bytes, self.slots)
         ep._next_wave += len(waves)
-        if ep.receiver_plans and self.peer.plannable and all(t.request in self.peer.planning for t in self.transfers):
+        if ep.receiver_plans and self.peer.plannable and self.plannable and \
+                all(t.request in self.peer.planning for t in self.transfers):
             kind, header = "staged-plan", planned_run_message(ep.id, self.base_id, waves, self.slot_bytes,
                                                               self.alignment, self.transfers, self.host_starts)
             frames: tuple[bytes, ...] = ()

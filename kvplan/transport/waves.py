@@ -31,6 +31,7 @@ import numpy as np
 
 from ..errors import PeerError
 from ..planner.plan import Section
+from .completion import note_fields
 
 __all__ = ["Wave", "check_run", "decode_wave_note", "plan_waves", "run_message", "wave_key", "wave_note"]
 
@@ -107,7 +108,7 @@ def run_message(sender: str, base_id: int, waves: Sequence[Wave], slot_bytes: in
         "from": sender, "alignment": alignment,
         "requests": [[r, int(lo), int(hi)] for r, lo, hi in spans],
         "waves": [[base_id + w.index, w.slot * slot_bytes, w.lo, w.hi, w.nbytes,
-                   [[s.request, int(s.role), s.name, s.count] for s in w.sections if live(s.request)]] for w in waves],
+                   [note_fields(s) for s in w.sections if live(s.request)]] for w in waves],
     }
     return header, np.ascontiguousarray(descs[:, 1:], dtype=np.uint64).tobytes()
 

@@ -111,11 +111,11 @@ def test_a_group_never_written_fails_every_request_at_the_deadline_and_nothing_l
     assert failed == {"r1", "r2"}
 
 
-def test_streaming_refuses_modes_that_cannot_stream_and_mismatched_signals():
+def test_streaming_refuses_prepared_lists_and_mismatched_signals():
     prefill, _, _, chunks, _, _ = _pair()
     groups = LayerGroups((0, 2, 4))
     with pytest.raises(ValueError, match="cannot stream"):
-        prefill.send(chunks, mode="staged", layers=LayerStreaming(groups, ForwardPass(2)))
+        prefill.send(chunks, mode="prepared", layers=LayerStreaming(groups, ForwardPass(2)))
     with pytest.raises(Exception, match="counts 3 groups"):
         LayerStreaming(groups, LayerReadiness(3, device="cpu"))
 
