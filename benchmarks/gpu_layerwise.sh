@@ -16,10 +16,14 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/car
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/card.txt"
 if [ "${TESTS:-1}" = 1 ]; then
   KVPLAN_TEST_ENGINES=$ENGINE timeout 300 python3 -m pytest -q -p no:cacheprovider tests/planner/test_layer_groups.py \
-    tests/transport/test_handoff.py -k "layer" 2>&1 | tee "$OUT/tests.log" | tail -8
+    tests/transport/test_handoff.py -k "${TEST_K:-layer}" 2>&1 | tee "$OUT/tests.log" | tail -8
 fi
 timeout "${BENCH_S:-420}" python3 benchmarks/layerwise.py --out "$OUT" --engine "$ENGINE" ${SKIP_SIGNAL:+--skip-signal} \
   2>&1 | tee "$OUT/layerwise.log" | grep -v "^\s*$" | tail -40
-echo "\$ kvplan demo --preset llama70b-tp8-p64 --layers 80 --requests 1 --prompt-len 8192 --chunks 1 --forward-dim 10240 --layerwise 8 --mode direct" | tee "$OUT/demo.txt"
-timeout 120 python3 -m kvplan demo --no-progress --engine "$ENGINE" --preset llama70b-tp8-p64 --layers 80 --requests 1 \
-  --prompt-len 8192 --chunks 1 --forward-dim 10240 --layerwise 8 --mode direct 2>&1 | tee -a "$OUT/demo.txt"
+for args in "--preset llama70b-tp8-p64 --layers 80 --forward-dim 10240 --layerwise 8 --mode staged" \
+            "--preset gptoss-swa-p16 --layers 18 --mode staged" "--preset gptoss-swa-p16 --layers 18 --mode staged --scatter-tables"; do
+  echo "\$ KVPLAN_TRACE=1 kvplan demo --engine $ENGINE --requests 1 --prompt-len 8192 --chunks 1 --timeout 30 $args" | tee -a "$OUT/demo.txt"
+  KVPLAN_TRACE=1 timeout 100 python3 -m kvplan demo --no-progress --engine "$ENGINE" --requests 1 --prompt-len 8192 --chunks 1 \
+    --timeout 30 $args > "$OUT/demo-cur.txt" 2>&1
+  echo "exit $?" >> "$OUT/demo-cur.txt"; cat "$OUT/demo-cur.txt" >> "$OUT/demo.txt"; grep -v "waves (wave\|groups (group" "$OUT/demo-cur.txt"
+done
