@@ -59,8 +59,11 @@ def signal_cost(preset: str, dim: int, groups: int) -> dict:
     without = StandInForward(side, tensors, group_of, dim, TOKENS, marks=False)
     with_marks.run(), without.run()
     torch.cuda.synchronize()
-    plain = _stream_ms(without.run, 5)
-    marked = _stream_ms(with_marks.run, 5)
+    plain_runs, marked_runs = [], []
+    for _ in range(7):  # interleaved, so that drift hits both alike
+        plain_runs.append(_stream_ms(without.run, 1))
+        marked_runs.append(_stream_ms(with_marks.run, 1))
+    plain, marked = statistics.median(plain_runs), statistics.median(marked_runs)
     signal = with_marks.readiness
     marks_alone = _stream_ms(lambda: [signal.mark(g % signal.groups) for g in range(1000)], 5) / 1000
     # a CUDA graph of the whole pass, marks included: each replay must count every group again
@@ -87,6 +90,7 @@ def signal_cost(preset: str, dim: int, groups: int) -> dict:
         graph_note = f"capture failed: {type(err).__name__}: {err}"
     return {"preset": preset, "dim": dim, "groups": groups, "forward_ms": plain, "forward_marked_ms": marked,
             "per_mark_us": (marked - plain) * 1e3 / groups, "marks_alone_us": marks_alone * 1e3,
+            "forward_range_ms": [min(plain_runs), max(plain_runs)], "marked_range_ms": [min(marked_runs), max(marked_runs)],
             "graph_ok": graph_ok, "graph": graph_note}
 
 

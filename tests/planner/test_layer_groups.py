@@ -173,3 +173,19 @@ def test_sides_must_agree_on_layers():
         KVLayout("mha", 1, entries(0, 4, 64), layer_ids=(7, 3))
     sparse = mha_side(0, layer_ids=(3, 7))
     assert sparse.kv.model_layers == (3, 7) and mha_side(0, layers=2, first_layer=2).kv.model_layers == (2, 3)
+
+
+def test_golden_split_of_docs_layerwise_section_1():
+    """docs/layerwise.md §1: MHA over 4 layers (K_0..K_3, V_0..V_3, two runs each), a DSA component
+    of layers 1 and 2 (two runs each), aux; groups [0, 1), [1, 3), [3, 4)."""
+    from kvplan.planner.plan import Section
+
+    src = mha_side(0, layers=4, state=[StateComponent(StateKind.DSA, entries(1 << 40, 2, 64), layers=(1, 2))])
+    dst = mha_side(1 << 50, layers=4, state=[StateComponent(StateKind.DSA, entries(1 << 41, 2, 64), layers=(1, 2))])
+    sections = [Section(0, "r", -1, "kv", 0, 16, 5), Section(0, "r", 0, "dsa", 16, 20, 1),
+                Section(0, "r", -2, "aux", 20, 21, 1)]
+    split = group_sections(sections, [pair_sides(src, dst)], src, [0], LayerGroups((0, 1, 3, 4)))
+    got = [[(p.name, p.layers, p.spans) for p in parts] for parts in split]
+    assert got == [[("kv", (0, 1), ((0, 2), (8, 10)))],
+                   [("kv", (1, 3), ((2, 6), (10, 14))), ("dsa", (1, 3), ((16, 20),))],
+                   [("kv", (3, 4), ((6, 8), (14, 16))), ("aux", None, ((20, 21),))]]
