@@ -10,18 +10,41 @@ import numpy as np
 import torch
 
 PAGE, PAGES, TOKEN_BYTES, LAYERS, AUX_ROWS, AUX_BYTES = 4, 32, 64, 2, 16, 32
+MAMBA_ITEMS, MAMBA_SLOTS = (96, 256), 8  # a conv and a temporal tensor per slot (``state=True``)
 # (room, prompt tokens, decode prefix, chunks)
 REQUESTS = ((100, 37, 0, 1), (101, 50, 8, 2), (102, 9, 0, 1))
+
+
+def _buffer(rng, size: int, filled: bool) -> torch.Tensor:
+    return torch.from_numpy(rng.integers(0, 256, size, dtype=np.uint8) if filled else np.zeros(size, np.uint8))
 
 
 def pools(seed: int | None):
     """KV (K and V per layer) and one aux buffer; filled from ``seed`` (the source), else zero."""
     rng = np.random.default_rng(seed)
-    kv = [torch.from_numpy(rng.integers(0, 256, PAGES * PAGE * TOKEN_BYTES, dtype=np.uint8) if seed is not None
-                           else np.zeros(PAGES * PAGE * TOKEN_BYTES, np.uint8)) for _ in range(2 * LAYERS)]
-    aux = torch.from_numpy(rng.integers(0, 256, AUX_ROWS * AUX_BYTES, dtype=np.uint8) if seed is not None
-                           else np.zeros(AUX_ROWS * AUX_BYTES, np.uint8))
-    return kv, aux
+    kv = [_buffer(rng, PAGES * PAGE * TOKEN_BYTES, seed is not None) for _ in range(2 * LAYERS)]
+    return kv, _buffer(rng, AUX_ROWS * AUX_BYTES, seed is not None)
+
+
+def mamba_pool(seed: int | None):
+    """A Mamba component's tensors (``MAMBA_SLOTS`` slots each), filled from ``seed`` or zero."""
+    rng = np.random.default_rng(None if seed is None else seed + 1)
+    return [_buffer(rng, MAMBA_SLOTS * item, seed is not None) for item in MAMBA_ITEMS]
+
+
+def with_mamba(args, mamba):
+    """``KVArgs`` that also register a Mamba component, as SGLang's multi-component form does."""
+    args.state_types = ["mamba"]
+    args.state_data_ptrs = [[t.data_ptr() for t in mamba]]
+    args.state_data_lens = [[t.numel() for t in mamba]]
+    args.state_item_lens = [list(MAMBA_ITEMS)]
+    return args
+
+
+def mamba_slots(room: int) -> tuple[int, int]:
+    """A request's Mamba slot on the prefill and on the decode side."""
+    k = [r for r, *_ in REQUESTS].index(room)
+    return 1 + k, MAMBA_SLOTS - 1 - k
 
 
 def kv_args_of(base_module, kv, aux):
@@ -49,7 +72,7 @@ def page_lists(seed: int):
     return out
 
 
-def run_prefill(engine: str, port: int, seed: int, results, deadline_s: float) -> None:
+def run_prefill(engine: str, port: int, seed: int, results, deadline_s: float, state: bool = False) -> None:
     from tests.sglang_real import sglang_module
 
     base = sglang_module("srt.disaggregation.base.conn")
@@ -59,7 +82,9 @@ def run_prefill(engine: str, port: int, seed: int, results, deadline_s: float) -
     kv, aux = pools(seed)
     server_args = types.SimpleNamespace(disaggregation_transfer_backend=engine, disaggregation_bootstrap_port=port,
                                         max_running_requests=8, context_length=64, kvplan_mode="direct")
-    mgr = KVManager(kv_args_of(base, kv, aux), utils.DisaggregationMode.PREFILL, server_args)
+    args = kv_args_of(base, kv, aux)
+    mamba = mamba_pool(seed) if state else []
+    mgr = KVManager(with_mamba(args, mamba) if state else args, utils.DisaggregationMode.PREFILL, server_args)
     lists = page_lists(seed)
     senders = {}
     for room, tokens, prefix, chunks in REQUESTS:
@@ -76,8 +101,10 @@ def run_prefill(engine: str, port: int, seed: int, results, deadline_s: float) -
             pages = lists[room][0]
             cut = len(pages) // 2 if chunks == 2 else 0
             part = pages[:cut] if step == 0 and cut else pages[cut:] if step == 1 and cut else pages if step == 0 else []
-            if len(part):
-                senders[room].send(torch.from_numpy(part.astype(np.int32)))
+            last = step == 1 or chunks == 1
+            if len(part):  # SGLang hands the state indices with the last chunk only
+                slots = [[mamba_slots(room)[0]]] if state and last else None
+                senders[room].send(torch.from_numpy(part.astype(np.int32)), state_indices=slots)
         for room, sender in senders.items():
             seen[room].append(int(sender.poll()))
     while any(s.poll() not in (base.KVPoll.Success, base.KVPoll.Failed) for s in senders.values()) \
@@ -88,7 +115,7 @@ def run_prefill(engine: str, port: int, seed: int, results, deadline_s: float) -
     time.sleep(0.5)  # let the last notifications leave before the engine goes
 
 
-def run_decode(engine: str, port: int, seed: int, results, deadline_s: float) -> None:
+def run_decode(engine: str, port: int, seed: int, results, deadline_s: float, state: bool = False) -> None:
     from tests.sglang_real import sglang_module
 
     base = sglang_module("srt.disaggregation.base.conn")
@@ -97,7 +124,9 @@ def run_decode(engine: str, port: int, seed: int, results, deadline_s: float) ->
 
     kv, aux = pools(None)
     server_args = types.SimpleNamespace(disaggregation_transfer_backend=engine, kvplan_timeout_s=deadline_s)
-    mgr = KVManager(kv_args_of(base, kv, aux), utils.DisaggregationMode.DECODE, server_args)
+    args = kv_args_of(base, kv, aux)
+    mamba = mamba_pool(None) if state else []
+    mgr = KVManager(with_mamba(args, mamba) if state else args, utils.DisaggregationMode.DECODE, server_args)
     lists = page_lists(seed)
     receivers, seen = {}, {}
     for room, tokens, prefix, _ in REQUESTS:
@@ -106,7 +135,7 @@ def run_decode(engine: str, port: int, seed: int, results, deadline_s: float) ->
         receiver.init(0)
         seen[room].append(int(receiver.poll()))
         receiver.send_metadata(torch.from_numpy(lists[room][1].astype(np.int32)), aux_index=lists[room][3],
-                               decode_prefix_len=prefix)
+                               decode_prefix_len=prefix, state_indices=[[mamba_slots(room)[1]]] if state else None)
         receivers[room] = receiver
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
@@ -128,4 +157,8 @@ def run_decode(engine: str, port: int, seed: int, results, deadline_s: float) ->
         if not torch.equal(src_aux[src_row * AUX_BYTES : (src_row + 1) * AUX_BYTES],
                            aux[dst_row * AUX_BYTES : (dst_row + 1) * AUX_BYTES]):
             wrong.append((room, "aux"))
+        for item, s_t, d_t in zip(MAMBA_ITEMS, mamba_pool(seed) if state else [], mamba):
+            src_slot, dst_slot = mamba_slots(room)
+            if not torch.equal(s_t[src_slot * item : (src_slot + 1) * item], d_t[dst_slot * item : (dst_slot + 1) * item]):
+                wrong.append((room, "mamba", item))
     results.put(("decode", seen, wrong))

@@ -32,14 +32,16 @@ def free_port() -> int:
     raise RuntimeError("no free port between 20000 and 32767")
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-def test_two_processes_hand_off_through_sglang_s_interfaces(engine):
+@pytest.mark.parametrize("engine, state", [(e, False) for e in ENGINES] + [(e, True) for e in ENGINES])
+def test_two_processes_hand_off_through_sglang_s_interfaces(engine, state):
+    """With ``state``, both sides also register a Mamba component (SGLang's multi-component
+    ``KVArgs``), and each request's slots come with its last chunk and its metadata."""
     base = sglang_module("srt.disaggregation.base.conn")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=sglang_sides.run_prefill, args=(engine, port, 11, results, 60.0)),
-             ctx.Process(target=sglang_sides.run_decode, args=(engine, port, 11, results, 60.0))]
+    procs = [ctx.Process(target=sglang_sides.run_prefill, args=(engine, port, 11, results, 60.0, state)),
+             ctx.Process(target=sglang_sides.run_decode, args=(engine, port, 11, results, 60.0, state))]
     for p in procs:
         p.start()
     try:
@@ -85,3 +87,51 @@ def test_a_step_that_cannot_be_laid_out_fails_every_send_of_it():
     assert all("2 sends in one step" in mgr.failures[room] for room in (1, 2))
     with pytest.raises(TransferFailed, match="planning table"):
         senders[1].failure_exception()
+
+
+def _state_manager(mode: str):
+    """A manager whose ``KVArgs`` register KV, aux and a Mamba component (SGLang's multi-component form)."""
+    base = sglang_module("srt.disaggregation.base.conn")
+    utils = sglang_module("srt.disaggregation.utils")
+    from kvplan.integrations.sglang.adapter import KVManager
+
+    kv, aux = sglang_sides.pools(1)
+    mamba = sglang_sides.mamba_pool(1)
+    args = sglang_sides.with_mamba(sglang_sides.kv_args_of(base, kv, aux), mamba)
+    server_args = types.SimpleNamespace(disaggregation_transfer_backend="nixl", disaggregation_bootstrap_port=free_port(),
+                                        max_running_requests=4, context_length=64)
+    return base, KVManager(args, getattr(utils.DisaggregationMode, mode), server_args), (kv, aux, mamba)
+
+
+def test_a_last_chunk_without_its_state_slot_fails_and_nothing_is_sent():
+    """Without the slot, the planner would read whatever slot its map row held: another request's state."""
+    from kvplan.integrations.sglang.adapter import KVSender
+
+    from kvplan.planner.plan import DestinationLists
+
+    base, mgr, _ = _state_manager("PREFILL")
+    for room in (5, 6):  # as if the decode side had published them
+        mgr.prefill.peers[0].lists[room] = (DestinationLists(np.array([3]), (np.array([1]),)), 0, 0)
+    sender = KVSender(mgr, "127.0.0.1:0", 5)
+    sender.init(1, aux_index=0)
+    sender.send(np.array([3]))  # the last chunk, no state_indices
+    assert sender.poll() == base.KVPoll.Failed
+    assert "needs one state list per component ['mamba']" in mgr.failures[5]
+    two = KVSender(mgr, "127.0.0.1:0", 6)
+    two.init(1, aux_index=0)
+    two.send(np.array([4]), state_indices=[[1, 2]])
+    assert two.poll() == base.KVPoll.Failed and "one slot per request, got 2 ids" in mgr.failures[6]
+
+
+def test_state_kinds_whose_lists_sglang_precomputes_are_refused_by_name():
+    base = sglang_module("srt.disaggregation.base.conn")
+    utils = sglang_module("srt.disaggregation.utils")
+    from kvplan.errors import LayoutError
+    from kvplan.integrations.sglang.adapter import KVManager
+
+    kv, aux = sglang_sides.pools(1)
+    args = sglang_sides.kv_args_of(base, kv, aux)
+    args.state_types, args.state_data_ptrs = ["dsa"], [[kv[0].data_ptr()]]
+    args.state_data_lens, args.state_item_lens = [[kv[0].numel()]], [[64]]
+    with pytest.raises(LayoutError, match=r"not \['dsa'\] yet"):
+        KVManager(args, utils.DisaggregationMode.DECODE, types.SimpleNamespace())

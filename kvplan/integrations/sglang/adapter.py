@@ -11,10 +11,13 @@ The prefill manager gathers every ``send`` of one scheduler step and plans them 
 first ``poll`` after them (or at :meth:`KVManager.flush`): that is where planning on the GPU pays.
 
 Scope of this version (issue 12): KV pages and aux rows, direct or head-sliced, chunked, with a
-decode prefix; one decode manager per prefill manager (the control channel is a PAIR socket on the
-prefill's bootstrap port, 127.0.0.1). State components are refused with a clear error. Sends are
-moved when planned: ``poll`` returns ``Success`` or ``Failed`` for a request whose last chunk has
-gone.
+decode prefix; state whose list is one slot per request (Mamba), the slot SGLang hands with the
+last chunk (``send(pages, state_indices=[[slot]])``, ``send_metadata(..., state_indices=[[slot]])``);
+one decode manager per prefill manager (the control channel is a PAIR socket on the prefill's
+bootstrap port, 127.0.0.1). Other state kinds are refused with a clear error: SGLang hands their
+page lists precomputed, in forms kvplan's contract does not take yet (a DSA suffix from the decode
+prefix, SWA pages already translated). Sends are moved when planned: ``poll`` returns ``Success``
+or ``Failed`` for a request whose last chunk has gone.
 
 Example (prefill and decode in two processes; ``kv_args`` as SGLang fills them)::
 
@@ -55,16 +58,17 @@ from sglang.srt.disaggregation.base.conn import (
 )
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
-from ...errors import KvplanError, LayoutError
+from ...errors import InputError, KvplanError, LayoutError
 from ...planner.block_tables import token_table_from_blocks
 from ...planner.destinations import PublishedRequest
 from ...planner.model import SideMemory
 from ...planner.plan import DestinationLists
+from ...planner.state_kinds import rules_of
 from ...transport.control import ControlChannel
 from ...transport.decode import DecodeEndpoint
 from ...transport.engines import make_engine
 from ...transport.prefill import Chunk, PrefillEndpoint
-from .kv_args import side_from_kv_args
+from .kv_args import side_from_kv_args, state_from_kv_args
 
 __all__ = ["KVManager", "KVReceiver", "KVSender", "TransferFailed"]
 
@@ -100,9 +104,12 @@ class KVManager(BaseKVManager):
 
     def __init__(self, args: Any, disaggregation_mode: DisaggregationMode, server_args: Any,
                  is_mla_backend: Optional[bool] = False):
-        if getattr(args, "state_types", None):
-            raise LayoutError(f"the kvplan SGLang adapter does not move state components yet (got "
-                              f"{[str(getattr(t, 'value', t)) for t in args.state_types]}): KV and aux only (issue 12)")
+        kinds = [c.kind for c in state_from_kv_args(args)]
+        refused = [k.value for k in kinds if not _slot_per_request(k)]
+        if refused:
+            raise LayoutError(f"the kvplan SGLang adapter moves state whose list is one slot per request (Mamba), not "
+                              f"{refused} yet: SGLang hands those lists precomputed, in forms kvplan's contract does "
+                              "not take (issue 12)")
         self.kv_args, self.mode, self.server_args = args, disaggregation_mode, server_args
         self.is_mla = bool(is_mla_backend)
         self.attn_tp_size = int(_setting(server_args, "attn_tp_size", _setting(server_args, "tp_size", 1)))
@@ -123,10 +130,13 @@ class KVManager(BaseKVManager):
             width = int(_setting(server_args, "context_length", min(self._pool_tokens(), DEFAULT_CONTEXT)))
             width = -(-width // self.page_size) * self.page_size
             self.table = torch.zeros((rows, width), dtype=torch.int32, device=self.device)
-            side = side_from_kv_args(args, mla=self.is_mla, attn_tp_size=self.attn_tp_size, req_to_token=self.table)
+            # per state component, each planning row's slot (SGLang hands it with the last chunk)
+            self.slots = [torch.zeros(rows, dtype=torch.int64, device=self.device) for _ in kinds]
+            side = side_from_kv_args(args, mla=self.is_mla, attn_tp_size=self.attn_tp_size, req_to_token=self.table,
+                                     state_params=[{"slot_map": slots} for slots in self.slots])
             channel = ControlChannel(bind_port=self.bootstrap_port)
             self.prefill: PrefillEndpoint | None = PrefillEndpoint(side, self.engine, channel)
-            self._pending: list[tuple[KVSender, np.ndarray]] = []
+            self._pending: list[tuple[KVSender, np.ndarray, tuple[np.ndarray, ...] | None]] = []
         elif disaggregation_mode is DisaggregationMode.DECODE:
             self.side: SideMemory = side_from_kv_args(args, mla=self.is_mla, attn_tp_size=self.attn_tp_size)
             self.decode: DecodeEndpoint | None = None
@@ -148,8 +158,8 @@ class KVManager(BaseKVManager):
     def has_lists(self, room: int) -> bool:
         return room in self.prefill.peers[0].lists
 
-    def enqueue(self, sender: "KVSender", pages: np.ndarray) -> None:
-        self._pending.append((sender, pages))
+    def enqueue(self, sender: "KVSender", pages: np.ndarray, state: tuple[np.ndarray, ...] | None) -> None:
+        self._pending.append((sender, pages, state))
 
     def progress(self) -> None:
         """Take in registrations and destination lists (prefill), or notifications (decode). A
@@ -173,9 +183,9 @@ class KVManager(BaseKVManager):
             chunks = self._chunks(pending)
         except KvplanError as err:
             reason = f"{type(err).__name__}: {err}"
-            for sender, _ in pending:
+            for sender, _, _ in pending:
                 self._settle(sender.room, KVPoll.Failed, reason)
-            self.prefill.fail(list(dict.fromkeys(sender.room for sender, _ in pending)), reason)
+            self.prefill.fail(list(dict.fromkeys(sender.room for sender, _, _ in pending)), reason)
             return
         endpoint = self.prefill
         try:
@@ -190,8 +200,9 @@ class KVManager(BaseKVManager):
                 self._settle(t.request, KVPoll.Success)
                 endpoint.forget([t.request])
 
-    def _chunks(self, pending: list[tuple["KVSender", np.ndarray]]) -> list:
-        """The step's transfers, with their pages written into the planning table."""
+    def _chunks(self, pending: list[tuple["KVSender", np.ndarray, tuple[np.ndarray, ...] | None]]) -> list:
+        """The step's transfers, with their pages written into the planning table and, for a last
+        chunk, its state slots into the slot maps."""
         ps, endpoint = self.page_size, self.prefill
         if len(pending) >= self.table.shape[0]:
             raise LayoutError(f"{len(pending)} sends in one step; the planning table has "
@@ -199,7 +210,8 @@ class KVManager(BaseKVManager):
         # SGLang hands page ids: a block table (one row per send), expanded into token slots on the
         # planning device (kvplan.planner.block_tables)
         chunks, blocks = [], np.zeros((len(pending) + 1, self.table.shape[1] // ps), np.int32)
-        for row, (sender, pages) in enumerate(pending, start=1):
+        slots = np.zeros((len(self.slots), len(pending) + 1), np.int64)
+        for row, (sender, pages, state) in enumerate(pending, start=1):
             _, _, prefix = endpoint.peers[0].lists[sender.room]
             first = prefix // ps + sender.pages_sent
             if first + len(pages) > blocks.shape[1]:
@@ -209,9 +221,13 @@ class KVManager(BaseKVManager):
             start, end = first * ps, (first + len(pages)) * ps
             sender.pages_sent += len(pages)
             last = sender.pages_sent >= sender.num_pages
+            if last and self.slots:
+                slots[:, row] = _one_slot_each(sender.room, state, self.prefill.side)
             prompt = prefix + sender.num_pages * ps  # SGLang moves whole pages; so does this
             chunks.append(endpoint.transfer(Chunk(sender.room, row, start, end, prompt, last, sender.aux_index)))
         token_table_from_blocks(torch.from_numpy(blocks).to(self.device), ps, out=self.table)
+        for c, column in enumerate(slots):
+            self.slots[c][: len(column)].copy_(torch.from_numpy(column))
         return chunks
 
     def _settle(self, room: int, state: int, reason: str | None = None) -> None:
@@ -236,9 +252,12 @@ class KVManager(BaseKVManager):
         self.decode.register(timeout=self.timeout)
         self.bootstrap_addr = bootstrap_addr
 
-    def publish(self, room: int, pages: np.ndarray, aux_index: int, prefix_len: int) -> None:
-        published = PublishedRequest(room, DestinationLists(pages.astype(np.int64), ()), int(aux_index), (),
-                                     bool(self.side.aux))
+    def publish(self, room: int, pages: np.ndarray, aux_index: int, prefix_len: int,
+                state: tuple[np.ndarray, ...] | None = None) -> None:
+        lists = tuple(np.asarray(x, np.int64) for x in _one_slot_each(room, state, self.side)[:, None]) \
+            if self.side.state else ()
+        published = PublishedRequest(room, DestinationLists(pages.astype(np.int64), lists), int(aux_index),
+                                     tuple(c.name for c in self.side.state), bool(self.side.aux))
         self.decode.track([published], time.monotonic() + self.timeout)
         self.decode.channel.send("request", {"request": room, "prompt_len": prefix_len + len(pages) * self.page_size,
                                              "prefix_len": prefix_len}, published.message(), timeout=self.timeout)
@@ -256,12 +275,37 @@ class KVManager(BaseKVManager):
         return self.status.get(room, KVPoll.Transferring)
 
 
-def _page_ids(room: int, kv_indices: Any, state_indices: Optional[list]) -> np.ndarray:
-    """SGLang's page ids (a tensor, array or list) as int64; state indices are refused by name."""
-    if state_indices and any(x is not None and len(x) for x in state_indices):
-        raise LayoutError(f"request {room}: state indices given, but this adapter moves KV and aux only")
-    ids = kv_indices.cpu() if isinstance(kv_indices, torch.Tensor) else kv_indices
-    return np.asarray(ids, np.int64).reshape(-1)
+def _ids(values: Any) -> np.ndarray:
+    """SGLang's ids (a tensor, array or list) as int64."""
+    values = values.cpu() if isinstance(values, torch.Tensor) else values
+    return np.asarray(values, np.int64).reshape(-1)
+
+
+def _slot_per_request(kind: Any) -> bool:
+    """Whether the adapter moves this state kind: a list of one slot per request, found through a
+    map by row (what SGLang's ``state_indices`` hand with the last chunk)."""
+    rules = rules_of(kind)
+    return rules.needs_map and rules.map_by_row
+
+
+def _state_lists(state_indices: Optional[list]) -> tuple[np.ndarray, ...] | None:
+    """SGLang's ``state_indices`` (one list per state component, or ``None``) as int64 arrays."""
+    if state_indices is None:
+        return None
+    return tuple(_ids([] if x is None else x) for x in state_indices)
+
+
+def _one_slot_each(room: int, state: tuple[np.ndarray, ...] | None, side: SideMemory) -> np.ndarray:
+    """The one slot of each of ``side``'s components for a request's last chunk, or InputError naming
+    the request (a slot left out would move another request's state)."""
+    names = [c.name for c in side.state]
+    if state is None or len(state) != len(names):
+        raise InputError(room, f"its last chunk needs one state list per component {names}, got "
+                               f"{'none' if state is None else len(state)}")
+    for name, ids in zip(names, state):
+        if len(ids) != 1:
+            raise InputError(room, f"state component {name!r}: one slot per request, got {len(ids)} ids")
+    return np.array([int(ids[0]) for ids in state], np.int64)
 
 
 class KVSender(BaseKVSender):
@@ -277,7 +321,7 @@ class KVSender(BaseKVSender):
         self.num_pages, self.aux_index = int(num_kv_indices), int(aux_index or 0)
 
     def send(self, kv_indices: Any, state_indices: Optional[list] = None, num_kv_tokens: Optional[int] = None) -> None:
-        self.mgr.enqueue(self, _page_ids(self.room, kv_indices, state_indices))
+        self.mgr.enqueue(self, _ids(kv_indices), _state_lists(state_indices))
 
     def poll(self) -> int:
         mgr = self.mgr
@@ -316,8 +360,8 @@ class KVReceiver(BaseKVReceiver):
 
     def send_metadata(self, kv_indices: Any, aux_index: Optional[int] = None, state_indices: Optional[list] = None,
                       decode_prefix_len: Optional[int] = None, destination: Any = None) -> None:
-        pages = _page_ids(self.room, kv_indices, state_indices)
-        self.mgr.publish(self.room, pages, int(aux_index or 0), int(decode_prefix_len or 0))
+        self.mgr.publish(self.room, _ids(kv_indices), int(aux_index or 0), int(decode_prefix_len or 0),
+                         _state_lists(state_indices))
         self.published = True
 
     def poll(self) -> int:
