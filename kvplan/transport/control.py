@@ -7,12 +7,15 @@ messages in SGLang's wire format, descriptor tables). Every receive has a deadli
 from __future__ import annotations
 
 import json
+import logging
 import time
 from typing import Any
 
 from ..errors import KvplanError
 
 __all__ = ["ControlChannel", "ControlTimeout"]
+
+log = logging.getLogger("kvplan")
 
 
 class ControlTimeout(KvplanError, TimeoutError):
@@ -104,9 +107,12 @@ class ControlChannel:
         while self._monitor.poll(0):
             event = recv_monitor_message(self._monitor)["event"]
             if event in (self._zmq.EVENT_ACCEPTED, self._zmq.EVENT_CONNECTED):
+                if self._ever:
+                    log.warning("control connection on 127.0.0.1 port %d made again after a loss", self.port)
                 self._replaced = self._replaced or self._ever
                 self._ever, self._connected, self._gone = True, True, False
             elif event == self._zmq.EVENT_DISCONNECTED and self._connected:
+                log.warning("control connection on 127.0.0.1 port %d lost", self.port)
                 self._gone = True
         return self._gone
 

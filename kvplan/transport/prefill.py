@@ -544,6 +544,7 @@ class _StagedRun:
         ep = self.ep
         waves = plan_waves(self.descs[:, 2], self.sections, self.slot_bytes, self.slots)
         ep._next_wave += len(waves)
+        self.peer.channel.replaced()  # a connection made again before this run loses nothing of it
         if ep.receiver_plans and self.peer.plannable and self.plannable and \
                 all(t.request in self.peer.planning for t in self.transfers):
             kind, header = "staged-plan", planned_run_message(ep.id, self.base_id, waves, self.slot_bytes,
@@ -610,6 +611,9 @@ class _StagedRun:
                 return False
             if self.gone is None and (gone := self.ep._peer_gone(self.dest)) is not None:
                 self.gone = gone
+            if self.gone is None and self.peer.channel.replaced():  # what was in flight on the old one is lost
+                self.gone = ("the control connection to the decode side was lost and made again during the staged "
+                             "run: credits in flight on it may be lost")
             if self.gone is not None:
                 return False
             if not self.peer.channel.wait_readable(0):

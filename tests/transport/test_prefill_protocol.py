@@ -90,3 +90,27 @@ def test_by_default_one_bad_request_refuses_the_whole_batch():
         prefill.send(chunks, mode="direct", timeout=5)
     assert err.value.request == "r2" and not engine.posted
     assert set(_failures(decode)) == {"r1", "r2"}
+
+
+def test_a_staged_run_whose_control_connection_was_made_again_fails_at_once():
+    """A credit in flight on a lost connection is gone: the run must not wait out its deadline for it."""
+    import time
+
+    src_pool, dst_pool = torch.zeros(16 * PAGE_BYTES, dtype=torch.uint8), torch.zeros(16 * PAGE_BYTES, dtype=torch.uint8)
+    decode_side = side(dst_pool, {1: [3, 4]})
+    mine, theirs = FakeChannel.pair()
+    engine = FakeEngine()
+    staging, peer_staging = torch.zeros(4096, dtype=torch.uint8), torch.zeros(4096, dtype=torch.uint8)
+    prefill = PrefillEndpoint(side(src_pool, {1: [5, 9]}), engine, mine, staging)
+    theirs.send("register", {"side": describe_side(decode_side), "staging": [peer_staging.data_ptr(), 4096]}, b"meta")
+    prefill.accept(timeout=1)
+    message = plan_destinations(decode_side, [PreallocatedRequest("r1", 1, 8)]).messages()[0]
+    theirs.send("request", {"request": "r1", "prompt_len": 8, "prefix_len": 0}, message)
+    prefill.receive_requests(1, timeout=1)
+    reconnected = []
+    mine.replaced = lambda: bool(reconnected)
+    engine.on_post = lambda descs, note: reconnected.append(True)  # the credit never comes
+    started = time.monotonic()
+    result = prefill.send([prefill.transfer(Chunk("r1", 1, 0, 9, 8, True))], mode="staged", timeout=20)
+    assert "made again during the staged run" in (result["r1"] or ""), result
+    assert time.monotonic() - started < 10
