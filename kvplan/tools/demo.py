@@ -400,9 +400,10 @@ def _behind_forward(endpoint: PrefillEndpoint, forward: StandInForward, chunks, 
     """Send a batch that a stand-in forward pass writes: streamed in layer groups while it runs, or
     after it has ended. Returns the send's result and the pass's ``(started, ended)``."""
     forward.clear()
+    streaming = forward.streaming()  # its inputs event, recorded before the pass is queued
     forward.start()
     if config.layer_groups:
-        sent = endpoint.send(chunks, config.mode, timeout=config.timeout, layers=forward.streaming())
+        sent = endpoint.send(chunks, config.mode, timeout=config.timeout, layers=streaming)
         return sent, forward.join(config.timeout)
     span = forward.join(config.timeout)
     return endpoint.send(chunks, config.mode, timeout=config.timeout), span

@@ -59,8 +59,13 @@ class StandInForward:
         self._error: BaseException | None = None
 
     def streaming(self) -> LayerStreaming:
-        """What :meth:`PrefillEndpoint.send` takes to stream behind this pass."""
-        return LayerStreaming(self.groups, self.readiness)
+        """What :meth:`PrefillEndpoint.send` takes to stream behind this pass (call before
+        :meth:`start`: its ``inputs_ready`` is recorded now, ahead of the pass's kernels)."""
+        inputs_ready = None
+        if self.stream is not None:
+            inputs_ready = torch.cuda.Event()
+            inputs_ready.record()
+        return LayerStreaming(self.groups, self.readiness, inputs_ready)
 
     def clear(self) -> None:
         """Zero the pool and the readiness word (before a pass; synchronous)."""

@@ -39,6 +39,7 @@ from .engines import Engine
 from .landing import LandingGuard
 from .local import plan_alignment, scatter, warm_up
 from .receiver_plan import OwnLists, PlannedRun, PlannedWave
+from .streams import transport_stream
 from .registration import describe_side
 from .waves import check_run, decode_wave_note, wave_key
 
@@ -102,8 +103,7 @@ class DecodeEndpoint:
         self._alignment = plan_alignment(Batch(side, (side,), ()))  # caps a planned run's announced alignment
         self.trace: list[tuple[str, str, float]] | None = [] if os.environ.get("KVPLAN_TRACE") else None
         # high priority: a scatter is short and the request waits on it; it must not queue behind a forward pass
-        self._stream = torch.cuda.Stream(staging.device, priority=-1) if staging is not None and staging.is_cuda \
-            else None
+        self._stream = transport_stream(staging.device) if staging is not None and staging.is_cuda else None
         self._share = (staging.numel() // len(self.channels)) // 256 * 256 if staging is not None else 0
         self.engine.register(engine_regions(side) + ([(staging.data_ptr(), staging.numel())] if staging is not None else []))
         if staging is not None:

@@ -36,6 +36,7 @@ import os
 import time
 import uuid
 from collections import deque
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
@@ -58,6 +59,7 @@ from .decode import engine_regions
 from .engines import Engine, Handle, wait_all
 from .local import gather, plan_alignment, warm_up
 from .readiness import LayerStreaming
+from .streams import transport_stream
 from .receiver_plan import planned_run_message, receiver_can_plan
 from .registration import side_from_description
 from .waves import Wave, plan_waves, run_message, wave_note
@@ -126,8 +128,8 @@ class PrefillEndpoint:
             warm_up(staging)
         # high priority: a wave's gather is short and holds up its write; it must not queue behind the forward
         # pass that streaming in layer groups overlaps (docs/layerwise.md)
-        self._stream = torch.cuda.Stream(staging.device, priority=-1) if staging is not None and staging.is_cuda \
-            else None
+        self._stream = transport_stream(staging.device) if staging is not None and staging.is_cuda else None
+        self._plan_stream: torch.cuda.Stream | None = None  # a streamed send's (made on the first)
         self._next_wave = 0
         self.id = uuid.uuid4().hex[:12]  # names this sender's waves on receivers that have several senders
         self.last_mode: str | None = None  # the mode the last send used (what ``auto`` chose)
@@ -221,7 +223,9 @@ class PrefillEndpoint:
         says the group is written: as direct writes, or as a staged run with destination tables
         (``auto`` chooses for the whole batch as it does without streaming; ``prepared`` cannot
         stream). Its sections name their layers. Aux, and components that declare no layers, go
-        with the last group.
+        with the last group. On a GPU the streamed send plans, gathers and scatters on transport
+        streams of its own (:mod:`.streams`) that wait only for ``layers.inputs_ready`` (else for
+        the current stream as it is at the call), never for the forward pass queued behind.
 
         A batch that does not plan (bad input) is refused whole: nothing is sent, every request of
         it is reported failed to its decode endpoint, and the :class:`~kvplan.errors.PlanError` is raised.
@@ -232,6 +236,25 @@ class PrefillEndpoint:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         if layers is not None and mode == "prepared":
             raise ValueError("prepared lists cannot stream in layer groups; use direct, staged or auto")
+        with self._streaming(layers):
+            return self._send(transfers, mode, timeout, layers)
+
+    def _streaming(self, layers: LayerStreaming | None):
+        """Where a send's device work goes: the caller's current stream, or for a streamed send on a
+        GPU, this endpoint's planning stream, ordered after ``layers.inputs_ready`` only."""
+        table = self.side.req_to_token
+        if layers is None or not isinstance(table, torch.Tensor) or not table.is_cuda:
+            return nullcontext()
+        if self._plan_stream is None:
+            self._plan_stream = transport_stream(table.device)
+        if layers.inputs_ready is not None:
+            self._plan_stream.wait_event(layers.inputs_ready)
+        else:
+            self._plan_stream.wait_stream(torch.cuda.current_stream(table.device))
+        return torch.cuda.stream(self._plan_stream)
+
+    def _send(self, transfers: Sequence[Transfer], mode: str, timeout: float,
+              layers: LayerStreaming | None) -> dict[Any, str | None]:
         self._times = [time.perf_counter()]  # (send, planned): the first steps of a staged trace
         transfers = tuple(transfers)
         batch = Batch(self.side, tuple(p.side for p in self.peers), transfers, self.policy)

@@ -13,14 +13,14 @@ Example::
     for g, layers in enumerate(groups_of_layers):
         run_layers(layers)                  # writes the KV pages of these layers
         readiness.mark(g)                   # no sync: a copy queued behind them
-    ...                                     # meanwhile PrefillEndpoint.send(..., layers=LayerStreaming(...))
+    ...                                     # meanwhile send(..., layers=LayerStreaming(groups, readiness, tables_written))
     readiness.reset()                       # before the next forward pass marks again
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -84,10 +84,16 @@ class LayerReadiness:
 @dataclass(frozen=True)
 class LayerStreaming:
     """What :meth:`PrefillEndpoint.send` needs to post a batch layer group by layer group: the
-    groups and the signal that says how many of them the forward pass has written."""
+    groups, the signal that says how many of them the forward pass has written and, on a GPU,
+    ``inputs_ready``: a CUDA event recorded once the batch's token table and slot maps were
+    written, before the forward pass was queued. The plan waits for that event and nothing else.
+    Without it the plan waits for everything queued on the current stream at the call, which is
+    the whole forward pass when that shares the stream (or runs on a torch side stream while the
+    current stream is the legacy default one): then nothing streams."""
 
     groups: LayerGroups
     readiness: Readiness
+    inputs_ready: Any = None
 
     def __post_init__(self) -> None:
         count = getattr(self.readiness, "groups", self.groups.count)
