@@ -23,7 +23,9 @@ def side(pool, rows):
                       req_to_token=table_with(rows, PAGE, max_ctx=16))
 
 
-def test_lists_that_arrive_during_a_staged_send_are_kept_for_receive_requests():
+def _staged_pair():
+    """A prefill endpoint paired with a fake decode side that has staging, r1's lists received; the
+    pools and staging buffers are returned to keep them alive."""
     src_pool, dst_pool = torch.zeros(16 * PAGE_BYTES, dtype=torch.uint8), torch.zeros(16 * PAGE_BYTES, dtype=torch.uint8)
     decode_side = side(dst_pool, {1: [3, 4], 2: [6, 7]})
     mine, theirs = FakeChannel.pair()
@@ -35,6 +37,11 @@ def test_lists_that_arrive_during_a_staged_send_are_kept_for_receive_requests():
     messages = plan_destinations(decode_side, [PreallocatedRequest("r1", 1, 8), PreallocatedRequest("r2", 2, 8)]).messages()
     theirs.send("request", {"request": "r1", "prompt_len": 8, "prefix_len": 0}, messages[0])
     prefill.receive_requests(1, timeout=1)
+    return prefill, engine, mine, theirs, messages, (src_pool, dst_pool, staging, peer_staging)
+
+
+def test_lists_that_arrive_during_a_staged_send_are_kept_for_receive_requests():
+    prefill, engine, mine, theirs, messages, _buffers = _staged_pair()
 
     def decode_answers(descs, note):  # a fast receiver: the credit, then at once the next request's lists
         theirs.send("wave-done", {"wave": json.loads(note)["wave"]})
@@ -96,17 +103,7 @@ def test_a_staged_run_whose_control_connection_was_made_again_fails_at_once():
     """A credit in flight on a lost connection is gone: the run must not wait out its deadline for it."""
     import time
 
-    src_pool, dst_pool = torch.zeros(16 * PAGE_BYTES, dtype=torch.uint8), torch.zeros(16 * PAGE_BYTES, dtype=torch.uint8)
-    decode_side = side(dst_pool, {1: [3, 4]})
-    mine, theirs = FakeChannel.pair()
-    engine = FakeEngine()
-    staging, peer_staging = torch.zeros(4096, dtype=torch.uint8), torch.zeros(4096, dtype=torch.uint8)
-    prefill = PrefillEndpoint(side(src_pool, {1: [5, 9]}), engine, mine, staging)
-    theirs.send("register", {"side": describe_side(decode_side), "staging": [peer_staging.data_ptr(), 4096]}, b"meta")
-    prefill.accept(timeout=1)
-    message = plan_destinations(decode_side, [PreallocatedRequest("r1", 1, 8)]).messages()[0]
-    theirs.send("request", {"request": "r1", "prompt_len": 8, "prefix_len": 0}, message)
-    prefill.receive_requests(1, timeout=1)
+    prefill, engine, mine, _, _, _buffers = _staged_pair()
     reconnected = []
     mine.replaced = lambda: bool(reconnected)
     engine.on_post = lambda descs, note: reconnected.append(True)  # the credit never comes
