@@ -2,7 +2,9 @@
 # Streaming in layer groups on one GPU (issue 15): the layer-group and transport tests compiled for
 # the card, then benchmarks/layerwise.py (what the readiness signal costs the forward pass; time to
 # decode-ready with and without streaming) through the engine whose wheels are carried
-# (ENGINE=nixl: .whl; ENGINE=mooncake: .whl-mc). TESTS=0 skips the tests.
+# (ENGINE=nixl: .whl; ENGINE=mooncake: .whl-mc). TESTS=0 skips the tests; BENCH_ARGS are passed to
+# layerwise.py (e.g. "--decode-gpu 0 --decode-gpu 1 --modes staged --repeat 8" on two cards); DEMOS=0
+# skips the traced demos.
 # Usage on the GPU machine:  OUT=/some/dir ENGINE=nixl bash benchmarks/gpu_layerwise.sh
 set -uo pipefail
 ENGINE=${ENGINE:-nixl}
@@ -19,8 +21,9 @@ if [ "${TESTS:-1}" = 1 ]; then
     tests/transport/test_handoff.py -k "${TEST_K:-layer}" 2>&1 | tee "$OUT/tests.log" | tail -8
 fi
 timeout "${BENCH_S:-420}" python3 benchmarks/layerwise.py --out "$OUT" --engine "$ENGINE" ${SKIP_SIGNAL:+--skip-signal} \
+  ${BENCH_ARGS:-} \
   2>&1 | tee "$OUT/layerwise.log" | grep -v "^\s*$" | tail -40
-for args in "--preset llama70b-tp8-p64 --layers 80 --forward-dim 10240 --layerwise 8 --mode staged" \
+[ "${DEMOS:-1}" = 1 ] && for args in "--preset llama70b-tp8-p64 --layers 80 --forward-dim 10240 --layerwise 8 --mode staged" \
             "--preset gptoss-swa-p16 --layers 18 --mode staged" "--preset gptoss-swa-p16 --layers 18 --mode staged --scatter-tables"; do
   echo "\$ KVPLAN_TRACE=1 kvplan demo --engine $ENGINE --requests 1 --prompt-len 8192 --chunks 1 --timeout 30 $args" | tee -a "$OUT/demo.txt"
   KVPLAN_TRACE=1 timeout 100 python3 -m kvplan demo --no-progress --engine "$ENGINE" --requests 1 --prompt-len 8192 --chunks 1 \

@@ -9,7 +9,8 @@
 
 Usage (on the GPU machine, engine wheels installed)::
 
-    python3 benchmarks/layerwise.py --out /tmp/out [--engine nixl]
+    python3 benchmarks/layerwise.py --out /tmp/out [--engine nixl] [--decode-gpu 0 --decode-gpu 1]
+        [--modes staged] [--repeat 8] [--staging 64:4 --staging 256:2] [--skip-signal]
 """
 
 from __future__ import annotations
@@ -122,15 +123,19 @@ def graph_check(via: str) -> str:
         return f"{via}: failed: {type(err).__name__}: {err}"
 
 
-def handoff(preset: str, dim: int, groups: int, mode: str, engine: str) -> dict:
+def handoff(preset: str, dim: int, groups: int, mode: str, engine: str, decode_gpu: int = 0, repeat: int = 4,
+            staging: tuple[int, int] = (64, 4)) -> dict:
     config = DemoConfig(preset=preset, layers=PRESETS[preset].layers, requests=1, prompt_len=TOKENS, chunks=1,
-                        engine=engine, mode=mode, layer_groups=groups, forward_dim=dim, repeat=4, timeout=40)
+                        engine=engine, mode=mode, layer_groups=groups, forward_dim=dim, repeat=repeat, timeout=40,
+                        decode_gpu=decode_gpu, staging_bytes=staging[0] << 20, staging_slots=staging[1])
     t0 = time.monotonic()
     report = run_demo(config)
     return {"preset": preset, "groups": groups, "mode": mode, "used": report.mode_used, "ok": report.ok,
             "descriptors": report.descriptors, "bytes": report.nbytes,
             "forward_ms": report.forward_s * 1e3 if report.forward_s is not None else None,
             "exposed_ms": report.exposed_s * 1e3 if report.exposed_s is not None else None,
+            "exposed_each_ms": [round(x * 1e3, 3) for x in report.exposed_each_s], "decode_gpu": decode_gpu,
+            "staging_mib_slots": list(staging),
             "wall_s": time.monotonic() - t0, "failures": {str(k): v for k, v in report.failures.items() if v}}
 
 
@@ -139,7 +144,14 @@ def main() -> int:
     parser.add_argument("--out", default="/tmp/kvplan-layerwise")
     parser.add_argument("--engine", default="nixl")
     parser.add_argument("--skip-signal", action="store_true")
+    parser.add_argument("--decode-gpu", type=int, action="append",
+                        help="the decode process's GPU (repeatable: each hand-off runs on each; default 0)")
+    parser.add_argument("--modes", default="staged,direct", help="the streamed modes to run (comma-separated)")
+    parser.add_argument("--repeat", type=int, default=4, help="batches per hand-off (the first is a warm-up)")
+    parser.add_argument("--staging", action="append", metavar="MIB:SLOTS",
+                        help="staging buffer and ring length (repeatable: each hand-off runs with each; default 64:4)")
     args = parser.parse_args()
+    streamed_modes = [m for m in args.modes.split(",") if m]
     os.makedirs(args.out, exist_ok=True)
     rows: dict = {"card": torch.cuda.get_device_name(), "engine": args.engine, "signal": [], "handoff": []}
     rows["graph_checks"] = [graph_check(via) for via in ("mapped", "copy")]
@@ -150,11 +162,14 @@ def main() -> int:
                 row = signal_cost(preset, dim, groups)
                 print(json.dumps(row), flush=True)
                 rows["signal"].append(row)
-    for preset, dim, counts in CASES:
-        for groups, mode in [(0, "auto"), (0, "direct")] + [(g, m) for g in counts for m in ("staged", "direct")]:
-            row = handoff(preset, dim, groups, mode, args.engine)
-            print(json.dumps(row), flush=True)
-            rows["handoff"].append(row)
+    stagings = [tuple(int(x) for x in s.split(":")) for s in args.staging or ["64:4"]]
+    for decode_gpu, staging in [(d, s) for d in args.decode_gpu or [0] for s in stagings]:
+        for preset, dim, counts in CASES:
+            after = [(0, "auto")] + ([(0, "direct")] if "direct" in streamed_modes else [])
+            for groups, mode in after + [(g, m) for g in counts for m in streamed_modes]:
+                row = handoff(preset, dim, groups, mode, args.engine, decode_gpu, args.repeat, staging)
+                print(json.dumps(row), flush=True)
+                rows["handoff"].append(row)
     with open(os.path.join(args.out, "layerwise.json"), "w") as out:
         json.dump(rows, out, indent=1)
     return 0

@@ -152,6 +152,7 @@ class DemoReport:
     steady_s: float | None = None  # median of the later batches (``repeat`` > 1)
     forward_s: float | None = None  # the stand-in forward pass (median over batches)
     exposed_s: float | None = None  # from its end until the decode side had every request (median)
+    exposed_each_s: list[float] = field(default_factory=list)  # the same, batch by batch (the first included)
     mode_used: str | None = None  # what ``auto`` chose
     states: dict[Any, str] = field(default_factory=dict)
     failures: dict[Any, str | None] = field(default_factory=dict)
@@ -512,7 +513,8 @@ def run_demo(config: DemoConfig, progress: bool = False) -> DemoReport:
             if spans and len(ready) == len(spans):
                 later = slice(1 if len(spans) > 1 else 0, None)  # the first pass warms up, when there are more
                 report.forward_s = statistics.median(end - start for start, end in spans[later])
-                report.exposed_s = statistics.median(r - end for r, (_, end) in zip(ready[later], spans[later]))
+                report.exposed_each_s = [r - end for r, (_, end) in zip(ready, spans)]
+                report.exposed_s = statistics.median(report.exposed_each_s[later])
             bar.stage("verify")
     finally:
         bar.close()

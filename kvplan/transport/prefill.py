@@ -375,7 +375,30 @@ class PrefillEndpoint:
         posted: list[tuple[Handle, Any]] = []
         failed: dict[Any, str | None] = {}
         trace = [] if os.environ.get("KVPLAN_TRACE") else None
+        announced: dict[int, list[_StagedRun]] = {}
+
+        def merge(result: dict[Any, str | None]) -> None:
+            for request, reason in result.items():
+                failed[request] = failed.get(request) or reason
+
+        def announce(g: int) -> None:
+            """Announce group ``g``'s staged runs (one per peer) ahead of its readiness: once it is
+            written, its bytes need only gathering and writing."""
+            if staged is None or g >= len(per_group) or g in announced:
+                return
+            announced[g] = []
+            for dest in dests:
+                mine = [s for s in per_group[g] if transfers[s.transfer].dest == dest]
+                if mine:
+                    run = self._staged_run(dest, self._group_run(transfers, dest, mine, descs, *staged), staged[1],
+                                           deadline)
+                    if run.announce():
+                        announced[g].append(run)
+                    else:
+                        merge(run.result)
+
         for g, parts in enumerate(per_group):
+            announce(g)
             why = self._until_ready(layers.readiness, g, posted, dests, deadline)
             if trace is not None:
                 trace.append((g, "ready", time.perf_counter()))
@@ -384,12 +407,9 @@ class PrefillEndpoint:
                     self._fail(transfers[s.transfer].dest, failed, [s.request], why)
                 break
             if staged is not None:
-                for dest in dests:
-                    mine = [s for s in parts if transfers[s.transfer].dest == dest]
-                    if mine:
-                        run = self._group_run(transfers, dest, mine, descs, *staged)
-                        for request, reason in self._send_staged(dest, run, staged[1], deadline).items():
-                            failed[request] = failed.get(request) or reason
+                for run in announced.pop(g):
+                    merge(run.move())
+                announce(g + 1)
             else:
                 for s in parts:
                     rows = descs[s.spans[0][0]:s.spans[0][1]] if len(s.spans) == 1 else descs[s.rows()]
@@ -484,9 +504,12 @@ class PrefillEndpoint:
 
     # -- staged -----------------------------------------------------------------------------------
     def _send_staged(self, dest: int, batch: "_Batch", alignment: int, deadline: float) -> dict[Any, str | None]:
+        return self._staged_run(dest, batch, alignment, deadline).go()
+
+    def _staged_run(self, dest: int, batch: "_Batch", alignment: int, deadline: float) -> "_StagedRun":
         if self.staging is None or self.peers[dest].staging is None:
             raise LayoutError("staged mode needs a registered staging buffer on both sides")
-        return _StagedRun(self, dest, batch, alignment, deadline).go()
+        return _StagedRun(self, dest, batch, alignment, deadline)
 
 
 @dataclass
@@ -549,7 +572,8 @@ class _StagedRun:
         self.posted: dict[int, tuple[Wave, Handle]] = {}
         self.acked: set[int] = set()
         self.gone: str | None = None  # why the receiver is known to be gone
-        self.base_id = ep._next_wave
+        self.base_id = 0  # the id of its first wave: taken from the endpoint when announced
+        self.waves: list[Wave] = []  # planned when announced
         self.trace: list[tuple[int, str, float]] | None = None
         if os.environ.get("KVPLAN_TRACE"):
             self.trace = [(0, step, t) for step, t in zip(("send", "planned"), ep._times)]
@@ -564,8 +588,17 @@ class _StagedRun:
         return self._owners
 
     def go(self) -> dict[Any, str | None]:
+        """Announce the run, then move it (see :meth:`announce` and :meth:`move`)."""
+        return self.move() if self.announce() else self.result
+
+    def announce(self) -> bool:
+        """Send the run's announcement (its waves, with destination tables or chunk bounds) and make
+        its byte offsets on the device; ``False`` when it could not be sent (its requests have then
+        failed). A layer-group run is announced while the forward pass still writes the group, so
+        that its bytes only need gathering and writing once the group is ready."""
         ep = self.ep
-        waves = plan_waves(self.descs[:, 2], self.sections, self.slot_bytes, self.slots)
+        waves = self.waves = plan_waves(self.descs[:, 2], self.sections, self.slot_bytes, self.slots)
+        self.base_id = ep._next_wave
         ep._next_wave += len(waves)
         self.peer.channel.replaced()  # a connection made again before this run loses nothing of it
         if ep.receiver_plans and self.peer.plannable and self.plannable and \
@@ -583,7 +616,7 @@ class _StagedRun:
             self.peer.channel.send(kind, header, *frames, timeout=max(0.0, self.deadline - time.monotonic()))
         except ControlTimeout as err:
             ep._fail(self.dest, self.result, list(self.result), str(err))
-            return self.result
+            return False
         self._mark(0, "tables")
         device_descs = self.device_descs
         if ep._stream is not None:  # the descriptors were made on the current stream
@@ -592,6 +625,11 @@ class _StagedRun:
                 self.dev_starts = torch.cumsum(device_descs[:, 2], 0).sub_(device_descs[:, 2])
         else:
             self.dev_starts = torch.cumsum(device_descs[:, 2], 0) - device_descs[:, 2]
+        return True
+
+    def move(self) -> dict[Any, str | None]:
+        """Gather, write and wait for the credits of every wave of an announced run; the result per request."""
+        ep, waves = self.ep, self.waves
         sent = 0
         for wave in waves:
             if not self._wait(lambda: self.remote_free[wave.slot] and self._local_free(wave.slot)):
