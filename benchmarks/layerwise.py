@@ -147,6 +147,7 @@ def main() -> int:
     parser.add_argument("--decode-gpu", type=int, action="append",
                         help="the decode process's GPU (repeatable: each hand-off runs on each; default 0)")
     parser.add_argument("--modes", default="staged,direct", help="the streamed modes to run (comma-separated)")
+    parser.add_argument("--largest-only", action="store_true", help="stream in each preset's largest group count only")
     parser.add_argument("--repeat", type=int, default=4, help="batches per hand-off (the first is a warm-up)")
     parser.add_argument("--staging", action="append", metavar="MIB:SLOTS",
                         help="staging buffer and ring length (repeatable: each hand-off runs with each; default 64:4)")
@@ -166,7 +167,8 @@ def main() -> int:
     for decode_gpu, staging in [(d, s) for d in args.decode_gpu or [0] for s in stagings]:
         for preset, dim, counts in CASES:
             after = [(0, "auto")] + ([(0, "direct")] if "direct" in streamed_modes else [])
-            for groups, mode in after + [(g, m) for g in counts for m in streamed_modes]:
+            streamed = [(g, m) for g in (counts[-1:] if args.largest_only else counts) for m in streamed_modes]
+            for groups, mode in after + streamed:
                 row = handoff(preset, dim, groups, mode, args.engine, decode_gpu, args.repeat, staging)
                 print(json.dumps(row), flush=True)
                 rows["handoff"].append(row)
