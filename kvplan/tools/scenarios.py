@@ -75,6 +75,7 @@ class ComponentShape:
     ring_size: int = 0
     tensors: tuple[ShardedTensor, ...] = ()
     parts: int = 1
+    name: str = ""  # the component's id (StateComponent.name; empty: its kind's)
 
     def layers(self, model_layers: int) -> tuple[int, ...]:
         """The model-wide layer of each entry, spread evenly over ``model_layers`` layers."""
@@ -231,21 +232,22 @@ def _side(
                     slot_map[full_page * ps : full_page * ps + ps] = swa_pages[used] * ps + np.arange(ps)
                     used += 1
             comps.append(StateComponent(c.kind, _fake_entries(rng, c.entries, swa_item, num_pages), window=c.window,
-                                        slot_map=slot_map, layers=layers))
+                                        slot_map=slot_map, layers=layers, name=c.name))
         elif c.kind is StateKind.DSA:
-            comps.append(StateComponent(c.kind, _fake_entries(rng, c.entries, c.item_len, num_pages), layers=layers))
+            comps.append(StateComponent(c.kind, _fake_entries(rng, c.entries, c.item_len, num_pages), layers=layers,
+                                        name=c.name))
         elif c.kind is StateKind.SWA_RING:
             comps.append(StateComponent(c.kind, _fake_entries(rng, c.entries, c.item_len, rows * c.ring_size),
-                                        window=c.window, ring_size=c.ring_size, layers=layers))
+                                        window=c.window, ring_size=c.ring_size, layers=layers, name=c.name))
         elif c.tensors:  # per entry its tensor's item on this side's TP size, and its shard
             slots = rng.permutation(rows * 2)[:rows].astype(np.int64)
             items, shards = zip(*(c.tensors[i % len(c.tensors)].on(tp) for i in range(c.entries)))
             comps.append(StateComponent(c.kind, _fake_entries_of(rng, list(items), rows * 2), slot_map=slots,
-                                        shards=shards, layers=layers))
+                                        shards=shards, layers=layers, name=c.name))
         else:
             slots = rng.permutation(rows * 2)[:rows].astype(np.int64)
             comps.append(StateComponent(c.kind, _fake_entries(rng, c.entries, c.item_len, rows * 2), slot_map=slots,
-                                        layers=layers))
+                                        layers=layers, name=c.name))
     aux = tuple(e for size in shape.aux_items for e in _fake_entries(rng, 1, size, rows * 2))
     return SideMemory(kv, tuple(comps), aux, table), table
 

@@ -1,6 +1,10 @@
 """Completion tracking on the receiver: a request is complete when every KV page of every layer, its
-aux row and each non-empty state component (every layer of it) have arrived (components counted by
-id, not by sender).
+aux row and each non-empty state component (every layer of it) have arrived.
+
+A request gathered from several senders (TP gather, docs/tp_state.md §4) is complete only when
+each of them has landed its whole part: the tracker keeps one count per sender, each against that
+sender's own expectation (the components it writes), and a section from a sender the request was
+not published to fails it.
 
 A section's notification may name the model-wide layers it covers (a layer group of a streamed
 send, docs/layerwise.md §3); without them it covers every layer. The tracker counts pages per KV
@@ -12,6 +16,8 @@ Example::
     tracker = CompletionTracker(side)
     tracker.expect(published.expectation(), deadline=time.monotonic() + 30)
     tracker.on_section(decode_notification(raw))    # from the engine's notifications
+    tracker.expect(other.expectation(), deadline, senders={0: None, 1: None})   # gathered from two senders
+    tracker.on_section(decode_notification(raw))    # ... each note names its sender (SectionNote.sender)
     tracker.check_deadlines(time.monotonic())
     tracker.state("req-1")                          # "pending" | "complete" | "failed"
 """
@@ -20,7 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -44,6 +50,7 @@ class SectionNote:
     name: str
     count: int
     layers: tuple[int, int] | None = None
+    sender: int | None = None  # which of the receiver's senders wrote it (set where the receiver has several)
 
 
 def note_fields(section: Any) -> list:
@@ -63,32 +70,47 @@ def note_of(fields: Sequence[Any]) -> SectionNote:
                        (int(layers[0]), int(layers[1])) if layers else None)
 
 
-def encode_notification(section: Any) -> bytes:
-    """A section's engine notification (direct and prepared writes)."""
-    return json.dumps(note_fields(section)).encode()
+def encode_notification(section: Any, sender: int | None = None) -> bytes:
+    """A section's engine notification (direct and prepared writes); ``sender``: the index the
+    receiver gave this sender at registration, where it has several (else the bare fields)."""
+    fields = note_fields(section)
+    return json.dumps(fields if sender is None else {"from": int(sender), "note": fields}).encode()
 
 
 def decode_notification(raw: bytes) -> SectionNote:
-    return note_of(json.loads(raw))
+    """The :class:`SectionNote` of an engine notification (``ValueError`` or ``KeyError`` if malformed)."""
+    message = json.loads(raw)
+    if isinstance(message, dict):
+        return replace(note_of(message["note"]), sender=int(message["from"]))
+    return note_of(message)
 
 
 _ALL = (None,)  # the one unit of a component that declares no layers
 
 
 @dataclass
-class _Status:
-    expected: Expectation
-    deadline: float
+class _Part:
+    """What one sender of a request must land, and what it has."""
+
     kv_pages: np.ndarray  # pages landed, per KV layer of this side
     components: dict[str, tuple] = field(default_factory=dict)  # name -> the layers it must land
     landed: dict[str, set] = field(default_factory=dict)  # name -> the layers that have landed
     aux: bool = False
+
+    def complete(self, e: Expectation) -> bool:
+        return (bool((self.kv_pages == e.kv_pages).all()) and self.aux == e.aux
+                and all(len(self.landed.get(n, ())) == len(layers) for n, layers in self.components.items()))
+
+
+@dataclass
+class _Status:
+    expected: Expectation
+    deadline: float
+    parts: dict[int | None, _Part]  # by sender; one part keyed ``None`` when any one sender writes it all
     failure: str | None = None
 
     def complete(self) -> bool:
-        e = self.expected
-        return (self.failure is None and bool((self.kv_pages == e.kv_pages).all()) and self.aux == e.aux
-                and all(len(self.landed.get(n, ())) == len(layers) for n, layers in self.components.items()))
+        return self.failure is None and all(p.complete(self.expected) for p in self.parts.values())
 
 
 class CompletionTracker:
@@ -105,10 +127,18 @@ class CompletionTracker:
         self._component_layers = {c.name: tuple(sorted(set(c.layers))) or _ALL for c in side.state} \
             if side is not None else {}
 
-    def expect(self, expectation: Expectation, deadline: float) -> None:
-        components = {n: self._component_layers.get(n, _ALL) for n in expectation.components}
-        self._status[expectation.request] = _Status(expectation, deadline, np.zeros(len(self._kv_layers), np.int64),
-                                                    components)
+    def expect(self, expectation: Expectation, deadline: float,
+               senders: dict[int, frozenset[str] | None] | None = None) -> None:
+        """Track a request until ``deadline``. ``senders``: for a request gathered from several
+        senders, each sender's index and the components it writes (``None``: all of the request's);
+        each must land its whole part."""
+        def part(names: frozenset[str] | None) -> _Part:
+            components = {n: self._component_layers.get(n, _ALL) for n in expectation.components
+                          if names is None or n in names}
+            return _Part(np.zeros(len(self._kv_layers), np.int64), components)
+
+        parts = {None: part(None)} if senders is None else {int(k): part(names) for k, names in senders.items()}
+        self._status[expectation.request] = _Status(expectation, deadline, parts)
 
     def _covered(self, layers: tuple[int, ...] | np.ndarray, note: SectionNote) -> np.ndarray:
         """Which of ``layers`` a note covers (all of them when it names none)."""
@@ -124,27 +154,33 @@ class CompletionTracker:
             return
         if status.failure is not None:
             return
+        part = status.parts.get(None) or status.parts.get(note.sender)  # type: ignore[arg-type]
+        if part is None:
+            self.fail(note.request, f"received a section from sender {note.sender}, which the request was not "
+                                    f"published to (its senders: {sorted(status.parts)})")
+            return
         if note.role == KV_ROLE:
             covered = self._covered(self._kv_layers, note)
             if not covered.any():
                 self.fail(note.request, f"received KV of layers {note.layers}, which this side does not hold")
                 return
-            status.kv_pages[covered] += note.count
-            if (status.kv_pages > status.expected.kv_pages).any():
-                self.fail(note.request, f"received {int(status.kv_pages.max())} KV pages of a layer, expected "
+            part.kv_pages[covered] += note.count
+            if (part.kv_pages > status.expected.kv_pages).any():
+                self.fail(note.request, f"received {int(part.kv_pages.max())} KV pages of a layer, expected "
                                         f"{status.expected.kv_pages}")
         elif note.role == AUX_ROLE:
-            status.aux = True
-        elif note.name in status.components:
-            layers = status.components[note.name]
+            part.aux = True
+        elif note.name in part.components:
+            layers = part.components[note.name]
             covered = self._covered(layers, note) if layers != _ALL or note.layers is None else np.zeros(1, bool)
             if not covered.any():
                 self.fail(note.request, f"received state component {note.name!r} for layers {note.layers}, "
                                         "which it does not hold here")
                 return
-            status.landed.setdefault(note.name, set()).update(x for x, c in zip(layers, covered) if c)
+            part.landed.setdefault(note.name, set()).update(x for x, c in zip(layers, covered) if c)
         else:
-            self.fail(note.request, f"received state component {note.name!r}, which was not expected")
+            self.fail(note.request, f"received state component {note.name!r}, which was not expected"
+                                    + (f" from sender {note.sender}" if None not in status.parts else ""))
 
     def fail(self, request: Any, reason: str) -> None:
         status = self._status.get(request)

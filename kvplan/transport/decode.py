@@ -23,16 +23,18 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
-from ..errors import PeerError
+from ..errors import LayoutError, PeerError
 from ..planner.destinations import PreallocatedRequest, PublishedRequest, plan_destinations
 from ..planner.device import Planner
 from ..planner.model import Batch, SideMemory
+from ..planner.pairing import pair_sides
+from ..planner.tensor_slices import partner_rank
 from .completion import CompletionTracker, SectionNote, decode_notification, note_of
 from .control import ControlChannel, ControlTimeout
 from .engines import Engine
@@ -40,7 +42,7 @@ from .landing import LandingGuard
 from .local import plan_alignment, scatter, warm_up
 from .receiver_plan import OwnLists, PlannedRun, PlannedWave
 from .streams import transport_stream
-from .registration import describe_side
+from .registration import describe_side, side_from_description
 from .waves import check_run, decode_wave_note, wave_key
 
 __all__ = ["DecodeEndpoint", "engine_regions"]
@@ -49,6 +51,13 @@ log = logging.getLogger("kvplan")
 
 POLL_S = 0.001  # how long one look at the control socket blocks before the engine is looked at again
 EARLY_KEEP_S = 60.0  # how long a landed wave waits for its table (a refused or lost run's never comes)
+
+
+def _peers(peer: int | Sequence[int]) -> tuple[int, ...]:
+    peers = (int(peer),) if isinstance(peer, (int, np.integer)) else tuple(int(k) for k in peer)
+    if not peers or len(set(peers)) != len(peers):
+        raise ValueError(f"a request is published to one sender or to several distinct ones, not {peer!r}")
+    return peers
 
 
 def engine_regions(side: SideMemory) -> list[tuple[int, int]]:
@@ -83,7 +92,9 @@ class DecodeEndpoint:
     """The receiving side (see the module docstring).
 
     ``channels``: one control channel per prefill endpoint that sends here (fan-in); a request is
-    published to one of them (``publish(..., peer=k)``) and only that sender may write it.
+    published to one of them (``publish(..., peer=k)``) and only that sender may write it, or, gathered
+    from a larger TP size, to the source ranks that together hold this rank's part (``publish(...,
+    peer=[k0, k1])``, docs/tp_state.md §4): each of them must then land its whole part.
     """
 
     def __init__(self, side: SideMemory, engine: Engine, channels: ControlChannel | Sequence[ControlChannel],
@@ -93,7 +104,8 @@ class DecodeEndpoint:
         self.tracker = CompletionTracker(side)
         self.guard = LandingGuard(side)
         self.failures: dict[Any, str | None] = {}
-        self._owner: dict[Any, int] = {}  # request -> the channel (sender) it was published to
+        self._owner: dict[Any, tuple[int, ...]] = {}  # request -> the channels (senders) it was published to
+        self._senders: dict[int, SideMemory] = {}  # each paired sender's layout (its "paired" message)
         self._waves: dict[str, _StagedWave] = {}
         self._early: dict[str, float] = {}  # waves whose bytes landed before their table was read: when
         self._uploads: dict[int, tuple[torch.Tensor, Any]] = {}  # per sender: pinned rows, their last upload
@@ -119,38 +131,78 @@ class DecodeEndpoint:
     def _register(self, peer: int, deadline: float) -> None:
         """Send sender ``peer`` this side's layout, engine metadata and its share of the staging buffer."""
         share = [self.staging.data_ptr() + peer * self._share, self._share] if self.staging is not None else None
-        self.channels[peer].send("register", {"side": describe_side(self.side), "staging": share},
-                                 self.engine.metadata(), timeout=max(0.0, deadline - time.monotonic()))
+        header = {"side": describe_side(self.side), "staging": share}
+        if len(self.channels) > 1:  # the sender names itself by it in its notifications
+            header["peer"] = peer
+        self.channels[peer].send("register", header, self.engine.metadata(),
+                                 timeout=max(0.0, deadline - time.monotonic()))
 
     @property
     def channel(self) -> ControlChannel:
         """The first (usually the only) sender's channel."""
         return self.channels[0]
 
-    def publish(self, requests: Sequence[PreallocatedRequest], timeout: float, peer: int = 0) -> None:
-        """Compute, validate and send every request's destination lists to sender ``peer``; track them."""
+    def publish(self, requests: Sequence[PreallocatedRequest], timeout: float, peer: int | Sequence[int] = 0) -> None:
+        """Compute, validate and send every request's destination lists to sender ``peer`` (or to
+        each of several senders it is gathered from, see the class docstring); track them."""
+        peers = _peers(peer)
         pending = plan_destinations(self.side, requests)
         deadline = time.monotonic() + timeout
         published = pending.result()
-        self.track(published, deadline, peer)
+        self.track(published, deadline, peers)
         for r, p in zip(requests, published):
             self._own[r.request] = OwnLists.of(r, p)
         for r, message in zip(requests, pending.messages()):
-            try:
-                self.channels[peer].send("request", {"request": r.request, "prompt_len": r.prompt_len,
-                                              "prefix_len": r.prefix_len, "plans": True}, message,
-                                  timeout=max(0.0, deadline - time.monotonic()))
-            except ControlTimeout as err:
-                self.tracker.fail(r.request, f"its destination lists could not be published: {err}")
+            for k in peers:
+                try:
+                    self.channels[k].send("request", {"request": r.request, "prompt_len": r.prompt_len,
+                                                      "prefix_len": r.prefix_len, "plans": True}, message,
+                                          timeout=max(0.0, deadline - time.monotonic()))
+                except ControlTimeout as err:
+                    self.tracker.fail(r.request, f"its destination lists could not be published to sender {k}: {err}")
 
-    def track(self, published: Sequence[PublishedRequest], deadline: float, peer: int = 0) -> None:
+    def track(self, published: Sequence[PublishedRequest], deadline: float, peer: int | Sequence[int] = 0) -> None:
         """Expect the published requests (lists computed by :func:`plan_destinations` or by the
-        caller) from sender ``peer``: their completion is tracked, and the peer may write only
-        inside their lists."""
+        caller) from sender ``peer``, or from each of several it is gathered from: their completion
+        is tracked, and those peers may write only inside their lists. A gather waits (until
+        ``deadline``) for its senders' layouts, and raises :class:`~kvplan.errors.LayoutError` unless
+        they are exactly the source ranks that hold this rank's part."""
+        peers = _peers(peer)
+        parts = self._gather_parts(peers, deadline) if len(peers) > 1 else None
         for p in published:
-            self.tracker.expect(p.expectation(), deadline)
+            self.tracker.expect(p.expectation(), deadline, parts)
             self.guard.publish(p.request, p.lists, p.aux_index)
-            self._owner[p.request] = peer
+            self._owner[p.request] = peers
+
+    def _writes(self, request: Any, peer: int) -> bool:
+        """Whether sender ``peer`` may write ``request``."""
+        return peer in self._owner.get(request, ())
+
+    def _gather_parts(self, peers: tuple[int, ...], deadline: float) -> dict[int, frozenset[str]]:
+        """For a request gathered from ``peers``: the components each writes (a source rank whose
+        pairing slices nothing of a component sends none of it), once every sender's layout is known;
+        raises unless the senders are exactly the source ranks that hold this rank's part."""
+        while (missing := [k for k in peers if k not in self._senders]):
+            if time.monotonic() > deadline:
+                raise ControlTimeout(f"senders {missing} have not paired with this side: a request gathered from "
+                                     "them cannot be tracked")
+            self.poll()
+            self.channels[missing[0]].wait_readable(POLL_S)
+        kv, sides = self.side.kv, [self._senders[k] for k in peers]
+        sizes = sorted({s.kv.tp_size for s in sides})
+        if len(sizes) != 1 or sizes[0] <= kv.tp_size or sizes[0] % kv.tp_size:
+            raise LayoutError(f"a request published to {len(peers)} senders is gathered from one larger TP size; the "
+                              f"senders have TP sizes {sizes}, this side TP {kv.tp_size} (docs/tp_state.md §4)")
+        want = [r for r in range(sizes[0]) if partner_rank(r, sizes[0], kv.tp_size) == kv.tp_rank]
+        got = [s.kv.tp_rank for s in sides]
+        if sorted(got) != want:
+            raise LayoutError(f"rank {kv.tp_rank} of TP {kv.tp_size} gathers from ranks {want} of TP {sizes[0]}, but "
+                              f"the senders hold ranks {got}: part of its items would never be written")
+        parts = {}
+        for k, sender in zip(peers, sides):
+            pairing = pair_sides(sender, self.side)
+            parts[k] = frozenset(c.name for c, table in zip(self.side.state, pairing.state_src) if len(table))
+        return parts
 
     # -- progress ---------------------------------------------------------------------------------
     def poll(self) -> None:
@@ -162,7 +214,9 @@ class DecodeEndpoint:
                     self._announce(k, header, frames[0])
                 elif kind == "staged-plan":
                     self._announce_planned(k, header)
-                elif kind == "failed" and self._owner.get(header.get("request")) == k:
+                elif kind == "paired":
+                    self._on_paired(k, header)
+                elif kind == "failed" and self._writes(header.get("request"), k):
                     self.tracker.fail(header["request"], f"the prefill side reports: {header.get('reason')}")
                 elif kind == "refused":
                     self._fail_owned(k, f"the prefill side refused the pairing: {header.get('reason')}")
@@ -190,11 +244,19 @@ class DecodeEndpoint:
             for key in [k for k, at in self._early.items() if now - at > EARLY_KEEP_S]:
                 del self._early[key]
 
+    def _on_paired(self, peer: int, header: dict[str, Any]) -> None:
+        """A sender's layout, sent once it has paired with this side (a gather needs its rank)."""
+        try:
+            self._senders[peer] = side_from_description(header["side"])
+        except (KeyError, TypeError, ValueError) as err:
+            log.warning("ignored a malformed pairing message from sender %d: %s: %s", peer, type(err).__name__, err)
+
     def _pair_again(self, peer: int) -> None:
         """A restarted sender connected on channel ``peer``: what the old one left fails, its staged
         waves are dropped, and the new one gets this side's registration (then new requests)."""
         log.warning("a prefill endpoint connected again on channel %d: registering with it", peer)
         self._fail_owned(peer, "the prefill side is gone: it restarted and connected again")
+        self._senders.pop(peer, None)  # the new one sends its own layout
         for key in [k for k, w in self._waves.items() if w.peer == peer and w.event is None]:
             del self._waves[key]
         self._runs = [(k, run) for k, run in self._runs if k != peer]
@@ -205,7 +267,7 @@ class DecodeEndpoint:
 
     def _fail_owned(self, peer: int, reason: str) -> None:
         for request in self.tracker.pending():
-            if self._owner.get(request) == peer:
+            if self._writes(request, peer):
                 self.tracker.fail(request, reason)
 
     def wait(self) -> dict[Any, str]:
@@ -254,7 +316,7 @@ class DecodeEndpoint:
             spans = [(r, int(lo), int(hi)) for r, lo, hi in header["requests"]]
             requests = list(dict.fromkeys(r for r, _, _ in spans))
             alignment = int(header["alignment"])
-            strangers = [r for r in requests if self._owner.get(r, peer) != peer]
+            strangers = [r for r in requests if r in self._owner and not self._writes(r, peer)]
             if strangers:
                 raise PeerError(f"the run names requests published to another sender: {strangers[:4]}")
             if self.staging is None:
@@ -290,7 +352,7 @@ class DecodeEndpoint:
             if waves:
                 self._mark(wave_key(waves[0], sender), "received")
             requests = list(dict.fromkeys(r for r, *_ in header["transfers"]))
-            strangers = [r for r in requests if self._owner.get(r, peer) != peer]
+            strangers = [r for r in requests if r in self._owner and not self._writes(r, peer)]
             if strangers:
                 raise PeerError(f"the run names requests published to another sender: {strangers[:4]}")
             if self.staging is None:
@@ -348,7 +410,7 @@ class DecodeEndpoint:
     def _refuse_run(self, peer: int, requests: Sequence[Any], waves: Sequence[int], why: str) -> None:
         """Fail a refused run's requests and tell its sender, wave by wave (no slot of it is scattered)."""
         for r in requests:
-            if self._owner.get(r) == peer:
+            if self._writes(r, peer):
                 self.tracker.fail(r, f"refused staged run: {why}")
         for index in waves:
             self.channels[peer].send("wave-done", {"wave": index, "error": why})
@@ -427,7 +489,7 @@ class DecodeEndpoint:
     def _refuse(self, wave: _StagedWave, why: str) -> None:
         """Fail a wave's requests and tell its sender (its slot is not credited back)."""
         for r in wave.requests:
-            if self._owner.get(r) == wave.peer:
+            if self._writes(r, wave.peer):
                 self.tracker.fail(r, f"refused staged wave {wave.index}: {why}")
         self.channels[wave.peer].send("wave-done", {"wave": wave.index, "error": why})
         wave.scattered = True  # nothing of it is written
@@ -444,5 +506,5 @@ class DecodeEndpoint:
             self.channels[wave.peer].send("wave-done", {"wave": wave.index})  # the credit, before completion shows
             self._mark(key, "credit")
             for note in wave.sections:
-                self.tracker.on_section(note)
+                self.tracker.on_section(replace(note, sender=wave.peer))
             del self._waves[key]

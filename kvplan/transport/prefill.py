@@ -61,7 +61,7 @@ from .local import gather, plan_alignment, warm_up
 from .readiness import LayerStreaming
 from .streams import transport_stream
 from .receiver_plan import planned_run_message, receiver_can_plan
-from .registration import side_from_description
+from .registration import describe_side, side_from_description
 from .waves import Wave, plan_waves, run_message, wave_note
 
 __all__ = ["Chunk", "MODES", "Peer", "PrefillEndpoint"]
@@ -99,6 +99,7 @@ class Peer:
     prepared: bool = False
     plannable: bool = False  # its staged runs may go without tables (receiver_plan.receiver_can_plan)
     planning: set = field(default_factory=set)  # requests it published with a row: it can plan their scatter
+    index_there: int | None = None  # how that endpoint knows this sender, where it has several (notifications name it)
 
     def recv(self, deadline: float) -> tuple[str, dict[str, Any], list[bytes]]:
         return self.backlog.popleft() if self.backlog else self.channel.recv(deadline)
@@ -191,7 +192,10 @@ class PrefillEndpoint:
         peer.side = peer_side
         peer.plannable = receiver_can_plan(self.side, peer_side, self.policy)
         peer.staging = tuple(header["staging"]) if header["staging"] else None
+        peer.index_there = int(header["peer"]) if header.get("peer") is not None else None
         peer.name = self.engine.connect(frames[0])
+        # this side's layout: a decode rank that gathers from several source ranks checks their ranks with it
+        peer.channel.send("paired", {"from": self.id, "side": describe_side(self.side)})
 
     def _on_request(self, k: int, header: dict[str, Any], frames: list[bytes]) -> Any:
         p = self.peers[k]
@@ -358,7 +362,7 @@ class PrefillEndpoint:
         posted = []
         for s in sections:
             dest = transfers[s.transfer].dest
-            posted.append((self.engine.post(self.peers[dest].name, descs[s.lo : s.hi], encode_notification(s)), s))
+            posted.append((self.engine.post(self.peers[dest].name, descs[s.lo : s.hi], encode_notification(s, self.peers[dest].index_there)), s))
             log.debug("posted %s of %r: %d descriptors to peer %d", s.name, s.request, s.hi - s.lo, dest)
         return self._settle(transfers, posted, deadline)
 
@@ -414,7 +418,7 @@ class PrefillEndpoint:
                 for s in parts:
                     rows = descs[s.spans[0][0]:s.spans[0][1]] if len(s.spans) == 1 else descs[s.rows()]
                     dest = transfers[s.transfer].dest
-                    posted.append((self.engine.post(self.peers[dest].name, rows, encode_notification(s)), s))
+                    posted.append((self.engine.post(self.peers[dest].name, rows, encode_notification(s, self.peers[dest].index_there)), s))
             if trace is not None:
                 trace.append((g, "sent", time.perf_counter()))
         result = self._settle(transfers, posted, deadline)
@@ -499,7 +503,9 @@ class PrefillEndpoint:
             if not self.peers[dest].prepared:
                 self._prepare(dest)
             posted.append((self.engine.post_prepared(self.peers[dest].name, role, indices.src[lo:hi],
-                                                     indices.dst[lo:hi], encode_notification(section)), section))
+                                                     indices.dst[lo:hi],
+                                                     encode_notification(section, self.peers[dest].index_there)),
+                             section))
         return self._settle(transfers, posted, deadline)
 
     # -- staged -----------------------------------------------------------------------------------

@@ -81,7 +81,8 @@ def plan_waves(sizes: np.ndarray, sections: Sequence[Section], slot_bytes: int, 
 
 
 def wave_note(wave: int, sender: str) -> bytes:
-    """The engine notification of a staged wave (sections' notifications are JSON lists)."""
+    """The engine notification of a staged wave (sections' notifications are JSON lists, or objects
+    with a ``note``: :func:`~.completion.encode_notification`)."""
     return json.dumps({"wave": wave, "from": sender}).encode()
 
 
@@ -93,7 +94,7 @@ def wave_key(wave: int, sender: str) -> str:
 def decode_wave_note(raw: bytes) -> str | None:
     """The :func:`wave_key` of a wave notification, or ``None`` for a section notification."""
     note = json.loads(raw)
-    return wave_key(int(note["wave"]), str(note["from"])) if isinstance(note, dict) else None
+    return wave_key(int(note["wave"]), str(note["from"])) if isinstance(note, dict) and "wave" in note else None
 
 
 def run_message(sender: str, base_id: int, waves: Sequence[Wave], slot_bytes: int, alignment: int,

@@ -1,6 +1,7 @@
-"""One prefill endpoint sending one batch to two decode endpoints (fan-out), and one decode endpoint
-receiving from two prefill endpoints (fan-in), through NIXL in one process over 127.0.0.1, every
-byte checked against a reference execution of the same plan."""
+"""One prefill endpoint sending one batch to two decode endpoints (fan-out), one decode endpoint
+receiving from two prefill endpoints (fan-in), and one decode rank gathering each request from the
+two source ranks that hold its part (TP gather), through NIXL in one process over 127.0.0.1, every
+byte checked against a reference execution of the same plans."""
 
 import os
 import threading
@@ -17,7 +18,7 @@ from kvplan.transport.control import ControlChannel
 from kvplan.transport.endpoints import Chunk, DecodeEndpoint, PrefillEndpoint
 from kvplan.transport.engines import make_engine
 from kvplan.tools.verify import AddressSpace, execute
-from tests.transport.handoff import HYBRID
+from tests.transport.handoff import HYBRID, MAMBA_TP8TO4
 
 pytestmark = pytest.mark.engines
 
@@ -38,11 +39,12 @@ def decode_side(batch):
     return side, tensors
 
 
-def expected_bytes(batch, src, src_tensors, dst_side, dst_tensors, requests):
-    """The decode pools after a reference execution of ``requests``' transfers."""
+def expected_bytes(batch, src, src_tensors, dst_side, dst_tensors, requests, space=None):
+    """The decode pools after a reference execution of ``requests``' transfers (onto ``space``, when
+    given, instead of zeroed pools)."""
     transfers = tuple(t for t in batch.transfers if t.request in requests)
     real = Batch(src, (replace(dst_side, req_to_token=batch.dsts[0].req_to_token),), transfers)
-    space = AddressSpace.of_tensors(dst_tensors, zero=True)
+    space = space or AddressSpace.of_tensors(dst_tensors, zero=True)
     execute(plan_reference(real).descriptors()[0], AddressSpace.of_tensors(src_tensors), space)
     return space
 
@@ -112,4 +114,38 @@ def test_one_decode_endpoint_receives_from_two_prefill_endpoints(mode):
     thread.join(TIMEOUT)
     assert box["states"] == {"req1": "complete", "req2": "complete"}
     assert expected_bytes(batch, src, src_tensors, side, tensors, {"req1", "req2"}).matches(tensors)
+    assert len(decode.tracker) == 0 and len(decode.guard) == 0
+
+
+@pytest.mark.parametrize("mode", ["direct", "staged"])
+def test_one_decode_rank_gathers_each_request_from_the_two_source_ranks_that_hold_its_part(mode):
+    """TP 8 -> 4 (docs/tp_state.md §4): KV heads and Mamba tensors come half from each source rank; a
+    component of replicated tensors only comes from the group's first rank alone."""
+    import torch
+
+    batches = [build_batch(MAMBA_TP8TO4, 2, [40, 24], chunks=2, seed=5, src_rank=r) for r in (0, 1)]
+    sources = [materialize(b.src, "cpu", seed=9 + r) for r, b in enumerate(batches)]
+    side, tensors = decode_side(batches[0])
+    staging = (lambda: torch.zeros(1 << 20, dtype=torch.uint8)) if mode == "staged" else (lambda: None)
+    channels = [ControlChannel(), ControlChannel()]
+    decode = DecodeEndpoint(side, make_engine("nixl", "gather-decode"), channels, staging())
+    prefills = [PrefillEndpoint(src, make_engine("nixl", f"gather-prefill-{k}"), ControlChannel(c.port), staging())
+                for k, ((src, _), c) in enumerate(zip(sources, channels))]
+    decode.register(timeout=TIMEOUT)
+    for p in prefills:
+        p.accept(timeout=TIMEOUT)
+    decode.publish([published(batches[0], r) for r in ("req1", "req2")], timeout=TIMEOUT, peer=[0, 1])
+    thread, box = waiting(decode)
+    for p, batch in zip(prefills, batches):
+        p.receive_requests(2, timeout=TIMEOUT)
+        chunks = [c for r in ("req1", "req2") for c in chunks_of(batch, r)]
+        assert p.send([p.transfer(c) for c in chunks], mode=mode, timeout=TIMEOUT) == {"req1": None, "req2": None}
+    thread.join(TIMEOUT)
+    assert box["states"] == {"req1": "complete", "req2": "complete"}
+    space = None
+    for batch, (src, src_tensors) in zip(batches, sources):
+        space = expected_bytes(batch, src, src_tensors, side, tensors, {"req1", "req2"}, space)
+        if batch is batches[0]:
+            assert not space.matches(tensors)  # the first source rank's part alone is not the request
+    assert space.matches(tensors)
     assert len(decode.tracker) == 0 and len(decode.guard) == 0
