@@ -59,7 +59,7 @@ from .decode import engine_regions
 from .engines import Engine, Handle, wait_all
 from .local import gather, plan_alignment, warm_up
 from .readiness import LayerStreaming
-from .streams import transport_stream
+from .streams import transport_stream, wait_word
 from .receiver_plan import planned_run_message, receiver_can_plan
 from .registration import describe_side, side_from_description
 from .waves import Wave, plan_waves, run_message, wave_note
@@ -374,58 +374,18 @@ class PrefillEndpoint:
         descriptors and alignment), as one staged run per group and peer."""
         pairings = [pair_sides(self.side, p.side) for p in self.peers]
         per_group = group_sections(sections, pairings, self.side, [t.dest for t in transfers], layers.groups)
-        dests = sorted({t.dest for t in transfers})
         self.last_mode, self.last_announcement = ("staged", "table") if staged else ("direct", None)
-        posted: list[tuple[Handle, Any]] = []
-        failed: dict[Any, str | None] = {}
-        trace = [] if os.environ.get("KVPLAN_TRACE") else None
-        announced: dict[int, list[_StagedRun]] = {}
-
-        def merge(result: dict[Any, str | None]) -> None:
-            for request, reason in result.items():
-                failed[request] = failed.get(request) or reason
-
-        def announce(g: int) -> None:
-            """Announce group ``g``'s staged runs (one per peer) ahead of its readiness: once it is
-            written, its bytes need only gathering and writing."""
-            if staged is None or g >= len(per_group) or g in announced:
-                return
-            announced[g] = []
-            for dest in dests:
-                mine = [s for s in per_group[g] if transfers[s.transfer].dest == dest]
-                if mine:
-                    run = self._staged_run(dest, self._group_run(transfers, dest, mine, descs, *staged), staged[1],
-                                           deadline)
-                    if run.announce():
-                        announced[g].append(run)
-                    else:
-                        merge(run.result)
-
-        for g, parts in enumerate(per_group):
-            announce(g)
-            why = self._until_ready(layers.readiness, g, posted, dests, deadline)
-            if trace is not None:
-                trace.append((g, "ready", time.perf_counter()))
-            if why is not None:  # nothing of this group or later ones goes out
-                for s in (s for later in per_group[g:] for s in later):
-                    self._fail(transfers[s.transfer].dest, failed, [s.request], why)
-                break
-            if staged is not None:
-                for run in announced.pop(g):
-                    merge(run.move())
-                announce(g + 1)
-            else:
-                for s in parts:
-                    rows = descs[s.spans[0][0]:s.spans[0][1]] if len(s.spans) == 1 else descs[s.rows()]
-                    dest = transfers[s.transfer].dest
-                    posted.append((self.engine.post(self.peers[dest].name, rows, encode_notification(s, self.peers[dest].index_there)), s))
-            if trace is not None:
-                trace.append((g, "sent", time.perf_counter()))
-        result = self._settle(transfers, posted, deadline)
-        if trace is not None:
-            trace.append((len(per_group), "settled", time.perf_counter()))
-            log.warning("layer groups (group, step, clock ms): %s", [(g, k, round(t * 1e3, 3)) for g, k, t in trace])
-        for request, reason in failed.items():
+        send = _GroupedSend(self, transfers, descs, per_group, layers, deadline, staged)
+        try:
+            send.run()
+        finally:
+            send.unblock()
+        result = self._settle(transfers, send.posted, deadline)
+        if send.trace is not None:
+            send.trace.append((len(per_group), "settled", time.perf_counter()))
+            log.warning("layer groups (group, step, clock ms): %s",
+                        [(g, k, round(t * 1e3, 3)) for g, k, t in send.trace])
+        for request, reason in send.failed.items():
             result[request] = result.get(request) or reason
         return result
 
@@ -548,6 +508,78 @@ def split_descriptors(descs: np.ndarray, limit: int) -> tuple[np.ndarray, np.nda
     return pieces, first
 
 
+class _GroupedSend:
+    """One streamed send (:meth:`PrefillEndpoint.send` with ``layers``): each layer group once the
+    forward pass has marked it. Staged runs are announced a group ahead; where the transport stream
+    can wait on the readiness word (:func:`.streams.wait_word`), a group's first gathers are queued
+    behind that wait when it is announced, so that they start on the device at the mark."""
+
+    def __init__(self, ep: PrefillEndpoint, transfers: Sequence[Transfer], descs: np.ndarray, per_group: list,
+                 layers: LayerStreaming, deadline: float, staged: tuple[torch.Tensor, int] | None):
+        self.ep, self.transfers, self.descs, self.per_group = ep, transfers, descs, per_group
+        self.layers, self.deadline, self.staged = layers, deadline, staged
+        self.dests = sorted({t.dest for t in transfers})
+        self.posted: list[tuple[Handle, Any]] = []  # direct writes, waited for together at the end
+        self.failed: dict[Any, str | None] = {}
+        self.announced: dict[int, list[_StagedRun]] = {}
+        self.waiting_on_device = False  # a gather queued behind a device-side wait for a mark
+        self.trace: list | None = [] if os.environ.get("KVPLAN_TRACE") else None
+
+    def merge(self, result: dict[Any, str | None]) -> None:
+        for request, reason in result.items():
+            self.failed[request] = self.failed.get(request) or reason
+
+    def announce(self, g: int) -> None:
+        """Announce group ``g``'s staged runs (one per peer) ahead of its mark, with their first gathers
+        queued behind a device-side wait for it where the stream can: once written, it needs only writing."""
+        if self.staged is None or g >= len(self.per_group) or g in self.announced:
+            return
+        ep, runs = self.ep, []
+        for dest in self.dests:
+            mine = [s for s in self.per_group[g] if self.transfers[s.transfer].dest == dest]
+            if mine:
+                share = ep._group_run(self.transfers, dest, mine, self.descs, *self.staged)
+                run = ep._staged_run(dest, share, self.staged[1], self.deadline)
+                if run.announce():
+                    runs.append(run)
+                    self.waiting_on_device |= run.gather_ahead(self.layers.readiness, g)
+                else:
+                    self.merge(run.result)
+        self.announced[g] = runs
+
+    def run(self) -> None:
+        ep = self.ep
+        for g, parts in enumerate(self.per_group):
+            self.announce(g)
+            why = ep._until_ready(self.layers.readiness, g, self.posted, self.dests, self.deadline)
+            self._mark(g, "ready")
+            if why is not None:  # nothing of this group or later ones goes out
+                for s in (s for later in self.per_group[g:] for s in later):
+                    ep._fail(self.transfers[s.transfer].dest, self.failed, [s.request], why)
+                return
+            if self.staged is not None:
+                for run in self.announced.pop(g):
+                    self.merge(run.move())
+                self.announce(g + 1)
+            else:
+                for s in parts:
+                    rows = self.descs[s.spans[0][0]:s.spans[0][1]] if len(s.spans) == 1 else self.descs[s.rows()]
+                    peer = ep.peers[self.transfers[s.transfer].dest]
+                    self.posted.append((ep.engine.post(peer.name, rows, encode_notification(s, peer.index_there)), s))
+            self._mark(g, "sent")
+
+    def unblock(self) -> None:
+        """A send that gave up before the last mark: let the device-side waits it queued through,
+        and drain them, so that no stream stays blocked and a later reset of the word cannot block one."""
+        if self.waiting_on_device and self.layers.readiness.ready() < len(self.per_group):
+            self.layers.readiness.release()
+            self.ep._stream.synchronize()
+
+    def _mark(self, group: int, step: str) -> None:
+        if self.trace is not None:
+            self.trace.append((group, step, time.perf_counter()))
+
+
 class _StagedRun:
     """One batch through the staging ring (see :class:`PrefillEndpoint`)."""
 
@@ -579,6 +611,7 @@ class _StagedRun:
         self.acked: set[int] = set()
         self.gone: str | None = None  # why the receiver is known to be gone
         self.base_id = 0  # the id of its first wave: taken from the endpoint when announced
+        self.ahead = 0  # waves gathered before the run moves (behind a device-side wait)
         self.waves: list[Wave] = []  # planned when announced
         self.trace: list[tuple[int, str, float]] | None = None
         if os.environ.get("KVPLAN_TRACE"):
@@ -633,11 +666,24 @@ class _StagedRun:
             self.dev_starts = torch.cumsum(device_descs[:, 2], 0) - device_descs[:, 2]
         return True
 
+    def gather_ahead(self, readiness: Any, group: int) -> bool:
+        """Queue the gathers of the waves the free slots take now (an announced run, every slot free),
+        behind a device-side wait until ``readiness`` counts ``group + 1`` groups: they start on the
+        device once the forward pass marks the group. ``False`` where the stream cannot wait on it."""
+        address = getattr(readiness, "word_address", None)
+        if self.ep._stream is None or address is None or not wait_word(self.ep._stream, address, group + 1):
+            return False
+        for wave in self.waves[: self.slots]:
+            self._mark(wave.index, "gather0")
+            self._gather(wave)
+        self.ahead = min(len(self.waves), self.slots)
+        return True
+
     def move(self) -> dict[Any, str | None]:
         """Gather, write and wait for the credits of every wave of an announced run; the result per request."""
         ep, waves = self.ep, self.waves
-        sent = 0
-        for wave in waves:
+        sent = self.ahead
+        for wave in waves[self.ahead :]:
             if not self._wait(lambda: self.remote_free[wave.slot] and self._local_free(wave.slot)):
                 break
             self._mark(wave.index, "gather0")
