@@ -59,7 +59,7 @@ from .decode import engine_regions
 from .engines import Engine, Handle, wait_all
 from .local import gather, plan_alignment, warm_up
 from .readiness import LayerStreaming
-from .streams import transport_stream, wait_word
+from .streams import transport_stream
 from .receiver_plan import planned_run_message, receiver_can_plan
 from .registration import describe_side, side_from_description
 from .waves import Wave, plan_waves, run_message, wave_note
@@ -376,10 +376,7 @@ class PrefillEndpoint:
         per_group = group_sections(sections, pairings, self.side, [t.dest for t in transfers], layers.groups)
         self.last_mode, self.last_announcement = ("staged", "table") if staged else ("direct", None)
         send = _GroupedSend(self, transfers, descs, per_group, layers, deadline, staged)
-        try:
-            send.run()
-        finally:
-            send.unblock()
+        send.run()
         result = self._settle(transfers, send.posted, deadline)
         if send.trace is not None:
             send.trace.append((len(per_group), "settled", time.perf_counter()))
@@ -510,9 +507,9 @@ def split_descriptors(descs: np.ndarray, limit: int) -> tuple[np.ndarray, np.nda
 
 class _GroupedSend:
     """One streamed send (:meth:`PrefillEndpoint.send` with ``layers``): each layer group once the
-    forward pass has marked it. Staged runs are announced a group ahead; where the transport stream
-    can wait on the readiness word (:func:`.streams.wait_word`), a group's first gathers are queued
-    behind that wait when it is announced, so that they start on the device at the mark."""
+    forward pass has marked it. A group's staged runs are announced while the forward pass still
+    writes it (destination tables, byte offsets on the device): once it is marked, its bytes need
+    only gathering and writing."""
 
     def __init__(self, ep: PrefillEndpoint, transfers: Sequence[Transfer], descs: np.ndarray, per_group: list,
                  layers: LayerStreaming, deadline: float, staged: tuple[torch.Tensor, int] | None):
@@ -522,7 +519,6 @@ class _GroupedSend:
         self.posted: list[tuple[Handle, Any]] = []  # direct writes, waited for together at the end
         self.failed: dict[Any, str | None] = {}
         self.announced: dict[int, list[_StagedRun]] = {}
-        self.waiting_on_device = False  # a gather queued behind a device-side wait for a mark
         self.trace: list | None = [] if os.environ.get("KVPLAN_TRACE") else None
 
     def merge(self, result: dict[Any, str | None]) -> None:
@@ -530,8 +526,7 @@ class _GroupedSend:
             self.failed[request] = self.failed.get(request) or reason
 
     def announce(self, g: int) -> None:
-        """Announce group ``g``'s staged runs (one per peer) ahead of its mark, with their first gathers
-        queued behind a device-side wait for it where the stream can: once written, it needs only writing."""
+        """Announce group ``g``'s staged runs (one per peer) ahead of its mark."""
         if self.staged is None or g >= len(self.per_group) or g in self.announced:
             return
         ep, runs = self.ep, []
@@ -542,7 +537,6 @@ class _GroupedSend:
                 run = ep._staged_run(dest, share, self.staged[1], self.deadline)
                 if run.announce():
                     runs.append(run)
-                    self.waiting_on_device |= run.gather_ahead(self.layers.readiness, g)
                 else:
                     self.merge(run.result)
         self.announced[g] = runs
@@ -567,13 +561,6 @@ class _GroupedSend:
                     peer = ep.peers[self.transfers[s.transfer].dest]
                     self.posted.append((ep.engine.post(peer.name, rows, encode_notification(s, peer.index_there)), s))
             self._mark(g, "sent")
-
-    def unblock(self) -> None:
-        """A send that gave up before the last mark: let the device-side waits it queued through,
-        and drain them, so that no stream stays blocked and a later reset of the word cannot block one."""
-        if self.waiting_on_device and self.layers.readiness.ready() < len(self.per_group):
-            self.layers.readiness.release()
-            self.ep._stream.synchronize()
 
     def _mark(self, group: int, step: str) -> None:
         if self.trace is not None:
@@ -611,7 +598,6 @@ class _StagedRun:
         self.acked: set[int] = set()
         self.gone: str | None = None  # why the receiver is known to be gone
         self.base_id = 0  # the id of its first wave: taken from the endpoint when announced
-        self.ahead = 0  # waves gathered before the run moves (behind a device-side wait)
         self.waves: list[Wave] = []  # planned when announced
         self.trace: list[tuple[int, str, float]] | None = None
         if os.environ.get("KVPLAN_TRACE"):
@@ -666,24 +652,11 @@ class _StagedRun:
             self.dev_starts = torch.cumsum(device_descs[:, 2], 0) - device_descs[:, 2]
         return True
 
-    def gather_ahead(self, readiness: Any, group: int) -> bool:
-        """Queue the gathers of the waves the free slots take now (an announced run, every slot free),
-        behind a device-side wait until ``readiness`` counts ``group + 1`` groups: they start on the
-        device once the forward pass marks the group. ``False`` where the stream cannot wait on it."""
-        address = getattr(readiness, "word_address", None)
-        if self.ep._stream is None or address is None or not wait_word(self.ep._stream, address, group + 1):
-            return False
-        for wave in self.waves[: self.slots]:
-            self._mark(wave.index, "gather0")
-            self._gather(wave)
-        self.ahead = min(len(self.waves), self.slots)
-        return True
-
     def move(self) -> dict[Any, str | None]:
         """Gather, write and wait for the credits of every wave of an announced run; the result per request."""
         ep, waves = self.ep, self.waves
-        sent = self.ahead
-        for wave in waves[self.ahead :]:
+        sent = 0
+        for wave in waves:
             if not self._wait(lambda: self.remote_free[wave.slot] and self._local_free(wave.slot)):
                 break
             self._mark(wave.index, "gather0")

@@ -80,17 +80,6 @@ class LayerReadiness:
         """Back to zero groups written: call once the last send of the previous pass has returned."""
         self._view[0] = 0
 
-    @property
-    def word_address(self) -> int | None:
-        """The word's address as the device maps it, for a stream that waits on it (a streamed
-        staged send queues each group's gathers behind such a wait); ``None`` off a GPU."""
-        return self._word.data_ptr() if self.device.type == "cuda" else None
-
-    def release(self) -> None:
-        """Let every device-side wait on the word through (a send that gives up calls it, so that
-        no stream stays blocked on a group that will never be marked)."""
-        self._view[0] = self.groups
-
 
 @dataclass(frozen=True)
 class LayerStreaming:

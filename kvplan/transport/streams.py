@@ -26,14 +26,12 @@ import logging
 
 import torch
 
-__all__ = ["transport_stream", "wait_word"]
+__all__ = ["transport_stream"]
 
 log = logging.getLogger("kvplan")
 
 _NON_BLOCKING = 1  # CU_STREAM_NON_BLOCKING
-_WAIT_GEQ = 0  # CU_STREAM_WAIT_VALUE_GEQ
 _kept: list[int] = []  # the driver streams made here live as long as the process
-_waits: list = []  # the driver's cuStreamWaitValue32, once found; [None] where it is missing
 
 
 def transport_stream(device: torch.device, priority: int = -1) -> torch.cuda.Stream:
@@ -57,32 +55,3 @@ def transport_stream(device: torch.device, priority: int = -1) -> torch.cuda.Str
         log.warning("a non-blocking CUDA stream could not be made (%s); using a torch side stream, which waits "
                     "for the default stream", err)
         return torch.cuda.Stream(device, priority=priority)
-
-
-def _wait_value32():
-    if not _waits:
-        try:
-            driver = ctypes.CDLL("libcuda.so.1")
-            fn = getattr(driver, "cuStreamWaitValue32_v2", None) or driver.cuStreamWaitValue32
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
-            fn.restype = ctypes.c_int
-            _waits.append(fn)
-        except (OSError, AttributeError) as err:
-            log.warning("the driver has no cuStreamWaitValue32 (%s): layer-group gathers launch from the host", err)
-            _waits.append(None)
-    return _waits[0]
-
-
-def wait_word(stream: torch.cuda.Stream, address: int, value: int) -> bool:
-    """Make ``stream`` wait, on the device, until the 32-bit word at ``address`` (pinned host memory,
-    as the device maps it) is at least ``value``: work queued after it starts as soon as the word
-    is written, with no host step between. ``False`` (nothing queued) where the driver cannot."""
-    fn = _wait_value32()
-    if fn is None:
-        return False
-    status = fn(ctypes.c_void_p(stream.cuda_stream), address, value, _WAIT_GEQ)
-    if status != 0:
-        log.warning("cuStreamWaitValue32 returned %d: layer-group gathers launch from the host", status)
-        _waits[0] = None
-        return False
-    return True
