@@ -5,7 +5,8 @@ with an in-memory engine and channels:
   not the request, a sender it was not published to fails it, and so does a part sent twice;
 * a sender whose pairing slices nothing of a component is not waited for on it;
 * a gather is refused unless its senders are exactly the source ranks holding this rank's part;
-* notifications name their sender where the receiver has several.
+* notifications name their sender where the receiver has several;
+* a failure reported by either sender, or the loss of either, fails the request.
 """
 
 import time
@@ -160,3 +161,21 @@ def test_a_gather_into_a_rank_of_the_same_tp_size_is_refused():
     with pytest.raises(LayoutError, match="larger TP size"):
         endpoint.publish([PreallocatedRequest("r1", row=1, prompt_len=40)], timeout=5, peer=[0, 1])
     assert np.all([r not in endpoint.tracker for r in ("r1",)])
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_a_failure_reported_by_either_sender_fails_the_gathered_request(which):
+    endpoint, prefills = decode_with([0, 1])
+    endpoint.publish([PreallocatedRequest("r1", row=1, prompt_len=40)], timeout=5, peer=[0, 1])
+    prefills[which].send("failed", {"request": "r1", "reason": "the forward pass crashed"})
+    endpoint.poll()
+    assert endpoint.tracker.state("r1") == "failed" and "crashed" in endpoint.tracker.failure("r1")
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_losing_either_sender_fails_the_gathered_request(which, monkeypatch):
+    endpoint, _ = decode_with([0, 1])
+    endpoint.publish([PreallocatedRequest("r1", row=1, prompt_len=40)], timeout=5, peer=[0, 1])
+    monkeypatch.setattr(endpoint.channels[which], "peer_gone", lambda: True)
+    endpoint.poll()
+    assert endpoint.tracker.state("r1") == "failed" and "gone" in endpoint.tracker.failure("r1")
