@@ -2,9 +2,7 @@
 # kvplan demo on a GPU with VRAM pools through NIXL (nixl_cu13 and pyzmq wheels carried in .whl).
 # Usage on the GPU machine:  OUT=/some/dir bash benchmarks/gpu_demo.sh
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1 UCX_NET_DEVICES=lo NIXL_LOG_LEVEL=WARN
-OUT=${OUT:-/tmp/kvplan-gpu}; mkdir -p "$OUT"
+source "$(dirname "$0")/gpu_env.sh" .whl
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/demo.txt"
 for args in "" "--mode staged" "--mode prepared" \
             "--preset llama70b-tp8-p64 --layers 8 --requests 8 --prompt-len 8192" \

@@ -5,9 +5,7 @@
 set -uo pipefail
 engine=$1
 wheels=.whl; [ "$engine" = mooncake ] && wheels=.whl-mc
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$wheels"/*.whl || exit 1
-export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1 UCX_NET_DEVICES=lo NIXL_LOG_LEVEL=WARN
-OUT=${OUT:-/tmp/kvplan-gpu}; mkdir -p "$OUT"
+source "$(dirname "$0")/gpu_env.sh" "$wheels"
 log="$OUT/e2e-$engine.txt"
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$log"
 python3 -m benchmarks.engine_ceiling "$engine" 256 2>&1 | tee -a "$log"

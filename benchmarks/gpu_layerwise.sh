@@ -9,11 +9,7 @@
 set -uo pipefail
 ENGINE=${ENGINE:-nixl}
 WHEELS=$([ "$ENGINE" = mooncake ] && echo .whl-mc || echo .whl)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
-  || exit 1
-export PYTHONPATH=.:/tmp/site TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 UCX_NET_DEVICES=lo NIXL_LOG_LEVEL=WARN
-export MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER=65535 MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER=65535
-OUT=${OUT:-/tmp/kvplan-gpu}; mkdir -p "$OUT"
+source "$(dirname "$0")/gpu_env.sh" "$WHEELS"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/card.txt"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/card.txt"
 if [ "${TESTS:-1}" = 1 ]; then

@@ -6,9 +6,7 @@
 # EXTRA: flags for every demo (e.g. --decode-gpu 1 on two cards); QUICK=1 skips the other presets;
 # TRACE: the configurations traced (default: 512:1 64:4).
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1 UCX_NET_DEVICES=lo NIXL_LOG_LEVEL=WARN TRITON_INTERPRET=0
-OUT=${OUT:-/tmp/kvplan-gpu}; mkdir -p "$OUT"
+source "$(dirname "$0")/gpu_env.sh" .whl
 log="$OUT/receiver-plan.txt"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$log"
 echo "cpus: nproc $(nproc), $(grep -m1 "model name" /proc/cpuinfo), load $(cut -d" " -f1-3 /proc/loadavg)" | tee -a "$log"

@@ -4,9 +4,7 @@
 # Usage on the GPU machine (NIXL and pyzmq wheels carried in .whl):
 #   OUT=/some/dir bash benchmarks/gpu_staged.sh "MIB:SLOTS ..."     (default: 64:4 256:4 256:2)
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1 UCX_NET_DEVICES=lo NIXL_LOG_LEVEL=WARN TRITON_INTERPRET=0
-OUT=${OUT:-/tmp/kvplan-gpu}; mkdir -p "$OUT"
+source "$(dirname "$0")/gpu_env.sh" .whl
 log="$OUT/staged.txt"
 nvidia-smi --query-gpu=name --format=csv,noheader | tee -a "$log"
 echo "cpus: nproc $(nproc), cgroup cpu.max $(cat /sys/fs/cgroup/cpu.max 2>/dev/null || echo n/a), $(grep -m1 "model name" /proc/cpuinfo), load $(cut -d" " -f1-3 /proc/loadavg)" | tee -a "$log"

@@ -3,9 +3,7 @@
 # The engine's one-write ceiling between the cards, then kvplan demo staged, auto and direct.
 # Usage on a two-GPU machine (NIXL and pyzmq wheels carried in .whl):  OUT=/some/dir bash benchmarks/gpu_two_cards.sh
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1 UCX_NET_DEVICES=lo NIXL_LOG_LEVEL=WARN TRITON_INTERPRET=0
-OUT=${OUT:-/tmp/kvplan-gpu}; mkdir -p "$OUT"
+source "$(dirname "$0")/gpu_env.sh" .whl
 log="$OUT/two-cards.txt"
 nvidia-smi --query-gpu=index,name --format=csv,noheader | tee "$log"
 nvidia-smi topo -m 2>&1 | head -4 | tee -a "$log"
