@@ -122,7 +122,15 @@ def _demo(args: argparse.Namespace) -> int:
                         fault=args.fault, repeat=args.repeat, engine_threads=args.engine_threads, staging_bytes=args.staging_mib << 20,
                         staging_slots=args.staging_slots, scatter_tables=args.scatter_tables, decode_gpu=args.decode_gpu,
                         progress_thread=args.progress_thread == "on", dst_page_size=args.dst_page_size,
-                        tp=_tp_sizes(args), layer_groups=args.layerwise, forward_dim=args.forward_dim)
+                        tp=_tp_sizes(args), layer_groups=args.layerwise, forward_dim=args.forward_dim,
+                        gather=args.gather)
+    if config.gather:
+        ts, td = config.model().src_tp, config.model().dst_tp
+        if ts <= td:
+            raise SystemExit(f"kvplan demo: error: --gather needs a larger TP size on the prefill side (here "
+                             f"--src-tp {ts} --dst-tp {td})")
+        if config.fault != "none" or config.forward:
+            raise SystemExit("kvplan demo: error: --gather runs without --fault, --layerwise and --forward-dim")
     if config.layer_groups and config.mode == "prepared":
         raise SystemExit("kvplan demo: error: --layerwise cannot stream through prepared lists; use --mode auto, "
                          "direct or staged")
@@ -218,6 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the prefill side's attention TP size, when not the preset's (docs/tp_state.md)")
     demo.add_argument("--dst-tp", type=_positive, default=None,
                       help="the decode side's attention TP size, when not the preset's (docs/tp_state.md)")
+    demo.add_argument("--gather", action="store_true",
+                      help="with --src-tp larger than --dst-tp: one prefill process per source rank of the decode "
+                           "rank's group, each sending its part, so every byte of the decode's items is written "
+                           "and verified (docs/tp_state.md §4)")
     demo.add_argument("--staging-slots", type=_positive, default=4,
                       help="slots of the sender's staging ring: waves in flight at once (default: 4)")
     demo.add_argument("--scatter-tables", action="store_true",

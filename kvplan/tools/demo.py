@@ -43,9 +43,11 @@ from .bench import median_ms
 from ..planner import gpu
 from ..planner.destinations import PreallocatedRequest
 from ..planner.layer_groups import LayerGroups
-from ..planner.model import Batch
+from ..planner.model import Attention, Batch, SideMemory
+from ..planner.state_kinds import rules_of
 from ..planner.pairing import Mode, pair_sides
 from ..planner.reference import plan_reference
+from ..planner.tensor_slices import partner_rank
 from .scenarios import PRESETS, ModelShape, build_batch, materialize, paired_ranks
 from ..transport.control import ControlChannel
 from ..transport.endpoints import Chunk, DecodeEndpoint, PrefillEndpoint
@@ -90,6 +92,7 @@ class DemoConfig:
     tp: tuple[int, int] | None = None  # (source, destination) attention TP sizes, when not the preset's
     layer_groups: int = 0  # stream behind a stand-in forward pass in this many layer groups (0: no streaming)
     forward_dim: int = 0  # the stand-in forward pass's per-layer matmul: [tokens, dim] x [dim, dim]
+    gather: bool = False  # TP gather (source TP > destination TP): a prefill process per source rank of the group
 
     @property
     def forward(self) -> bool:
@@ -129,13 +132,26 @@ class DemoConfig:
         model = self.model()
         return paired_ranks(model.src_tp, model.dst_tp) if model.src_tp != model.dst_tp else (0, 0)
 
-    def batch(self, requests: int | None = None, prompt_len: int | None = None) -> Batch:
-        """The demo's batch (or a smaller one of the same shape and ranks)."""
-        src_rank, dst_rank = self.ranks()
+    def sources(self) -> list[int]:
+        """The source ranks that send: the paired one, or with ``gather`` every rank of the
+        destination rank's group (docs/tp_state.md §4)."""
+        model, (src_rank, dst_rank) = self.model(), self.ranks()
+        if not self.gather:
+            return [src_rank]
+        return [r for r in range(model.src_tp) if partner_rank(r, model.src_tp, model.dst_tp) == dst_rank]
+
+    def source_seed(self, src_rank: int) -> int:
+        """The seed of a source rank's pool bytes (each rank of a gather holds its own)."""
+        return self.seed + src_rank if self.gather else self.seed
+
+    def batch(self, requests: int | None = None, prompt_len: int | None = None, src_rank: int | None = None) -> Batch:
+        """The demo's batch (or a smaller one of the same shape and ranks; ``src_rank``: another source's)."""
+        paired, dst_rank = self.ranks()
         lens = list(self.prompt_len) if isinstance(self.prompt_len, tuple) else self.prompt_len
         return build_batch(self.model(), requests or self.requests, prompt_len or lens, chunks=self.chunks,
                            prefix_len=self.prefix_len if prompt_len is None else 0, seed=self.seed,
-                           src_rank=src_rank, dst_rank=dst_rank, dst_page_size=self.dst_page_size)
+                           src_rank=paired if src_rank is None else src_rank, dst_rank=dst_rank,
+                           dst_page_size=self.dst_page_size)
 
 
 @dataclass
@@ -263,6 +279,29 @@ class _Profile:
             out.write(text.getvalue())
 
 
+def source_pools(config: DemoConfig, batch: Batch, device: str, rank: int) -> tuple[SideMemory, list[torch.Tensor]]:
+    """Source rank ``rank``'s pools, with bytes as a real model's ranks hold them: in a gather, each
+    rank's own bytes where TP gives it its own part (KV and SWA head slices, sharded Mamba tensors),
+    the same bytes on every rank where the model replicates them (an MLA latent, replicated heads or
+    items, DSA and ring rows, aux), since every rank of the group writes those."""
+    side, own = materialize(batch.src, device, seed=config.source_seed(rank))
+    if not config.gather:
+        return side, own
+    _, shared = materialize(batch.src, device, seed=config.seed)
+    kv = side.kv
+    kv_own = kv.attention is Attention.MHA and kv.num_kv_heads >= kv.tp_size
+    per_rank = [kv_own] * len(kv.entries)
+    for c in side.state:
+        rules = rules_of(c.kind)
+        per_rank += [(rules.slices_heads and kv_own) or (rules.shards_tensors and bool(c.shards) and c.shards[i].dim != 0)
+                     for i in range(len(c.entries))]
+    per_rank += [False] * len(side.aux)
+    for mine, tensor, common in zip(per_rank, own, shared):
+        if not mine:
+            tensor.copy_(common)
+    return side, own
+
+
 def decode_process(config: DemoConfig, conn) -> None:
     """The receiving side: publish, wait, verify; every outcome goes back through ``conn``."""
     try:
@@ -277,9 +316,11 @@ def decode_process(config: DemoConfig, conn) -> None:
         if config.fault == "bad-registration":
             side = replace(side, aux=())
         staging = torch.zeros(config.staging_bytes, dtype=torch.uint8, device=device) if config.mode == "staged" or config.mode == "auto" and device != "cpu" else None
+        senders = config.sources()
+        channels = [ControlChannel() for _ in senders]
         endpoint = DecodeEndpoint(side, make_engine(config.engine, "decode", config.memory,
-                                                    **config.engine_settings(config.decode_gpu)), ControlChannel(), staging)
-        conn.send(("port", endpoint.channel.port))
+                                                    **config.engine_settings(config.decode_gpu)), channels, staging)
+        conn.send(("port", [c.port for c in channels]))
         endpoint.register(timeout=config.timeout + 60)  # the prefill process may still be starting
         last = {t.request: t for t in batch.transfers if t.last}
         timeout = 3.0 if config.fault in ("deadline", "dead-prefill") else config.timeout
@@ -288,7 +329,8 @@ def decode_process(config: DemoConfig, conn) -> None:
             for k in range(config.repeat):
                 tag = config.round_ids(k)
                 endpoint.publish([PreallocatedRequest(f"{r}{tag}", t.src_row, t.prompt_len, t.prefix_len, t.aux_dst)
-                                  for r, t in last.items()], timeout=timeout)
+                                  for r, t in last.items()], timeout=timeout,
+                                 peer=list(range(len(senders))) if config.gather else 0)
                 conn.send(("stage", "publish lists"))
                 if config.fault == "dead-decode-mid":  # die once the first request is complete
                     deadline = time.monotonic() + config.timeout
@@ -305,10 +347,12 @@ def decode_process(config: DemoConfig, conn) -> None:
         conn.send(("stage", "complete"))
         verified = None
         if all(s == "complete" for s in states.values()):
-            src, src_tensors = materialize(batch.src, device, seed=config.seed)
-            real = Batch(src, (replace(side, req_to_token=batch.dsts[0].req_to_token),), batch.transfers)
             expected = AddressSpace.of_tensors(dst_tensors, zero=True)
-            execute(plan_reference(real).descriptors()[0], AddressSpace.of_tensors(src_tensors), expected)
+            for rank in senders:  # every source rank's plan, executed by the reference
+                sent = config.batch(src_rank=rank)
+                src, src_tensors = source_pools(config, sent, device, rank)
+                real = Batch(src, (replace(side, req_to_token=batch.dsts[0].req_to_token),), sent.transfers)
+                execute(plan_reference(real).descriptors()[0], AddressSpace.of_tensors(src_tensors), expected)
             verified = expected.matches(dst_tensors)
         conn.send(("result", states, failures, verified, ready))
     except Exception:  # noqa: BLE001 - reported to the parent process
@@ -316,13 +360,14 @@ def decode_process(config: DemoConfig, conn) -> None:
     conn.poll(60)
 
 
-def prefill_process(config: DemoConfig, port: int, conn) -> None:
-    """The sending side: pair, receive lists, plan (and time it), move the batch."""
+def prefill_process(config: DemoConfig, port: int, conn, src_rank: int | None = None) -> None:
+    """The sending side (source rank ``src_rank``, else the paired one): pair, receive lists, plan
+    (and time it), move the batch."""
     try:
         _child_setup()
         device = config.resolved_device()
-        batch = config.batch()
-        side, src_tensors = materialize(batch.src, device, seed=config.seed)
+        batch = config.batch(src_rank=src_rank)
+        side, src_tensors = source_pools(config, batch, device, config.ranks()[0] if src_rank is None else src_rank)
         side = side.to(device)
         forward = None
         if config.forward:
@@ -431,17 +476,31 @@ class _Progress:
 
 
 class Processes:
-    """The two processes of a run, each joined or killed by its own handle."""
+    """The processes of a run (a decode, and a prefill per sending source rank), each joined or
+    killed by its own handle."""
 
     def __init__(self, config: DemoConfig):
         ctx = mp.get_context("spawn")
         self.decode_conn, there = ctx.Pipe()
         self.decode = ctx.Process(target=decode_process, args=(config, there), daemon=True)
         self.decode.start()
-        kind, port = self.recv(self.decode_conn, "decode", config.timeout + 60)
-        self.prefill_conn, there = ctx.Pipe()
-        self.prefill = ctx.Process(target=prefill_process, args=(config, port, there), daemon=True)
-        self.prefill.start()
+        kind, ports = self.recv(self.decode_conn, "decode", config.timeout + 60)
+        self.prefill_conns, self.prefills = [], []
+        for rank, port in zip(config.sources(), ports):
+            conn, there = ctx.Pipe()
+            self.prefill_conns.append(conn)
+            self.prefills.append(ctx.Process(target=prefill_process,
+                                             args=(config, port, there, rank if config.gather else None), daemon=True))
+            self.prefills[-1].start()
+
+    @property
+    def prefill_conn(self):
+        """The (first) prefill process's pipe."""
+        return self.prefill_conns[0]
+
+    def from_prefills(self, timeout: float) -> list:
+        """One message from every prefill process."""
+        return [self.recv(conn, "prefill", timeout) for conn in self.prefill_conns]
 
     @staticmethod
     def recv(conn, who: str, timeout: float):
@@ -457,12 +516,12 @@ class Processes:
         self.decode.join(5)
 
     def close(self) -> None:
-        for conn in (self.decode_conn, self.prefill_conn):
+        for conn in (self.decode_conn, *self.prefill_conns):
             try:
                 conn.send("bye")
             except (BrokenPipeError, OSError):
                 pass
-        for proc in (self.decode, self.prefill):
+        for proc in (self.decode, *self.prefills):
             proc.join(10)
             if proc.is_alive():
                 proc.kill()
@@ -482,21 +541,28 @@ def run_demo(config: DemoConfig, progress: bool = False) -> DemoReport:
         bar.stage("start decode")
         procs = Processes(config)
         bar.stage("start prefill")
-        msg = procs.recv(procs.prefill_conn, "prefill", wait)
-        if msg[0] == "refused":
-            report.refused = msg[1]
+        paired = procs.from_prefills(wait)
+        refused = [m[1] for m in paired if m[0] == "refused"]
+        if refused:
+            report.refused = refused[0]
         else:
             bar.stage("pair")
             if config.fault != "dead-prefill":
-                _, report.transfers, report.descriptors, report.nbytes, report.mode, report.kvplan_ms, report.baseline_ms = \
-                    procs.recv(procs.prefill_conn, "prefill", wait)
+                planned = procs.from_prefills(wait)  # each source rank's part: counted together
+                _, report.transfers, _, _, report.mode, report.kvplan_ms, report.baseline_ms = planned[0]
+                report.descriptors, report.nbytes = sum(m[2] for m in planned), sum(m[3] for m in planned)
                 bar.stage("plan")
                 if config.fault == "dead-decode":
                     procs.kill_decode()
                 if config.fault != "deadline":
-                    procs.prefill_conn.send("go")
-                    _, report.send_failures, times, report.mode_used, spans = procs.recv(procs.prefill_conn, "prefill",
-                                                                                        wait)
+                    for conn in procs.prefill_conns:
+                        conn.send("go")
+                    sent = procs.from_prefills(wait)
+                    report.mode_used, spans = sent[0][3], sent[0][4]
+                    for m in sent:
+                        for request, why in m[1].items():
+                            report.send_failures[request] = report.send_failures.get(request) or why
+                    times = [max(each) for each in zip(*(m[2] for m in sent))]  # a batch is sent when all have sent it
                     report.transfer_s = times[0]
                     report.steady_s = statistics.median(times[1:]) if len(times) > 1 else None
                     bar.stage("transfer")

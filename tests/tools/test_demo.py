@@ -42,6 +42,8 @@ def test_a_drill_report_with_another_failure_is_not_observed():
     (["--chunks", "5000"], "is more than the prompt's"),
     (["--layers", "100000"], "is more than gptoss-swa-p16's"),
     (["--requests", "100000"], "the pools need at least"),
+    (["--gather", "--src-tp", "4", "--dst-tp", "8"], "--gather needs a larger TP size on the prefill side"),
+    (["--gather", "--src-tp", "8", "--dst-tp", "4", "--fault", "deadline"], "--gather runs without --fault"),
 ])
 def test_numbers_that_cannot_run_are_refused_before_any_process_starts(args, message):
     done = subprocess.run([sys.executable, "-m", "kvplan", "demo", "--no-progress", *args],

@@ -44,5 +44,6 @@ MAMBA_TP8TO4 = ModelShape("mamba-tp8to4-test", Attention.MHA, 2, 16, 4, num_kv_h
                                                                      name="mamba-replicated"),), aux_items=(16,))
 SHAPES = {"hybrid": HYBRID, "head_sliced": HEAD_SLICED, "kv1": KV1, "kv16": KV16, "kv64": KV64,
           "ring_mamba": RING_MAMBA, "dsa1": DSA1, "dsa16": DSA16, "dsa64": DSA64, "swa1": SWA1, "swa16": SWA16,
-          "swa64": SWA64, "swa_tp4to8": SWA_TP4TO8, "mamba_tp4to8": MAMBA_TP4TO8}
+          "swa64": SWA64, "swa_tp4to8": SWA_TP4TO8, "mamba_tp4to8": MAMBA_TP4TO8,
+          "mamba_tp8to4": MAMBA_TP8TO4}
 LENGTHS = (100, 37, 64)

@@ -2,7 +2,7 @@
 
 All four state types, aux, chunking and a decode prefix (``hybrid``), head-sliced descriptors
 (``head_sliced``), head-sliced SWA state and sliced Mamba state between TP 4 and 8 (``swa_tp4to8``,
-``mamba_tp4to8``), direct, prepared (NIXL) and staged mode; then the failure paths: a dead peer on
+``mamba_tp4to8``), a decode rank gathering from two source ranks (``mamba_tp8to4``), direct, prepared (NIXL) and staged mode; then the failure paths: a dead peer on
 either side, a bad registration, a deadline. Nothing here may hang: every wait has a deadline.
 """
 
@@ -71,6 +71,19 @@ def test_a_batch_streamed_in_layer_groups_behind_its_forward_pass_arrives_byte_f
     assert set(report.states.values()) == {"complete"}, report.failures
     assert report.verified is True, "the destination pools differ from the reference execution"
     assert report.ok and report.exposed_s is not None and report.mode_used.startswith(mode)
+
+
+@pytest.mark.parametrize("engine, mode", [(e, "direct") for e in ENGINES] + [(ENGINES[0], "staged")])
+def test_a_decode_rank_gathers_its_part_from_every_source_rank_of_its_group(engine, mode):
+    """TP 8 -> 4 (docs/tp_state.md §4): a prefill process per source rank of the group, each with its
+    own KV heads and Mamba slices (and the same replicated items and aux), into one decode rank; the
+    decode's pools are checked against the reference execution of every source's plan."""
+    gathered = replace(config(engine, "mamba_tp8to4", mode), gather=True)
+    assert gathered.sources() == [0, 1]
+    report = run_demo(gathered)
+    assert set(report.states.values()) == {"complete"}, report.failures
+    assert report.verified is True, "the destination pools differ from the reference execution"
+    assert report.ok and not any(report.send_failures.values())
 
 
 @pytest.mark.parametrize("engine", ENGINES[:1])
