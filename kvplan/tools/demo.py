@@ -293,8 +293,8 @@ def source_pools(config: DemoConfig, batch: Batch, device: str, rank: int) -> tu
     per_rank = [kv_own] * len(kv.entries)
     for c in side.state:
         rules = rules_of(c.kind)
-        per_rank += [(rules.slices_heads and kv_own) or (rules.shards_tensors and bool(c.shards) and c.shards[i].dim != 0)
-                     for i in range(len(c.entries))]
+        sharded = [rules.shards_tensors and bool(c.shards) and c.shards[i].dim != 0 for i in range(len(c.entries))]
+        per_rank += [(rules.slices_heads and kv_own) or own_part for own_part in sharded]
     per_rank += [False] * len(side.aux)
     for mine, tensor, common in zip(per_rank, own, shared):
         if not mine:

@@ -39,9 +39,9 @@ MAMBA_TP4TO8 = ModelShape("mamba-tp4to8-test", Attention.MHA, 2, 16, 4, num_kv_h
                           state=(ComponentShape(StateKind.MAMBA, 4, 0, tensors=MAMBA_TENSORS),), aux_items=(16,))
 # the same gathered into rank 0 of TP 4 from ranks 0 and 1 of TP 8 (docs/tp_state.md §4), with a second
 # component of replicated tensors only, which the group's second source rank does not write
+REPLICATED_ONLY = ComponentShape(StateKind.MAMBA, 2, 0, tensors=(ShardedTensor(0, 6),), name="mamba-replicated")
 MAMBA_TP8TO4 = ModelShape("mamba-tp8to4-test", Attention.MHA, 2, 16, 4, num_kv_heads=8, src_tp=8, dst_tp=4,
-                          state=MAMBA_TP4TO8.state + (ComponentShape(StateKind.MAMBA, 2, 0, tensors=(ShardedTensor(0, 6),),
-                                                                     name="mamba-replicated"),), aux_items=(16,))
+                          state=MAMBA_TP4TO8.state + (REPLICATED_ONLY,), aux_items=(16,))
 SHAPES = {"hybrid": HYBRID, "head_sliced": HEAD_SLICED, "kv1": KV1, "kv16": KV16, "kv64": KV64,
           "ring_mamba": RING_MAMBA, "dsa1": DSA1, "dsa16": DSA16, "dsa64": DSA64, "swa1": SWA1, "swa16": SWA16,
           "swa64": SWA64, "swa_tp4to8": SWA_TP4TO8, "mamba_tp4to8": MAMBA_TP4TO8,

@@ -2,8 +2,9 @@
 
 All four state types, aux, chunking and a decode prefix (``hybrid``), head-sliced descriptors
 (``head_sliced``), head-sliced SWA state and sliced Mamba state between TP 4 and 8 (``swa_tp4to8``,
-``mamba_tp4to8``), a decode rank gathering from two source ranks (``mamba_tp8to4``), direct, prepared (NIXL) and staged mode; then the failure paths: a dead peer on
-either side, a bad registration, a deadline. Nothing here may hang: every wait has a deadline.
+``mamba_tp4to8``), a decode rank gathering from two source ranks (``mamba_tp8to4``), direct,
+prepared (NIXL) and staged mode; then the failure paths: a dead peer on either side, a bad
+registration, a deadline. Nothing here may hang: every wait has a deadline.
 """
 
 import os
