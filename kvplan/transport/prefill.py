@@ -101,6 +101,11 @@ class Peer:
     planning: set = field(default_factory=set)  # requests it published with a row: it can plan their scatter
     index_there: int | None = None  # how that endpoint knows this sender, where it has several (notifications name it)
 
+    def notification(self, section: Any) -> bytes:
+        """A direct or prepared write's notification of ``section``, naming this sender where the
+        endpoint has several."""
+        return encode_notification(section, self.index_there)
+
     def recv(self, deadline: float) -> tuple[str, dict[str, Any], list[bytes]]:
         return self.backlog.popleft() if self.backlog else self.channel.recv(deadline)
 
@@ -362,7 +367,8 @@ class PrefillEndpoint:
         posted = []
         for s in sections:
             dest = transfers[s.transfer].dest
-            posted.append((self.engine.post(self.peers[dest].name, descs[s.lo : s.hi], encode_notification(s, self.peers[dest].index_there)), s))
+            peer = self.peers[dest]
+            posted.append((self.engine.post(peer.name, descs[s.lo : s.hi], peer.notification(s)), s))
             log.debug("posted %s of %r: %d descriptors to peer %d", s.name, s.request, s.hi - s.lo, dest)
         return self._settle(transfers, posted, deadline)
 
@@ -461,7 +467,7 @@ class PrefillEndpoint:
                 self._prepare(dest)
             posted.append((self.engine.post_prepared(self.peers[dest].name, role, indices.src[lo:hi],
                                                      indices.dst[lo:hi],
-                                                     encode_notification(section, self.peers[dest].index_there)),
+                                                     self.peers[dest].notification(section)),
                              section))
         return self._settle(transfers, posted, deadline)
 
@@ -559,7 +565,7 @@ class _GroupedSend:
                 for s in parts:
                     rows = self.descs[s.spans[0][0]:s.spans[0][1]] if len(s.spans) == 1 else self.descs[s.rows()]
                     peer = ep.peers[self.transfers[s.transfer].dest]
-                    self.posted.append((ep.engine.post(peer.name, rows, encode_notification(s, peer.index_there)), s))
+                    self.posted.append((ep.engine.post(peer.name, rows, peer.notification(s)), s))
             self._mark(g, "sent")
 
     def _mark(self, group: int, step: str) -> None:
