@@ -435,6 +435,8 @@ def prefill_process(config: DemoConfig, port: int, conn, src_rank: int | None = 
         used = endpoint.last_mode
         if used == "staged":
             used += {"planned": ", receiver-planned scatter", "table": ", destination tables sent"}[endpoint.last_announcement]
+            if endpoint.waves_ahead:
+                used += f", {endpoint.waves_ahead} waves gathered ahead of their marks"
         conn.send(("sent", result, times, used, spans))
     except Exception:  # noqa: BLE001
         conn.send(("error", traceback.format_exc()))

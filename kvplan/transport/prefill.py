@@ -140,6 +140,7 @@ class PrefillEndpoint:
         self.id = uuid.uuid4().hex[:12]  # names this sender's waves on receivers that have several senders
         self.last_mode: str | None = None  # the mode the last send used (what ``auto`` chose)
         self.last_announcement: str | None = None  # how its last staged run was announced: "planned" or "table"
+        self.waves_ahead = 0  # staged waves gathered ahead of their layer group's mark, over this endpoint's life
         self._planners: dict[bool, Planner] = {}  # by prepared or not
         self._times: list[float] = []
 
@@ -546,6 +547,9 @@ class _GroupedSend:
                 else:
                     self.merge(run.result)
         self.announced[g] = runs
+        written = getattr(self.layers.readiness, "written", None)
+        if runs and written is not None:  # the runs share the staging slots: only the first goes ahead
+            runs[0].gather_ahead(written(g))
 
     def run(self) -> None:
         ep = self.ep
@@ -600,6 +604,7 @@ class _StagedRun:
         self.remote_free = [True] * self.slots
         self.local_write: list[Handle | None] = [None] * self.slots
         self.gathered: list[tuple[Wave, Any]] = []  # waves gathered, not yet posted, in order
+        self.next_wave = 0  # waves [0, next_wave) are gathered (or queued to be)
         self.posted: dict[int, tuple[Wave, Handle]] = {}
         self.acked: set[int] = set()
         self.gone: str | None = None  # why the receiver is known to be gone
@@ -658,16 +663,29 @@ class _StagedRun:
             self.dev_starts = torch.cumsum(device_descs[:, 2], 0) - device_descs[:, 2]
         return True
 
+    def gather_ahead(self, written: Any) -> int:
+        """Queue the gathers of the first waves whose slots are free behind ``written`` (a CUDA event
+        the forward pass records once the run's layer group is written): they run the moment the
+        group is written, and :meth:`move` posts them once done. How many were queued."""
+        if self.ep._stream is None or written is None:
+            return 0
+        self.ep._stream.wait_event(written)
+        start = self.next_wave
+        while self.next_wave < len(self.waves) and self._slot_free(self.waves[self.next_wave].slot):
+            self._gather(self.waves[self.next_wave])
+        self._mark(0, "ahead")
+        self.ep.waves_ahead += self.next_wave - start
+        return self.next_wave - start
+
     def move(self) -> dict[Any, str | None]:
         """Gather, write and wait for the credits of every wave of an announced run; the result per request."""
         ep, waves = self.ep, self.waves
-        sent = 0
-        for wave in waves:
-            if not self._wait(lambda: self.remote_free[wave.slot] and self._local_free(wave.slot)):
+        while self.next_wave < len(waves):
+            wave = waves[self.next_wave]
+            if not self._wait(lambda: self._slot_free(wave.slot)):
                 break
             self._mark(wave.index, "gather0")
             self._gather(wave)
-            sent += 1
             self._pump()
         self._wait(lambda: not self.gathered and all(i in self.acked for i in self.posted))
         live = [h for _, h in self.posted.values() if h.state == "PROC"]
@@ -678,7 +696,7 @@ class _StagedRun:
                 reason = self.gone or reason or "the receiver did not acknowledge its staged wave before the deadline"
             if reason is not None:
                 ep._fail(self.dest, self.result, wave.requests(self.owners), reason)
-        for wave in [w for w, _ in self.gathered] + waves[sent:]:
+        for wave in [w for w, _ in self.gathered] + waves[self.next_wave:]:
             ep._fail(self.dest, self.result, wave.requests(self.owners), self.gone or "deadline passed before the wave was sent")
         if self.trace is not None:
             log.warning("staged waves (wave, step, clock ms): %s", [(self.base_id + w, k, round(t * 1e3, 3))
@@ -689,9 +707,10 @@ class _StagedRun:
         if self.trace is not None:
             self.trace.append((wave, step, time.perf_counter()))
 
-    def _local_free(self, slot: int) -> bool:
+    def _slot_free(self, slot: int) -> bool:
+        """Whether the receiver has returned the slot's credit and this side's last write from it has ended."""
         handle = self.local_write[slot]
-        return handle is None or handle.state != "PROC"
+        return self.remote_free[slot] and (handle is None or handle.state != "PROC")
 
     def _wait(self, ready) -> bool:
         """Pump until ``ready()`` or the deadline; never sleeps (yields the core between looks)."""
@@ -730,6 +749,7 @@ class _StagedRun:
                    shift=shift)
             event = None
         self.gathered.append((wave, event))
+        self.next_wave += 1
         self._mark(wave.index, "gather")
 
     def _pump(self) -> None:

@@ -7,6 +7,12 @@ host sync, and is captured by a CUDA graph like any other copy (the constants li
 tensor made once, so a replay copies the same values). The sender reads :meth:`ready` without touching CUDA:
 a load from pinned memory. docs/layerwise.md §2 says what it costs the forward pass.
 
+A mark made eagerly (not while a CUDA graph is captured) also records a CUDA event of its group
+(:meth:`LayerReadiness.written`). A staged sender makes its stream wait for that event and queues
+the group's gathers ahead: they run on the device the moment the group is written, with no host
+step between the mark and the first byte gathered. Under a captured graph there is no such event,
+and the sender gathers once it reads the word.
+
 Example::
 
     readiness = LayerReadiness(groups=4, device="cuda")
@@ -31,7 +37,9 @@ __all__ = ["LayerReadiness", "LayerStreaming", "Readiness"]
 
 
 class Readiness(Protocol):
-    """Anything that says how many layer groups have been written."""
+    """Anything that says how many layer groups have been written. It may also have
+    ``written(group)``, returning an event recorded once that group is written, or ``None``
+    (:meth:`LayerReadiness.written`): a staged sender then gathers the group ahead of the mark."""
 
     def ready(self) -> int: ...
 
@@ -65,12 +73,23 @@ class LayerReadiness:
         self._target = self._word
         if cuda and via == "mapped":
             self._target = torch.as_tensor(_Mapped(self._word), device=self.device)
+        self._events = [torch.cuda.Event() for _ in range(groups)] if cuda else []
+        self._recorded = 0  # groups whose event this pass has recorded (host side, eager marks only)
 
     def mark(self, group: int) -> None:
         """Say, on the current stream, that every group up to ``group`` is written."""
         if not 0 <= group < self.groups:
             raise LayoutError(f"layer group {group} is outside the {self.groups} groups")
         self._target.copy_(self._marks[group : group + 1], non_blocking=True)
+        if self._events and not torch.cuda.is_current_stream_capturing():
+            self._events[group].record()
+            self._recorded = max(self._recorded, group + 1)
+
+    def written(self, group: int) -> Any:
+        """The CUDA event this pass recorded once ``group`` was written, or ``None`` where there is
+        none to wait for (the mark is not queued yet, was captured in a graph, or on the CPU).
+        Waiting on it is safe: it was recorded by this pass, after the group's kernels."""
+        return self._events[group] if group < self._recorded else None
 
     def ready(self) -> int:
         """How many groups are written (a read of pinned memory; never syncs)."""
@@ -79,6 +98,7 @@ class LayerReadiness:
     def reset(self) -> None:
         """Back to zero groups written: call once the last send of the previous pass has returned."""
         self._view[0] = 0
+        self._recorded = 0
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,16 @@ def test_a_batch_streamed_in_layer_groups_behind_its_forward_pass_arrives_byte_f
     assert report.ok and report.exposed_s is not None and report.mode_used.startswith(mode)
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="gathering ahead waits on the forward pass's CUDA events")
+def test_staged_groups_gathered_ahead_of_a_slow_forward_pass_move_only_written_bytes():
+    """docs/layerwise.md §3: the sender queues a group's gathers behind the event the forward pass
+    records with its mark, before the group is written. The pass is slow here (a large matmul per
+    layer) and zeroes the pool first, so a gather that ran early would move zeros."""
+    report = run_demo(replace(config(ENGINES[0], "hybrid", "staged"), layer_groups=4, forward_dim=4096, repeat=2))
+    assert report.ok and report.verified is True, report.failures
+    assert "gathered ahead" in (report.mode_used or ""), report.mode_used
+
+
 @pytest.mark.parametrize("engine, mode", [(e, "direct") for e in ENGINES] + [(ENGINES[0], "staged")])
 def test_a_decode_rank_gathers_its_part_from_every_source_rank_of_its_group(engine, mode):
     """TP 8 -> 4 (docs/tp_state.md §4): a prefill process per source rank of the group, each with its

@@ -130,6 +130,32 @@ def test_the_readiness_word_counts_marks_and_resets():
     assert signal.ready() == 0
     with pytest.raises(Exception, match="outside"):
         signal.mark(3)
+    assert signal.written(0) is None  # no event on the CPU: a sender gathers once it reads the word
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA events")
+def test_a_groups_event_is_offered_only_once_this_pass_has_queued_its_mark():
+    """A sender gathers ahead behind :meth:`LayerReadiness.written`; an event of an earlier pass (or of
+    a mark not queued yet) would let it gather bytes the forward pass has not written."""
+    signal = LayerReadiness(2, device="cuda")
+    assert signal.written(0) is None
+    torch.cuda._sleep(50_000_000)  # the mark waits behind the pass's kernels
+    signal.mark(0)
+    event = signal.written(0)
+    assert event is not None and signal.written(1) is None
+    assert not event.query() and signal.ready() == 0  # recorded behind the sleep, like the word
+    event.synchronize()
+    assert signal.ready() == 1
+    signal.reset()
+    assert signal.written(0) is None  # the next pass has not marked yet
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph):
+            signal.mark(1)  # captured: no event stands for a replay
+    assert signal.written(1) is None
+    graph.replay()
+    torch.cuda.synchronize()
+    assert signal.ready() == 2
 
 
 def test_a_decode_that_dies_mid_stream_fails_every_request_and_nothing_later_is_posted():
