@@ -7,3 +7,4 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=.:/tmp/site TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 UCX_NET_DEVICES=lo NIXL_LOG_LEVEL=WARN
 export MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER=65535 MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER=65535
 OUT=${OUT:-/tmp/kvplan-gpu}; mkdir -p "$OUT"
+python3 -c 'import zmq' || { echo "pyzmq is missing: carry its cp312 wheel in $1 with the engine's"; exit 1; }
