@@ -79,7 +79,7 @@ def test_staged_groups_gathered_ahead_of_a_slow_forward_pass_move_only_written_b
     """docs/layerwise.md §3: the sender queues a group's gathers behind the event the forward pass
     records with its mark, before the group is written. The pass is slow here (a large matmul per
     layer) and zeroes the pool first, so a gather that ran early would move zeros."""
-    report = run_demo(replace(config(ENGINES[0], "hybrid", "staged"), layer_groups=4, forward_dim=4096, repeat=2))
+    report = run_demo(replace(config(ENGINES[0], "hybrid", "staged"), layer_groups=2, forward_dim=8192, repeat=2))
     assert report.ok and report.verified is True, report.failures
     assert "gathered ahead" in (report.mode_used or ""), report.mode_used
 
