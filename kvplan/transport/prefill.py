@@ -757,6 +757,7 @@ class _StagedRun:
         ep = self.ep
         while self.gathered and (self.gathered[0][1] is None or self.gathered[0][1].query()):
             wave, _ = self.gathered.pop(0)
+            self._mark(wave.index, "gathered")  # seen done: what follows is the engine's post
             self._post(wave)
         while (msg := self.peer.channel.try_recv()) is not None:
             kind, header, _ = msg
