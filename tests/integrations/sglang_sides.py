@@ -47,6 +47,66 @@ def mamba_slots(room: int) -> tuple[int, int]:
     return 1 + k, MAMBA_SLOTS - 1 - k
 
 
+# ``state="hybrid"``: an SWA component (a window of SWA_WINDOW tokens, K and V per layer in a pool of
+# its own pages) and a DSA indexer (one entry per layer, paged like the KV), as SGLang's multi-component
+# KVArgs register them; requests without a decode prefix (kvplan's SWA and DSA lists start at token 0),
+# each last chunk with its true token count (SGLang's num_kv_tokens)
+SWA_WINDOW, SWA_PAGES, DSA_BYTES = 9, 16, 16
+HYBRID_REQUESTS = ((100, 37, 0, 1), (101, 50, 0, 2), (102, 9, 0, 1))
+STATE_PARAMS = [{"window": SWA_WINDOW}, {}]
+
+
+def requests_of(state) -> tuple:
+    return HYBRID_REQUESTS if state == "hybrid" else REQUESTS
+
+
+def hybrid_pools(seed: int | None):
+    """The SWA pool's tensors (K and V per layer) and the indexer's (one per layer)."""
+    rng = np.random.default_rng(None if seed is None else seed + 2)
+    swa = [_buffer(rng, SWA_PAGES * PAGE * TOKEN_BYTES, seed is not None) for _ in range(2 * LAYERS)]
+    dsa = [_buffer(rng, PAGES * PAGE * DSA_BYTES, seed is not None) for _ in range(LAYERS)]
+    return swa, dsa
+
+
+def with_hybrid(args, swa, dsa):
+    args.state_types = ["swa", "dsa"]
+    args.state_data_ptrs = [[t.data_ptr() for t in swa], [t.data_ptr() for t in dsa]]
+    args.state_data_lens = [[t.numel() for t in swa], [t.numel() for t in dsa]]
+    args.state_item_lens = [[PAGE * TOKEN_BYTES] * len(swa), [PAGE * DSA_BYTES] * len(dsa)]
+    return args
+
+
+def window_pages(seed: int):
+    """Per request: the SWA pages of its window on the prefill and on the decode side (SGLang's
+    translated window: the pages of [floor(max(0, L - W) / ps) * ps, L))."""
+    rng = np.random.default_rng(seed + 3)
+    src_free, dst_free = iter(rng.permutation(np.arange(1, SWA_PAGES))), iter(rng.permutation(np.arange(1, SWA_PAGES)))
+    out = {}
+    for room, tokens, _, _ in HYBRID_REQUESTS:
+        start = max(0, tokens - SWA_WINDOW) // PAGE * PAGE
+        n = -(-(tokens - start) // PAGE)
+        out[room] = (np.array([next(src_free) for _ in range(n)]), np.array([next(dst_free) for _ in range(n)]))
+    return out
+
+
+def with_state(args, state, seed: int | None):
+    """``KVArgs`` with the state of ``state`` (False, True: Mamba, "hybrid"), and its pools."""
+    if state == "hybrid":
+        pools_ = hybrid_pools(seed)
+        return with_hybrid(args, *pools_), pools_
+    if state:
+        mamba = mamba_pool(seed)
+        return with_mamba(args, mamba), (mamba,)
+    return args, ()
+
+
+def state_indices(state, room: int, side: int, lists, seed: int) -> list | None:
+    """What SGLang hands with a last chunk (side 0) or with the metadata (side 1)."""
+    if state == "hybrid":
+        return [window_pages(seed)[room][side], lists[room][side]]
+    return [[mamba_slots(room)[side]]] if state else None
+
+
 def kv_args_of(base_module, kv, aux):
     args = base_module.KVArgs()
     args.kv_data_ptrs = [t.data_ptr() for t in kv]
@@ -59,13 +119,13 @@ def kv_args_of(base_module, kv, aux):
     return args
 
 
-def page_lists(seed: int):
+def page_lists(seed: int, hybrid: bool = False):
     """Per request: (prefill pages, decode pages, prefill aux row, decode aux row); the decode's
     lists cover the tokens past its prefix."""
     rng = np.random.default_rng(seed)
     src_free, dst_free = iter(rng.permutation(np.arange(1, PAGES))), iter(rng.permutation(np.arange(1, PAGES)))
     out = {}
-    for k, (room, tokens, prefix, _) in enumerate(REQUESTS):
+    for k, (room, tokens, prefix, _) in enumerate(HYBRID_REQUESTS if hybrid else REQUESTS):
         n = -(-(tokens - prefix) // PAGE)
         out[room] = (np.array([next(src_free) for _ in range(n)]), np.array([next(dst_free) for _ in range(n)]),
                      k + 1, AUX_ROWS - 1 - k)
@@ -81,13 +141,13 @@ def run_prefill(engine: str, port: int, seed: int, results, deadline_s: float, s
 
     kv, aux = pools(seed)
     server_args = types.SimpleNamespace(disaggregation_transfer_backend=engine, disaggregation_bootstrap_port=port,
-                                        max_running_requests=8, context_length=64, kvplan_mode="direct")
-    args = kv_args_of(base, kv, aux)
-    mamba = mamba_pool(seed) if state else []
-    mgr = KVManager(with_mamba(args, mamba) if state else args, utils.DisaggregationMode.PREFILL, server_args)
-    lists = page_lists(seed)
+                                        max_running_requests=8, context_length=64, kvplan_mode="direct",
+                                        kvplan_state_params=STATE_PARAMS if state == "hybrid" else None)
+    args, _ = with_state(kv_args_of(base, kv, aux), state, seed)
+    mgr = KVManager(args, utils.DisaggregationMode.PREFILL, server_args)
+    lists = page_lists(seed, state == "hybrid")
     senders = {}
-    for room, tokens, prefix, chunks in REQUESTS:
+    for room, tokens, prefix, chunks in requests_of(state):
         sender = KVSender(mgr, f"127.0.0.1:{port}", room)
         sender.init(len(lists[room][0]), aux_index=lists[room][2])
         senders[room] = sender
@@ -97,14 +157,15 @@ def run_prefill(engine: str, port: int, seed: int, results, deadline_s: float, s
         time.sleep(0.01)
     # one scheduler step: every request's first chunk; the next step: the rest
     for step in range(2):
-        for room, tokens, prefix, chunks in REQUESTS:
+        for room, tokens, prefix, chunks in requests_of(state):
             pages = lists[room][0]
             cut = len(pages) // 2 if chunks == 2 else 0
             part = pages[:cut] if step == 0 and cut else pages[cut:] if step == 1 and cut else pages if step == 0 else []
             last = step == 1 or chunks == 1
-            if len(part):  # SGLang hands the state indices with the last chunk only
-                slots = [[mamba_slots(room)[0]]] if state and last else None
-                senders[room].send(torch.from_numpy(part.astype(np.int32)), state_indices=slots)
+            if len(part):  # SGLang hands the state indices with the last chunk only, and each chunk's tokens
+                ids = state_indices(state, room, 0, lists, seed) if last else None
+                count = tokens - prefix - cut * PAGE if last else len(part) * PAGE
+                senders[room].send(torch.from_numpy(part.astype(np.int32)), state_indices=ids, num_kv_tokens=count)
         for room, sender in senders.items():
             seen[room].append(int(sender.poll()))
     while any(s.poll() not in (base.KVPoll.Success, base.KVPoll.Failed) for s in senders.values()) \
@@ -123,26 +184,26 @@ def run_decode(engine: str, port: int, seed: int, results, deadline_s: float, st
     from kvplan.integrations.sglang.adapter import KVManager, KVReceiver
 
     kv, aux = pools(None)
-    server_args = types.SimpleNamespace(disaggregation_transfer_backend=engine, kvplan_timeout_s=deadline_s)
-    args = kv_args_of(base, kv, aux)
-    mamba = mamba_pool(None) if state else []
-    mgr = KVManager(with_mamba(args, mamba) if state else args, utils.DisaggregationMode.DECODE, server_args)
-    lists = page_lists(seed)
+    server_args = types.SimpleNamespace(disaggregation_transfer_backend=engine, kvplan_timeout_s=deadline_s,
+                                        kvplan_state_params=STATE_PARAMS if state == "hybrid" else None)
+    args, state_pools = with_state(kv_args_of(base, kv, aux), state, None)
+    mgr = KVManager(args, utils.DisaggregationMode.DECODE, server_args)
+    lists = page_lists(seed, state == "hybrid")
     receivers, seen = {}, {}
-    for room, tokens, prefix, _ in REQUESTS:
+    for room, tokens, prefix, _ in requests_of(state):
         receiver = KVReceiver(mgr, f"127.0.0.1:{port}", room)
         seen[room] = [int(receiver.poll())]
         receiver.init(0)
         seen[room].append(int(receiver.poll()))
         receiver.send_metadata(torch.from_numpy(lists[room][1].astype(np.int32)), aux_index=lists[room][3],
-                               decode_prefix_len=prefix, state_indices=[[mamba_slots(room)[1]]] if state else None)
+                               decode_prefix_len=prefix, state_indices=state_indices(state, room, 1, lists, seed))
         receivers[room] = receiver
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
         states = {room: int(r.poll()) for room, r in receivers.items()}
-        for room, state in states.items():
-            if seen[room][-1] != state:
-                seen[room].append(state)
+        for room, now in states.items():
+            if seen[room][-1] != now:
+                seen[room].append(now)
         if all(s in (base.KVPoll.Success, base.KVPoll.Failed) for s in states.values()):
             break
         time.sleep(0.001)
@@ -157,8 +218,20 @@ def run_decode(engine: str, port: int, seed: int, results, deadline_s: float, st
         if not torch.equal(src_aux[src_row * AUX_BYTES : (src_row + 1) * AUX_BYTES],
                            aux[dst_row * AUX_BYTES : (dst_row + 1) * AUX_BYTES]):
             wrong.append((room, "aux"))
-        for item, s_t, d_t in zip(MAMBA_ITEMS, mamba_pool(seed) if state else [], mamba):
-            src_slot, dst_slot = mamba_slots(room)
-            if not torch.equal(s_t[src_slot * item : (src_slot + 1) * item], d_t[dst_slot * item : (dst_slot + 1) * item]):
-                wrong.append((room, "mamba", item))
+        if state == "hybrid":  # every window page of every SWA tensor, every indexer page
+            src_swa, src_dsa = hybrid_pools(seed)
+            pairs = [(s_t, d_t, PAGE * TOKEN_BYTES, zip(*window_pages(seed)[room]), "swa")
+                     for s_t, d_t in zip(src_swa, state_pools[0])]
+            pairs += [(s_t, d_t, PAGE * DSA_BYTES, zip(src_pages, dst_pages), "dsa")
+                      for s_t, d_t in zip(src_dsa, state_pools[1])]
+            for s_t, d_t, item, ids, what in pairs:
+                for sp, dp in ids:
+                    if not torch.equal(s_t[sp * item : (sp + 1) * item], d_t[dp * item : (dp + 1) * item]):
+                        wrong.append((room, what, int(dp)))
+        elif state:
+            for item, s_t, d_t in zip(MAMBA_ITEMS, mamba_pool(seed), state_pools[0]):
+                src_slot, dst_slot = mamba_slots(room)
+                if not torch.equal(s_t[src_slot * item : (src_slot + 1) * item],
+                                   d_t[dst_slot * item : (dst_slot + 1) * item]):
+                    wrong.append((room, "mamba", item))
     results.put(("decode", seen, wrong))

@@ -32,10 +32,12 @@ def free_port() -> int:
     raise RuntimeError("no free port between 20000 and 32767")
 
 
-@pytest.mark.parametrize("engine, state", [(e, False) for e in ENGINES] + [(e, True) for e in ENGINES])
+@pytest.mark.parametrize("engine, state", [(e, s) for s in (False, True, "hybrid") for e in ENGINES])
 def test_two_processes_hand_off_through_sglang_s_interfaces(engine, state):
     """With ``state``, both sides also register a Mamba component (SGLang's multi-component
-    ``KVArgs``), and each request's slots come with its last chunk and its metadata."""
+    ``KVArgs``), and each request's slots come with its last chunk and its metadata. ``"hybrid"``
+    registers an SWA and a DSA component instead, and hands SGLang's precomputed lists (the window's
+    translated SWA pages, the indexer's pages) with true token counts that end inside a page."""
     base = sglang_module("srt.disaggregation.base.conn")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -56,7 +58,7 @@ def test_two_processes_hand_off_through_sglang_s_interfaces(engine, state):
     decode_states, wrong = got["decode"]
     assert not any(failures.values()), failures
     assert not wrong, f"bytes differ on the decode side: {wrong[:8]}"
-    first = sglang_sides.REQUESTS[0][0]
+    first = sglang_sides.requests_of(state)[0][0]
     assert decode_states[first][0] == base.KVPoll.Bootstrapping  # before any receiver connected
     for room, states in decode_states.items():
         # after init: WaitingForInput; after its metadata: Transferring, then Success
@@ -64,7 +66,7 @@ def test_two_processes_hand_off_through_sglang_s_interfaces(engine, state):
         assert states[-1] == base.KVPoll.Success, (room, states)
     for room, states in prefill_states.items():
         assert states[-1] == base.KVPoll.Success, (room, states)
-    chunked = [room for room, _, _, chunks in sglang_sides.REQUESTS if chunks == 2][0]
+    chunked = [room for room, _, _, chunks in sglang_sides.requests_of(state) if chunks == 2][0]
     assert prefill_states[chunked][0] == base.KVPoll.Transferring  # its first chunk went, its last not yet
 
 
@@ -123,7 +125,7 @@ def test_a_last_chunk_without_its_state_slot_fails_and_nothing_is_sent():
     assert two.poll() == base.KVPoll.Failed and "one slot per request, got 2 ids" in mgr.failures[6]
 
 
-def test_state_kinds_whose_lists_sglang_precomputes_are_refused_by_name():
+def test_ring_rows_and_a_window_left_out_are_refused_by_name():
     base = sglang_module("srt.disaggregation.base.conn")
     utils = sglang_module("srt.disaggregation.utils")
     from kvplan.errors import LayoutError
@@ -131,7 +133,67 @@ def test_state_kinds_whose_lists_sglang_precomputes_are_refused_by_name():
 
     kv, aux = sglang_sides.pools(1)
     args = sglang_sides.kv_args_of(base, kv, aux)
-    args.state_types, args.state_data_ptrs = ["dsa"], [[kv[0].data_ptr()]]
+    args.state_types, args.state_data_ptrs = ["swa_ring"], [[kv[0].data_ptr()]]
     args.state_data_lens, args.state_item_lens = [[kv[0].numel()]], [[64]]
-    with pytest.raises(LayoutError, match=r"not \['dsa'\] yet"):
+    ring = types.SimpleNamespace(kvplan_state_params=[{"window": 8, "ring_size": 8}])
+    with pytest.raises(LayoutError, match=r"does not move \['swa_ring'\] state yet: SGLang indexes ring rows"):
+        KVManager(args, utils.DisaggregationMode.DECODE, ring)
+    args.state_types = ["swa"]
+    with pytest.raises(LayoutError, match="window >= 1 is required.*kvplan_state_params"):
         KVManager(args, utils.DisaggregationMode.DECODE, types.SimpleNamespace())
+
+
+def _hybrid_sender(room: int, pages: list[int], prefix: int = 0):
+    """A prefill manager with SWA and DSA components, and a sender whose decode lists are in."""
+    base = sglang_module("srt.disaggregation.base.conn")
+    utils = sglang_module("srt.disaggregation.utils")
+    from kvplan.integrations.sglang.adapter import KVManager, KVSender
+    from kvplan.integrations.sglang.kv_args import side_from_kv_args
+    from kvplan.planner.plan import DestinationLists
+
+    kv, aux = sglang_sides.pools(1)
+    args, _ = sglang_sides.with_state(sglang_sides.kv_args_of(base, kv, aux), "hybrid", 1)
+    server_args = types.SimpleNamespace(disaggregation_transfer_backend="nixl", disaggregation_bootstrap_port=free_port(),
+                                        max_running_requests=4, context_length=64,
+                                        kvplan_state_params=sglang_sides.STATE_PARAMS)
+    mgr = KVManager(args, utils.DisaggregationMode.PREFILL, server_args)
+    decode_args, _ = sglang_sides.with_state(sglang_sides.kv_args_of(base, *sglang_sides.pools(None)), "hybrid", None)
+    mgr.prefill.peers[0].side = side_from_kv_args(decode_args, mla=False, state_params=sglang_sides.STATE_PARAMS)
+    dst = np.arange(10, 10 + len(pages))
+    mgr.prefill.peers[0].lists[room] = (DestinationLists(dst, (np.array([3, 4]), dst)), 0, prefix)
+    mgr.posted = []
+    mgr.engine.post = lambda *a, **k: mgr.posted.append(a)  # what would reach the engine
+    sender = KVSender(mgr, "127.0.0.1:0", room)
+    sender.init(len(pages), aux_index=0)
+    return base, mgr, sender
+
+
+@pytest.mark.parametrize("swa, dsa, why", [
+    ([5, 6], [7, 9, 8], "SGLang's dsa list [7, 9, 8]... is not the request's pages [7, 8, 9]"),
+    ([5, 6, 2, 1], [7, 8, 9], "4 window pages for a request of 3 pages"),
+    ([0, 6], [7, 8, 9], "has no SWA slot"),
+])
+def test_state_lists_that_do_not_fit_the_request_fail_it_and_nothing_is_sent(swa, dsa, why):
+    """SGLang's precomputed lists are checked against the request before they become planning
+    inputs: a DSA list that is not the request's pages, a window longer than the request, a window
+    page that maps to SWA page 0 (SGLang's padding page)."""
+    base, mgr, sender = _hybrid_sender(7, [7, 8, 9])
+    sender.send(np.array([7, 8, 9]), state_indices=[swa, dsa], num_kv_tokens=10)
+    assert sender.poll() == base.KVPoll.Failed and why in mgr.failures[7], mgr.failures[7]
+    assert mgr.posted == []
+
+
+def test_swa_and_dsa_after_a_decode_prefix_are_refused_naming_the_contract():
+    """SGLang 0.5.23 starts SWA windows and DSA lists at the decode prefix; kvplan's contract at 0."""
+    base, mgr, sender = _hybrid_sender(8, [9], prefix=8)
+    sender.send(np.array([9]), state_indices=[[5], [9]], num_kv_tokens=3)
+    assert sender.poll() == base.KVPoll.Failed
+    assert "with a decode prefix (8 tokens)" in mgr.failures[8] and "planning.md §6" in mgr.failures[8]
+    assert mgr.posted == []
+
+
+def test_a_last_chunk_whose_tokens_do_not_end_in_its_last_page_fails():
+    base, mgr, sender = _hybrid_sender(9, [7, 8, 9])
+    sender.send(np.array([7, 8, 9]), state_indices=[[5, 6], [7, 8, 9]], num_kv_tokens=13)
+    assert sender.poll() == base.KVPoll.Failed and "do not end in its last page" in mgr.failures[9]
+    assert mgr.posted == []

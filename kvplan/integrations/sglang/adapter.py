@@ -11,13 +11,23 @@ The prefill manager gathers every ``send`` of one scheduler step and plans them 
 first ``poll`` after them (or at :meth:`KVManager.flush`): that is where planning on the GPU pays.
 
 Scope of this version (issue 12): KV pages and aux rows, direct or head-sliced, chunked, with a
-decode prefix; state whose list is one slot per request (Mamba), the slot SGLang hands with the
-last chunk (``send(pages, state_indices=[[slot]])``, ``send_metadata(..., state_indices=[[slot]])``);
-one decode manager per prefill manager (the control channel is a PAIR socket on the prefill's
-bootstrap port, 127.0.0.1). Other state kinds are refused with a clear error: SGLang hands their
-page lists precomputed, in forms kvplan's contract does not take yet (a DSA suffix from the decode
-prefix, SWA pages already translated). Sends are moved when planned: ``poll`` returns ``Success``
-or ``Failed`` for a request whose last chunk has gone.
+decode prefix; the state SGLang hands with the last chunk (``send(pages, state_indices=...)``,
+``send_metadata(..., state_indices=...)``), one list per component, mapped onto kvplan's planning
+inputs by what the kind's rules say it needs (:mod:`kvplan.planner.state_kinds`):
+
+* a slot per request through a map by row (Mamba): the slot goes into that row of the map;
+* pages through a token slot map (SWA): the window's pages SGLang translated go into the map, for
+  the request's last pages, so kvplan computes the same window and checks every page of it;
+* the request's own pages (DSA): SGLang's list must be exactly the request's pages.
+
+The decode side publishes SGLang's lists as they are. What ``KVArgs`` does not hold (an SWA
+window) comes per component from the server arg ``kvplan_state_params`` on both sides. Refused
+with a clear error: ring rows (``SWA_RING``: SGLang indexes them by its ``req_pool_idx``, kvplan by
+the planning row), and SWA or DSA with a decode prefix (SGLang 0.5.23 starts those lists at the
+prefix, kvplan's contract at 0: docs/planning.md §6). The last chunk's ``num_kv_tokens`` gives the
+request's true length, which places the SWA window. One decode manager per prefill manager (the
+control channel is a PAIR socket on the prefill's bootstrap port, 127.0.0.1). Sends are moved when
+planned: ``poll`` returns ``Success`` or ``Failed`` for a request whose last chunk has gone.
 
 Example (prefill and decode in two processes; ``kv_args`` as SGLang fills them)::
 
@@ -45,7 +55,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -99,17 +109,22 @@ class KVManager(BaseKVManager):
     Server args read (each with a default): ``disaggregation_transfer_backend`` (``"nixl"`` or
     ``"mooncake"``), ``disaggregation_bootstrap_port``, ``attn_tp_size`` (else ``tp_size``),
     ``max_running_requests`` (rows of the planning table), ``context_length`` (its width),
+    ``kvplan_state_params`` (per state component, what ``KVArgs`` does not hold: an SWA window),
     ``kvplan_mode`` (``auto``, ``direct``, ``staged``), ``kvplan_timeout_s``.
     """
 
     def __init__(self, args: Any, disaggregation_mode: DisaggregationMode, server_args: Any,
                  is_mla_backend: Optional[bool] = False):
-        kinds = [c.kind for c in state_from_kv_args(args)]
-        refused = [k.value for k in kinds if not _slot_per_request(k)]
+        self.state_params = [dict(p) for p in (_setting(server_args, "kvplan_state_params", None) or ())]
+        try:
+            kinds = [c.kind for c in state_from_kv_args(args, self.state_params)]
+        except LayoutError as err:
+            raise LayoutError(f"{err} (the server arg kvplan_state_params gives each state component what KVArgs "
+                              "does not hold, such as an SWA window)") from None
+        refused = [k.value for k in kinds if not _adapter_moves(k)]
         if refused:
-            raise LayoutError(f"the kvplan SGLang adapter moves state whose list is one slot per request (Mamba), not "
-                              f"{refused} yet: SGLang hands those lists precomputed, in forms kvplan's contract does "
-                              "not take (issue 12)")
+            raise LayoutError(f"the kvplan SGLang adapter does not move {refused} state yet: SGLang indexes ring rows "
+                              "by its req_pool_idx, kvplan's ring formula by the planning row (issue 12)")
         self.kv_args, self.mode, self.server_args = args, disaggregation_mode, server_args
         self.is_mla = bool(is_mla_backend)
         self.attn_tp_size = int(_setting(server_args, "attn_tp_size", _setting(server_args, "tp_size", 1)))
@@ -130,15 +145,21 @@ class KVManager(BaseKVManager):
             width = int(_setting(server_args, "context_length", min(self._pool_tokens(), DEFAULT_CONTEXT)))
             width = -(-width // self.page_size) * self.page_size
             self.table = torch.zeros((rows, width), dtype=torch.int32, device=self.device)
-            # per state component, each planning row's slot (SGLang hands it with the last chunk)
-            self.slots = [torch.zeros(rows, dtype=torch.int64, device=self.device) for _ in kinds]
+            # per state component, its map, filled from what SGLang hands with each last chunk: a slot per
+            # planning row (by row), or the window's translated slots per token slot of the KV pool
+            self.maps = [None if not rules_of(k).needs_map else
+                         torch.zeros(rows if rules_of(k).map_by_row else self._pool_tokens(), dtype=torch.int64,
+                                     device=self.device) for k in kinds]
+            params = [{**p, "slot_map": m} if m is not None else p
+                      for p, m in zip(self.state_params + [{}] * (len(kinds) - len(self.state_params)), self.maps)]
             side = side_from_kv_args(args, mla=self.is_mla, attn_tp_size=self.attn_tp_size, req_to_token=self.table,
-                                     state_params=[{"slot_map": slots} for slots in self.slots])
+                                     state_params=params)
             channel = ControlChannel(bind_port=self.bootstrap_port)
             self.prefill: PrefillEndpoint | None = PrefillEndpoint(side, self.engine, channel)
-            self._pending: list[tuple[KVSender, np.ndarray, tuple[np.ndarray, ...] | None]] = []
+            self._pending: list[tuple[KVSender, np.ndarray, tuple[np.ndarray, ...] | None, int]] = []
         elif disaggregation_mode is DisaggregationMode.DECODE:
-            self.side: SideMemory = side_from_kv_args(args, mla=self.is_mla, attn_tp_size=self.attn_tp_size)
+            self.side: SideMemory = side_from_kv_args(args, mla=self.is_mla, attn_tp_size=self.attn_tp_size,
+                                                      state_params=self.state_params)
             self.decode: DecodeEndpoint | None = None
             self.bootstrap_addr: str | None = None
         else:
@@ -158,8 +179,9 @@ class KVManager(BaseKVManager):
     def has_lists(self, room: int) -> bool:
         return room in self.prefill.peers[0].lists
 
-    def enqueue(self, sender: "KVSender", pages: np.ndarray, state: tuple[np.ndarray, ...] | None) -> None:
-        self._pending.append((sender, pages, state))
+    def enqueue(self, sender: "KVSender", pages: np.ndarray, state: tuple[np.ndarray, ...] | None,
+                tokens: int) -> None:
+        self._pending.append((sender, pages, state, tokens))
 
     def progress(self) -> None:
         """Take in registrations and destination lists (prefill), or notifications (decode). A
@@ -183,9 +205,9 @@ class KVManager(BaseKVManager):
             chunks = self._chunks(pending)
         except KvplanError as err:
             reason = f"{type(err).__name__}: {err}"
-            for sender, _, _ in pending:
+            for sender, *_ in pending:
                 self._settle(sender.room, KVPoll.Failed, reason)
-            self.prefill.fail(list(dict.fromkeys(sender.room for sender, _, _ in pending)), reason)
+            self.prefill.fail(list(dict.fromkeys(sender.room for sender, *_ in pending)), reason)
             return
         endpoint = self.prefill
         try:
@@ -200,35 +222,75 @@ class KVManager(BaseKVManager):
                 self._settle(t.request, KVPoll.Success)
                 endpoint.forget([t.request])
 
-    def _chunks(self, pending: list[tuple["KVSender", np.ndarray, tuple[np.ndarray, ...] | None]]) -> list:
-        """The step's transfers, with their pages written into the planning table and, for a last
-        chunk, its state slots into the slot maps."""
+    def _chunks(self, pending: list[tuple["KVSender", np.ndarray, tuple[np.ndarray, ...] | None, int]]) -> list:
+        """The step's transfers, with their requests' pages written into the planning table and, for a
+        last chunk, its state lists into the components' maps."""
         ps, endpoint = self.page_size, self.prefill
         if len(pending) >= self.table.shape[0]:
             raise LayoutError(f"{len(pending)} sends in one step; the planning table has "
                               f"{self.table.shape[0] - 1} rows (server arg max_running_requests)")
         # SGLang hands page ids: a block table (one row per send), expanded into token slots on the
-        # planning device (kvplan.planner.block_tables)
+        # planning device (kvplan.planner.block_tables). A row holds every page of its request so far:
+        # an SWA window reaches back into earlier chunks.
         chunks, blocks = [], np.zeros((len(pending) + 1, self.table.shape[1] // ps), np.int32)
-        slots = np.zeros((len(self.slots), len(pending) + 1), np.int64)
-        for row, (sender, pages, state) in enumerate(pending, start=1):
+        by_row = np.zeros((len(self.maps), len(pending) + 1), np.int64)
+        by_slot: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in self.maps]
+        for row, (sender, pages, state, tokens) in enumerate(pending, start=1):
             _, _, prefix = endpoint.peers[0].lists[sender.room]
             first = prefix // ps + sender.pages_sent
             if first + len(pages) > blocks.shape[1]:
                 raise LayoutError(f"request {sender.room}: {(first + len(pages)) * ps} tokens exceed the planning "
                                   f"table's {self.table.shape[1]} (server arg context_length)")
-            blocks[row, first : first + len(pages)] = pages
-            start, end = first * ps, (first + len(pages)) * ps
+            sender.pages.append(pages)
+            held = np.concatenate(sender.pages)
+            blocks[row, prefix // ps : first + len(pages)] = held
             sender.pages_sent += len(pages)
             last = sender.pages_sent >= sender.num_pages
-            if last and self.slots:
-                slots[:, row] = _one_slot_each(sender.room, state, self.prefill.side)
-            prompt = prefix + sender.num_pages * ps  # SGLang moves whole pages; so does this
-            chunks.append(endpoint.transfer(Chunk(sender.room, row, start, end, prompt, last, sender.aux_index)))
+            end = (first + len(pages)) * ps
+            if last:  # the request's true length (SGLang's num_kv_tokens), inside its last page
+                sender.tokens_sent += tokens
+                end = prefix + sender.tokens_sent
+                if not (first + len(pages) - 1) * ps < end <= (first + len(pages)) * ps:
+                    raise InputError(sender.room, f"{sender.tokens_sent} tokens after a decode prefix of {prefix} do "
+                                                  f"not end in its last page ({sender.num_pages} pages of {ps})")
+                if self.maps:  # the components' lists come with the last chunk
+                    self._state_inputs(sender.room, row, prefix, held, state, by_row, by_slot)
+            else:
+                sender.tokens_sent += len(pages) * ps
+            prompt = end if last else prefix + sender.num_pages * ps
+            chunks.append(endpoint.transfer(Chunk(sender.room, row, first * ps, end, prompt, last, sender.aux_index)))
         token_table_from_blocks(torch.from_numpy(blocks).to(self.device), ps, out=self.table)
-        for c, column in enumerate(slots):
-            self.slots[c][: len(column)].copy_(torch.from_numpy(column))
+        for c, slot_map in enumerate(self.maps):
+            if slot_map is not None and rules_of(self.prefill.side.state[c].kind).map_by_row:
+                slot_map[: by_row.shape[1]].copy_(torch.from_numpy(by_row[c]))
+            elif slot_map is not None and by_slot[c]:
+                at, values = (np.concatenate(x) for x in zip(*by_slot[c]))
+                slot_map[torch.from_numpy(at).to(self.device)] = torch.from_numpy(values).to(self.device)
         return chunks
+
+    def _state_inputs(self, room: int, row: int, prefix: int, held: np.ndarray, state: tuple[np.ndarray, ...] | None,
+                      by_row: np.ndarray, by_slot: list) -> None:
+        """Map a last chunk's state lists (one per component, as SGLang computed them) onto kvplan's
+        planning inputs, or raise InputError naming the request (see the module docstring)."""
+        comps, ps = self.prefill.side.state, self.page_size
+        for c, ids in enumerate(_state_lists_of(room, state, comps)):
+            comp, rules = comps[c], rules_of(comps[c].kind)
+            if rules.map_by_row:
+                by_row[c, row] = int(ids[0])
+            elif prefix:
+                raise InputError(room, f"state component {comp.name!r}: with a decode prefix ({prefix} tokens) SGLang "
+                                       f"starts its {comp.kind.value} list at the prefix, kvplan's contract at token "
+                                       "0 (docs/planning.md §6)")
+            elif rules.needs_map:  # the window's last pages, translated: into the token slot map
+                if len(ids) > len(held):
+                    raise InputError(room, f"state component {comp.name!r}: {len(ids)} window pages for a request "
+                                           f"of {len(held)} pages")
+                lane = np.arange(ps, dtype=np.int64)
+                by_slot[c].append(((held[len(held) - len(ids):, None].astype(np.int64) * ps + lane).reshape(-1),
+                                   (ids[:, None] * ps + lane).reshape(-1)))
+            elif not np.array_equal(ids, held):  # kvplan lists the request's own pages
+                raise InputError(room, f"state component {comp.name!r}: SGLang's {comp.kind.value} list "
+                                       f"{ids[:8].tolist()}... is not the request's pages {held[:8].tolist()}...")
 
     def _settle(self, room: int, state: int, reason: str | None = None) -> None:
         if self.status.get(room) == KVPoll.Failed:
@@ -254,8 +316,7 @@ class KVManager(BaseKVManager):
 
     def publish(self, room: int, pages: np.ndarray, aux_index: int, prefix_len: int,
                 state: tuple[np.ndarray, ...] | None = None) -> None:
-        lists = tuple(np.asarray(x, np.int64) for x in _one_slot_each(room, state, self.side)[:, None]) \
-            if self.side.state else ()
+        lists = _state_lists_of(room, state, self.side.state) if self.side.state else ()
         published = PublishedRequest(room, DestinationLists(pages.astype(np.int64), lists), int(aux_index),
                                      tuple(c.name for c in self.side.state), bool(self.side.aux))
         self.decode.track([published], time.monotonic() + self.timeout)
@@ -281,11 +342,10 @@ def _ids(values: Any) -> np.ndarray:
     return np.asarray(values, np.int64).reshape(-1)
 
 
-def _slot_per_request(kind: Any) -> bool:
-    """Whether the adapter moves this state kind: a list of one slot per request, found through a
-    map by row (what SGLang's ``state_indices`` hand with the last chunk)."""
-    rules = rules_of(kind)
-    return rules.needs_map and rules.map_by_row
+def _adapter_moves(kind: Any) -> bool:
+    """Whether the adapter moves this state kind: every kind whose list SGLang hands maps onto
+    kvplan's planning inputs, except ring rows (see the module docstring)."""
+    return not rules_of(kind).needs_ring
 
 
 def _state_lists(state_indices: Optional[list]) -> tuple[np.ndarray, ...] | None:
@@ -295,17 +355,17 @@ def _state_lists(state_indices: Optional[list]) -> tuple[np.ndarray, ...] | None
     return tuple(_ids([] if x is None else x) for x in state_indices)
 
 
-def _one_slot_each(room: int, state: tuple[np.ndarray, ...] | None, side: SideMemory) -> np.ndarray:
-    """The one slot of each of ``side``'s components for a request's last chunk, or InputError naming
-    the request (a slot left out would move another request's state)."""
-    names = [c.name for c in side.state]
+def _state_lists_of(room: int, state: tuple[np.ndarray, ...] | None, comps: Sequence[Any]) -> tuple[np.ndarray, ...]:
+    """A last chunk's list of each component, or InputError naming the request: one list per
+    component, one slot where the map is by row (a slot left out would move another request's state)."""
+    names = [c.name for c in comps]
     if state is None or len(state) != len(names):
         raise InputError(room, f"its last chunk needs one state list per component {names}, got "
                                f"{'none' if state is None else len(state)}")
-    for name, ids in zip(names, state):
-        if len(ids) != 1:
-            raise InputError(room, f"state component {name!r}: one slot per request, got {len(ids)} ids")
-    return np.array([int(ids[0]) for ids in state], np.int64)
+    for comp, ids in zip(comps, state):
+        if rules_of(comp.kind).map_by_row and len(ids) != 1:
+            raise InputError(room, f"state component {comp.name!r}: one slot per request, got {len(ids)} ids")
+    return tuple(np.asarray(ids, np.int64) for ids in state)
 
 
 class KVSender(BaseKVSender):
@@ -314,14 +374,17 @@ class KVSender(BaseKVSender):
     def __init__(self, mgr: KVManager, bootstrap_addr: str, bootstrap_room: int,
                  req_has_disagg_prefill_dp_rank: bool = False):
         self.mgr, self.room = mgr, int(bootstrap_room)
-        self.num_pages, self.aux_index, self.pages_sent = 0, 0, 0
+        self.num_pages, self.aux_index, self.pages_sent, self.tokens_sent = 0, 0, 0, 0
+        self.pages: list[np.ndarray] = []  # every page sent so far
         self._started = time.monotonic()
 
     def init(self, num_kv_indices: int, aux_index: Optional[int] = None) -> None:
         self.num_pages, self.aux_index = int(num_kv_indices), int(aux_index or 0)
 
     def send(self, kv_indices: Any, state_indices: Optional[list] = None, num_kv_tokens: Optional[int] = None) -> None:
-        self.mgr.enqueue(self, _ids(kv_indices), _state_lists(state_indices))
+        pages = _ids(kv_indices)
+        tokens = len(pages) * self.mgr.page_size if num_kv_tokens is None else int(num_kv_tokens)
+        self.mgr.enqueue(self, pages, _state_lists(state_indices), tokens)
 
     def poll(self) -> int:
         mgr = self.mgr
