@@ -52,8 +52,10 @@ def mamba_slots(room: int) -> tuple[int, int]:
 # KVArgs register them; requests without a decode prefix (kvplan's SWA and DSA lists start at token 0),
 # each last chunk with its true token count (SGLang's num_kv_tokens)
 SWA_WINDOW, SWA_PAGES, DSA_BYTES = 9, 16, 16
+# and an SWA ring: RING_SIZE rows per request-pool row, the last RING_WINDOW positions move
+RING_SIZE, RING_WINDOW, RING_BYTES, POOL_ROWS = 16, 6, 32, 8
 HYBRID_REQUESTS = ((100, 37, 0, 1), (101, 50, 0, 2), (102, 9, 0, 1))
-STATE_PARAMS = [{"window": SWA_WINDOW}, {}]
+STATE_PARAMS = [{"window": SWA_WINDOW}, {}, {"window": RING_WINDOW, "ring_size": RING_SIZE}]
 
 
 def requests_of(state) -> tuple:
@@ -65,15 +67,24 @@ def hybrid_pools(seed: int | None):
     rng = np.random.default_rng(None if seed is None else seed + 2)
     swa = [_buffer(rng, SWA_PAGES * PAGE * TOKEN_BYTES, seed is not None) for _ in range(2 * LAYERS)]
     dsa = [_buffer(rng, PAGES * PAGE * DSA_BYTES, seed is not None) for _ in range(LAYERS)]
-    return swa, dsa
+    ring = [_buffer(rng, POOL_ROWS * RING_SIZE * RING_BYTES, seed is not None) for _ in range(LAYERS)]
+    return swa, dsa, ring
 
 
-def with_hybrid(args, swa, dsa):
-    args.state_types = ["swa", "dsa"]
-    args.state_data_ptrs = [[t.data_ptr() for t in swa], [t.data_ptr() for t in dsa]]
-    args.state_data_lens = [[t.numel() for t in swa], [t.numel() for t in dsa]]
-    args.state_item_lens = [[PAGE * TOKEN_BYTES] * len(swa), [PAGE * DSA_BYTES] * len(dsa)]
+def with_hybrid(args, swa, dsa, ring):
+    args.state_types = ["swa", "dsa", "swa_ring"]
+    args.state_data_ptrs = [[t.data_ptr() for t in x] for x in (swa, dsa, ring)]
+    args.state_data_lens = [[t.numel() for t in x] for x in (swa, dsa, ring)]
+    args.state_item_lens = [[PAGE * TOKEN_BYTES] * len(swa), [PAGE * DSA_BYTES] * len(dsa), [RING_BYTES] * len(ring)]
     return args
+
+
+def ring_rows(room: int, side: int) -> np.ndarray:
+    """SGLang's ring rows of a request (its request-pool row differs on the two sides)."""
+    k = [r for r, *_ in HYBRID_REQUESTS].index(room)
+    tokens = HYBRID_REQUESTS[k][1]
+    pool_row = (2 + 2 * k, POOL_ROWS - 1 - 2 * k)[side]
+    return pool_row * RING_SIZE + np.arange(max(0, tokens - RING_WINDOW), tokens) % RING_SIZE
 
 
 def window_pages(seed: int):
@@ -103,7 +114,7 @@ def with_state(args, state, seed: int | None):
 def state_indices(state, room: int, side: int, lists, seed: int) -> list | None:
     """What SGLang hands with a last chunk (side 0) or with the metadata (side 1)."""
     if state == "hybrid":
-        return [window_pages(seed)[room][side], lists[room][side]]
+        return [window_pages(seed)[room][side], lists[room][side], ring_rows(room, side)]
     return [[mamba_slots(room)[side]]] if state else None
 
 
@@ -219,11 +230,13 @@ def run_decode(engine: str, port: int, seed: int, results, deadline_s: float, st
                            aux[dst_row * AUX_BYTES : (dst_row + 1) * AUX_BYTES]):
             wrong.append((room, "aux"))
         if state == "hybrid":  # every window page of every SWA tensor, every indexer page
-            src_swa, src_dsa = hybrid_pools(seed)
+            src_swa, src_dsa, src_ring = hybrid_pools(seed)
             pairs = [(s_t, d_t, PAGE * TOKEN_BYTES, zip(*window_pages(seed)[room]), "swa")
                      for s_t, d_t in zip(src_swa, state_pools[0])]
             pairs += [(s_t, d_t, PAGE * DSA_BYTES, zip(src_pages, dst_pages), "dsa")
                       for s_t, d_t in zip(src_dsa, state_pools[1])]
+            pairs += [(s_t, d_t, RING_BYTES, zip(ring_rows(room, 0), ring_rows(room, 1)), "ring")
+                      for s_t, d_t in zip(src_ring, state_pools[2])]
             for s_t, d_t, item, ids, what in pairs:
                 for sp, dp in ids:
                     if not torch.equal(s_t[sp * item : (sp + 1) * item], d_t[dp * item : (dp + 1) * item]):

@@ -125,7 +125,7 @@ def test_a_last_chunk_without_its_state_slot_fails_and_nothing_is_sent():
     assert two.poll() == base.KVPoll.Failed and "one slot per request, got 2 ids" in mgr.failures[6]
 
 
-def test_ring_rows_and_a_window_left_out_are_refused_by_name():
+def test_a_window_left_out_is_refused_naming_the_server_arg():
     base = sglang_module("srt.disaggregation.base.conn")
     utils = sglang_module("srt.disaggregation.utils")
     from kvplan.errors import LayoutError
@@ -133,18 +133,14 @@ def test_ring_rows_and_a_window_left_out_are_refused_by_name():
 
     kv, aux = sglang_sides.pools(1)
     args = sglang_sides.kv_args_of(base, kv, aux)
-    args.state_types, args.state_data_ptrs = ["swa_ring"], [[kv[0].data_ptr()]]
+    args.state_types, args.state_data_ptrs = ["swa"], [[kv[0].data_ptr()]]
     args.state_data_lens, args.state_item_lens = [[kv[0].numel()]], [[64]]
-    ring = types.SimpleNamespace(kvplan_state_params=[{"window": 8, "ring_size": 8}])
-    with pytest.raises(LayoutError, match=r"does not move \['swa_ring'\] state yet: SGLang indexes ring rows"):
-        KVManager(args, utils.DisaggregationMode.DECODE, ring)
-    args.state_types = ["swa"]
     with pytest.raises(LayoutError, match="window >= 1 is required.*kvplan_state_params"):
         KVManager(args, utils.DisaggregationMode.DECODE, types.SimpleNamespace())
 
 
 def _hybrid_sender(room: int, pages: list[int], prefix: int = 0):
-    """A prefill manager with SWA and DSA components, and a sender whose decode lists are in."""
+    """A prefill manager with SWA, DSA and ring components, and a sender whose decode lists are in."""
     base = sglang_module("srt.disaggregation.base.conn")
     utils = sglang_module("srt.disaggregation.utils")
     from kvplan.integrations.sglang.adapter import KVManager, KVSender
@@ -160,7 +156,9 @@ def _hybrid_sender(room: int, pages: list[int], prefix: int = 0):
     decode_args, _ = sglang_sides.with_state(sglang_sides.kv_args_of(base, *sglang_sides.pools(None)), "hybrid", None)
     mgr.prefill.peers[0].side = side_from_kv_args(decode_args, mla=False, state_params=sglang_sides.STATE_PARAMS)
     dst = np.arange(10, 10 + len(pages))
-    mgr.prefill.peers[0].lists[room] = (DestinationLists(dst, (np.array([3, 4]), dst)), 0, prefix)
+    ring = np.arange(16, 22)  # six rows of the decode's request-pool row 1
+    for r in (room, room + 1):
+        mgr.prefill.peers[0].lists[r] = (DestinationLists(dst, (np.array([3, 4]), dst, ring)), 0, prefix)
     mgr.posted = []
     mgr.engine.post = lambda *a, **k: mgr.posted.append(a)  # what would reach the engine
     sender = KVSender(mgr, "127.0.0.1:0", room)
@@ -168,17 +166,23 @@ def _hybrid_sender(room: int, pages: list[int], prefix: int = 0):
     return base, mgr, sender
 
 
-@pytest.mark.parametrize("swa, dsa, why", [
-    ([5, 6], [7, 9, 8], "SGLang's dsa list [7, 9, 8]... is not the request's pages [7, 8, 9]"),
-    ([5, 6, 2, 1], [7, 8, 9], "4 window pages for a request of 3 pages"),
-    ([0, 6], [7, 8, 9], "has no SWA slot"),
+RING = [36, 37, 38, 39, 40, 41]  # positions 4..9 of request-pool row 2 (R = 16, W = 6)
+
+
+@pytest.mark.parametrize("swa, dsa, ring, why", [
+    ([5, 6], [7, 9, 8], RING, "SGLang's dsa list [7, 9, 8]... is not the request's pages [7, 8, 9]"),
+    ([5, 6, 2, 1], [7, 8, 9], RING, "4 window pages for a request of 3 pages"),
+    ([0, 6], [7, 8, 9], RING, "has no SWA slot"),
+    ([5, 6], [7, 8, 9], [36, 37, 38, 39, 40], "are not the last 6 positions' rows of request-pool row 2"),
+    ([5, 6], [7, 8, 9], [x + 16 * 9 for x in RING], "request-pool row 11; the planning table has 5 rows"),
 ])
-def test_state_lists_that_do_not_fit_the_request_fail_it_and_nothing_is_sent(swa, dsa, why):
+def test_state_lists_that_do_not_fit_the_request_fail_it_and_nothing_is_sent(swa, dsa, ring, why):
     """SGLang's precomputed lists are checked against the request before they become planning
     inputs: a DSA list that is not the request's pages, a window longer than the request, a window
-    page that maps to SWA page 0 (SGLang's padding page)."""
+    page that maps to SWA page 0 (SGLang's padding page), ring rows other than the last W positions
+    of one request-pool row, or of a row past the planning table."""
     base, mgr, sender = _hybrid_sender(7, [7, 8, 9])
-    sender.send(np.array([7, 8, 9]), state_indices=[swa, dsa], num_kv_tokens=10)
+    sender.send(np.array([7, 8, 9]), state_indices=[swa, dsa, ring], num_kv_tokens=10)
     assert sender.poll() == base.KVPoll.Failed and why in mgr.failures[7], mgr.failures[7]
     assert mgr.posted == []
 
@@ -186,7 +190,7 @@ def test_state_lists_that_do_not_fit_the_request_fail_it_and_nothing_is_sent(swa
 def test_swa_and_dsa_after_a_decode_prefix_are_refused_naming_the_contract():
     """SGLang 0.5.23 starts SWA windows and DSA lists at the decode prefix; kvplan's contract at 0."""
     base, mgr, sender = _hybrid_sender(8, [9], prefix=8)
-    sender.send(np.array([9]), state_indices=[[5], [9]], num_kv_tokens=3)
+    sender.send(np.array([9]), state_indices=[[5], [9], [16 * 2 + 10]], num_kv_tokens=3)
     assert sender.poll() == base.KVPoll.Failed
     assert "with a decode prefix (8 tokens)" in mgr.failures[8] and "planning.md §6" in mgr.failures[8]
     assert mgr.posted == []
@@ -194,6 +198,20 @@ def test_swa_and_dsa_after_a_decode_prefix_are_refused_naming_the_contract():
 
 def test_a_last_chunk_whose_tokens_do_not_end_in_its_last_page_fails():
     base, mgr, sender = _hybrid_sender(9, [7, 8, 9])
-    sender.send(np.array([7, 8, 9]), state_indices=[[5, 6], [7, 8, 9]], num_kv_tokens=13)
+    sender.send(np.array([7, 8, 9]), state_indices=[[5, 6], [7, 8, 9], RING], num_kv_tokens=13)
     assert sender.poll() == base.KVPoll.Failed and "do not end in its last page" in mgr.failures[9]
+    assert mgr.posted == []
+
+
+def test_two_requests_of_one_request_pool_row_in_a_step_fail_and_nothing_is_sent():
+    """Ring rows place a request at its request-pool row; two on one row would share the ring."""
+    from kvplan.integrations.sglang.adapter import KVSender
+
+    base, mgr, one = _hybrid_sender(3, [7, 8, 9])
+    two = KVSender(mgr, "127.0.0.1:0", 4)
+    two.init(3, aux_index=1)
+    one.send(np.array([7, 8, 9]), state_indices=[[5, 6], [7, 8, 9], RING], num_kv_tokens=10)
+    two.send(np.array([10, 11, 12]), state_indices=[[3, 4], [10, 11, 12], RING], num_kv_tokens=10)
+    assert one.poll() == base.KVPoll.Failed and two.poll() == base.KVPoll.Failed
+    assert "request-pool row 2, as another request's in this step" in mgr.failures[4]
     assert mgr.posted == []

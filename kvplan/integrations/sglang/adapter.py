@@ -18,14 +18,15 @@ inputs by what the kind's rules say it needs (:mod:`kvplan.planner.state_kinds`)
 * a slot per request through a map by row (Mamba): the slot goes into that row of the map;
 * pages through a token slot map (SWA): the window's pages SGLang translated go into the map, for
   the request's last pages, so kvplan computes the same window and checks every page of it;
-* the request's own pages (DSA): SGLang's list must be exactly the request's pages.
+* the request's own pages (DSA): SGLang's list must be exactly the request's pages;
+* ring rows (SWA_RING): rows of SGLang's request-pool row, which kvplan's formula reads as the
+  planning row, so the request is planned in that row and its list must be the formula's.
 
 The decode side publishes SGLang's lists as they are. What ``KVArgs`` does not hold (an SWA
-window) comes per component from the server arg ``kvplan_state_params`` on both sides. Refused
-with a clear error: ring rows (``SWA_RING``: SGLang indexes them by its ``req_pool_idx``, kvplan by
-the planning row), and SWA or DSA with a decode prefix (SGLang 0.5.23 starts those lists at the
-prefix, kvplan's contract at 0: docs/planning.md §6). The last chunk's ``num_kv_tokens`` gives the
-request's true length, which places the SWA window. One decode manager per prefill manager (the
+window, a ring's size) comes per component from the server arg ``kvplan_state_params`` on both
+sides. Refused with a clear error: SWA or DSA with a decode prefix (SGLang 0.5.23 starts those
+lists at the prefix, kvplan's contract at 0: docs/planning.md §6). The last chunk's
+``num_kv_tokens`` gives the request's true length, which places the SWA window and the ring's. One decode manager per prefill manager (the
 control channel is a PAIR socket on the prefill's bootstrap port, 127.0.0.1). Sends are moved when
 planned: ``poll`` returns ``Success`` or ``Failed`` for a request whose last chunk has gone.
 
@@ -109,7 +110,7 @@ class KVManager(BaseKVManager):
     Server args read (each with a default): ``disaggregation_transfer_backend`` (``"nixl"`` or
     ``"mooncake"``), ``disaggregation_bootstrap_port``, ``attn_tp_size`` (else ``tp_size``),
     ``max_running_requests`` (rows of the planning table), ``context_length`` (its width),
-    ``kvplan_state_params`` (per state component, what ``KVArgs`` does not hold: an SWA window),
+    ``kvplan_state_params`` (per state component, what ``KVArgs`` does not hold: windows, ring sizes),
     ``kvplan_mode`` (``auto``, ``direct``, ``staged``), ``kvplan_timeout_s``.
     """
 
@@ -121,10 +122,6 @@ class KVManager(BaseKVManager):
         except LayoutError as err:
             raise LayoutError(f"{err} (the server arg kvplan_state_params gives each state component what KVArgs "
                               "does not hold, such as an SWA window)") from None
-        refused = [k.value for k in kinds if not _adapter_moves(k)]
-        if refused:
-            raise LayoutError(f"the kvplan SGLang adapter does not move {refused} state yet: SGLang indexes ring rows "
-                              "by its req_pool_idx, kvplan's ring formula by the planning row (issue 12)")
         self.kv_args, self.mode, self.server_args = args, disaggregation_mode, server_args
         self.is_mla = bool(is_mla_backend)
         self.attn_tp_size = int(_setting(server_args, "attn_tp_size", _setting(server_args, "tp_size", 1)))
@@ -232,10 +229,11 @@ class KVManager(BaseKVManager):
         # SGLang hands page ids: a block table (one row per send), expanded into token slots on the
         # planning device (kvplan.planner.block_tables). A row holds every page of its request so far:
         # an SWA window reaches back into earlier chunks.
-        chunks, blocks = [], np.zeros((len(pending) + 1, self.table.shape[1] // ps), np.int32)
-        by_row = np.zeros((len(self.maps), len(pending) + 1), np.int64)
+        rows = self._rows(pending)
+        chunks, blocks = [], np.zeros((max(rows) + 1, self.table.shape[1] // ps), np.int32)
+        by_row = np.zeros((len(self.maps), max(rows) + 1), np.int64)
         by_slot: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in self.maps]
-        for row, (sender, pages, state, tokens) in enumerate(pending, start=1):
+        for row, (sender, pages, state, tokens) in zip(rows, pending):
             _, _, prefix = endpoint.peers[0].lists[sender.room]
             first = prefix // ps + sender.pages_sent
             if first + len(pages) > blocks.shape[1]:
@@ -254,7 +252,7 @@ class KVManager(BaseKVManager):
                     raise InputError(sender.room, f"{sender.tokens_sent} tokens after a decode prefix of {prefix} do "
                                                   f"not end in its last page ({sender.num_pages} pages of {ps})")
                 if self.maps:  # the components' lists come with the last chunk
-                    self._state_inputs(sender.room, row, prefix, held, state, by_row, by_slot)
+                    self._state_inputs(sender.room, row, prefix, end, held, state, by_row, by_slot)
             else:
                 sender.tokens_sent += len(pages) * ps
             prompt = end if last else prefix + sender.num_pages * ps
@@ -268,8 +266,30 @@ class KVManager(BaseKVManager):
                 slot_map[torch.from_numpy(at).to(self.device)] = torch.from_numpy(values).to(self.device)
         return chunks
 
-    def _state_inputs(self, room: int, row: int, prefix: int, held: np.ndarray, state: tuple[np.ndarray, ...] | None,
-                      by_row: np.ndarray, by_slot: list) -> None:
+    def _rows(self, pending: list[tuple["KVSender", np.ndarray, tuple[np.ndarray, ...] | None, int]]) -> list[int]:
+        """Each send's planning row: a last chunk with ring rows takes the row they are of (SGLang's
+        request-pool row, ``ids[0] // R``: kvplan's ring formula reads the planning row); the other
+        sends take the first free rows from 1."""
+        comps = self.prefill.side.state
+        rings = [c for c, comp in enumerate(comps) if rules_of(comp.kind).needs_ring]
+        fixed: dict[int, int] = {}
+        for k, (sender, pages, state, _) in enumerate(pending):
+            last = sender.pages_sent + len(pages) >= sender.num_pages
+            if not rings or not last or state is None or len(state) != len(comps) or not len(state[rings[0]]):
+                continue  # a missing list is reported with the request's other state checks
+            row = int(state[rings[0]][0]) // comps[rings[0]].ring_size
+            if not 0 <= row < self.table.shape[0]:
+                raise InputError(sender.room, f"its ring rows are of request-pool row {row}; the planning table has "
+                                              f"{self.table.shape[0]} rows (server arg max_running_requests)")
+            if row in fixed.values():
+                raise InputError(sender.room, f"its ring rows are of request-pool row {row}, as another request's "
+                                              "in this step")
+            fixed[k] = row
+        free = (r for r in range(1, self.table.shape[0]) if r not in fixed.values())
+        return [fixed[k] if k in fixed else next(free) for k in range(len(pending))]
+
+    def _state_inputs(self, room: int, row: int, prefix: int, end: int, held: np.ndarray,
+                      state: tuple[np.ndarray, ...] | None, by_row: np.ndarray, by_slot: list) -> None:
         """Map a last chunk's state lists (one per component, as SGLang computed them) onto kvplan's
         planning inputs, or raise InputError naming the request (see the module docstring)."""
         comps, ps = self.prefill.side.state, self.page_size
@@ -277,7 +297,13 @@ class KVManager(BaseKVManager):
             comp, rules = comps[c], rules_of(comps[c].kind)
             if rules.map_by_row:
                 by_row[c, row] = int(ids[0])
-            elif prefix:
+            elif rules.needs_ring:  # kvplan's formula over the request's row (_rows placed it there)
+                rows = row * comp.ring_size + np.arange(max(0, end - comp.window), end) % comp.ring_size
+                if not np.array_equal(ids, rows):
+                    raise InputError(room, f"state component {comp.name!r}: SGLang's ring rows {ids[:8].tolist()}... "
+                                           f"are not the last {comp.window} positions' rows of request-pool row "
+                                           f"{row} {rows[:8].tolist()}...")
+            elif prefix and rules.paged:
                 raise InputError(room, f"state component {comp.name!r}: with a decode prefix ({prefix} tokens) SGLang "
                                        f"starts its {comp.kind.value} list at the prefix, kvplan's contract at token "
                                        "0 (docs/planning.md §6)")
@@ -340,12 +366,6 @@ def _ids(values: Any) -> np.ndarray:
     """SGLang's ids (a tensor, array or list) as int64."""
     values = values.cpu() if isinstance(values, torch.Tensor) else values
     return np.asarray(values, np.int64).reshape(-1)
-
-
-def _adapter_moves(kind: Any) -> bool:
-    """Whether the adapter moves this state kind: every kind whose list SGLang hands maps onto
-    kvplan's planning inputs, except ring rows (see the module docstring)."""
-    return not rules_of(kind).needs_ring
 
 
 def _state_lists(state_indices: Optional[list]) -> tuple[np.ndarray, ...] | None:
