@@ -163,6 +163,23 @@ class PrefillEndpoint:
                 raise LayoutError(f"expected a registration, got {kind!r}")
             self._on_register(k, header, frames)
 
+    def add_peer(self, channel: ControlChannel, timeout: float) -> int:
+        """Take one more decode endpoint, on ``channel``: wait for its registration and pair with it
+        (as :meth:`accept`); its index. On a timeout or a refused pairing the channel is closed, it
+        is not added, and the error is raised."""
+        self.peers.append(Peer(channel))
+        k = len(self.peers) - 1
+        try:
+            kind, header, frames = channel.recv(time.monotonic() + timeout)
+            if kind != "register":
+                raise LayoutError(f"expected a registration, got {kind!r}")
+            self._on_register(k, header, frames)
+        except BaseException:
+            self.peers.pop()
+            channel.close()
+            raise
+        return k
+
     def receive_requests(self, count: int, timeout: float, peer: int = 0) -> None:
         """Receive ``count`` requests' destination lists (wire messages) from decode endpoint ``peer``."""
         deadline = time.monotonic() + timeout

@@ -187,7 +187,9 @@ def run_prefill(engine: str, port: int, seed: int, results, deadline_s: float, s
     time.sleep(0.5)  # let the last notifications leave before the engine goes
 
 
-def run_decode(engine: str, port: int, seed: int, results, deadline_s: float, state: bool = False) -> None:
+def run_decode(engine: str, port: int, seed: int, results, deadline_s: float, state: bool = False,
+               rooms: tuple | None = None, name: str = "decode") -> None:
+    """A decode manager receiving ``rooms`` (all requests by default); reports as ``name``."""
     from tests.sglang_real import sglang_module
 
     base = sglang_module("srt.disaggregation.base.conn")
@@ -201,7 +203,7 @@ def run_decode(engine: str, port: int, seed: int, results, deadline_s: float, st
     mgr = KVManager(args, utils.DisaggregationMode.DECODE, server_args)
     lists = page_lists(seed, state == "hybrid")
     receivers, seen = {}, {}
-    for room, tokens, prefix, _ in requests_of(state):
+    for room, tokens, prefix, _ in (r for r in requests_of(state) if rooms is None or r[0] in rooms):
         receiver = KVReceiver(mgr, f"127.0.0.1:{port}", room)
         seen[room] = [int(receiver.poll())]
         receiver.init(0)
@@ -221,6 +223,8 @@ def run_decode(engine: str, port: int, seed: int, results, deadline_s: float, st
     src_kv, src_aux = pools(seed)
     wrong = []
     for room, (src_pages, dst_pages, src_row, dst_row) in lists.items():
+        if rooms is not None and room not in rooms:
+            continue
         for s_t, d_t in zip(src_kv, kv):
             item = PAGE * TOKEN_BYTES
             for sp, dp in zip(src_pages, dst_pages):
@@ -247,4 +251,4 @@ def run_decode(engine: str, port: int, seed: int, results, deadline_s: float, st
                 if not torch.equal(s_t[src_slot * item : (src_slot + 1) * item],
                                    d_t[dst_slot * item : (dst_slot + 1) * item]):
                     wrong.append((room, "mamba", item))
-    results.put(("decode", seen, wrong))
+    results.put((name, seen, wrong))

@@ -102,7 +102,19 @@ def _state_manager(mode: str):
     args = sglang_sides.with_mamba(sglang_sides.kv_args_of(base, kv, aux), mamba)
     server_args = types.SimpleNamespace(disaggregation_transfer_backend="nixl", disaggregation_bootstrap_port=free_port(),
                                         max_running_requests=4, context_length=64)
-    return base, KVManager(args, getattr(utils.DisaggregationMode, mode), server_args), (kv, aux, mamba)
+    mgr = KVManager(args, getattr(utils.DisaggregationMode, mode), server_args)
+    if mode == "PREFILL":
+        _add_decode(mgr)
+    return base, mgr, (kv, aux, mamba)
+
+
+def _add_decode(mgr):
+    """A decode manager's place on the prefill manager, as its channel's registration would make it
+    (an in-memory channel: what the prefill reports goes nowhere)."""
+    from kvplan.transport.prefill import Peer
+    from tests.transport.fakes import FakeChannel
+
+    mgr.prefill.peers.append(Peer(FakeChannel.pair()[0]))
 
 
 def test_a_last_chunk_without_its_state_slot_fails_and_nothing_is_sent():
@@ -123,6 +135,39 @@ def test_a_last_chunk_without_its_state_slot_fails_and_nothing_is_sent():
     two.init(1, aux_index=0)
     two.send(np.array([4]), state_indices=[[1, 2]])
     assert two.poll() == base.KVPoll.Failed and "one slot per request, got 2 ids" in mgr.failures[6]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_one_prefill_manager_serves_two_decode_managers(engine):
+    """Each decode manager asks the prefill's bootstrap port for a channel of its own; one step's
+    sends go to the decode managers that published them, planned as one batch (with state: the
+    hybrid SWA, DSA and ring components), every byte checked on both decode sides."""
+    base = sglang_module("srt.disaggregation.base.conn")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=sglang_sides.run_prefill, args=(engine, port, 11, results, 60.0, "hybrid")),
+             ctx.Process(target=sglang_sides.run_decode, args=(engine, port, 11, results, 60.0, "hybrid", (100, 102),
+                                                                "decode-a")),
+             ctx.Process(target=sglang_sides.run_decode, args=(engine, port, 11, results, 60.0, "hybrid", (101,),
+                                                                "decode-b"))]
+    for p in procs:
+        p.start()
+    try:
+        got = dict((kind, rest) for kind, *rest in (results.get(timeout=150) for _ in procs))
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    prefill_states, failures = got["prefill"]
+    assert not any(failures.values()), failures
+    assert all(states[-1] == base.KVPoll.Success for states in prefill_states.values()), prefill_states
+    for name, rooms in (("decode-a", {100, 102}), ("decode-b", {101})):
+        decode_states, wrong = got[name]
+        assert set(decode_states) == rooms and not wrong, (name, wrong[:8])
+        assert all(states[-1] == base.KVPoll.Success for states in decode_states.values()), (name, decode_states)
 
 
 def test_a_window_left_out_is_refused_naming_the_server_arg():
@@ -153,6 +198,7 @@ def _hybrid_sender(room: int, pages: list[int], prefix: int = 0):
                                         max_running_requests=4, context_length=64,
                                         kvplan_state_params=sglang_sides.STATE_PARAMS)
     mgr = KVManager(args, utils.DisaggregationMode.PREFILL, server_args)
+    _add_decode(mgr)
     decode_args, _ = sglang_sides.with_state(sglang_sides.kv_args_of(base, *sglang_sides.pools(None)), "hybrid", None)
     mgr.prefill.peers[0].side = side_from_kv_args(decode_args, mla=False, state_params=sglang_sides.STATE_PARAMS)
     dst = np.arange(10, 10 + len(pages))

@@ -26,9 +26,13 @@ The decode side publishes SGLang's lists as they are. What ``KVArgs`` does not h
 window, a ring's size) comes per component from the server arg ``kvplan_state_params`` on both
 sides. Refused with a clear error: SWA or DSA with a decode prefix (SGLang 0.5.23 starts those
 lists at the prefix, kvplan's contract at 0: docs/planning.md §6). The last chunk's
-``num_kv_tokens`` gives the request's true length, which places the SWA window and the ring's. One decode manager per prefill manager (the
-control channel is a PAIR socket on the prefill's bootstrap port, 127.0.0.1). Sends are moved when
-planned: ``poll`` returns ``Success`` or ``Failed`` for a request whose last chunk has gone.
+``num_kv_tokens`` gives the request's true length, which places the SWA window and the ring's.
+
+Several decode managers per prefill manager: each asks the prefill's bootstrap port (127.0.0.1 by
+default) for a control channel of its own (:mod:`kvplan.transport.listener`), and one step's
+sends fan out to the decode managers that published them, planned as one batch. A decode manager
+pairs with one prefill manager. Sends are moved when planned: ``poll`` returns ``Success`` or
+``Failed`` for a request whose last chunk has gone.
 
 Example (prefill and decode in two processes; ``kv_args`` as SGLang fills them)::
 
@@ -75,7 +79,7 @@ from ...planner.destinations import PublishedRequest
 from ...planner.model import SideMemory
 from ...planner.plan import DestinationLists
 from ...planner.state_kinds import rules_of
-from ...transport.control import ControlChannel
+from ...transport.listener import ChannelListener, channel_via
 from ...transport.decode import DecodeEndpoint
 from ...transport.engines import make_engine
 from ...transport.prefill import Chunk, PrefillEndpoint
@@ -87,6 +91,7 @@ log = logging.getLogger("kvplan")
 
 DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's --disaggregation-bootstrap-port default
 DEFAULT_CONTEXT = 1 << 17  # planning-table width without a context_length server arg (tokens)
+HANDSHAKE_S = 5.0  # how long a new decode manager may take to register once it has its channel
 
 
 class TransferFailed(KvplanError):
@@ -151,8 +156,9 @@ class KVManager(BaseKVManager):
                       for p, m in zip(self.state_params + [{}] * (len(kinds) - len(self.state_params)), self.maps)]
             side = side_from_kv_args(args, mla=self.is_mla, attn_tp_size=self.attn_tp_size, req_to_token=self.table,
                                      state_params=params)
-            channel = ControlChannel(bind_port=self.bootstrap_port)
-            self.prefill: PrefillEndpoint | None = PrefillEndpoint(side, self.engine, channel)
+            # each decode manager asks the bootstrap port for a channel of its own (several per prefill)
+            self.listener = ChannelListener(self.bootstrap_port)
+            self.prefill: PrefillEndpoint | None = PrefillEndpoint(side, self.engine, [])
             self._pending: list[tuple[KVSender, np.ndarray, tuple[np.ndarray, ...] | None, int]] = []
         elif disaggregation_mode is DisaggregationMode.DECODE:
             self.side: SideMemory = side_from_kv_args(args, mla=self.is_mla, attn_tp_size=self.attn_tp_size,
@@ -171,19 +177,32 @@ class KVManager(BaseKVManager):
 
     # -- prefill --------------------------------------------------------------------------------------
     def paired(self) -> bool:
-        return self.prefill is not None and self.prefill.peers[0].side is not None
+        return self.prefill is not None and any(p.side is not None for p in self.prefill.peers)
 
     def has_lists(self, room: int) -> bool:
-        return room in self.prefill.peers[0].lists
+        return self._peer_of(room) is not None
+
+    def _peer_of(self, room: int) -> int | None:
+        """The decode manager (peer index) that published ``room``'s lists, if one has."""
+        return next((k for k, p in enumerate(self.prefill.peers) if room in p.lists), None)
 
     def enqueue(self, sender: "KVSender", pages: np.ndarray, state: tuple[np.ndarray, ...] | None,
                 tokens: int) -> None:
         self._pending.append((sender, pages, state, tokens))
 
     def progress(self) -> None:
-        """Take in registrations and destination lists (prefill), or notifications (decode). A
-        decode side that cannot pair breaks this manager: every sender fails with the reason."""
+        """Take in new decode managers, registrations and destination lists (prefill), or
+        notifications (decode). A decode side that cannot pair is refused; while no decode side is
+        paired, that breaks this manager: every waiting sender fails with the reason."""
         if self.mode is DisaggregationMode.PREFILL:
+            for channel in self.listener.accept_pending():
+                try:  # the decode manager registers as soon as it has its channel
+                    self.prefill.add_peer(channel, min(self.timeout, HANDSHAKE_S))
+                    self.broken = None
+                except KvplanError as err:
+                    reason = f"the decode side cannot pair with this one: {err}"
+                    log.warning("%s", reason)
+                    self.broken = None if self.paired() else reason
             if self.broken is None:
                 try:
                     self.prefill.progress()
@@ -204,7 +223,12 @@ class KVManager(BaseKVManager):
             reason = f"{type(err).__name__}: {err}"
             for sender, *_ in pending:
                 self._settle(sender.room, KVPoll.Failed, reason)
-            self.prefill.fail(list(dict.fromkeys(sender.room for sender, *_ in pending)), reason)
+            by_peer: dict[int, list[int]] = {}
+            for sender, *_ in pending:
+                if (k := self._peer_of(sender.room)) is not None and sender.room not in by_peer.get(k, []):
+                    by_peer.setdefault(k, []).append(sender.room)
+            for k, rooms in by_peer.items():
+                self.prefill.fail(rooms, reason, peer=k)
             return
         endpoint = self.prefill
         try:
@@ -234,7 +258,8 @@ class KVManager(BaseKVManager):
         by_row = np.zeros((len(self.maps), max(rows) + 1), np.int64)
         by_slot: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in self.maps]
         for row, (sender, pages, state, tokens) in zip(rows, pending):
-            _, _, prefix = endpoint.peers[0].lists[sender.room]
+            peer = self._peer_of(sender.room)
+            _, _, prefix = endpoint.peers[peer].lists[sender.room]
             first = prefix // ps + sender.pages_sent
             if first + len(pages) > blocks.shape[1]:
                 raise LayoutError(f"request {sender.room}: {(first + len(pages)) * ps} tokens exceed the planning "
@@ -256,7 +281,8 @@ class KVManager(BaseKVManager):
             else:
                 sender.tokens_sent += len(pages) * ps
             prompt = end if last else prefix + sender.num_pages * ps
-            chunks.append(endpoint.transfer(Chunk(sender.room, row, first * ps, end, prompt, last, sender.aux_index)))
+            chunks.append(endpoint.transfer(Chunk(sender.room, row, first * ps, end, prompt, last, sender.aux_index),
+                                            peer=peer))
         token_table_from_blocks(torch.from_numpy(blocks).to(self.device), ps, out=self.table)
         for c, slot_map in enumerate(self.maps):
             if slot_map is not None and rules_of(self.prefill.side.state[c].kind).map_by_row:
@@ -335,7 +361,7 @@ class KVManager(BaseKVManager):
                                   f"decode manager in this version, not also {bootstrap_addr}")
             return
         host, _, port = bootstrap_addr.rpartition(":")
-        channel = ControlChannel(connect_port=int(port), host=host or "127.0.0.1")
+        channel = channel_via(host or "127.0.0.1", int(port), timeout=self.timeout)
         self.decode = DecodeEndpoint(self.side, self.engine, channel)
         self.decode.register(timeout=self.timeout)
         self.bootstrap_addr = bootstrap_addr

@@ -1,0 +1,87 @@
+"""A known port where decode endpoints ask for a control channel of their own.
+
+A :class:`ControlChannel` is one PAIR socket: one peer. A prefill endpoint that serves several
+decode endpoints through one advertised port (an SGLang bootstrap port) binds a
+:class:`ChannelListener` there. Each decode endpoint sends it one ``hello`` (:func:`channel_via`);
+the listener binds a new channel on an ephemeral port of the same host and answers with that port;
+the decode endpoint connects its own channel to it. Every wait has a deadline.
+
+Example::
+
+    listener = ChannelListener(bind_port=8998)          # prefill
+    channel = channel_via("127.0.0.1", 8998, timeout=5)  # decode: its own channel
+    new = listener.accept_pending()                     # prefill: [ControlChannel], one per hello
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from ..errors import PeerError
+from .control import ControlChannel, ControlTimeout
+
+__all__ = ["ChannelListener", "channel_via"]
+
+log = logging.getLogger("kvplan")
+
+
+class ChannelListener:
+    """A ROUTER socket on ``host:bind_port`` that answers each ``hello`` with a new channel's port."""
+
+    def __init__(self, bind_port: int, host: str = "127.0.0.1", peer_timeout: float = 1.0):
+        import zmq
+
+        self._zmq = zmq
+        self.host, self.peer_timeout = host, peer_timeout
+        self.socket = zmq.Context.instance().socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 1000)
+        self.socket.bind(f"tcp://{host}:{bind_port}")
+        self.port = bind_port
+
+    def accept_pending(self) -> list[ControlChannel]:
+        """A new bound channel for every ``hello`` that has arrived (never blocks); each asker has
+        been sent its channel's port. A malformed message is answered with an error and skipped."""
+        made = []
+        while self.socket.poll(0):
+            parts = self.socket.recv_multipart()
+            who, body = parts[0], parts[-1]
+            try:
+                kind = json.loads(body).get("kind")
+            except (ValueError, AttributeError):
+                kind = None
+            if kind != "hello":
+                log.warning("ignored a malformed message on the listening port %d", self.port)
+                self.socket.send_multipart([who, json.dumps({"error": "expected a hello"}).encode()])
+                continue
+            channel = ControlChannel(peer_timeout=self.peer_timeout, host=self.host)
+            self.socket.send_multipart([who, json.dumps({"port": channel.port}).encode()])
+            made.append(channel)
+        return made
+
+    def close(self) -> None:
+        self.socket.close()
+
+
+def channel_via(host: str, port: int, timeout: float, peer_timeout: float = 1.0) -> ControlChannel:
+    """Ask the :class:`ChannelListener` on ``host:port`` for a channel of its own and connect it;
+    :class:`ControlTimeout` if no answer comes within ``timeout`` seconds."""
+    import zmq
+
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    try:
+        socket.connect(f"tcp://{host}:{port}")
+        deadline = time.monotonic() + timeout
+        if not socket.poll(max(0, int(timeout * 1000)), zmq.POLLOUT):
+            raise ControlTimeout(f"the listener on {host}:{port} did not take a hello within {timeout} s")
+        socket.send_multipart([json.dumps({"kind": "hello"}).encode()], zmq.NOBLOCK)
+        if not socket.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+            raise ControlTimeout(f"no channel from the listener on {host}:{port} within {timeout} s")
+        answer = json.loads(socket.recv_multipart()[-1])
+        if not isinstance(answer, dict) or not isinstance(answer.get("port"), int):
+            raise PeerError(f"the listener on {host}:{port} answered {answer!r}, not a port")
+        return ControlChannel(connect_port=int(answer["port"]), host=host, peer_timeout=peer_timeout)
+    finally:
+        socket.close()

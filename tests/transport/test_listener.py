@@ -1,0 +1,118 @@
+"""A prefill endpoint's listening port: each decode endpoint that says hello gets a channel of its
+own (kvplan/transport/listener.py), and a decode endpoint added later pairs or is left out whole."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import zmq
+
+from kvplan.errors import LayoutError
+from kvplan.transport.control import ControlTimeout
+from kvplan.transport.listener import ChannelListener, channel_via
+from kvplan.transport.prefill import PrefillEndpoint
+from tests.transport.fakes import FakeChannel, FakeEngine
+
+
+def _listener() -> ChannelListener:
+    for _ in range(20):
+        port = zmq.Context.instance().socket(zmq.ROUTER)
+        chosen = port.bind_to_random_port("tcp://127.0.0.1")
+        port.close()
+        try:
+            return ChannelListener(chosen)
+        except zmq.ZMQError:
+            continue
+    raise RuntimeError("no free port")
+
+
+def _accepted(listener: ChannelListener, deadline_s: float = 5.0) -> list:
+    deadline, made = time.monotonic() + deadline_s, []
+    while not made and time.monotonic() < deadline:
+        made = listener.accept_pending()
+    return made
+
+
+def test_each_hello_gets_a_channel_of_its_own_and_the_two_ends_talk():
+    listener = _listener()
+    try:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(2) as pool:  # two decode endpoints ask at once
+            asked = [pool.submit(channel_via, "127.0.0.1", listener.port, 5.0) for _ in range(2)]
+            made = []
+            deadline = time.monotonic() + 5
+            while len(made) < 2 and time.monotonic() < deadline:
+                made += listener.accept_pending()
+            decodes = [f.result(timeout=5) for f in asked]
+        assert len(made) == 2 and len({c.port for c in made}) == 2
+        by_port = {c.port: c for c in made}
+        for k, decode in enumerate(decodes):
+            decode.send("hello-back", {"k": k})
+            assert by_port[decode.port].recv(time.monotonic() + 5)[1] == {"k": k}
+        for c in made + decodes:
+            c.close()
+    finally:
+        listener.close()
+
+
+def test_asking_a_port_where_nothing_listens_times_out():
+    listener = _listener()
+    port = listener.port
+    listener.close()
+    started = time.monotonic()
+    with pytest.raises(ControlTimeout, match=r"listener on 127\.0\.0\.1"):
+        channel_via("127.0.0.1", port, timeout=0.3)
+    assert time.monotonic() - started < 2
+
+
+def test_a_malformed_hello_gets_an_error_and_no_channel():
+    listener = _listener()
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    try:
+        socket.connect(f"tcp://127.0.0.1:{listener.port}")
+        socket.send_multipart([b"not json"])
+        deadline = time.monotonic() + 5
+        made = []
+        while not socket.poll(10) and time.monotonic() < deadline:
+            made += listener.accept_pending()
+        assert made == [] and json.loads(socket.recv_multipart()[-1]) == {"error": "expected a hello"}
+    finally:
+        socket.close()
+        listener.close()
+
+
+def _endpoint():
+    from tests.transport.test_layerwise import pools, side
+
+    return PrefillEndpoint(side(pools(), {1: [5, 9]}), FakeEngine(), [])
+
+
+def test_a_decode_endpoint_that_never_registers_is_left_out():
+    endpoint = _endpoint()
+    mine, _ = FakeChannel.pair()
+    with pytest.raises(ControlTimeout):
+        endpoint.add_peer(mine, timeout=0.1)
+    assert endpoint.peers == []
+
+
+def test_a_decode_endpoint_that_cannot_pair_is_refused_and_left_out():
+    from kvplan.planner.model import KVLayout
+    from kvplan.transport.registration import describe_side
+    from tests.transport.test_layerwise import pools, side
+
+    endpoint = _endpoint()
+    mine, theirs = FakeChannel.pair()
+    other = side(pools(), {1: [3, 4]})
+    bad = type(other)(KVLayout(other.kv.attention, other.kv.page_size, other.kv.entries[:2]), other.state, other.aux,
+                      other.req_to_token)  # one layer where this side has four
+    theirs.send("register", {"side": describe_side(bad), "staging": None}, b"meta")
+    with pytest.raises(LayoutError):
+        endpoint.add_peer(mine, timeout=1)
+    assert endpoint.peers == [] and theirs.try_recv()[0] == "refused"
+    mine, theirs = FakeChannel.pair()
+    theirs.send("register", {"side": describe_side(side(pools(), {1: [3, 4]})), "staging": None}, b"meta")
+    assert endpoint.add_peer(mine, timeout=1) == 0 and endpoint.peers[0].side is not None
