@@ -50,6 +50,7 @@ __all__ = ["DecodeEndpoint", "engine_regions"]
 log = logging.getLogger("kvplan")
 
 POLL_S = 0.001  # how long one look at the control socket blocks before the engine is looked at again
+GRAPH_WAVES = 4  # a table run of at most this many waves has its scatters captured when announced
 EARLY_KEEP_S = 60.0  # how long a landed wave waits for its table (a refused or lost run's never comes)
 
 
@@ -86,6 +87,7 @@ class _StagedWave:
     landed: bool = False
     event: Any = None  # the scatter's CUDA event once launched
     scattered: bool = False
+    graph: Any = None  # its scatter captured when announced (a table run's), replayed when it lands
 
 
 class DecodeEndpoint:
@@ -116,6 +118,10 @@ class DecodeEndpoint:
         self.trace: list[tuple[str, str, float]] | None = [] if os.environ.get("KVPLAN_TRACE") else None
         # high priority: a scatter is short and the request waits on it; it must not queue behind a forward pass
         self._stream = transport_stream(staging.device) if staging is not None and staging.is_cuda else None
+        # a short table run's scatters are captured as CUDA graphs when announced, ahead of their bytes: a
+        # landing then replays one graph instead of launching the kernel from the host (docs/layerwise.md §3)
+        self._graphs = self._stream is not None and os.environ.get("KVPLAN_SCATTER_GRAPHS", "1") != "0"
+        self._capture_stream = transport_stream(staging.device) if self._graphs else None
         self._share = (staging.numel() // len(self.channels)) // 256 * 256 if staging is not None else 0
         self.engine.register(engine_regions(side) + ([(staging.data_ptr(), staging.numel())] if staging is not None else []))
         if staging is not None:
@@ -339,6 +345,8 @@ class DecodeEndpoint:
                                            notes, [spans[k][0] for k in range(int(first), int(last) + 1)], inputs,
                                            host, landed=key in self._early)
             self._early.pop(key, None)
+            if len(waves) <= GRAPH_WAVES:
+                self._waves[key].graph = self._capture(self._waves[key])
             self._mark(key, "table")
 
     def _announce_planned(self, peer: int, header: dict[str, Any]) -> None:
@@ -463,7 +471,10 @@ class DecodeEndpoint:
             self._mark(key, "launch")
             if self._stream is not None:
                 with torch.cuda.stream(self._stream):
-                    self._scatter(wave)
+                    if wave.graph is not None:
+                        wave.graph.replay()
+                    else:
+                        self._scatter(wave)
                     wave.event = torch.cuda.Event()
                     wave.event.record(self._stream)
             else:
@@ -485,6 +496,26 @@ class DecodeEndpoint:
         offsets = wave.inputs[n_all:].reshape(-1)[wave.row_lo : wave.row_hi]
         typical = max(1, wave.nbytes // max(1, wave.row_hi - wave.row_lo))
         scatter(descs, offsets, self.staging, wave.alignment, typical_bytes=typical, need=wave.lo + wave.nbytes)
+
+    def _capture(self, wave: _StagedWave) -> Any:
+        """The wave's scatter as a CUDA graph (captured, not run), or ``None`` where there are no graphs.
+        A capture that fails turns graphs off for this endpoint: its waves are then launched as
+        before, whatever the cause (a kernel compiled for the first time inside a capture, say)."""
+        if not self._graphs:
+            return None
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.stream(self._capture_stream):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    self._scatter(wave)
+                finally:
+                    graph.capture_end()
+        except Exception as err:  # noqa: BLE001 - any failure means: launch instead
+            log.warning("scatters are launched, not replayed: a capture failed (%s: %s)", type(err).__name__, err)
+            self._graphs = False
+            return None
+        return graph
 
     def _refuse(self, wave: _StagedWave, why: str) -> None:
         """Fail a wave's requests and tell its sender (its slot is not credited back)."""
