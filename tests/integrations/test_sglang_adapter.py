@@ -182,6 +182,9 @@ def test_a_window_left_out_is_refused_naming_the_server_arg():
     args.state_data_lens, args.state_item_lens = [[kv[0].numel()]], [[64]]
     with pytest.raises(LayoutError, match="window >= 1 is required.*kvplan_state_params"):
         KVManager(args, utils.DisaggregationMode.DECODE, types.SimpleNamespace())
+    paged_apart = types.SimpleNamespace(kvplan_state_params=[{"window": 8, "page_size": 2 * sglang_sides.PAGE}])
+    with pytest.raises(LayoutError, match="maps SWA pages paged like the KV only"):
+        KVManager(args, utils.DisaggregationMode.DECODE, paged_apart)
 
 
 def _hybrid_sender(room: int, pages: list[int], prefix: int = 0):
@@ -216,17 +219,19 @@ RING = [36, 37, 38, 39, 40, 41]  # positions 4..9 of request-pool row 2 (R = 16,
 
 
 @pytest.mark.parametrize("swa, dsa, ring, why", [
-    ([5, 6], [7, 9, 8], RING, "SGLang's dsa list [7, 9, 8]... is not the request's pages [7, 8, 9]"),
+    ([5, 6, 2], [7, 9, 8], RING, "SGLang's dsa list [7, 9, 8]... is not the request's pages [7, 8, 9]"),
     ([5, 6, 2, 1], [7, 8, 9], RING, "4 window pages for a request of 3 pages"),
-    ([0, 6], [7, 8, 9], RING, "has no SWA slot"),
-    ([5, 6], [7, 8, 9], [36, 37, 38, 39, 40], "are not the last 6 positions' rows of request-pool row 2"),
-    ([5, 6], [7, 8, 9], [x + 16 * 9 for x in RING], "request-pool row 11; the planning table has 5 rows"),
+    ([5, 6], [7, 8, 9], RING, "2 window pages where a window of 9 tokens over 10 holds 3"),
+    ([0, 6, 2], [7, 8, 9], RING, "has no SWA slot"),
+    ([5, 6, 2], [7, 8, 9], [36, 37, 38, 39, 40], "are not the last 6 positions' rows of request-pool row 2"),
+    ([5, 6, 2], [7, 8, 9], [x + 16 * 9 for x in RING], "request-pool row 11; the planning table has 5 rows"),
 ])
 def test_state_lists_that_do_not_fit_the_request_fail_it_and_nothing_is_sent(swa, dsa, ring, why):
     """SGLang's precomputed lists are checked against the request before they become planning
-    inputs: a DSA list that is not the request's pages, a window longer than the request, a window
-    page that maps to SWA page 0 (SGLang's padding page), ring rows other than the last W positions
-    of one request-pool row, or of a row past the planning table."""
+    inputs: a DSA list that is not the request's pages, a window longer than the request or shorter
+    than the window kvplan computes (its first pages would read stale map entries: another request's
+    SWA pages), a window page that maps to SWA page 0 (SGLang's padding page), ring rows other than
+    the last W positions of one request-pool row, or of a row past the planning table."""
     base, mgr, sender = _hybrid_sender(7, [7, 8, 9])
     sender.send(np.array([7, 8, 9]), state_indices=[swa, dsa, ring], num_kv_tokens=10)
     assert sender.poll() == base.KVPoll.Failed and why in mgr.failures[7], mgr.failures[7]
@@ -244,7 +249,7 @@ def test_swa_and_dsa_after_a_decode_prefix_are_refused_naming_the_contract():
 
 def test_a_last_chunk_whose_tokens_do_not_end_in_its_last_page_fails():
     base, mgr, sender = _hybrid_sender(9, [7, 8, 9])
-    sender.send(np.array([7, 8, 9]), state_indices=[[5, 6], [7, 8, 9], RING], num_kv_tokens=13)
+    sender.send(np.array([7, 8, 9]), state_indices=[[5, 6, 2], [7, 8, 9], RING], num_kv_tokens=13)
     assert sender.poll() == base.KVPoll.Failed and "do not end in its last page" in mgr.failures[9]
     assert mgr.posted == []
 
@@ -256,8 +261,8 @@ def test_two_requests_of_one_request_pool_row_in_a_step_fail_and_nothing_is_sent
     base, mgr, one = _hybrid_sender(3, [7, 8, 9])
     two = KVSender(mgr, "127.0.0.1:0", 4)
     two.init(3, aux_index=1)
-    one.send(np.array([7, 8, 9]), state_indices=[[5, 6], [7, 8, 9], RING], num_kv_tokens=10)
-    two.send(np.array([10, 11, 12]), state_indices=[[3, 4], [10, 11, 12], RING], num_kv_tokens=10)
+    one.send(np.array([7, 8, 9]), state_indices=[[5, 6, 2], [7, 8, 9], RING], num_kv_tokens=10)
+    two.send(np.array([10, 11, 12]), state_indices=[[3, 4, 1], [10, 11, 12], RING], num_kv_tokens=10)
     assert one.poll() == base.KVPoll.Failed and two.poll() == base.KVPoll.Failed
     assert "request-pool row 2, as another request's in this step" in mgr.failures[4]
     assert mgr.posted == []

@@ -123,10 +123,15 @@ class KVManager(BaseKVManager):
                  is_mla_backend: Optional[bool] = False):
         self.state_params = [dict(p) for p in (_setting(server_args, "kvplan_state_params", None) or ())]
         try:
-            kinds = [c.kind for c in state_from_kv_args(args, self.state_params)]
+            comps = state_from_kv_args(args, self.state_params)
         except LayoutError as err:
             raise LayoutError(f"{err} (the server arg kvplan_state_params gives each state component what KVArgs "
                               "does not hold, such as an SWA window)") from None
+        kinds = [c.kind for c in comps]
+        paged_apart = [c.name for c in comps if rules_of(c.kind).needs_map and not rules_of(c.kind).map_by_row
+                       and c.pages_of(int(args.page_size)) != int(args.page_size)]
+        if paged_apart:  # the adapter maps SGLang's window pages onto the KV pages token by token
+            raise LayoutError(f"state components {paged_apart}: the adapter maps SWA pages paged like the KV only")
         self.kv_args, self.mode, self.server_args = args, disaggregation_mode, server_args
         self.is_mla = bool(is_mla_backend)
         self.attn_tp_size = int(_setting(server_args, "attn_tp_size", _setting(server_args, "tp_size", 1)))
@@ -337,6 +342,11 @@ class KVManager(BaseKVManager):
                 if len(ids) > len(held):
                     raise InputError(room, f"state component {comp.name!r}: {len(ids)} window pages for a request "
                                            f"of {len(held)} pages")
+                start = rules.list_start(comp, comp.pages_of(ps), end)
+                if len(ids) != -(-(end - start) // ps):  # else kvplan's window would read another request's map
+                    raise InputError(room, f"state component {comp.name!r}: {len(ids)} window pages where a window of "
+                                           f"{comp.window} tokens over {end} holds {-(-(end - start) // ps)} "
+                                           "(kvplan_state_params gives the window)")
                 lane = np.arange(ps, dtype=np.int64)
                 by_slot[c].append(((held[len(held) - len(ids):, None].astype(np.int64) * ps + lane).reshape(-1),
                                    (ids[:, None] * ps + lane).reshape(-1)))
