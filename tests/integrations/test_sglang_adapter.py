@@ -32,6 +32,28 @@ def free_port() -> int:
     raise RuntimeError("no free port between 20000 and 32767")
 
 
+def _run_sides(engine: str, state, decodes: list[tuple]) -> dict:
+    """One prefill process and a decode process per entry of ``decodes`` (the extra arguments of
+    ``run_decode``: its rooms and its name), each joined or killed by its own handle; what each
+    reported, by name."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=sglang_sides.run_prefill, args=(engine, port, 11, results, 60.0, state))]
+    procs += [ctx.Process(target=sglang_sides.run_decode, args=(engine, port, 11, results, 60.0, state, *extra))
+              for extra in decodes]
+    for p in procs:
+        p.start()
+    try:
+        return dict((kind, rest) for kind, *rest in (results.get(timeout=150) for _ in procs))
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+
+
 @pytest.mark.parametrize("engine, state", [(e, s) for s in (False, True, "hybrid") for e in ENGINES])
 def test_two_processes_hand_off_through_sglang_s_interfaces(engine, state):
     """With ``state``, both sides also register a Mamba component (SGLang's multi-component
@@ -39,21 +61,7 @@ def test_two_processes_hand_off_through_sglang_s_interfaces(engine, state):
     registers an SWA and a DSA component instead, and hands SGLang's precomputed lists (the window's
     translated SWA pages, the indexer's pages) with true token counts that end inside a page."""
     base = sglang_module("srt.disaggregation.base.conn")
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=sglang_sides.run_prefill, args=(engine, port, 11, results, 60.0, state)),
-             ctx.Process(target=sglang_sides.run_decode, args=(engine, port, 11, results, 60.0, state))]
-    for p in procs:
-        p.start()
-    try:
-        got = dict((kind, rest) for kind, *rest in (results.get(timeout=150) for _ in procs))
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+    got = _run_sides(engine, state, [()])
     prefill_states, failures = got["prefill"]
     decode_states, wrong = got["decode"]
     assert not any(failures.values()), failures
@@ -143,24 +151,7 @@ def test_one_prefill_manager_serves_two_decode_managers(engine):
     sends go to the decode managers that published them, planned as one batch (with state: the
     hybrid SWA, DSA and ring components), every byte checked on both decode sides."""
     base = sglang_module("srt.disaggregation.base.conn")
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=sglang_sides.run_prefill, args=(engine, port, 11, results, 60.0, "hybrid")),
-             ctx.Process(target=sglang_sides.run_decode, args=(engine, port, 11, results, 60.0, "hybrid", (100, 102),
-                                                                "decode-a")),
-             ctx.Process(target=sglang_sides.run_decode, args=(engine, port, 11, results, 60.0, "hybrid", (101,),
-                                                                "decode-b"))]
-    for p in procs:
-        p.start()
-    try:
-        got = dict((kind, rest) for kind, *rest in (results.get(timeout=150) for _ in procs))
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+    got = _run_sides(engine, "hybrid", [((100, 102), "decode-a"), ((101,), "decode-b")])
     prefill_states, failures = got["prefill"]
     assert not any(failures.values()), failures
     assert all(states[-1] == base.KVPoll.Success for states in prefill_states.values()), prefill_states
