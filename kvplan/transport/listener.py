@@ -28,7 +28,8 @@ log = logging.getLogger("kvplan")
 
 
 class ChannelListener:
-    """A ROUTER socket on ``host:bind_port`` that answers each ``hello`` with a new channel's port."""
+    """A ROUTER socket on ``host:bind_port`` (0: an ephemeral port, in ``port``) that answers each
+    ``hello`` with a new channel's port."""
 
     def __init__(self, bind_port: int, host: str = "127.0.0.1", peer_timeout: float = 1.0):
         import zmq
@@ -37,8 +38,11 @@ class ChannelListener:
         self.host, self.peer_timeout = host, peer_timeout
         self.socket = zmq.Context.instance().socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 1000)
-        self.socket.bind(f"tcp://{host}:{bind_port}")
-        self.port = bind_port
+        if bind_port:
+            self.socket.bind(f"tcp://{host}:{bind_port}")
+            self.port = bind_port
+        else:  # an ephemeral port, bound at once (tests, or a port handed out some other way)
+            self.port = self.socket.bind_to_random_port(f"tcp://{host}")
 
     def accept_pending(self) -> list[ControlChannel]:
         """A new bound channel for every ``hello`` that has arrived (never blocks); each asker has

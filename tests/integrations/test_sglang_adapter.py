@@ -2,6 +2,7 @@
 three requests (one chunked, one with a decode prefix) over loopback through NIXL and through
 Mooncake, driven through SGLang's interfaces, every byte checked, SGLang's KVPoll states seen."""
 
+import gc
 import multiprocessing as mp
 import os
 import random
@@ -17,6 +18,14 @@ from tests.sglang_real import sglang_module
 pytestmark = [pytest.mark.sglang, pytest.mark.engines]
 
 ENGINES = os.environ.get("KVPLAN_TEST_ENGINES", "nixl,mooncake").split(",")
+
+
+@pytest.fixture(autouse=True)
+def _free_managers():
+    """Free each test's managers at once: an engine left to a later garbage collection keeps its
+    progress thread spinning, and on a 2-core machine those threads starve later tests."""
+    yield
+    gc.collect()
 
 
 def free_port() -> int:
@@ -199,8 +208,8 @@ def _hybrid_sender(room: int, pages: list[int], prefix: int = 0):
     ring = np.arange(16, 22)  # six rows of the decode's request-pool row 1
     for r in (room, room + 1):
         mgr.prefill.peers[0].lists[r] = (DestinationLists(dst, (np.array([3, 4]), dst, ring)), 0, prefix)
-    mgr.posted = []
-    mgr.engine.post = lambda *a, **k: mgr.posted.append(a)  # what would reach the engine
+    posted = mgr.posted = []
+    mgr.engine.post = lambda *a, **k: posted.append(a)  # what would reach the engine (no cycle through mgr)
     sender = KVSender(mgr, "127.0.0.1:0", room)
     sender.init(len(pages), aux_index=0)
     return base, mgr, sender
