@@ -69,6 +69,7 @@ def decode_node() -> None:
     while (state := receiver.poll()) not in DONE and time.monotonic() < deadline:
         time.sleep(0.001)
     decode_states.append(state)
+    decode.close()  # the engine, its registrations and the control channel
 
 
 thread = threading.Thread(target=decode_node)
@@ -84,6 +85,7 @@ sender.send(torch.tensor(src_pages[2:], dtype=torch.int32))  # chunk 2, the last
 while (state := sender.poll()) not in DONE and time.monotonic() < deadline:
     time.sleep(0.01)
 thread.join(timeout=60)
+prefill.close()
 
 item = PAGE_SIZE * TOKEN_BYTES
 same = all(torch.equal(s[sp * item:(sp + 1) * item], d[dp * item:(dp + 1) * item])

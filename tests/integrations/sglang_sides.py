@@ -185,6 +185,7 @@ def run_prefill(engine: str, port: int, seed: int, results, deadline_s: float, s
     results.put(("prefill", {room: seen[room] + [int(s.poll())] for room, s in senders.items()},
                  {room: mgr.failures.get(room) for room in senders}))
     time.sleep(0.5)  # let the last notifications leave before the engine goes
+    mgr.close()
 
 
 def run_decode(engine: str, port: int, seed: int, results, deadline_s: float, state: bool = False,
@@ -251,4 +252,5 @@ def run_decode(engine: str, port: int, seed: int, results, deadline_s: float, st
                 if not torch.equal(s_t[src_slot * item : (src_slot + 1) * item],
                                    d_t[dst_slot * item : (dst_slot + 1) * item]):
                     wrong.append((room, "mamba", item))
+    mgr.close()
     results.put((name, seen, wrong))

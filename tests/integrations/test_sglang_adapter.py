@@ -20,12 +20,29 @@ pytestmark = [pytest.mark.sglang, pytest.mark.engines]
 ENGINES = os.environ.get("KVPLAN_TEST_ENGINES", "nixl,mooncake").split(",")
 
 
+_MADE: list = []  # the managers this process's tests made, closed after each test
+
+
 @pytest.fixture(autouse=True)
 def _free_managers():
-    """Free each test's managers at once: an engine left to a later garbage collection keeps its
+    """Close each test's managers at once: an engine left to a later garbage collection keeps its
     progress thread spinning, and on a 2-core machine those threads starve later tests."""
     yield
+    while _MADE:
+        _MADE.pop().close()
     gc.collect()
+
+
+def _manager(args, mode: str, **settings):
+    """An in-process NIXL manager, without NIXL's spinning progress thread, closed after the test."""
+    utils = sglang_module("srt.disaggregation.utils")
+    from kvplan.integrations.sglang.adapter import KVManager
+
+    server_args = types.SimpleNamespace(disaggregation_transfer_backend="nixl", disaggregation_bootstrap_port=free_port(),
+                                        kvplan_engine_settings={"progress_thread": False}, **settings)
+    mgr = KVManager(args, getattr(utils.DisaggregationMode, mode), server_args)
+    _MADE.append(mgr)
+    return mgr
 
 
 def free_port() -> int:
@@ -91,13 +108,10 @@ def test_a_step_that_cannot_be_laid_out_fails_every_send_of_it():
     """More sends in one step than the planning table has rows: nothing is sent, and every sender of
     the step (not only the one that polled) reports Failed with the reason."""
     base = sglang_module("srt.disaggregation.base.conn")
-    utils = sglang_module("srt.disaggregation.utils")
-    from kvplan.integrations.sglang.adapter import KVManager, KVSender, TransferFailed
+    from kvplan.integrations.sglang.adapter import KVSender, TransferFailed
 
     kv, aux = sglang_sides.pools(1)
-    server_args = types.SimpleNamespace(disaggregation_transfer_backend="nixl", disaggregation_bootstrap_port=free_port(),
-                                        max_running_requests=1, context_length=64)
-    mgr = KVManager(sglang_sides.kv_args_of(base, kv, aux), utils.DisaggregationMode.PREFILL, server_args)
+    mgr = _manager(sglang_sides.kv_args_of(base, kv, aux), "PREFILL", max_running_requests=1, context_length=64)
     senders = [KVSender(mgr, "127.0.0.1:0", room) for room in (1, 2)]
     for sender in senders:
         sender.init(1, aux_index=0)
@@ -111,15 +125,10 @@ def test_a_step_that_cannot_be_laid_out_fails_every_send_of_it():
 def _state_manager(mode: str):
     """A manager whose ``KVArgs`` register KV, aux and a Mamba component (SGLang's multi-component form)."""
     base = sglang_module("srt.disaggregation.base.conn")
-    utils = sglang_module("srt.disaggregation.utils")
-    from kvplan.integrations.sglang.adapter import KVManager
-
     kv, aux = sglang_sides.pools(1)
     mamba = sglang_sides.mamba_pool(1)
     args = sglang_sides.with_mamba(sglang_sides.kv_args_of(base, kv, aux), mamba)
-    server_args = types.SimpleNamespace(disaggregation_transfer_backend="nixl", disaggregation_bootstrap_port=free_port(),
-                                        max_running_requests=4, context_length=64)
-    mgr = KVManager(args, getattr(utils.DisaggregationMode, mode), server_args)
+    mgr = _manager(args, mode, max_running_requests=4, context_length=64)
     if mode == "PREFILL":
         _add_decode(mgr)
     return base, mgr, (kv, aux, mamba)
@@ -190,17 +199,14 @@ def test_a_window_left_out_is_refused_naming_the_server_arg():
 def _hybrid_sender(room: int, pages: list[int], prefix: int = 0):
     """A prefill manager with SWA, DSA and ring components, and a sender whose decode lists are in."""
     base = sglang_module("srt.disaggregation.base.conn")
-    utils = sglang_module("srt.disaggregation.utils")
-    from kvplan.integrations.sglang.adapter import KVManager, KVSender
+    from kvplan.integrations.sglang.adapter import KVSender
     from kvplan.integrations.sglang.kv_args import side_from_kv_args
     from kvplan.planner.plan import DestinationLists
 
     kv, aux = sglang_sides.pools(1)
     args, _ = sglang_sides.with_state(sglang_sides.kv_args_of(base, kv, aux), "hybrid", 1)
-    server_args = types.SimpleNamespace(disaggregation_transfer_backend="nixl", disaggregation_bootstrap_port=free_port(),
-                                        max_running_requests=4, context_length=64,
-                                        kvplan_state_params=sglang_sides.STATE_PARAMS)
-    mgr = KVManager(args, utils.DisaggregationMode.PREFILL, server_args)
+    mgr = _manager(args, "PREFILL", max_running_requests=4, context_length=64,
+                   kvplan_state_params=sglang_sides.STATE_PARAMS)
     _add_decode(mgr)
     decode_args, _ = sglang_sides.with_state(sglang_sides.kv_args_of(base, *sglang_sides.pools(None)), "hybrid", None)
     mgr.prefill.peers[0].side = side_from_kv_args(decode_args, mla=False, state_params=sglang_sides.STATE_PARAMS)

@@ -116,7 +116,9 @@ class KVManager(BaseKVManager):
     ``"mooncake"``), ``disaggregation_bootstrap_port``, ``attn_tp_size`` (else ``tp_size``),
     ``max_running_requests`` (rows of the planning table), ``context_length`` (its width),
     ``kvplan_state_params`` (per state component, what ``KVArgs`` does not hold: windows, ring sizes),
-    ``kvplan_mode`` (``auto``, ``direct``, ``staged``), ``kvplan_timeout_s``.
+    ``kvplan_mode`` (``auto``, ``direct``, ``staged``), ``kvplan_timeout_s``, ``kvplan_engine_settings``
+    (a dict for the engine, such as ``{"num_threads": 4}`` or ``{"progress_thread": False}`` for NIXL).
+    :meth:`close` releases the engine and the channels.
     """
 
     def __init__(self, args: Any, disaggregation_mode: DisaggregationMode, server_args: Any,
@@ -141,8 +143,10 @@ class KVManager(BaseKVManager):
         self.device = _planning_device()
         memory = "VRAM" if self.device.type == "cuda" else "DRAM"
         engine_kind = str(_setting(server_args, "disaggregation_transfer_backend", "nixl"))
+        engine_settings = dict(_setting(server_args, "kvplan_engine_settings", None) or {})
         self.engine = make_engine(engine_kind, f"{disaggregation_mode.value}-{os.getpid()}-{id(self):x}", memory,
-                                  self.device.index or 0)
+                                  self.device.index or 0, **engine_settings)
+        self.closed = False
         self.bootstrap_port = int(_setting(server_args, "disaggregation_bootstrap_port", DEFAULT_BOOTSTRAP_PORT))
         self.status: dict[int, int] = {}
         self.failures: dict[int, str] = {}
@@ -172,6 +176,36 @@ class KVManager(BaseKVManager):
             self.bootstrap_addr: str | None = None
         else:
             raise ValueError(f"a KVManager is for PREFILL or DECODE, not {disaggregation_mode}")
+
+    def close(self) -> None:
+        """Release the engine (its registrations, handles and NIXL's progress thread), the bootstrap
+        listener and every control channel. Idempotent; a closed manager sends and receives nothing.
+
+        Example::
+
+            mgr = KVManager(kv_args, DisaggregationMode.PREFILL, server_args)
+            try:
+                ...  # the scheduler's loop
+            finally:
+                mgr.close()
+        """
+        if self.closed:
+            return
+        self.closed = True
+        channels = []
+        if self.mode is DisaggregationMode.PREFILL:
+            self.listener.close()
+            channels = [peer.channel for peer in self.prefill.peers] if self.prefill is not None else []
+            self.prefill = None
+        elif self.decode is not None:
+            channels, self.decode = [self.decode.channel], None
+        for channel in channels:
+            try:
+                channel.close()
+            except Exception as err:  # a channel that is already gone: nothing left to release
+                log.debug("closing a control channel: %s", err)
+        self.engine.close()
+        self.engine = None
 
     def _pool_tokens(self) -> int:
         lens = self.kv_args.kv_data_lens

@@ -200,3 +200,4 @@ class NixlEngine:
         for reg in self._registrations:
             self.agent.deregister_memory(reg)
         self._registrations.clear()
+        self.agent = None  # the last reference: NIXL's agent, and its progress thread, end with it
