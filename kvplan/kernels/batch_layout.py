@@ -19,7 +19,8 @@ Shape contract
   ``gcd`` and ``lcm`` with the source's (the last 2C + 3 read only when ``UNITS``: some page size
   differs; docs/page_sizes.md).
 * ``comp_meta``: int64 ``[C, COMP_FIELDS]``: ``(kind, window, page_size, ring, num_items, map,
-  map_len, always_strict)``; ``kind`` is 0 SWA, 1 DSA, 2 SWA_RING, 3 MAMBA.
+  map_len, always_strict, from_prefix)``; ``kind`` is 0 SWA, 1 DSA, 2 SWA_RING, 3 MAMBA;
+  ``from_prefix`` starts SWA and DSA lists no earlier than the transfer's decode prefix.
 * Outputs: ``seg`` ``[T_CAP * K, SEG_FIELDS]``; ``seg_end``/``chk_end`` ``[T_CAP * K]``
   (inclusive prefix sums of list lengths and checked tokens); ``seg_err`` ``[T_CAP * K]`` error
   bits (ERR_FATAL on the KV slot for a bad transfer); ``xfer`` ``[T_CAP, 4]``
@@ -33,7 +34,7 @@ import triton.language as tl
 
 from . import segments as sg
 
-COMP_FIELDS = tl.constexpr(8)
+COMP_FIELDS = tl.constexpr(9)
 SWA, DSA, SWA_RING, MAMBA = (tl.constexpr(v) for v in range(4))
 NCOL_BASE = tl.constexpr(12)  # per-transfer columns before the component pairs
 BIG = tl.constexpr(1 << 62)
@@ -182,13 +183,14 @@ def _layout_kernel(cols_ptr, count_ptr, dest_meta_ptr, comp_meta_ptr, seg_ptr, s
             map_slot = tl.load(cm + 5)
             map_len = tl.load(cm + 6)
             always_strict = tl.load(cm + 7) != 0
+            floor = tl.where(tl.load(cm + 8) != 0, prefix, 0)  # planning.md §6: SGLang's lists after a prefix
             c_lo = tl.load(cols_ptr + (NCOL_BASE + 2 * c) * T_CAP + t, mask=live, other=0)
             c_len = tl.load(cols_ptr + (NCOL_BASE + 2 * c + 1) * T_CAP + t, mask=live, other=0)
-            ws = tl.maximum(seq - window, 0) // cps * cps
+            ws = tl.maximum(seq - window, floor) // cps * cps
             ring_lo = tl.maximum(seq - window, 0)
-            a = tl.where(kind == SWA, ws, tl.where(kind == SWA_RING, ring_lo, 0))
-            n_src = tl.where(kind == SWA, (seq - ws + cps - 1) // cps,
-                             tl.where(kind == DSA, (seq + cps - 1) // cps,
+            a = tl.where(kind == SWA, ws, tl.where(kind == SWA_RING, ring_lo, floor))
+            n_src = tl.where(kind == SWA, tl.maximum(seq - ws + cps - 1, 0) // cps,
+                             tl.where(kind == DSA, tl.maximum(seq - floor + cps - 1, 0) // cps,
                                       tl.where(kind == SWA_RING, seq - ring_lo, 1)))
             paged = (kind == SWA) | (kind == DSA)
             list_kind = tl.where(kind == SWA, sg.MAPPED_PAGES, tl.where(kind == DSA, sg.TOKEN_PAGES,
@@ -204,7 +206,7 @@ def _layout_kernel(cols_ptr, count_ptr, dest_meta_ptr, comp_meta_ptr, seg_ptr, s
                 cunit = zero + cps
                 in_units = zero != 0
             c_ratio = tl.where(in_units, cps_d // cunit, 1)
-            from_d = tl.where(kind == SWA, tl.maximum(seq - window, 0) // cps_d * cps_d, 0)
+            from_d = tl.where(kind == SWA, tl.maximum(seq - window, floor) // cps_d * cps_d, floor)
             a_units = tl.maximum(a, from_d)
             moved = tl.minimum((seq + cunit - 1) // cunit * cunit, from_d + c_len * cps_d)
             mismatch = act & tl.where(in_units, (seq - from_d + cps_d - 1) // cps_d != c_len, n_src != c_len)

@@ -203,7 +203,7 @@ def plan_destinations(side: SideMemory, requests: Sequence[PreallocatedRequest],
         for c, comp in enumerate(side.state):
             if rules_of(comp.kind).map_by_row and not 0 <= r.row < comp.slot_map.shape[0]:
                 raise InputError(r.request, f"{comp.name}: row {r.row} is outside the Mamba map")
-            segments.append(component_segment(i, c, comp, ps, r.row, r.prompt_len, validate))
+            segments.append(component_segment(i, c, comp, ps, r.row, r.prompt_len, validate, r.prefix_len))
     maps = {c: as_device_tensor(comp.slot_map, device, f"slot_map of component {comp.name}", torch.int64)
             for c, comp in enumerate(side.state) if comp.slot_map is not None}
     if device.type == "cuda":

@@ -194,7 +194,7 @@ class _Static:
                 map_slot, map_len = len(self.maps), slot_map.numel()
                 self.maps.append(slot_map.reshape(-1))
             comp_meta[c] = (rules.layout_code, comp.window, comp.pages_of(src.kv.page_size), max(1, comp.ring_size),
-                            comp.num_items, map_slot, map_len, rules.always_strict)
+                            comp.num_items, map_slot, map_len, rules.always_strict, comp.from_prefix)
         slots = np.zeros((max(1, D) * K, 2), np.int64)
         if prepared:
             if any(p.mode is not Mode.DIRECT or p.slices for p in self.pairings):

@@ -151,7 +151,8 @@ def component_plans(src: "SideMemory", pairing: "SidePairing", lists: "TransferL
         rules = rules_of(comp.kind)
         if rules.paged and cps_s != cps_d:
             g = int(np.gcd(cps_s, cps_d))
-            from_s, from_d = rules.list_start(comp, cps_s, lists.end), rules.list_start(comp, cps_d, lists.end)
+            from_s = rules.list_start(comp, cps_s, lists.end, lists.prefix)
+            from_d = rules.list_start(comp, cps_d, lists.end, lists.prefix)
             a = max(from_s, from_d)
             moved = min(-(-lists.end // g) * g, from_d + len(dst_list) * cps_d)
             runs = contiguous_runs(*unit_lists(src_list, dst_list, a, moved, cps_s, cps_d, from_s, from_d)) \

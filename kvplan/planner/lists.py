@@ -95,11 +95,12 @@ def pages_segment(owner: int, row: int, a: int, end: int, page_size: int, num_pa
 
 
 def component_segment(owner: int, c: int, comp: StateComponent, side_page_size: int, row: int, seq: int,
-                      validate: bool) -> Segment:
-    """Component ``c``'s list for ``row`` over ``seq`` tokens (planning.md §6), by its kind's formula."""
+                      validate: bool, prefix: int = 0) -> Segment:
+    """Component ``c``'s list for ``row`` over ``seq`` tokens after a decode prefix of ``prefix``
+    tokens (planning.md §6), by its kind's formula."""
     rules = rules_of(comp.kind)
     rules.require_map(comp)
-    shape = rules.list_shape(comp, side_page_size, seq)
+    shape = rules.list_shape(comp, side_page_size, seq, prefix)
     check = (row, *shape.checked, shape.step) if validate and shape.checked else None
     return Segment(owner, c, shape.formula, row, shape.a, shape.step, shape.n, shape.lowest, comp.num_items,
                    ring=shape.ring, map_key=c if shape.uses_map else None, check=check)

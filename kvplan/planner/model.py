@@ -242,6 +242,10 @@ class StateComponent:
         layers: per entry, the model-wide layer it belongs to (SGLang's ``state_layer_ids``), for
             streaming in layer groups (docs/layerwise.md); empty: the component moves with the
             last group. Both sides must declare the same.
+        from_prefix: SGLang 0.5.23's lists after a decode prefix ``P`` (SWA and DSA only): the SWA
+            window starts at ``max(P, seq - W)`` and the DSA pages cover ``[P, seq)``, so the
+            decode side's cached prefix is not sent again. Off (planning.md §6): both start at 0.
+            Both sides must declare the same.
     """
 
     kind: StateKind
@@ -253,9 +257,11 @@ class StateComponent:
     name: str = ""
     shards: tuple[TensorShard, ...] = ()
     layers: tuple[int, ...] = ()
+    from_prefix: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", StateKind(self.kind))
+        object.__setattr__(self, "from_prefix", bool(self.from_prefix))
         object.__setattr__(self, "entries", tuple(self.entries))
         object.__setattr__(self, "shards", tuple(self.shards))
         object.__setattr__(self, "layers", tuple(int(i) for i in self.layers))

@@ -84,7 +84,7 @@ def mapped_lists(batch: "Batch", t: "Transfer") -> TransferLists:
                                   f"last={last} ({first} + {len(dst_pages)} of {len(t.dst_pages)})")
     units = moved_end(t, end, len(dst_pages), ps_d, g) > t.start
     state, state_runs, aux = last_chunk_lists(batch, t) if last else ((), (), False)  # §6: paired as they are
-    return TransferLists(end, last, last or units, src_pages, dst_pages, units, state, state_runs, aux)
+    return TransferLists(end, last, last or units, src_pages, dst_pages, units, state, state_runs, aux, t.prefix_len)
 
 
 def moved_end(t: "Transfer", end: int, dst_count: int, ps_d: int, g: int) -> int:

@@ -201,6 +201,10 @@ def _pair_sides(src: SideMemory, dst: SideMemory) -> SidePairing:
         if sc.layers != dc.layers:
             raise LayoutError(f"state component {i} ({sc.name}): its entries' layers differ (source {sc.layers}, "
                               f"destination {dc.layers}); both sides must declare the same (docs/layerwise.md)")
+        if sc.from_prefix != dc.from_prefix:
+            raise LayoutError(f"state component {i} ({sc.name}): from_prefix is {sc.from_prefix} on the source and "
+                              f"{dc.from_prefix} on the destination; both sides must start its lists alike "
+                              "(planning.md §6)")
         rules = rules_of(sc.kind)
         cps_s, cps_d = sc.pages_of(sk.page_size), dc.pages_of(dk.page_size)
         if mode is Mode.HEAD_SLICED and rules.slices_heads:  # docs/tp_state.md

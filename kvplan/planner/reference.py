@@ -57,7 +57,8 @@ def destination_lists(
         check_paged_slots(request, "KV", table[row, prefix_len:prompt_len].astype(np.int64), prefix_len, ps)
     pages = token_pages(table, row, prefix_len, prompt_len, ps)
     check_bounds(request, "KV page", pages, 1, side.kv.num_pages)
-    state = tuple(state_list(side, c, row, prompt_len, request, validate=validate) for c in side.state)
+    state = tuple(state_list(side, c, row, prompt_len, request, validate=validate, prefix=prefix_len)
+                  for c in side.state)
     return DestinationLists(pages, state)
 
 

@@ -53,7 +53,7 @@ class ListShape:
     checked: tuple[int, int] | None = None
 
 
-HostList = Callable[[SideMemory, StateComponent, int, int, Any, Policy, bool], np.ndarray]
+HostList = Callable[[SideMemory, StateComponent, int, int, Any, Policy, bool, int], np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -79,10 +79,13 @@ class KindRules:
         shards_tensors: its entries are sharded along a tensor dimension across ranks
             (:class:`~kvplan.planner.model.TensorShard`), so between different TP sizes each entry
             moves in byte blocks of its item (docs/tp_state.md §4).
-        list_start: ``(component, its page size, seq) -> position`` where a paged list's first page
-            starts (the SWA window start; 0 for DSA).
-        list_shape: ``(component, side page size, seq) -> ListShape`` for the device kernels.
-        host_list: the list on the host, validated (the reference's formula).
+        starts_at_prefix: the kind has SGLang 0.5.23's variant after a decode prefix ``P``
+            (``StateComponent.from_prefix``): its list starts no earlier than ``P``.
+        list_start: ``(component, its page size, seq, prefix) -> position`` where a paged list's
+            first page starts (the SWA window start; 0 for DSA, or ``P`` with ``from_prefix``).
+        list_shape: ``(component, side page size, seq, prefix) -> ListShape`` for the device kernels.
+        host_list: the list on the host, validated (the reference's formula); its last argument is
+            the decode prefix ``P``.
     """
 
     kind: StateKind
@@ -97,8 +100,9 @@ class KindRules:
     maps_pages: bool
     slices_heads: bool
     shards_tensors: bool
-    list_start: Callable[[StateComponent, int, int], int]
-    list_shape: Callable[[StateComponent, int, int], ListShape]
+    starts_at_prefix: bool
+    list_start: Callable[[StateComponent, int, int, int], int]
+    list_shape: Callable[[StateComponent, int, int, int], ListShape]
     host_list: HostList
 
     def validate(self, comp: StateComponent) -> None:
@@ -107,37 +111,49 @@ class KindRules:
             raise LayoutError(f"component {comp.name}: a window >= 1 is required")
         if self.needs_ring and comp.ring_size < 1:
             raise LayoutError(f"component {comp.name}: ring_size >= 1 is required")
+        if comp.from_prefix and not self.starts_at_prefix:
+            raise LayoutError(f"component {comp.name}: from_prefix is SGLang's variant for SWA and DSA lists; "
+                              f"{comp.kind.value} lists have no other start")
 
     def require_map(self, comp: StateComponent) -> None:
         if self.needs_map and comp.slot_map is None:
             raise LayoutError(f"component {comp.name}: a slot_map is required to compute {comp.kind.value} lists")
 
 
-def _from_zero(comp: StateComponent, ps: int, seq: int) -> int:
+def _from_zero(comp: StateComponent, ps: int, seq: int, prefix: int = 0) -> int:
     return 0
+
+
+def _floor(comp: StateComponent, prefix: int) -> int:
+    """The first position a paged list may start at: the decode prefix with ``from_prefix``, else 0."""
+    return prefix if comp.from_prefix else 0
+
+
+def _lists_from(comp: StateComponent, ps: int, seq: int, prefix: int = 0) -> int:
+    return _floor(comp, prefix)
 
 
 # --------------------------------------------------------------------------------------------
 # SWA: pages of full_to_swa over the page-aligned window
 
 
-def _swa_window_start(comp: StateComponent, ps: int, seq: int) -> int:
-    return (max(0, seq - comp.window) // ps) * ps
+def _swa_window_start(comp: StateComponent, ps: int, seq: int, prefix: int = 0) -> int:
+    return (max(_floor(comp, prefix), seq - comp.window) // ps) * ps
 
 
-def _swa_shape(comp: StateComponent, side_ps: int, seq: int) -> ListShape:
+def _swa_shape(comp: StateComponent, side_ps: int, seq: int, prefix: int = 0) -> ListShape:
     ps = comp.pages_of(side_ps)
-    ws = _swa_window_start(comp, ps, seq)
-    return ListShape(int(ki.MAPPED_PAGES), ws, ps, cdiv(seq - ws, ps), 1, uses_map=True,
+    ws = _swa_window_start(comp, ps, seq, prefix)
+    return ListShape(int(ki.MAPPED_PAGES), ws, ps, max(0, cdiv(seq - ws, ps)), 1, uses_map=True,
                      checked=(ws, seq - ws) if seq > ws else None)
 
 
 def _swa_list(side: SideMemory, comp: StateComponent, row: int, seq: int, request: Any, policy: Policy,
-              validate: bool) -> np.ndarray:
+              validate: bool, prefix: int = 0) -> np.ndarray:
     table = host(side.req_to_token)
     ps = comp.pages_of(side.kv.page_size)
     check_row(request, table.shape, row, seq)
-    ws = _swa_window_start(comp, ps, seq)
+    ws = _swa_window_start(comp, ps, seq, prefix)
     slot_map = host(comp.slot_map)
     full = table[row, ws:seq].astype(np.int64)
     check_bounds(request, f"{comp.name} full slot", full, 0, slot_map.shape[0])
@@ -160,19 +176,22 @@ def _swa_list(side: SideMemory, comp: StateComponent, row: int, seq: int, reques
 # DSA: the indexer's pages over the whole sequence
 
 
-def _dsa_shape(comp: StateComponent, side_ps: int, seq: int) -> ListShape:
+def _dsa_shape(comp: StateComponent, side_ps: int, seq: int, prefix: int = 0) -> ListShape:
     ps = comp.pages_of(side_ps)
-    return ListShape(int(ki.TOKEN_PAGES), 0, ps, cdiv(seq, ps), 1, checked=(0, seq) if seq else None)
+    lo = _floor(comp, prefix)
+    return ListShape(int(ki.TOKEN_PAGES), lo, ps, max(0, cdiv(seq - lo, ps)), 1,
+                     checked=(lo, seq - lo) if seq > lo else None)
 
 
 def _dsa_list(side: SideMemory, comp: StateComponent, row: int, seq: int, request: Any, policy: Policy,
-              validate: bool) -> np.ndarray:
+              validate: bool, prefix: int = 0) -> np.ndarray:
     table = host(side.req_to_token)
     ps = comp.pages_of(side.kv.page_size)
     check_row(request, table.shape, row, seq)
-    if validate:
-        check_paged_slots(request, comp.name, table[row, :seq].astype(np.int64), 0, ps)
-    ids = token_pages(table, row, 0, seq, ps)
+    lo = _floor(comp, prefix)
+    if validate and seq > lo:
+        check_paged_slots(request, comp.name, table[row, lo:seq].astype(np.int64), lo, ps)
+    ids = token_pages(table, row, lo, seq, ps)
     check_bounds(request, comp.name, ids, 1, comp.num_items)
     return ids
 
@@ -181,13 +200,13 @@ def _dsa_list(side: SideMemory, comp: StateComponent, row: int, seq: int, reques
 # SWA_RING: the last W tokens' rows of a per-request ring
 
 
-def _ring_shape(comp: StateComponent, side_ps: int, seq: int) -> ListShape:
+def _ring_shape(comp: StateComponent, side_ps: int, seq: int, prefix: int = 0) -> ListShape:
     lo = max(0, seq - comp.window)
     return ListShape(int(ki.RING), lo, 1, seq - lo, 0, ring=comp.ring_size)
 
 
 def _ring_list(side: SideMemory, comp: StateComponent, row: int, seq: int, request: Any, policy: Policy,
-               validate: bool) -> np.ndarray:
+               validate: bool, prefix: int = 0) -> np.ndarray:
     lo = max(0, seq - comp.window)
     ids = row * comp.ring_size + np.arange(lo, seq, dtype=np.int64) % comp.ring_size
     check_bounds(request, comp.name, ids, 0, comp.num_items)
@@ -198,12 +217,12 @@ def _ring_list(side: SideMemory, comp: StateComponent, row: int, seq: int, reque
 # MAMBA: one slot per request, through the row -> slot map
 
 
-def _mamba_shape(comp: StateComponent, side_ps: int, seq: int) -> ListShape:
+def _mamba_shape(comp: StateComponent, side_ps: int, seq: int, prefix: int = 0) -> ListShape:
     return ListShape(int(ki.ROW_MAP), 0, 1, 1, 0, uses_map=True)
 
 
 def _mamba_list(side: SideMemory, comp: StateComponent, row: int, seq: int, request: Any, policy: Policy,
-                validate: bool) -> np.ndarray:
+                validate: bool, prefix: int = 0) -> np.ndarray:
     slot_map = host(comp.slot_map)
     if not 0 <= row < slot_map.shape[0]:
         raise InputError(request, f"{comp.name}: row {row} is outside the Mamba map of {slot_map.shape[0]} rows")
@@ -215,19 +234,23 @@ def _mamba_list(side: SideMemory, comp: StateComponent, row: int, seq: int, requ
 RULES: dict[StateKind, KindRules] = {
     StateKind.SWA: KindRules(StateKind.SWA, int(kl.SWA), needs_window=True, needs_ring=False, needs_map=True,
                              map_by_row=False, always_strict=False, forms_runs=True, paged=True, maps_pages=True,
-                             slices_heads=True, shards_tensors=False, list_start=_swa_window_start,
+                             slices_heads=True, shards_tensors=False, starts_at_prefix=True,
+                             list_start=_swa_window_start,
                              list_shape=_swa_shape, host_list=_swa_list),
     StateKind.DSA: KindRules(StateKind.DSA, int(kl.DSA), needs_window=False, needs_ring=False, needs_map=False,
                              map_by_row=False, always_strict=False, forms_runs=True, paged=True, maps_pages=True,
-                             slices_heads=False, shards_tensors=False, list_start=_from_zero, list_shape=_dsa_shape,
+                             slices_heads=False, shards_tensors=False, starts_at_prefix=True,
+                             list_start=_lists_from, list_shape=_dsa_shape,
                              host_list=_dsa_list),
     StateKind.SWA_RING: KindRules(StateKind.SWA_RING, int(kl.SWA_RING), needs_window=True, needs_ring=True,
                                   needs_map=False, map_by_row=False, always_strict=True, forms_runs=True, paged=False,
-                                  maps_pages=False, slices_heads=False, shards_tensors=False, list_start=_from_zero,
+                                  maps_pages=False, slices_heads=False, shards_tensors=False,
+                                  starts_at_prefix=False, list_start=_from_zero,
                                   list_shape=_ring_shape, host_list=_ring_list),
     StateKind.MAMBA: KindRules(StateKind.MAMBA, int(kl.MAMBA), needs_window=False, needs_ring=False, needs_map=True,
                                map_by_row=True, always_strict=True, forms_runs=False, paged=False,
-                               maps_pages=False, slices_heads=False, shards_tensors=True, list_start=_from_zero,
+                               maps_pages=False, slices_heads=False, shards_tensors=True,
+                               starts_at_prefix=False, list_start=_from_zero,
                                list_shape=_mamba_shape, host_list=_mamba_list),
 }
 
@@ -241,8 +264,9 @@ def rules_of(kind: StateKind) -> KindRules:
 
 
 def state_list(side: SideMemory, comp: StateComponent, row: int, seq: int, request: Any = None,
-               policy: Policy = Policy.STRICT, validate: bool = True) -> np.ndarray:
-    """A component's index list for row ``row`` over ``seq`` tokens (planning.md §6), validated."""
+               policy: Policy = Policy.STRICT, validate: bool = True, prefix: int = 0) -> np.ndarray:
+    """A component's index list for row ``row`` over ``seq`` tokens (planning.md §6), validated.
+    ``prefix`` is the request's decode prefix; only a ``from_prefix`` component's list depends on it."""
     rules = rules_of(comp.kind)
     rules.require_map(comp)
-    return rules.host_list(side, comp, row, seq, request, policy, validate)
+    return rules.host_list(side, comp, row, seq, request, policy, validate, prefix)

@@ -43,6 +43,7 @@ class TransferLists:
     state: tuple[tuple[np.ndarray, np.ndarray], ...]
     state_runs: tuple[bool, ...]
     aux: bool
+    prefix: int = 0  # the decode prefix P: where a ``from_prefix`` component's lists start at the earliest
 
 
 def transfer_lists(batch: Batch, t: Transfer) -> TransferLists:
@@ -67,7 +68,8 @@ def transfer_lists(batch: Batch, t: Transfer) -> TransferLists:
     kv_runs = chunk.sent and require_both_or_neither(request, f"chunk [{t.start}, {end}) KV pages",
                                                      len(src_pages), len(chunk.dst_pages), policy)
     state, state_runs, aux = last_chunk_lists(batch, t) if chunk.last else ((), (), False)
-    return TransferLists(end, chunk.last, chunk.sent, src_pages, chunk.dst_pages, kv_runs, state, state_runs, aux)
+    return TransferLists(end, chunk.last, chunk.sent, src_pages, chunk.dst_pages, kv_runs, state, state_runs, aux,
+                         t.prefix_len)
 
 
 def last_chunk_lists(batch: Batch, t: Transfer) -> tuple[tuple[tuple[np.ndarray, np.ndarray], ...],
@@ -85,11 +87,12 @@ def last_chunk_lists(batch: Batch, t: Transfer) -> tuple[tuple[tuple[np.ndarray,
     for comp, dst_comp, dst_list in zip(src.state, dst.state, t.dst_state):
         rules = rules_of(comp.kind)
         what = f"state component {comp.name}"
-        src_list = state_list(src, comp, t.src_row, seq, request, policy, batch.validate)
+        src_list = state_list(src, comp, t.src_row, seq, request, policy, batch.validate, t.prefix_len)
         cps_s, cps_d = comp.pages_of(src.kv.page_size), dst_comp.pages_of(dst.kv.page_size)
         if rules.paged and cps_s != cps_d:  # docs/page_sizes.md §6: in units, each side's pages
             unit = gcd(cps_s, cps_d)
-            from_s, from_d = rules.list_start(comp, cps_s, seq), rules.list_start(comp, cps_d, seq)
+            from_s = rules.list_start(comp, cps_s, seq, t.prefix_len)
+            from_d = rules.list_start(comp, cps_d, seq, t.prefix_len)
             n = paired_length(request, what, cdiv(seq - from_d, cps_d), len(dst_list), policy, rules.always_strict)
             moved = min(cdiv(seq, unit) * unit, from_d + n * cps_d)
             state.append((src_list[: cdiv(moved - from_s, cps_s)], dst_list[:n]))

@@ -76,12 +76,13 @@ def sglang_style_plan(batch: Batch) -> tuple[list[int], list[int], list[int]]:
         seq = min(t.fill_len, t.prompt_len)
         for c, comp in enumerate(src_side.state):
             cps = comp.pages_of(ps)
+            floor = t.prefix_len if comp.from_prefix else 0  # SGLang 0.5.23 starts at the decode prefix
             if comp.kind is StateKind.SWA:
-                ws = (max(0, seq - comp.window) // cps) * cps
+                ws = (max(floor, seq - comp.window) // cps) * cps
                 swa = _as_tensor(comp.slot_map)[table[t.src_row, ws:seq].long()].cpu().numpy()
                 src_list = kv_to_page_indices(swa, cps).astype(np.int64)
             elif comp.kind is StateKind.DSA:
-                src_list = kv_to_page_indices(table[t.src_row, :seq].cpu().numpy(), cps).astype(np.int64)
+                src_list = kv_to_page_indices(table[t.src_row, floor:seq].cpu().numpy(), cps).astype(np.int64)
             elif comp.kind is StateKind.SWA_RING:
                 lo = max(0, seq - comp.window)
                 src_list = t.src_row * comp.ring_size + np.arange(lo, seq) % comp.ring_size

@@ -108,11 +108,12 @@ def host_lists(src: SideMemory, columns: BatchColumns, dst_page_size: int | None
         lo_col, len_col = columns.table[lasts, len(COLUMNS) + 2 * j], columns.table[lasts, len(COLUMNS) + 2 * j + 1]
         cps = comp.pages_of(ps)
         cps_d = dst_comp_pages[j] if dst_comp_pages is not None else cps
+        floor = c["prefix_len"][lasts] if comp.from_prefix else 0 * lo_col  # planning.md §6's prefix variant
         if comp.kind in (StateKind.DSA, StateKind.SWA) and cps_d != cps:  # in units of gcd tokens
             cu, r, s = math.gcd(cps, cps_d), cps_d // math.gcd(cps, cps_d), seq[lasts]
             swa = comp.kind is StateKind.SWA
-            from_s = np.maximum(s - comp.window, 0) // cps * cps if swa else 0 * s
-            from_d = np.maximum(s - comp.window, 0) // cps_d * cps_d if swa else 0 * s
+            from_s = np.maximum(s - comp.window, floor) // cps * cps if swa else floor
+            from_d = np.maximum(s - comp.window, floor) // cps_d * cps_d if swa else floor
             a = np.maximum(from_s, from_d)
             moved = np.minimum(-(-s // cu) * cu, from_d + len_col * cps_d)
             units = np.maximum(moved - a, 0) // cu
@@ -127,10 +128,10 @@ def host_lists(src: SideMemory, columns: BatchColumns, dst_page_size: int | None
         owner = lasts[t]
         s = seq[owner]
         if comp.kind is StateKind.SWA:
-            ws = np.maximum(s - comp.window, 0) // cps * cps
+            ws = np.maximum(s - comp.window, floor[t]) // cps * cps
             ids = mapped_rows[j][inv[owner], ws + k * cps] // cps
         elif comp.kind is StateKind.DSA:
-            ids = host_rows[inv[owner], k * cps].astype(np.int64) // cps
+            ids = host_rows[inv[owner], floor[t] + k * cps].astype(np.int64) // cps
         elif comp.kind is StateKind.SWA_RING:
             ids = rows[owner] * comp.ring_size + (np.maximum(s - comp.window, 0) + k) % comp.ring_size
         elif comp.kind is StateKind.MAMBA:

@@ -76,6 +76,7 @@ class ComponentShape:
     tensors: tuple[ShardedTensor, ...] = ()
     parts: int = 1
     name: str = ""  # the component's id (StateComponent.name; empty: its kind's)
+    from_prefix: bool = False  # SWA, DSA: SGLang's lists after a decode prefix (StateComponent.from_prefix)
 
     def layers(self, model_layers: int) -> tuple[int, ...]:
         """The model-wide layer of each entry, spread evenly over ``model_layers`` layers."""
@@ -110,6 +111,13 @@ class ModelShape:
                               if c.kind in (StateKind.SWA, StateKind.DSA) else c.item_len)  # per page of the side
                       for c in self.state)
         return replace(self, layers=layers, state=state, page_size=page_size)
+
+    def from_prefix(self) -> "ModelShape":
+        """The same model with every SWA and DSA component in planning.md §6's ``from_prefix``
+        variant (SGLang's lists after a decode prefix)."""
+        from ..planner.state_kinds import rules_of
+
+        return replace(self, state=tuple(replace(c, from_prefix=rules_of(c.kind).starts_at_prefix) for c in self.state))
 
     def with_tp(self, src_tp: int, dst_tp: int) -> "ModelShape":
         """The same model on other attention TP sizes: per-rank KV and SWA bytes follow the heads a
@@ -232,10 +240,10 @@ def _side(
                     slot_map[full_page * ps : full_page * ps + ps] = swa_pages[used] * ps + np.arange(ps)
                     used += 1
             comps.append(StateComponent(c.kind, _fake_entries(rng, c.entries, swa_item, num_pages), window=c.window,
-                                        slot_map=slot_map, layers=layers, name=c.name))
+                                        slot_map=slot_map, layers=layers, name=c.name, from_prefix=c.from_prefix))
         elif c.kind is StateKind.DSA:
             comps.append(StateComponent(c.kind, _fake_entries(rng, c.entries, c.item_len, num_pages), layers=layers,
-                                        name=c.name))
+                                        name=c.name, from_prefix=c.from_prefix))
         elif c.kind is StateKind.SWA_RING:
             comps.append(StateComponent(c.kind, _fake_entries(rng, c.entries, c.item_len, rows * c.ring_size),
                                         window=c.window, ring_size=c.ring_size, layers=layers, name=c.name))

@@ -19,7 +19,6 @@ Example::
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -29,7 +28,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..errors import LayoutError, PeerError
+from ..errors import KvplanError, LayoutError, PeerError
 from ..planner.destinations import PreallocatedRequest, PublishedRequest, plan_destinations
 from ..planner.device import Planner
 from ..planner.model import Batch, SideMemory
@@ -500,7 +499,8 @@ class DecodeEndpoint:
     def _capture(self, wave: _StagedWave) -> Any:
         """The wave's scatter as a CUDA graph (captured, not run), or ``None`` where there are no graphs.
         A capture that fails turns graphs off for this endpoint: its waves are then launched as
-        before, whatever the cause (a kernel compiled for the first time inside a capture, say)."""
+        before (a kernel compiled for the first time inside a capture, say). kvplan's own errors
+        (a wave that does not fit its checks) are not capture failures: they propagate."""
         if not self._graphs:
             return None
         graph = torch.cuda.CUDAGraph()
@@ -511,7 +511,9 @@ class DecodeEndpoint:
                     self._scatter(wave)
                 finally:
                     graph.capture_end()
-        except Exception as err:  # noqa: BLE001 - any failure means: launch instead
+        except KvplanError:
+            raise
+        except Exception as err:  # noqa: BLE001 - any other failure of the capture means: launch instead
             log.warning("scatters are launched, not replayed: a capture failed (%s: %s)", type(err).__name__, err)
             self._graphs = False
             return None

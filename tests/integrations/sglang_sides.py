@@ -49,12 +49,13 @@ def mamba_slots(room: int) -> tuple[int, int]:
 
 # ``state="hybrid"``: an SWA component (a window of SWA_WINDOW tokens, K and V per layer in a pool of
 # its own pages) and a DSA indexer (one entry per layer, paged like the KV), as SGLang's multi-component
-# KVArgs register them; requests without a decode prefix (kvplan's SWA and DSA lists start at token 0),
-# each last chunk with its true token count (SGLang's num_kv_tokens)
+# KVArgs register them; two requests after a decode prefix (SGLang's SWA and DSA lists start there, and
+# so do the adapter's: planning.md §6's from_prefix; the last one's window reaches into its prefix), each
+# last chunk with its true token count (SGLang's num_kv_tokens)
 SWA_WINDOW, SWA_PAGES, DSA_BYTES = 9, 16, 16
 # and an SWA ring: RING_SIZE rows per request-pool row, the last RING_WINDOW positions move
 RING_SIZE, RING_WINDOW, RING_BYTES, POOL_ROWS = 16, 6, 32, 8
-HYBRID_REQUESTS = ((100, 37, 0, 1), (101, 50, 0, 2), (102, 9, 0, 1))
+HYBRID_REQUESTS = ((100, 37, 0, 1), (101, 50, 8, 2), (102, 13, 8, 1))
 STATE_PARAMS = [{"window": SWA_WINDOW}, {}, {"window": RING_WINDOW, "ring_size": RING_SIZE}]
 
 
@@ -89,12 +90,12 @@ def ring_rows(room: int, side: int) -> np.ndarray:
 
 def window_pages(seed: int):
     """Per request: the SWA pages of its window on the prefill and on the decode side (SGLang's
-    translated window: the pages of [floor(max(0, L - W) / ps) * ps, L))."""
+    translated window: the pages of [floor(max(P, L - W) / ps) * ps, L) after a decode prefix P)."""
     rng = np.random.default_rng(seed + 3)
     src_free, dst_free = iter(rng.permutation(np.arange(1, SWA_PAGES))), iter(rng.permutation(np.arange(1, SWA_PAGES)))
     out = {}
-    for room, tokens, _, _ in HYBRID_REQUESTS:
-        start = max(0, tokens - SWA_WINDOW) // PAGE * PAGE
+    for room, tokens, prefix, _ in HYBRID_REQUESTS:
+        start = max(prefix, tokens - SWA_WINDOW) // PAGE * PAGE
         n = -(-(tokens - start) // PAGE)
         out[room] = (np.array([next(src_free) for _ in range(n)]), np.array([next(dst_free) for _ in range(n)]))
     return out

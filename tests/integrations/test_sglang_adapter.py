@@ -85,7 +85,8 @@ def test_two_processes_hand_off_through_sglang_s_interfaces(engine, state):
     """With ``state``, both sides also register a Mamba component (SGLang's multi-component
     ``KVArgs``), and each request's slots come with its last chunk and its metadata. ``"hybrid"``
     registers an SWA and a DSA component instead, and hands SGLang's precomputed lists (the window's
-    translated SWA pages, the indexer's pages) with true token counts that end inside a page."""
+    translated SWA pages, the indexer's pages) with true token counts that end inside a page; two of
+    its requests come after a decode prefix, where SGLang's SWA and DSA lists start at the prefix."""
     base = sglang_module("srt.disaggregation.base.conn")
     got = _run_sides(engine, state, [()])
     prefill_states, failures = got["prefill"]
@@ -196,7 +197,7 @@ def test_a_window_left_out_is_refused_naming_the_server_arg():
         KVManager(args, utils.DisaggregationMode.DECODE, paged_apart)
 
 
-def _hybrid_sender(room: int, pages: list[int], prefix: int = 0):
+def _hybrid_sender(room: int, pages: list[int], prefix: int = 0, state_params=sglang_sides.STATE_PARAMS):
     """A prefill manager with SWA, DSA and ring components, and a sender whose decode lists are in."""
     base = sglang_module("srt.disaggregation.base.conn")
     from kvplan.integrations.sglang.adapter import KVSender
@@ -205,11 +206,10 @@ def _hybrid_sender(room: int, pages: list[int], prefix: int = 0):
 
     kv, aux = sglang_sides.pools(1)
     args, _ = sglang_sides.with_state(sglang_sides.kv_args_of(base, kv, aux), "hybrid", 1)
-    mgr = _manager(args, "PREFILL", max_running_requests=4, context_length=64,
-                   kvplan_state_params=sglang_sides.STATE_PARAMS)
+    mgr = _manager(args, "PREFILL", max_running_requests=4, context_length=64, kvplan_state_params=state_params)
     _add_decode(mgr)
     decode_args, _ = sglang_sides.with_state(sglang_sides.kv_args_of(base, *sglang_sides.pools(None)), "hybrid", None)
-    mgr.prefill.peers[0].side = side_from_kv_args(decode_args, mla=False, state_params=sglang_sides.STATE_PARAMS)
+    mgr.prefill.peers[0].side = side_from_kv_args(decode_args, mla=False, state_params=mgr.state_params)
     dst = np.arange(10, 10 + len(pages))
     ring = np.arange(16, 22)  # six rows of the decode's request-pool row 1
     for r in (room, room + 1):
@@ -244,9 +244,34 @@ def test_state_lists_that_do_not_fit_the_request_fail_it_and_nothing_is_sent(swa
     assert mgr.posted == []
 
 
-def test_swa_and_dsa_after_a_decode_prefix_are_refused_naming_the_contract():
-    """SGLang 0.5.23 starts SWA windows and DSA lists at the decode prefix; kvplan's contract at 0."""
-    base, mgr, sender = _hybrid_sender(8, [9], prefix=8)
+def test_swa_and_dsa_after_a_decode_prefix_start_at_the_prefix_as_sglang_s():
+    """SGLang 0.5.23 starts SWA windows and DSA lists at the decode prefix; the adapter declares its
+    components ``from_prefix`` (planning.md §6's variant), so SGLang's lists plan as they are: 11
+    tokens after a prefix of 8 (3 pages of 4), a window of 9 over 19 tokens from max(8, 10) = 10."""
+    from kvplan.planner.model import Batch
+    from kvplan.planner.plan import DestinationLists
+    from kvplan.planner.reference import plan_reference
+
+    base, mgr, sender = _hybrid_sender(8, [9, 10, 11], prefix=8)
+    assert all(c.from_prefix for c in mgr.prefill.side.state[:2])
+    dst = np.arange(10, 13)  # the decode's pages of [8, 19), its window's SWA pages, its ring rows
+    mgr.prefill.peers[0].lists[8] = (DestinationLists(dst, (np.array([3, 4, 7]), dst, np.arange(16, 22))), 0, 8)
+    sent = []
+    mgr.prefill.send = lambda transfers, **_: sent.extend(transfers) or {}  # what the endpoint would move
+    sender.send(np.array([9, 10, 11]), state_indices=[[5, 6, 2], [9, 10, 11], [16 * 2 + p % 16 for p in range(13, 19)]],
+                num_kv_tokens=11)
+    assert sender.poll() == base.KVPoll.Success, mgr.failures
+    plan = plan_reference(Batch(mgr.prefill.side, [mgr.prefill.peers[0].side], sent))
+    (only,) = plan.transfers
+    swa, dsa, _ = ((c.src_list.tolist(), c.dst_list.tolist()) for c in only.state)
+    assert swa == ([5, 6, 2], [3, 4, 7]) and dsa == ([9, 10, 11], [10, 11, 12])
+
+
+def test_a_component_declared_from_zero_is_refused_after_a_decode_prefix():
+    """Declared ``from_prefix=False`` (kvplan's contract: lists from token 0), the planning row would
+    need the prefix's pages, which SGLang never hands the sender: refused, naming the contract."""
+    params = [{**p, "from_prefix": False} if k < 2 else p for k, p in enumerate(sglang_sides.STATE_PARAMS)]
+    base, mgr, sender = _hybrid_sender(8, [9], prefix=8, state_params=params)
     sender.send(np.array([9]), state_indices=[[5], [9], [16 * 2 + 10]], num_kv_tokens=3)
     assert sender.poll() == base.KVPoll.Failed
     assert "with a decode prefix (8 tokens)" in mgr.failures[8] and "planning.md §6" in mgr.failures[8]

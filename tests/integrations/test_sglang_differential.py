@@ -319,11 +319,11 @@ def kv_args_of(sglang, side, rank: int = 0):
 def state_params_of(side) -> list[dict]:
     """What SGLang's ``KVArgs`` does not hold of each component (``side_from_kv_args``'s ``state_params``)."""
     return [{"window": c.window, "ring_size": c.ring_size, "page_size": c.page_size, "slot_map": c.slot_map,
-             "name": c.name} for c in side.state]
+             "name": c.name, "from_prefix": c.from_prefix} for c in side.state]
 
 
 def same_components(a, b) -> bool:
-    fields = ("kind", "entries", "window", "page_size", "ring_size", "name", "shards")
+    fields = ("kind", "entries", "window", "page_size", "ring_size", "name", "shards", "from_prefix")
     return len(a) == len(b) and all(getattr(x, f) == getattr(y, f) for x, y in zip(a, b) for f in fields) and all(
         (x.slot_map is None) == (y.slot_map is None) and (x.slot_map is None or np.array_equal(x.slot_map, y.slot_map))
         for x, y in zip(a, b))
@@ -334,19 +334,21 @@ def same_components(a, b) -> bool:
 @pytest.mark.parametrize("engine, shape", [(e, s) for e in sorted(DRIVERS)
                                            for s in ("ring_mamba", "swa16", "dsa16", "swa_tp4to8", "mamba_tp4to8")
                                            if (e, s) != ("nixl", "mamba_tp4to8")])
-@pytest.mark.parametrize("prefix_len, chunks", [(0, 1), (0, 2), (32, 2)])
-def test_state_kinds_and_aux_byte_ranges_equal_sglang_s(sglang, monkeypatch, engine, shape, prefix_len, chunks):
+@pytest.mark.parametrize("prefix_len, chunks, variant", [(0, 1, False), (0, 2, False), (32, 2, False), (32, 2, True)])
+def test_state_kinds_and_aux_byte_ranges_equal_sglang_s(sglang, monkeypatch, engine, shape, prefix_len, chunks,
+                                                         variant):
     """An SWA ring and Mamba state (MHA), SWA state (MHA, gpt-oss-like), DSA indexer pages (MLA,
     as SGLang has them only with MLA), SWA state with KV head-sliced from TP 4 to TP 8
     (SGLang's ``_send_swa_state_slice``; docs/tp_state.md) and Mamba state sliced from TP 4 to TP 8
     with it (``_send_mamba_state_slice``), with aux: the source side is read back from SGLang's
     ``KVArgs`` (state and shards included); the state lists kvplan computes, handed to SGLang's
-    ``maybe_send_extra`` with the decode's published lists, give the blocks of kvplan's plan."""
+    ``maybe_send_extra`` with the decode's published lists, give the blocks of kvplan's plan; with
+    ``variant``, SWA and DSA lists start at the decode prefix (``from_prefix``), as SGLang's own do."""
     from kvplan.planner.model import Attention
     from kvplan.tools.scenarios import build_batch
     from tests.transport.handoff import LENGTHS, SHAPES
 
-    model = SHAPES[shape]
+    model = SHAPES[shape].from_prefix() if variant else SHAPES[shape]
     batch = build_batch(model, requests=len(LENGTHS), prompt_len=list(LENGTHS), chunks=chunks,
                         prefix_len=prefix_len, seed=5)
     plan = plan_reference(batch)
@@ -367,8 +369,8 @@ def test_state_kinds_and_aux_byte_ranges_equal_sglang_s(sglang, monkeypatch, eng
 
 
 @pytest.mark.parametrize("shape", ["ring_mamba", "swa16", "dsa16"])
-@pytest.mark.parametrize("prefix_len", [0, 32])
-def test_state_lists_are_sglang_s_payloads_and_the_prefix_variants_are_named(sglang, shape, prefix_len):
+@pytest.mark.parametrize("prefix_len, variant", [(0, False), (32, False), (32, True)])
+def test_state_lists_are_sglang_s_payloads_and_the_prefix_variants_are_named(sglang, shape, prefix_len, variant):
     """The source's state lists against SGLang 0.5.23's payloads (``PrefillMixin.send_kv_chunk`` in
     ``disaggregation/prefill.py``: ``_swa_payload``, ``_dsa_pages_payload``, ``_swa_ring_payload``,
     ``_mamba_payload``). Those are closures over a live scheduler, so their formulas are restated
@@ -378,12 +380,14 @@ def test_state_lists_are_sglang_s_payloads_and_the_prefix_variants_are_named(sgl
     ``P > 0``, 0.5.23 starts the SWA window at ``max(P, seq - W)`` and sends DSA pages of
     ``[P, seq)``; kvplan starts at ``max(0, seq - W)`` and sends DSA pages of ``[0, seq)``, so its
     lists are SGLang's with the prefix's pages in front (the decode side publishes the same, so
-    they pair). With ``P = 0`` they are equal."""
+    they pair). With ``P = 0`` they are equal. In the ``from_prefix`` variant (``variant``, what the
+    adapter declares) they are equal for every ``P``."""
     from kvplan.planner.model import StateKind
     from kvplan.tools.scenarios import build_batch
     from tests.transport.handoff import LENGTHS, SHAPES
 
-    batch = build_batch(SHAPES[shape], requests=len(LENGTHS), prompt_len=list(LENGTHS), chunks=2,
+    model = SHAPES[shape].from_prefix() if variant else SHAPES[shape]
+    batch = build_batch(model, requests=len(LENGTHS), prompt_len=list(LENGTHS), chunks=2,
                         prefix_len=prefix_len, seed=7)
     plan = plan_reference(batch)
     table = torch.from_numpy(np.asarray(batch.src.req_to_token).astype(np.int64))
@@ -398,14 +402,14 @@ def test_state_lists_are_sglang_s_payloads_and_the_prefix_variants_are_named(sgl
             if comp.kind is StateKind.DSA:
                 theirs = sglang.pages.suffix_page_indices(table, t.src_row, p, seq, ps).tolist()
                 prefix_pages = sglang.pages.kv_to_page_indices(table[t.src_row, :p], ps).tolist()
-                assert ours == prefix_pages + theirs
+                assert ours == (theirs if comp.from_prefix else prefix_pages + theirs)
             elif comp.kind is StateKind.SWA:
                 full_to_swa = torch.from_numpy(np.asarray(comp.slot_map))
                 start = max(p, seq - comp.window) // ps * ps  # 0.5.23: max(decode_prefix_len, seq - W)
                 theirs = sglang.pages.kv_to_page_indices(full_to_swa[table[t.src_row, start:seq]], ps).tolist()
                 start0 = max(0, seq - comp.window) // ps * ps  # kvplan, and 0.5.23 whenever P <= that
                 extra = sglang.pages.kv_to_page_indices(full_to_swa[table[t.src_row, start0:start]], ps).tolist() \
-                    if start > start0 else []
+                    if start > start0 and not comp.from_prefix else []
                 assert ours == extra + theirs
             elif comp.kind is StateKind.SWA_RING:
                 positions = np.arange(max(0, seq - comp.window), seq)

@@ -15,9 +15,13 @@ from kvplan.tools.scenarios import PRESETS, build_batch
 from tests.planner.builders import mha_side, table_with
 
 
-@pytest.mark.parametrize("preset", ["gptoss-swa-p16", "qwen3next-mamba-p64", "dsv32-mla-dsa-p64"])
-def test_columns_plan_like_the_reference_in_every_form(device, preset):
-    batch = build_batch(PRESETS[preset].scaled(layers=2), requests=3, prompt_len=[300, 129, 1000], chunks=2,
+@pytest.mark.parametrize("preset, variant", [("gptoss-swa-p16", False), ("qwen3next-mamba-p64", False),
+                                             ("dsv32-mla-dsa-p64", False), ("gptoss-swa-p16", True),
+                                             ("dsv32-mla-dsa-p64", True)])
+def test_columns_plan_like_the_reference_in_every_form(device, preset, variant):
+    """``variant``: SWA and DSA lists from the decode prefix (planning.md §6's ``from_prefix``)."""
+    shape = PRESETS[preset].scaled(layers=2)
+    batch = build_batch(shape.from_prefix() if variant else shape, requests=3, prompt_len=[300, 129, 1000], chunks=2,
                         prefix_len=64, seed=3).to(device)
     planner = Planner(batch.src, batch.dsts, outputs=("descriptors", "prepared", "runs"), block=128)
     cols = BatchColumns.from_batch(batch)
@@ -41,13 +45,17 @@ def test_columns_plan_like_the_reference_in_every_form(device, preset):
 @pytest.mark.parametrize("preset, dst_page_size", [("llama70b-tp8-p64", 16), ("llama70b-tp8-p64", 256),
                                                    ("llama70b-tp8-p64", 1), ("qwen3next-mamba-p64", 16),
                                                    ("dsv32-mla-dsa-p64", 16), ("dsv32-mla-dsa-p64", 1),
-                                                   ("gptoss-swa-p16", 64), ("gptoss-swa-p16", 1)])
+                                                   ("gptoss-swa-p16", 64), ("gptoss-swa-p16", 1),
+                                                   ("dsv32-mla-dsa-p64+", 16), ("gptoss-swa-p16+", 64)])
 def test_a_decode_side_of_another_page_size_plans_alike_in_descriptors_runs_and_numpy_batch(device, preset,
                                                                                            dst_page_size):
     """docs/page_sizes.md: 64 -> 16, 64 -> 256 and 64 -> 1, chunked on the grain, with a decode prefix;
-    Mamba state, whose lists do not depend on the page size, and DSA and SWA state in units, with it."""
-    batch = build_batch(PRESETS[preset].scaled(layers=2), requests=3, prompt_len=[300, 129, 1000],
-                        chunks=2, prefix_len=256, seed=5, dst_page_size=dst_page_size).to(device)
+    Mamba state, whose lists do not depend on the page size, and DSA and SWA state in units, with it
+    (``+``: their lists from the decode prefix, planning.md §6's ``from_prefix``)."""
+    shape = PRESETS[preset.rstrip("+")].scaled(layers=2)
+    batch = build_batch(shape.from_prefix() if preset.endswith("+") else shape, requests=3,
+                        prompt_len=[300, 129, 1000], chunks=2, prefix_len=256, seed=5,
+                        dst_page_size=dst_page_size).to(device)
     planner = Planner(batch.src, batch.dsts, outputs=("descriptors", "runs"), block=128)
     cols = BatchColumns.from_batch(batch)
     pending = planner.plan(cols)

@@ -4,6 +4,8 @@ Descriptors are executed with NumPy on simulated byte buffers: every destination
 request must be written exactly once, with the right source bytes.
 """
 
+import dataclasses
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -33,10 +35,13 @@ def scenarios(draw, head_sliced=False):
         heads, src_tp, dst_tp = 1, 1, 1
         attention = draw(st.sampled_from([Attention.MHA, Attention.MLA]))
         kinds = draw(st.lists(st.sampled_from(list(COMPONENTS)), max_size=3, unique=True))
+    # SWA and DSA also in SGLang's variant that starts their lists at the decode prefix
+    comps = tuple(dataclasses.replace(COMPONENTS[k], from_prefix=k in (StateKind.SWA, StateKind.DSA)
+                                      and draw(st.booleans())) for k in kinds)
     bph = draw(st.sampled_from([4, 8]))
     shape = ModelShape(
         "random", attention, draw(st.integers(1, 3)), bph * max(1, heads // dst_tp), ps,
-        state=tuple(COMPONENTS[k] for k in kinds), num_kv_heads=heads, src_tp=src_tp, dst_tp=dst_tp,
+        state=comps, num_kv_heads=heads, src_tp=src_tp, dst_tp=dst_tp,
         mean_run=draw(st.sampled_from([1.5, 4.0])), aux_items=draw(st.sampled_from([(), (8,), (8, 24)])),
     )
     lens = draw(st.lists(st.integers(1, 40), min_size=1, max_size=4))

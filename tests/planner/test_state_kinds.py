@@ -101,3 +101,48 @@ def test_only_the_kind_registry_branches_on_kinds():
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "StateKind":
                 offenders.append(f"{rel}:{node.lineno} StateKind.{node.attr}")
     assert not offenders, offenders
+
+
+@pytest.mark.parametrize("kind", [StateKind.SWA, StateKind.DSA])
+def test_lists_from_the_decode_prefix_are_sglang_s(kind):
+    """``from_prefix``: SGLang 0.5.23's lists after a decode prefix P (window start max(P, seq - W), DSA
+    pages of [P, seq)), by hand; without it the lists start at 0 (planning.md §6)."""
+    from kvplan.planner.model import Attention, KVLayout, SideMemory
+
+    ps, prefix, seq = 4, 8, 20
+    table = np.zeros((3, 64), np.int32)
+    table[1] = np.arange(4 * ps, 4 * ps + 64)  # row 1 holds pages 4, 5, 6, ...
+    slot_map = np.arange(4 * ps + 72, dtype=np.int64) + 100  # slot s -> SWA slot s + 100 (SWA page p + 25)
+    lists = {}
+    for from_prefix in (False, True):
+        comp = StateComponent(kind, (Entry(0, 64, 256),), window=16, slot_map=slot_map, from_prefix=from_prefix)
+        side = SideMemory(KVLayout(Attention.MLA, ps, (Entry(0, 64, 256),)), (comp,), req_to_token=table)
+        rules = rules_of(kind)
+        ids = rules.host_list(side, comp, 1, seq, "r", "strict", True, prefix)
+        shape = rules.list_shape(comp, ps, seq, prefix)
+        assert shape.n == len(ids) and shape.a == rules.list_start(comp, ps, seq, prefix)
+        lists[from_prefix] = ids.tolist()
+    offset = 25 if kind is StateKind.SWA else 0
+    # SWA: window start max(0, 20 - 16) = 4 -> pages of tokens 4..19; from the prefix: max(8, 4) = 8
+    want = [5, 6, 7, 8] if kind is StateKind.SWA else [4, 5, 6, 7, 8]
+    assert lists[False] == [p + offset for p in want]
+    assert lists[True] == [p + offset for p in (6, 7, 8)]
+
+
+@pytest.mark.parametrize("kind", [StateKind.SWA_RING, StateKind.MAMBA])
+def test_only_swa_and_dsa_have_the_prefix_variant(kind):
+    with pytest.raises(LayoutError, match="from_prefix"):
+        StateComponent(kind, (Entry(0, 64, 16),), window=4, ring_size=4, from_prefix=True)
+
+
+def test_sides_that_start_their_lists_differently_do_not_pair():
+    from kvplan.planner.model import Attention, KVLayout, SideMemory
+    from kvplan.planner.pairing import pair_sides
+
+    def side(from_prefix):
+        comp = StateComponent(StateKind.DSA, (Entry(0, 64, 256),), from_prefix=from_prefix)
+        return SideMemory(KVLayout(Attention.MLA, 4, (Entry(1 << 30, 64, 256),)), (comp,))
+
+    pair_sides(side(True), side(True))
+    with pytest.raises(LayoutError, match="from_prefix is True on the source and False"):
+        pair_sides(side(True), side(False))

@@ -145,3 +145,25 @@ def test_a_landed_wave_whose_table_never_comes_is_forgotten(decode, monkeypatch)
     time.sleep(0.01)
     endpoint.poll()
     assert not endpoint._early
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="scatter graphs are captured on a GPU only")
+def test_a_failed_scatter_capture_falls_back_but_kvplan_s_own_errors_propagate():
+    """A capture that fails (any error of CUDA or Triton) turns graphs off and the wave is launched
+    instead; a wave that fails kvplan's own checks is an error, not a capture failure."""
+    import types
+
+    from kvplan.errors import PeerError
+
+    def endpoint(error):
+        def scatter(wave):
+            raise error
+
+        return types.SimpleNamespace(_graphs=True, _capture_stream=torch.cuda.Stream(), _scatter=scatter)
+
+    refused = endpoint(PeerError("a wave outside its share"))
+    with pytest.raises(PeerError, match="outside its share"):
+        DecodeEndpoint._capture(refused, None)
+    assert refused._graphs
+    broken = endpoint(RuntimeError("operation not permitted when stream is capturing"))
+    assert DecodeEndpoint._capture(broken, None) is None and not broken._graphs

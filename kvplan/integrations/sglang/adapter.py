@@ -24,8 +24,8 @@ inputs by what the kind's rules say it needs (:mod:`kvplan.planner.state_kinds`)
 
 The decode side publishes SGLang's lists as they are. What ``KVArgs`` does not hold (an SWA
 window, a ring's size) comes per component from the server arg ``kvplan_state_params`` on both
-sides. Refused with a clear error: SWA or DSA with a decode prefix (SGLang 0.5.23 starts those
-lists at the prefix, kvplan's contract at 0: docs/planning.md §6). The last chunk's
+sides. SWA and DSA components are declared ``from_prefix`` (planning.md §6's variant): after a
+decode prefix their lists start at the prefix, as SGLang 0.5.23's do. The last chunk's
 ``num_kv_tokens`` gives the request's true length, which places the SWA window and the ring's.
 
 Several decode managers per prefill manager: each asks the prefill's bootstrap port (127.0.0.1 by
@@ -129,6 +129,13 @@ class KVManager(BaseKVManager):
         except LayoutError as err:
             raise LayoutError(f"{err} (the server arg kvplan_state_params gives each state component what KVArgs "
                               "does not hold, such as an SWA window)") from None
+        # SGLang's SWA and DSA lists start at the decode prefix (planning.md §6's variant), unless a
+        # component's params say otherwise; both sides of the adapter declare it, so they pair
+        self.state_params += [{} for _ in range(len(comps) - len(self.state_params))]
+        for params, comp in zip(self.state_params, comps):
+            if rules_of(comp.kind).starts_at_prefix:
+                params.setdefault("from_prefix", True)
+        comps = state_from_kv_args(args, self.state_params)
         kinds = [c.kind for c in comps]
         paged_apart = [c.name for c in comps if rules_of(c.kind).needs_map and not rules_of(c.kind).map_by_row
                        and c.pages_of(int(args.page_size)) != int(args.page_size)]
@@ -368,15 +375,15 @@ class KVManager(BaseKVManager):
                     raise InputError(room, f"state component {comp.name!r}: SGLang's ring rows {ids[:8].tolist()}... "
                                            f"are not the last {comp.window} positions' rows of request-pool row "
                                            f"{row} {rows[:8].tolist()}...")
-            elif prefix and rules.paged:
+            elif prefix and rules.paged and not comp.from_prefix:  # the planning row holds no prefix pages
                 raise InputError(room, f"state component {comp.name!r}: with a decode prefix ({prefix} tokens) SGLang "
-                                       f"starts its {comp.kind.value} list at the prefix, kvplan's contract at token "
-                                       "0 (docs/planning.md §6)")
+                                       f"starts its {comp.kind.value} list at the prefix; this component was declared "
+                                       "with from_prefix=False (planning.md §6)")
             elif rules.needs_map:  # the window's last pages, translated: into the token slot map
                 if len(ids) > len(held):
                     raise InputError(room, f"state component {comp.name!r}: {len(ids)} window pages for a request "
                                            f"of {len(held)} pages")
-                start = rules.list_start(comp, comp.pages_of(ps), end)
+                start = rules.list_start(comp, comp.pages_of(ps), end, prefix)
                 if len(ids) != -(-(end - start) // ps):  # else kvplan's window would read another request's map
                     raise InputError(room, f"state component {comp.name!r}: {len(ids)} window pages where a window of "
                                            f"{comp.window} tokens over {end} holds {-(-(end - start) // ps)} "
