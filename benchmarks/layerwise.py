@@ -11,6 +11,7 @@ Usage (on the GPU machine, engine wheels installed)::
 
     python3 benchmarks/layerwise.py --out /tmp/out [--engine nixl] [--decode-gpu 0 --decode-gpu 1]
         [--modes staged] [--repeat 8] [--staging 64:4 --staging 256:2] [--skip-signal]
+        [--progress-thread on --progress-thread off]
 """
 
 from __future__ import annotations
@@ -124,10 +125,11 @@ def graph_check(via: str) -> str:
 
 
 def handoff(preset: str, dim: int, groups: int, mode: str, engine: str, decode_gpu: int = 0, repeat: int = 4,
-            staging: tuple[int, int] = (64, 4)) -> dict:
+            staging: tuple[int, int] = (64, 4), progress_thread: bool = True) -> dict:
     config = DemoConfig(preset=preset, layers=PRESETS[preset].layers, requests=1, prompt_len=TOKENS, chunks=1,
                         engine=engine, mode=mode, layer_groups=groups, forward_dim=dim, repeat=repeat, timeout=40,
-                        decode_gpu=decode_gpu, staging_bytes=staging[0] << 20, staging_slots=staging[1])
+                        decode_gpu=decode_gpu, staging_bytes=staging[0] << 20, staging_slots=staging[1],
+                        progress_thread=progress_thread)
     t0 = time.monotonic()
     report = run_demo(config)
     return {"preset": preset, "groups": groups, "mode": mode, "used": report.mode_used, "ok": report.ok,
@@ -135,7 +137,7 @@ def handoff(preset: str, dim: int, groups: int, mode: str, engine: str, decode_g
             "forward_ms": report.forward_s * 1e3 if report.forward_s is not None else None,
             "exposed_ms": report.exposed_s * 1e3 if report.exposed_s is not None else None,
             "exposed_each_ms": [round(x * 1e3, 3) for x in report.exposed_each_s], "decode_gpu": decode_gpu,
-            "staging_mib_slots": list(staging),
+            "staging_mib_slots": list(staging), "progress_thread": progress_thread,
             "wall_s": time.monotonic() - t0, "failures": {str(k): v for k, v in report.failures.items() if v}}
 
 
@@ -151,6 +153,8 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=4, help="batches per hand-off (the first is a warm-up)")
     parser.add_argument("--staging", action="append", metavar="MIB:SLOTS",
                         help="staging buffer and ring length (repeatable: each hand-off runs with each; default 64:4)")
+    parser.add_argument("--progress-thread", action="append", choices=("on", "off"),
+                        help="NIXL's own progress thread (repeatable: each hand-off runs with each; default on)")
     args = parser.parse_args()
     streamed_modes = [m for m in args.modes.split(",") if m]
     os.makedirs(args.out, exist_ok=True)
@@ -164,12 +168,13 @@ def main() -> int:
                 print(json.dumps(row), flush=True)
                 rows["signal"].append(row)
     stagings = [tuple(int(x) for x in s.split(":")) for s in args.staging or ["64:4"]]
-    for decode_gpu, staging in [(d, s) for d in args.decode_gpu or [0] for s in stagings]:
+    threads = [p == "on" for p in args.progress_thread or ["on"]]
+    for decode_gpu, staging, thread in [(d, s, p) for d in args.decode_gpu or [0] for s in stagings for p in threads]:
         for preset, dim, counts in CASES:
             after = [(0, "auto")] + ([(0, "direct")] if "direct" in streamed_modes else [])
             streamed = [(g, m) for g in (counts[-1:] if args.largest_only else counts) for m in streamed_modes]
             for groups, mode in after + streamed:
-                row = handoff(preset, dim, groups, mode, args.engine, decode_gpu, args.repeat, staging)
+                row = handoff(preset, dim, groups, mode, args.engine, decode_gpu, args.repeat, staging, thread)
                 print(json.dumps(row), flush=True)
                 rows["handoff"].append(row)
     with open(os.path.join(args.out, "layerwise.json"), "w") as out:
