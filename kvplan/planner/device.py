@@ -400,9 +400,15 @@ class Planner:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(stream)
         # thread-local: a forward pass that other threads run meanwhile (streaming in layer groups,
-        # docs/layerwise.md) must not invalidate the capture, nor the capture stall it
-        with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
-            self._launch(slot.buffers)
+        # docs/layerwise.md) must not invalidate the capture, nor the capture stall it. Not through
+        # ``torch.cuda.graph``: entering it synchronizes the whole device (and empties the allocator's
+        # caches), so a bucket's captures would wait for everything the caller has queued.
+        with torch.cuda.stream(side):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                self._launch(slot.buffers)
+            finally:
+                graph.capture_end()
         stream.wait_stream(side)
         slot.graph = graph
 

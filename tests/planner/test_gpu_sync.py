@@ -53,6 +53,24 @@ def test_plan_returns_before_the_busy_stream_drains(preset, graphs):
     pending.result().assert_equal(plan_reference(batch))
 
 
+@pytest.mark.parametrize("preset", ["gptoss-swa-p16", "llama70b-tp8-p64"])
+def test_a_bucket_s_graph_captures_do_not_wait_either(preset):
+    """A bucket's first plans capture its graphs (one per slot). ``torch.cuda.graph`` synchronizes the
+    whole device on entry: a capture through it would wait for the caller's queued work (a forward
+    pass, while a send streams in layer groups)."""
+    batch = on_device(build_batch(PRESETS[preset].scaled(layers=2), requests=4, prompt_len=[300, 129, 1000, 64],
+                                  chunks=2, prefix_len=64, seed=5), torch.device("cuda"))
+    planner = Planner(batch.src, batch.dsts, graphs=True, depth=2)
+    cols = BatchColumns.from_batch(batch)
+    planner.plan(cols).descriptors()  # the bucket's first plan runs eagerly and compiles the kernels
+    for capture in range(2):  # each of the two slots captures its graph in plan()
+        took, pending = _returns_while_busy(lambda: planner.plan(cols))
+        assert not pending.ready(), f"capture {capture}: the plan's event fired before the queued sleep ended"
+        assert took < SLEEP_S / 4, f"capture {capture}: plan() took {took * 1e3:.1f} ms with the stream busy"
+        pending.result().assert_equal(plan_reference(batch))
+    assert planner.replays == 2
+
+
 @pytest.mark.parametrize("preset", ["gptoss-swa-p16", "dsv32-mla-dsa-p64", "qwen3next-mamba-p64"])
 def test_publishing_destinations_returns_before_the_busy_stream_drains(preset):
     from kvplan.planner.destinations import PreallocatedRequest, plan_destinations
