@@ -199,20 +199,20 @@ class KVManager(BaseKVManager):
         if self.closed:
             return
         self.closed = True
-        channels = []
+        closers = []
         if self.mode is DisaggregationMode.PREFILL:
-            self.listener.close()
-            channels = [peer.channel for peer in self.prefill.peers] if self.prefill is not None else []
+            closers.append(self.listener.close)
+            closers += [peer.channel.close for peer in self.prefill.peers] if self.prefill is not None else []
             self.prefill = None
         elif self.decode is not None:
-            channels, self.decode = [self.decode.channel], None
-        for channel in channels:
+            closers, self.decode = [self.decode.channel.close], None
+        engine, self.engine = self.engine, None
+        closers.append(engine.close)  # last, and whatever the others raised: its threads must end
+        for close in closers:
             try:
-                channel.close()
-            except Exception as err:  # a channel that is already gone: nothing left to release
-                log.debug("closing a control channel: %s", err)
-        self.engine.close()
-        self.engine = None
+                close()
+            except Exception as err:  # noqa: BLE001 - a resource already gone: nothing left to release
+                log.warning("closing the SGLang adapter's manager: %s: %s", type(err).__name__, err)
 
     def _pool_tokens(self) -> int:
         lens = self.kv_args.kv_data_lens

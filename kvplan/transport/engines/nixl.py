@@ -190,14 +190,20 @@ class NixlEngine:
         return [msg for msgs in self.agent.get_new_notifs().values() for msg in msgs]
 
     def close(self) -> None:
-        for native, _, _ in self._kept.values():
-            native.release()
-        self._kept.clear()
-        for local, remote in self._prepared.values():
-            local.release()
-            remote.release()
-        self._prepared.clear()
-        for reg in self._registrations:
-            self.agent.deregister_memory(reg)
-        self._registrations.clear()
-        self.agent = None  # the last reference: NIXL's agent, and its progress thread, end with it
+        """Release the kept and prepared handles and the registrations, then the agent (the last
+        reference: NIXL's agent, and its progress thread, end with it), even if a release fails."""
+        if self.agent is None:
+            return
+        try:
+            for native, _, _ in self._kept.values():
+                native.release()
+            for local, remote in self._prepared.values():
+                local.release()
+                remote.release()
+            for reg in self._registrations:
+                self.agent.deregister_memory(reg)
+        finally:
+            self._kept.clear()
+            self._prepared.clear()
+            self._registrations.clear()
+            self.agent = None
