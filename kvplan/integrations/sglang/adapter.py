@@ -78,7 +78,7 @@ from ...planner.block_tables import token_table_from_blocks
 from ...planner.destinations import PublishedRequest
 from ...planner.model import SideMemory
 from ...planner.plan import DestinationLists
-from ...planner.state_kinds import rules_of
+from ...planner.state_kinds import RULES, rules_of
 from ...transport.listener import ChannelListener, channel_via
 from ...transport.decode import DecodeEndpoint
 from ...transport.engines import make_engine
@@ -91,6 +91,8 @@ log = logging.getLogger("kvplan")
 
 DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's --disaggregation-bootstrap-port default
 DEFAULT_CONTEXT = 1 << 17  # planning-table width without a context_length server arg (tokens)
+# the state kinds whose lists SGLang starts at the decode prefix (StateComponent.from_prefix)
+_FROM_PREFIX_KINDS = frozenset(kind.value for kind, rules in RULES.items() if rules.starts_at_prefix)
 HANDSHAKE_S = 5.0  # how long a new decode manager may take to register once it has its channel
 
 
@@ -124,18 +126,18 @@ class KVManager(BaseKVManager):
     def __init__(self, args: Any, disaggregation_mode: DisaggregationMode, server_args: Any,
                  is_mla_backend: Optional[bool] = False):
         self.state_params = [dict(p) for p in (_setting(server_args, "kvplan_state_params", None) or ())]
+        # SGLang's SWA and DSA lists start at the decode prefix (planning.md §6's variant), unless a
+        # component's params say otherwise; both sides of the adapter declare it, so they pair
+        types = [str(getattr(t, "value", t)) for t in (getattr(args, "state_types", None) or ())]
+        self.state_params += [{} for _ in range(len(types) - len(self.state_params))]
+        for params, value in zip(self.state_params, types):
+            if value in _FROM_PREFIX_KINDS:
+                params.setdefault("from_prefix", True)
         try:
             comps = state_from_kv_args(args, self.state_params)
         except LayoutError as err:
             raise LayoutError(f"{err} (the server arg kvplan_state_params gives each state component what KVArgs "
                               "does not hold, such as an SWA window)") from None
-        # SGLang's SWA and DSA lists start at the decode prefix (planning.md §6's variant), unless a
-        # component's params say otherwise; both sides of the adapter declare it, so they pair
-        self.state_params += [{} for _ in range(len(comps) - len(self.state_params))]
-        for params, comp in zip(self.state_params, comps):
-            if rules_of(comp.kind).starts_at_prefix:
-                params.setdefault("from_prefix", True)
-        comps = state_from_kv_args(args, self.state_params)
         kinds = [c.kind for c in comps]
         paged_apart = [c.name for c in comps if rules_of(c.kind).needs_map and not rules_of(c.kind).map_by_row
                        and c.pages_of(int(args.page_size)) != int(args.page_size)]
