@@ -187,8 +187,9 @@ class KVManager(BaseKVManager):
             raise ValueError(f"a KVManager is for PREFILL or DECODE, not {disaggregation_mode}")
 
     def close(self) -> None:
-        """Release the engine (its registrations, handles and NIXL's progress thread), the bootstrap
-        listener and every control channel. Idempotent; a closed manager sends and receives nothing.
+        """Release the engine's registrations and handles, the bootstrap listener and every control
+        channel. Idempotent; a closed manager sends and receives nothing. NIXL's agent (and its
+        progress thread) ends when the manager is freed.
 
         Example::
 
@@ -209,7 +210,7 @@ class KVManager(BaseKVManager):
         elif self.decode is not None:
             closers, self.decode = [self.decode.channel.close], None
         engine, self.engine = self.engine, None
-        closers.append(engine.close)  # last, and whatever the others raised: its threads must end
+        closers.append(engine.close)  # last, and whatever the others raised
         for close in closers:
             try:
                 close()

@@ -190,10 +190,10 @@ class NixlEngine:
         return [msg for msgs in self.agent.get_new_notifs().values() for msg in msgs]
 
     def close(self) -> None:
-        """Release the kept and prepared handles and the registrations, then the agent (the last
-        reference: NIXL's agent, and its progress thread, end with it), even if a release fails."""
-        if self.agent is None:
-            return
+        """Release the kept and prepared handles and the registrations, even if one release fails.
+        The agent (and its progress thread) ends with this engine object: destroying it here, while
+        its progress thread ran, broke the next control channel's first message in the same process
+        (found in session 12)."""
         try:
             for native, _, _ in self._kept.values():
                 native.release()
@@ -206,4 +206,3 @@ class NixlEngine:
             self._kept.clear()
             self._prepared.clear()
             self._registrations.clear()
-            self.agent = None
