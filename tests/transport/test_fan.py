@@ -1,7 +1,9 @@
 """One prefill endpoint sending one batch to two decode endpoints (fan-out), one decode endpoint
 receiving from two prefill endpoints (fan-in), and one decode rank gathering each request from the
-two source ranks that hold its part (TP gather), through NIXL in one process over 127.0.0.1, every
-byte checked against a reference execution of the same plans."""
+two source ranks that hold its part (TP gather), through NIXL over 127.0.0.1, every byte checked
+against a reference execution of the same plans. Each test's endpoints share one child process of
+their own (tests/isolated.py): NIXL agents and their progress threads end with it, instead of
+spinning on in pytest's process and starving the tests after them."""
 
 import os
 import threading
@@ -18,6 +20,7 @@ from kvplan.transport.control import ControlChannel
 from kvplan.transport.endpoints import Chunk, DecodeEndpoint, PrefillEndpoint
 from kvplan.transport.engines import make_engine
 from kvplan.tools.verify import AddressSpace, execute
+from tests.isolated import run_isolated
 from tests.transport.handoff import HYBRID, MAMBA_TP8TO4
 
 pytestmark = pytest.mark.engines
@@ -67,6 +70,22 @@ def published(batch, request):
 
 
 def test_one_prefill_sends_one_batch_to_two_decode_endpoints():
+    run_isolated(_fan_out, timeout=4 * TIMEOUT)
+
+
+@pytest.mark.parametrize("mode", ["direct", "staged"])
+def test_one_decode_endpoint_receives_from_two_prefill_endpoints(mode):
+    run_isolated(_fan_in, mode, timeout=4 * TIMEOUT)
+
+
+@pytest.mark.parametrize("mode", ["direct", "staged"])
+def test_one_decode_rank_gathers_each_request_from_the_two_source_ranks_that_hold_its_part(mode):
+    """TP 8 -> 4 (docs/tp_state.md §4): KV heads and Mamba tensors come half from each source rank; a
+    component of replicated tensors only comes from the group's first rank alone."""
+    run_isolated(_tp_gather, mode, timeout=4 * TIMEOUT)
+
+
+def _fan_out():
     batch, src, src_tensors = scenario()
     decodes, pools = [], []
     for k in range(2):
@@ -91,8 +110,7 @@ def test_one_prefill_sends_one_batch_to_two_decode_endpoints():
         assert expected_bytes(batch, src, src_tensors, side, tensors, {f"req{k + 1}"}).matches(tensors)
 
 
-@pytest.mark.parametrize("mode", ["direct", "staged"])
-def test_one_decode_endpoint_receives_from_two_prefill_endpoints(mode):
+def _fan_in(mode):
     import torch
 
     batch, src, src_tensors = scenario()
@@ -117,10 +135,7 @@ def test_one_decode_endpoint_receives_from_two_prefill_endpoints(mode):
     assert len(decode.tracker) == 0 and len(decode.guard) == 0
 
 
-@pytest.mark.parametrize("mode", ["direct", "staged"])
-def test_one_decode_rank_gathers_each_request_from_the_two_source_ranks_that_hold_its_part(mode):
-    """TP 8 -> 4 (docs/tp_state.md §4): KV heads and Mamba tensors come half from each source rank; a
-    component of replicated tensors only comes from the group's first rank alone."""
+def _tp_gather(mode):
     import torch
 
     batches = [build_batch(MAMBA_TP8TO4, 2, [40, 24], chunks=2, seed=5, src_rank=r) for r in (0, 1)]
