@@ -7,7 +7,6 @@ spinning on in pytest's process and starving the tests after them."""
 
 import os
 import threading
-import time
 from dataclasses import replace
 
 import pytest
