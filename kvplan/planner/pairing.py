@@ -40,6 +40,13 @@ class HeadSlice:
     def nbytes(self) -> int:
         return self.heads_sent * self.bytes_per_head
 
+    @property
+    def whole_destination(self) -> bool:
+        """Whether each destination token receives all of its bytes from this slice (scatter or equal
+        TP: every head the destination holds, from head 0), so that the slice's bytes, token after
+        token, are the destination's pages whole."""
+        return self.dst_head == 0 and self.nbytes == self.dst_token_bytes
+
 
 def head_slice(src: KVLayout, dst: KVLayout, src_item: int, dst_item: int, pages: tuple[int, int] | None = None
                ) -> HeadSlice:

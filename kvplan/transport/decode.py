@@ -31,7 +31,7 @@ import torch
 from ..errors import KvplanError, LayoutError, PeerError
 from ..planner.destinations import PreallocatedRequest, PublishedRequest, plan_destinations
 from ..planner.device import Planner
-from ..planner.model import Batch, SideMemory
+from ..planner.model import Batch, Policy, SideMemory
 from ..planner.pairing import pair_sides
 from ..planner.tensor_slices import partner_rank
 from .completion import CompletionTracker, SectionNote, decode_notification, note_of
@@ -39,7 +39,7 @@ from .control import ControlChannel, ControlTimeout
 from .engines import Engine
 from .landing import LandingGuard
 from .local import plan_alignment, scatter, warm_up
-from .receiver_plan import OwnLists, PlannedRun, PlannedWave
+from .receiver_plan import OwnLists, PlannedRun, PlannedWave, receiver_can_plan
 from .streams import transport_stream
 from .registration import describe_side, side_from_description
 from .waves import check_run, decode_wave_note, wave_key
@@ -107,6 +107,7 @@ class DecodeEndpoint:
         self.failures: dict[Any, str | None] = {}
         self._owner: dict[Any, tuple[int, ...]] = {}  # request -> the channels (senders) it was published to
         self._senders: dict[int, SideMemory] = {}  # each paired sender's layout (its "paired" message)
+        self._plannable: set[int] = set()  # paired senders whose runs this side can plan (receiver_can_plan)
         self._waves: dict[str, _StagedWave] = {}
         self._early: dict[str, float] = {}  # waves whose bytes landed before their table was read: when
         self._uploads: dict[int, tuple[torch.Tensor, Any]] = {}  # per sender: pinned rows, their last upload
@@ -253,6 +254,8 @@ class DecodeEndpoint:
         """A sender's layout, sent once it has paired with this side (a gather needs its rank)."""
         try:
             self._senders[peer] = side_from_description(header["side"])
+            if receiver_can_plan(self._senders[peer], self.side, Policy.STRICT):
+                self._plannable.add(peer)  # its staged runs may come without destination tables
         except (KeyError, TypeError, ValueError) as err:
             log.warning("ignored a malformed pairing message from sender %d: %s: %s", peer, type(err).__name__, err)
 
@@ -262,6 +265,7 @@ class DecodeEndpoint:
         log.warning("a prefill endpoint connected again on channel %d: registering with it", peer)
         self._fail_owned(peer, "the prefill side is gone: it restarted and connected again")
         self._senders.pop(peer, None)  # the new one sends its own layout
+        self._plannable.discard(peer)
         for key in [k for k, w in self._waves.items() if w.peer == peer and w.event is None]:
             del self._waves[key]
         self._runs = [(k, run) for k, run in self._runs if k != peer]
@@ -364,6 +368,9 @@ class DecodeEndpoint:
                 raise PeerError(f"the run names requests published to another sender: {strangers[:4]}")
             if self.staging is None:
                 raise PeerError("a staged run arrived, but this side registered no staging buffer")
+            if peer not in self._plannable:
+                raise PeerError("a run announced without destination tables, from a sender whose layout this side "
+                                "cannot plan a scatter for (not paired, or its pairing moves parts of items)")
             run = PlannedRun.announce(header, self._share, self._own_lists, self._scatter_planner(), self._stream,
                                       self._alignment)
         except (PeerError, KeyError, TypeError, ValueError, IndexError) as err:

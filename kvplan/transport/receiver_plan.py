@@ -15,8 +15,10 @@ packs them back to back. A plan from the receiver to itself has the same transfe
 entries and tokens in the same order; only its runs are longer (they break where the destination
 breaks, not where either side does). Both streams therefore hold the same bytes for the same
 destination addresses, provided the pairing sends whole destination items of equal size
-(:func:`receiver_can_plan`): no head slices, equal page sizes, the same destination entries, the
-strict policy. The receiver checks the byte total of its plan against the run's before it scatters.
+(:func:`receiver_can_plan`): equal page sizes, the same destination entries, the strict policy, and
+head slices only where each fills whole destination tokens (TP scatter: a source rank sends a
+destination rank every head it holds, so its per-token descriptors, page after page, are the
+destination's pages whole). The receiver checks the byte total of its plan against the run's before it scatters.
 
 Example::
 
@@ -58,7 +60,11 @@ def receiver_can_plan(src: SideMemory, dst: SideMemory, policy: Policy) -> bool:
         sent, own = pair_sides(src, dst), pair_sides(dst, dst)
     except LayoutError:
         return False
-    if sent.slices:
+    # head slices qualify when each fills whole destination tokens (a source rank sends a destination
+    # rank every head it holds: TP scatter); a gather's slices fill parts of items, and sliced state
+    # entries (TP-sliced Mamba tensors) move blocks in an order of their own
+    if any(b is not None for b in sent.state_bytes) or not all(
+            h is None or h.whole_destination for h in (sent.heads, *sent.state_heads)):
         return False
     tables = [(sent.kv_dst, own.kv_dst), (sent.aux_dst, own.aux_dst), *zip(sent.state_dst, own.state_dst)]
     return len(sent.state_dst) == len(own.state_dst) and all(a.shape == b.shape and (a == b).all() for a, b in tables)

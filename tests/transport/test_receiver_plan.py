@@ -20,9 +20,11 @@ from kvplan.planner.reference import plan_reference
 from kvplan.tools.scenarios import PRESETS, build_batch
 from kvplan.transport.decode import DecodeEndpoint
 from kvplan.transport.local import plan_alignment
+from kvplan.transport.registration import describe_side
 from kvplan.transport.receiver_plan import OwnLists, receiver_can_plan, run_columns
 from kvplan.transport.waves import wave_note
 from tests.planner.builders import table_with
+from tests.transport.handoff import MAMBA_TP4TO8
 from tests.transport.fakes import FakeChannel, FakeEngine
 
 SHAPES = ["llama70b-tp8-p64", "gptoss-swa-p16", "dsv32-mla-dsa-p64", "qwen3next-mamba-p64"]
@@ -60,6 +62,28 @@ def test_the_receiver_plans_the_bytes_the_sender_sends(shape, chunks, prefix_pag
     assert np.array_equal(_byte_stream(sent, unit), _byte_stream(own, unit))
 
 
+# TP scatter (source TP below the destination's): each source rank sends a destination rank every
+# head it holds, one descriptor per token, and those tokens are the destination's pages whole
+SCATTERS = [("llama70b-tp8-p64", 4, 8, 1, 3), ("llama70b-tp8-p64", 2, 8, 1, 7), ("gptoss-swa-p16", 4, 8, 3, 6),
+            ("gptoss-swa-p16", 8, 8, 5, 5)]
+
+
+@pytest.mark.parametrize("shape, src_tp, dst_tp, src_rank, dst_rank", SCATTERS)
+@pytest.mark.parametrize("chunks, prefix_pages, seed", [(1, 0, 4), (3, 1, 5)])
+def test_the_receiver_plans_the_bytes_of_a_tp_scatter(shape, src_tp, dst_tp, src_rank, dst_rank, chunks,
+                                                       prefix_pages, seed):
+    model = PRESETS[shape].scaled(layers=2).with_tp(src_tp, dst_tp)
+    ps = model.page_size
+    batch = build_batch(model, 3, [ps * 6, ps * 4 + 3, ps * 5], chunks=chunks, prefix_len=prefix_pages * ps,
+                        seed=seed, src_rank=src_rank, dst_rank=dst_rank)
+    assert receiver_can_plan(batch.src, batch.dsts[0], Policy.STRICT)
+    sent = plan_reference(batch).descriptors()[0]
+    own = plan_reference(_receiver_batch(batch)).descriptors()[0]
+    assert len(own) < len(sent) or src_tp == dst_tp  # per token against page runs
+    unit = int(np.gcd.reduce(np.concatenate([sent[:, 1:], own[:, 1:]]).astype(np.int64).ravel()))
+    assert np.array_equal(_byte_stream(sent, unit), _byte_stream(own, unit))
+
+
 def test_a_wrong_order_would_be_seen():
     """The comparison above can fail: the same descriptors in another order give another stream."""
     batch = build_batch(PRESETS["llama70b-tp8-p64"].scaled(layers=2), 2, 64 * 4, seed=5)
@@ -70,7 +94,8 @@ def test_a_wrong_order_would_be_seen():
 
 @pytest.mark.parametrize("change, plans", [
     (dict(), True),
-    (dict(tp=(4, 8)), False),  # head-sliced KV
+    (dict(tp=(4, 8)), True),  # head-sliced KV and SWA, every head a destination rank holds: whole tokens
+    (dict(tp=(8, 4)), False),  # a gather: each source rank fills half of each destination token
     (dict(dst_page_size=64), False),  # pages of another size
     (dict(policy=Policy.TRUNCATE), False),  # the sender may send shorter lists than published
 ])
@@ -83,23 +108,40 @@ def test_only_whole_item_pairings_are_planned_by_the_receiver(change, plans):
     assert receiver_can_plan(batch.src, batch.dsts[0], change.get("policy", Policy.STRICT)) is plans
 
 
+def test_tp_sliced_mamba_state_is_not_planned_by_the_receiver():
+    """Its tensors move in blocks (docs/tp_state.md §4), whose order is not the destination's items'."""
+    batch = build_batch(MAMBA_TP4TO8, 1, 16, src_rank=1, dst_rank=2)
+    assert batch.src.kv.tp_size != batch.dsts[0].kv.tp_size
+    assert not receiver_can_plan(batch.src, batch.dsts[0], Policy.STRICT)
+
+
 # -- the receiver's side, with an in-memory engine and channel ------------------------------------
 PAGE, PAGE_BYTES = 4, 256
 
 
-@pytest.fixture
-def decode():
-    """A decode side whose request r1 (row 1, 16 tokens) has pages 3, 4, 5 and 9: runs (3, 3) and (9, 1)."""
+def _decode_endpoint(sender: str = "same"):
+    """A decode side whose request r1 (row 1, 16 tokens) has pages 3, 4, 5 and 9: runs (3, 3) and (9, 1).
+    ``sender``: the layout its sender pairs with ("same" as the decode's, "pages of 8", or "unpaired")."""
     pool = torch.zeros(16 * PAGE_BYTES, dtype=torch.uint8)
     side = SideMemory(KVLayout(Attention.MLA, PAGE, (Entry(pool.data_ptr(), PAGE_BYTES, 16),)),
                       req_to_token=table_with({1: [3, 4, 5, 9]}, PAGE, max_ctx=16))
     staging = torch.arange(4096, dtype=torch.int64).to(torch.uint8)
     mine, theirs = FakeChannel.pair()
     endpoint = DecodeEndpoint(side, FakeEngine(), mine, staging)
+    if sender != "unpaired":
+        src = side if sender == "same" else SideMemory(
+            KVLayout(Attention.MLA, 2 * PAGE, (Entry(1 << 20, 2 * PAGE_BYTES, 8),)),
+            req_to_token=table_with({1: [1, 2]}, 2 * PAGE, max_ctx=16))
+        theirs.send("paired", {"from": "p0", "side": describe_side(src)})
     endpoint.publish([PreallocatedRequest("r1", row=1, prompt_len=16)], timeout=30)
     kind, header, _ = theirs.try_recv()
     assert kind == "request" and header["plans"] is True
     return endpoint, theirs, pool, staging
+
+
+@pytest.fixture
+def decode():
+    return _decode_endpoint()
 
 
 def _announce(channel, waves, transfers=(("r1", 0, 17, True),), alignment=16):
@@ -141,6 +183,17 @@ def test_a_planned_run_that_disagrees_with_what_was_published_is_refused(decode,
     assert states == {"r1": "failed"} and "refused staged run" in endpoint.failures["r1"]
     kind, header, _ = prefill.try_recv()
     assert kind == "wave-done" and why in header["error"]
+    assert int(pool.sum()) == 0, "bytes were written by a refused run"
+
+
+@pytest.mark.parametrize("sender", ["pages of 8", "unpaired"])
+def test_a_planned_run_from_a_sender_this_side_cannot_plan_for_is_refused(sender):
+    """Whether a run may come without tables is this side's call, from the layout its sender paired with:
+    a sender of other page sizes (or one that never paired) cannot make it plan whole items."""
+    endpoint, prefill, pool, _ = _decode_endpoint(sender)
+    _announce(prefill, [(7, 0, 0, 1024)])
+    endpoint.engine.inbox.append(wave_note(7, "p0"))
+    assert endpoint.wait() == {"r1": "failed"} and "cannot plan a scatter for" in endpoint.failures["r1"]
     assert int(pool.sum()) == 0, "bytes were written by a refused run"
 
 
