@@ -514,6 +514,8 @@ class _Batch:
 def split_descriptors(descs: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray]:
     """Descriptors of at most ``limit`` bytes: ``(pieces, first)``; descriptor ``i`` became pieces
     ``first[i]:first[i + 1]`` (``limit`` keeps the alignment when it is a multiple of it)."""
+    if not len(descs) or int(descs[:, 2].max()) <= limit:  # the usual case: nothing to split
+        return descs, np.arange(len(descs) + 1)
     sizes = descs[:, 2].astype(np.int64)
     count = np.maximum(1, -(-sizes // limit))
     first = np.concatenate([[0], np.cumsum(count)])
@@ -650,7 +652,8 @@ class _StagedRun:
         failed). A layer-group run is announced while the forward pass still writes the group, so
         that its bytes only need gathering and writing once the group is ready."""
         ep = self.ep
-        waves = self.waves = plan_waves(self.descs[:, 2], self.sections, self.slot_bytes, self.slots)
+        waves = self.waves = plan_waves(self.descs[:, 2], self.sections, self.slot_bytes, self.slots,
+                                        ends=self.host_starts[1:])
         self.base_id = ep._next_wave
         ep._next_wave += len(waves)
         self.peer.channel.replaced()  # a connection made again before this run loses nothing of it

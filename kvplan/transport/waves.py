@@ -52,27 +52,34 @@ class Wave:
         return list(dict.fromkeys(owners[self.lo : self.hi]))
 
 
-def plan_waves(sizes: np.ndarray, sections: Sequence[Section], slot_bytes: int, slots: int) -> list[Wave]:
+def plan_waves(sizes: np.ndarray, sections: Sequence[Section], slot_bytes: int, slots: int,
+               ends: np.ndarray | None = None) -> list[Wave]:
     """Waves of consecutive descriptors of at most ``slot_bytes`` each, assigned to slots in turn.
 
     As few waves as the slot size allows, of about equal size (each wave is written as its own
-    bytes, so a last wave of a few bytes would cost a write's latency for nothing).
+    bytes, so a last wave of a few bytes would cost a write's latency for nothing). ``ends``: the
+    running sum of ``sizes`` (``ends[i]``: the bytes of descriptors ``0..i``), when the caller has it
+    already: a head-sliced batch has hundreds of thousands of descriptors, and the work here is then
+    per wave only.
+
     Raises ``ValueError`` if one descriptor is larger than a slot.
     """
-    sizes = np.asarray(sizes, np.int64)
-    if len(sizes) and int(sizes.max()) > slot_bytes:
-        raise ValueError(f"a descriptor of {int(sizes.max())} bytes does not fit a {slot_bytes}-byte staging slot")
-    ends = np.cumsum(sizes)
-    total = int(ends[-1]) if len(ends) else 0
+    if ends is None:
+        ends = np.cumsum(np.asarray(sizes).astype(np.int64, copy=False))
+    n = len(ends)
+    total = int(ends[-1]) if n else 0
     target = -(-total // max(1, -(-total // slot_bytes))) if total else slot_bytes
     waves, lo, base = [], 0, 0
-    while lo < len(sizes):
+    while lo < n:
         if total - base <= slot_bytes:
-            hi = len(sizes)
+            hi = n
         else:
             hi = int(np.searchsorted(ends, base + min(target, slot_bytes), side="right"))
             hi = max(hi, lo + 1)
-        waves.append(Wave(len(waves), lo, hi, int(ends[hi - 1] - base), len(waves) % slots))
+        nbytes = int(ends[hi - 1] - base)
+        if nbytes > slot_bytes:  # only a single descriptor can overflow a wave
+            raise ValueError(f"a descriptor of {nbytes} bytes does not fit a {slot_bytes}-byte staging slot")
+        waves.append(Wave(len(waves), lo, hi, nbytes, len(waves) % slots))
         base, lo = int(ends[hi - 1]), hi
     his = np.array([w.hi for w in waves], np.int64)
     for s in sections:

@@ -6,6 +6,7 @@ import pytest
 
 from kvplan.errors import PeerError
 from kvplan.planner.plan import KV_ROLE, Section
+from kvplan.transport.prefill import split_descriptors
 from kvplan.transport.waves import check_run, plan_waves, run_message
 
 
@@ -24,6 +25,26 @@ def test_a_batch_that_fits_one_slot_is_one_wave_and_a_descriptor_larger_than_a_s
     assert len(plan_waves(np.full(10, 64, np.int64), [], slot_bytes=640, slots=4)) == 1
     with pytest.raises(ValueError, match="does not fit"):
         plan_waves(np.array([64, 2048]), [], slot_bytes=1024, slots=2)
+
+
+def test_waves_from_the_caller_s_running_sums_are_the_waves_from_the_sizes():
+    rng = np.random.default_rng(7)
+    sizes = rng.integers(1, 9, 5000).astype(np.int64) * 64
+    sections = [Section(0, "r1", KV_ROLE, "kv", 0, 1234, 1), Section(1, "r2", KV_ROLE, "kv", 1234, 5000, 1)]
+    for slot_bytes in (512, 4096, 100_000, 1 << 30):
+        plain = plan_waves(sizes, sections, slot_bytes, 3)
+        assert plain == plan_waves(sizes, sections, slot_bytes, 3, ends=np.cumsum(sizes))
+    with pytest.raises(ValueError, match="does not fit"):
+        plan_waves(None, [], 1024, 2, ends=np.cumsum([64, 2048]))
+
+
+def test_descriptors_larger_than_a_slot_are_cut_into_pieces_and_the_others_kept():
+    descs = np.array([[0, 1000, 64], [64, 2000, 300], [400, 3000, 32]], np.uint64)
+    same, first = split_descriptors(descs, 512)
+    assert same is descs and first.tolist() == [0, 1, 2, 3]
+    pieces, first = split_descriptors(descs, 128)
+    assert first.tolist() == [0, 1, 4, 5]
+    assert pieces.tolist() == [[0, 1000, 64], [64, 2000, 128], [192, 2128, 128], [320, 2256, 44], [400, 3000, 32]]
 
 
 def test_a_section_completes_with_the_wave_holding_its_last_descriptor():
