@@ -511,11 +511,12 @@ class _Batch:
     plannable: bool = True  # False: a part of a plan (a layer group) the receiver cannot plan itself
 
 
-def split_descriptors(descs: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray]:
+def split_descriptors(descs: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray | None]:
     """Descriptors of at most ``limit`` bytes: ``(pieces, first)``; descriptor ``i`` became pieces
-    ``first[i]:first[i + 1]`` (``limit`` keeps the alignment when it is a multiple of it)."""
-    if not len(descs) or int(descs[:, 2].max()) <= limit:  # the usual case: nothing to split
-        return descs, np.arange(len(descs) + 1)
+    ``first[i]:first[i + 1]`` (``limit`` keeps the alignment when it is a multiple of it). When none
+    is larger than ``limit``: ``(descs, None)``, with nothing copied."""
+    if not len(descs) or int(descs[:, 2].max()) <= limit:  # the usual case
+        return descs, None
     sizes = descs[:, 2].astype(np.int64)
     count = np.maximum(1, -(-sizes // limit))
     first = np.concatenate([[0], np.cumsum(count)])
@@ -609,7 +610,7 @@ class _StagedRun:
         self.transfers, self.plannable = batch.transfers, batch.plannable
         self.descs, first = split_descriptors(batch.descs, self.slot_bytes)
         device_descs = batch.device_descs
-        if len(self.descs) != len(batch.descs):  # a descriptor larger than a slot goes in pieces
+        if first is not None:  # a descriptor larger than a slot goes in pieces
             device_descs = torch.from_numpy(self.descs.view(np.int64)).to(device_descs.device)
             self.sections = [replace(s, lo=int(first[s.lo]), hi=int(first[s.hi])) for s in batch.sections]
             self.rows = first[batch.per_transfer]  # each transfer's rows
