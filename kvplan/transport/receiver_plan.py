@@ -18,7 +18,8 @@ destination addresses, provided the pairing sends whole destination items of equ
 (:func:`receiver_can_plan`): equal page sizes, the same destination entries, the strict policy, and
 head slices only where each fills whole destination tokens (TP scatter: a source rank sends a
 destination rank every head it holds, so its per-token descriptors, page after page, are the
-destination's pages whole). The receiver checks the byte total of its plan against the run's before it scatters.
+destination's pages whole), and TP-sliced state only where each entry's blocks fill its destination
+item back to back (TP scatter again: a request's one slot streams as whole items). The receiver checks the byte total of its plan against the run's before it scatters.
 
 Example::
 
@@ -61,13 +62,37 @@ def receiver_can_plan(src: SideMemory, dst: SideMemory, policy: Policy) -> bool:
     except LayoutError:
         return False
     # head slices qualify when each fills whole destination tokens (a source rank sends a destination
-    # rank every head it holds: TP scatter); a gather's slices fill parts of items, and sliced state
-    # entries (TP-sliced Mamba tensors) move blocks in an order of their own
-    if any(b is not None for b in sent.state_bytes) or not all(
-            h is None or h.whole_destination for h in (sent.heads, *sent.state_heads)):
+    # rank every head it holds: TP scatter); a gather's slices fill parts of items
+    if not all(h is None or h.whole_destination for h in (sent.heads, *sent.state_heads)):
         return False
-    tables = [(sent.kv_dst, own.kv_dst), (sent.aux_dst, own.aux_dst), *zip(sent.state_dst, own.state_dst)]
-    return len(sent.state_dst) == len(own.state_dst) and all(a.shape == b.shape and (a == b).all() for a, b in tables)
+    if len(sent.state_dst) != len(own.state_dst):
+        return False
+    tables = [(sent.kv_dst, own.kv_dst), (sent.aux_dst, own.aux_dst)]
+    for c, (sliced, whole) in enumerate(zip(sent.state_dst, own.state_dst)):
+        moved = sent.component_bytes(c)
+        if moved is None:
+            tables.append((sliced, whole))
+        elif not _blocks_tile_items(sliced, moved, sent.component_rows(c), whole):
+            return False
+    return all(a.shape == b.shape and (a == b).all() for a, b in tables)
+
+
+def _blocks_tile_items(blocks: np.ndarray, nbytes: np.ndarray, entry_of: np.ndarray, whole: np.ndarray) -> bool:
+    """Whether a component's sliced entries (``blocks``: ``(base + offset, item_len)`` rows, each
+    moving ``nbytes`` per item into entry ``entry_of``) fill each destination item of ``whole`` back to
+    back from its start, entry after entry (TP-sliced state in a TP scatter, docs/tp_state.md §4): a
+    request's one slot then streams as whole items. A gather's blocks fill parts of items."""
+    entry_of = np.asarray(entry_of, np.int64)
+    if len(entry_of) == 0 or (np.diff(entry_of) < 0).any() or \
+            not np.array_equal(np.unique(entry_of), np.arange(len(whole))):
+        return False
+    offsets = blocks[:, 0].astype(np.int64) - whole[entry_of, 0].astype(np.int64)
+    ends = offsets + np.asarray(nbytes, np.int64)
+    first = np.r_[True, entry_of[1:] != entry_of[:-1]]
+    last = np.r_[entry_of[1:] != entry_of[:-1], True]
+    follows = np.where(first, offsets == 0, offsets == np.r_[0, ends[:-1]])
+    return bool(follows.all() and (ends[last] == whole[entry_of[last], 1].astype(np.int64)).all()
+                and (blocks[:, 1] == whole[entry_of, 1]).all())
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from kvplan.transport.registration import describe_side
 from kvplan.transport.receiver_plan import OwnLists, receiver_can_plan, run_columns
 from kvplan.transport.waves import wave_note
 from tests.planner.builders import table_with
-from tests.transport.handoff import MAMBA_TP4TO8
+from tests.transport.handoff import MAMBA_TP4TO8, MAMBA_TP8TO4
 from tests.transport.fakes import FakeChannel, FakeEngine
 
 SHAPES = ["llama70b-tp8-p64", "gptoss-swa-p16", "dsv32-mla-dsa-p64", "qwen3next-mamba-p64"]
@@ -108,11 +108,33 @@ def test_only_whole_item_pairings_are_planned_by_the_receiver(change, plans):
     assert receiver_can_plan(batch.src, batch.dsts[0], change.get("policy", Policy.STRICT)) is plans
 
 
-def test_tp_sliced_mamba_state_is_not_planned_by_the_receiver():
-    """Its tensors move in blocks (docs/tp_state.md §4), whose order is not the destination's items'."""
-    batch = build_batch(MAMBA_TP4TO8, 1, 16, src_rank=1, dst_rank=2)
-    assert batch.src.kv.tp_size != batch.dsts[0].kv.tp_size
-    assert not receiver_can_plan(batch.src, batch.dsts[0], Policy.STRICT)
+@pytest.mark.parametrize("shape", [MAMBA_TP4TO8, PRESETS["qwen3next-mamba-p64"].scaled(layers=2).with_tp(4, 8)])
+@pytest.mark.parametrize("src_rank, dst_rank", [(1, 2), (1, 3), (3, 7)])
+def test_the_receiver_plans_tp_sliced_mamba_state_of_a_tp_scatter(shape, src_rank, dst_rank):
+    """Each entry's blocks (docs/tp_state.md §4: a GDN conv's query, key and value parts) fill the
+    destination item back to back, and a request has one slot: its state streams as whole items."""
+    batch = build_batch(shape, 3, [shape.page_size * 6, shape.page_size * 4 + 3, 17], chunks=2, seed=8,
+                        src_rank=src_rank, dst_rank=dst_rank)
+    assert receiver_can_plan(batch.src, batch.dsts[0], Policy.STRICT)
+    sent = plan_reference(batch).descriptors()[0]
+    own = plan_reference(_receiver_batch(batch)).descriptors()[0]
+    unit = int(np.gcd.reduce(np.concatenate([sent[:, 1:], own[:, 1:]]).astype(np.int64).ravel()))
+    assert np.array_equal(_byte_stream(sent, unit), _byte_stream(own, unit))
+
+
+@pytest.mark.parametrize("src_rank", [0, 1])
+def test_a_tp_gather_of_sliced_state_is_not_planned_by_the_receiver(src_rank):
+    """Each source rank fills part of each destination item (and the second one none of a replicated
+    one). With MLA the KV moves whole, so the state alone decides."""
+    mla = replace(MAMBA_TP8TO4, attention=Attention.MLA, num_kv_heads=1)
+    assert receiver_can_plan(*_sides(replace(mla, src_tp=4, dst_tp=8), 1, 2))  # the scatter is
+    assert not receiver_can_plan(*_sides(mla, src_rank, 0))
+    assert not receiver_can_plan(*_sides(MAMBA_TP8TO4, src_rank, 0))
+
+
+def _sides(shape, src_rank, dst_rank):
+    batch = build_batch(shape, 1, 16, src_rank=src_rank, dst_rank=dst_rank)
+    return batch.src, batch.dsts[0], Policy.STRICT
 
 
 # -- the receiver's side, with an in-memory engine and channel ------------------------------------
