@@ -19,7 +19,9 @@ destination addresses, provided the pairing sends whole destination items of equ
 head slices only where each fills whole destination tokens (TP scatter: a source rank sends a
 destination rank every head it holds, so its per-token descriptors, page after page, are the
 destination's pages whole), and TP-sliced state only where each entry's blocks fill its destination
-item back to back (TP scatter again: a request's one slot streams as whole items). The receiver checks the byte total of its plan against the run's before it scatters.
+item back to back (TP scatter again: a request's one slot streams as whole items). The receiver
+decides this itself from the layout its sender paired with, and checks the byte total of its plan
+against the run's before it scatters.
 
 Example::
 
