@@ -39,7 +39,7 @@ from .control import ControlChannel, ControlTimeout
 from .engines import Engine
 from .landing import LandingGuard
 from .local import plan_alignment, scatter, warm_up
-from .receiver_plan import OwnLists, PlannedRun, PlannedWave, receiver_can_plan
+from .receiver_plan import OwnLists, PlannedRun, PlannedWave, scatter_source
 from .streams import transport_stream
 from .registration import describe_side, side_from_description
 from .waves import check_run, decode_wave_note, wave_key
@@ -107,7 +107,9 @@ class DecodeEndpoint:
         self.failures: dict[Any, str | None] = {}
         self._owner: dict[Any, tuple[int, ...]] = {}  # request -> the channels (senders) it was published to
         self._senders: dict[int, SideMemory] = {}  # each paired sender's layout (its "paired" message)
-        self._plannable: set[int] = set()  # paired senders whose runs this side can plan (receiver_can_plan)
+        # per paired sender whose staged runs this side plans itself: the side it plans them from
+        # (receiver_plan.scatter_source), its planner (senders of one source share it) and copy word
+        self._scatter_from: dict[int, tuple[SideMemory, Planner | None, int]] = {}
         self._waves: dict[str, _StagedWave] = {}
         self._early: dict[str, float] = {}  # waves whose bytes landed before their table was read: when
         self._uploads: dict[int, tuple[torch.Tensor, Any]] = {}  # per sender: pinned rows, their last upload
@@ -254,8 +256,11 @@ class DecodeEndpoint:
         """A sender's layout, sent once it has paired with this side (a gather needs its rank)."""
         try:
             self._senders[peer] = side_from_description(header["side"])
-            if receiver_can_plan(self._senders[peer], self.side, Policy.STRICT):
-                self._plannable.add(peer)  # its staged runs may come without destination tables
+            source = scatter_source(self._senders[peer], self.side, Policy.STRICT)
+            if source is self.side:  # its bytes fill whole items: planned from this side to itself
+                self._scatter_from[peer] = (source, None, self._alignment)
+            elif source is not None:  # a gather's part: planned from the sender's layout over this side's lists
+                self._scatter_from[peer] = (source, None, plan_alignment(Batch(source, (self.side,), ())))
         except (KeyError, TypeError, ValueError) as err:
             log.warning("ignored a malformed pairing message from sender %d: %s: %s", peer, type(err).__name__, err)
 
@@ -265,7 +270,7 @@ class DecodeEndpoint:
         log.warning("a prefill endpoint connected again on channel %d: registering with it", peer)
         self._fail_owned(peer, "the prefill side is gone: it restarted and connected again")
         self._senders.pop(peer, None)  # the new one sends its own layout
-        self._plannable.discard(peer)
+        self._scatter_from.pop(peer, None)
         for key in [k for k, w in self._waves.items() if w.peer == peer and w.event is None]:
             del self._waves[key]
         self._runs = [(k, run) for k, run in self._runs if k != peer]
@@ -368,11 +373,11 @@ class DecodeEndpoint:
                 raise PeerError(f"the run names requests published to another sender: {strangers[:4]}")
             if self.staging is None:
                 raise PeerError("a staged run arrived, but this side registered no staging buffer")
-            if peer not in self._plannable:
+            if peer not in self._scatter_from:
                 raise PeerError("a run announced without destination tables, from a sender whose layout this side "
-                                "cannot plan a scatter for (not paired, or its pairing moves parts of items)")
-            run = PlannedRun.announce(header, self._share, self._own_lists, self._scatter_planner(), self._stream,
-                                      self._alignment)
+                                "cannot plan a scatter for (not paired, or of other page sizes or policy)")
+            planner, alignment = self._scatter_planner(peer)
+            run = PlannedRun.announce(header, self._share, self._own_lists, planner, self._stream, alignment)
         except (PeerError, KeyError, TypeError, ValueError, IndexError) as err:
             why = str(err) if isinstance(err, PeerError) else \
                 f"a malformed or unplannable run ({type(err).__name__}: {err})"
@@ -396,12 +401,20 @@ class DecodeEndpoint:
                             "(or has already settled)")
         return known
 
-    def _scatter_planner(self) -> Planner:
-        if self._planner is None:
-            # each run's plan is copied out once it is ready: two buffers per sender keep a second run's
-            # plan from reusing the first's before then (every buffer captures its own CUDA graph)
-            self._planner = Planner(self.side, (self.side,), outputs=("descriptors",), depth=2 * len(self.channels))
-        return self._planner
+    def _scatter_planner(self, peer: int) -> tuple[Planner, int]:
+        """The planner of sender ``peer``'s runs and their copy word (the announced one is capped by it)."""
+        source, planner, alignment = self._scatter_from[peer]
+        if planner is None and source is self.side:
+            if self._planner is None:
+                # each run's plan is copied out once it is ready: two buffers per sender keep a second run's
+                # plan from reusing the first's before then (every buffer captures its own CUDA graph)
+                self._planner = Planner(self.side, (self.side,), outputs=("descriptors",),
+                                        depth=2 * len(self.channels))
+            planner = self._planner
+        elif planner is None:
+            planner = Planner(source, (self.side,), outputs=("descriptors",), depth=2)
+        self._scatter_from[peer] = (source, planner, alignment)
+        return planner, alignment
 
     def _advance_runs(self) -> None:
         """Planned runs whose plan or byte sums have finished become scatterable (or are refused)."""

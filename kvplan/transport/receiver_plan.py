@@ -34,7 +34,7 @@ Example::
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -44,12 +44,13 @@ from ..errors import LayoutError, PeerError
 from ..planner.columns import COLUMNS, BatchColumns
 from ..planner.destinations import PreallocatedRequest, PublishedRequest
 from ..planner.device import PendingPlan, Planner
-from ..planner.model import Policy, SideMemory, Transfer
+from ..planner.model import Entry, Policy, SideMemory, Transfer
 from ..planner.pairing import pair_sides
 from ..planner.plan import Section
 from .waves import Wave
 
-__all__ = ["OwnLists", "PlannedRun", "PlannedWave", "planned_run_message", "receiver_can_plan", "run_columns"]
+__all__ = ["OwnLists", "PlannedRun", "PlannedWave", "fills_whole_items", "mirror_source", "planned_run_message",
+           "receiver_can_plan", "run_columns", "scatter_source"]
 
 _START, _FILL, _LAST = COLUMNS.index("start"), COLUMNS.index("fill_len"), COLUMNS.index("last")
 _LO = [COLUMNS.index("kv_lo")]  # the columns that index dst_flat (then each component's lo)
@@ -57,7 +58,51 @@ _LO = [COLUMNS.index("kv_lo")]  # the columns that index dst_flat (then each com
 
 def receiver_can_plan(src: SideMemory, dst: SideMemory, policy: Policy) -> bool:
     """Whether ``dst`` plans the same byte stream from its own lists as ``src`` sends it (see the module docstring)."""
-    if Policy(policy) is not Policy.STRICT or src.kv.page_size != dst.kv.page_size:
+    return scatter_source(src, dst, policy) is not None
+
+
+def scatter_source(src: SideMemory, dst: SideMemory, policy: Policy) -> SideMemory | None:
+    """The side ``dst`` plans the scatter of ``src``'s staged runs from, or ``None`` when it cannot:
+
+    * ``dst`` itself where the bytes fill whole destination items (:func:`fills_whole_items`): its
+      runs are then as long as its own pages allow;
+    * else, with equal page sizes everywhere, :func:`mirror_source`: ``src``'s layout over ``dst``'s
+      own token table and slot maps (a TP gather: each source rank fills its part of each item).
+    """
+    if Policy(policy) is not Policy.STRICT:
+        return None
+    try:
+        pair_sides(src, dst)
+    except LayoutError:
+        return None
+    if fills_whole_items(src, dst):
+        return dst
+    if src.kv.page_size != dst.kv.page_size or len(src.state) != len(dst.state) or any(
+            s.pages_of(src.kv.page_size) != d.pages_of(dst.kv.page_size) for s, d in zip(src.state, dst.state)):
+        return None
+    return mirror_source(src, dst)
+
+
+def mirror_source(src: SideMemory, dst: SideMemory) -> SideMemory:
+    """``src``'s layout (item lengths, TP place, heads, shards, aux) over ``dst``'s token table and slot
+    maps, with pools large enough for ``dst``'s ids: planned to ``dst``, it yields ``src``'s descriptors
+    for the chunks ``dst`` published, in ``src``'s order and sizes and with ``dst``'s addresses (each
+    list is ``dst``'s own; equal page sizes make them the lists ``src`` sends along). Its source
+    addresses are never used: the scatter reads the staging buffer."""
+    def grown(entries: tuple[Entry, ...], least: int) -> tuple[Entry, ...]:
+        return tuple(replace(e, num_items=max(e.num_items, least)) for e in entries)
+
+    kv = replace(src.kv, entries=grown(src.kv.entries, max((e.num_items for e in dst.kv.entries), default=0)))
+    state = tuple(replace(s, entries=grown(s.entries, max((e.num_items for e in d.entries), default=0)),
+                          slot_map=d.slot_map) for s, d in zip(src.state, dst.state))
+    aux = grown(src.aux, max((e.num_items for e in dst.aux), default=0))
+    return SideMemory(kv, state, aux, dst.req_to_token)
+
+
+def fills_whole_items(src: SideMemory, dst: SideMemory) -> bool:
+    """Whether ``src``'s bytes fill ``dst``'s items whole, so that ``dst``'s plan from its side to
+    itself is the same byte stream (see the module docstring)."""
+    if src.kv.page_size != dst.kv.page_size:
         return False
     try:
         sent, own = pair_sides(src, dst), pair_sides(dst, dst)

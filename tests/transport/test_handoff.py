@@ -97,6 +97,8 @@ def test_a_decode_rank_gathers_its_part_from_every_source_rank_of_its_group(engi
     assert set(report.states.values()) == {"complete"}, report.failures
     assert report.verified is True, "the destination pools differ from the reference execution"
     assert report.ok and not any(report.send_failures.values())
+    if mode == "staged":  # each source's part planned by the decode from that source's layout
+        assert "receiver-planned scatter" in report.mode_used, report.mode_used
 
 
 @pytest.mark.parametrize("engine", ENGINES[:1])

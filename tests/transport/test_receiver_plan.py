@@ -21,7 +21,7 @@ from kvplan.tools.scenarios import PRESETS, build_batch
 from kvplan.transport.decode import DecodeEndpoint
 from kvplan.transport.local import plan_alignment
 from kvplan.transport.registration import describe_side
-from kvplan.transport.receiver_plan import OwnLists, receiver_can_plan, run_columns
+from kvplan.transport.receiver_plan import OwnLists, fills_whole_items, receiver_can_plan, run_columns, scatter_source
 from kvplan.transport.waves import wave_note
 from tests.planner.builders import table_with
 from tests.transport.handoff import MAMBA_TP4TO8, MAMBA_TP8TO4
@@ -38,14 +38,17 @@ def _byte_stream(descs: np.ndarray, unit: int) -> np.ndarray:
 
 
 def _receiver_batch(batch: Batch) -> Batch:
-    """What the receiver plans for ``batch``: its own transfers of the same chunks, from what it published."""
+    """What the receiver plans for ``batch``: its own transfers of the same chunks, from what it
+    published, from the side :func:`scatter_source` names (its own, or the sender's mirror)."""
     dst = batch.dsts[0]
+    source = scatter_source(batch.src, dst, Policy.STRICT)
+    assert source is not None
     lasts = {t.request: t for t in batch.transfers if t.last}
     allocated = {r: PreallocatedRequest(r, t.src_row, t.prompt_len, t.prefix_len, t.aux_dst) for r, t in lasts.items()}
     own = {p.request: OwnLists.of(allocated[p.request], p)
            for p in plan_destinations(dst, list(allocated.values())).result()}
     columns = run_columns([(t.request, t.start, t.fill_len, t.last) for t in batch.transfers], own.__getitem__)
-    return Batch(dst, (dst,), tuple(columns.transfer(t) for t in range(columns.num_transfers)))
+    return Batch(source, (dst,), tuple(columns.transfer(t) for t in range(columns.num_transfers)))
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -93,19 +96,23 @@ def test_a_wrong_order_would_be_seen():
 
 
 @pytest.mark.parametrize("change, plans", [
-    (dict(), True),
-    (dict(tp=(4, 8)), True),  # head-sliced KV and SWA, every head a destination rank holds: whole tokens
-    (dict(tp=(8, 4)), False),  # a gather: each source rank fills half of each destination token
-    (dict(dst_page_size=64), False),  # pages of another size
-    (dict(policy=Policy.TRUNCATE), False),  # the sender may send shorter lists than published
+    (dict(), "whole"),
+    (dict(tp=(4, 8)), "whole"),  # head-sliced KV and SWA, every head a destination rank holds: whole tokens
+    (dict(tp=(8, 4)), "mirror"),  # a gather: each source rank fills half of each destination token
+    (dict(dst_page_size=64), None),  # pages of another size
+    (dict(policy=Policy.TRUNCATE), None),  # the sender may send shorter lists than published
 ])
-def test_only_whole_item_pairings_are_planned_by_the_receiver(change, plans):
+def test_what_the_receiver_plans_a_pairing_s_scatter_from(change, plans):
     model = PRESETS["gptoss-swa-p16"].scaled(layers=2)
     if "tp" in change:
         model = model.with_tp(*change["tp"])
-    batch = build_batch(model, 1, 64, dst_page_size=change.get("dst_page_size"), src_rank=1 if "tp" in change else 0,
-                        dst_rank=2 if "tp" in change else 0)
-    assert receiver_can_plan(batch.src, batch.dsts[0], change.get("policy", Policy.STRICT)) is plans
+    ranks = {(4, 8): (1, 2), (8, 4): (3, 1)}.get(change.get("tp"), (0, 0))
+    batch = build_batch(model, 1, 64, dst_page_size=change.get("dst_page_size"), src_rank=ranks[0], dst_rank=ranks[1])
+    source = scatter_source(batch.src, batch.dsts[0], change.get("policy", Policy.STRICT))
+    assert receiver_can_plan(batch.src, batch.dsts[0], change.get("policy", Policy.STRICT)) is (plans is not None)
+    assert {None: source is None, "whole": source is batch.dsts[0],
+            "mirror": source is not None and source.kv.tp_rank == 3 and source.req_to_token is batch.dsts[0].req_to_token
+            }[plans]
 
 
 @pytest.mark.parametrize("shape", [MAMBA_TP4TO8, PRESETS["qwen3next-mamba-p64"].scaled(layers=2).with_tp(4, 8)])
@@ -123,13 +130,35 @@ def test_the_receiver_plans_tp_sliced_mamba_state_of_a_tp_scatter(shape, src_ran
 
 
 @pytest.mark.parametrize("src_rank", [0, 1])
-def test_a_tp_gather_of_sliced_state_is_not_planned_by_the_receiver(src_rank):
+def test_a_tp_gather_does_not_fill_whole_items(src_rank):
     """Each source rank fills part of each destination item (and the second one none of a replicated
     one). With MLA the KV moves whole, so the state alone decides."""
     mla = replace(MAMBA_TP8TO4, attention=Attention.MLA, num_kv_heads=1)
-    assert receiver_can_plan(*_sides(replace(mla, src_tp=4, dst_tp=8), 1, 2))  # the scatter is
-    assert not receiver_can_plan(*_sides(mla, src_rank, 0))
-    assert not receiver_can_plan(*_sides(MAMBA_TP8TO4, src_rank, 0))
+    assert fills_whole_items(*_sides(replace(mla, src_tp=4, dst_tp=8), 1, 2)[:2])  # the scatter does
+    assert not fills_whole_items(*_sides(mla, src_rank, 0)[:2])
+    assert not fills_whole_items(*_sides(MAMBA_TP8TO4, src_rank, 0)[:2])
+
+
+# TP gather (source TP above the destination's): each source rank fills its part of each destination
+# item; the receiver plans each sender's runs from that sender's layout over its own lists
+GATHERS = [(MAMBA_TP8TO4, 0, 0), (MAMBA_TP8TO4, 1, 0), (replace(MAMBA_TP8TO4, attention=Attention.MLA, num_kv_heads=1), 1, 0),
+           (PRESETS["llama70b-tp8-p64"].scaled(layers=2).with_tp(8, 4), 5, 2),
+           (PRESETS["gptoss-swa-p16"].scaled(layers=2).with_tp(8, 2), 6, 1),
+           (PRESETS["qwen3next-mamba-p64"].scaled(layers=2).with_tp(8, 4), 3, 1)]
+
+
+@pytest.mark.parametrize("shape, src_rank, dst_rank", GATHERS)
+@pytest.mark.parametrize("chunks, prefix_pages, seed", [(1, 0, 6), (3, 1, 7)])
+def test_the_receiver_plans_the_bytes_of_a_tp_gather_from_the_sender_s_layout(shape, src_rank, dst_rank, chunks,
+                                                                               prefix_pages, seed):
+    ps = shape.page_size
+    batch = build_batch(shape, 3, [ps * 6, ps * 4 + 3, ps * 5], chunks=chunks, prefix_len=prefix_pages * ps,
+                        seed=seed, src_rank=src_rank, dst_rank=dst_rank)
+    assert not fills_whole_items(batch.src, batch.dsts[0])
+    sent = plan_reference(batch).descriptors()[0]
+    own = plan_reference(_receiver_batch(batch)).descriptors()[0]
+    unit = int(np.gcd.reduce(np.concatenate([sent[:, 1:], own[:, 1:]]).astype(np.int64).ravel()))
+    assert np.array_equal(_byte_stream(sent, unit), _byte_stream(own, unit))
 
 
 def _sides(shape, src_rank, dst_rank):
