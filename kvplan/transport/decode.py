@@ -108,8 +108,10 @@ class DecodeEndpoint:
         self._owner: dict[Any, tuple[int, ...]] = {}  # request -> the channels (senders) it was published to
         self._senders: dict[int, SideMemory] = {}  # each paired sender's layout (its "paired" message)
         # per paired sender whose staged runs this side plans itself: the side it plans them from
-        # (receiver_plan.scatter_source), its planner (senders of one source share it) and copy word
-        self._scatter_from: dict[int, tuple[SideMemory, Planner | None, int]] = {}
+        # (receiver_plan.scatter_source: this side, or the sender's mirror), and for a mirror its
+        # planner and copy word (made on the sender's first run)
+        self._scatter_from: dict[int, SideMemory] = {}
+        self._mirrors: dict[int, tuple[Planner, int]] = {}
         self._waves: dict[str, _StagedWave] = {}
         self._early: dict[str, float] = {}  # waves whose bytes landed before their table was read: when
         self._uploads: dict[int, tuple[torch.Tensor, Any]] = {}  # per sender: pinned rows, their last upload
@@ -257,10 +259,8 @@ class DecodeEndpoint:
         try:
             self._senders[peer] = side_from_description(header["side"])
             source = scatter_source(self._senders[peer], self.side, Policy.STRICT)
-            if source is self.side:  # its bytes fill whole items: planned from this side to itself
-                self._scatter_from[peer] = (source, None, self._alignment)
-            elif source is not None:  # a gather's part: planned from the sender's layout over this side's lists
-                self._scatter_from[peer] = (source, None, plan_alignment(Batch(source, (self.side,), ())))
+            if source is not None:
+                self._scatter_from[peer] = source
         except (KeyError, TypeError, ValueError) as err:
             log.warning("ignored a malformed pairing message from sender %d: %s: %s", peer, type(err).__name__, err)
 
@@ -271,6 +271,7 @@ class DecodeEndpoint:
         self._fail_owned(peer, "the prefill side is gone: it restarted and connected again")
         self._senders.pop(peer, None)  # the new one sends its own layout
         self._scatter_from.pop(peer, None)
+        self._mirrors.pop(peer, None)
         for key in [k for k, w in self._waves.items() if w.peer == peer and w.event is None]:
             del self._waves[key]
         self._runs = [(k, run) for k, run in self._runs if k != peer]
@@ -403,18 +404,18 @@ class DecodeEndpoint:
 
     def _scatter_planner(self, peer: int) -> tuple[Planner, int]:
         """The planner of sender ``peer``'s runs and their copy word (the announced one is capped by it)."""
-        source, planner, alignment = self._scatter_from[peer]
-        if planner is None and source is self.side:
+        source = self._scatter_from[peer]
+        if source is self.side:  # its bytes fill whole items: planned from this side to itself
             if self._planner is None:
                 # each run's plan is copied out once it is ready: two buffers per sender keep a second run's
                 # plan from reusing the first's before then (every buffer captures its own CUDA graph)
                 self._planner = Planner(self.side, (self.side,), outputs=("descriptors",),
                                         depth=2 * len(self.channels))
-            planner = self._planner
-        elif planner is None:
-            planner = Planner(source, (self.side,), outputs=("descriptors",), depth=2)
-        self._scatter_from[peer] = (source, planner, alignment)
-        return planner, alignment
+            return self._planner, self._alignment
+        if peer not in self._mirrors:  # a gather's part: from the sender's layout over this side's lists
+            self._mirrors[peer] = (Planner(source, (self.side,), outputs=("descriptors",), depth=2),
+                                   plan_alignment(Batch(source, (self.side,), ())))
+        return self._mirrors[peer]
 
     def _advance_runs(self) -> None:
         """Planned runs whose plan or byte sums have finished become scatterable (or are refused)."""

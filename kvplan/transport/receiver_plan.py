@@ -19,9 +19,11 @@ destination addresses, provided the pairing sends whole destination items of equ
 head slices only where each fills whole destination tokens (TP scatter: a source rank sends a
 destination rank every head it holds, so its per-token descriptors, page after page, are the
 destination's pages whole), and TP-sliced state only where each entry's blocks fill its destination
-item back to back (TP scatter again: a request's one slot streams as whole items). The receiver
-decides this itself from the layout its sender paired with, and checks the byte total of its plan
-against the run's before it scatters.
+item back to back (TP scatter again: a request's one slot streams as whole items). Where a
+pairing fills parts of items (a TP gather), the receiver plans from :func:`mirror_source` instead:
+the sender's layout over its own lists, which has the sender's descriptors with its own addresses.
+The receiver decides all this itself from the layout its sender paired with
+(:func:`scatter_source`), and checks the byte total of its plan against the run's before it scatters.
 
 Example::
 
@@ -45,7 +47,7 @@ from ..planner.columns import COLUMNS, BatchColumns
 from ..planner.destinations import PreallocatedRequest, PublishedRequest
 from ..planner.device import PendingPlan, Planner
 from ..planner.model import Entry, Policy, SideMemory, Transfer
-from ..planner.pairing import pair_sides
+from ..planner.pairing import SidePairing, pair_sides
 from ..planner.plan import Section
 from .waves import Wave
 
@@ -72,10 +74,10 @@ def scatter_source(src: SideMemory, dst: SideMemory, policy: Policy) -> SideMemo
     if Policy(policy) is not Policy.STRICT:
         return None
     try:
-        pair_sides(src, dst)
+        sent = pair_sides(src, dst)
     except LayoutError:
         return None
-    if fills_whole_items(src, dst):
+    if fills_whole_items(src, dst, sent):
         return dst
     if src.kv.page_size != dst.kv.page_size or len(src.state) != len(dst.state) or any(
             s.pages_of(src.kv.page_size) != d.pages_of(dst.kv.page_size) for s, d in zip(src.state, dst.state)):
@@ -99,13 +101,14 @@ def mirror_source(src: SideMemory, dst: SideMemory) -> SideMemory:
     return SideMemory(kv, state, aux, dst.req_to_token)
 
 
-def fills_whole_items(src: SideMemory, dst: SideMemory) -> bool:
+def fills_whole_items(src: SideMemory, dst: SideMemory, sent: SidePairing | None = None) -> bool:
     """Whether ``src``'s bytes fill ``dst``'s items whole, so that ``dst``'s plan from its side to
-    itself is the same byte stream (see the module docstring)."""
+    itself is the same byte stream (see the module docstring); ``sent``: ``pair_sides(src, dst)``
+    when the caller has it."""
     if src.kv.page_size != dst.kv.page_size:
         return False
     try:
-        sent, own = pair_sides(src, dst), pair_sides(dst, dst)
+        sent, own = sent or pair_sides(src, dst), pair_sides(dst, dst)
     except LayoutError:
         return False
     # head slices qualify when each fills whole destination tokens (a source rank sends a destination
