@@ -14,10 +14,13 @@ Shape contract
   programs of ``DPP`` descriptors each, as ``[DPP, W]`` word tiles. Either kernel copies any size;
   ``typical_bytes`` only picks the faster one. Descriptors must not overlap on the destination
   (a plan guarantees it).
-* ``window`` (``SCATTER`` only): bytes ``[win_lo, win_hi)`` of the stream the offsets index. Each
-  descriptor is cut to its part inside the window (nothing when it lies outside), so one wave of a
-  staged run is scattered with the whole run's descriptors; ``win_lo``, ``win_hi`` must be multiples
-  of ``WORD``.
+* ``window`` (``GATHER`` and ``SCATTER``): bytes ``[win_lo, win_hi)`` of the stream the offsets
+  index. Each descriptor is cut to its part inside the window (nothing when it lies outside), so one
+  wave of a staged run is gathered or scattered with the whole run's descriptors; ``win_lo``,
+  ``win_hi`` must be multiples of ``WORD``.
+* ``rows``: int64 ``[1]`` on the device: only descriptors ``i < rows[0]`` are copied, the rest of
+  ``descs`` is not read. A plan's descriptor count lives on the device until the host waits for it;
+  with ``rows`` a copy can be queued behind the plan before that (a gather ahead of the host).
 """
 
 from __future__ import annotations
@@ -33,22 +36,28 @@ MAX_SPLIT = 64  # programs per large descriptor
 
 
 @triton.jit
-def _endpoints(desc_ptr, offsets_ptr, staging_addr, i, live, win_lo, win_hi, MODE: tl.constexpr, WORD: tl.constexpr,
-               WINDOW: tl.constexpr):
+def _endpoints(desc_ptr, offsets_ptr, rows_ptr, staging_addr, i, live, win_lo, win_hi, MODE: tl.constexpr,
+               WORD: tl.constexpr, WINDOW: tl.constexpr, COUNTED: tl.constexpr):
     """Source and destination word pointers and the size in words of descriptors ``i``."""
+    if COUNTED:
+        live = live & (i < tl.load(rows_ptr))
     src = tl.load(desc_ptr + i * 3, mask=live, other=0)
     dst = tl.load(desc_ptr + i * 3 + 1, mask=live, other=0)
     nbytes = tl.load(desc_ptr + i * 3 + 2, mask=live, other=0)
-    if MODE == 1:
-        dst = staging_addr + tl.load(offsets_ptr + i, mask=live, other=0)
-    if MODE == 2:
+    if MODE != 0:
         offset = tl.load(offsets_ptr + i, mask=live, other=0)
         if WINDOW:  # the descriptor's part inside the window
             lo = tl.maximum(offset, win_lo)
             nbytes = tl.maximum(tl.minimum(offset + nbytes, win_hi) - lo, 0)
-            dst = dst + (lo - offset)
+            if MODE == 1:
+                src = src + (lo - offset)
+            else:
+                dst = dst + (lo - offset)
             offset = lo
-        src = staging_addr + offset
+        if MODE == 1:
+            dst = staging_addr + offset
+        else:
+            src = staging_addr + offset
     words = nbytes // WORD
     if WORD == 8:
         return src.to(tl.pointer_type(tl.int64)), dst.to(tl.pointer_type(tl.int64)), words
@@ -59,11 +68,13 @@ def _endpoints(desc_ptr, offsets_ptr, staging_addr, i, live, win_lo, win_hi, MOD
 
 
 @triton.jit
-def _copy_kernel(desc_ptr, offsets_ptr, staging_addr, win_lo, win_hi, MODE: tl.constexpr, WORD: tl.constexpr,
-                 BLOCK: tl.constexpr, SPLIT: tl.constexpr, WINDOW: tl.constexpr):
+def _copy_kernel(desc_ptr, offsets_ptr, rows_ptr, staging_addr, win_lo, win_hi, MODE: tl.constexpr,
+                 WORD: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr, WINDOW: tl.constexpr,
+                 COUNTED: tl.constexpr):
     i = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
-    sp, dp, words = _endpoints(desc_ptr, offsets_ptr, staging_addr, i, i >= 0, win_lo, win_hi, MODE, WORD, WINDOW)
+    sp, dp, words = _endpoints(desc_ptr, offsets_ptr, rows_ptr, staging_addr, i, i >= 0, win_lo, win_hi, MODE, WORD,
+                               WINDOW, COUNTED)
     for start in range(part * BLOCK, words, SPLIT * BLOCK):
         o = start + tl.arange(0, BLOCK).to(tl.int64)
         m = o < words
@@ -71,13 +82,15 @@ def _copy_kernel(desc_ptr, offsets_ptr, staging_addr, win_lo, win_hi, MODE: tl.c
 
 
 @triton.jit
-def _copy_tile_kernel(desc_ptr, offsets_ptr, staging_addr, n, win_lo, win_hi, MODE: tl.constexpr,
-                      WORD: tl.constexpr, DPP: tl.constexpr, W: tl.constexpr, WINDOW: tl.constexpr):
+def _copy_tile_kernel(desc_ptr, offsets_ptr, rows_ptr, staging_addr, n, win_lo, win_hi, MODE: tl.constexpr,
+                      WORD: tl.constexpr, DPP: tl.constexpr, W: tl.constexpr, WINDOW: tl.constexpr,
+                      COUNTED: tl.constexpr):
     """Small descriptors: ``DPP`` descriptors per program as a ``[DPP, W]`` tile of words, repeated
     over ``W``-word columns up to the largest descriptor of the tile."""
     i = tl.program_id(0).to(tl.int64) * DPP + tl.arange(0, DPP).to(tl.int64)
     live = i < n
-    sp, dp, words = _endpoints(desc_ptr, offsets_ptr, staging_addr, i, live, win_lo, win_hi, MODE, WORD, WINDOW)
+    sp, dp, words = _endpoints(desc_ptr, offsets_ptr, rows_ptr, staging_addr, i, live, win_lo, win_hi, MODE, WORD,
+                               WINDOW, COUNTED)
     most = tl.max(words, axis=0)
     for start in range(0, most, W):
         o = start + tl.arange(0, W).to(tl.int64)
@@ -92,40 +105,45 @@ def word_size(alignment: int) -> int:
 
 def copy_descriptors(descs: torch.Tensor, mode: int = DIRECT, offsets: torch.Tensor | None = None,
                      staging_addr: int = 0, alignment: int = 1, typical_bytes: int = 4096,
-                     window: tuple[int, int] | None = None) -> None:
-    """Launch the copy of every descriptor (see the module's shape contract)."""
+                     window: tuple[int, int] | None = None, rows: torch.Tensor | None = None) -> None:
+    """Launch the copy of every descriptor, or of the first ``rows[0]`` (see the module's shape contract)."""
     n = descs.shape[0]
     if n == 0:
         return
-    if window is not None and mode != SCATTER:
-        raise ValueError("a byte window applies to scatters only")
+    if window is not None and mode == DIRECT:
+        raise ValueError("a byte window applies to gathers and scatters only")
     win_lo, win_hi = window if window is not None else (0, 0)
     word = word_size(alignment)
     words = max(1, typical_bytes // word)
     offsets = offsets if offsets is not None else descs
+    counted = rows if rows is not None else descs  # (not read unless COUNTED)
     if words <= SMALL_WORDS:  # many small descriptors: several per program
         width = max(16, triton.next_power_of_2(words))
         per_program = max(1, TILE_WORDS // width)
-        _copy_tile_kernel[(triton.cdiv(n, per_program),)](descs, offsets, staging_addr, n, win_lo, win_hi, MODE=mode,
-                                                          WORD=word, DPP=per_program, W=width,
-                                                          WINDOW=window is not None)
+        _copy_tile_kernel[(triton.cdiv(n, per_program),)](descs, offsets, counted, staging_addr, n, win_lo, win_hi,
+                                                          MODE=mode, WORD=word, DPP=per_program, W=width,
+                                                          WINDOW=window is not None, COUNTED=rows is not None)
         return
     block = min(2048, max(64, triton.next_power_of_2(words)))
     split = max(1, min(MAX_SPLIT, triton.cdiv(words, block)))  # about one block per program: bandwidth
-    _copy_kernel[(n, split)](descs, offsets, staging_addr, win_lo, win_hi, MODE=mode, WORD=word, BLOCK=block,
-                             SPLIT=split, WINDOW=window is not None)
+    _copy_kernel[(n, split)](descs, offsets, counted, staging_addr, win_lo, win_hi, MODE=mode, WORD=word, BLOCK=block,
+                             SPLIT=split, WINDOW=window is not None, COUNTED=rows is not None)
 
 
+_GATHER_SCATTER = ((DIRECT, False, False), (GATHER, False, False), (SCATTER, False, False), (SCATTER, True, False),
+                   (GATHER, True, True))  # (mode, window, counted): what the transport launches
 COMPILE_SPECS = [
     (_copy_kernel,
-     {"desc_ptr": "*i64", "offsets_ptr": "*i64", "staging_addr": "i64", "win_lo": "i64", "win_hi": "i64",
-      "MODE": "constexpr", "WORD": "constexpr", "BLOCK": "constexpr", "SPLIT": "constexpr", "WINDOW": "constexpr"},
-     {"MODE": mode, "WORD": word, "BLOCK": 1024, "SPLIT": 4, "WINDOW": window})
-    for mode, window in ((DIRECT, False), (GATHER, False), (SCATTER, False), (SCATTER, True)) for word in (1, 8)
+     {"desc_ptr": "*i64", "offsets_ptr": "*i64", "rows_ptr": "*i64", "staging_addr": "i64", "win_lo": "i64",
+      "win_hi": "i64", "MODE": "constexpr", "WORD": "constexpr", "BLOCK": "constexpr", "SPLIT": "constexpr",
+      "WINDOW": "constexpr", "COUNTED": "constexpr"},
+     {"MODE": mode, "WORD": word, "BLOCK": 1024, "SPLIT": 4, "WINDOW": window, "COUNTED": counted})
+    for mode, window, counted in _GATHER_SCATTER for word in (1, 8)
 ] + [
     (_copy_tile_kernel,
-     {"desc_ptr": "*i64", "offsets_ptr": "*i64", "staging_addr": "i64", "n": "i64", "win_lo": "i64", "win_hi": "i64",
-      "MODE": "constexpr", "WORD": "constexpr", "DPP": "constexpr", "W": "constexpr", "WINDOW": "constexpr"},
-     {"MODE": mode, "WORD": 8, "DPP": 64, "W": 32, "WINDOW": window})
-    for mode, window in ((DIRECT, False), (GATHER, False), (SCATTER, False), (SCATTER, True))
+     {"desc_ptr": "*i64", "offsets_ptr": "*i64", "rows_ptr": "*i64", "staging_addr": "i64", "n": "i64",
+      "win_lo": "i64", "win_hi": "i64", "MODE": "constexpr", "WORD": "constexpr", "DPP": "constexpr",
+      "W": "constexpr", "WINDOW": "constexpr", "COUNTED": "constexpr"},
+     {"MODE": mode, "WORD": 8, "DPP": 64, "W": 32, "WINDOW": window, "COUNTED": counted})
+    for mode, window, counted in _GATHER_SCATTER
 ]

@@ -22,6 +22,9 @@ planner's own copy stream, at the copy engine's bandwidth, never waiting on the 
 * ``"runs"``: the compact form ``(src_page, dst_page, len)`` per run plus the entry tables, for
   engines that expand entries x runs themselves;
 * ``"device_descriptors"``: ``[n, 3]`` on the device, for staged mode and local copies;
+* ``"byte_offsets"`` (with descriptors): each descriptor's offset in the plan's byte stream, on the
+  device, and each section's byte end in the host report, so that staged mode needs no launch and
+  no second round trip of its own to place a plan's bytes in its staging slots;
 * none of these: counts and errors only.
 
 Example::
@@ -67,7 +70,7 @@ __all__ = ["CompactRuns", "PendingPlan", "Planner"]
 
 log = logging.getLogger("kvplan")
 
-OUTPUTS = ("descriptors", "prepared", "runs", "device_descriptors")
+OUTPUTS = ("descriptors", "prepared", "runs", "device_descriptors", "byte_offsets")
 MAX_MAPS = 4
 
 
@@ -244,20 +247,27 @@ class _Buffers:
         # the report, one buffer copied to the host in one piece: the head (totals, verdicts, the
         # transfers' descriptor offsets), the segment sums and per segment whether it is a section
         # (a unit the receiver counts) and its element count
+        # (with "byte_offsets", each segment's byte end follows)
         H = int(ks.HEAD) + t_cap + 1
-        self.report = z(H + 6 * S)
-        self.report_host = host_empty(H + 6 * S, torch.int64, device)
+        R = H + (7 if "byte_offsets" in outputs else 6) * S
+        self.report = z(R)
+        self.report_host = host_empty(R, torch.int64, device)
         self.head = self.report[:H]
         self.seg_sums = self.report[H : H + 4 * S].view(4, S)
-        self.keep = self.report[H + 4 * S :].view(S, 2)
+        self.keep = self.report[H + 4 * S : H + 6 * S].view(S, 2)
         self.head_host = self.report_host[:H]
         self.sums_host = self.report_host[H : H + 4 * S]
-        self.keep_host = self.report_host[H + 4 * S :]
-        self.sectioned = bool(outputs & {"prepared", "descriptors", "device_descriptors"})
+        self.keep_host = self.report_host[H + 4 * S : H + 6 * S]
+        self.seg_bytes_host = self.report_host[H + 6 * S :]
+        self.sectioned = bool(outputs & {"prepared", "descriptors", "device_descriptors", "byte_offsets"})
         d_cap = st.per_element * e_cap * st.units_per_entry + st.aux_entries * t_cap
         self.descs = self.prep_src = self.prep_dst = self.runs = None
-        if outputs & {"descriptors", "device_descriptors"}:
+        self.byte_ends = self.byte_starts = self.seg_bytes = None
+        if outputs & {"descriptors", "device_descriptors", "byte_offsets"}:
             self.descs = z(d_cap, 3)
+        if "byte_offsets" in outputs:  # running byte sums of the descriptors; each segment's byte end
+            self.byte_ends, self.byte_starts = z(d_cap), z(d_cap)
+            self.seg_bytes = self.report[H + 6 * S :]
         if "prepared" in outputs:
             p_cap = max(1, st.per_element * e_cap * st.units_per_entry + st.aux_entries * t_cap)
             self.prep_src = torch.empty(p_cap, dtype=torch.int32, device=device)
@@ -446,6 +456,13 @@ class Planner:
         if b.descs is not None:
             kx.descriptors(b.seg, b.seg_sums, b.head, b.src, b.dst, b.run_first, b.run_last, st.entries, st.heads,
                            b.descs, segments_per_transfer=st.K, programs=programs, block=block)
+        if b.byte_ends is not None:  # (torch ops: inside the graph they cost the host nothing)
+            torch.cumsum(b.descs[:, 2], 0, out=b.byte_ends)
+            torch.sub(b.byte_ends, b.descs[:, 2], out=b.byte_starts)
+            seg_end = b.seg_sums[2]  # each segment's descriptor end (exclusive)
+            last = (seg_end - 1).clamp_(0, b.byte_ends.numel() - 1)
+            torch.index_select(b.byte_ends, 0, last, out=b.seg_bytes)
+            b.seg_bytes.mul_(seg_end > 0)
         if b.prep_src is not None:
             kx.prepared_indices(b.seg, b.seg_sums, b.head, b.src, b.dst, st.slots, b.prep_src, b.prep_dst,
                                 segments_per_transfer=st.K, programs=programs, block=block)
@@ -565,6 +582,57 @@ class PendingPlan:
             raise InputError(None, "this planner makes no descriptors: add 'device_descriptors' to its outputs")
         return b.descs[: int(head[ks.TOTAL_DESCS])]
 
+    def device_byte_offsets(self) -> torch.Tensor:
+        """Each descriptor's offset in the plan's byte stream (int64 ``[n]`` on the planning device;
+        ``"byte_offsets"`` among the outputs). Waits for the event, raises a plan's error."""
+        head = self._head()
+        b = self._b
+        if b.byte_starts is None:
+            raise InputError(None, "this planner makes no byte offsets: add 'byte_offsets' to its outputs")
+        return b.byte_starts[: int(head[ks.TOTAL_DESCS])]
+
+    def section_byte_ends(self) -> np.ndarray:
+        """Per section of :meth:`sections`, in order, the byte end of its last descriptor in the
+        plan's byte stream, then the plan's total bytes (``"byte_offsets"`` among the outputs; from
+        the host report, no further copy)."""
+        head = self._head()
+        b = self._b
+        if b.byte_starts is None:
+            raise InputError(None, "this planner makes no byte offsets: add 'byte_offsets' to its outputs")
+        T, K = self.columns.num_transfers, self.planner.static.K
+        ends = b.seg_bytes_host.numpy()[: T * K]  # (running sums: the last segment's is the total)
+        return np.append(ends[self._live_segments(head)], int(ends[-1]) if len(ends) else 0)
+
+    def device_ahead(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Without waiting for the plan: its whole descriptor buffer (int64 ``[capacity, 3]``) and its
+        byte offsets (``[capacity]``, or ``None`` without ``"byte_offsets"``), with the current stream
+        made to wait for the plan. Only the plan's rows are meaningful, and only once they are known:
+        copy them whole, or read them through :meth:`device_descriptors_ahead`'s count."""
+        b = self._b
+        if b.descs is None:
+            raise InputError(None, "this planner makes no descriptors: add 'device_descriptors' to its outputs")
+        if self.event is not None and self.planner.device.type == "cuda":
+            torch.cuda.current_stream(self.planner.device).wait_event(self.event)
+        return b.descs, b.byte_starts
+
+    def device_descriptors_ahead(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Without waiting for the plan: its whole descriptor buffer (int64 ``[capacity, 3]``, on the
+        planning device) and an int64 ``[1]`` device tensor, queued on the current stream, that holds
+        how many of its rows are this plan's, or 0 when the plan is refused. Rows past that count are
+        stale, so read the buffer only through the count (the ``rows`` of
+        :func:`kvplan.transport.local.gather`), on the current stream or one that waits for it.
+        The count says nothing to the host: :meth:`descriptors` still waits and raises a plan's error.
+
+        Example::
+
+            descs, rows = pending.device_descriptors_ahead()   # queue work on them at once
+            host_descs, offsets = pending.descriptors()        # then wait for the host's view
+        """
+        b = self._b
+        self.device_ahead()
+        total, fatal = b.head[int(ks.TOTAL_DESCS) : int(ks.TOTAL_DESCS) + 1], b.head[int(ks.FIRST_FATAL) : int(ks.FIRST_FATAL) + 1]
+        return b.descs, total * fatal.eq(int(ks.NONE))
+
     def prepared_indices(self) -> PreparedIndices:
         """The int32 index arrays for NIXL prepared lists (``"prepared"`` among the outputs)."""
         head = self._head()
@@ -591,14 +659,10 @@ class PendingPlan:
         b = self._b
         if not b.sectioned:
             raise InputError(None, "this planner makes neither descriptors nor prepared indices: it has no sections")
-        st, T = self.planner.static, self.columns.num_transfers
-        S = T * st.K
-        keep_n = b.keep_host.numpy().reshape(-1, 2)[:S]
-        ends = b.sums_host.numpy()[2 * b.S : 2 * b.S + S]
-        starts = np.empty_like(ends)
-        starts[:1] = 0
-        starts[1:] = ends[:-1]
-        live = np.flatnonzero((keep_n[:, 0] != 0) & (keep_n[:, 1] > 0) & (ends > starts))
+        st = self.planner.static
+        keep_n = b.keep_host.numpy().reshape(-1, 2)
+        ends = b.sums_host.numpy()[2 * b.S : 3 * b.S]
+        live = self._live_segments(head)
         roles = [Role.KV, *range(st.C), Role.AUX]
         names = ["kv", *(c.name for c in self.planner.src.state), "aux"]
         dests = self.columns.column("dest")
@@ -609,8 +673,20 @@ class PendingPlan:
             if k == 0:  # the destination pages: with units of gcd tokens, rd units to a page
                 rd = st.unit_ratios[int(dests[t])][1] if st.units else 1
                 count = -(-int(keep_n[s, 1]) // rd)
-            out.append(Section(t, self.columns.request(t), roles[k], names[k], int(starts[s]), int(ends[s]), count))
+            out.append(Section(t, self.columns.request(t), roles[k], names[k], int(ends[s - 1]) if s else 0,
+                               int(ends[s]), count))
         return out
+
+    def _live_segments(self, head: np.ndarray) -> np.ndarray:
+        """The segments that are sections: kept, with elements and descriptors (after :meth:`_head`)."""
+        b = self._b
+        S = self.columns.num_transfers * self.planner.static.K
+        keep_n = b.keep_host.numpy().reshape(-1, 2)[:S]
+        ends = b.sums_host.numpy()[2 * b.S : 2 * b.S + S]
+        starts = np.empty_like(ends)
+        starts[:1] = 0
+        starts[1:] = ends[:-1]
+        return np.flatnonzero((keep_n[:, 0] != 0) & (keep_n[:, 1] > 0) & (ends > starts))
 
     def runs(self) -> CompactRuns:
         """The compact runs form (``"runs"`` among the outputs)."""

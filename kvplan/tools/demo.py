@@ -251,7 +251,7 @@ def _child_setup() -> None:
 
 class _Profile:
     """cProfile of a demo process's transfer loop when ``KVPLAN_PROFILE`` names a folder: the
-    functions with the most own time go to ``<folder>/<side>.txt``."""
+    functions with the most own time, then the most time under them, go to ``<folder>/<side>.txt``."""
 
     def __init__(self, side: str):
         self.folder, self.side = os.environ.get("KVPLAN_PROFILE"), side
@@ -273,7 +273,8 @@ class _Profile:
 
         self.profiler.disable()
         text = io.StringIO()
-        pstats.Stats(self.profiler, stream=text).sort_stats("tottime").print_stats(40)
+        for order in ("tottime", "cumulative"):
+            pstats.Stats(self.profiler, stream=text).sort_stats(order).print_stats(40)
         os.makedirs(self.folder, exist_ok=True)
         with open(os.path.join(self.folder, f"{self.side}.txt"), "w") as out:
             out.write(text.getvalue())
@@ -437,6 +438,8 @@ def prefill_process(config: DemoConfig, port: int, conn, src_rank: int | None = 
             used += {"planned": ", receiver-planned scatter", "table": ", destination tables sent"}[endpoint.last_announcement]
             if endpoint.waves_ahead:
                 used += f", {endpoint.waves_ahead} waves gathered ahead of their marks"
+            if endpoint.first_waves_ahead:
+                used += f", {endpoint.first_waves_ahead} first waves gathered behind their plans"
         conn.send(("sent", result, times, used, spans))
     except Exception:  # noqa: BLE001
         conn.send(("error", traceback.format_exc()))

@@ -407,20 +407,25 @@ class DecodeEndpoint:
         source = self._scatter_from[peer]
         if source is self.side:  # its bytes fill whole items: planned from this side to itself
             if self._planner is None:
-                # each run's plan is copied out once it is ready: two buffers per sender keep a second run's
-                # plan from reusing the first's before then (every buffer captures its own CUDA graph)
-                self._planner = Planner(self.side, (self.side,), outputs=("descriptors",),
+                # each run's plan is copied on the device right behind it, and its host report read once ready:
+                # two buffers per sender keep a second run's plan from overwriting the first's report before
+                # then (every buffer captures its own CUDA graph)
+                self._planner = Planner(self.side, (self.side,), outputs=("descriptors", "byte_offsets"),
                                         depth=2 * len(self.channels))
             return self._planner, self._alignment
         if peer not in self._mirrors:  # a gather's part: from the sender's layout over this side's lists
-            self._mirrors[peer] = (Planner(source, (self.side,), outputs=("descriptors",), depth=2),
+            self._mirrors[peer] = (Planner(source, (self.side,), outputs=("descriptors", "byte_offsets"), depth=2),
                                    plan_alignment(Batch(source, (self.side,), ())))
         return self._mirrors[peer]
 
     def _advance_runs(self) -> None:
         """Planned runs whose plan or byte sums have finished become scatterable (or are refused)."""
         for peer, run in list(self._runs):
-            if not run.advance(self._stream):
+            planning = run.stage == "planning"
+            done = run.advance(self._stream)
+            if planning and run.stage != "planning" and run.waves:
+                self._mark(wave_key(run.waves[0].index, run.sender), "plan-ready")
+            if not done:
                 continue
             self._runs.remove((peer, run))
             keys = [wave_key(w.index, run.sender) for w in run.waves]

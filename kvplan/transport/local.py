@@ -73,15 +73,27 @@ def _check_staging(staging: torch.Tensor, descs: torch.Tensor, offsets: torch.Te
         raise InputError(None, f"the staging buffer holds {staging.numel()} bytes; the transfer needs {need}")
 
 
+def _check_window(alignment: int, need: int | None, window: tuple[int, int] | None) -> None:
+    if window is not None and (need is None or window[0] % kc.word_size(alignment) or window[1] % kc.word_size(alignment)):
+        raise InputError(None, "a staging window needs `need` and bounds aligned to the copy word")
+
+
 def gather(descs: torch.Tensor, offsets: torch.Tensor, staging: torch.Tensor, alignment: int,
-           typical_bytes: int = 4096, need: int | None = None, shift: int = 0) -> None:
+           typical_bytes: int = 4096, need: int | None = None, shift: int = 0,
+           window: tuple[int, int] | None = None, rows: torch.Tensor | None = None) -> None:
     """Copy each descriptor's source bytes to ``staging[offsets[i] + shift:]`` (the source side of staged mode).
 
     ``need``: the staging bytes the copy reaches, when the caller knows it (else read from the device;
     a caller that passes ``shift`` must pass ``need``). ``shift`` lets a slice of a whole batch's
-    offsets land in one slot of the buffer without a new offsets tensor."""
+    offsets land in one slot of the buffer without a new offsets tensor. ``window``: only the bytes
+    ``[lo, hi)`` of the offsets' stream (pass ``need``). ``rows``: a device int64 ``[1]``: only the
+    first ``rows[0]`` descriptors are read (a gather queued behind a plan the host has not seen yet;
+    pass ``window`` and ``need``, which bound what it writes)."""
+    _check_window(alignment, need, window)
+    if rows is not None and window is None:
+        raise InputError(None, "a gather of a device-counted prefix needs a window (what bounds its bytes)")
     _check_staging(staging, descs, offsets, need, shift)
-    kc.copy_descriptors(descs, kc.GATHER, offsets, staging.data_ptr() + shift, alignment, typical_bytes)
+    kc.copy_descriptors(descs, kc.GATHER, offsets, staging.data_ptr() + shift, alignment, typical_bytes, window, rows)
 
 
 def scatter(descs: torch.Tensor, offsets: torch.Tensor, staging: torch.Tensor, alignment: int,
@@ -91,8 +103,7 @@ def scatter(descs: torch.Tensor, offsets: torch.Tensor, staging: torch.Tensor, a
 
     ``window``: only the bytes ``[lo, hi)`` of the offsets' stream (one wave of a run; pass ``need``);
     each descriptor is cut to its part inside it."""
-    if window is not None and (need is None or window[0] % kc.word_size(alignment) or window[1] % kc.word_size(alignment)):
-        raise InputError(None, "a scatter window needs `need` and bounds aligned to the copy word")
+    _check_window(alignment, need, window)
     _check_staging(staging, descs, offsets, need, shift)
     kc.copy_descriptors(descs, kc.SCATTER, offsets, staging.data_ptr() + shift, alignment, typical_bytes, window)
 
@@ -107,5 +118,7 @@ def warm_up(staging: torch.Tensor, alignment: int = 16) -> None:
     offsets = torch.zeros(1, dtype=torch.int64, device=staging.device)
     for mode in (kc.GATHER, kc.SCATTER):
         kc.copy_descriptors(descs, mode, offsets, addr, alignment)
+    kc.copy_descriptors(descs, kc.GATHER, offsets, addr, alignment, window=(0, 16),  # a gather ahead of the host
+                        rows=torch.ones(1, dtype=torch.int64, device=staging.device))
     if staging.is_cuda:
         torch.cuda.current_stream(staging.device).synchronize()

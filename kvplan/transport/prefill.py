@@ -53,6 +53,7 @@ from ..planner.isolate import plan_each
 from ..planner.layer_groups import group_sections
 from ..planner.plan import AUX_ROLE, KV_ROLE, DestinationLists, Section
 from ..planner.prepared import PreparedIndices, prepared_slots
+from .ahead import AheadGatherer, GatherAhead
 from .completion import encode_notification
 from .control import ControlChannel, ControlTimeout
 from .decode import engine_regions
@@ -62,7 +63,7 @@ from .readiness import LayerStreaming
 from .streams import transport_stream
 from .receiver_plan import planned_run_message, receiver_can_plan
 from .registration import describe_side, side_from_description
-from .waves import Wave, plan_waves, run_message, wave_note
+from .waves import Wave, plan_waves, run_message, staging_ring, wave_note
 
 __all__ = ["Chunk", "MODES", "Peer", "PrefillEndpoint"]
 
@@ -135,14 +136,17 @@ class PrefillEndpoint:
         # high priority: a wave's gather is short and holds up its write; it must not queue behind the forward
         # pass that streaming in layer groups overlaps (docs/layerwise.md)
         self._stream = transport_stream(staging.device) if staging is not None and staging.is_cuda else None
+        # a staged run's first wave is gathered behind its plan, before the host has seen the plan
+        self._ahead = AheadGatherer(staging, self._stream) if self._stream is not None else None
         self._plan_stream: torch.cuda.Stream | None = None  # a streamed send's (made on the first)
         self._next_wave = 0
         self.id = uuid.uuid4().hex[:12]  # names this sender's waves on receivers that have several senders
         self.last_mode: str | None = None  # the mode the last send used (what ``auto`` chose)
         self.last_announcement: str | None = None  # how its last staged run was announced: "planned" or "table"
         self.waves_ahead = 0  # staged waves gathered ahead of their layer group's mark, over this endpoint's life
+        self.first_waves_ahead = 0  # staged runs whose first wave was gathered behind the plan (.ahead)
         self._planners: dict[bool, Planner] = {}  # by prepared or not
-        self._times: list[float] = []
+        self._times: list[tuple[str, float]] = []
 
     # the first peer, for the common one-to-one pairing
     channel = property(lambda self: self.peers[0].channel)
@@ -282,10 +286,11 @@ class PrefillEndpoint:
 
     def _send(self, transfers: Sequence[Transfer], mode: str, timeout: float,
               layers: LayerStreaming | None) -> dict[Any, str | None]:
-        self._times = [time.perf_counter()]  # (send, planned): the first steps of a staged trace
+        self._times = [("send", time.perf_counter())]  # the first steps of a staged trace
         transfers = tuple(transfers)
         batch = Batch(self.side, tuple(p.side for p in self.peers), transfers, self.policy)
         refused: dict[Any, str] = {}
+        ahead = None
         try:
             if self.refuse == "request":
                 pending, errors = plan_each(batch, self._planner(prepared=mode == "prepared").plan)
@@ -296,9 +301,13 @@ class PrefillEndpoint:
                 transfers = tuple(t for t in transfers if t.request not in errors)
             else:
                 pending = self._planner(prepared=mode == "prepared").plan(batch)
+                self._times.append(("launched", time.perf_counter()))
+                if layers is None:
+                    ahead = self._gather_ahead(pending, batch, mode)
+                    self._times.append(("queued", time.perf_counter()))
             descs, per_transfer = pending.descriptors()
             sections = pending.sections()
-            self._times.append(time.perf_counter())
+            self._times.append(("planned", time.perf_counter()))
         except PlanError as err:
             for t in transfers:
                 self._report(t.dest, t.request, f"batch refused: {err}")
@@ -310,10 +319,11 @@ class PrefillEndpoint:
             moved = self._send_layerwise(transfers, descs, sections, layers, time.monotonic() + timeout,
                                          (pending.device_descriptors(), plan_alignment(batch)) if staged else None)
             return {**moved, **refused}
-        return {**self._move(transfers, mode, pending, descs, per_transfer, sections, batch, timeout), **refused}
+        return {**self._move(transfers, mode, pending, descs, per_transfer, sections, batch, timeout, ahead), **refused}
 
     def _move(self, transfers: tuple[Transfer, ...], mode: str, pending, descs: np.ndarray, per_transfer: np.ndarray,
-              sections: list[Section], batch: Batch, timeout: float) -> dict[Any, str | None]:
+              sections: list[Section], batch: Batch, timeout: float,
+              ahead: GatherAhead | None = None) -> dict[Any, str | None]:
         deadline = time.monotonic() + timeout
         if mode == "auto":
             mode = self._auto_mode(descs)
@@ -326,7 +336,7 @@ class PrefillEndpoint:
         result: dict[Any, str | None] = {}
         for dest in sorted({t.dest for t in transfers}):  # each peer's share through its own staging ring
             if len(self.peers) == 1:
-                one = _Batch(transfers, descs, per_transfer, sections, pending.device_descriptors())
+                one = _Batch(transfers, descs, per_transfer, sections, pending.device_descriptors(), ahead=ahead)
             else:
                 share = tuple(replace(t, dest=0) for t in transfers if t.dest == dest)
                 sub = gpu.plan(Batch(self.side, (self.peers[dest].side,), share, self.policy))
@@ -341,6 +351,8 @@ class PrefillEndpoint:
         sides = [p.side for p in self.peers]
         if planner is None or len(planner.dsts) != len(sides) or any(a is not b for a, b in zip(planner.dsts, sides)):
             outputs = ("descriptors", "prepared") if prepared else ("descriptors",)
+            if self._ahead is not None:  # staged runs read their byte offsets from the plan (.ahead)
+                outputs += ("byte_offsets",)
             planner = self._planners[prepared] = Planner(self.side, tuple(p.side for p in self.peers),
                                                          policy=self.policy, outputs=outputs)
         return planner
@@ -493,6 +505,19 @@ class PrefillEndpoint:
     def _send_staged(self, dest: int, batch: "_Batch", alignment: int, deadline: float) -> dict[Any, str | None]:
         return self._staged_run(dest, batch, alignment, deadline).go()
 
+    def _ring(self, dest: int, alignment: int) -> tuple[int, int]:
+        """``(slots, slot_bytes)`` of the staging ring to peer ``dest``."""
+        return staging_ring(min(self.staging.numel(), self.peers[dest].staging[1]), self.slots, alignment)
+
+    def _gather_ahead(self, pending, batch: Batch, mode: str) -> GatherAhead | None:
+        """Queue the first wave's gather behind ``pending`` when the send will likely be staged to a
+        single peer (:mod:`.ahead`); its run uses it unless the batch turns out otherwise."""
+        if self._ahead is None or len(self.peers) != 1 or self.peers[0].staging is None or \
+                not (mode == "staged" or mode == "auto" and self.last_mode == "staged"):
+            return None
+        alignment = plan_alignment(batch)
+        return self._ahead.queue(pending, alignment, self._ring(0, alignment)[1])
+
     def _staged_run(self, dest: int, batch: "_Batch", alignment: int, deadline: float) -> "_StagedRun":
         if self.staging is None or self.peers[dest].staging is None:
             raise LayoutError("staged mode needs a registered staging buffer on both sides")
@@ -509,6 +534,7 @@ class _Batch:
     sections: list[Section]
     device_descs: torch.Tensor  # the same descriptors on the device (what the gathers read)
     plannable: bool = True  # False: a part of a plan (a layer group) the receiver cannot plan itself
+    ahead: GatherAhead | None = None  # its first wave, gathered behind the plan (.ahead)
 
 
 def split_descriptors(descs: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray | None]:
@@ -604,9 +630,7 @@ class _StagedRun:
         self.ep, self.dest, self.peer = ep, dest, ep.peers[dest]
         self.alignment, self.deadline = alignment, deadline
         self.result: dict[Any, str | None] = {t.request: None for t in batch.transfers}
-        capacity = min(ep.staging.numel(), self.peer.staging[1])
-        self.slots = max(1, min(ep.slots, capacity // max(alignment, 1)))
-        self.slot_bytes = (capacity // self.slots) // alignment * alignment
+        self.slots, self.slot_bytes = ep._ring(dest, alignment)
         self.transfers, self.plannable = batch.transfers, batch.plannable
         self.descs, first = split_descriptors(batch.descs, self.slot_bytes)
         device_descs = batch.device_descs
@@ -617,9 +641,14 @@ class _StagedRun:
         else:
             self.sections, self.rows = batch.sections, batch.per_transfer
         self.device_descs = device_descs
+        # the first wave, gathered behind the plan (.ahead): usable unless the descriptors were re-split
+        self.ahead = batch.ahead if first is None and batch.ahead is not None and \
+            batch.ahead.serves(device_descs, self.slot_bytes) else None
         self._owners: np.ndarray | None = None
         self.host_starts = np.zeros(len(self.descs) + 1, np.int64)
         np.cumsum(self.descs[:, 2].view(np.int64), out=self.host_starts[1:])
+        if ep._ahead is not None and len(self.descs):  # what the next run's gather ahead expects
+            ep._ahead.typical = max(1, int(self.host_starts[-1]) // len(self.descs))
         self.dev_starts: torch.Tensor | None = None  # made after the announcement has left
         self.remote_free = [True] * self.slots
         self.local_write: list[Handle | None] = [None] * self.slots
@@ -632,7 +661,7 @@ class _StagedRun:
         self.waves: list[Wave] = []  # planned when announced
         self.trace: list[tuple[int, str, float]] | None = None
         if os.environ.get("KVPLAN_TRACE"):
-            self.trace = [(0, step, t) for step, t in zip(("send", "planned"), ep._times)]
+            self.trace = [(0, step, t) for step, t in ep._times]
             self._mark(0, "init")
 
     @property
@@ -676,7 +705,14 @@ class _StagedRun:
             return False
         self._mark(0, "tables")
         device_descs = self.device_descs
-        if ep._stream is not None:  # the descriptors were made on the current stream
+        if self.ahead is not None:  # the offsets and the first wave's gather are queued already
+            self.dev_starts = self.ahead.offsets[: len(self.descs)]
+            self.remote_free[waves[0].slot] = False
+            self.gathered.append((waves[0], self.ahead.event))
+            self.next_wave = 1
+            ep.first_waves_ahead += 1
+            self._mark(0, "ahead")
+        elif ep._stream is not None:  # the descriptors were made on the current stream
             ep._stream.wait_stream(torch.cuda.current_stream(ep.staging.device))
             with torch.cuda.stream(ep._stream):  # each descriptor's offset in the whole batch's byte stream
                 self.dev_starts = torch.cumsum(device_descs[:, 2], 0).sub_(device_descs[:, 2])

@@ -220,8 +220,8 @@ class PlannedWave:
 class PlannedRun:
     """A planned run on the receiver, from its announcement until its scatter inputs are known.
 
-    ``stage`` goes ``planning`` (the plan runs on the device) -> ``summing`` (the sections' byte ends
-    are being copied to the host) -> ``ready`` (landed waves may scatter), or ``refused`` with ``why``.
+    ``stage`` goes ``planning`` (the plan runs on the device) -> ``ready`` (landed waves may
+    scatter), or ``refused`` with ``why``.
     """
 
     sender: str
@@ -233,9 +233,7 @@ class PlannedRun:
     why: str | None = None
     descs: torch.Tensor | None = None  # the scatter descriptors ``(dst, dst, nbytes)``, the run's own copy
     starts: torch.Tensor | None = None  # each one's byte offset in the run
-    _sections: list[Section] = field(default_factory=list)
-    _host: torch.Tensor | None = None
-    _event: Any = None
+    _copies: tuple[torch.Tensor, torch.Tensor] | None = None  # the plan's buffers, copied behind it
 
     @classmethod
     def announce(cls, header: dict[str, Any], capacity: int, own: Callable[[Any], OwnLists], planner: Planner,
@@ -268,51 +266,38 @@ class PlannedRun:
         columns = run_columns(chunks, own)
         run = cls(sender, list(dict.fromkeys(columns.requests)), waves, alignment, None)
         run.pending = planner.plan(columns, stream=stream)
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            # copied behind the plan at once (later plans reuse its buffers): once the host has seen the
+            # plan, a landed wave only needs its scatter launched
+            descs, starts = run.pending.device_ahead()
+            run._copies = (descs.clone(), starts.clone())
         return run
 
-    def advance(self, stream: torch.cuda.Stream | None) -> bool:
-        """Move on as far as the device allows without waiting; True once ``ready`` or ``refused``."""
+    def advance(self, stream: torch.cuda.Stream | None = None) -> bool:
+        """Move on as far as the device allows without waiting; True once ``ready`` or ``refused``.
+        One look at the plan's event: its host report holds the sections and their byte ends."""
         if self.stage == "planning" and self.pending.ready():
             try:
-                descs = self.pending.device_descriptors()  # raises the plan's first error, naming the request
-                self._sections = self.pending.sections()
+                count = len(self.pending.device_descriptors())  # raises the plan's first error, naming the request
+                sections, ends = self.pending.sections(), self.pending.section_byte_ends()
             except PeerError as err:
                 return self._refuse(str(err))
             except ValueError as err:  # a PlanError: the chunk is not one this side published
                 return self._refuse(f"the run's chunks do not plan against what this side published: {err}")
-            self._sum(descs, stream)
-        if self.stage == "summing" and (self._event is None or self._event.query()):
-            self._place()
+            self.descs, self.starts = self._copies[0][:count], self._copies[1][:count]
+            self.pending = self._copies = None
+            self._place(sections, ends)
         return self.stage in ("ready", "refused")
 
-    def _sum(self, descs: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
-        """Copy the plan on the device (later plans reuse its buffers), with each descriptor's offset
-        in the run, and start copying the sections' byte ends and the total to the host."""
-        his = torch.tensor([s.hi - 1 for s in self._sections] + [len(descs) - 1], dtype=torch.int64)
-        with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            self.descs = descs.clone()
-            ends = torch.cumsum(self.descs[:, 2], 0)
-            self.starts = ends - self.descs[:, 2]
-            wanted = ends.index_select(0, his.to(descs.device, non_blocking=True)) if len(descs) else his[:0]
-            if stream is not None:
-                self._host = torch.empty(wanted.shape, dtype=torch.int64, pin_memory=True)
-                self._host.copy_(wanted, non_blocking=True)
-                self._event = torch.cuda.Event()
-                self._event.record(stream)
-            else:
-                self._host = wanted
-        self.pending = None
-        self.stage = "summing"
-
-    def _place(self) -> None:
-        """Check the run's bytes against the plan's, and give each wave the sections it completes."""
-        ends = self._host.numpy()
-        total, claimed = (int(ends[-1]) if len(ends) else 0), (self.waves[-1].byte_hi if self.waves else 0)
+    def _place(self, sections: list[Section], ends: np.ndarray) -> None:
+        """Check the run's bytes against the plan's (``ends``: each section's byte end, then the
+        total), and give each wave the sections it completes."""
+        total, claimed = int(ends[-1]), (self.waves[-1].byte_hi if self.waves else 0)
         if total != claimed:
             self._refuse(f"the run carries {claimed} bytes; this side's plan of its chunks has {total}")
             return
         his = np.array([w.byte_hi for w in self.waves], np.int64)
-        for section, end in zip(self._sections, ends[:-1].tolist()):
+        for section, end in zip(sections, ends[:-1].tolist()):
             self.waves[int(np.searchsorted(his, end, side="left"))].sections.append(section)
         self.stage = "ready"
 

@@ -33,7 +33,8 @@ from ..errors import PeerError
 from ..planner.plan import Section
 from .completion import note_fields
 
-__all__ = ["Wave", "check_run", "decode_wave_note", "plan_waves", "run_message", "wave_key", "wave_note"]
+__all__ = ["Wave", "check_run", "decode_wave_note", "plan_waves", "run_message", "staging_ring", "wave_key",
+           "wave_note"]
 
 
 @dataclass
@@ -50,6 +51,13 @@ class Wave:
     def requests(self, owners: Sequence[Any]) -> list[Any]:
         """Every request with a descriptor in this wave (``owners[i]`` is descriptor ``i``'s request)."""
         return list(dict.fromkeys(owners[self.lo : self.hi]))
+
+
+def staging_ring(capacity: int, slots: int, alignment: int) -> tuple[int, int]:
+    """``(slots, slot_bytes)`` of a ring over ``capacity`` staging bytes (the smaller of the two
+    sides' buffers): at most ``slots`` slots, each a multiple of ``alignment``."""
+    slots = max(1, min(slots, capacity // max(alignment, 1)))
+    return slots, (capacity // slots) // alignment * alignment
 
 
 def plan_waves(sizes: np.ndarray, sections: Sequence[Section], slot_bytes: int, slots: int,

@@ -23,7 +23,7 @@ def test_columns_plan_like_the_reference_in_every_form(device, preset, variant):
     shape = PRESETS[preset].scaled(layers=2)
     batch = build_batch(shape.from_prefix() if variant else shape, requests=3, prompt_len=[300, 129, 1000], chunks=2,
                         prefix_len=64, seed=3).to(device)
-    planner = Planner(batch.src, batch.dsts, outputs=("descriptors", "prepared", "runs"), block=128)
+    planner = Planner(batch.src, batch.dsts, outputs=("descriptors", "prepared", "runs", "byte_offsets"), block=128)
     cols = BatchColumns.from_batch(batch)
     pending = planner.plan(cols)
     expected = plan_reference(batch)
@@ -31,6 +31,16 @@ def test_columns_plan_like_the_reference_in_every_form(device, preset, variant):
     descs, offsets = pending.descriptors()
     want, want_offsets = expected.descriptors()
     assert np.array_equal(descs, want) and np.array_equal(offsets, want_offsets)
+    # staged mode's forms: byte offsets on the device, the sections' byte ends in the report, and the
+    # buffer with its count on the device (read before the host has waited)
+    ends = np.cumsum(want[:, 2].astype(np.int64))
+    assert np.array_equal(pending.device_byte_offsets().cpu().numpy(), ends - want[:, 2].astype(np.int64))
+    sections = pending.sections()
+    assert [(s.request, s.role, s.lo, s.hi) for s in sections] == \
+        [(s.request, s.role, s.lo, s.hi) for s in expected.sections()]
+    assert np.array_equal(pending.section_byte_ends(), [int(ends[s.hi - 1]) for s in sections] + [int(ends[-1])])
+    whole, rows = pending.device_descriptors_ahead()
+    assert int(rows) == len(want) and np.array_equal(whole[: len(want)].cpu().numpy().view(np.uint64), want)
     pending.prepared_indices().assert_equal(prepared_indices_reference(batch, expected))
     host = NumpyBatchPlanner(batch.src, batch.dsts)
     compact = pending.runs()
@@ -94,6 +104,7 @@ def _side_and_columns(device, dst_pages, counts):
 def test_an_error_in_columns_names_its_request_and_nothing_is_returned(device):
     src, dst, cols = _side_and_columns(device, [3, 4, 10, 11], [3, 1])  # "b" needs 2 pages, has 1
     pending = Planner(src, [dst]).plan(cols)
+    assert int(pending.device_descriptors_ahead()[1]) == 0  # a gather queued ahead reads nothing of it
     with pytest.raises(LengthMismatchError) as raised:
         pending.descriptors()
     assert raised.value.request == "b"

@@ -74,3 +74,33 @@ def test_a_scatter_cut_into_byte_windows_lands_the_same_bytes(device, case, cuts
         slot[: hi - lo] = staging[lo:hi]
         scatter(descs, offsets, slot, align, typical_bytes, need=hi - lo, shift=-lo, window=(lo, hi))
     assert expected.matches(dst_tensors)
+
+
+@settings(max_examples=15, deadline=None)
+@given(scenarios(), st.lists(st.floats(0.0, 1.0), max_size=4), st.sampled_from([16, 4096]))
+def test_a_gather_ahead_copies_its_window_of_the_counted_rows_only(device, case, cuts, typical_bytes):
+    """A gather queued before the host has seen the plan: the descriptor buffer is longer than the
+    plan, and the rows past the device count point at poison placed at the window's start. Each
+    window, gathered into its own slot, holds exactly its bytes of the whole stream, and nothing
+    past the window; with a count of zero (a refused plan) nothing is written."""
+    _, batch = case
+    real, src_tensors, dst_tensors = _real_batch(batch, device)  # (kept alive: the descriptors point into them)
+    descs = gpu.plan(on_device(real, device)).device_descriptors()
+    align = plan_alignment(real)
+    offsets, ends = staging_offsets(descs)
+    total = int(ends[-1]) if len(ends) else 0
+    whole = torch.zeros(total, dtype=torch.uint8, device=device)
+    gather(descs, offsets, whole, align, typical_bytes)
+    poison = torch.full((4 * align,), 0xFF, dtype=torch.uint8, device=device)
+    extra = torch.tensor([[poison.data_ptr(), 0, 4 * align]] * 3, dtype=torch.int64).to(device)
+    longer = torch.cat([descs, extra])
+    offsets = torch.cat([offsets, torch.zeros(3, dtype=torch.int64, device=device)])
+    counted = torch.tensor([descs.shape[0]], dtype=torch.int64).to(device)
+    bounds = sorted({0, total, *(int(c * total) // align * align for c in cuts)})
+    for lo, hi in zip(bounds, bounds[1:]):
+        slot = torch.zeros(hi - lo + 4 * align, dtype=torch.uint8, device=device)
+        gather(longer, offsets, slot, align, typical_bytes, need=hi - lo, shift=-lo, window=(lo, hi), rows=counted)
+        assert torch.equal(slot[: hi - lo], whole[lo:hi]) and not slot[hi - lo :].any()
+    slot = torch.zeros(max(total, 4 * align), dtype=torch.uint8, device=device)
+    gather(longer, offsets, slot, align, typical_bytes, need=total, window=(0, total), rows=counted * 0)
+    assert not slot.any()
