@@ -262,12 +262,13 @@ class _Buffers:
         self.sectioned = bool(outputs & {"prepared", "descriptors", "device_descriptors", "byte_offsets"})
         d_cap = st.per_element * e_cap * st.units_per_entry + st.aux_entries * t_cap
         self.descs = self.prep_src = self.prep_dst = self.runs = None
-        self.byte_ends = self.byte_starts = self.seg_bytes = None
+        self.byte_ends = self.byte_starts = self.seg_bytes = self.live_rows = None
         if outputs & {"descriptors", "device_descriptors", "byte_offsets"}:
             self.descs = z(d_cap, 3)
         if "byte_offsets" in outputs:  # running byte sums of the descriptors; each segment's byte end
             self.byte_ends, self.byte_starts = z(d_cap), z(d_cap)
             self.seg_bytes = self.report[H + 6 * S :]
+            self.live_rows = z(1)  # the descriptor count, or 0 when the plan is refused
         if "prepared" in outputs:
             p_cap = max(1, st.per_element * e_cap * st.units_per_entry + st.aux_entries * t_cap)
             self.prep_src = torch.empty(p_cap, dtype=torch.int32, device=device)
@@ -463,6 +464,8 @@ class Planner:
             last = (seg_end - 1).clamp_(0, b.byte_ends.numel() - 1)
             torch.index_select(b.byte_ends, 0, last, out=b.seg_bytes)
             b.seg_bytes.mul_(seg_end > 0)
+            torch.mul(b.head[int(ks.TOTAL_DESCS) : int(ks.TOTAL_DESCS) + 1],
+                      b.head[int(ks.FIRST_FATAL) : int(ks.FIRST_FATAL) + 1].eq(int(ks.NONE)), out=b.live_rows)
         if b.prep_src is not None:
             kx.prepared_indices(b.seg, b.seg_sums, b.head, b.src, b.dst, st.slots, b.prep_src, b.prep_dst,
                                 segments_per_transfer=st.K, programs=programs, block=block)
@@ -615,6 +618,11 @@ class PendingPlan:
             torch.cuda.current_stream(self.planner.device).wait_event(self.event)
         return b.descs, b.byte_starts
 
+    def byte_offsets_ahead(self) -> torch.Tensor | None:
+        """The byte offsets buffer of :meth:`device_ahead`, without a second wait (``None`` without
+        ``"byte_offsets"``); for a stream that already waits for the plan."""
+        return self._b.byte_starts
+
     def device_descriptors_ahead(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Without waiting for the plan: its whole descriptor buffer (int64 ``[capacity, 3]``, on the
         planning device) and an int64 ``[1]`` device tensor, queued on the current stream, that holds
@@ -630,6 +638,8 @@ class PendingPlan:
         """
         b = self._b
         self.device_ahead()
+        if b.live_rows is not None:  # made by the plan itself
+            return b.descs, b.live_rows
         total, fatal = b.head[int(ks.TOTAL_DESCS) : int(ks.TOTAL_DESCS) + 1], b.head[int(ks.FIRST_FATAL) : int(ks.FIRST_FATAL) + 1]
         return b.descs, total * fatal.eq(int(ks.NONE))
 

@@ -61,7 +61,7 @@ class AheadGatherer:
             return None
         with torch.cuda.stream(self.stream):
             descs, rows = pending.device_descriptors_ahead()  # (this stream now waits for the plan)
-            offsets = pending.device_ahead()[1]  # the plan's own byte offsets, when it makes them
+            offsets = pending.byte_offsets_ahead()  # the plan's own, when it makes them
             if offsets is None:
                 capacity = descs.shape[0]
                 if self._sums is None or self._sums.numel() < capacity + 1:

@@ -108,9 +108,13 @@ class _Status:
     deadline: float
     parts: dict[int | None, _Part]  # by sender; one part keyed ``None`` when any one sender writes it all
     failure: str | None = None
+    landed_all: bool = False  # every part has landed (kept by :meth:`refresh`: the receive loop asks often)
+
+    def refresh(self) -> None:
+        self.landed_all = all(p.complete(self.expected) for p in self.parts.values())
 
     def complete(self) -> bool:
-        return self.failure is None and all(p.complete(self.expected) for p in self.parts.values())
+        return self.failure is None and self.landed_all
 
 
 class CompletionTracker:
@@ -138,7 +142,8 @@ class CompletionTracker:
             return _Part(np.zeros(len(self._kv_layers), np.int64), components)
 
         parts = {None: part(None)} if senders is None else {int(k): part(names) for k, names in senders.items()}
-        self._status[expectation.request] = _Status(expectation, deadline, parts)
+        status = self._status[expectation.request] = _Status(expectation, deadline, parts)
+        status.refresh()
 
     def _covered(self, layers: tuple[int, ...] | np.ndarray, note: SectionNote) -> np.ndarray:
         """Which of ``layers`` a note covers (all of them when it names none)."""
@@ -154,6 +159,10 @@ class CompletionTracker:
             return
         if status.failure is not None:
             return
+        self._land(status, note)
+        status.refresh()
+
+    def _land(self, status: _Status, note: SectionNote) -> None:
         part = status.parts.get(None) or status.parts.get(note.sender)  # type: ignore[arg-type]
         if part is None:
             self.fail(note.request, f"received a section from sender {note.sender}, which the request was not "
@@ -184,6 +193,8 @@ class CompletionTracker:
 
     def fail(self, request: Any, reason: str) -> None:
         status = self._status.get(request)
+        if status is not None:
+            status.refresh()  # (a note being landed may have changed it)
         if status is not None and status.failure is None and not status.complete():
             status.failure = reason
             log.warning("request %r failed: %s", request, reason)

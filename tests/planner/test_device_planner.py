@@ -101,9 +101,10 @@ def _side_and_columns(device, dst_pages, counts):
     return src, dst, cols
 
 
-def test_an_error_in_columns_names_its_request_and_nothing_is_returned(device):
+@pytest.mark.parametrize("outputs", [("descriptors",), ("descriptors", "byte_offsets")])
+def test_an_error_in_columns_names_its_request_and_nothing_is_returned(device, outputs):
     src, dst, cols = _side_and_columns(device, [3, 4, 10, 11], [3, 1])  # "b" needs 2 pages, has 1
-    pending = Planner(src, [dst]).plan(cols)
+    pending = Planner(src, [dst], outputs=outputs).plan(cols)
     assert int(pending.device_descriptors_ahead()[1]) == 0  # a gather queued ahead reads nothing of it
     with pytest.raises(LengthMismatchError) as raised:
         pending.descriptors()
