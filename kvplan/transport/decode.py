@@ -117,6 +117,8 @@ class DecodeEndpoint:
         self._uploads: dict[int, tuple[torch.Tensor, Any]] = {}  # per sender: pinned rows, their last upload
         self._own: dict[Any, OwnLists] = {}  # what planned runs are planned from, per request published with a row
         self._runs: list[tuple[int, PlannedRun]] = []  # planned runs whose scatter is not yet known, by sender
+        # runs announced by their chunks, by (sender, run id), until their waves come: the run, or why it was refused
+        self._chunked: dict[tuple[int, int], PlannedRun | str] = {}
         self._planner: Planner | None = None  # plans planned runs' scatters (this side to itself)
         self._alignment = plan_alignment(Batch(side, (side,), ()))  # caps a planned run's announced alignment
         self.trace: list[tuple[str, str, float]] | None = [] if os.environ.get("KVPLAN_TRACE") else None
@@ -224,6 +226,8 @@ class DecodeEndpoint:
                     self._announce(k, header, frames[0])
                 elif kind == "staged-plan":
                     self._announce_planned(k, header)
+                elif kind == "staged-waves":
+                    self._on_run_waves(k, header)
                 elif kind == "paired":
                     self._on_paired(k, header)
                 elif kind == "failed" and self._writes(header.get("request"), k):
@@ -275,6 +279,7 @@ class DecodeEndpoint:
         for key in [k for k, w in self._waves.items() if w.peer == peer and w.event is None]:
             del self._waves[key]
         self._runs = [(k, run) for k, run in self._runs if k != peer]
+        self._chunked = {key: run for key, run in self._chunked.items() if key[0] != peer}
         try:
             self._register(peer, time.monotonic() + 5.0)
         except ControlTimeout as err:
@@ -304,6 +309,8 @@ class DecodeEndpoint:
                 for key in [k for k, w in self._waves.items() if w.event is None and not w.landed
                             and all(r not in self._owner for r in w.requests)]:
                     del self._waves[key]  # announced for requests that have failed: it will never be scattered
+                self._chunked = {key: run for key, run in self._chunked.items()  # (waves that never came)
+                                 if isinstance(run, PlannedRun) and any(r in self._owner for r in run.requests)}
                 if self.trace:
                     log.warning("decode waves (wave, step, clock ms): %s",
                                 [(w.split(":")[-1], k, round(t * 1e3, 3)) for w, k, t in self.trace])
@@ -360,14 +367,20 @@ class DecodeEndpoint:
 
     def _announce_planned(self, peer: int, header: dict[str, Any]) -> None:
         """Start planning a planned run's scatter from what this side published (see
-        :mod:`.receiver_plan`); a run that names what this side cannot plan is refused whole."""
+        :mod:`.receiver_plan`); a run that names what this side cannot plan is refused whole. A run
+        announced by its chunks alone (a ``run`` id, no ``waves``) waits for its ``staged-waves``."""
         requests: list[Any] = []
         waves: list = []
+        early, key = "waves" not in header, None
         try:
             sender = str(header["from"])
-            waves = [int(w[0]) for w in header["waves"]]
+            waves = [] if early else [int(w[0]) for w in header["waves"]]
             if waves:
                 self._mark(wave_key(waves[0], sender), "received")
+            if early:
+                key = (peer, int(header["run"]))
+                self._mark(f"{sender}:run{key[1]}", "received")
+                self._chunked[key] = "the run's chunks were refused"  # (until it is known to plan)
             requests = list(dict.fromkeys(r for r, *_ in header["transfers"]))
             strangers = [r for r in requests if r in self._owner and not self._writes(r, peer)]
             if strangers:
@@ -383,8 +396,44 @@ class DecodeEndpoint:
             why = str(err) if isinstance(err, PeerError) else \
                 f"a malformed or unplannable run ({type(err).__name__}: {err})"
             self._refuse_run(peer, requests, waves, why)
+            if key in self._chunked:
+                self._chunked[key] = why  # its waves are refused when they come
             return
+        if early:
+            self._chunked[key] = run
+            self._mark(f"{sender}:run{key[1]}", "planning")
+            return
+        self._start_waves(peer, run)
+
+    def _on_run_waves(self, peer: int, header: dict[str, Any]) -> None:
+        """The waves of a run announced by its chunks (``staged-waves``): checked, then scattered as
+        they land; a cancelled run is dropped (its sender failed it), an unknown or refused one's
+        waves are refused."""
+        try:
+            key = (peer, int(header["run"]))
+            run = self._chunked.pop(key, None)
+            if "cancel" in header:
+                return
+            waves = [int(w[0]) for w in header["waves"]]
+        except (KeyError, TypeError, ValueError, IndexError) as err:
+            log.warning("ignored a malformed staged-waves message from sender %d: %s: %s", peer, type(err).__name__,
+                        err)
+            return
+        if run is None or isinstance(run, str):
+            self._refuse_run(peer, [], waves, run or "waves of a run this side was not announced")
+            return
+        try:
+            run.set_waves(header["waves"], self._share)
+        except (PeerError, TypeError, ValueError, IndexError) as err:
+            self._refuse_run(peer, run.requests, waves, str(err) if isinstance(err, PeerError) else
+                             f"malformed waves ({type(err).__name__}: {err})")
+            return
+        self._start_waves(peer, run)
+
+    def _start_waves(self, peer: int, run: PlannedRun) -> None:
+        """A planned run's waves become scatterable as they land once its plan is placed."""
         share_lo = peer * self._share
+        sender = run.sender
         for w in run.waves:
             key = wave_key(w.index, sender)
             self._waves[key] = _StagedWave(w.index, peer, share_lo + w.lo_in_share, w.nbytes, run.alignment, 0, 0, [],

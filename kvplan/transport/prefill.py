@@ -61,7 +61,7 @@ from .engines import Engine, Handle, wait_all
 from .local import gather, plan_alignment, warm_up
 from .readiness import LayerStreaming
 from .streams import transport_stream
-from .receiver_plan import planned_run_message, receiver_can_plan
+from .receiver_plan import planned_run_chunks, planned_run_message, planned_run_waves, receiver_can_plan
 from .registration import describe_side, side_from_description
 from .waves import Wave, plan_waves, run_message, staging_ring, wave_note
 
@@ -140,6 +140,7 @@ class PrefillEndpoint:
         self._ahead = AheadGatherer(staging, self._stream) if self._stream is not None else None
         self._plan_stream: torch.cuda.Stream | None = None  # a streamed send's (made on the first)
         self._next_wave = 0
+        self._next_run = 0  # ids of runs announced by their chunks ahead of their waves
         self.id = uuid.uuid4().hex[:12]  # names this sender's waves on receivers that have several senders
         self.last_mode: str | None = None  # the mode the last send used (what ``auto`` chose)
         self.last_announcement: str | None = None  # how its last staged run was announced: "planned" or "table"
@@ -290,7 +291,7 @@ class PrefillEndpoint:
         transfers = tuple(transfers)
         batch = Batch(self.side, tuple(p.side for p in self.peers), transfers, self.policy)
         refused: dict[Any, str] = {}
-        ahead = None
+        ahead = chunks_run = None
         try:
             if self.refuse == "request":
                 pending, errors = plan_each(batch, self._planner(prepared=mode == "prepared").plan)
@@ -305,10 +306,12 @@ class PrefillEndpoint:
                 if layers is None:
                     ahead = self._gather_ahead(pending, batch, mode)
                     self._times.append(("queued", time.perf_counter()))
+                    chunks_run = self._announce_chunks(transfers, batch, mode, timeout)
             descs, per_transfer = pending.descriptors()
             sections = pending.sections()
             self._times.append(("planned", time.perf_counter()))
         except PlanError as err:
+            self._cancel_chunks(chunks_run, f"batch refused: {err}")
             for t in transfers:
                 self._report(t.dest, t.request, f"batch refused: {err}")
             raise
@@ -319,15 +322,18 @@ class PrefillEndpoint:
             moved = self._send_layerwise(transfers, descs, sections, layers, time.monotonic() + timeout,
                                          (pending.device_descriptors(), plan_alignment(batch)) if staged else None)
             return {**moved, **refused}
-        return {**self._move(transfers, mode, pending, descs, per_transfer, sections, batch, timeout, ahead), **refused}
+        return {**self._move(transfers, mode, pending, descs, per_transfer, sections, batch, timeout, ahead,
+                             chunks_run), **refused}
 
     def _move(self, transfers: tuple[Transfer, ...], mode: str, pending, descs: np.ndarray, per_transfer: np.ndarray,
               sections: list[Section], batch: Batch, timeout: float,
-              ahead: GatherAhead | None = None) -> dict[Any, str | None]:
+              ahead: GatherAhead | None = None, chunks_run: int | None = None) -> dict[Any, str | None]:
         deadline = time.monotonic() + timeout
         if mode == "auto":
             mode = self._auto_mode(descs)
         self.last_mode = mode
+        if mode != "staged":
+            self._cancel_chunks(chunks_run, f"sent {mode}")
         log.info("sending %d transfers (%d descriptors) %s", len(transfers), len(descs), mode)
         if mode == "direct":
             return self._send_direct(transfers, descs, sections, deadline)
@@ -336,7 +342,8 @@ class PrefillEndpoint:
         result: dict[Any, str | None] = {}
         for dest in sorted({t.dest for t in transfers}):  # each peer's share through its own staging ring
             if len(self.peers) == 1:
-                one = _Batch(transfers, descs, per_transfer, sections, pending.device_descriptors(), ahead=ahead)
+                one = _Batch(transfers, descs, per_transfer, sections, pending.device_descriptors(), ahead=ahead,
+                             chunks_run=chunks_run)
             else:
                 share = tuple(replace(t, dest=0) for t in transfers if t.dest == dest)
                 sub = gpu.plan(Batch(self.side, (self.peers[dest].side,), share, self.policy))
@@ -518,6 +525,35 @@ class PrefillEndpoint:
         alignment = plan_alignment(batch)
         return self._ahead.queue(pending, alignment, self._ring(0, alignment)[1])
 
+    def _announce_chunks(self, transfers: Sequence[Transfer], batch: Batch, mode: str, timeout: float) -> int | None:
+        """Announce a staged run's chunks to a receiver that plans it (:func:`.receiver_plan.planned_run_chunks`)
+        as soon as this side's plan is launched, so that both plan at once; its waves follow once this
+        side's plan is seen. The run's id, or ``None`` where the send will not be such a run."""
+        peer = self.peers[0]
+        if not (self.receiver_plans and transfers and len(self.peers) == 1 and self.staging is not None
+                and peer.staging is not None and peer.plannable
+                and (mode == "staged" or mode == "auto" and self.last_mode == "staged")
+                and all(t.request in peer.planning for t in transfers)):
+            return None
+        run, self._next_run = self._next_run, self._next_run + 1
+        peer.channel.replaced()  # a connection made again before this run loses nothing of it
+        try:
+            peer.channel.send("staged-plan", planned_run_chunks(self.id, plan_alignment(batch), transfers, run),
+                              timeout=timeout)
+        except ControlTimeout:
+            return None  # (then announced whole, or failed, by the staged run)
+        self._times.append(("chunks", time.perf_counter()))
+        return run
+
+    def _cancel_chunks(self, run: int | None, why: str) -> None:
+        """Withdraw a run announced by its chunks that will not be sent as one (its requests are
+        failed or sent otherwise, and told so by their own messages)."""
+        if run is not None:
+            try:
+                self.peers[0].channel.send("staged-waves", {"from": self.id, "run": run, "cancel": why}, timeout=1.0)
+            except ControlTimeout:
+                log.warning("could not withdraw staged run %d from the decode side", run)
+
     def _staged_run(self, dest: int, batch: "_Batch", alignment: int, deadline: float) -> "_StagedRun":
         if self.staging is None or self.peers[dest].staging is None:
             raise LayoutError("staged mode needs a registered staging buffer on both sides")
@@ -535,6 +571,7 @@ class _Batch:
     device_descs: torch.Tensor  # the same descriptors on the device (what the gathers read)
     plannable: bool = True  # False: a part of a plan (a layer group) the receiver cannot plan itself
     ahead: GatherAhead | None = None  # its first wave, gathered behind the plan (.ahead)
+    chunks_run: int | None = None  # the id under which its chunks were announced ahead of the plan
 
 
 def split_descriptors(descs: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray | None]:
@@ -631,7 +668,7 @@ class _StagedRun:
         self.alignment, self.deadline = alignment, deadline
         self.result: dict[Any, str | None] = {t.request: None for t in batch.transfers}
         self.slots, self.slot_bytes = ep._ring(dest, alignment)
-        self.transfers, self.plannable = batch.transfers, batch.plannable
+        self.transfers, self.plannable, self.chunks_run = batch.transfers, batch.plannable, batch.chunks_run
         self.descs, first = split_descriptors(batch.descs, self.slot_bytes)
         device_descs = batch.device_descs
         if first is not None:  # a descriptor larger than a slot goes in pieces
@@ -686,12 +723,17 @@ class _StagedRun:
                                         ends=self.host_starts[1:])
         self.base_id = ep._next_wave
         ep._next_wave += len(waves)
-        self.peer.channel.replaced()  # a connection made again before this run loses nothing of it
-        if ep.receiver_plans and self.peer.plannable and self.plannable and \
+        frames: tuple[bytes, ...] = ()
+        # a connection made again before this run (or since its chunks went ahead) loses nothing of it
+        replaced = self.peer.channel.replaced()
+        if self.chunks_run is not None and not replaced:  # its chunks went ahead: its waves complete it
+            kind, header = "staged-waves", planned_run_waves(ep.id, self.base_id, waves, self.slot_bytes,
+                                                             self.host_starts, run=self.chunks_run)
+            ep.last_announcement = "planned"
+        elif ep.receiver_plans and self.peer.plannable and self.plannable and \
                 all(t.request in self.peer.planning for t in self.transfers):
             kind, header = "staged-plan", planned_run_message(ep.id, self.base_id, waves, self.slot_bytes,
                                                               self.alignment, self.transfers, self.host_starts)
-            frames: tuple[bytes, ...] = ()
             ep.last_announcement = "planned"
         else:
             spans = [(t.request, int(self.rows[k]), int(self.rows[k + 1])) for k, t in enumerate(self.transfers)]

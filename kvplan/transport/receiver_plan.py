@@ -51,8 +51,8 @@ from ..planner.pairing import SidePairing, pair_sides
 from ..planner.plan import Section
 from .waves import Wave
 
-__all__ = ["OwnLists", "PlannedRun", "PlannedWave", "fills_whole_items", "mirror_source", "planned_run_message",
-           "receiver_can_plan", "run_columns", "scatter_source"]
+__all__ = ["OwnLists", "PlannedRun", "PlannedWave", "fills_whole_items", "mirror_source", "planned_run_chunks",
+           "planned_run_message", "planned_run_waves", "receiver_can_plan", "run_columns", "scatter_source"]
 
 _START, _FILL, _LAST = COLUMNS.index("start"), COLUMNS.index("fill_len"), COLUMNS.index("last")
 _LO = [COLUMNS.index("kv_lo")]  # the columns that index dst_flat (then each component's lo)
@@ -190,15 +190,35 @@ def run_columns(chunks: Sequence[tuple[Any, int, int, bool]], own: Callable[[Any
 
 def planned_run_message(sender: str, base_id: int, waves: Sequence[Wave], slot_bytes: int, alignment: int,
                         transfers: Sequence[Transfer], byte_starts: np.ndarray) -> dict[str, Any]:
-    """The header announcing a planned run: the chunks, and per wave its id, its offset in the slot
-    ring and its bytes ``[lo, hi)`` of the run (``byte_starts``: each descriptor's offset in the run,
-    one more at the end)."""
-    return {
-        "from": sender, "alignment": alignment,
-        "transfers": [[t.request, int(t.start), int(t.fill_len), bool(t.last)] for t in transfers],
+    """The header announcing a planned run in one message: its chunks (:func:`planned_run_chunks`)
+    and its waves (:func:`planned_run_waves`)."""
+    return {**planned_run_chunks(sender, alignment, transfers),
+            **planned_run_waves(sender, base_id, waves, slot_bytes, byte_starts)}
+
+
+def planned_run_chunks(sender: str, alignment: int, transfers: Sequence[Transfer], run: int | None = None
+                       ) -> dict[str, Any]:
+    """A planned run's chunks: what the receiver plans its scatter from. Sent alone (with the run's
+    id ``run``) as soon as the sender has launched its own plan, the receiver plans while the sender
+    does; its waves follow in a ``staged-waves`` message (:func:`planned_run_waves` with ``run``)."""
+    header: dict[str, Any] = {"from": sender, "alignment": alignment,
+                              "transfers": [[t.request, int(t.start), int(t.fill_len), bool(t.last)] for t in transfers]}
+    if run is not None:
+        header["run"] = run
+    return header
+
+
+def planned_run_waves(sender: str, base_id: int, waves: Sequence[Wave], slot_bytes: int, byte_starts: np.ndarray,
+                      run: int | None = None) -> dict[str, Any]:
+    """A planned run's waves: per wave its id, its offset in the slot ring and its bytes ``[lo, hi)``
+    of the run (``byte_starts``: each descriptor's offset in the run, one more at the end)."""
+    header: dict[str, Any] = {
+        "from": sender,
         "waves": [[base_id + w.index, w.slot * slot_bytes, int(byte_starts[w.lo]), int(byte_starts[w.hi])]
-                  for w in waves],
-    }
+                  for w in waves]}
+    if run is not None:
+        header["run"] = run
+    return header
 
 
 @dataclass
@@ -234,6 +254,7 @@ class PlannedRun:
     descs: torch.Tensor | None = None  # the scatter descriptors ``(dst, dst, nbytes)``, the run's own copy
     starts: torch.Tensor | None = None  # each one's byte offset in the run
     _copies: tuple[torch.Tensor, torch.Tensor] | None = None  # the plan's buffers, copied behind it
+    has_waves: bool = True  # False: announced by its chunks alone, its waves still to come (set_waves)
 
     @classmethod
     def announce(cls, header: dict[str, Any], capacity: int, own: Callable[[Any], OwnLists], planner: Planner,
@@ -251,7 +272,23 @@ class PlannedRun:
             raise PeerError(f"the alignment {announced} is not a power of two")
         alignment = min(announced, own_alignment)
         chunks = [(r, int(s), int(f), bool(last)) for r, s, f, last in header["transfers"]]
-        waves = [PlannedWave(int(i), int(slot_lo), int(lo), int(hi)) for i, slot_lo, lo, hi in header["waves"]]
+        waves = cls.checked_waves(header["waves"], capacity, alignment) if "waves" in header else None
+        columns = run_columns(chunks, own)
+        run = cls(sender, list(dict.fromkeys(columns.requests)), waves or [], alignment, None)
+        run.has_waves = waves is not None
+        run.pending = planner.plan(columns, stream=stream)
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            # copied behind the plan at once (later plans reuse its buffers): once the host has seen the
+            # plan, a landed wave only needs its scatter launched
+            descs, starts = run.pending.device_ahead()
+            run._copies = (descs.clone(), starts.clone())
+        return run
+
+    @staticmethod
+    def checked_waves(rows: Sequence[Sequence[Any]], capacity: int, alignment: int) -> list[PlannedWave]:
+        """A run's waves from its announcement, checked: they tile the run's bytes in order, each fits
+        the ``capacity`` staging bytes of its sender, and every offset is aligned. Raises :class:`PeerError`."""
+        waves = [PlannedWave(int(i), int(slot_lo), int(lo), int(hi)) for i, slot_lo, lo, hi in rows]
         at = 0
         for w in waves:
             if w.byte_lo != at or w.byte_hi < w.byte_lo:
@@ -263,15 +300,14 @@ class PlannedRun:
             if w.lo_in_share % alignment or w.byte_lo % alignment:
                 raise PeerError(f"wave {w.index}: its offsets are not aligned to {alignment}")
             at = w.byte_hi
-        columns = run_columns(chunks, own)
-        run = cls(sender, list(dict.fromkeys(columns.requests)), waves, alignment, None)
-        run.pending = planner.plan(columns, stream=stream)
-        with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            # copied behind the plan at once (later plans reuse its buffers): once the host has seen the
-            # plan, a landed wave only needs its scatter launched
-            descs, starts = run.pending.device_ahead()
-            run._copies = (descs.clone(), starts.clone())
-        return run
+        return waves
+
+    def set_waves(self, rows: Sequence[Sequence[Any]], capacity: int) -> None:
+        """The waves of a run announced by its chunks first (:func:`planned_run_chunks`), checked as
+        :meth:`checked_waves`. Raises :class:`PeerError`."""
+        if self.has_waves:
+            raise PeerError("the run's waves were announced twice")
+        self.waves, self.has_waves = self.checked_waves(rows, capacity, self.alignment), True
 
     def advance(self, stream: torch.cuda.Stream | None = None) -> bool:
         """Move on as far as the device allows without waiting; True once ``ready`` or ``refused``.

@@ -195,15 +195,23 @@ def decode():
     return _decode_endpoint()
 
 
-def _announce(channel, waves, transfers=(("r1", 0, 17, True),), alignment=16):
-    channel.send("staged-plan", {"from": "p0", "alignment": alignment, "transfers": [list(t) for t in transfers],
-                                 "waves": [list(w) for w in waves]})
+FORMS = ["whole", "chunks first"]  # one announcement, or the chunks as soon as planned, then the waves
 
 
-def test_a_planned_run_is_scattered_wave_by_wave(decode):
+def _announce(channel, waves, transfers=(("r1", 0, 17, True),), alignment=16, form="whole", run=3):
+    chunks = {"from": "p0", "alignment": alignment, "transfers": [list(t) for t in transfers]}
+    if form == "whole":
+        channel.send("staged-plan", {**chunks, "waves": [list(w) for w in waves]})
+    else:
+        channel.send("staged-plan", {**chunks, "run": run})
+        channel.send("staged-waves", {"from": "p0", "run": run, "waves": [list(w) for w in waves]})
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_a_planned_run_is_scattered_wave_by_wave(decode, form):
     endpoint, prefill, pool, staging = decode
     # two waves: bytes [0, 640) in slot 0 and [640, 1024) at 2048; the cut falls inside the run of pages 3-5
-    _announce(prefill, [(7, 0, 0, 640), (8, 2048, 640, 1024)])
+    _announce(prefill, [(7, 0, 0, 640), (8, 2048, 640, 1024)], form=form)
     endpoint.engine.inbox += [wave_note(7, "p0"), wave_note(8, "p0")]
     deadline = time.monotonic() + 60
     while endpoint.tracker.state("r1") == "pending" and time.monotonic() < deadline:
@@ -226,9 +234,10 @@ def test_a_planned_run_is_scattered_wave_by_wave(decode):
     ((("r1", 0, 17, True),), [(7, 0, 0, 512), (8, 1024, 600, 1024)], "do not follow"),
     ((("r1", 0, 17, True),), [(7, 4096 - 512, 0, 1024)], "staging buffer holds"),
 ])
-def test_a_planned_run_that_disagrees_with_what_was_published_is_refused(decode, transfers, waves, why):
+@pytest.mark.parametrize("form", FORMS)
+def test_a_planned_run_that_disagrees_with_what_was_published_is_refused(decode, transfers, waves, why, form):
     endpoint, prefill, pool, _ = decode
-    _announce(prefill, waves, transfers)
+    _announce(prefill, waves, transfers, form=form)
     endpoint.engine.inbox += [wave_note(w[0], "p0") for w in waves]
     states = endpoint.wait()
     assert states == {"r1": "failed"} and "refused staged run" in endpoint.failures["r1"]
@@ -237,12 +246,13 @@ def test_a_planned_run_that_disagrees_with_what_was_published_is_refused(decode,
     assert int(pool.sum()) == 0, "bytes were written by a refused run"
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("sender", ["pages of 8", "unpaired"])
-def test_a_planned_run_from_a_sender_this_side_cannot_plan_for_is_refused(sender):
+def test_a_planned_run_from_a_sender_this_side_cannot_plan_for_is_refused(sender, form):
     """Whether a run may come without tables is this side's call, from the layout its sender paired with:
     a sender of other page sizes (or one that never paired) cannot make it plan whole items."""
     endpoint, prefill, pool, _ = _decode_endpoint(sender)
-    _announce(prefill, [(7, 0, 0, 1024)])
+    _announce(prefill, [(7, 0, 0, 1024)], form=form)
     endpoint.engine.inbox.append(wave_note(7, "p0"))
     assert endpoint.wait() == {"r1": "failed"} and "cannot plan a scatter for" in endpoint.failures["r1"]
     assert int(pool.sum()) == 0, "bytes were written by a refused run"
@@ -262,13 +272,52 @@ def test_a_request_published_without_a_row_cannot_be_planned(decode):
     assert "not published with a row" in endpoint.tracker.failure("t1") and int(pool.sum()) == 0
 
 
-def test_an_announced_alignment_above_the_sides_own_is_not_used(decode):
+@pytest.mark.parametrize("form", FORMS)
+def test_an_announced_alignment_above_the_sides_own_is_not_used(decode, form):
     """A peer's claim never widens the copy word past what this side's own addresses allow."""
     endpoint, prefill, pool, staging = decode
-    _announce(prefill, [(7, 0, 0, 1024)], alignment=1 << 20)
+    _announce(prefill, [(7, 0, 0, 1024)], alignment=1 << 20, form=form)
     endpoint.poll()
     own = plan_alignment(Batch(endpoint.side, (endpoint.side,), ()))
     assert own <= PAGE_BYTES and endpoint._waves["p0:7"].alignment == own
     endpoint.engine.inbox.append(wave_note(7, "p0"))
     assert endpoint.wait() == {"r1": "complete"}
 
+
+
+def test_waves_of_a_run_never_announced_are_refused(decode):
+    """A ``staged-waves`` message must name a run whose chunks this side planned: else nothing is written."""
+    endpoint, prefill, pool, _ = decode
+    prefill.send("staged-waves", {"from": "p0", "run": 9, "waves": [[7, 0, 0, 1024]]})
+    endpoint.engine.inbox.append(wave_note(7, "p0"))
+    for _ in range(20):
+        endpoint.poll()
+    kind, header, _ = prefill.try_recv()
+    assert kind == "wave-done" and "not announced" in header["error"]
+    assert int(pool.sum()) == 0 and endpoint.tracker.state("r1") == "pending"
+
+
+def test_a_withdrawn_run_writes_nothing_and_the_request_can_still_be_sent(decode):
+    """The sender announced a run's chunks, then sent the batch otherwise (``cancel``): the run is
+    dropped, and the request completes from the next announcement."""
+    endpoint, prefill, pool, staging = decode
+    prefill.send("staged-plan", {"from": "p0", "alignment": 16, "transfers": [["r1", 0, 17, True]], "run": 4})
+    prefill.send("staged-waves", {"from": "p0", "run": 4, "cancel": "sent direct"})
+    for _ in range(20):
+        endpoint.poll()
+    assert not endpoint._chunked and not endpoint._waves and int(pool.sum()) == 0
+    _announce(prefill, [(7, 0, 0, 1024)], form="chunks first", run=5)
+    endpoint.engine.inbox.append(wave_note(7, "p0"))
+    assert endpoint.wait() == {"r1": "complete"}
+
+
+def test_waves_of_a_run_whose_chunks_were_refused_are_refused(decode):
+    endpoint, prefill, pool, _ = decode
+    _announce(prefill, [(7, 0, 0, 1024)], (("r1", 2, 17, True),), form="chunks first")  # unaligned chunk
+    endpoint.engine.inbox.append(wave_note(7, "p0"))
+    assert endpoint.wait() == {"r1": "failed"}
+    for _ in range(5):
+        endpoint.poll()
+    kind, header, _ = prefill.try_recv()
+    assert kind == "wave-done" and header["wave"] == 7 and "do not plan against" in header["error"]
+    assert int(pool.sum()) == 0
