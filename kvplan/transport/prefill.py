@@ -11,8 +11,10 @@ kvplan and moves it:
   the engine write of another and the receiver's scatter of a third overlap: the sender needs a
   slot's credit (returned by the receiver after its scatter) and the end of its own last write from
   that slot, nothing else. The run is announced on the control channel ahead of its bytes: by its
-  chunks alone where the receiver can plan its own scatter (:mod:`.receiver_plan`), else with every
-  wave's destination table; the engine's notification, carrying the wave id, says a wave has landed.
+  chunks alone where the receiver can plan its own scatter (:mod:`.receiver_plan`; the chunks as soon
+  as this side's plan is launched, the waves once it is seen), else with every wave's destination
+  table; the engine's notification, carrying the wave id, says a wave has landed. The first wave's
+  gather is queued right behind the plan (:mod:`.ahead`).
 * ``auto`` (the default): staged when both sides have staging buffers on a GPU and the batch has at least
   64 descriptors of at most 256 KiB on average, else direct. (TensorRT-LLM gates at 1024 and 16 KiB;
   on an H200 through CUDA IPC a direct write costs ~10 us per descriptor, so staging wins far

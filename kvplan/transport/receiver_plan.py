@@ -6,8 +6,10 @@ before it scatters. In the planned form the sender announces only its chunks ``(
 fill_len, last)`` and each wave's byte range of the run; the receiver plans the scatter with kvplan's
 planner from its *own* published lists, rows, prompt and prefix lengths, as a plan from its side to
 itself. Nothing the peer sends becomes an address: a chunk outside what was published fails to
-plan, and a wave that does not tile the run's bytes is refused. The receiver's planning runs on the
-device while the sender gathers and writes, so the scatter of a landed wave waits on nothing.
+plan, and a wave that does not tile the run's bytes is refused. The chunks can go ahead of the
+waves (:func:`planned_run_chunks`, then :func:`planned_run_waves`): sent as soon as the sender's
+plan is launched, they let the receiver plan while the sender does. The receiver's planning runs on
+the device while the sender gathers and writes, so the scatter of a landed wave waits on nothing.
 
 Why the byte streams agree: a plan's descriptors are in transfer order, then sections (KV, each
 component, aux), then entry-major, then runs in token order (planning.md §4), and a staged run
@@ -28,9 +30,11 @@ The receiver decides all this itself from the layout its sender paired with
 Example::
 
     if receiver_can_plan(prefill_side, decode_side, policy):
-        header = planned_run_message(sender_id, base_id, waves, slot_bytes, alignment, transfers, byte_starts)
+        first = planned_run_chunks(sender_id, alignment, transfers, run=3)       # as soon as planning starts
+        then = planned_run_waves(sender_id, base_id, waves, slot_bytes, byte_starts, run=3)
     # on the receiver:
-    run = PlannedRun.announce(header, ...)
+    run = PlannedRun.announce(first, ...)
+    run.set_waves(then["waves"], capacity)
 """
 
 from __future__ import annotations
