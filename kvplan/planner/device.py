@@ -40,7 +40,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from math import gcd
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -66,7 +66,7 @@ from .rules import check_token_table
 from .state_kinds import rules_of
 from .transfer_lists import transfer_lists
 
-__all__ = ["CompactRuns", "PendingPlan", "Planner"]
+__all__ = ["CompactRuns", "DeviceAhead", "PendingPlan", "Planner"]
 
 log = logging.getLogger("kvplan")
 
@@ -474,6 +474,14 @@ class Planner:
         b.report_host.copy_(b.report, non_blocking=True)
 
 
+class DeviceAhead(NamedTuple):
+    """A plan's device buffers before the host has seen it (:meth:`PendingPlan.device_ahead`)."""
+
+    descs: torch.Tensor  # int64 [capacity, 3]
+    byte_offsets: torch.Tensor  # int64 [capacity]: each descriptor's offset in the plan's byte stream
+    rows: torch.Tensor  # int64 [1]: how many rows are the plan's (0 when it is refused)
+
+
 class PendingPlan:
     """A plan whose device work may still run; its outputs are views of the planner's buffers.
 
@@ -588,60 +596,41 @@ class PendingPlan:
     def device_byte_offsets(self) -> torch.Tensor:
         """Each descriptor's offset in the plan's byte stream (int64 ``[n]`` on the planning device;
         ``"byte_offsets"`` among the outputs). Waits for the event, raises a plan's error."""
-        head = self._head()
-        b = self._b
-        if b.byte_starts is None:
-            raise InputError(None, "this planner makes no byte offsets: add 'byte_offsets' to its outputs")
+        head, b = self._head(), self._byte_buffers()
         return b.byte_starts[: int(head[ks.TOTAL_DESCS])]
 
     def section_byte_ends(self) -> np.ndarray:
         """Per section of :meth:`sections`, in order, the byte end of its last descriptor in the
         plan's byte stream, then the plan's total bytes (``"byte_offsets"`` among the outputs; from
         the host report, no further copy)."""
-        head = self._head()
-        b = self._b
-        if b.byte_starts is None:
-            raise InputError(None, "this planner makes no byte offsets: add 'byte_offsets' to its outputs")
+        head, b = self._head(), self._byte_buffers()
         T, K = self.columns.num_transfers, self.planner.static.K
         ends = b.seg_bytes_host.numpy()[: T * K]  # (running sums: the last segment's is the total)
         return np.append(ends[self._live_segments(head)], int(ends[-1]) if len(ends) else 0)
 
-    def device_ahead(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Without waiting for the plan: its whole descriptor buffer (int64 ``[capacity, 3]``) and its
-        byte offsets (``[capacity]``, or ``None`` without ``"byte_offsets"``), with the current stream
-        made to wait for the plan. Only the plan's rows are meaningful, and only once they are known:
-        copy them whole, or read them through :meth:`device_descriptors_ahead`'s count."""
-        b = self._b
-        if b.descs is None:
-            raise InputError(None, "this planner makes no descriptors: add 'device_descriptors' to its outputs")
-        if self.event is not None and self.planner.device.type == "cuda":
-            torch.cuda.current_stream(self.planner.device).wait_event(self.event)
-        return b.descs, b.byte_starts
-
-    def byte_offsets_ahead(self) -> torch.Tensor | None:
-        """The byte offsets buffer of :meth:`device_ahead`, without a second wait (``None`` without
-        ``"byte_offsets"``); for a stream that already waits for the plan."""
-        return self._b.byte_starts
-
-    def device_descriptors_ahead(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Without waiting for the plan: its whole descriptor buffer (int64 ``[capacity, 3]``, on the
-        planning device) and an int64 ``[1]`` device tensor, queued on the current stream, that holds
-        how many of its rows are this plan's, or 0 when the plan is refused. Rows past that count are
-        stale, so read the buffer only through the count (the ``rows`` of
-        :func:`kvplan.transport.local.gather`), on the current stream or one that waits for it.
-        The count says nothing to the host: :meth:`descriptors` still waits and raises a plan's error.
+    def device_ahead(self) -> "DeviceAhead":
+        """Without waiting for the plan (``"byte_offsets"`` among the outputs): its device buffers at
+        full capacity, with the current stream made to wait for the plan. Only the first ``rows[0]``
+        rows are this plan's, and ``rows`` is 0 when the plan is refused: rows past it are stale, so
+        read the buffers only through it (the ``rows`` of :func:`kvplan.transport.local.gather`), or
+        copy them whole and cut them once the host knows the count. ``rows`` says nothing to the host:
+        :meth:`descriptors` still waits and raises a plan's error.
 
         Example::
 
-            descs, rows = pending.device_descriptors_ahead()   # queue work on them at once
-            host_descs, offsets = pending.descriptors()        # then wait for the host's view
+            ahead = pending.device_ahead()            # queue work on ahead.descs at once
+            host_descs, offsets = pending.descriptors()  # then wait for the host's view
         """
+        b = self._byte_buffers()
+        if self.event is not None and self.planner.device.type == "cuda":
+            torch.cuda.current_stream(self.planner.device).wait_event(self.event)
+        return DeviceAhead(b.descs, b.byte_starts, b.live_rows)
+
+    def _byte_buffers(self) -> _Buffers:
         b = self._b
-        self.device_ahead()
-        if b.live_rows is not None:  # made by the plan itself
-            return b.descs, b.live_rows
-        total, fatal = b.head[int(ks.TOTAL_DESCS) : int(ks.TOTAL_DESCS) + 1], b.head[int(ks.FIRST_FATAL) : int(ks.FIRST_FATAL) + 1]
-        return b.descs, total * fatal.eq(int(ks.NONE))
+        if b.byte_starts is None:
+            raise InputError(None, "this planner makes no byte offsets: add 'byte_offsets' to its outputs")
+        return b
 
     def prepared_indices(self) -> PreparedIndices:
         """The int32 index arrays for NIXL prepared lists (``"prepared"`` among the outputs)."""

@@ -4,7 +4,7 @@ Without it a staged send goes: plan on the device, wait for the host's view of t
 cut waves, announce, and only then queue the first gather. The host steps (~1 ms) and the gather
 (~0.2 ms for 256 MiB on an H200) then follow each other. Here the gather of the byte window that
 slot 0 holds is queued on the transport stream right behind the plan, reading the plan's descriptor
-buffer through its count on the device (:meth:`~kvplan.planner.device.PendingPlan.device_descriptors_ahead`):
+buffer through its count on the device (:meth:`~kvplan.planner.device.PendingPlan.device_ahead`):
 a refused plan has a count of 0 and reads nothing, and no byte goes past the slot. The first wave is
 the window's first bytes, so the run only has to post it once the gather's event is done.
 
@@ -52,22 +52,15 @@ class AheadGatherer:
     def __init__(self, staging: torch.Tensor, stream: torch.cuda.Stream):
         self.staging, self.stream = staging, stream
         self.typical: int | None = None  # bytes per descriptor of the last staged run
-        self._sums: torch.Tensor | None = None  # [0, running sums...]: offsets for a buffer of its length - 1
 
     def queue(self, pending, alignment: int, slot_bytes: int) -> GatherAhead | None:
         """Queue the gather of slot 0's window behind ``pending`` (a :class:`~kvplan.planner.device.PendingPlan`
-        made on the current stream); ``None`` before the first staged run has set :attr:`typical`."""
+        made on the current stream by a planner with ``"byte_offsets"``); ``None`` before the first staged
+        run has set :attr:`typical`."""
         if self.typical is None or slot_bytes <= 0 or slot_bytes > self.staging.numel():
             return None
         with torch.cuda.stream(self.stream):
-            descs, rows = pending.device_descriptors_ahead()  # (this stream now waits for the plan)
-            offsets = pending.byte_offsets_ahead()  # the plan's own, when it makes them
-            if offsets is None:
-                capacity = descs.shape[0]
-                if self._sums is None or self._sums.numel() < capacity + 1:
-                    self._sums = torch.zeros(capacity + 1, dtype=torch.int64, device=descs.device)
-                offsets = self._sums[:capacity]
-                torch.cumsum(descs[:, 2], 0, out=self._sums[1 : capacity + 1])
+            descs, offsets, rows = pending.device_ahead()  # (this stream now waits for the plan)
             gather(descs, offsets, self.staging, alignment, typical_bytes=self.typical, need=slot_bytes,
                    window=(0, slot_bytes), rows=rows)
             event = torch.cuda.Event()

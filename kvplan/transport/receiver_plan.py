@@ -284,8 +284,8 @@ class PlannedRun:
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             # copied behind the plan at once (later plans reuse its buffers): once the host has seen the
             # plan, a landed wave only needs its scatter launched
-            descs, starts = run.pending.device_ahead()
-            run._copies = (descs.clone(), starts.clone())
+            ahead = run.pending.device_ahead()
+            run._copies = (ahead.descs.clone(), ahead.byte_offsets.clone())
         return run
 
     @staticmethod
