@@ -47,7 +47,7 @@ class GatherAhead:
 
 
 class AheadGatherer:
-    """One endpoint's gathers ahead: its offsets buffer, and the descriptor size it expects."""
+    """One endpoint's gathers ahead, and the descriptor size they expect."""
 
     def __init__(self, staging: torch.Tensor, stream: torch.cuda.Stream):
         self.staging, self.stream = staging, stream
