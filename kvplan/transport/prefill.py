@@ -149,6 +149,7 @@ class PrefillEndpoint:
         self.waves_ahead = 0  # staged waves gathered ahead of their layer group's mark, over this endpoint's life
         self.first_waves_ahead = 0  # staged runs whose first wave was gathered behind the plan (.ahead)
         self._planners: dict[bool, Planner] = {}  # by prepared or not
+        self._alignments: tuple[tuple[SideMemory, ...], int] | None = None  # the last sides' copy word
         self._times: list[tuple[str, float]] = []
 
     # the first peer, for the common one-to-one pairing
@@ -322,7 +323,7 @@ class PrefillEndpoint:
         if layers is not None:
             staged = mode == "staged" or mode == "auto" and self._auto_mode(descs) == "staged"
             moved = self._send_layerwise(transfers, descs, sections, layers, time.monotonic() + timeout,
-                                         (pending.device_descriptors(), plan_alignment(batch)) if staged else None)
+                                         (pending.device_descriptors(), self._alignment(batch)) if staged else None)
             return {**moved, **refused}
         return {**self._move(transfers, mode, pending, descs, per_transfer, sections, batch, timeout, ahead,
                              chunks_run), **refused}
@@ -350,7 +351,7 @@ class PrefillEndpoint:
                 share = tuple(replace(t, dest=0) for t in transfers if t.dest == dest)
                 sub = gpu.plan(Batch(self.side, (self.peers[dest].side,), share, self.policy))
                 one = _Batch(share, *sub.descriptors(), sub.sections(), sub.device_descriptors())
-            for request, reason in self._send_staged(dest, one, plan_alignment(batch), deadline).items():
+            for request, reason in self._send_staged(dest, one, self._alignment(batch), deadline).items():
                 result[request] = result.get(request) or reason
         return result
 
@@ -514,6 +515,15 @@ class PrefillEndpoint:
     def _send_staged(self, dest: int, batch: "_Batch", alignment: int, deadline: float) -> dict[Any, str | None]:
         return self._staged_run(dest, batch, alignment, deadline).go()
 
+    def _alignment(self, batch: Batch) -> int:
+        """:func:`~.local.plan_alignment` of the batch's sides (it depends on nothing else), kept per
+        pairing: a send asks for it up to three times, and it walks every entry of both sides."""
+        sides = (batch.src, *batch.dsts)
+        kept = self._alignments
+        if kept is None or len(kept[0]) != len(sides) or any(a is not b for a, b in zip(kept[0], sides)):
+            kept = self._alignments = (sides, plan_alignment(batch))
+        return kept[1]
+
     def _ring(self, dest: int, alignment: int) -> tuple[int, int]:
         """``(slots, slot_bytes)`` of the staging ring to peer ``dest``."""
         return staging_ring(min(self.staging.numel(), self.peers[dest].staging[1]), self.slots, alignment)
@@ -524,7 +534,7 @@ class PrefillEndpoint:
         if self._ahead is None or len(self.peers) != 1 or self.peers[0].staging is None or \
                 not (mode == "staged" or mode == "auto" and self.last_mode == "staged"):
             return None
-        alignment = plan_alignment(batch)
+        alignment = self._alignment(batch)
         return self._ahead.queue(pending, alignment, self._ring(0, alignment)[1])
 
     def _announce_chunks(self, transfers: Sequence[Transfer], batch: Batch, mode: str, timeout: float) -> int | None:
@@ -540,7 +550,7 @@ class PrefillEndpoint:
         run, self._next_run = self._next_run, self._next_run + 1
         peer.channel.replaced()  # a connection made again before this run loses nothing of it
         try:
-            peer.channel.send("staged-plan", planned_run_chunks(self.id, plan_alignment(batch), transfers, run),
+            peer.channel.send("staged-plan", planned_run_chunks(self.id, self._alignment(batch), transfers, run),
                               timeout=timeout)
         except ControlTimeout:
             return None  # (then announced whole, or failed, by the staged run)
