@@ -23,9 +23,10 @@ def side(pool, rows):
                       req_to_token=table_with(rows, PAGE, max_ctx=16))
 
 
-def _staged_pair():
-    """A prefill endpoint paired with a fake decode side that has staging, r1's lists received; the
-    pools and staging buffers are returned to keep them alive."""
+def _staged_pair(plans: bool = False):
+    """A prefill endpoint paired with a fake decode side that has staging, r1's lists received (with
+    ``plans``: published with a row, so the decode plans r1's staged runs itself); the pools and
+    staging buffers are returned to keep them alive."""
     src_pool, dst_pool = torch.zeros(16 * PAGE_BYTES, dtype=torch.uint8), torch.zeros(16 * PAGE_BYTES, dtype=torch.uint8)
     decode_side = side(dst_pool, {1: [3, 4], 2: [6, 7]})
     mine, theirs = FakeChannel.pair()
@@ -35,9 +36,41 @@ def _staged_pair():
     theirs.send("register", {"side": describe_side(decode_side), "staging": [peer_staging.data_ptr(), 4096]}, b"meta")
     prefill.accept(timeout=1)
     messages = plan_destinations(decode_side, [PreallocatedRequest("r1", 1, 8), PreallocatedRequest("r2", 2, 8)]).messages()
-    theirs.send("request", {"request": "r1", "prompt_len": 8, "prefix_len": 0}, messages[0])
+    theirs.send("request", {"request": "r1", "prompt_len": 8, "prefix_len": 0, "plans": plans}, messages[0])
     prefill.receive_requests(1, timeout=1)
     return prefill, engine, mine, theirs, messages, (src_pool, dst_pool, staging, peer_staging)
+
+
+def _sent(channel):
+    """What the sender sent about runs and requests (not its pairing or heartbeats), in order."""
+    out = []
+    while (msg := channel.try_recv()) is not None:
+        if msg[0] not in ("paired", "heartbeat"):
+            out.append((msg[0], msg[1]))
+    return out
+
+
+def test_a_run_the_receiver_plans_goes_as_its_chunks_then_its_waves():
+    """The chunks leave as soon as the plan is launched; the waves name the same run once it is seen."""
+    prefill, engine, _, theirs, _, _buffers = _staged_pair(plans=True)
+    engine.on_post = lambda descs, note: theirs.send("wave-done", {"wave": json.loads(note)["wave"]})
+    assert prefill.send([prefill.transfer(Chunk("r1", 1, 0, 9, 8, True))], mode="staged", timeout=5) == {"r1": None}
+    (kind1, chunks), (kind2, waves) = _sent(theirs)
+    assert kind1 == "staged-plan" and "waves" not in chunks and chunks["transfers"] == [["r1", 0, 9, True]]
+    assert kind2 == "staged-waves" and waves["run"] == chunks["run"] and len(waves["waves"]) == 1
+    assert prefill.last_announcement == "planned"
+
+
+def test_a_batch_refused_after_its_chunks_went_withdraws_them():
+    """r1's chunk reaches past its source row's pages: the sender's plan refuses the batch after the
+    chunks were announced, so they are withdrawn before the failure is reported, and nothing is written."""
+    prefill, engine, _, theirs, _, _buffers = _staged_pair(plans=True)
+    with pytest.raises(AllocatorInvariantError):
+        prefill.send([prefill.transfer(Chunk("r1", 2, 0, 9, 8, True))], mode="staged", timeout=5)
+    sent = _sent(theirs)
+    assert [kind for kind, _ in sent] == ["staged-plan", "staged-waves", "failed"], sent
+    assert sent[1][1]["run"] == sent[0][1]["run"] and "batch refused" in sent[1][1]["cancel"]
+    assert not engine.posted
 
 
 def test_lists_that_arrive_during_a_staged_send_are_kept_for_receive_requests():
@@ -111,3 +144,15 @@ def test_a_staged_run_whose_control_connection_was_made_again_fails_at_once():
     result = prefill.send([prefill.transfer(Chunk("r1", 1, 0, 9, 8, True))], mode="staged", timeout=20)
     assert "made again during the staged run" in (result["r1"] or ""), result
     assert time.monotonic() - started < 10
+
+
+def test_chunks_announced_for_auto_are_withdrawn_when_it_sends_direct():
+    """``auto`` announces the chunks when its last send was staged; this batch goes direct (on the CPU
+    it always does), so they are withdrawn and the sections go as direct writes."""
+    prefill, engine, _, theirs, _, _buffers = _staged_pair(plans=True)
+    prefill.last_mode = "staged"
+    assert prefill.send([prefill.transfer(Chunk("r1", 1, 0, 9, 8, True))], mode="auto", timeout=5) == {"r1": None}
+    sent = _sent(theirs)
+    assert [kind for kind, _ in sent] == ["staged-plan", "staged-waves"], sent
+    assert sent[1][1] == {"from": prefill.id, "run": sent[0][1]["run"], "cancel": "sent direct"}
+    assert prefill.last_mode == "direct" and engine.posted
