@@ -1,5 +1,6 @@
 """The sender's side of staged mode with an in-memory engine and channel: messages that are not
-credits (the next requests' lists) survive a staged send and reach receive_requests."""
+credits (the next requests' lists) survive a staged send and reach receive_requests; a run the
+receiver plans goes as its chunks, then its waves, and chunks of a batch not sent staged are withdrawn."""
 
 import json
 
