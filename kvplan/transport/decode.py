@@ -380,7 +380,6 @@ class DecodeEndpoint:
             if early:
                 key = (peer, int(header["run"]))
                 self._mark(f"{sender}:run{key[1]}", "received")
-                self._chunked[key] = "the run's chunks were refused"  # (until it is known to plan)
             requests = list(dict.fromkeys(r for r, *_ in header["transfers"]))
             strangers = [r for r in requests if r in self._owner and not self._writes(r, peer)]
             if strangers:
@@ -396,7 +395,7 @@ class DecodeEndpoint:
             why = str(err) if isinstance(err, PeerError) else \
                 f"a malformed or unplannable run ({type(err).__name__}: {err})"
             self._refuse_run(peer, requests, waves, why)
-            if key in self._chunked:
+            if key is not None:
                 self._chunked[key] = why  # its waves are refused when they come
             return
         if early:

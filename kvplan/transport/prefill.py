@@ -528,11 +528,16 @@ class PrefillEndpoint:
         """``(slots, slot_bytes)`` of the staging ring to peer ``dest``."""
         return staging_ring(min(self.staging.numel(), self.peers[dest].staging[1]), self.slots, alignment)
 
+    def _staged_to_one(self, mode: str) -> bool:
+        """Whether a send in ``mode`` will likely be one staged run to a single peer (``auto``: as the
+        last send was), before its plan is seen: what is done ahead of the plan rests on it."""
+        return len(self.peers) == 1 and self.staging is not None and self.peers[0].staging is not None and \
+            (mode == "staged" or mode == "auto" and self.last_mode == "staged")
+
     def _gather_ahead(self, pending, batch: Batch, mode: str) -> GatherAhead | None:
         """Queue the first wave's gather behind ``pending`` when the send will likely be staged to a
         single peer (:mod:`.ahead`); its run uses it unless the batch turns out otherwise."""
-        if self._ahead is None or len(self.peers) != 1 or self.peers[0].staging is None or \
-                not (mode == "staged" or mode == "auto" and self.last_mode == "staged"):
+        if self._ahead is None or not self._staged_to_one(mode):
             return None
         alignment = self._alignment(batch)
         return self._ahead.queue(pending, alignment, self._ring(0, alignment)[1])
@@ -542,9 +547,7 @@ class PrefillEndpoint:
         as soon as this side's plan is launched, so that both plan at once; its waves follow once this
         side's plan is seen. The run's id, or ``None`` where the send will not be such a run."""
         peer = self.peers[0]
-        if not (self.receiver_plans and transfers and len(self.peers) == 1 and self.staging is not None
-                and peer.staging is not None and peer.plannable
-                and (mode == "staged" or mode == "auto" and self.last_mode == "staged")
+        if not (self.receiver_plans and transfers and self._staged_to_one(mode) and peer.plannable
                 and all(t.request in peer.planning for t in transfers)):
             return None
         run, self._next_run = self._next_run, self._next_run + 1

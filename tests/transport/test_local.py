@@ -15,6 +15,18 @@ from tests.planner.test_gpu_planner import on_device
 from tests.planner.test_reference_properties import scenarios
 
 
+def _whole_stream(real: Batch, device: torch.device, typical_bytes: int):
+    """The plan's device descriptors, their staging offsets, the copy word, the stream's bytes and
+    the whole stream gathered into one buffer."""
+    descs = gpu.plan(on_device(real, device)).device_descriptors()
+    align = plan_alignment(real)
+    offsets, ends = staging_offsets(descs)
+    total = int(ends[-1]) if len(ends) else 0
+    staging = torch.zeros(total, dtype=torch.uint8, device=device)
+    gather(descs, offsets, staging, align, typical_bytes)
+    return descs, offsets, align, total, staging
+
+
 def _real_batch(batch: Batch, device: torch.device):
     src, src_tensors = materialize(batch.src, device, seed=11)
     dst, dst_tensors = materialize(batch.dsts[0], device)
@@ -62,12 +74,7 @@ def test_a_scatter_cut_into_byte_windows_lands_the_same_bytes(device, case, cuts
     real, src_tensors, dst_tensors = _real_batch(batch, device)
     expected = AddressSpace.of_tensors(dst_tensors, zero=True)
     execute(plan_reference(real).descriptors()[0], AddressSpace.of_tensors(src_tensors), expected)
-    descs = gpu.plan(on_device(real, device)).device_descriptors()
-    align = plan_alignment(real)
-    offsets, ends = staging_offsets(descs)
-    total = int(ends[-1]) if len(ends) else 0
-    staging = torch.zeros(total, dtype=torch.uint8, device=device)
-    gather(descs, offsets, staging, align, typical_bytes)
+    descs, offsets, align, total, staging = _whole_stream(real, device, typical_bytes)
     bounds = sorted({0, total, *(int(c * total) // align * align for c in cuts)})
     slot = torch.zeros(total + align, dtype=torch.uint8, device=device)  # each window lands at the slot's start
     for lo, hi in zip(bounds, bounds[1:]):
@@ -85,12 +92,7 @@ def test_a_gather_ahead_copies_its_window_of_the_counted_rows_only(device, case,
     past the window; with a count of zero (a refused plan) nothing is written."""
     _, batch = case
     real, src_tensors, dst_tensors = _real_batch(batch, device)  # (kept alive: the descriptors point into them)
-    descs = gpu.plan(on_device(real, device)).device_descriptors()
-    align = plan_alignment(real)
-    offsets, ends = staging_offsets(descs)
-    total = int(ends[-1]) if len(ends) else 0
-    whole = torch.zeros(total, dtype=torch.uint8, device=device)
-    gather(descs, offsets, whole, align, typical_bytes)
+    descs, offsets, align, total, whole = _whole_stream(real, device, typical_bytes)
     poison = torch.full((4 * align,), 0xFF, dtype=torch.uint8, device=device)
     extra = torch.tensor([[poison.data_ptr(), 0, 4 * align]] * 3, dtype=torch.int64).to(device)
     longer = torch.cat([descs, extra])
