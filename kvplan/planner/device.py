@@ -585,6 +585,12 @@ class PendingPlan:
             raise InputError(None, "this planner makes no descriptors: add 'descriptors' to its outputs")
         return self._to_host("descs", b.descs[:total]).view(np.uint64), self._offsets(head)
 
+    def transfer_rows(self) -> np.ndarray:
+        """Per-transfer descriptor offsets ``[T + 1]`` (as :meth:`descriptors` gives them; the last is
+        the descriptor count), from the host report: no descriptor is copied. Waits for the event and
+        raises the first error as :meth:`descriptors` does."""
+        return self._offsets(self._head())
+
     def device_descriptors(self) -> torch.Tensor:
         """All descriptors as int64 ``[n, 3]`` on the planning device (for staged mode and local copies)."""
         head = self._head()

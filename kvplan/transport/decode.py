@@ -36,13 +36,13 @@ from ..planner.pairing import pair_sides
 from ..planner.tensor_slices import partner_rank
 from .completion import CompletionTracker, SectionNote, decode_notification, note_of
 from .control import ControlChannel, ControlTimeout
-from .engines import Engine
+from .engines import Engine, TransferError
 from .landing import LandingGuard
 from .local import plan_alignment, scatter, warm_up
 from .receiver_plan import OwnLists, PlannedRun, PlannedWave, scatter_source
 from .streams import transport_stream
 from .registration import describe_side, side_from_description
-from .waves import check_run, decode_wave_note, wave_key
+from .waves import check_run, credit_note, decode_wave_note, wave_key
 
 __all__ = ["DecodeEndpoint", "engine_regions"]
 
@@ -112,6 +112,7 @@ class DecodeEndpoint:
         # planner and copy word (made on the sender's first run)
         self._scatter_from: dict[int, SideMemory] = {}
         self._mirrors: dict[int, tuple[Planner, int]] = {}
+        self._credit_to: dict[int, str] = {}  # senders that take staged credits as engine notifications: their name
         self._waves: dict[str, _StagedWave] = {}
         self._early: dict[str, float] = {}  # waves whose bytes landed before their table was read: when
         self._uploads: dict[int, tuple[torch.Tensor, Any]] = {}  # per sender: pinned rows, their last upload
@@ -143,7 +144,7 @@ class DecodeEndpoint:
     def _register(self, peer: int, deadline: float) -> None:
         """Send sender ``peer`` this side's layout, engine metadata and its share of the staging buffer."""
         share = [self.staging.data_ptr() + peer * self._share, self._share] if self.staging is not None else None
-        header = {"side": describe_side(self.side), "staging": share}
+        header = {"side": describe_side(self.side), "staging": share, "notifies": self.engine.capabilities.notifies}
         if len(self.channels) > 1:  # the sender names itself by it in its notifications
             header["peer"] = peer
         self.channels[peer].send("register", header, self.engine.metadata(),
@@ -229,7 +230,7 @@ class DecodeEndpoint:
                 elif kind == "staged-waves":
                     self._on_run_waves(k, header)
                 elif kind == "paired":
-                    self._on_paired(k, header)
+                    self._on_paired(k, header, frames)
                 elif kind == "failed" and self._writes(header.get("request"), k):
                     self.tracker.fail(header["request"], f"the prefill side reports: {header.get('reason')}")
                 elif kind == "refused":
@@ -258,8 +259,9 @@ class DecodeEndpoint:
             for key in [k for k, at in self._early.items() if now - at > EARLY_KEEP_S]:
                 del self._early[key]
 
-    def _on_paired(self, peer: int, header: dict[str, Any]) -> None:
-        """A sender's layout, sent once it has paired with this side (a gather needs its rank)."""
+    def _on_paired(self, peer: int, header: dict[str, Any], frames: Sequence[bytes] = ()) -> None:
+        """A sender's layout, sent once it has paired with this side (a gather needs its rank), and
+        where it takes staged credits as engine notifications, its engine metadata."""
         try:
             self._senders[peer] = side_from_description(header["side"])
             source = scatter_source(self._senders[peer], self.side, Policy.STRICT)
@@ -267,6 +269,12 @@ class DecodeEndpoint:
                 self._scatter_from[peer] = source
         except (KeyError, TypeError, ValueError) as err:
             log.warning("ignored a malformed pairing message from sender %d: %s: %s", peer, type(err).__name__, err)
+        if header.get("credits") == "engine" and frames and self.engine.capabilities.notifies:
+            try:
+                self._credit_to[peer] = self.engine.connect(frames[0])
+            except Exception as err:  # noqa: BLE001 - the engine's own error types: credits then go by channel
+                log.error("could not connect to sender %d's engine for its credits: %s: %s", peer,
+                          type(err).__name__, err)
 
     def _pair_again(self, peer: int) -> None:
         """A restarted sender connected on channel ``peer``: what the old one left fails, its staged
@@ -276,6 +284,7 @@ class DecodeEndpoint:
         self._senders.pop(peer, None)  # the new one sends its own layout
         self._scatter_from.pop(peer, None)
         self._mirrors.pop(peer, None)
+        self._credit_to.pop(peer, None)
         for key in [k for k, w in self._waves.items() if w.peer == peer and w.event is None]:
             del self._waves[key]
         self._runs = [(k, run) for k, run in self._runs if k != peer]
@@ -470,7 +479,7 @@ class DecodeEndpoint:
         """Planned runs whose plan or byte sums have finished become scatterable (or are refused)."""
         for peer, run in list(self._runs):
             planning = run.stage == "planning"
-            done = run.advance(self._stream)
+            done = run.advance(self._stream, when_ready=self._scatter_landed)  # landed waves first, then sections
             if planning and run.stage != "planning" and run.waves:
                 self._mark(wave_key(run.waves[0].index, run.sender), "plan-ready")
             if not done:
@@ -601,6 +610,17 @@ class DecodeEndpoint:
         self.channels[wave.peer].send("wave-done", {"wave": wave.index, "error": why})
         wave.scattered = True  # nothing of it is written
 
+    def _credit(self, wave: _StagedWave) -> None:
+        """Return a scattered wave's slot to its sender: through the engine where it takes them so."""
+        name = self._credit_to.get(wave.peer)
+        if name is not None:
+            try:
+                self.engine.notify(name, credit_note(wave.index))
+                return
+            except TransferError as err:
+                log.warning("a credit went through the control channel: the engine could not send it (%s)", err)
+        self.channels[wave.peer].send("wave-done", {"wave": wave.index})
+
     def _mark(self, wave: str, step: str) -> None:
         if self.trace is not None:
             self.trace.append((wave, step, time.perf_counter()))
@@ -610,7 +630,7 @@ class DecodeEndpoint:
                 if w.event is not None and not w.scattered and (w.event is True or w.event.query())]
         for key, wave in sorted(done, key=lambda kw: kw[1].index):
             wave.scattered = True
-            self.channels[wave.peer].send("wave-done", {"wave": wave.index})  # the credit, before completion shows
+            self._credit(wave)  # before completion shows
             self._mark(key, "credit")
             for note in wave.sections:
                 self.tracker.on_section(replace(note, sender=wave.peer))

@@ -65,7 +65,7 @@ from .readiness import LayerStreaming
 from .streams import transport_stream
 from .receiver_plan import planned_run_chunks, planned_run_message, planned_run_waves, receiver_can_plan
 from .registration import describe_side, side_from_description
-from .waves import Wave, plan_waves, run_message, staging_ring, wave_note
+from .waves import Wave, decode_credit, one_wave, plan_waves, run_message, staging_ring, wave_note
 
 __all__ = ["Chunk", "MODES", "Peer", "PrefillEndpoint"]
 
@@ -103,6 +103,7 @@ class Peer:
     plannable: bool = False  # its staged runs may go without tables (receiver_plan.receiver_can_plan)
     planning: set = field(default_factory=set)  # requests it published with a row: it can plan their scatter
     index_there: int | None = None  # how that endpoint knows this sender, where it has several (notifications name it)
+    credits_by_engine: bool = False  # it returns staged slots' credits as engine notifications (Capabilities.notifies)
 
     def notification(self, section: Any) -> bytes:
         """A direct or prepared write's notification of ``section``, naming this sender where the
@@ -226,7 +227,13 @@ class PrefillEndpoint:
         peer.index_there = int(header["peer"]) if header.get("peer") is not None else None
         peer.name = self.engine.connect(frames[0])
         # this side's layout: a decode rank that gathers from several source ranks checks their ranks with it
-        peer.channel.send("paired", {"from": self.id, "side": describe_side(self.side)})
+        paired: dict[str, Any] = {"from": self.id, "side": describe_side(self.side)}
+        peer.credits_by_engine = bool(header.get("notifies")) and self.engine.capabilities.notifies
+        if peer.credits_by_engine:  # its credits come back through the engine, to this side's metadata
+            paired["credits"] = "engine"
+            peer.channel.send("paired", paired, self.engine.metadata())
+        else:
+            peer.channel.send("paired", paired)
 
     def _on_request(self, k: int, header: dict[str, Any], frames: list[bytes]) -> Any:
         p = self.peers[k]
@@ -304,14 +311,21 @@ class PrefillEndpoint:
                         self._report(t.dest, t.request, refused[t.request])
                 transfers = tuple(t for t in transfers if t.request not in errors)
             else:
+                if layers is None:  # the chunks first: the receiver plans from them while this side plans
+                    chunks_run = self._announce_chunks(transfers, batch, mode, timeout)
                 pending = self._planner(prepared=mode == "prepared").plan(batch)
                 self._times.append(("launched", time.perf_counter()))
                 if layers is None:
                     ahead = self._gather_ahead(pending, batch, mode)
                     self._times.append(("queued", time.perf_counter()))
-                    chunks_run = self._announce_chunks(transfers, batch, mode, timeout)
-            descs, per_transfer = pending.descriptors()
-            sections = pending.sections()
+            if chunks_run is not None and "byte_offsets" in pending.planner.outputs:
+                # a receiver-planned run: its byte counts come with the plan's report; its descriptors
+                # stay on the device unless the run needs them after all (_Batch.host_descs)
+                descs, per_transfer, sections = None, pending.transfer_rows(), pending.sections()
+                nbytes = int(pending.section_byte_ends()[-1])
+            else:
+                descs, per_transfer = pending.descriptors()
+                sections, nbytes = pending.sections(), int(descs[:, 2].sum(dtype=np.uint64))
             self._times.append(("planned", time.perf_counter()))
         except PlanError as err:
             self._cancel_chunks(chunks_run, f"batch refused: {err}")
@@ -321,32 +335,33 @@ class PrefillEndpoint:
         if not transfers:
             return dict(refused)
         if layers is not None:
-            staged = mode == "staged" or mode == "auto" and self._auto_mode(descs) == "staged"
+            staged = mode == "staged" or mode == "auto" and self._auto_mode(len(descs), nbytes) == "staged"
             moved = self._send_layerwise(transfers, descs, sections, layers, time.monotonic() + timeout,
                                          (pending.device_descriptors(), self._alignment(batch)) if staged else None)
             return {**moved, **refused}
-        return {**self._move(transfers, mode, pending, descs, per_transfer, sections, batch, timeout, ahead,
-                             chunks_run), **refused}
+        return {**self._move(transfers, mode, pending, _Batch(transfers, descs, per_transfer, sections, None, ahead=ahead,
+                                                              chunks_run=chunks_run, nbytes=nbytes, pending=pending),
+                             batch, timeout), **refused}
 
-    def _move(self, transfers: tuple[Transfer, ...], mode: str, pending, descs: np.ndarray, per_transfer: np.ndarray,
-              sections: list[Section], batch: Batch, timeout: float,
-              ahead: GatherAhead | None = None, chunks_run: int | None = None) -> dict[Any, str | None]:
+    def _move(self, transfers: tuple[Transfer, ...], mode: str, pending, planned: "_Batch", batch: Batch,
+              timeout: float) -> dict[Any, str | None]:
         deadline = time.monotonic() + timeout
+        count = int(planned.per_transfer[-1])
         if mode == "auto":
-            mode = self._auto_mode(descs)
+            mode = self._auto_mode(count, planned.nbytes)
         self.last_mode = mode
         if mode != "staged":
-            self._cancel_chunks(chunks_run, f"sent {mode}")
-        log.info("sending %d transfers (%d descriptors) %s", len(transfers), len(descs), mode)
+            self._cancel_chunks(planned.chunks_run, f"sent {mode}")
+        log.info("sending %d transfers (%d descriptors) %s", len(transfers), count, mode)
+        sections = planned.sections
         if mode == "direct":
-            return self._send_direct(transfers, descs, sections, deadline)
+            return self._send_direct(transfers, planned.host_descs(), sections, deadline)
         if mode == "prepared":
             return self._send_prepared(transfers, sections, pending.prepared_indices(), deadline)
         result: dict[Any, str | None] = {}
         for dest in sorted({t.dest for t in transfers}):  # each peer's share through its own staging ring
             if len(self.peers) == 1:
-                one = _Batch(transfers, descs, per_transfer, sections, pending.device_descriptors(), ahead=ahead,
-                             chunks_run=chunks_run)
+                one = replace(planned, device_descs=pending.device_descriptors())
             else:
                 share = tuple(replace(t, dest=0) for t in transfers if t.dest == dest)
                 sub = gpu.plan(Batch(self.side, (self.peers[dest].side,), share, self.policy))
@@ -361,17 +376,17 @@ class PrefillEndpoint:
         sides = [p.side for p in self.peers]
         if planner is None or len(planner.dsts) != len(sides) or any(a is not b for a, b in zip(planner.dsts, sides)):
             outputs = ("descriptors", "prepared") if prepared else ("descriptors",)
-            if self._ahead is not None:  # staged runs read their byte offsets from the plan (.ahead)
-                outputs += ("byte_offsets",)
+            if self._ahead is not None or self.staging is not None and self.receiver_plans:
+                outputs += ("byte_offsets",)  # staged runs read their byte counts and offsets from the plan
             planner = self._planners[prepared] = Planner(self.side, tuple(p.side for p in self.peers),
                                                          policy=self.policy, outputs=outputs)
         return planner
 
-    def _auto_mode(self, descs: np.ndarray) -> str:
+    def _auto_mode(self, count: int, nbytes: int) -> str:
+        """``auto``'s choice for a batch of ``count`` descriptors moving ``nbytes``."""
         if self.staging is None or any(p.staging is None for p in self.peers) or not self.staging.is_cuda:
             return "direct"  # (on the CPU the gather and scatter kernels run interpreted: far slower)
-        many = len(descs) >= AUTO_MIN_DESCS
-        return "staged" if many and int(descs[:, 2].sum()) <= AUTO_MAX_AVG_BYTES * len(descs) else "direct"
+        return "staged" if count >= AUTO_MIN_DESCS and nbytes <= AUTO_MAX_AVG_BYTES * count else "direct"
 
     def _peer_gone(self, peer: int) -> str | None:
         if self.peers[peer].channel.peer_gone():
@@ -544,7 +559,7 @@ class PrefillEndpoint:
 
     def _announce_chunks(self, transfers: Sequence[Transfer], batch: Batch, mode: str, timeout: float) -> int | None:
         """Announce a staged run's chunks to a receiver that plans it (:func:`.receiver_plan.planned_run_chunks`)
-        as soon as this side's plan is launched, so that both plan at once; its waves follow once this
+        before this side's plan is launched, so that both plan at once; its waves follow once this
         side's plan is seen. The run's id, or ``None`` where the send will not be such a run."""
         peer = self.peers[0]
         if not (self.receiver_plans and transfers and self._staged_to_one(mode) and peer.plannable
@@ -580,13 +595,25 @@ class _Batch:
     """What staged mode needs of one peer's share of a planned batch."""
 
     transfers: Sequence[Transfer]
-    descs: np.ndarray  # [n, 3] uint64 on the host (the destination tables come from it)
+    descs: np.ndarray | None  # [n, 3] uint64 on the host (destination tables, wave cuts); None: not copied yet
     per_transfer: np.ndarray  # [T + 1] descriptor offsets
     sections: list[Section]
     device_descs: torch.Tensor  # the same descriptors on the device (what the gathers read)
     plannable: bool = True  # False: a part of a plan (a layer group) the receiver cannot plan itself
     ahead: GatherAhead | None = None  # its first wave, gathered behind the plan (.ahead)
     chunks_run: int | None = None  # the id under which its chunks were announced ahead of the plan
+    nbytes: int | None = None  # the descriptors' bytes (None: summed from descs)
+    pending: Any = None  # the plan, where descs were not copied to the host
+
+    def __post_init__(self) -> None:
+        if self.nbytes is None:
+            self.nbytes = int(self.descs[:, 2].sum(dtype=np.uint64))
+
+    def host_descs(self) -> np.ndarray:
+        """The descriptors in host memory, copied from the plan the first time they are needed."""
+        if self.descs is None:
+            self.descs = self.pending.descriptors()[0]
+        return self.descs
 
 
 def split_descriptors(descs: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray | None]:
@@ -684,7 +711,12 @@ class _StagedRun:
         self.result: dict[Any, str | None] = {t.request: None for t in batch.transfers}
         self.slots, self.slot_bytes = ep._ring(dest, alignment)
         self.transfers, self.plannable, self.chunks_run = batch.transfers, batch.plannable, batch.chunks_run
-        self.descs, first = split_descriptors(batch.descs, self.slot_bytes)
+        self.batch, self.nbytes = batch, batch.nbytes
+        if batch.descs is None and batch.nbytes <= self.slot_bytes:  # one wave, no descriptor to split:
+            self.descs, first = None, None  # its sizes are not needed (announce)
+        else:
+            self.descs, first = split_descriptors(batch.host_descs(), self.slot_bytes)
+        self.count = int(batch.per_transfer[-1]) if first is None else len(self.descs)
         device_descs = batch.device_descs
         if first is not None:  # a descriptor larger than a slot goes in pieces
             device_descs = torch.from_numpy(self.descs.view(np.int64)).to(device_descs.device)
@@ -697,10 +729,12 @@ class _StagedRun:
         self.ahead = batch.ahead if first is None and batch.ahead is not None and \
             batch.ahead.serves(device_descs, self.slot_bytes) else None
         self._owners: np.ndarray | None = None
-        self.host_starts = np.zeros(len(self.descs) + 1, np.int64)
-        np.cumsum(self.descs[:, 2].view(np.int64), out=self.host_starts[1:])
-        if ep._ahead is not None and len(self.descs):  # what the next run's gather ahead expects
-            ep._ahead.typical = max(1, int(self.host_starts[-1]) // len(self.descs))
+        self.host_starts: np.ndarray | None = None  # each descriptor's byte offset, where descs are on the host
+        if self.descs is not None:
+            self.host_starts = np.zeros(len(self.descs) + 1, np.int64)
+            np.cumsum(self.descs[:, 2].view(np.int64), out=self.host_starts[1:])
+        if ep._ahead is not None and self.count:  # what the next run's gather ahead expects
+            ep._ahead.typical = max(1, self.nbytes // self.count)
         self.dev_starts: torch.Tensor | None = None  # made after the announcement has left
         self.remote_free = [True] * self.slots
         self.local_write: list[Handle | None] = [None] * self.slots
@@ -734,8 +768,11 @@ class _StagedRun:
         failed). A layer-group run is announced while the forward pass still writes the group, so
         that its bytes only need gathering and writing once the group is ready."""
         ep = self.ep
-        waves = self.waves = plan_waves(self.descs[:, 2], self.sections, self.slot_bytes, self.slots,
-                                        ends=self.host_starts[1:])
+        if self.descs is None:
+            waves = self.waves = one_wave(self.count, self.nbytes, self.sections)
+        else:
+            waves = self.waves = plan_waves(self.descs[:, 2], self.sections, self.slot_bytes, self.slots,
+                                            ends=self.host_starts[1:])
         self.base_id = ep._next_wave
         ep._next_wave += len(waves)
         frames: tuple[bytes, ...] = ()
@@ -743,16 +780,17 @@ class _StagedRun:
         replaced = self.peer.channel.replaced()
         if self.chunks_run is not None and not replaced:  # its chunks went ahead: its waves complete it
             kind, header = "staged-waves", planned_run_waves(ep.id, self.base_id, waves, self.slot_bytes,
-                                                             self.host_starts, run=self.chunks_run)
+                                                             run=self.chunks_run)
             ep.last_announcement = "planned"
         elif ep.receiver_plans and self.peer.plannable and self.plannable and \
                 all(t.request in self.peer.planning for t in self.transfers):
             kind, header = "staged-plan", planned_run_message(ep.id, self.base_id, waves, self.slot_bytes,
-                                                              self.alignment, self.transfers, self.host_starts)
+                                                              self.alignment, self.transfers)
             ep.last_announcement = "planned"
         else:
             spans = [(t.request, int(self.rows[k]), int(self.rows[k + 1])) for k, t in enumerate(self.transfers)]
-            header, table = run_message(ep.id, self.base_id, waves, self.slot_bytes, self.alignment, spans, self.descs)
+            header, table = run_message(ep.id, self.base_id, waves, self.slot_bytes, self.alignment, spans,
+                                        self.batch.host_descs() if self.descs is None else self.descs)
             kind, frames = "staged", (table,)
             ep.last_announcement = "table"
         try:  # announced first: the receiver plans or checks the run while this side gathers and writes
@@ -763,7 +801,7 @@ class _StagedRun:
         self._mark(0, "tables")
         device_descs = self.device_descs
         if self.ahead is not None:  # the offsets and the first wave's gather are queued already
-            self.dev_starts = self.ahead.offsets[: len(self.descs)]
+            self.dev_starts = self.ahead.offsets[: self.count]
             self.remote_free[waves[0].slot] = False
             self.gathered.append((waves[0], self.ahead.event))
             self.next_wave = 1
@@ -848,7 +886,7 @@ class _StagedRun:
         """Gather a wave into its slot: the batch-wide offsets, shifted onto the slot (no per-wave tensors)."""
         ep = self.ep
         slot_lo = wave.slot * self.slot_bytes
-        shift = slot_lo - int(self.host_starts[wave.lo])
+        shift = slot_lo - wave.byte_lo
         descs, offsets = self.device_descs[wave.lo : wave.hi], self.dev_starts[wave.lo : wave.hi]
         typical = max(1, wave.nbytes // max(1, wave.hi - wave.lo))
         self.remote_free[wave.slot] = False
@@ -879,21 +917,31 @@ class _StagedRun:
                 self.peer.backlog.append(msg)
                 continue
             try:
-                index = int(header["wave"]) - self.base_id
+                self._credit(int(header["wave"]), header.get("error"))
             except (KeyError, TypeError, ValueError):
                 log.warning("ignored a malformed credit from the decode side: %r", header)
-                continue
-            if index not in self.posted:
-                continue
-            wave, _ = self.posted[index]
-            self.acked.add(index)
-            self._mark(index, "ack")
-            self.remote_free[wave.slot] = True
-            if header.get("error"):
-                ep._fail(self.dest, self.result, wave.requests(self.owners), f"the receiver refused the wave: {header['error']}")
+        if self.peer.credits_by_engine:
+            for raw in ep.engine.notifications():
+                wave_id = decode_credit(raw)
+                if wave_id is None:
+                    log.warning("ignored an engine notification that is no credit: %r", raw[:80])
+                else:
+                    self._credit(wave_id, None)
         for wave, handle in self.posted.values():
             if handle.state == "PROC":
                 ep.engine.progress(handle)
+
+    def _credit(self, wave_id: int, error: Any) -> None:
+        """Wave ``wave_id``'s slot is free again (the receiver scattered it, or refused it with ``error``)."""
+        index = wave_id - self.base_id
+        if index not in self.posted:
+            return
+        wave, _ = self.posted[index]
+        self.acked.add(index)
+        self._mark(index, "ack")
+        self.remote_free[wave.slot] = True
+        if error:
+            self.ep._fail(self.dest, self.result, wave.requests(self.owners), f"the receiver refused the wave: {error}")
 
     def _post(self, wave: Wave) -> None:
         ep = self.ep

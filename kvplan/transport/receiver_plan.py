@@ -7,8 +7,8 @@ fill_len, last)`` and each wave's byte range of the run; the receiver plans the 
 planner from its *own* published lists, rows, prompt and prefix lengths, as a plan from its side to
 itself. Nothing the peer sends becomes an address: a chunk outside what was published fails to
 plan, and a wave that does not tile the run's bytes is refused. The chunks can go ahead of the
-waves (:func:`planned_run_chunks`, then :func:`planned_run_waves`): sent as soon as the sender's
-plan is launched, they let the receiver plan while the sender does. The receiver's planning runs on
+waves (:func:`planned_run_chunks`, then :func:`planned_run_waves`): sent before the sender's plan
+is launched, they let the receiver plan while the sender does. The receiver's planning runs on
 the device while the sender gathers and writes, so the scatter of a landed wave waits on nothing.
 
 Why the byte streams agree: a plan's descriptors are in transfer order, then sections (KV, each
@@ -31,7 +31,7 @@ Example::
 
     if receiver_can_plan(prefill_side, decode_side, policy):
         first = planned_run_chunks(sender_id, alignment, transfers, run=3)       # as soon as planning starts
-        then = planned_run_waves(sender_id, base_id, waves, slot_bytes, byte_starts, run=3)
+        then = planned_run_waves(sender_id, base_id, waves, slot_bytes, run=3)
     # on the receiver:
     run = PlannedRun.announce(first, ...)
     run.set_waves(then["waves"], capacity)
@@ -193,17 +193,17 @@ def run_columns(chunks: Sequence[tuple[Any, int, int, bool]], own: Callable[[Any
 
 
 def planned_run_message(sender: str, base_id: int, waves: Sequence[Wave], slot_bytes: int, alignment: int,
-                        transfers: Sequence[Transfer], byte_starts: np.ndarray) -> dict[str, Any]:
+                        transfers: Sequence[Transfer]) -> dict[str, Any]:
     """The header announcing a planned run in one message: its chunks (:func:`planned_run_chunks`)
     and its waves (:func:`planned_run_waves`)."""
     return {**planned_run_chunks(sender, alignment, transfers),
-            **planned_run_waves(sender, base_id, waves, slot_bytes, byte_starts)}
+            **planned_run_waves(sender, base_id, waves, slot_bytes)}
 
 
 def planned_run_chunks(sender: str, alignment: int, transfers: Sequence[Transfer], run: int | None = None
                        ) -> dict[str, Any]:
     """A planned run's chunks: what the receiver plans its scatter from. Sent alone (with the run's
-    id ``run``) as soon as the sender has launched its own plan, the receiver plans while the sender
+    id ``run``) before the sender launches its own plan, the receiver plans while the sender
     does; its waves follow in a ``staged-waves`` message (:func:`planned_run_waves` with ``run``)."""
     header: dict[str, Any] = {"from": sender, "alignment": alignment,
                               "transfers": [[t.request, int(t.start), int(t.fill_len), bool(t.last)] for t in transfers]}
@@ -212,14 +212,13 @@ def planned_run_chunks(sender: str, alignment: int, transfers: Sequence[Transfer
     return header
 
 
-def planned_run_waves(sender: str, base_id: int, waves: Sequence[Wave], slot_bytes: int, byte_starts: np.ndarray,
+def planned_run_waves(sender: str, base_id: int, waves: Sequence[Wave], slot_bytes: int,
                       run: int | None = None) -> dict[str, Any]:
     """A planned run's waves: per wave its id, its offset in the slot ring and its bytes ``[lo, hi)``
-    of the run (``byte_starts``: each descriptor's offset in the run, one more at the end)."""
+    of the run."""
     header: dict[str, Any] = {
         "from": sender,
-        "waves": [[base_id + w.index, w.slot * slot_bytes, int(byte_starts[w.lo]), int(byte_starts[w.hi])]
-                  for w in waves]}
+        "waves": [[base_id + w.index, w.slot * slot_bytes, w.byte_lo, w.byte_hi] for w in waves]}
     if run is not None:
         header["run"] = run
     return header
@@ -313,33 +312,35 @@ class PlannedRun:
             raise PeerError("the run's waves were announced twice")
         self.waves, self.has_waves = self.checked_waves(rows, capacity, self.alignment), True
 
-    def advance(self, stream: torch.cuda.Stream | None = None) -> bool:
+    def advance(self, stream: torch.cuda.Stream | None = None, when_ready: Callable[[], None] | None = None) -> bool:
         """Move on as far as the device allows without waiting; True once ``ready`` or ``refused``.
-        One look at the plan's event: its host report holds the sections and their byte ends."""
+        One look at the plan's event: its host report holds the byte total, the sections and their
+        byte ends. ``when_ready`` runs as soon as the run's bytes check and its scatter inputs are
+        known, before the sections are read (a landed wave's scatter need not wait for them)."""
         if self.stage == "planning" and self.pending.ready():
             try:
                 count = len(self.pending.device_descriptors())  # raises the plan's first error, naming the request
-                sections, ends = self.pending.sections(), self.pending.section_byte_ends()
+                ends = self.pending.section_byte_ends()
             except PeerError as err:
                 return self._refuse(str(err))
             except ValueError as err:  # a PlanError: the chunk is not one this side published
                 return self._refuse(f"the run's chunks do not plan against what this side published: {err}")
+            total, claimed = int(ends[-1]), (self.waves[-1].byte_hi if self.waves else 0)
+            if total != claimed:
+                return self._refuse(f"the run carries {claimed} bytes; this side's plan of its chunks has {total}")
             self.descs, self.starts = self._copies[0][:count], self._copies[1][:count]
+            self.stage = "ready"
+            if when_ready is not None:
+                when_ready()
+            self._place(self.pending.sections(), ends)
             self.pending = self._copies = None
-            self._place(sections, ends)
         return self.stage in ("ready", "refused")
 
     def _place(self, sections: list[Section], ends: np.ndarray) -> None:
-        """Check the run's bytes against the plan's (``ends``: each section's byte end, then the
-        total), and give each wave the sections it completes."""
-        total, claimed = int(ends[-1]), (self.waves[-1].byte_hi if self.waves else 0)
-        if total != claimed:
-            self._refuse(f"the run carries {claimed} bytes; this side's plan of its chunks has {total}")
-            return
+        """Give each wave the sections it completes (``ends``: each section's byte end, then the total)."""
         his = np.array([w.byte_hi for w in self.waves], np.int64)
         for section, end in zip(sections, ends[:-1].tolist()):
             self.waves[int(np.searchsorted(his, end, side="left"))].sections.append(section)
-        self.stage = "ready"
 
     def _refuse(self, why: str) -> bool:
         self.stage, self.why, self.pending = "refused", why, None

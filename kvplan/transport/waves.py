@@ -33,13 +33,14 @@ from ..errors import PeerError
 from ..planner.plan import Section
 from .completion import note_fields
 
-__all__ = ["Wave", "check_run", "decode_wave_note", "plan_waves", "run_message", "staging_ring", "wave_key",
+__all__ = ["Wave", "check_run", "credit_note", "decode_credit", "decode_wave_note", "one_wave", "plan_waves", "run_message", "staging_ring", "wave_key",
            "wave_note"]
 
 
 @dataclass
 class Wave:
-    """Descriptors ``[lo, hi)`` of a plan, ``nbytes`` of them, in staging slot ``slot``."""
+    """Descriptors ``[lo, hi)`` of a plan, ``nbytes`` of them from byte ``byte_lo`` of the plan's byte
+    stream, in staging slot ``slot``."""
 
     index: int
     lo: int
@@ -47,6 +48,11 @@ class Wave:
     nbytes: int
     slot: int = 0
     sections: list[Section] = field(default_factory=list)
+    byte_lo: int = 0
+
+    @property
+    def byte_hi(self) -> int:
+        return self.byte_lo + self.nbytes
 
     def requests(self, owners: Sequence[Any]) -> list[Any]:
         """Every request with a descriptor in this wave (``owners[i]`` is descriptor ``i``'s request)."""
@@ -87,7 +93,7 @@ def plan_waves(sizes: np.ndarray, sections: Sequence[Section], slot_bytes: int, 
         nbytes = int(ends[hi - 1] - base)
         if nbytes > slot_bytes:  # only a single descriptor can overflow a wave
             raise ValueError(f"a descriptor of {nbytes} bytes does not fit a {slot_bytes}-byte staging slot")
-        waves.append(Wave(len(waves), lo, hi, nbytes, len(waves) % slots))
+        waves.append(Wave(len(waves), lo, hi, nbytes, len(waves) % slots, byte_lo=base))
         base, lo = int(ends[hi - 1]), hi
     his = np.array([w.hi for w in waves], np.int64)
     for s in sections:
@@ -95,10 +101,30 @@ def plan_waves(sizes: np.ndarray, sections: Sequence[Section], slot_bytes: int, 
     return waves
 
 
+def one_wave(count: int, nbytes: int, sections: Sequence[Section]) -> list[Wave]:
+    """The waves of a run of ``count`` descriptors and ``nbytes`` bytes that fits one slot: one, which
+    :func:`plan_waves` would give too, made without the descriptors' sizes."""
+    return [Wave(0, 0, count, nbytes, 0, list(sections))]
+
+
 def wave_note(wave: int, sender: str) -> bytes:
     """The engine notification of a staged wave (sections' notifications are JSON lists, or objects
     with a ``note``: :func:`~.completion.encode_notification`)."""
     return json.dumps({"wave": wave, "from": sender}).encode()
+
+
+def credit_note(wave: int) -> bytes:
+    """A slot's credit sent as an engine notification: the receiver has scattered wave ``wave``."""
+    return json.dumps({"credit": wave}).encode()
+
+
+def decode_credit(raw: bytes) -> int | None:
+    """The wave a :func:`credit_note` returns, or ``None`` for anything else."""
+    try:
+        note = json.loads(raw)
+        return int(note["credit"]) if isinstance(note, dict) and "credit" in note else None
+    except (ValueError, TypeError):
+        return None
 
 
 def wave_key(wave: int, sender: str) -> str:

@@ -62,6 +62,24 @@ class FakeEngine:
         pass
 
 
+class NotifyingFakeEngine(FakeEngine):
+    """A fake engine that also sends standalone notifications (``notified``: ``(peer, message)``)."""
+
+    capabilities = Capabilities(abortable=True, notifies=True)
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.notified: list[tuple[str, bytes]] = []
+        self.connected: list[bytes] = []
+
+    def connect(self, peer_metadata: bytes) -> str:
+        self.connected.append(peer_metadata)
+        return "peer"
+
+    def notify(self, peer: str, message: bytes) -> None:
+        self.notified.append((peer, message))
+
+
 class FakeChannel:
     """One end of an in-memory pair; ``FakeChannel.pair()`` makes both."""
 

@@ -17,10 +17,11 @@ from kvplan.planner.destinations import PreallocatedRequest, plan_destinations
 from kvplan.planner.model import Attention, Entry, KVLayout, SideMemory
 from kvplan.transport.completion import encode_notification
 from kvplan.transport.decode import DecodeEndpoint
-from kvplan.transport.waves import wave_note
+from kvplan.transport.registration import describe_side
+from kvplan.transport.waves import credit_note, wave_note
 from kvplan.planner.plan import KV_ROLE, Section
 from tests.planner.builders import table_with
-from tests.transport.fakes import FakeChannel, FakeEngine
+from tests.transport.fakes import FakeChannel, FakeEngine, NotifyingFakeEngine
 
 PAGE, PAGE_BYTES = 4, 256
 
@@ -57,6 +58,28 @@ def test_a_wave_inside_the_published_pages_is_scattered_and_credited_before_comp
     expected = torch.arange(512, dtype=torch.int64).to(torch.uint8)
     assert torch.equal(pool[3 * PAGE_BYTES : 5 * PAGE_BYTES], expected)
     assert int(pool[: 3 * PAGE_BYTES].sum()) == 0 and int(pool[5 * PAGE_BYTES :].sum()) == 0
+
+
+def test_a_sender_that_takes_credits_through_the_engine_gets_them_there():
+    """Both engines notify: the registration says so, the sender's pairing carries its engine
+    metadata, and the wave's credit goes as an engine notification to it, not on the channel."""
+    pool = torch.zeros(16 * PAGE_BYTES, dtype=torch.uint8)
+    side = SideMemory(KVLayout(Attention.MLA, PAGE, (Entry(pool.data_ptr(), PAGE_BYTES, 16),)),
+                      req_to_token=table_with({1: [3, 4]}, PAGE, max_ctx=16))
+    mine, prefill = FakeChannel.pair()
+    engine = NotifyingFakeEngine()
+    endpoint = DecodeEndpoint(side, engine, mine, torch.arange(4096, dtype=torch.int64).to(torch.uint8))
+    endpoint.register(timeout=1)
+    assert prefill.try_recv()[1]["notifies"] is True
+    prefill.send("paired", {"from": "p0", "side": describe_side(side), "credits": "engine"}, b"prefill-metadata")
+    endpoint.track(plan_destinations(side, [PreallocatedRequest("r1", row=1, prompt_len=8)]).result(),
+                   time.monotonic() + 30)
+    _announce(prefill, [[pool.data_ptr() + 3 * PAGE_BYTES, 2 * PAGE_BYTES]])
+    engine.inbox.append(wave_note(7, "p0"))
+    assert endpoint.wait() == {"r1": "complete"}
+    assert engine.connected == [b"prefill-metadata"] and engine.notified == [("peer", credit_note(7))]
+    assert prefill.try_recv() is None
+    assert torch.equal(pool[3 * PAGE_BYTES : 5 * PAGE_BYTES], torch.arange(512, dtype=torch.int64).to(torch.uint8))
 
 
 @pytest.mark.parametrize("rows, why", [

@@ -9,12 +9,14 @@ import torch
 
 from kvplan.errors import AllocatorInvariantError
 from kvplan.planner.destinations import PreallocatedRequest, plan_destinations
+from kvplan.planner.device import PendingPlan
 from kvplan.planner.model import Attention, Entry, KVLayout, SideMemory
 from kvplan.transport.control import ControlTimeout
 from kvplan.transport.prefill import Chunk, PrefillEndpoint
 from kvplan.transport.registration import describe_side
+from kvplan.transport.waves import credit_note
 from tests.planner.builders import table_with
-from tests.transport.fakes import FakeChannel, FakeEngine
+from tests.transport.fakes import FakeChannel, FakeEngine, NotifyingFakeEngine
 
 PAGE, PAGE_BYTES = 4, 256
 
@@ -24,17 +26,20 @@ def side(pool, rows):
                       req_to_token=table_with(rows, PAGE, max_ctx=16))
 
 
-def _staged_pair(plans: bool = False):
+def _staged_pair(plans: bool = False, staging_bytes: int = 4096, engine=None, notifies: bool = False):
     """A prefill endpoint paired with a fake decode side that has staging, r1's lists received (with
     ``plans``: published with a row, so the decode plans r1's staged runs itself); the pools and
-    staging buffers are returned to keep them alive."""
-    src_pool, dst_pool = torch.zeros(16 * PAGE_BYTES, dtype=torch.uint8), torch.zeros(16 * PAGE_BYTES, dtype=torch.uint8)
+    staging buffers are returned to keep them alive. The source pool's byte ``i`` holds ``i % 251``."""
+    src_pool = (torch.arange(16 * PAGE_BYTES) % 251).to(torch.uint8)
+    dst_pool = torch.zeros(16 * PAGE_BYTES, dtype=torch.uint8)
     decode_side = side(dst_pool, {1: [3, 4], 2: [6, 7]})
     mine, theirs = FakeChannel.pair()
-    engine = FakeEngine()
-    staging, peer_staging = torch.zeros(4096, dtype=torch.uint8), torch.zeros(4096, dtype=torch.uint8)
+    engine = engine or FakeEngine()
+    staging = torch.zeros(staging_bytes, dtype=torch.uint8)
+    peer_staging = torch.zeros(staging_bytes, dtype=torch.uint8)
     prefill = PrefillEndpoint(side(src_pool, {1: [5, 9]}), engine, mine, staging)
-    theirs.send("register", {"side": describe_side(decode_side), "staging": [peer_staging.data_ptr(), 4096]}, b"meta")
+    theirs.send("register", {"side": describe_side(decode_side), "staging": [peer_staging.data_ptr(), staging_bytes],
+                             "notifies": notifies}, b"meta")
     prefill.accept(timeout=1)
     messages = plan_destinations(decode_side, [PreallocatedRequest("r1", 1, 8), PreallocatedRequest("r2", 2, 8)]).messages()
     theirs.send("request", {"request": "r1", "prompt_len": 8, "prefix_len": 0, "plans": plans}, messages[0])
@@ -60,6 +65,44 @@ def test_a_run_the_receiver_plans_goes_as_its_chunks_then_its_waves():
     assert kind1 == "staged-plan" and "waves" not in chunks and chunks["transfers"] == [["r1", 0, 9, True]]
     assert kind2 == "staged-waves" and waves["run"] == chunks["run"] and len(waves["waves"]) == 1
     assert prefill.last_announcement == "planned"
+
+
+@pytest.mark.parametrize("staging_bytes, waves", [(4096, 1), (1024, 2)])
+def test_a_planned_run_copies_its_descriptors_to_the_host_only_when_it_has_several_waves(monkeypatch, staging_bytes,
+                                                                                         waves):
+    """r1's 2 pages (512 bytes) fit one slot of a 4096-byte ring of 4: the run goes from the plan's
+    counts alone, its descriptors never copied to the host. In 256-byte slots it takes two waves, cut
+    at descriptors: then they are copied. Either way the slots hold pages 5 and 9, and the waves say
+    which bytes of the run each holds."""
+    prefill, engine, _, theirs, _, buffers = _staged_pair(plans=True, staging_bytes=staging_bytes)
+    copied = []
+    real = PendingPlan.descriptors
+    monkeypatch.setattr(PendingPlan, "descriptors", lambda plan: copied.append(1) or real(plan))
+    engine.on_post = lambda descs, note: theirs.send("wave-done", {"wave": json.loads(note)["wave"]})
+    assert prefill.send([prefill.transfer(Chunk("r1", 1, 0, 8, 8, True))], mode="staged", timeout=5) == {"r1": None}
+    assert bool(copied) == (waves > 1)
+    src_pool, staging = buffers[0], buffers[2]
+    pages = torch.cat([src_pool[p * PAGE_BYTES : (p + 1) * PAGE_BYTES] for p in (5, 9)])
+    slots = [(int(d[0, 0]) - staging.data_ptr(), int(d[0, 2])) for d, _ in engine.posted]
+    assert len(slots) == waves and sum(n for _, n in slots) == 2 * PAGE_BYTES
+    assert torch.equal(torch.cat([staging[lo : lo + n] for lo, n in slots]), pages)  # (each wave its own slot)
+    (_, _), (_, announced) = _sent(theirs)
+    assert [w[2:] for w in announced["waves"]] == ([[0, 512]] if waves == 1 else [[0, 256], [256, 512]])
+
+
+@pytest.mark.parametrize("notifies", [True, False])
+def test_credits_come_back_through_the_engine_where_both_sides_can(notifies):
+    """A receiver whose engine notifies is sent this side's engine metadata with the pairing and
+    returns its credits as engine notifications, which end the run; else they come on the channel."""
+    engine = NotifyingFakeEngine()
+    prefill, _, _, theirs, _, _buffers = _staged_pair(plans=True, engine=engine, notifies=notifies)
+    kind, paired, frames = theirs.try_recv()
+    assert kind == "paired" and (paired.get("credits") == "engine") == notifies and (frames == [b"fake"]) == notifies
+    if notifies:
+        engine.on_post = lambda descs, note: engine.inbox.append(credit_note(json.loads(note)["wave"]))
+    else:
+        engine.on_post = lambda descs, note: theirs.send("wave-done", {"wave": json.loads(note)["wave"]})
+    assert prefill.send([prefill.transfer(Chunk("r1", 1, 0, 8, 8, True))], mode="staged", timeout=5) == {"r1": None}
 
 
 def test_a_batch_refused_after_its_chunks_went_withdraws_them():

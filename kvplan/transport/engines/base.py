@@ -51,11 +51,17 @@ class Capabilities:
             (:meth:`Engine.prepare` and :meth:`Engine.post_prepared`).
         arrays: descriptors go to the engine as arrays, with no Python lists on the way.
         abortable: an in-flight write can be cancelled before its deadline drain ends.
+        notifies: a short message goes to a connected peer on its own (:meth:`Engine.notify`),
+            read there by :meth:`Engine.notifications`. Staged runs return their slot credits so
+            where both sides' engines can: an engine's progress thread never sleeps, where a
+            ZeroMQ hop wakes two I/O threads (about 20 against 115 us one way between two
+            processes of an H200 host, trips 2 ms apart: ``benchmarks/hops.py``).
     """
 
     prepared: bool = False
     arrays: bool = False
     abortable: bool = False
+    notifies: bool = False
 
 
 @dataclass(eq=False)
@@ -99,6 +105,10 @@ class Engine(Protocol):
         ...
 
     def notifications(self) -> list[bytes]: ...
+
+    def notify(self, peer: str, message: bytes) -> None:
+        """Send ``message`` to a connected peer on its own (engines whose capabilities say ``notifies``)."""
+        ...
 
     def close(self) -> None: ...
 

@@ -15,7 +15,7 @@ import os
 
 import numpy as np
 
-from .base import Capabilities, Handle
+from .base import Capabilities, Handle, TransferError
 from .registry import register_engine
 
 __all__ = ["NixlEngine"]
@@ -38,7 +38,7 @@ def nixl_api():
 class NixlEngine:
     """NIXL (UCX). See the module docstring for the settings."""
 
-    capabilities = Capabilities(prepared=True, arrays=True, abortable=True)
+    capabilities = Capabilities(prepared=True, arrays=True, abortable=True, notifies=True)
     KEPT = 64  # reusable handles kept (staged mode keeps one per slot and wave size)
 
     def __init__(self, name: str, memory: str = "DRAM", device_id: int = 0, num_threads: int = 0,
@@ -188,6 +188,12 @@ class NixlEngine:
 
     def notifications(self) -> list[bytes]:
         return [msg for msgs in self.agent.get_new_notifs().values() for msg in msgs]
+
+    def notify(self, peer: str, message: bytes) -> None:
+        try:
+            self.agent.send_notif(peer, message)
+        except Exception as err:  # noqa: BLE001 - nixl raises its own types (a dead peer)
+            raise TransferError(f"NIXL could not notify {peer}: {type(err).__name__}: {err}") from err
 
     def close(self) -> None:
         """Release the kept and prepared handles and the registrations, even if one release fails.
