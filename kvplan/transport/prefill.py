@@ -320,8 +320,8 @@ class PrefillEndpoint:
                     self._times.append(("queued", time.perf_counter()))
             if chunks_run is not None and "byte_offsets" in pending.planner.outputs:
                 # a receiver-planned run: its byte counts come with the plan's report; its descriptors
-                # stay on the device unless the run needs them after all (_Batch.host_descs)
-                descs, per_transfer, sections = None, pending.transfer_rows(), pending.sections()
+                # stay on the device, and its sections unread, unless the run needs them after all (_Batch)
+                descs, per_transfer, sections = None, pending.transfer_rows(), None
                 nbytes = int(pending.section_byte_ends()[-1])
             else:
                 descs, per_transfer = pending.descriptors()
@@ -353,7 +353,7 @@ class PrefillEndpoint:
         if mode != "staged":
             self._cancel_chunks(planned.chunks_run, f"sent {mode}")
         log.info("sending %d transfers (%d descriptors) %s", len(transfers), count, mode)
-        sections = planned.sections
+        sections = planned.host_sections() if mode != "staged" else planned.sections
         if mode == "direct":
             return self._send_direct(transfers, planned.host_descs(), sections, deadline)
         if mode == "prepared":
@@ -597,7 +597,7 @@ class _Batch:
     transfers: Sequence[Transfer]
     descs: np.ndarray | None  # [n, 3] uint64 on the host (destination tables, wave cuts); None: not copied yet
     per_transfer: np.ndarray  # [T + 1] descriptor offsets
-    sections: list[Section]
+    sections: list[Section] | None  # None: not read from the plan yet
     device_descs: torch.Tensor  # the same descriptors on the device (what the gathers read)
     plannable: bool = True  # False: a part of a plan (a layer group) the receiver cannot plan itself
     ahead: GatherAhead | None = None  # its first wave, gathered behind the plan (.ahead)
@@ -614,6 +614,12 @@ class _Batch:
         if self.descs is None:
             self.descs = self.pending.descriptors()[0]
         return self.descs
+
+    def host_sections(self) -> list[Section]:
+        """The sections, read from the plan's report the first time they are needed."""
+        if self.sections is None:
+            self.sections = self.pending.sections()
+        return self.sections
 
 
 def split_descriptors(descs: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray | None]:
@@ -720,10 +726,11 @@ class _StagedRun:
         device_descs = batch.device_descs
         if first is not None:  # a descriptor larger than a slot goes in pieces
             device_descs = torch.from_numpy(self.descs.view(np.int64)).to(device_descs.device)
-            self.sections = [replace(s, lo=int(first[s.lo]), hi=int(first[s.hi])) for s in batch.sections]
+            self.sections = [replace(s, lo=int(first[s.lo]), hi=int(first[s.hi])) for s in batch.host_sections()]
             self.rows = first[batch.per_transfer]  # each transfer's rows
-        else:
-            self.sections, self.rows = batch.sections, batch.per_transfer
+        else:  # (a run the receiver plans needs no sections: it counts its own)
+            self.sections = batch.host_sections() if self.descs is not None else batch.sections
+            self.rows = batch.per_transfer
         self.device_descs = device_descs
         # the first wave, gathered behind the plan (.ahead): usable unless the descriptors were re-split
         self.ahead = batch.ahead if first is None and batch.ahead is not None and \
@@ -769,7 +776,7 @@ class _StagedRun:
         that its bytes only need gathering and writing once the group is ready."""
         ep = self.ep
         if self.descs is None:
-            waves = self.waves = one_wave(self.count, self.nbytes, self.sections)
+            waves = self.waves = one_wave(self.count, self.nbytes, self.sections or [])
         else:
             waves = self.waves = plan_waves(self.descs[:, 2], self.sections, self.slot_bytes, self.slots,
                                             ends=self.host_starts[1:])
@@ -789,6 +796,8 @@ class _StagedRun:
             ep.last_announcement = "planned"
         else:
             spans = [(t.request, int(self.rows[k]), int(self.rows[k + 1])) for k, t in enumerate(self.transfers)]
+            if self.descs is None:  # a light run announced with tables after all (_Batch)
+                waves[0].sections = self.batch.host_sections()
             header, table = run_message(ep.id, self.base_id, waves, self.slot_bytes, self.alignment, spans,
                                         self.batch.host_descs() if self.descs is None else self.descs)
             kind, frames = "staged", (table,)

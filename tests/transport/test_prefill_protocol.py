@@ -71,16 +71,18 @@ def test_a_run_the_receiver_plans_goes_as_its_chunks_then_its_waves():
 def test_a_planned_run_copies_its_descriptors_to_the_host_only_when_it_has_several_waves(monkeypatch, staging_bytes,
                                                                                          waves):
     """r1's 2 pages (512 bytes) fit one slot of a 4096-byte ring of 4: the run goes from the plan's
-    counts alone, its descriptors never copied to the host. In 256-byte slots it takes two waves, cut
+    counts alone, its descriptors never copied to the host nor its sections read (the receiver
+    counts its own). In 256-byte slots it takes two waves, cut
     at descriptors: then they are copied. Either way the slots hold pages 5 and 9, and the waves say
     which bytes of the run each holds."""
     prefill, engine, _, theirs, _, buffers = _staged_pair(plans=True, staging_bytes=staging_bytes)
-    copied = []
-    real = PendingPlan.descriptors
+    copied, read = [], []
+    real, real_sections = PendingPlan.descriptors, PendingPlan.sections
     monkeypatch.setattr(PendingPlan, "descriptors", lambda plan: copied.append(1) or real(plan))
+    monkeypatch.setattr(PendingPlan, "sections", lambda plan: read.append(1) or real_sections(plan))
     engine.on_post = lambda descs, note: theirs.send("wave-done", {"wave": json.loads(note)["wave"]})
     assert prefill.send([prefill.transfer(Chunk("r1", 1, 0, 8, 8, True))], mode="staged", timeout=5) == {"r1": None}
-    assert bool(copied) == (waves > 1)
+    assert bool(copied) == bool(read) == (waves > 1)
     src_pool, staging = buffers[0], buffers[2]
     pages = torch.cat([src_pool[p * PAGE_BYTES : (p + 1) * PAGE_BYTES] for p in (5, 9)])
     slots = [(int(d[0, 0]) - staging.data_ptr(), int(d[0, 2])) for d, _ in engine.posted]
