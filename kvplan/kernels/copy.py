@@ -113,25 +113,34 @@ def copy_descriptors(descs: torch.Tensor, mode: int = DIRECT, offsets: torch.Ten
     if window is not None and mode == DIRECT:
         raise ValueError("a byte window applies to gathers and scatters only")
     win_lo, win_hi = window if window is not None else (0, 0)
-    word = word_size(alignment)
-    words = max(1, typical_bytes // word)
+    word, tile, width, per_program = launch_shape(typical_bytes, alignment)
     offsets = offsets if offsets is not None else descs
     counted = rows if rows is not None else descs  # (not read unless COUNTED)
-    if words <= SMALL_WORDS:  # many small descriptors: several per program
-        width = max(16, triton.next_power_of_2(words))
-        per_program = max(1, TILE_WORDS // width)
+    if tile:  # many small descriptors: several per program
         _copy_tile_kernel[(triton.cdiv(n, per_program),)](descs, offsets, counted, staging_addr, n, win_lo, win_hi,
                                                           MODE=mode, WORD=word, DPP=per_program, W=width,
                                                           WINDOW=window is not None, COUNTED=rows is not None)
         return
+    _copy_kernel[(n, per_program)](descs, offsets, counted, staging_addr, win_lo, win_hi, MODE=mode, WORD=word,
+                                   BLOCK=width, SPLIT=per_program, WINDOW=window is not None, COUNTED=rows is not None)
+
+
+def launch_shape(typical_bytes: int, alignment: int) -> tuple[int, bool, int, int]:
+    """``(word, tile, width, split)``: how :func:`copy_descriptors` copies descriptors of about
+    ``typical_bytes``. With ``tile``, ``split`` descriptors of ``width`` words per program; else
+    ``split`` programs of ``width``-word blocks per descriptor. Two calls of the same shape, kind,
+    window and counting launch the same kernel for the same grid over the same rows."""
+    word = word_size(alignment)
+    words = max(1, typical_bytes // word)
+    if words <= SMALL_WORDS:
+        width = max(16, triton.next_power_of_2(words))
+        return word, True, width, max(1, TILE_WORDS // width)
     block = min(2048, max(64, triton.next_power_of_2(words)))
-    split = max(1, min(MAX_SPLIT, triton.cdiv(words, block)))  # about one block per program: bandwidth
-    _copy_kernel[(n, split)](descs, offsets, counted, staging_addr, win_lo, win_hi, MODE=mode, WORD=word, BLOCK=block,
-                             SPLIT=split, WINDOW=window is not None, COUNTED=rows is not None)
+    return word, False, block, max(1, min(MAX_SPLIT, triton.cdiv(words, block)))  # about one block per program
 
 
 _GATHER_SCATTER = ((DIRECT, False, False), (GATHER, False, False), (SCATTER, False, False), (SCATTER, True, False),
-                   (GATHER, True, True))  # (mode, window, counted): what the transport launches
+                   (GATHER, True, True), (SCATTER, False, True))  # (mode, window, counted): what the transport launches
 COMPILE_SPECS = [
     (_copy_kernel,
      {"desc_ptr": "*i64", "offsets_ptr": "*i64", "rows_ptr": "*i64", "staging_addr": "i64", "win_lo": "i64",

@@ -498,6 +498,10 @@ class PendingPlan:
     def ready(self) -> bool:
         return self.event is None or self.event.query()
 
+    def current(self) -> bool:
+        """Whether this plan's buffers are still its own (``depth`` more plans of its bucket reuse them)."""
+        return self._slot.generation == self._generation
+
     def check(self) -> None:
         """Wait for the plan and raise its first error (a :class:`~kvplan.errors.PlanError` naming the
         request); return if it planned."""

@@ -440,6 +440,8 @@ def prefill_process(config: DemoConfig, port: int, conn, src_rank: int | None = 
                 used += f", {endpoint.waves_ahead} waves gathered ahead of their marks"
             if endpoint.first_waves_ahead:
                 used += f", {endpoint.first_waves_ahead} first waves gathered behind their plans"
+            if endpoint.gathers_replayed:
+                used += f" ({endpoint.gathers_replayed} as graphs)"
             if all(p.credits_by_engine for p in endpoint.peers):
                 used += ", credits through the engine"
         conn.send(("sent", result, times, used, spans))

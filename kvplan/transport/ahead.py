@@ -10,10 +10,12 @@ the window's first bytes, so the run only has to post it once the gather's event
 
 The kernel variant (tile or large descriptors) needs the typical descriptor size before the host
 knows it: the size of the endpoint's previous staged run is used, so a first run gathers as before.
+With ``graphs`` (:mod:`.copy_graphs`) the gather is a graph replay once the same planner buffers and
+launch shape recur: the plan's buffers are its bucket slot's, counted by the plan on the device.
 
 Example::
 
-    gatherer = AheadGatherer(staging, stream)
+    gatherer = AheadGatherer(staging, stream, CopyGraphs(capture_stream))
     pending = planner.plan(batch)
     ahead = gatherer.queue(pending, alignment, slot_bytes)   # None on a first run
     descs, offsets = pending.descriptors()                    # the host waits meanwhile
@@ -26,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.copy import launch_shape
+from .copy_graphs import CopyGraphs
 from .local import gather
 
 __all__ = ["AheadGatherer", "GatherAhead"]
@@ -49,8 +53,8 @@ class GatherAhead:
 class AheadGatherer:
     """One endpoint's gathers ahead, and the descriptor size they expect."""
 
-    def __init__(self, staging: torch.Tensor, stream: torch.cuda.Stream):
-        self.staging, self.stream = staging, stream
+    def __init__(self, staging: torch.Tensor, stream: torch.cuda.Stream, graphs: CopyGraphs | None = None):
+        self.staging, self.stream, self.graphs = staging, stream, graphs
         self.typical: int | None = None  # bytes per descriptor of the last staged run
 
     def queue(self, pending, alignment: int, slot_bytes: int) -> GatherAhead | None:
@@ -59,10 +63,20 @@ class AheadGatherer:
         run has set :attr:`typical`."""
         if self.typical is None or slot_bytes <= 0 or slot_bytes > self.staging.numel():
             return None
+        typical = self.typical
         with torch.cuda.stream(self.stream):
             descs, offsets, rows = pending.device_ahead()  # (this stream now waits for the plan)
-            gather(descs, offsets, self.staging, alignment, typical_bytes=self.typical, need=slot_bytes,
-                   window=(0, slot_bytes), rows=rows)
+
+            def launch() -> None:
+                gather(descs, offsets, self.staging, alignment, typical_bytes=typical, need=slot_bytes,
+                       window=(0, slot_bytes), rows=rows)
+
+            if self.graphs is None:
+                launch()
+            else:  # the plan's buffers recur with its bucket slot: everything the gather reads is in the key
+                self.graphs.run(("gather", descs.data_ptr(), offsets.data_ptr(), rows.data_ptr(), descs.shape[0],
+                                 launch_shape(typical, alignment), alignment, slot_bytes, self.staging.data_ptr()),
+                                launch)
             event = torch.cuda.Event()
             event.record(self.stream)
         return GatherAhead(descs, offsets, event, slot_bytes)

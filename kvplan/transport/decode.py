@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from ..errors import KvplanError, LayoutError, PeerError
+from ..kernels.copy import launch_shape
 from ..planner.destinations import PreallocatedRequest, PublishedRequest, plan_destinations
 from ..planner.device import Planner
 from ..planner.model import Batch, Policy, SideMemory
@@ -36,6 +37,7 @@ from ..planner.pairing import pair_sides
 from ..planner.tensor_slices import partner_rank
 from .completion import CompletionTracker, SectionNote, decode_notification, note_of
 from .control import ControlChannel, ControlTimeout
+from .copy_graphs import CopyGraphs, copy_graphs_enabled
 from .engines import Engine, TransferError
 from .landing import LandingGuard
 from .local import plan_alignment, scatter, warm_up
@@ -129,6 +131,9 @@ class DecodeEndpoint:
         # landing then replays one graph instead of launching the kernel from the host (docs/layerwise.md §3)
         self._graphs = self._stream is not None and os.environ.get("KVPLAN_SCATTER_GRAPHS", "1") != "0"
         self._capture_stream = transport_stream(staging.device) if self._graphs else None
+        # a one-wave planned run's scatter reads its plan's buffers, which recur with the planner's slots
+        self._copy_graphs = CopyGraphs(transport_stream(staging.device)) \
+            if self._stream is not None and copy_graphs_enabled() else None
         self._share = (staging.numel() // len(self.channels)) // 256 * 256 if staging is not None else 0
         self.engine.register(engine_regions(side) + ([(staging.data_ptr(), staging.numel())] if staging is not None else []))
         if staging is not None:
@@ -570,8 +575,19 @@ class DecodeEndpoint:
         if wave.run is not None:
             descs, offsets, window = wave.run.scatter_inputs(wave.planned)
             typical = max(1, wave.run.waves[-1].byte_hi // max(1, len(descs)))
-            scatter(descs, offsets, self.staging, wave.alignment, typical_bytes=typical, need=wave.lo + wave.nbytes,
-                    shift=wave.lo - wave.planned.byte_lo, window=window)
+            shift, need = wave.lo - wave.planned.byte_lo, wave.lo + wave.nbytes
+            counted = wave.run.scatter_counted() if self._copy_graphs is not None else None
+            if counted is None:
+                scatter(descs, offsets, self.staging, wave.alignment, typical_bytes=typical, need=need, shift=shift,
+                        window=window)
+                return
+            # a one-wave run over its plan's buffers, counted on the device: a graph once its buffers recur
+            self._copy_graphs.run(
+                ("scatter", counted.descs.data_ptr(), counted.byte_offsets.data_ptr(), counted.rows.data_ptr(),
+                 counted.descs.shape[0], launch_shape(typical, wave.alignment), wave.alignment, shift,
+                 self.staging.data_ptr()),
+                lambda: scatter(counted.descs, counted.byte_offsets, self.staging, wave.alignment, typical_bytes=typical,
+                                need=need, shift=shift, rows=counted.rows))
             return
         n_all = (wave.inputs.shape[0] - 1) // 2
         descs = wave.inputs[wave.row_lo : wave.row_hi]

@@ -98,14 +98,19 @@ def gather(descs: torch.Tensor, offsets: torch.Tensor, staging: torch.Tensor, al
 
 def scatter(descs: torch.Tensor, offsets: torch.Tensor, staging: torch.Tensor, alignment: int,
             typical_bytes: int = 4096, need: int | None = None, shift: int = 0,
-            window: tuple[int, int] | None = None) -> None:
+            window: tuple[int, int] | None = None, rows: torch.Tensor | None = None) -> None:
     """Copy ``staging[offsets[i] + shift:]`` to each descriptor's destination (the receiving side of staged mode).
 
     ``window``: only the bytes ``[lo, hi)`` of the offsets' stream (one wave of a run; pass ``need``);
-    each descriptor is cut to its part inside it."""
+    each descriptor is cut to its part inside it. ``rows``: a device int64 ``[1]``: only the first
+    ``rows[0]`` descriptors are read (a plan's buffers at full capacity, counted by the plan: pass
+    ``need``, the staging bytes the counted rows reach)."""
     _check_window(alignment, need, window)
+    if rows is not None and need is None:
+        raise InputError(None, "a scatter of a device-counted prefix needs `need` (the staging bytes it reads)")
     _check_staging(staging, descs, offsets, need, shift)
-    kc.copy_descriptors(descs, kc.SCATTER, offsets, staging.data_ptr() + shift, alignment, typical_bytes, window)
+    kc.copy_descriptors(descs, kc.SCATTER, offsets, staging.data_ptr() + shift, alignment, typical_bytes, window,
+                        rows)
 
 
 def warm_up(staging: torch.Tensor, alignment: int = 16) -> None:
@@ -118,7 +123,8 @@ def warm_up(staging: torch.Tensor, alignment: int = 16) -> None:
     offsets = torch.zeros(1, dtype=torch.int64, device=staging.device)
     for mode in (kc.GATHER, kc.SCATTER):
         kc.copy_descriptors(descs, mode, offsets, addr, alignment)
-    kc.copy_descriptors(descs, kc.GATHER, offsets, addr, alignment, window=(0, 16),  # a gather ahead of the host
-                        rows=torch.ones(1, dtype=torch.int64, device=staging.device))
+    one = torch.ones(1, dtype=torch.int64, device=staging.device)
+    kc.copy_descriptors(descs, kc.GATHER, offsets, addr, alignment, window=(0, 16), rows=one)  # a gather ahead of the host
+    kc.copy_descriptors(descs, kc.SCATTER, offsets, addr, alignment, rows=one)  # a counted scatter (.copy_graphs)
     if staging.is_cuda:
         torch.cuda.current_stream(staging.device).synchronize()

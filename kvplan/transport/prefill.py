@@ -56,6 +56,7 @@ from ..planner.layer_groups import group_sections
 from ..planner.plan import AUX_ROLE, KV_ROLE, DestinationLists, Section
 from ..planner.prepared import PreparedIndices, prepared_slots
 from .ahead import AheadGatherer, GatherAhead
+from .copy_graphs import CopyGraphs, copy_graphs_enabled
 from .completion import encode_notification
 from .control import ControlChannel, ControlTimeout
 from .decode import engine_regions
@@ -140,7 +141,8 @@ class PrefillEndpoint:
         # pass that streaming in layer groups overlaps (docs/layerwise.md)
         self._stream = transport_stream(staging.device) if staging is not None and staging.is_cuda else None
         # a staged run's first wave is gathered behind its plan, before the host has seen the plan
-        self._ahead = AheadGatherer(staging, self._stream) if self._stream is not None else None
+        self._ahead = AheadGatherer(staging, self._stream, CopyGraphs(transport_stream(staging.device))
+                                    if copy_graphs_enabled() else None) if self._stream is not None else None
         self._plan_stream: torch.cuda.Stream | None = None  # a streamed send's (made on the first)
         self._next_wave = 0
         self._next_run = 0  # ids of runs announced by their chunks ahead of their waves
@@ -159,6 +161,12 @@ class PrefillEndpoint:
     peer_side = property(lambda self: self.peers[0].side)
     peer_staging = property(lambda self: self.peers[0].staging)
     lists = property(lambda self: self.peers[0].lists)
+
+    @property
+    def gathers_replayed(self) -> int:
+        """First waves gathered behind their plans as CUDA graph replays (.copy_graphs), over this endpoint's life."""
+        graphs = self._ahead.graphs if self._ahead is not None else None
+        return graphs.replays if graphs is not None else 0
 
     def accept(self, timeout: float) -> None:
         """Receive every decode endpoint's registration and pair with it (refusing one that cannot

@@ -49,7 +49,7 @@ import torch
 from ..errors import LayoutError, PeerError
 from ..planner.columns import COLUMNS, BatchColumns
 from ..planner.destinations import PreallocatedRequest, PublishedRequest
-from ..planner.device import PendingPlan, Planner
+from ..planner.device import DeviceAhead, PendingPlan, Planner
 from ..planner.model import Entry, Policy, SideMemory, Transfer
 from ..planner.pairing import SidePairing, pair_sides
 from ..planner.plan import Section
@@ -258,6 +258,7 @@ class PlannedRun:
     starts: torch.Tensor | None = None  # each one's byte offset in the run
     _copies: tuple[torch.Tensor, torch.Tensor] | None = None  # the plan's buffers, copied behind it
     has_waves: bool = True  # False: announced by its chunks alone, its waves still to come (set_waves)
+    _plan: tuple[PendingPlan, DeviceAhead] | None = None  # the plan and its buffers (recurring, see scatter_counted)
 
     @classmethod
     def announce(cls, header: dict[str, Any], capacity: int, own: Callable[[Any], OwnLists], planner: Planner,
@@ -285,6 +286,7 @@ class PlannedRun:
             # plan, a landed wave only needs its scatter launched
             ahead = run.pending.device_ahead()
             run._copies = (ahead.descs.clone(), ahead.byte_offsets.clone())
+        run._plan = (run.pending, ahead)
         return run
 
     @staticmethod
@@ -345,6 +347,14 @@ class PlannedRun:
     def _refuse(self, why: str) -> bool:
         self.stage, self.why, self.pending = "refused", why, None
         return True
+
+    def scatter_counted(self) -> DeviceAhead | None:
+        """For a run of one wave whose plan's buffers are still its own: those buffers at full
+        capacity and the plan's row count on the device. They recur with the planner's bucket slot,
+        so a scatter over them can be kept as a graph (:mod:`.copy_graphs`); ``None`` otherwise."""
+        if self.stage != "ready" or len(self.waves) != 1 or self._plan is None or not self._plan[0].current():
+            return None
+        return self._plan[1]
 
     def scatter_inputs(self, wave: PlannedWave) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int] | None]:
         """The run's scatter descriptors ``(dst, dst, nbytes)``, their offsets in the run (device

@@ -106,3 +106,27 @@ def test_a_gather_ahead_copies_its_window_of_the_counted_rows_only(device, case,
     slot = torch.zeros(max(total, 4 * align), dtype=torch.uint8, device=device)
     gather(longer, offsets, slot, align, typical_bytes, need=total, window=(0, total), rows=counted * 0)
     assert not slot.any()
+
+
+@settings(max_examples=10, deadline=None)
+@given(scenarios(), st.sampled_from([16, 4096]))
+def test_a_counted_scatter_lands_the_counted_rows_only(device, case, typical_bytes):
+    """A scatter over a descriptor buffer longer than the plan, counted on the device: the plan's
+    rows land every byte; the rows past the count point at a guard that stays zero; a count of
+    zero writes nothing."""
+    _, batch = case
+    real, src_tensors, dst_tensors = _real_batch(batch, device)
+    expected = AddressSpace.of_tensors(dst_tensors, zero=True)
+    execute(plan_reference(real).descriptors()[0], AddressSpace.of_tensors(src_tensors), expected)
+    descs, offsets, align, total, staging = _whole_stream(real, device, typical_bytes)
+    guard = torch.zeros(4 * align, dtype=torch.uint8, device=device)
+    longer = torch.cat([descs, torch.tensor([[0, guard.data_ptr(), 4 * align]] * 3, dtype=torch.int64).to(device)])
+    offsets = torch.cat([offsets, torch.zeros(3, dtype=torch.int64, device=device)])
+    for t in dst_tensors:
+        t.zero_()
+    scatter(longer, offsets, staging, align, typical_bytes, need=total, rows=torch.zeros(1, dtype=torch.int64).to(device))
+    assert not any(t.any() for t in dst_tensors) and not guard.any()
+    scatter(longer, offsets, staging, align, typical_bytes, need=total,
+            rows=torch.tensor([descs.shape[0]], dtype=torch.int64).to(device))
+    assert expected.matches(dst_tensors) and not guard.any()
+

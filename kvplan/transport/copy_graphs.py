@@ -1,0 +1,82 @@
+"""Copy launches kept as CUDA graphs, replayed where the same copy recurs from batch to batch.
+
+A Triton launch costs the host 25-35 us in a tight loop, and 100-200 us between the other steps of
+the two-process demo (benchmarks/RESULTS.md, session 15). A staged batch has two on its critical
+path: the sender's gather behind its plan (:mod:`.ahead`) and the receiver's scatter of a landed
+wave. Both read buffers that recur: a planner's buffers of one bucket slot, at full capacity and
+counted on the device by the plan's live rows, and the staging buffer. Captured once per buffer
+set and launch shape (:func:`~kvplan.kernels.copy.launch_shape`), such a copy is then one graph
+replay. A capture that fails turns the graphs off: the copies are then launched as before.
+
+Example::
+
+    graphs = CopyGraphs(transport_stream(device))
+    key = ("scatter", descs.data_ptr(), launch_shape(typical, alignment), shift)
+    graphs.run(key, lambda: scatter(descs, offsets, staging, alignment, typical, need, shift, rows=rows))
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import OrderedDict
+from typing import Callable, Hashable
+
+import torch
+
+from ..errors import KvplanError
+
+__all__ = ["CopyGraphs", "copy_graphs_enabled"]
+
+log = logging.getLogger("kvplan")
+
+
+def copy_graphs_enabled() -> bool:
+    """Whether recurring copies replay graphs (``KVPLAN_COPY_GRAPHS``, default on; ``0`` turns them off)."""
+    return os.environ.get("KVPLAN_COPY_GRAPHS", "1") != "0"
+
+
+class CopyGraphs:
+    """Graphs of recurring copies, by key, captured on ``capture_stream``; at most ``limit`` kept
+    (the least recently used goes first). ``replays`` counts the copies run as graphs."""
+
+    def __init__(self, capture_stream: torch.cuda.Stream, limit: int = 16):
+        self.capture_stream, self.limit = capture_stream, limit
+        self._graphs: OrderedDict[Hashable, torch.cuda.CUDAGraph] = OrderedDict()
+        self.enabled = True
+        self.replays = 0
+
+    def run(self, key: Hashable, launch: Callable[[], None]) -> None:
+        """Run ``launch``'s copy on the current stream: as the graph kept under ``key`` (captured from
+        ``launch`` on first use), or by calling ``launch`` where a capture has failed. The key must
+        name everything the copy reads and its launch shape: a replay repeats the captured launch."""
+        graph = self._graphs.get(key) if self.enabled else None
+        if graph is None and self.enabled:
+            graph = self._capture(launch)
+            if graph is not None:
+                self._graphs[key] = graph
+                while len(self._graphs) > self.limit:
+                    self._graphs.popitem(last=False)
+        if graph is None:
+            launch()
+            return
+        self._graphs.move_to_end(key)
+        graph.replay()
+        self.replays += 1
+
+    def _capture(self, launch: Callable[[], None]) -> torch.cuda.CUDAGraph | None:
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(self.capture_stream):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    launch()
+                finally:
+                    graph.capture_end()
+        except KvplanError:
+            raise
+        except Exception as err:  # noqa: BLE001 - any other failure of the capture means: launch instead
+            log.warning("recurring copies are launched, not replayed: a capture failed (%s: %s)", type(err).__name__, err)
+            self.enabled = False
+            return None
+        return graph
