@@ -760,6 +760,7 @@ class _StagedRun:
         self.gone: str | None = None  # why the receiver is known to be gone
         self.base_id = 0  # the id of its first wave: taken from the endpoint when announced
         self.waves: list[Wave] = []  # planned when announced
+        self.deferred: dict[str, Any] | None = None  # a staged-waves header sent once the first wave is posted
         self.trace: list[tuple[int, str, float]] | None = None
         if os.environ.get("KVPLAN_TRACE"):
             self.trace = [(0, step, t) for step, t in ep._times]
@@ -810,12 +811,17 @@ class _StagedRun:
                                         self.batch.host_descs() if self.descs is None else self.descs)
             kind, frames = "staged", (table,)
             ep.last_announcement = "table"
-        try:  # announced first: the receiver plans or checks the run while this side gathers and writes
-            self.peer.channel.send(kind, header, *frames, timeout=max(0.0, self.deadline - time.monotonic()))
-        except ControlTimeout as err:
-            ep._fail(self.dest, self.result, list(self.result), str(err))
-            return False
-        self._mark(0, "tables")
+        if kind == "staged-waves":
+            # the receiver plans from the chunks already: the first wave is posted first, its waves
+            # right after (a landing before them waits on the receiver, decode._early)
+            self.deferred = header
+        else:
+            try:  # announced first: the receiver plans or checks the run while this side gathers and writes
+                self.peer.channel.send(kind, header, *frames, timeout=max(0.0, self.deadline - time.monotonic()))
+            except ControlTimeout as err:
+                ep._fail(self.dest, self.result, list(self.result), str(err))
+                return False
+            self._mark(0, "tables")
         device_descs = self.device_descs
         if self.ahead is not None:  # the offsets and the first wave's gather are queued already
             self.dev_starts = self.ahead.offsets[: self.count]
@@ -961,6 +967,24 @@ class _StagedRun:
             self.ep._fail(self.dest, self.result, wave.requests(self.owners), f"the receiver refused the wave: {error}")
 
     def _post(self, wave: Wave) -> None:
+        try:
+            self._write(wave)
+        finally:
+            if self.deferred is not None:
+                self._send_deferred()
+
+    def _send_deferred(self) -> None:
+        """Send the waves held back until the first wave was posted (see :meth:`announce`)."""
+        header, self.deferred = self.deferred, None
+        try:
+            self.peer.channel.send("staged-waves", header, timeout=max(0.0, self.deadline - time.monotonic()))
+        except ControlTimeout as err:
+            self.gone = self.gone or str(err)
+            self.ep._fail(self.dest, self.result, list(self.result), str(err))
+            return
+        self._mark(0, "tables")
+
+    def _write(self, wave: Wave) -> None:
         ep = self.ep
         if any(v is not None for v in self.result.values()) and \
                 all(self.result[r] is not None for r in wave.requests(self.owners)):
