@@ -18,7 +18,7 @@ for staging in ${STAGING:-512:1}; do
       echo "\$ [$tree] kvplan demo $ARGS --staging-mib ${staging%%:*} --staging-slots ${staging##*:} --repeat ${REPEAT:-12}" \
         | tee -a "$OUT/ab.txt"
       (cd "$dir" && PYTHONPATH=.:/tmp/site timeout 240 python3 -m kvplan demo $ARGS --staging-mib "${staging%%:*}" \
-        --staging-slots "${staging##*:}" --repeat "${REPEAT:-12}") 2>&1 | grep -E 'steady|transfer|mode|verif|result' \
+        --staging-slots "${staging##*:}" --repeat "${REPEAT:-12}") 2>&1 | grep -E 'steady|spread|transfer|mode|verif|result' \
         | tee -a "$OUT/ab.txt"
     done
   done

@@ -166,6 +166,7 @@ class DemoReport:
     baseline_ms: float | None = None
     transfer_s: float | None = None  # the first (cold) batch
     steady_s: float | None = None  # median of the later batches (``repeat`` > 1)
+    batch_s: list[float] = field(default_factory=list)  # every batch's time, in order
     forward_s: float | None = None  # the stand-in forward pass (median over batches)
     exposed_s: float | None = None  # from its end until the decode side had every request (median)
     exposed_each_s: list[float] = field(default_factory=list)  # the same, batch by batch (the first included)
@@ -223,6 +224,10 @@ class DemoReport:
         if self.steady_s:
             lines.append(f"  steady        {self.steady_s * 1e3:.1f} ms, {self.nbytes / self.steady_s / 2**30:.3f} GiB/s "
                          f"(median of batches 2..{c.repeat})")
+            later = sorted(self.batch_s[1:])
+            if len(later) >= 4:  # the spread of the later batches: a median can hide a slow half
+                lines.append(f"  spread        {later[0] * 1e3:.2f} .. {later[len(later) // 10] * 1e3:.2f} (p10) .. "
+                             f"{later[(9 * len(later)) // 10] * 1e3:.2f} (p90) .. {later[-1] * 1e3:.2f} ms")
         if self.forward_s is not None and self.exposed_s is not None:
             how = f"streamed in {c.layer_groups} layer groups" if c.layer_groups else "sent after the forward pass"
             lines.append(f"  forward       {self.forward_s * 1e3:.1f} ms (stand-in, {model.layers} layers); {how}")
@@ -574,6 +579,7 @@ def run_demo(config: DemoConfig, progress: bool = False) -> DemoReport:
                     times = [max(each) for each in zip(*(m[2] for m in sent))]  # a batch is sent when all have sent it
                     report.transfer_s = times[0]
                     report.steady_s = statistics.median(times[1:]) if len(times) > 1 else None
+                    report.batch_s = times
                     bar.stage("transfer")
         if config.fault == "dead-decode":
             report.states = {r: "failed" for r in report.send_failures}
