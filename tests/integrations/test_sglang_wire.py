@@ -1,7 +1,8 @@
 """SGLang 0.5.23's control messages (Mooncake backend): kvplan's frames read by SGLang's own
 parsers (``TransferInfo.from_zmq``, ``KVArgsRegisterInfo.from_zmq``), and the frames SGLang's own
 decode builds (``build_receiver_registration_message``, ``build_receiver_metadata_message``) read
-by kvplan's; malformed frames refused with the field named."""
+by kvplan's; malformed frames refused with the field named. The prefill's status messages, of the
+Mooncake and the NIXL manager, are equal frame for frame and read alike both ways."""
 
 import types
 
@@ -12,11 +13,15 @@ from hypothesis import strategies as st
 
 from kvplan.errors import PeerError
 from kvplan.integrations.sglang.wire import (
+    STATUS_FRAMING,
     Registration,
+    StatusMessage,
     TransferRequest,
     parse_registration,
+    parse_status,
     parse_transfer,
     registration_frames,
+    status_frames,
     transfer_frames,
 )
 from tests.sglang_real import sglang_module
@@ -117,3 +122,60 @@ def test_a_malformed_transfer_request_is_refused_naming_the_field():
         parse_transfer(frames[:4] + [b"\x01\x02"] + frames[5:])
     with pytest.raises(PeerError, match="frames"):
         parse_transfer(frames[:3])
+
+
+def sglang_prefill(backend: str, *, tp_rank: int, pp: tuple[int, int], cp: tuple[int, int]):
+    """SGLang's manager of ``backend`` on the prefill side, with what its status codec reads."""
+    module = sglang_module(f"srt.disaggregation.{backend}.conn")
+    mgr = object.__new__(module.MooncakeKVManager if backend == "mooncake" else module.NixlKVManager)
+    mgr.attn_tp_rank, (mgr.pp_size, mgr.pp_rank), (mgr.attn_cp_size, mgr.attn_cp_rank) = tp_rank, pp, cp
+    return mgr
+
+
+reasons = st.none() | st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=40)
+
+
+@settings(max_examples=40, deadline=None)
+@given(backend=st.sampled_from(sorted(STATUS_FRAMING)), room=st.integers(0, 2**63 - 1), status=st.integers(0, 4),
+       tp_rank=st.integers(0, 63), pp=st.sampled_from([(1, 0), (2, 1), (4, 2)]), cp=st.sampled_from([(1, 0), (2, 1)]),
+       reason=reasons)
+def test_status_messages_are_equal_and_read_alike_both_ways(backend, room, status, tp_rank, pp, cp, reason):
+    mgr = sglang_prefill(backend, tp_rank=tp_rank, pp=pp, cp=cp)
+    rank = mgr._prefill_unique_rank()
+    theirs = mgr._encode_kv_status_message(bootstrap_room=room, status=status, failure_reason=reason)
+    assert status_frames(StatusMessage(room, status, rank, reason), backend) == theirs
+    carried = (reason or None) if STATUS_FRAMING[backend][1] else None
+    assert parse_status(theirs, backend) == StatusMessage(room, status, rank, carried)
+    assert mgr.parse_kv_status_message(status_frames(StatusMessage(room, status, rank, reason), backend)) == \
+        (room, status, rank, carried)
+
+
+def test_a_message_of_another_kind_is_not_a_status():
+    """NIXL's decode socket carries tagged messages of several kinds: another tag is not a status
+    (both parsers say so); Mooncake's status has no tag."""
+    nixl = sglang_prefill("nixl", tp_rank=0, pp=(1, 0), cp=(1, 0))
+    other = [b"CHUNK_READY", b"1", b"2", b"3"]
+    assert parse_status(other, "nixl") is None and nixl.parse_kv_status_message(other) is None
+    with pytest.raises(ValueError, match="no status framing"):
+        parse_status([b"1", b"4", b"0"], "mori")
+
+
+@pytest.mark.parametrize("frames, field", [
+    ([b"7", b"4"], "2 frames"),
+    ([b"seven", b"4", b"0"], "room"),
+    ([b"7", b"4", b"x"], "prefill_rank"),
+    ([b"7", b"9", b"0"], "no KVPoll state"),
+    ([b"7", b"0", b"0", b"\xff\xfe"], "not UTF-8"),
+])
+def test_a_malformed_status_is_refused_naming_the_field(frames, field):
+    """kvplan's reader is strict where SGLang's drops or mends: a state outside ``KVPoll`` and a
+    reason that is not UTF-8 are refused (SGLang passes the first through and replaces the bytes of
+    the second)."""
+    with pytest.raises(PeerError, match=field):
+        parse_status(frames, "mooncake")
+    mgr = sglang_prefill("mooncake", tp_rank=0, pp=(1, 0), cp=(1, 0))
+    if field == "no KVPoll state":
+        assert mgr.parse_kv_status_message(frames) == (7, 9, 0, None)
+    if field == "not UTF-8":
+        assert mgr.parse_kv_status_message(frames)[3] == "\ufffd\ufffd"
+

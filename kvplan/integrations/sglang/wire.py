@@ -7,6 +7,10 @@ A decode rank sends the prefill two kinds of ZeroMQ multipart messages:
 * a **transfer request** per request (``build_receiver_metadata_message``; read with
   ``TransferInfo.from_zmq``): the destination pages, aux row, state lists and decode prefix.
 
+The prefill answers each request with **status** messages (``_encode_kv_status_message``, read with
+``parse_kv_status_message``): the room, its ``KVPoll`` state and the sending prefill rank. Mooncake
+sends three frames; NIXL tags them ``KV_STATUS`` and adds a failure reason (:data:`STATUS_FRAMING`).
+
 :func:`registration_frames` / :func:`transfer_frames` write them as SGLang's decode would;
 :func:`parse_registration` / :func:`parse_transfer` read them as SGLang's prefill would, but
 strictly: a field of the wrong size or an unparsable number is a :class:`~kvplan.errors.PeerError`
@@ -32,11 +36,14 @@ import numpy as np
 from ...compat.sglang import pack_int_lists, unpack_int_lists
 from ...errors import KvplanError, PeerError
 
-__all__ = ["Registration", "TransferRequest", "parse_registration", "parse_transfer", "registration_frames",
-           "transfer_frames"]
+__all__ = ["KV_POLL_STATES", "STATUS_FRAMING", "Registration", "StatusMessage", "TransferRequest", "parse_registration",
+           "parse_status", "parse_transfer", "registration_frames", "status_frames", "transfer_frames"]
 
 REGISTRATION_FIELDS = 20  # frames in 0.5.23's registration (the staging and DCP fields included)
 TRANSFER_FIELDS = 10
+KV_POLL_STATES = {0: "Failed", 1: "Bootstrapping", 2: "WaitingForInput", 3: "Transferring", 4: "Success"}  # KVPoll
+# per transfer backend, a status message's leading tag (or none) and whether it carries a failure reason
+STATUS_FRAMING: dict[str, tuple[bytes | None, bool]] = {"mooncake": (None, False), "nixl": (b"KV_STATUS", True)}
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,17 @@ class TransferRequest:
     is_dummy: bool = False
 
 
+@dataclass(frozen=True)
+class StatusMessage:
+    """A prefill rank's status of one request for a decode rank: ``status`` is a ``KVPoll`` value
+    (:data:`KV_POLL_STATES`); ``reason`` says why it failed, where the backend carries one."""
+
+    room: int
+    status: int
+    prefill_rank: int
+    reason: str | None = None
+
+
 def _ascii(value: object) -> bytes:
     return str(value).encode("ascii")
 
@@ -107,6 +125,43 @@ def transfer_frames(req: TransferRequest) -> list[bytes]:
             b"" if dummy else np.asarray(req.dst_pages, dtype="<i4").tobytes(),
             b"" if dummy else _ascii(req.aux_index), state, _ascii(req.required_dst_info_num),
             _ascii(req.decode_prefix_len or 0), b""]
+
+
+def _framing(backend: str) -> tuple[bytes | None, bool]:
+    try:
+        return STATUS_FRAMING[backend]
+    except KeyError:
+        raise ValueError(f"no status framing for backend {backend!r}; known: {sorted(STATUS_FRAMING)}") from None
+
+
+def status_frames(msg: StatusMessage, backend: str = "mooncake") -> list[bytes]:
+    """A status message's frames as ``backend``'s prefill sends them (the reason only where it carries one)."""
+    tag, carries_reason = _framing(backend)
+    frames = [_ascii(msg.room), _ascii(msg.status), _ascii(msg.prefill_rank)]
+    if carries_reason:
+        frames.append((msg.reason or "").encode("utf-8"))
+    return ([tag] if tag is not None else []) + frames
+
+
+def parse_status(frames: Sequence[bytes], backend: str = "mooncake") -> StatusMessage | None:
+    """A status message (SGLang's or :func:`status_frames`'), checked; ``None`` for a message of
+    another kind (``backend`` tags its status messages and this one has another tag). Raises
+    :class:`~kvplan.errors.PeerError` naming the field for a malformed one, or an unknown state."""
+    tag, _ = _framing(backend)
+    frames = list(frames)
+    if tag is not None:
+        if not frames or bytes(frames[0]) != tag:
+            return None
+        frames = frames[1:]
+    f = _Frames(frames, "an SGLang status message", 3)
+    status = f.integer(1, "status")
+    if status not in KV_POLL_STATES:
+        raise PeerError(f"an SGLang status message: status {status} is no KVPoll state")
+    try:
+        reason = f.get(3).decode("utf-8") or None
+    except UnicodeDecodeError:
+        raise PeerError("an SGLang status message: the failure reason is not UTF-8") from None
+    return StatusMessage(f.integer(0, "room"), status, f.integer(2, "prefill_rank"), reason)
 
 
 class _Frames:
