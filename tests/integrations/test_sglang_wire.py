@@ -2,7 +2,8 @@
 parsers (``TransferInfo.from_zmq``, ``KVArgsRegisterInfo.from_zmq``), and the frames SGLang's own
 decode builds (``build_receiver_registration_message``, ``build_receiver_metadata_message``) read
 by kvplan's; malformed frames refused with the field named. The prefill's status messages, of the
-Mooncake and the NIXL manager, are equal frame for frame and read alike both ways."""
+Mooncake and the NIXL manager, are equal frame for frame and read alike both ways; so are aborts and
+their acks."""
 
 import types
 
@@ -14,9 +15,15 @@ from hypothesis import strategies as st
 from kvplan.errors import PeerError
 from kvplan.integrations.sglang.wire import (
     STATUS_FRAMING,
+    Abort,
+    AbortAck,
     Registration,
     StatusMessage,
     TransferRequest,
+    abort_ack_frames,
+    abort_frames,
+    parse_abort,
+    parse_abort_ack,
     parse_registration,
     parse_status,
     parse_transfer,
@@ -178,4 +185,44 @@ def test_a_malformed_status_is_refused_naming_the_field(frames, field):
         assert mgr.parse_kv_status_message(frames) == (7, 9, 0, None)
     if field == "not UTF-8":
         assert mgr.parse_kv_status_message(frames)[3] == "\ufffd\ufffd"
+
+
+@settings(max_examples=40, deadline=None)
+@given(room=st.integers(0, 2**63 - 1), address=st.booleans(), port=st.integers(1, 65535),
+       generation=st.none() | st.integers(0, 2**31), prefill_rank=st.integers(0, 255))
+def test_aborts_and_their_acks_are_equal_and_read_alike_both_ways(room, address, port, generation, prefill_rank):
+    common = sglang_module("srt.disaggregation.common.conn")
+    ip, port = ("127.0.0.1", port) if address else (None, None)
+    theirs = common.AbortNotification(room=room, decode_ip=ip, decode_port=port, generation=generation)
+    expected = Abort(room, ip, port, generation if address else None)
+    assert abort_frames(Abort(room, ip, port, generation)) == theirs.to_zmq()
+    assert parse_abort(theirs.to_zmq()) == expected
+    back = common.AbortNotification.from_zmq(abort_frames(expected))
+    assert (back.room, back.decode_ip, back.decode_port, back.generation) == (room, ip, port, expected.generation)
+    ack = common.AbortAck(room=room, prefill_rank=prefill_rank, generation=generation)
+    assert abort_ack_frames(AbortAck(room, prefill_rank, generation)) == ack.to_zmq()
+    assert parse_abort_ack(ack.to_zmq()) == AbortAck(room, prefill_rank, generation)
+    assert common.AbortAck.from_zmq(abort_ack_frames(AbortAck(room, prefill_rank, generation))) == ack
+
+
+@pytest.mark.parametrize("frames, field", [
+    ([b"ABORT"], "1 frames"),
+    ([b"ABORT", b"r7"], "room"),
+    ([b"ABORT", b"7", b"127.0.0.1"], "3 frames"),
+    ([b"ABORT", b"7", b"127.0.0.1", b"port"], "decode_port"),
+    ([b"ABORT", b"7", b"127.0.0.1", b"0"], "no TCP port"),
+    ([b"ABORT", b"7", b"127.0.0.1", b"17000", b"g"], "generation"),
+    ([b"ABORT_ACK", b"7"], "2 frames"),
+    ([b"ABORT_ACK", b"7", b"rank"], "prefill_rank"),
+])
+def test_a_malformed_abort_is_refused_naming_the_field(frames, field):
+    """Where SGLang keeps the room of an abort whose return address or generation is malformed (and
+    so never acknowledges it), kvplan refuses the message; other kinds are not aborts."""
+    parse = parse_abort_ack if frames[0] == b"ABORT_ACK" else parse_abort
+    with pytest.raises(PeerError, match=field):
+        parse(frames)
+    common = sglang_module("srt.disaggregation.common.conn")
+    if field in ("decode_port", "generation"):
+        assert common.AbortNotification.from_zmq(frames).room == 7
+    assert parse_abort([b"ABORT_ACK", b"7", b"0"]) is None and parse_abort_ack([b"ABORT", b"7"]) is None
 

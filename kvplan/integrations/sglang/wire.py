@@ -10,6 +10,9 @@ A decode rank sends the prefill two kinds of ZeroMQ multipart messages:
 The prefill answers each request with **status** messages (``_encode_kv_status_message``, read with
 ``parse_kv_status_message``): the room, its ``KVPoll`` state and the sending prefill rank. Mooncake
 sends three frames; NIXL tags them ``KV_STATUS`` and adds a failure reason (:data:`STATUS_FRAMING`).
+A decode that drops a request sends an **abort** (``AbortNotification``), with where to acknowledge
+it and the abort's generation; the prefill answers with an **abort ack** (``AbortAck``) once nothing
+more of the request will be written.
 
 :func:`registration_frames` / :func:`transfer_frames` write them as SGLang's decode would;
 :func:`parse_registration` / :func:`parse_transfer` read them as SGLang's prefill would, but
@@ -36,8 +39,9 @@ import numpy as np
 from ...compat.sglang import pack_int_lists, unpack_int_lists
 from ...errors import KvplanError, PeerError
 
-__all__ = ["KV_POLL_STATES", "STATUS_FRAMING", "Registration", "StatusMessage", "TransferRequest", "parse_registration",
-           "parse_status", "parse_transfer", "registration_frames", "status_frames", "transfer_frames"]
+__all__ = ["KV_POLL_STATES", "STATUS_FRAMING", "Abort", "AbortAck", "Registration", "StatusMessage", "TransferRequest",
+           "abort_ack_frames", "abort_frames", "parse_abort", "parse_abort_ack", "parse_registration", "parse_status",
+           "parse_transfer", "registration_frames", "status_frames", "transfer_frames"]
 
 REGISTRATION_FIELDS = 20  # frames in 0.5.23's registration (the staging and DCP fields included)
 TRANSFER_FIELDS = 10
@@ -97,6 +101,29 @@ class StatusMessage:
     status: int
     prefill_rank: int
     reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Abort:
+    """A decode rank's abort of one request (``room``). With ``decode_ip`` and ``decode_port`` the
+    prefill acknowledges it there once nothing more will be written, naming ``generation``."""
+
+    room: int
+    decode_ip: str | None = None
+    decode_port: int | None = None
+    generation: int | None = None
+
+
+@dataclass(frozen=True)
+class AbortAck:
+    """A prefill rank's answer to an :class:`Abort`: nothing more of ``room`` will be written."""
+
+    room: int
+    prefill_rank: int
+    generation: int | None = None
+
+
+ABORT_TAG, ABORT_ACK_TAG = b"ABORT", b"ABORT_ACK"
 
 
 def _ascii(value: object) -> bytes:
@@ -162,6 +189,49 @@ def parse_status(frames: Sequence[bytes], backend: str = "mooncake") -> StatusMe
     except UnicodeDecodeError:
         raise PeerError("an SGLang status message: the failure reason is not UTF-8") from None
     return StatusMessage(f.integer(0, "room"), status, f.integer(2, "prefill_rank"), reason)
+
+
+def abort_frames(abort: Abort) -> list[bytes]:
+    """An abort's frames as SGLang's decode sends them (``AbortNotification.to_zmq``)."""
+    frames = [ABORT_TAG, _ascii(abort.room)]
+    if abort.decode_ip is not None and abort.decode_port is not None:
+        frames += [abort.decode_ip.encode("ascii"), _ascii(abort.decode_port)]
+        if abort.generation is not None:
+            frames.append(_ascii(abort.generation))
+    return frames
+
+
+def abort_ack_frames(ack: AbortAck) -> list[bytes]:
+    """An abort ack's frames as SGLang's prefill sends them (``AbortAck.to_zmq``)."""
+    frames = [ABORT_ACK_TAG, _ascii(ack.room), _ascii(ack.prefill_rank)]
+    return frames + ([_ascii(ack.generation)] if ack.generation is not None else [])
+
+
+def parse_abort(frames: Sequence[bytes]) -> Abort | None:
+    """An abort (SGLang's or :func:`abort_frames`'), checked; ``None`` for a message of another kind.
+    Raises :class:`~kvplan.errors.PeerError` naming the field: where SGLang keeps the room of an abort
+    whose return address or generation is malformed, and drops the rest, kvplan refuses the message."""
+    if not frames or bytes(frames[0]) != ABORT_TAG:
+        return None
+    f = _Frames(frames, "an SGLang abort", 2)
+    if len(f.frames) not in (2, 4, 5):
+        raise PeerError(f"an SGLang abort: {len(f.frames)} frames, 2, 4 or 5 expected")
+    if len(f.frames) == 2:
+        return Abort(f.integer(1, "room"))
+    port = f.integer(3, "decode_port")
+    if not 0 < port < 65536:
+        raise PeerError(f"an SGLang abort: decode_port {port} is no TCP port")
+    return Abort(f.integer(1, "room"), f.text(2, "decode_ip"), port,
+                 f.integer(4, "generation") if len(f.frames) == 5 else None)
+
+
+def parse_abort_ack(frames: Sequence[bytes]) -> AbortAck | None:
+    """An abort ack (SGLang's or :func:`abort_ack_frames`'), checked; ``None`` for another kind."""
+    if not frames or bytes(frames[0]) != ABORT_ACK_TAG:
+        return None
+    f = _Frames(frames, "an SGLang abort ack", 3)
+    return AbortAck(f.integer(1, "room"), f.integer(2, "prefill_rank"),
+                    f.integer(3, "generation") if len(f.frames) > 3 else None)
 
 
 class _Frames:
