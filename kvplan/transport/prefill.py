@@ -56,9 +56,9 @@ from ..planner.layer_groups import group_sections
 from ..planner.plan import AUX_ROLE, KV_ROLE, DestinationLists, Section
 from ..planner.prepared import PreparedIndices, prepared_slots
 from .ahead import AheadGatherer, GatherAhead
-from .copy_graphs import CopyGraphs, copy_graphs_enabled
 from .completion import encode_notification
 from .control import ControlChannel, ControlTimeout
+from .copy_graphs import CopyGraphs, copy_graphs_enabled
 from .decode import engine_regions
 from .engines import Engine, Handle, wait_all
 from .local import gather, plan_alignment, warm_up
