@@ -568,7 +568,7 @@ class PrefillEndpoint:
     def _announce_chunks(self, transfers: Sequence[Transfer], batch: Batch, mode: str, timeout: float) -> int | None:
         """Announce a staged run's chunks to a receiver that plans it (:func:`.receiver_plan.planned_run_chunks`)
         before this side's plan is launched, so that both plan at once; its waves follow once this
-        side's plan is seen. The run's id, or ``None`` where the send will not be such a run."""
+        side's plan is seen and its first wave posted. The run's id, or ``None`` where the send will not be such a run."""
         peer = self.peers[0]
         if not (self.receiver_plans and transfers and self._staged_to_one(mode) and peer.plannable
                 and all(t.request in peer.planning for t in transfers)):
