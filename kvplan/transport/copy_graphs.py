@@ -26,9 +26,29 @@ import torch
 
 from ..errors import KvplanError
 
-__all__ = ["CopyGraphs", "copy_graphs_enabled"]
+__all__ = ["CopyGraphs", "capture_copy", "copy_graphs_enabled"]
 
 log = logging.getLogger("kvplan")
+
+
+def capture_copy(launch: Callable[[], None], stream: torch.cuda.Stream, what: str) -> torch.cuda.CUDAGraph | None:
+    """``launch``'s kernels captured as a graph on ``stream`` (not run), or ``None`` where the capture
+    fails, with a warning that ``what`` are launched instead (a kernel compiled for the first time
+    inside a capture, say). kvplan's own errors are not capture failures: they propagate."""
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                launch()
+            finally:
+                graph.capture_end()
+    except KvplanError:
+        raise
+    except Exception as err:  # noqa: BLE001 - any other failure of the capture means: launch instead
+        log.warning("%s are launched, not replayed: a capture failed (%s: %s)", what, type(err).__name__, err)
+        return None
+    return graph
 
 
 def copy_graphs_enabled() -> bool:
@@ -52,7 +72,8 @@ class CopyGraphs:
         name everything the copy reads and its launch shape: a replay repeats the captured launch."""
         graph = self._graphs.get(key) if self.enabled else None
         if graph is None and self.enabled:
-            graph = self._capture(launch)
+            graph = capture_copy(launch, self.capture_stream, "recurring copies")
+            self.enabled = graph is not None
             if graph is not None:
                 self._graphs[key] = graph
                 while len(self._graphs) > self.limit:
@@ -63,20 +84,3 @@ class CopyGraphs:
         self._graphs.move_to_end(key)
         graph.replay()
         self.replays += 1
-
-    def _capture(self, launch: Callable[[], None]) -> torch.cuda.CUDAGraph | None:
-        try:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.stream(self.capture_stream):
-                graph.capture_begin(capture_error_mode="thread_local")
-                try:
-                    launch()
-                finally:
-                    graph.capture_end()
-        except KvplanError:
-            raise
-        except Exception as err:  # noqa: BLE001 - any other failure of the capture means: launch instead
-            log.warning("recurring copies are launched, not replayed: a capture failed (%s: %s)", type(err).__name__, err)
-            self.enabled = False
-            return None
-        return graph

@@ -28,7 +28,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..errors import KvplanError, LayoutError, PeerError
+from ..errors import LayoutError, PeerError
 from ..kernels.copy import launch_shape
 from ..planner.destinations import PreallocatedRequest, PublishedRequest, plan_destinations
 from ..planner.device import Planner
@@ -37,7 +37,7 @@ from ..planner.pairing import pair_sides
 from ..planner.tensor_slices import partner_rank
 from .completion import CompletionTracker, SectionNote, decode_notification, note_of
 from .control import ControlChannel, ControlTimeout
-from .copy_graphs import CopyGraphs, copy_graphs_enabled
+from .copy_graphs import CopyGraphs, capture_copy, copy_graphs_enabled
 from .engines import Engine, TransferError
 from .landing import LandingGuard
 from .local import plan_alignment, scatter, warm_up
@@ -602,20 +602,8 @@ class DecodeEndpoint:
         (a wave that does not fit its checks) are not capture failures: they propagate."""
         if not self._graphs:
             return None
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.stream(self._capture_stream):
-                graph.capture_begin(capture_error_mode="thread_local")
-                try:
-                    self._scatter(wave)
-                finally:
-                    graph.capture_end()
-        except KvplanError:
-            raise
-        except Exception as err:  # noqa: BLE001 - any other failure of the capture means: launch instead
-            log.warning("scatters are launched, not replayed: a capture failed (%s: %s)", type(err).__name__, err)
-            self._graphs = False
-            return None
+        graph = capture_copy(lambda: self._scatter(wave), self._capture_stream, "scatters")
+        self._graphs = graph is not None
         return graph
 
     def _refuse(self, wave: _StagedWave, why: str) -> None:
