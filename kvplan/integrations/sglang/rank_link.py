@@ -24,7 +24,6 @@ Example::
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 from ...errors import PeerError
@@ -151,8 +150,7 @@ class PrefillRankLink:
             sock.setsockopt(self._zmq.LINGER, 1000)
             sock.connect(f"tcp://{host}:{port}")
             self._pushers[(host, port)] = sock
-        deadline = time.monotonic() + timeout
-        if not sock.poll(max(0, round((deadline - time.monotonic()) * 1000)), self._zmq.POLLOUT):
+        if not sock.poll(max(0, round(timeout * 1000)), self._zmq.POLLOUT):
             raise PeerError(f"the decode rank at {host}:{port} did not take a message within {timeout} s")
         sock.send_multipart(frames, self._zmq.NOBLOCK)
 
