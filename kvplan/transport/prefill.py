@@ -105,11 +105,12 @@ class Peer:
     planning: set = field(default_factory=set)  # requests it published with a row: it can plan their scatter
     index_there: int | None = None  # how that endpoint knows this sender, where it has several (notifications name it)
     credits_by_engine: bool = False  # it returns staged slots' credits as engine notifications (Capabilities.notifies)
+    notified: bool = True  # it learns of a write from the write's notification (else from another message)
 
     def notification(self, section: Any) -> bytes:
         """A direct or prepared write's notification of ``section``, naming this sender where the
-        endpoint has several."""
-        return encode_notification(section, self.index_there)
+        endpoint has several; empty for a peer that takes none (the engine then notifies nothing)."""
+        return encode_notification(section, self.index_there) if self.notified else b""
 
     def recv(self, deadline: float) -> tuple[str, dict[str, Any], list[bytes]]:
         return self.backlog.popleft() if self.backlog else self.channel.recv(deadline)

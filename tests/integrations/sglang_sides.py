@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 import types
 
@@ -128,6 +129,7 @@ def kv_args_of(base_module, kv, aux):
     args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = [aux.data_ptr()], [aux.numel()], [AUX_BYTES]
     args.state_types, args.state_data_ptrs, args.state_item_lens = [], [], []
     args.page_size, args.engine_rank, args.kv_head_num, args.total_kv_head_num, args.gpu_id = PAGE, 0, 1, 1, 0
+    args.kv_cache_dtype_str = "bfloat16"
     return args
 
 
@@ -144,7 +146,39 @@ def page_lists(seed: int, hybrid: bool = False):
     return out
 
 
-def run_prefill(engine: str, port: int, seed: int, results, deadline_s: float, state: bool = False) -> None:
+def decode_lens(state) -> dict:
+    """The decode side's buffer lengths (its pools are shaped as the prefill's), as ``KVArgs`` name them."""
+    kv, aux = pools(None)
+    args, _ = with_state(types.SimpleNamespace(), state, None)
+    return {"kv_data_lens": [t.numel() for t in kv], "aux_data_lens": [aux.numel()],
+            "state_data_lens": getattr(args, "state_data_lens", [])}
+
+
+def bootstrap_server(port: int):
+    """SGLang's own bootstrap server on 127.0.0.1:``port`` (as an SGLang prefill node runs it), once it
+    answers its health check."""
+    import urllib.request
+
+    from tests.sglang_real import sglang_module
+
+    server = sglang_module("srt.disaggregation.mooncake.conn").MooncakeKVBootstrapServer("127.0.0.1", port)
+    opener, deadline = urllib.request.build_opener(urllib.request.ProxyHandler({})), time.monotonic() + 10
+    while True:
+        try:
+            with opener.open(f"http://127.0.0.1:{port}/health", timeout=1) as answer:
+                if answer.status == 200:
+                    return server
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def run_prefill(engine: str, port: int, seed: int, results, deadline_s: float, state: bool = False,
+                protocol: str = "kvplan", decode_kv_pages: int = PAGES) -> None:
+    """kvplan's prefill manager; with ``protocol="sglang"`` it serves SGLang's own decode ranks
+    through SGLang's bootstrap server, which this process runs, told that the decode's KV pools
+    hold ``decode_kv_pages`` pages."""
     from tests.sglang_real import sglang_module
 
     base = sglang_module("srt.disaggregation.base.conn")
@@ -154,8 +188,12 @@ def run_prefill(engine: str, port: int, seed: int, results, deadline_s: float, s
     kv, aux = pools(seed)
     server_args = types.SimpleNamespace(disaggregation_transfer_backend=engine, disaggregation_bootstrap_port=port,
                                         max_running_requests=8, context_length=64, kvplan_mode="direct",
-                                        kvplan_state_params=STATE_PARAMS if state == "hybrid" else None)
+                                        kvplan_state_params=STATE_PARAMS if state == "hybrid" else None,
+                                        kvplan_protocol=protocol,
+                                        kvplan_decode_lens={**decode_lens(state), "kv_data_lens": [
+                                            decode_kv_pages * PAGE * TOKEN_BYTES] * 2 * LAYERS})
     args, _ = with_state(kv_args_of(base, kv, aux), state, seed)
+    server = bootstrap_server(port) if protocol == "sglang" else None
     mgr = KVManager(args, utils.DisaggregationMode.PREFILL, server_args)
     lists = page_lists(seed, state == "hybrid")
     senders = {}
@@ -187,6 +225,8 @@ def run_prefill(engine: str, port: int, seed: int, results, deadline_s: float, s
                  {room: mgr.failures.get(room) for room in senders}))
     time.sleep(0.5)  # let the last notifications leave before the engine goes
     mgr.close()
+    if server is not None:
+        server.close()
 
 
 def run_decode(engine: str, port: int, seed: int, results, deadline_s: float, state: bool = False,
@@ -222,6 +262,14 @@ def run_decode(engine: str, port: int, seed: int, results, deadline_s: float, st
         if all(s in (base.KVPoll.Success, base.KVPoll.Failed) for s in states.values()):
             break
         time.sleep(0.001)
+    wrong = wrong_bytes(state, seed, lists, rooms, kv, aux, state_pools)
+    mgr.close()
+    results.put((name, seen, wrong))
+
+
+def wrong_bytes(state, seed: int, lists, rooms, kv, aux, state_pools) -> list:
+    """What differs between the prefill's pools (made again from ``seed``) and the decode's, for
+    ``rooms`` (all by default): KV pages, aux rows and every state kind's items."""
     src_kv, src_aux = pools(seed)
     wrong = []
     for room, (src_pages, dst_pages, src_row, dst_row) in lists.items():
@@ -253,5 +301,77 @@ def run_decode(engine: str, port: int, seed: int, results, deadline_s: float, st
                 if not torch.equal(s_t[src_slot * item : (src_slot + 1) * item],
                                    d_t[dst_slot * item : (dst_slot + 1) * item]):
                     wrong.append((room, "mamba", item))
-    mgr.close()
-    results.put((name, seen, wrong))
+    return wrong
+
+
+def sglang_kv_args(base, kv, aux):
+    """``KVArgs`` with every field SGLang's own managers read at construction (``kv_args_of`` fills
+    those kvplan reads)."""
+    args = kv_args_of(base, kv, aux)
+    args.kv_layer_ids, args.ib_device = list(range(len(kv))), None
+    args.state_data_lens, args.state_layer_ids, args.state_dim_per_tensor = [], [], []
+    args.state_slice_outer_counts = []
+    args.state_conv_shard_groups, args.is_hybrid_mla_backend, args.swa_kv_cache_layout = [], False, None
+    args.system_dp_rank, args.rust_http_port, args.pp_rank, args.mla_compression_ratios = 0, None, 0, None
+    args.kv_buf_groups, args.hidden_kv_layers = 1, 0
+    return args
+
+
+def sglang_decode_manager(port: int, args):
+    """SGLang's own ``MooncakeKVManager`` in decode mode, on 127.0.0.1 over Mooncake's TCP transport,
+    under a published test configuration (SGLang's ``override_server_args``) of one attention rank."""
+    from tests.sglang_real import sglang_module
+
+    os.environ.update(SGLANG_HOST_IP="127.0.0.1", MOONCAKE_PROTOCOL="tcp", MC_FORCE_TCP="1",
+                      NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost")
+    context = sglang_module("srt.runtime_context")
+    utils = sglang_module("srt.disaggregation.utils")
+    conn = sglang_module("srt.disaggregation.mooncake.conn")
+    engine = sglang_module("srt.distributed.device_communicators.mooncake_transfer_engine")
+    server_args = context.get_context().override_server_args(
+        disaggregation_mode="decode", disaggregation_transfer_backend="mooncake", disaggregation_bootstrap_port=port,
+        host="127.0.0.1", page_size=PAGE).install()
+    context.get_parallel().override_permanently(attn_tp_rank=0, attn_cp_rank=0, attn_dcp_rank=0, attn_dp_rank=0)
+    engine.init_mooncake_transfer_engine("127.0.0.1")
+    return conn, conn.MooncakeKVManager(args, utils.DisaggregationMode.DECODE, server_args, False)
+
+
+def run_sglang_decode(port: int, seed: int, results, deadline_s: float, state: bool = False) -> None:
+    """SGLang's own decode side (its ``MooncakeKVManager`` and ``MooncakeKVReceiver``, unchanged) receiving
+    every request from a kvplan prefill manager; reports as ``"decode"``: the ``KVPoll`` states it saw,
+    its failure records, the bytes that differ and how many notifications its engine holds."""
+    from tests.sglang_real import sglang_module
+
+    base = sglang_module("srt.disaggregation.base.conn")
+    kv, aux = pools(None)
+    args, state_pools = with_state(sglang_kv_args(base, kv, aux), state, None)
+    conn, mgr = sglang_decode_manager(port, args)
+    address, deadline = f"127.0.0.1:{port}", time.monotonic() + deadline_s
+    while not mgr.try_ensure_parallel_info(address):  # until the prefill rank has registered
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no prefill registered with the bootstrap server at {address}")
+        time.sleep(0.05)
+    lists = page_lists(seed, state == "hybrid")
+    receivers, seen = {}, {}
+    for room, tokens, prefix, _ in requests_of(state):
+        receiver = conn.MooncakeKVReceiver(mgr, address, room)
+        seen[room] = [int(receiver.poll())]
+        receiver.init(0)
+        seen[room].append(int(receiver.poll()))
+        receiver.send_metadata(lists[room][1].astype(np.int32), aux_index=lists[room][3], decode_prefix_len=prefix,
+                               state_indices=state_indices(state, room, 1, lists, seed))
+        receivers[room] = receiver
+    while time.monotonic() < deadline:
+        states = {room: int(r.poll()) for room, r in receivers.items()}
+        for room, now in states.items():
+            if seen[room][-1] != now:
+                seen[room].append(now)
+        if all(s in (base.KVPoll.Success, base.KVPoll.Failed) for s in states.values()):
+            break
+        time.sleep(0.001)
+    wrong = wrong_bytes(state, seed, lists, None, kv, aux, state_pools)
+    notes = mgr.engine.engine.get_notifies()  # what the writes notified, which SGLang never reads
+    results.put(("decode", seen, dict(mgr.failure_records), wrong, len(notes)))
+    results.close()
+    results.join_thread()  # flushed before the exit below
+    os._exit(0)  # SGLang's manager keeps daemon threads and sockets that have no close of their own

@@ -28,6 +28,10 @@ sides. SWA and DSA components are declared ``from_prefix`` (planning.md §6's va
 decode prefix their lists start at the prefix, as SGLang 0.5.23's do. The last chunk's
 ``num_kv_tokens`` gives the request's true length, which places the SWA window and the ring's.
 
+With the server arg ``kvplan_protocol="sglang"`` a prefill manager serves SGLang's own decode ranks
+instead (Mooncake): it registers with SGLang's bootstrap server, reads SGLang's registrations and
+transfer requests, and answers each request with SGLang's status message (:mod:`.decode_ranks`).
+
 Several decode managers per prefill manager: each asks the prefill's bootstrap port (127.0.0.1 by
 default) for a control channel of its own (:mod:`kvplan.transport.listener`), and one step's
 sends fan out to the decode managers that published them, planned as one batch. A decode manager
@@ -83,7 +87,9 @@ from ...transport.listener import ChannelListener, channel_via
 from ...transport.decode import DecodeEndpoint
 from ...transport.engines import make_engine
 from ...transport.prefill import Chunk, PrefillEndpoint
-from .kv_args import side_from_kv_args, state_from_kv_args
+from .decode_ranks import DecodeRanks
+from .kv_args import side_from_kv_args, side_from_registration, state_from_kv_args
+from .rank_link import PrefillRankLink
 
 __all__ = ["KVManager", "KVReceiver", "KVSender", "TransferFailed"]
 
@@ -94,6 +100,9 @@ DEFAULT_CONTEXT = 1 << 17  # planning-table width without a context_length serve
 # the state kinds whose lists SGLang starts at the decode prefix (StateComponent.from_prefix)
 _FROM_PREFIX_KINDS = frozenset(kind.value for kind, rules in RULES.items() if rules.starts_at_prefix)
 HANDSHAKE_S = 5.0  # how long a new decode manager may take to register once it has its channel
+# the control protocols a prefill manager speaks to its decode side: kvplan's own (both sides kvplan), or
+# SGLang's (Mooncake backend), to serve SGLang's own decode ranks (.decode_ranks)
+PROTOCOLS = ("kvplan", "sglang")
 
 
 class TransferFailed(KvplanError):
@@ -119,8 +128,12 @@ class KVManager(BaseKVManager):
     ``max_running_requests`` (rows of the planning table), ``context_length`` (its width),
     ``kvplan_state_params`` (per state component, what ``KVArgs`` does not hold: windows, ring sizes),
     ``kvplan_mode`` (``auto``, ``direct``, ``staged``), ``kvplan_timeout_s``, ``kvplan_engine_settings``
-    (a dict for the engine, such as ``{"num_threads": 4}`` or ``{"progress_thread": False}`` for NIXL).
-    :meth:`close` releases the engine and the channels.
+    (a dict for the engine, such as ``{"num_threads": 4}`` or ``{"progress_thread": False}`` for NIXL),
+    ``kvplan_protocol`` (``"kvplan"``; or ``"sglang"``: a prefill manager over Mooncake that serves
+    SGLang's own decode ranks, registered with SGLang's bootstrap server at ``host`` and
+    ``disaggregation_bootstrap_port`` (:mod:`.decode_ranks`); it also needs ``kvplan_decode_lens``, the
+    decode's ``kv_data_lens``, ``aux_data_lens`` and ``state_data_lens``, which SGLang's registration
+    lacks). :meth:`close` releases the engine and the channels.
     """
 
     def __init__(self, args: Any, disaggregation_mode: DisaggregationMode, server_args: Any,
@@ -152,6 +165,12 @@ class KVManager(BaseKVManager):
         self.device = _planning_device()
         memory = "VRAM" if self.device.type == "cuda" else "DRAM"
         engine_kind = str(_setting(server_args, "disaggregation_transfer_backend", "nixl"))
+        self.protocol = str(_setting(server_args, "kvplan_protocol", "kvplan"))
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"server arg kvplan_protocol must be one of {PROTOCOLS}, got {self.protocol!r}")
+        if self.protocol == "sglang" and (engine_kind != "mooncake" or disaggregation_mode is not DisaggregationMode.PREFILL):
+            raise LayoutError("kvplan_protocol='sglang' serves SGLang decode ranks from a kvplan prefill manager over "
+                              f"Mooncake; not a {disaggregation_mode.value} manager over {engine_kind}")
         engine_settings = dict(_setting(server_args, "kvplan_engine_settings", None) or {})
         self.engine = make_engine(engine_kind, f"{disaggregation_mode.value}-{os.getpid()}-{id(self):x}", memory,
                                   self.device.index or 0, **engine_settings)
@@ -160,6 +179,8 @@ class KVManager(BaseKVManager):
         self.status: dict[int, int] = {}
         self.failures: dict[int, str] = {}
         self.broken: str | None = None  # why this manager can send nothing (a refused pairing)
+        self.listener: ChannelListener | None = None
+        self.ranks: DecodeRanks | None = None  # the SGLang decode ranks served (kvplan_protocol "sglang")
         if disaggregation_mode is DisaggregationMode.PREFILL:
             rows = int(_setting(server_args, "max_running_requests", 256)) + 1
             width = int(_setting(server_args, "context_length", min(self._pool_tokens(), DEFAULT_CONTEXT)))
@@ -174,10 +195,14 @@ class KVManager(BaseKVManager):
                       for p, m in zip(self.state_params + [{}] * (len(kinds) - len(self.state_params)), self.maps)]
             side = side_from_kv_args(args, mla=self.is_mla, attn_tp_size=self.attn_tp_size, req_to_token=self.table,
                                      state_params=params)
-            # each decode manager asks the bootstrap port for a channel of its own (several per prefill)
-            self.listener = ChannelListener(self.bootstrap_port)
             self.prefill: PrefillEndpoint | None = PrefillEndpoint(side, self.engine, [])
             self._pending: list[tuple[KVSender, np.ndarray, tuple[np.ndarray, ...] | None, int]] = []
+            if self.protocol == "sglang":  # SGLang's decode ranks find this one through SGLang's bootstrap server
+                link = PrefillRankLink(backend=engine_kind, prefill_rank=int(args.engine_rank))
+                self.ranks = DecodeRanks(self.prefill, link, self._decode_side)
+                self.register_to_bootstrap()
+            else:  # each decode manager asks the bootstrap port for a channel of its own (several per prefill)
+                self.listener = ChannelListener(self.bootstrap_port)
         elif disaggregation_mode is DisaggregationMode.DECODE:
             self.side: SideMemory = side_from_kv_args(args, mla=self.is_mla, attn_tp_size=self.attn_tp_size,
                                                       state_params=self.state_params)
@@ -204,7 +229,7 @@ class KVManager(BaseKVManager):
         self.closed = True
         closers = []
         if self.mode is DisaggregationMode.PREFILL:
-            closers.append(self.listener.close)
+            closers.append(self.listener.close if self.listener is not None else self.ranks.close)
             closers += [peer.channel.close for peer in self.prefill.peers] if self.prefill is not None else []
             self.prefill = None
         elif self.decode is not None:
@@ -222,7 +247,27 @@ class KVManager(BaseKVManager):
         return int(lens[0] // self.kv_args.kv_item_lens[0]) * self.page_size if lens else self.page_size
 
     def register_to_bootstrap(self) -> None:
-        """Nothing to do: the decode manager connects to this prefill's bootstrap port itself."""
+        """With SGLang's protocol, register this rank's control socket and layout with SGLang's bootstrap
+        server (at the server args ``host`` and ``disaggregation_bootstrap_port``), as SGLang's prefill
+        does; with kvplan's, nothing: the decode manager connects to this prefill's bootstrap port itself."""
+        if self.ranks is None:
+            return
+        args = self.kv_args
+        self.ranks.link.register(str(_setting(self.server_args, "host", "127.0.0.1")), self.bootstrap_port,
+                                 page_size=self.page_size, timeout=self.timeout,
+                                 kv_cache_dtype=str(getattr(args, "kv_cache_dtype_str", None) or "auto"),
+                                 attn_tp_size=self.attn_tp_size, attn_tp_rank=int(args.engine_rank) % self.attn_tp_size)
+
+    def _decode_side(self, reg: Any) -> SideMemory:
+        """An SGLang decode rank's memory: its registration and the lengths it does not register (the
+        server arg ``kvplan_decode_lens``: the decode's ``kv_data_lens``, ``aux_data_lens`` and
+        ``state_data_lens``)."""
+        try:
+            return side_from_registration(reg, self.kv_args, _setting(self.server_args, "kvplan_decode_lens", None),
+                                          mla=self.is_mla, attn_tp_size=self.attn_tp_size,
+                                          state_params=self.state_params)
+        except LayoutError as err:
+            raise LayoutError(f"{err} (the server arg kvplan_decode_lens gives the decode's buffer lengths)") from None
 
     # -- prefill --------------------------------------------------------------------------------------
     def paired(self) -> bool:
@@ -243,7 +288,14 @@ class KVManager(BaseKVManager):
         """Take in new decode managers, registrations and destination lists (prefill), or
         notifications (decode). A decode side that cannot pair is refused; while no decode side is
         paired, that breaks this manager: every waiting sender fails with the reason."""
-        if self.mode is DisaggregationMode.PREFILL:
+        if self.mode is DisaggregationMode.PREFILL and self.ranks is not None:
+            published, failed = self.ranks.progress()
+            for room, reason in failed:
+                self._settle(room, KVPoll.Failed, reason)
+            for room in published:  # failed here before its decode rank asked: tell it now
+                if self.status.get(room) == KVPoll.Failed:
+                    self.ranks.report(room, False, self.failures.get(room))
+        elif self.mode is DisaggregationMode.PREFILL:
             for channel in self.listener.accept_pending():
                 try:  # the decode manager registers as soon as it has its channel
                     self.prefill.add_peer(channel, min(self.timeout, HANDSHAKE_S))
@@ -405,6 +457,8 @@ class KVManager(BaseKVManager):
         if reason is not None:
             self.failures[room] = reason
             log.warning("request %s failed: %s", room, reason)
+        if self.ranks is not None and state in (KVPoll.Success, KVPoll.Failed):
+            self.ranks.report(room, state == KVPoll.Success, reason)
 
     # -- decode ---------------------------------------------------------------------------------------
     def connect(self, bootstrap_addr: str) -> None:

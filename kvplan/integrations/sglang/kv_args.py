@@ -21,13 +21,14 @@ Nothing here imports SGLang: any object with these attributes will do.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any, Mapping, Sequence
 
 from ...errors import LayoutError
 from ...planner.model import Attention, Entry, KVLayout, SideMemory, StateComponent, StateKind, TensorShard
 from ...planner.state_kinds import rules_of
 
-__all__ = ["side_from_kv_args", "state_from_kv_args"]
+__all__ = ["DECODE_LENS", "side_from_kv_args", "side_from_registration", "state_from_kv_args"]
 
 
 def _entries(ptrs: Any, lens: Any, item_lens: Any, what: str) -> tuple[Entry, ...]:
@@ -129,3 +130,58 @@ def side_from_kv_args(kv_args: Any, *, mla: bool, attn_tp_size: int = 1, req_to_
     if state is None:
         state = state_from_kv_args(kv_args, state_params)
     return SideMemory(kv, tuple(state), aux, req_to_token)
+
+
+DECODE_LENS = ("kv_data_lens", "aux_data_lens", "state_data_lens")  # what an SGLang registration lacks
+
+
+def side_from_registration(reg: Any, local_args: Any, decode_lens: Mapping[str, Any] | None, *, mla: bool,
+                           attn_tp_size: int, state_params: Sequence[Mapping[str, Any]] = ()) -> SideMemory:
+    """An SGLang decode rank's memory, from its registration (:class:`~.wire.Registration`) and what
+    the registration does not carry.
+
+    SGLang's registration holds the decode's base pointers, KV and state item lengths, TP place and
+    Mamba slice dims, but no buffer lengths: ``decode_lens`` gives them, named as in the decode's own
+    ``KVArgs`` (``kv_data_lens``, ``aux_data_lens``, ``state_data_lens``: :data:`DECODE_LENS`), so that
+    every destination page is bounds-checked against the decode's pools. What SGLang's prefill takes
+    from its own ``KVArgs`` comes from ``local_args`` (this prefill's): the page size, the model's
+    KV head count, the aux item lengths, the state types, and the Mamba outer counts and conv groups.
+
+    Raises :class:`LayoutError` naming what is missing or does not match (no lengths, or as many as
+    the registration has buffers); ``attn_tp_size`` is this prefill's, to count the model's heads
+    where ``local_args`` gives them per rank.
+
+    >>> from types import SimpleNamespace as NS
+    >>> reg = NS(kv_ptrs=(0x1000, 0x9000), kv_item_lens=(0x800, 0x800), aux_ptrs=(0x20000,), tp_rank=0,
+    ...          attn_tp_size=1, state_ptrs=(), state_item_lens=(), state_dim_per_tensor=(), dcp_size=1)
+    >>> local = NS(page_size=16, kv_head_num=2, total_kv_head_num=2, aux_item_lens=[64], state_types=[])
+    >>> side = side_from_registration(reg, local, {"kv_data_lens": [0x8000] * 2, "aux_data_lens": [4096]},
+    ...                               mla=False, attn_tp_size=1)
+    >>> side.kv.num_pages, side.aux[0].num_items
+    (16, 64)
+    """
+    if decode_lens is None:
+        raise LayoutError("an SGLang decode rank registers no buffer lengths; give them (the decode's "
+                          f"{', '.join(DECODE_LENS)}) so that its pages are bounds-checked")
+    if int(getattr(reg, "dcp_size", 1) or 1) != 1:
+        raise LayoutError(f"the decode rank uses decode context parallelism (dcp_size {reg.dcp_size}), which "
+                          "kvplan does not plan")
+    state_types = list(getattr(local_args, "state_types", None) or ())
+    needed = DECODE_LENS if state_types else DECODE_LENS[:2]
+    missing = [name for name in needed if name not in decode_lens]
+    if missing:
+        raise LayoutError(f"the decode's buffer lengths lack {missing}")
+    if len(reg.state_ptrs) != len(state_types):
+        raise LayoutError(f"the decode rank registers {len(reg.state_ptrs)} state components, this side "
+                          f"{len(state_types)} ({[str(getattr(t, 'value', t)) for t in state_types]})")
+    total_heads = int(getattr(local_args, "total_kv_head_num", 0) or 0) or int(local_args.kv_head_num) * attn_tp_size
+    decode = SimpleNamespace(
+        kv_data_ptrs=reg.kv_ptrs, kv_data_lens=decode_lens["kv_data_lens"], kv_item_lens=reg.kv_item_lens,
+        page_size=local_args.page_size, engine_rank=reg.tp_rank, kv_head_num=0, total_kv_head_num=total_heads,
+        prefill_start_layer=0, aux_data_ptrs=reg.aux_ptrs, aux_data_lens=decode_lens["aux_data_lens"],
+        aux_item_lens=local_args.aux_item_lens, state_types=state_types, state_data_ptrs=reg.state_ptrs,
+        state_data_lens=decode_lens.get("state_data_lens", ()), state_item_lens=reg.state_item_lens,
+        state_dim_per_tensor=reg.state_dim_per_tensor,
+        state_slice_outer_counts=getattr(local_args, "state_slice_outer_counts", None),
+        state_conv_shard_groups=getattr(local_args, "state_conv_shard_groups", None))
+    return side_from_kv_args(decode, mla=mla, attn_tp_size=int(reg.attn_tp_size), state_params=state_params)

@@ -2,7 +2,8 @@
 
 A write is posted as asynchronous batches (of at most ``batch_limit`` descriptors each) but its
 last descriptor: once every batch has ended, the last one goes with the notification, so the
-receiver is told only after all of the write's bytes have landed. The wheel's array calls are
+receiver is told only after all of the write's bytes have landed (a write without a notification
+goes whole in the batches). The wheel's array calls are
 used where it has them (the CUDA 13 wheel 0.3.14); the CPU wheel 0.3.13 takes Python lists.
 
 Mooncake cannot cancel a batch. Waiting for its status blocks until the batch has ended, bounded
@@ -64,20 +65,22 @@ class MooncakeEngine:
                                                       part[:, 2].tolist())
 
     def post(self, peer: str, descs: np.ndarray, notification: bytes, reuse: object = None) -> Handle:
+        """Post ``descs`` to ``peer``; an empty ``notification`` notifies nothing (a peer that learns of
+        the write otherwise, as an SGLang decode rank does from its prefill's status message)."""
         descs = np.ascontiguousarray(descs, dtype=np.uint64)
         handle = Handle(peer, int(descs[:, 2].sum()) if len(descs) else 0)
         if len(descs) == 0:
             handle.state, handle.error = "ERR", "Mooncake cannot notify without a descriptor"
             return handle
         batches = []
-        body = descs[:-1]
+        body = descs[:-1] if notification else descs
         for lo in range(0, len(body), self.batch_limit):
             batch_id = self._submit(peer, body[lo : lo + self.batch_limit])
             if not batch_id:
                 handle.state, handle.error = "ERR", f"Mooncake refused a batch to {peer} at descriptor {lo}"
                 break
             batches.append(batch_id)
-        handle.native = (batches, descs[-1].copy(), notification)
+        handle.native = (batches, descs[-1].copy() if notification else None, notification)
         return handle
 
     def progress(self, handle: Handle) -> str:
@@ -90,6 +93,9 @@ class MooncakeEngine:
         if handle.state == "ERR" or failed:
             handle.state = "ERR"
             handle.error = handle.error or f"Mooncake write to {handle.peer} failed"
+            return handle.state
+        if tail is None:  # nothing to notify: every descriptor went in the batches
+            handle.state = "DONE"
             return handle.state
         rc = self.engine.batch_transfer_sync(handle.peer, [int(tail[0])], [int(tail[1])], [int(tail[2])],
                                              self._opcode.Write, self._notify(self.name, notification.decode()))

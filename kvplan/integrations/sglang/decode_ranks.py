@@ -1,0 +1,151 @@
+"""SGLang's decode ranks as peers of a kvplan prefill endpoint (a kvplan prefill serving SGLang decodes).
+
+An SGLang decode rank speaks SGLang's protocol (Mooncake backend), not kvplan's: it registers and asks
+for each request through the prefill rank's control socket (:class:`~.rank_link.PrefillRankLink`), and
+learns that a request landed, or failed, from the prefill's status message, not from the write.
+:class:`DecodeRanks` turns that into what a :class:`~kvplan.transport.prefill.PrefillEndpoint` plans
+with: each registered rank becomes a peer, its memory built from its registration and the lengths it
+does not register (:func:`~.kv_args.side_from_registration`) and checked to pair with this side; each
+request whose every decode rank has asked becomes that peer's destination lists. The bytes then go as
+direct writes without notifications, and :meth:`DecodeRanks.report` sends the request's status.
+
+Nothing from the peer is trusted: a registration that does not pair with this side is refused (its
+requests fail, naming the reason), malformed messages are dropped by the link, and the pages are
+planned, so bounds-checked, against the pools the decode's lengths describe.
+
+Scope: one decode rank per request (a room the decode's TP fans out to several ranks fails, naming
+it), the ``early`` decode allocation policy, no staging buffer (SGLang's decode-side staging protocol).
+
+Example (inside a prefill manager; ``endpoint`` a PrefillEndpoint over a Mooncake engine)::
+
+    ranks = DecodeRanks(endpoint, PrefillRankLink(), side_of=lambda reg: side_from_registration(reg, ...))
+    ranks.link.register("127.0.0.1", bootstrap_port, page_size=64, kv_cache_dtype="bfloat16")
+    published, failed = ranks.progress()       # rooms whose lists arrived; rooms that cannot be served
+    ...
+    ranks.report(room, ok=True)                # once the last chunk's writes have completed
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import numpy as np
+
+from ...errors import KvplanError
+from ...planner.model import SideMemory
+from ...planner.plan import DestinationLists
+from ...planner.pairing import pair_sides
+from ...transport.prefill import Peer, PrefillEndpoint
+from .rank_link import FAILED, SUCCESS, PrefillRankLink
+from .wire import Registration, TransferRequest
+
+__all__ = ["DecodeRanks"]
+
+log = logging.getLogger("kvplan")
+
+
+class _StatusOnly:
+    """The control channel of a peer that has none: an SGLang decode rank hears only its prefill's
+    status messages, which :meth:`DecodeRanks.report` sends; kvplan's own messages have nowhere to go."""
+
+    def __init__(self, session_id: str):
+        self.session_id = session_id
+
+    def send(self, kind: str, header: dict[str, Any] | None = None, *frames: bytes, timeout: float = 0.0) -> None:
+        log.debug("kvplan's %r for SGLang decode session %s is not sent (its status is)", kind, self.session_id)
+
+    def try_recv(self) -> None:
+        return None
+
+    def peer_gone(self) -> bool:
+        return False  # SGLang's liveness checks run on the decode side (its heartbeats)
+
+    def close(self) -> None:
+        pass
+
+
+class DecodeRanks:
+    """The SGLang decode ranks ``endpoint`` sends to, through ``link`` (see the module docstring).
+
+    ``side_of`` builds a registered rank's memory (raising :class:`~kvplan.errors.LayoutError` when it
+    cannot); ``sessions`` maps each paired rank's session id to its peer index in ``endpoint``;
+    ``refused`` gives the reason for each rank that registered and could not pair.
+    """
+
+    def __init__(self, endpoint: PrefillEndpoint, link: PrefillRankLink,
+                 side_of: Callable[[Registration], SideMemory]):
+        self.endpoint, self.link, self.side_of = endpoint, link, side_of
+        self.sessions: dict[str, int] = {}
+        self.refused: dict[str, str] = {}
+
+    def progress(self, timeout: float = 0.0) -> tuple[list[int], list[tuple[int, str]]]:
+        """Take in registrations, requests and aborts (waiting up to ``timeout`` for the first). Returns
+        the rooms whose lists arrived, and those that cannot be served, each with the reason: the
+        caller fails them (and reports them with :meth:`report`). An aborted room is acknowledged
+        here, once its lists are dropped."""
+        published, failed = [], []
+        for kind, key in self.link.poll(timeout):
+            if kind == "registered":
+                self._pair(key)
+            elif kind == "request" and self.link.complete(key):
+                reason = self._publish(key)
+                if reason is not None:
+                    failed.append((key, reason))
+                else:
+                    published.append(key)
+            elif kind == "abort":
+                self.endpoint.forget([key])
+                self.link.ack_abort(key)
+                failed.append((key, "the decode side aborted it"))
+        return published, failed
+
+    def _pair(self, session_id: str) -> None:
+        reg = self.link.registrations[session_id]
+        try:
+            side = self.side_of(reg)
+            pair_sides(self.endpoint.side, side)
+        except KvplanError as err:
+            self.refused[session_id] = f"decode session {session_id} cannot pair with this prefill: {err}"
+            log.warning("%s", self.refused[session_id])
+            return
+        self.refused.pop(session_id, None)
+        k = self.sessions.get(session_id)
+        if k is None:  # its session id is its Mooncake segment: the engine's name for it
+            self.endpoint.peers.append(Peer(_StatusOnly(session_id), name=session_id, side=side, notified=False))
+            self.sessions[session_id] = len(self.endpoint.peers) - 1
+        else:  # registered again (a restarted decode): what it asked for before is gone
+            peer = self.endpoint.peers[k]
+            peer.side = side
+            peer.lists.clear()
+        log.info("paired with SGLang decode session %s (attention TP rank %d of %d)", session_id, reg.tp_rank,
+                 reg.attn_tp_size)
+
+    def _publish(self, room: int) -> str | None:
+        """Record ``room``'s destination lists with its peer; the reason it cannot be served, if so."""
+        asked: list[TransferRequest] = list(self.link.requests[room].values())
+        refused = [self.refused[r.session_id] for r in asked if r.session_id in self.refused]
+        if refused:
+            return refused[0]
+        live = [r for r in asked if not r.is_dummy]
+        if len(live) != 1:
+            return (f"request {room} is received by {len(live)} decode ranks; kvplan serves an SGLang decode with "
+                    "one rank per request (its attention TP size no larger than this prefill's)")
+        req = live[0]
+        lists = DestinationLists(np.asarray(req.dst_pages, np.int64),
+                                 tuple(np.asarray(ids, np.int64) for ids in req.state_lists))
+        self.endpoint.peers[self.sessions[req.session_id]].lists[room] = (lists, int(req.aux_index or 0),
+                                                                           int(req.decode_prefix_len))
+        return None
+
+    def report(self, room: int, ok: bool, reason: str | None = None) -> None:
+        """Send ``room``'s status to every decode rank that asked for it, then forget the room."""
+        try:
+            self.link.send_status(room, SUCCESS if ok else FAILED, reason)
+        except KvplanError as err:  # a decode rank that is gone finds out by its own checks
+            log.warning("could not send request %s's status to its decode rank: %s", room, err)
+        self.link.forget(room)
+        self.endpoint.forget([room])
+
+    def close(self) -> None:
+        self.link.close()

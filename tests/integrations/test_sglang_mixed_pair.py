@@ -1,0 +1,83 @@
+"""A kvplan prefill serving SGLang's own decode: kvplan's prefill manager (``kvplan_protocol="sglang"``)
+registers with SGLang's bootstrap server and speaks SGLang's Mooncake protocol to SGLang's unchanged
+``MooncakeKVManager`` and ``MooncakeKVReceiver`` in another process, over loopback. Three requests (one
+chunked, one after a decode prefix), every byte checked on the decode side, the ``KVPoll`` states each
+side's caller sees."""
+
+import multiprocessing as mp
+import queue
+import time
+
+import pytest
+
+from tests.integrations import sglang_sides
+from tests.integrations.test_sglang_adapter import free_port
+from tests.sglang_real import sglang_module
+
+pytestmark = [pytest.mark.sglang, pytest.mark.engines]
+
+
+def _run_pair(state, decode_kv_pages: int = sglang_sides.PAGES) -> dict:
+    """The kvplan prefill and the SGLang decode, each joined or killed by its own handle; what each
+    reported, by name."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=sglang_sides.run_prefill, args=("mooncake", port, 11, results, 60.0, state, "sglang",
+                                                                   decode_kv_pages)),
+             ctx.Process(target=sglang_sides.run_sglang_decode, args=(port, 11, results, 60.0, state))]
+    for p in procs:
+        p.start()
+    got: dict = {}
+    deadline = time.monotonic() + 150
+    try:
+        while len(got) < len(procs):
+            try:
+                kind, *rest = results.get(timeout=1)
+                got[kind] = rest
+            except queue.Empty:
+                dead = [p.name for p in procs if p.exitcode not in (None, 0)]
+                assert not dead and time.monotonic() < deadline, f"no report from every side; exited: {dead}"
+        return got
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+
+
+@pytest.mark.parametrize("state", [False, True, "hybrid"])
+def test_a_kvplan_prefill_serves_sglang_s_own_decode(state):
+    base = sglang_module("srt.disaggregation.base.conn")
+    got = _run_pair(state)
+    prefill_states, failures = got["prefill"]
+    decode_states, decode_failures, wrong, notes = got["decode"]
+    assert not any(failures.values()), failures
+    assert notes == 0  # the writes notify nothing: SGLang's decode would hold every notification forever
+    assert not decode_failures, decode_failures
+    assert not wrong, f"bytes differ on SGLang's decode side: {wrong[:8]}"
+    for room, states in decode_states.items():  # SGLang's receiver: Bootstrapping, WaitingForInput, ..., Success
+        assert states[:2] == [base.KVPoll.Bootstrapping, base.KVPoll.WaitingForInput], (room, states)
+        assert states[-1] == base.KVPoll.Success, (room, states)
+    for room, states in prefill_states.items():
+        assert states[-1] == base.KVPoll.Success, (room, states)
+
+
+def test_pages_past_the_decode_s_declared_pools_fail_on_both_sides_and_nothing_lands():
+    """SGLang's registration carries no pool sizes: the prefill is told them (``kvplan_decode_lens``) and
+    bounds-checks SGLang's destination pages against them. Told a pool of 8 pages, the step whose
+    lists reach past it is refused whole (kvplan's strict policy): every request of it fails on both
+    sides, the prefill's reason names the page, and no byte lands."""
+    base = sglang_module("srt.disaggregation.base.conn")
+    got = _run_pair(False, decode_kv_pages=8)
+    prefill_states, failures = got["prefill"]
+    decode_states, _, wrong, _ = got["decode"]
+    lists = sglang_sides.page_lists(11)
+    assert any(dst.max() >= 8 for _, dst, _, _ in lists.values()), "the test's lists must reach past 8 pages"
+    for room in lists:
+        assert prefill_states[room][-1] == base.KVPoll.Failed, prefill_states[room]
+        assert "is outside the pool [1, 8)" in failures[room], failures[room]
+        assert decode_states[room][-1] == base.KVPoll.Failed, decode_states[room]
+    every = {(room, int(p)) for room, (_, dst, _, _) in lists.items() for p in dst} | {(room, "aux") for room in lists}
+    assert set(wrong) == every  # every page and aux row of every request still differs: nothing landed
