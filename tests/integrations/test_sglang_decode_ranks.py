@@ -17,7 +17,7 @@ from kvplan.integrations.sglang.kv_args import side_from_kv_args, side_from_regi
 from kvplan.integrations.sglang.rank_link import FAILED, SUCCESS, PrefillRankLink
 from kvplan.transport.prefill import PrefillEndpoint
 from tests.integrations import sglang_sides
-from tests.integrations.test_sglang_rank_link import _poll_until, _pull, _recv
+from tests.integrations.test_sglang_rank_link import _pull, _recv
 from tests.integrations.test_sglang_wire import sglang_decode
 from tests.sglang_real import sglang_module
 from tests.transport.fakes import FakeEngine
