@@ -230,8 +230,9 @@ def run_prefill(engine: str, port: int, seed: int, results, deadline_s: float, s
 
 
 def run_decode(engine: str, port: int, seed: int, results, deadline_s: float, state: bool = False,
-               rooms: tuple | None = None, name: str = "decode") -> None:
-    """A decode manager receiving ``rooms`` (all requests by default); reports as ``name``."""
+               rooms: tuple | None = None, name: str = "decode", protocol: str = "kvplan") -> None:
+    """A decode manager receiving ``rooms`` (all requests by default); reports as ``name``. With
+    ``protocol="sglang"`` it is served by SGLang's own prefill."""
     from tests.sglang_real import sglang_module
 
     base = sglang_module("srt.disaggregation.base.conn")
@@ -240,7 +241,8 @@ def run_decode(engine: str, port: int, seed: int, results, deadline_s: float, st
 
     kv, aux = pools(None)
     server_args = types.SimpleNamespace(disaggregation_transfer_backend=engine, kvplan_timeout_s=deadline_s,
-                                        kvplan_state_params=STATE_PARAMS if state == "hybrid" else None)
+                                        kvplan_state_params=STATE_PARAMS if state == "hybrid" else None,
+                                        kvplan_protocol=protocol)
     args, state_pools = with_state(kv_args_of(base, kv, aux), state, None)
     mgr = KVManager(args, utils.DisaggregationMode.DECODE, server_args)
     lists = page_lists(seed, state == "hybrid")
@@ -248,6 +250,8 @@ def run_decode(engine: str, port: int, seed: int, results, deadline_s: float, st
     for room, tokens, prefix, _ in (r for r in requests_of(state) if rooms is None or r[0] in rooms):
         receiver = KVReceiver(mgr, f"127.0.0.1:{port}", room)
         seen[room] = [int(receiver.poll())]
+        if protocol == "sglang":
+            _until_registered(port, deadline_s)
         receiver.init(0)
         seen[room].append(int(receiver.poll()))
         receiver.send_metadata(torch.from_numpy(lists[room][1].astype(np.int32)), aux_index=lists[room][3],
@@ -317,9 +321,10 @@ def sglang_kv_args(base, kv, aux):
     return args
 
 
-def sglang_decode_manager(port: int, args):
-    """SGLang's own ``MooncakeKVManager`` in decode mode, on 127.0.0.1 over Mooncake's TCP transport,
-    under a published test configuration (SGLang's ``override_server_args``) of one attention rank."""
+def sglang_manager(mode: str, port: int, args):
+    """SGLang's own ``MooncakeKVManager`` in ``mode`` ("prefill" or "decode"), on 127.0.0.1 over
+    Mooncake's TCP transport, under a published test configuration (SGLang's ``override_server_args``)
+    of one attention rank and no pipeline group."""
     from tests.sglang_real import sglang_module
 
     os.environ.update(SGLANG_HOST_IP="127.0.0.1", MOONCAKE_PROTOCOL="tcp", MC_FORCE_TCP="1",
@@ -329,11 +334,12 @@ def sglang_decode_manager(port: int, args):
     conn = sglang_module("srt.disaggregation.mooncake.conn")
     engine = sglang_module("srt.distributed.device_communicators.mooncake_transfer_engine")
     server_args = context.get_context().override_server_args(
-        disaggregation_mode="decode", disaggregation_transfer_backend="mooncake", disaggregation_bootstrap_port=port,
+        disaggregation_mode=mode, disaggregation_transfer_backend="mooncake", disaggregation_bootstrap_port=port,
         host="127.0.0.1", page_size=PAGE).install()
-    context.get_parallel().override_permanently(attn_tp_rank=0, attn_cp_rank=0, attn_dcp_rank=0, attn_dp_rank=0)
+    context.get_parallel().override_permanently(attn_tp_rank=0, attn_cp_rank=0, attn_dcp_rank=0, attn_dp_rank=0,
+                                                pp_group=None)
     engine.init_mooncake_transfer_engine("127.0.0.1")
-    return conn, conn.MooncakeKVManager(args, utils.DisaggregationMode.DECODE, server_args, False)
+    return conn, conn.MooncakeKVManager(args, utils.DisaggregationMode(mode), server_args, False)
 
 
 def run_sglang_decode(port: int, seed: int, results, deadline_s: float, state: bool = False) -> None:
@@ -345,7 +351,7 @@ def run_sglang_decode(port: int, seed: int, results, deadline_s: float, state: b
     base = sglang_module("srt.disaggregation.base.conn")
     kv, aux = pools(None)
     args, state_pools = with_state(sglang_kv_args(base, kv, aux), state, None)
-    conn, mgr = sglang_decode_manager(port, args)
+    conn, mgr = sglang_manager("decode", port, args)
     address, deadline = f"127.0.0.1:{port}", time.monotonic() + deadline_s
     while not mgr.try_ensure_parallel_info(address):  # until the prefill rank has registered
         if time.monotonic() > deadline:
@@ -374,4 +380,71 @@ def run_sglang_decode(port: int, seed: int, results, deadline_s: float, state: b
     results.put(("decode", seen, dict(mgr.failure_records), wrong, len(notes)))
     results.close()
     results.join_thread()  # flushed before the exit below
+    os._exit(0)  # SGLang's manager keeps daemon threads and sockets that have no close of their own
+
+
+def _until_registered(port: int, deadline_s: float) -> None:
+    """Wait until the bootstrap server on ``port`` reports the prefill's every rank registered."""
+    from kvplan.integrations.sglang.bootstrap import BootstrapNotReady, prefill_layout
+
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            prefill_layout("127.0.0.1", port, timeout=1.0)
+            return
+        except (BootstrapNotReady, OSError) as err:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the prefill did not register with the bootstrap server at {port}") from err
+            time.sleep(0.05)
+        except Exception as err:  # noqa: BLE001 - the server is not up yet (connection refused)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no bootstrap server at {port}: {err}") from err
+            time.sleep(0.05)
+
+
+def run_sglang_prefill(port: int, seed: int, results, deadline_s: float, state: bool = False) -> None:
+    """SGLang's own prefill side (its ``MooncakeKVManager`` and ``MooncakeKVSender``, unchanged, and its
+    bootstrap server) sending every request to a kvplan decode manager as SGLang's scheduler does: every
+    first chunk in one step, the rest in the next, the state lists and true token count with the last;
+    reports as ``"prefill"``: the ``KVPoll`` states it saw and its failure records."""
+    from tests.sglang_real import sglang_module
+
+    base = sglang_module("srt.disaggregation.base.conn")
+    server = bootstrap_server(port)
+    kv, aux = pools(seed)
+    args, _ = with_state(sglang_kv_args(base, kv, aux), state, seed)
+    conn, mgr = sglang_manager("prefill", port, args)
+    lists = page_lists(seed, state == "hybrid")
+    senders = {}
+    for room, tokens, prefix, chunks in requests_of(state):
+        sender = conn.MooncakeKVSender(mgr, f"127.0.0.1:{port}", room)
+        sender.init(len(lists[room][0]), aux_index=lists[room][2])
+        senders[room] = sender
+    deadline = time.monotonic() + deadline_s
+    seen = {room: [int(s.poll())] for room, s in senders.items()}
+    while any(s.poll() == base.KVPoll.Bootstrapping for s in senders.values()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for step in range(2):
+        for room, tokens, prefix, chunks in requests_of(state):
+            pages = lists[room][0]
+            cut = len(pages) // 2 if chunks == 2 else 0
+            part = pages[:cut] if step == 0 and cut else pages[cut:] if step == 1 and cut else pages if step == 0 else []
+            last = step == 1 or chunks == 1
+            if len(part):
+                ids = state_indices(state, room, 0, lists, seed) if last else None
+                count = tokens - prefix - cut * PAGE if last else len(part) * PAGE
+                senders[room].send(part.astype(np.int32), state_indices=ids, num_kv_tokens=count)
+    while time.monotonic() < deadline:
+        states = {room: int(s.poll()) for room, s in senders.items()}
+        for room, now in states.items():
+            if seen[room][-1] != now:
+                seen[room].append(now)
+        if all(x in (base.KVPoll.Success, base.KVPoll.Failed) for x in states.values()):
+            break
+        time.sleep(0.001)
+    results.put(("prefill", seen, dict(mgr.failure_records)))
+    results.close()
+    results.join_thread()
+    time.sleep(0.5)  # the last status messages leave before the process does
+    server.close()
     os._exit(0)  # SGLang's manager keeps daemon threads and sockets that have no close of their own

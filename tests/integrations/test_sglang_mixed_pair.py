@@ -17,15 +17,20 @@ from tests.sglang_real import sglang_module
 pytestmark = [pytest.mark.sglang, pytest.mark.engines]
 
 
-def _run_pair(state, decode_kv_pages: int = sglang_sides.PAGES) -> dict:
-    """The kvplan prefill and the SGLang decode, each joined or killed by its own handle; what each
-    reported, by name."""
+def _run_pair(state, decode_kv_pages: int = sglang_sides.PAGES, sglang_side: str = "decode") -> dict:
+    """kvplan's side and SGLang's own (``sglang_side``), each joined or killed by its own handle; what
+    each reported, by name."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=sglang_sides.run_prefill, args=("mooncake", port, 11, results, 60.0, state, "sglang",
-                                                                   decode_kv_pages)),
-             ctx.Process(target=sglang_sides.run_sglang_decode, args=(port, 11, results, 60.0, state))]
+    if sglang_side == "decode":
+        procs = [ctx.Process(target=sglang_sides.run_prefill,
+                             args=("mooncake", port, 11, results, 60.0, state, "sglang", decode_kv_pages)),
+                 ctx.Process(target=sglang_sides.run_sglang_decode, args=(port, 11, results, 60.0, state))]
+    else:
+        procs = [ctx.Process(target=sglang_sides.run_sglang_prefill, args=(port, 11, results, 60.0, state)),
+                 ctx.Process(target=sglang_sides.run_decode,
+                             args=("mooncake", port, 11, results, 60.0, state, None, "decode", "sglang"))]
     for p in procs:
         p.start()
     got: dict = {}
@@ -81,3 +86,24 @@ def test_pages_past_the_decode_s_declared_pools_fail_on_both_sides_and_nothing_l
         assert decode_states[room][-1] == base.KVPoll.Failed, decode_states[room]
     every = {(room, int(p)) for room, (_, dst, _, _) in lists.items() for p in dst} | {(room, "aux") for room in lists}
     assert set(wrong) == every  # every page and aux row of every request still differs: nothing landed
+
+
+@pytest.mark.parametrize("state", [False, True, "hybrid"])
+def test_sglang_s_own_prefill_serves_a_kvplan_decode(state):
+    """The other way round: SGLang's unchanged prefill (``MooncakeKVManager``, ``MooncakeKVSender`` and
+    its bootstrap server) writes into a kvplan decode manager (``kvplan_protocol="sglang"``), which
+    found it through the bootstrap server, registered its buffers and asked for each request in
+    SGLang's messages, and settles each request by SGLang's status message."""
+    base = sglang_module("srt.disaggregation.base.conn")
+    got = _run_pair(state, sglang_side="prefill")
+    prefill_states, prefill_failures = got["prefill"]
+    decode_states, wrong = got["decode"]
+    assert not prefill_failures, prefill_failures
+    assert not wrong, f"bytes differ on kvplan's decode side: {wrong[:8]}"
+    for room, states in prefill_states.items():
+        assert states[-1] == base.KVPoll.Success, (room, states)
+    first = sglang_sides.requests_of(state)[0][0]
+    assert decode_states[first][0] == base.KVPoll.Bootstrapping  # before the manager found the prefill
+    for room, states in decode_states.items():  # after init: WaitingForInput; asked: Transferring; Success
+        assert states[1] == base.KVPoll.WaitingForInput and base.KVPoll.Transferring in states[2:], (room, states)
+        assert states[-1] == base.KVPoll.Success, (room, states)

@@ -28,9 +28,11 @@ sides. SWA and DSA components are declared ``from_prefix`` (planning.md §6's va
 decode prefix their lists start at the prefix, as SGLang 0.5.23's do. The last chunk's
 ``num_kv_tokens`` gives the request's true length, which places the SWA window and the ring's.
 
-With the server arg ``kvplan_protocol="sglang"`` a prefill manager serves SGLang's own decode ranks
-instead (Mooncake): it registers with SGLang's bootstrap server, reads SGLang's registrations and
-transfer requests, and answers each request with SGLang's status message (:mod:`.decode_ranks`).
+With the server arg ``kvplan_protocol="sglang"`` a manager speaks SGLang's own protocol (Mooncake)
+instead. A prefill manager serves SGLang's decode ranks: it registers with SGLang's bootstrap server,
+reads SGLang's registrations and transfer requests, and answers each request with SGLang's status
+message (:mod:`.decode_ranks`). A decode manager is served by SGLang's prefill: it finds it through the
+bootstrap server, registers, asks for each request and reads its status (:mod:`.decode_link`).
 
 Several decode managers per prefill manager: each asks the prefill's bootstrap port (127.0.0.1 by
 default) for a control channel of its own (:mod:`kvplan.transport.listener`), and one step's
@@ -84,12 +86,14 @@ from ...planner.model import SideMemory
 from ...planner.plan import DestinationLists
 from ...planner.state_kinds import RULES, rules_of
 from ...transport.listener import ChannelListener, channel_via
-from ...transport.decode import DecodeEndpoint
+from ...transport.decode import DecodeEndpoint, engine_regions
 from ...transport.engines import make_engine
 from ...transport.prefill import Chunk, PrefillEndpoint
+from .decode_link import DecodeRankLink
 from .decode_ranks import DecodeRanks
 from .kv_args import side_from_kv_args, side_from_registration, state_from_kv_args
 from .rank_link import PrefillRankLink
+from .wire import KV_POLL_STATES, Registration, TransferRequest
 
 __all__ = ["KVManager", "KVReceiver", "KVSender", "TransferFailed"]
 
@@ -129,11 +133,11 @@ class KVManager(BaseKVManager):
     ``kvplan_state_params`` (per state component, what ``KVArgs`` does not hold: windows, ring sizes),
     ``kvplan_mode`` (``auto``, ``direct``, ``staged``), ``kvplan_timeout_s``, ``kvplan_engine_settings``
     (a dict for the engine, such as ``{"num_threads": 4}`` or ``{"progress_thread": False}`` for NIXL),
-    ``kvplan_protocol`` (``"kvplan"``; or ``"sglang"``: a prefill manager over Mooncake that serves
+    ``kvplan_protocol`` (``"kvplan"``; or ``"sglang"``, over Mooncake: a prefill manager that serves
     SGLang's own decode ranks, registered with SGLang's bootstrap server at ``host`` and
-    ``disaggregation_bootstrap_port`` (:mod:`.decode_ranks`); it also needs ``kvplan_decode_lens``, the
+    ``disaggregation_bootstrap_port`` (:mod:`.decode_ranks`; it also needs ``kvplan_decode_lens``, the
     decode's ``kv_data_lens``, ``aux_data_lens`` and ``state_data_lens``, which SGLang's registration
-    lacks). :meth:`close` releases the engine and the channels.
+    lacks), or a decode manager served by SGLang's own prefill (:mod:`.decode_link`)). :meth:`close` releases the engine and the channels.
     """
 
     def __init__(self, args: Any, disaggregation_mode: DisaggregationMode, server_args: Any,
@@ -168,9 +172,9 @@ class KVManager(BaseKVManager):
         self.protocol = str(_setting(server_args, "kvplan_protocol", "kvplan"))
         if self.protocol not in PROTOCOLS:
             raise ValueError(f"server arg kvplan_protocol must be one of {PROTOCOLS}, got {self.protocol!r}")
-        if self.protocol == "sglang" and (engine_kind != "mooncake" or disaggregation_mode is not DisaggregationMode.PREFILL):
-            raise LayoutError("kvplan_protocol='sglang' serves SGLang decode ranks from a kvplan prefill manager over "
-                              f"Mooncake; not a {disaggregation_mode.value} manager over {engine_kind}")
+        if self.protocol == "sglang" and engine_kind != "mooncake":
+            raise LayoutError("kvplan_protocol='sglang' speaks SGLang's Mooncake protocol; SGLang's NIXL registration "
+                              f"(its agent metadata) is not read yet, so not over {engine_kind}")
         engine_settings = dict(_setting(server_args, "kvplan_engine_settings", None) or {})
         self.engine = make_engine(engine_kind, f"{disaggregation_mode.value}-{os.getpid()}-{id(self):x}", memory,
                                   self.device.index or 0, **engine_settings)
@@ -208,6 +212,8 @@ class KVManager(BaseKVManager):
                                                       state_params=self.state_params)
             self.decode: DecodeEndpoint | None = None
             self.bootstrap_addr: str | None = None
+            self.link: DecodeRankLink | None = None  # served by SGLang's own prefill (kvplan_protocol "sglang")
+            self._asked: dict[int, float] = {}  # with SGLang's protocol: each room's deadline for its status
         else:
             raise ValueError(f"a KVManager is for PREFILL or DECODE, not {disaggregation_mode}")
 
@@ -234,6 +240,8 @@ class KVManager(BaseKVManager):
             self.prefill = None
         elif self.decode is not None:
             closers, self.decode = [self.decode.channel.close], None
+        elif self.link is not None:
+            closers, self.link = [self.link.close], None
         engine, self.engine = self.engine, None
         closers.append(engine.close)  # last, and whatever the others raised
         for close in closers:
@@ -461,22 +469,56 @@ class KVManager(BaseKVManager):
             self.ranks.report(room, state == KVPoll.Success, reason)
 
     # -- decode ---------------------------------------------------------------------------------------
+    def connected(self) -> bool:
+        return self.decode is not None or self.link is not None
+
     def connect(self, bootstrap_addr: str) -> None:
-        """Connect to the prefill's bootstrap port and register this side's layout (once)."""
-        if self.decode is not None:
+        """Connect to the prefill's bootstrap port and register this side's layout (once); with SGLang's
+        protocol, find the prefill rank through SGLang's bootstrap server and register there."""
+        if self.connected():
             if bootstrap_addr != self.bootstrap_addr:
                 raise LayoutError(f"this decode manager is paired with {self.bootstrap_addr}; one prefill manager per "
                                   f"decode manager in this version, not also {bootstrap_addr}")
             return
         host, _, port = bootstrap_addr.rpartition(":")
+        if self.protocol == "sglang":
+            self._connect_sglang(host or "127.0.0.1", int(port))
+            self.bootstrap_addr = bootstrap_addr
+            return
         channel = channel_via(host or "127.0.0.1", int(port), timeout=self.timeout)
         self.decode = DecodeEndpoint(self.side, self.engine, channel)
         self.decode.register(timeout=self.timeout)
         self.bootstrap_addr = bootstrap_addr
 
+    def _connect_sglang(self, host: str, port: int) -> None:
+        """Register this side's buffers with the engine and its layout with SGLang's prefill rank."""
+        args, link = self.kv_args, DecodeRankLink(self.engine.segment)
+        try:
+            self.engine.register(engine_regions(self.side))
+            reg = Registration(endpoint="", port=0, session_id="", kv_ptrs=tuple(args.kv_data_ptrs),
+                               kv_item_lens=tuple(args.kv_item_lens), aux_ptrs=tuple(args.aux_data_ptrs),
+                               tp_rank=int(args.engine_rank), attn_tp_size=self.attn_tp_size,
+                               state_ptrs=_nested(getattr(args, "state_data_ptrs", None)),
+                               state_item_lens=_nested(getattr(args, "state_item_lens", None)),
+                               state_dim_per_tensor=_nested(getattr(args, "state_dim_per_tensor", None)),
+                               kv_layer_ids=tuple(getattr(args, "kv_layer_ids", None) or ()),
+                               state_layer_ids=_nested(getattr(args, "state_layer_ids", None)))
+            link.connect(host, port, reg, page_size=self.page_size, timeout=self.timeout,
+                         kv_cache_dtype=str(getattr(args, "kv_cache_dtype_str", None) or "auto"))
+        except BaseException:
+            link.close()
+            raise
+        self.link = link
+
     def publish(self, room: int, pages: np.ndarray, aux_index: int, prefix_len: int,
                 state: tuple[np.ndarray, ...] | None = None) -> None:
         lists = _state_lists_of(room, state, self.side.state) if self.side.state else ()
+        if self.link is not None:  # SGLang's prefill writes them itself; its status settles the room
+            self.link.ask(TransferRequest(room, "", 0, "", pages.astype(np.int32), int(aux_index),
+                                          tuple(tuple(int(i) for i in ids) for ids in lists),
+                                          decode_prefix_len=prefix_len), timeout=self.timeout)
+            self._asked[room] = time.monotonic() + self.timeout
+            return
         published = PublishedRequest(room, DestinationLists(pages.astype(np.int64), lists), int(aux_index),
                                      tuple(c.name for c in self.side.state), bool(self.side.aux))
         self.decode.track([published], time.monotonic() + self.timeout)
@@ -484,6 +526,8 @@ class KVManager(BaseKVManager):
                                              "prefix_len": prefix_len}, published.message(), timeout=self.timeout)
 
     def decode_state(self, room: int) -> int:
+        if self.link is not None:
+            return self._sglang_state(room)
         tracker = self.decode.tracker
         state = tracker.state(room) if room in tracker else None
         if state == "complete":
@@ -494,6 +538,32 @@ class KVManager(BaseKVManager):
             tracker.forget(room)
             self.decode.guard.forget(room)
         return self.status.get(room, KVPoll.Transferring)
+
+
+    def _sglang_state(self, room: int) -> int:
+        """A room's state from SGLang's prefill's status messages, failed once its deadline passes."""
+        for msg in self.link.poll():
+            if msg.status == KVPoll.Success:
+                self._settle(msg.room, KVPoll.Success)
+            elif msg.status == KVPoll.Failed:
+                self._settle(msg.room, KVPoll.Failed, msg.reason or "the prefill reported it failed")
+            else:
+                log.debug("request %s: the prefill reports %s", msg.room, KV_POLL_STATES[msg.status])
+            if msg.status in (KVPoll.Success, KVPoll.Failed):
+                self._asked.pop(msg.room, None)
+        if room in self._asked and time.monotonic() > self._asked[room]:
+            self._asked.pop(room)
+            reason = f"no status from the prefill within {self.timeout} s"
+            try:  # its pages may be reused once the prefill acknowledges (self.link.acked)
+                self.link.abort(room)
+            except KvplanError as err:
+                reason += f"; the abort could not be sent: {err}"
+            self._settle(room, KVPoll.Failed, reason)
+        return self.status.get(room, KVPoll.Transferring)
+
+
+def _nested(values: Any) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(int(v) for v in inner) for inner in (values or ()))
 
 
 def _ids(values: Any) -> np.ndarray:
@@ -585,7 +655,7 @@ class KVReceiver(BaseKVReceiver):
         mgr = self.mgr
         if self.room in mgr.status:
             return mgr.status[self.room]
-        if mgr.decode is None:
+        if not mgr.connected():
             return KVPoll.Bootstrapping
         if not self.published:
             return KVPoll.WaitingForInput

@@ -39,7 +39,8 @@ class MooncakeEngine:
         self.engine = TransferEngine()
         if self.engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
             raise TransferError("Mooncake failed to initialise on 127.0.0.1")
-        self.name = name or f"127.0.0.1:{self.engine.get_rpc_port()}"
+        self.segment = f"127.0.0.1:{self.engine.get_rpc_port()}"  # how peers address it (SGLang: its session id)
+        self.name = name or self.segment
         self.memory = memory
         self._regions: list[int] = []
         # what this wheel offers, decided once here (0.3.14 has array calls, 0.3.13 only lists)
@@ -52,7 +53,7 @@ class MooncakeEngine:
             self._regions.append(int(addr))
 
     def metadata(self) -> bytes:
-        return json.dumps({"segment": f"127.0.0.1:{self.engine.get_rpc_port()}", "name": self.name}).encode()
+        return json.dumps({"segment": self.segment, "name": self.name}).encode()
 
     def connect(self, peer_metadata: bytes) -> str:
         return json.loads(peer_metadata)["segment"]
