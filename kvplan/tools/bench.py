@@ -221,15 +221,25 @@ def _d2h_gbps(device: torch.device, nbytes: int = 1 << 28) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
-def _kernel_ms(planner: Planner, cols: BatchColumns, runs: int) -> float:
-    """Device time of a counts-only plan (graph replay), CUDA events."""
+def device_span_ms(planner: Planner, cols: BatchColumns, runs: int, hold_ms: float = 2.0) -> float:
+    """Median ms of a plan's device work alone (the bench's kernel time: a counts-only graph replay).
+
+    A sleep of ``hold_ms`` is queued before the start event, so the host fills the columns and
+    launches the plan while the GPU is still busy; the events then time the device work only, not
+    the host's part of ``plan`` (an idle GPU would record the start event at once and wait for it).
+    The host must finish ``plan`` within the hold; a slower call raises, since its span would
+    count host time again."""
+    cycles = int(hold_ms * 1e-3 * torch.cuda.get_device_properties(planner.device).clock_rate * 1e3)
     times = []
     for i in range(runs + 3):
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(cycles)
         start.record()
         planner.plan(cols)
         end.record()
+        if i >= 3 and start.query():  # (the first calls compile and capture)
+            raise AssertionError(f"the host took longer than the {hold_ms} ms hold to plan; raise hold_ms")
         end.synchronize()
         if i >= 3:
             times.append(start.elapsed_time(end))
@@ -328,7 +338,7 @@ def _gpu_measures(row: BenchRow, batch: Batch, cols: BatchColumns, ours: np.ndar
     row.host_cpu_us = _host_cpu_us(graph, cols, runs)
     row.busy_return_us, row.cpu_blocks_ms = _busy_stream(graph, cols, src.req_to_token)
     counts = Planner(src, dsts, graphs=True, outputs=())
-    row.kernel_ms = _kernel_ms(counts, cols, runs)
+    row.kernel_ms = device_span_ms(counts, cols, runs)
     row.d2h_gbps = _d2h_gbps(src.req_to_token.device)
     row.floor_ms = row.kernel_ms + len(ours) * 24 / row.d2h_gbps / 1e6
     runs_planner = Planner(src, dsts, graphs=True, outputs=("runs",))
