@@ -8,9 +8,7 @@ field."""
 
 import dataclasses
 import json
-import socket
 import threading
-import time
 import urllib.request
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
@@ -21,33 +19,6 @@ from kvplan.integrations.sglang.bootstrap import BootstrapNotReady, RankRoute, p
 from tests.sglang_real import sglang_module
 
 pytestmark = pytest.mark.sglang
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def server():
-    """SGLang's bootstrap server on a free loopback port, once it answers its health check."""
-    conn = sglang_module("srt.disaggregation.mooncake.conn")
-    port = _free_port()
-    srv = conn.MooncakeKVBootstrapServer("127.0.0.1", port)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
-                    f"http://127.0.0.1:{port}/health", timeout=1) as answer:
-                if answer.status == 200:
-                    break
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
-    yield port
-    srv.close()
 
 
 def _route(tp_rank: int, tp: int = 2) -> RankRoute:

@@ -11,7 +11,6 @@ from kvplan.errors import LayoutError
 from kvplan.integrations.sglang.bootstrap import RankRoute, register_rank
 from kvplan.integrations.sglang.decode_link import DecodeRankLink
 from kvplan.integrations.sglang.wire import Registration, StatusMessage, TransferRequest, status_frames
-from tests.integrations.test_sglang_bootstrap import server  # noqa: F401 - the fixture
 from tests.integrations.test_sglang_rank_link import _pull, _recv
 from tests.sglang_real import sglang_module
 
@@ -22,7 +21,7 @@ REG = Registration(endpoint="", port=0, session_id="", kv_ptrs=(1 << 40, 2 << 40
 
 
 @pytest.fixture
-def prefill(server):  # noqa: F811 - the fixture above
+def prefill(server):
     """A prefill rank's PULL socket, registered with SGLang's bootstrap server as an attention-TP-1 prefill."""
     sock, port = _pull()
     register_rank("127.0.0.1", server, RankRoute(rank_ip="127.0.0.1", rank_port=port, page_size=4,
@@ -81,7 +80,7 @@ def test_only_statuses_of_asked_rooms_from_the_prefill_rank_are_taken(prefill):
     ({"kv_cache_dtype": "fp8_e4m3"}, "KV cache dtype is fp8_e4m3"),
     ({"decode_allocation_policy": "prefill_complete"}, "'prefill_complete' policy"),
 ])
-def test_a_prefill_layout_this_rank_cannot_take_is_refused(server, route, message):  # noqa: F811
+def test_a_prefill_layout_this_rank_cannot_take_is_refused(server, route, message):
     register_rank("127.0.0.1", server, RankRoute(**{"rank_ip": "127.0.0.1", "rank_port": 17400, "page_size": 4,
                                                     "kv_cache_dtype": "bfloat16", **route}))
     link = DecodeRankLink("127.0.0.1:17302")
@@ -94,7 +93,7 @@ def test_a_prefill_layout_this_rank_cannot_take_is_refused(server, route, messag
         link.close()
 
 
-def test_a_prefill_of_several_ranks_is_refused(server):  # noqa: F811
+def test_a_prefill_of_several_ranks_is_refused(server):
     for rank in (0, 1):
         register_rank("127.0.0.1", server, RankRoute(rank_ip="127.0.0.1", rank_port=17500 + rank, page_size=4,
                                                      kv_cache_dtype="bfloat16", attn_tp_size=2, attn_tp_rank=rank))

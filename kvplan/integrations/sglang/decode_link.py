@@ -124,7 +124,7 @@ class DecodeRankLink:
             try:
                 ack = parse_abort_ack(frames)
                 if ack is not None:
-                    if self.aborting.get(ack.room) == ack.generation:  # else a stale or foreign ack
+                    if ack.room in self.aborting and self.aborting[ack.room] == ack.generation:  # else stale or foreign
                         del self.aborting[ack.room]
                         self.acked.add(ack.room)
                     continue
