@@ -321,28 +321,64 @@ def sglang_kv_args(base, kv, aux):
     return args
 
 
-def sglang_manager(mode: str, port: int, args):
-    """SGLang's own ``MooncakeKVManager`` in ``mode`` ("prefill" or "decode"), on 127.0.0.1 over
-    Mooncake's TCP transport, under a published test configuration (SGLang's ``override_server_args``)
-    of one attention rank and no pipeline group."""
+# per backend: SGLang's module, its manager, sender and receiver classes
+SGLANG_CLASSES = {"mooncake": ("mooncake", "Mooncake"), "nixl": ("nixl", "Nixl")}
+
+
+def _nixl_as_sglang_imports_it() -> None:
+    """SGLang imports ``nixl._api``; the wheel installed here is ``nixl_cu12`` (or ``nixl_cu13``): the
+    same module under its package's name."""
+    import importlib
+    import sys
+
+    for name in ("nixl", "nixl_cu13", "nixl_cu12"):
+        try:
+            api = importlib.import_module(f"{name}._api")
+        except ImportError:
+            continue
+        sys.modules.setdefault("nixl", importlib.import_module(name))
+        sys.modules.setdefault("nixl._api", api)
+        return
+    raise ImportError("no NIXL package is installed")
+
+
+def sglang_manager(mode: str, port: int, args, backend: str = "mooncake"):
+    """SGLang's own KV manager of ``backend`` in ``mode`` ("prefill" or "decode"), on 127.0.0.1 (Mooncake
+    over its TCP transport, NIXL over UCX on ``lo`` with the KV in host memory), under a published test
+    configuration (SGLang's ``override_server_args``) of one attention rank and no pipeline group.
+    Returns SGLang's module of that backend and the manager."""
     from tests.sglang_real import sglang_module
 
-    os.environ.update(SGLANG_HOST_IP="127.0.0.1", MOONCAKE_PROTOCOL="tcp", MC_FORCE_TCP="1",
+    os.environ.update(SGLANG_HOST_IP="127.0.0.1", MOONCAKE_PROTOCOL="tcp", MC_FORCE_TCP="1", UCX_NET_DEVICES="lo",
                       NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost")
     context = sglang_module("srt.runtime_context")
     utils = sglang_module("srt.disaggregation.utils")
-    conn = sglang_module("srt.disaggregation.mooncake.conn")
-    engine = sglang_module("srt.distributed.device_communicators.mooncake_transfer_engine")
+    module, prefix = SGLANG_CLASSES[backend]
+    if backend == "nixl":
+        _nixl_as_sglang_imports_it()
+        args.kv_data_mem_kinds = ["DRAM"] * len(args.kv_data_ptrs)
+    conn = sglang_module(f"srt.disaggregation.{module}.conn")
     server_args = context.get_context().override_server_args(
-        disaggregation_mode=mode, disaggregation_transfer_backend="mooncake", disaggregation_bootstrap_port=port,
-        host="127.0.0.1", page_size=PAGE).install()
+        disaggregation_mode=mode, disaggregation_transfer_backend=backend, disaggregation_bootstrap_port=port,
+        host="127.0.0.1", page_size=PAGE, device="cpu").install()
     context.get_parallel().override_permanently(attn_tp_rank=0, attn_cp_rank=0, attn_dcp_rank=0, attn_dp_rank=0,
                                                 pp_group=None)
-    engine.init_mooncake_transfer_engine("127.0.0.1")
-    return conn, conn.MooncakeKVManager(args, utils.DisaggregationMode(mode), server_args, False)
+    if backend == "mooncake":
+        sglang_module("srt.distributed.device_communicators.mooncake_transfer_engine").init_mooncake_transfer_engine(
+            "127.0.0.1")
+    manager = getattr(conn, f"{prefix}KVManager")(args, utils.DisaggregationMode(mode), server_args, False)
+    return conn, manager
 
 
-def run_sglang_decode(port: int, seed: int, results, deadline_s: float, state: bool = False) -> None:
+def _held_notifications(mgr, backend: str) -> int:
+    """How many notifications the writes left in SGLang's engine, which SGLang never reads."""
+    if backend == "nixl":
+        return sum(len(v) for v in mgr.agent.get_new_notifs().values())
+    return len(mgr.engine.engine.get_notifies())
+
+
+def run_sglang_decode(port: int, seed: int, results, deadline_s: float, state: bool = False,
+                      backend: str = "mooncake") -> None:
     """SGLang's own decode side (its ``MooncakeKVManager`` and ``MooncakeKVReceiver``, unchanged) receiving
     every request from a kvplan prefill manager; reports as ``"decode"``: the ``KVPoll`` states it saw,
     its failure records, the bytes that differ and how many notifications its engine holds."""
@@ -351,7 +387,7 @@ def run_sglang_decode(port: int, seed: int, results, deadline_s: float, state: b
     base = sglang_module("srt.disaggregation.base.conn")
     kv, aux = pools(None)
     args, state_pools = with_state(sglang_kv_args(base, kv, aux), state, None)
-    conn, mgr = sglang_manager("decode", port, args)
+    conn, mgr = sglang_manager("decode", port, args, backend)
     address, deadline = f"127.0.0.1:{port}", time.monotonic() + deadline_s
     while not mgr.try_ensure_parallel_info(address):  # until the prefill rank has registered
         if time.monotonic() > deadline:
@@ -360,7 +396,7 @@ def run_sglang_decode(port: int, seed: int, results, deadline_s: float, state: b
     lists = page_lists(seed, state == "hybrid")
     receivers, seen = {}, {}
     for room, tokens, prefix, _ in requests_of(state):
-        receiver = conn.MooncakeKVReceiver(mgr, address, room)
+        receiver = getattr(conn, f"{SGLANG_CLASSES[backend][1]}KVReceiver")(mgr, address, room)
         seen[room] = [int(receiver.poll())]
         receiver.init(0)
         seen[room].append(int(receiver.poll()))
@@ -376,8 +412,7 @@ def run_sglang_decode(port: int, seed: int, results, deadline_s: float, state: b
             break
         time.sleep(0.001)
     wrong = wrong_bytes(state, seed, lists, None, kv, aux, state_pools)
-    notes = mgr.engine.engine.get_notifies()  # what the writes notified, which SGLang never reads
-    results.put(("decode", seen, dict(mgr.failure_records), wrong, len(notes)))
+    results.put(("decode", seen, dict(mgr.failure_records), wrong, _held_notifications(mgr, backend)))
     results.close()
     results.join_thread()  # flushed before the exit below
     os._exit(0)  # SGLang's manager keeps daemon threads and sockets that have no close of their own
@@ -402,7 +437,8 @@ def _until_registered(port: int, deadline_s: float) -> None:
             time.sleep(0.05)
 
 
-def run_sglang_prefill(port: int, seed: int, results, deadline_s: float, state: bool = False) -> None:
+def run_sglang_prefill(port: int, seed: int, results, deadline_s: float, state: bool = False,
+                       backend: str = "mooncake") -> None:
     """SGLang's own prefill side (its ``MooncakeKVManager`` and ``MooncakeKVSender``, unchanged, and its
     bootstrap server) sending every request to a kvplan decode manager as SGLang's scheduler does: every
     first chunk in one step, the rest in the next, the state lists and true token count with the last;
@@ -413,11 +449,11 @@ def run_sglang_prefill(port: int, seed: int, results, deadline_s: float, state: 
     server = bootstrap_server(port)
     kv, aux = pools(seed)
     args, _ = with_state(sglang_kv_args(base, kv, aux), state, seed)
-    conn, mgr = sglang_manager("prefill", port, args)
+    conn, mgr = sglang_manager("prefill", port, args, backend)
     lists = page_lists(seed, state == "hybrid")
     senders = {}
     for room, tokens, prefix, chunks in requests_of(state):
-        sender = conn.MooncakeKVSender(mgr, f"127.0.0.1:{port}", room)
+        sender = getattr(conn, f"{SGLANG_CLASSES[backend][1]}KVSender")(mgr, f"127.0.0.1:{port}", room)
         sender.init(len(lists[room][0]), aux_index=lists[room][2])
         senders[room] = sender
     deadline = time.monotonic() + deadline_s

@@ -155,3 +155,19 @@ def test_a_registration_without_the_decode_s_lengths_is_refused_naming_them():
     with pytest.raises(LayoutError, match="decode context parallelism"):
         side_from_registration(types.SimpleNamespace(**{**vars(reg), "dcp_size": 2}), local, {}, mla=False,
                                attn_tp_size=1)
+
+
+def test_a_nixl_registration_whose_pools_disagree_with_the_lengths_given_is_refused():
+    """NIXL's registration carries the KV slot count and the state lengths: they must be the pools the
+    lengths given for the decode describe."""
+    reg = types.SimpleNamespace(kv_ptrs=(1, 1 << 20), kv_item_lens=(64, 64), aux_ptrs=(2,), tp_rank=0,
+                                attn_tp_size=1, state_ptrs=((3,),), state_item_lens=((8,),),
+                                state_dim_per_tensor=((0,),), dcp_size=1, num_slots=4, state_data_lens=((64,),))
+    local = types.SimpleNamespace(page_size=4, kv_head_num=1, total_kv_head_num=1, aux_item_lens=[8],
+                                  state_types=["mamba"])
+    lens = {"kv_data_lens": [256, 256], "aux_data_lens": [64], "state_data_lens": [[64]]}
+    assert side_from_registration(reg, local, lens, mla=False, attn_tp_size=1).kv.num_pages == 4
+    with pytest.raises(LayoutError, match="registers 4 KV slots; the lengths given for it hold 8"):
+        side_from_registration(reg, local, {**lens, "kv_data_lens": [512, 512]}, mla=False, attn_tp_size=1)
+    with pytest.raises(LayoutError, match="registers state buffer lengths \\[\\[64\\]\\]"):
+        side_from_registration(reg, local, {**lens, "state_data_lens": [[128]]}, mla=False, attn_tp_size=1)

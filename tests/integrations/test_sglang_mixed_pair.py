@@ -1,6 +1,7 @@
 """A kvplan prefill serving SGLang's own decode: kvplan's prefill manager (``kvplan_protocol="sglang"``)
-registers with SGLang's bootstrap server and speaks SGLang's Mooncake protocol to SGLang's unchanged
-``MooncakeKVManager`` and ``MooncakeKVReceiver`` in another process, over loopback. Three requests (one
+registers with SGLang's bootstrap server and speaks SGLang's protocol to SGLang's unchanged KV manager
+and receiver in another process, over loopback, through Mooncake and through NIXL; and the other way
+round, SGLang's own prefill serving a kvplan decode. Three requests (one
 chunked, one after a decode prefix), every byte checked on the decode side, the ``KVPoll`` states each
 side's caller sees."""
 
@@ -17,7 +18,8 @@ from tests.sglang_real import sglang_module
 pytestmark = [pytest.mark.sglang, pytest.mark.engines]
 
 
-def _run_pair(state, decode_kv_pages: int = sglang_sides.PAGES, sglang_side: str = "decode") -> dict:
+def _run_pair(state, decode_kv_pages: int = sglang_sides.PAGES, sglang_side: str = "decode",
+              backend: str = "mooncake") -> dict:
     """kvplan's side and SGLang's own (``sglang_side``), each joined or killed by its own handle; what
     each reported, by name."""
     ctx = mp.get_context("spawn")
@@ -25,12 +27,12 @@ def _run_pair(state, decode_kv_pages: int = sglang_sides.PAGES, sglang_side: str
     port = free_port()
     if sglang_side == "decode":
         procs = [ctx.Process(target=sglang_sides.run_prefill,
-                             args=("mooncake", port, 11, results, 60.0, state, "sglang", decode_kv_pages)),
-                 ctx.Process(target=sglang_sides.run_sglang_decode, args=(port, 11, results, 60.0, state))]
+                             args=(backend, port, 11, results, 60.0, state, "sglang", decode_kv_pages)),
+                 ctx.Process(target=sglang_sides.run_sglang_decode, args=(port, 11, results, 60.0, state, backend))]
     else:
-        procs = [ctx.Process(target=sglang_sides.run_sglang_prefill, args=(port, 11, results, 60.0, state)),
+        procs = [ctx.Process(target=sglang_sides.run_sglang_prefill, args=(port, 11, results, 60.0, state, backend)),
                  ctx.Process(target=sglang_sides.run_decode,
-                             args=("mooncake", port, 11, results, 60.0, state, None, "decode", "sglang"))]
+                             args=(backend, port, 11, results, 60.0, state, None, "decode", "sglang"))]
     for p in procs:
         p.start()
     got: dict = {}
@@ -52,10 +54,15 @@ def _run_pair(state, decode_kv_pages: int = sglang_sides.PAGES, sglang_side: str
                 p.join(timeout=5)
 
 
-@pytest.mark.parametrize("state", [False, True, "hybrid"])
-def test_a_kvplan_prefill_serves_sglang_s_own_decode(state):
+# (backend, state): SGLang's NIXL manager registers state buffers as GPU memory, so over NIXL on the CPU
+# the pair moves KV and aux only
+CASES = [("mooncake", False), ("mooncake", True), ("mooncake", "hybrid"), ("nixl", False)]
+
+
+@pytest.mark.parametrize("backend, state", CASES)
+def test_a_kvplan_prefill_serves_sglang_s_own_decode(backend, state):
     base = sglang_module("srt.disaggregation.base.conn")
-    got = _run_pair(state)
+    got = _run_pair(state, backend=backend)
     prefill_states, failures = got["prefill"]
     decode_states, decode_failures, wrong, notes = got["decode"]
     assert not any(failures.values()), failures
@@ -88,14 +95,14 @@ def test_pages_past_the_decode_s_declared_pools_fail_on_both_sides_and_nothing_l
     assert set(wrong) == every  # every page and aux row of every request still differs: nothing landed
 
 
-@pytest.mark.parametrize("state", [False, True, "hybrid"])
-def test_sglang_s_own_prefill_serves_a_kvplan_decode(state):
+@pytest.mark.parametrize("backend, state", CASES)
+def test_sglang_s_own_prefill_serves_a_kvplan_decode(backend, state):
     """The other way round: SGLang's unchanged prefill (``MooncakeKVManager``, ``MooncakeKVSender`` and
     its bootstrap server) writes into a kvplan decode manager (``kvplan_protocol="sglang"``), which
     found it through the bootstrap server, registered its buffers and asked for each request in
     SGLang's messages, and settles each request by SGLang's status message."""
     base = sglang_module("srt.disaggregation.base.conn")
-    got = _run_pair(state, sglang_side="prefill")
+    got = _run_pair(state, sglang_side="prefill", backend=backend)
     prefill_states, prefill_failures = got["prefill"]
     decode_states, wrong = got["decode"]
     assert not prefill_failures, prefill_failures

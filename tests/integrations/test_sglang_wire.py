@@ -6,6 +6,7 @@ Mooncake and the NIXL manager, are equal frame for frame and read alike both way
 their acks."""
 
 import types
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -226,3 +227,100 @@ def test_a_malformed_abort_is_refused_naming_the_field(frames, field):
         assert common.AbortNotification.from_zmq(frames).room == 7
     assert parse_abort([b"ABORT_ACK", b"7", b"0"]) is None and parse_abort_ack([b"ABORT", b"7"]) is None
 
+
+
+# -- NIXL's framing ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def nixl_conn():
+    return sglang_module("srt.disaggregation.nixl.conn")
+
+
+def nixl_decode(nixl_conn, reg: Registration):
+    """SGLang's NIXL manager on the decode side, with what its message builders read (its agent a stand-in
+    that answers its name and metadata)."""
+    base = sglang_module("srt.disaggregation.base.conn")
+    args = base.KVArgs()
+    args.kv_data_ptrs, args.kv_item_lens, args.aux_data_ptrs = list(reg.kv_ptrs), list(reg.kv_item_lens), list(reg.aux_ptrs)
+    args.kv_data_mem_kinds = list(reg.kv_mem_kinds)
+    args.kv_data_lens = [reg.num_slots * n for n in reg.kv_item_lens]
+    args.state_data_ptrs, args.state_item_lens = [list(x) for x in reg.state_ptrs], [list(x) for x in reg.state_item_lens]
+    args.state_data_lens = [list(x) for x in reg.state_data_lens]
+    args.state_dim_per_tensor = [list(x) for x in reg.state_dim_per_tensor]
+    args.kv_layer_ids, args.state_layer_ids = list(reg.kv_layer_ids), [list(x) for x in reg.state_layer_ids]
+    args.engine_rank, args.gpu_id = reg.tp_rank, reg.gpu_id
+    mgr = object.__new__(nixl_conn.NixlKVManager)
+    mgr.kv_args, mgr.local_ip, mgr.rank_port, mgr.attn_tp_size = args, reg.endpoint, reg.port, reg.attn_tp_size
+    mgr.dcp_size, mgr.dcp_rank, mgr.enable_staging = 1, 0, False
+    mgr.agent = types.SimpleNamespace(name=reg.session_id, get_agent_metadata=lambda: reg.agent_metadata)
+    return mgr
+
+
+@settings(max_examples=40, deadline=None)
+@given(kv=st.lists(st.tuples(ptr, st.integers(1, 2**30), st.sampled_from(["VRAM", "DRAM"])), min_size=1, max_size=6),
+       aux=st.lists(ptr, max_size=3), state_ptrs=st.lists(st.lists(ptr, max_size=3), max_size=3),
+       state_item_lens=nested, state_dims=nested, layer_ids=st.lists(small, max_size=4), state_layer_ids=nested,
+       tp_rank=st.integers(0, 63), tp=st.integers(1, 64), gpu=st.integers(0, 7), slots=st.integers(1, 2**20),
+       metadata=st.binary(max_size=64), port=st.integers(1, 65535))
+def test_nixl_registrations_read_alike_both_ways(nixl_conn, kv, aux, state_ptrs, state_item_lens, state_dims,
+                                                 layer_ids, state_layer_ids, tp_rank, tp, gpu, slots, metadata, port):
+    state_lens = tuple(tuple(8 * (i + 1) for i in range(len(p))) for p in state_ptrs)
+    reg = Registration("127.0.0.1", port, f"agent-{port}", tuple(p for p, _, _ in kv), tuple(n for _, n, _ in kv),
+                       tuple(aux), tp_rank, tp, tuple(map(tuple, state_ptrs)), tuple(map(tuple, state_item_lens)),
+                       tuple(map(tuple, state_dims)), tuple(layer_ids), tuple(map(tuple, state_layer_ids)),
+                       agent_metadata=metadata, gpu_id=gpu, kv_mem_kinds=tuple(k for _, _, k in kv), num_slots=slots,
+                       state_data_lens=state_lens)
+    frames = registration_frames(reg, "nixl")
+    assert frames[0] == b"NixlMsgGuard"
+    theirs = nixl_conn.KVArgsRegisterInfo.from_zmq(frames[1:])  # SGLang's prefill strips the guard, then reads
+    assert (theirs.endpoint, theirs.dst_port, theirs.agent_name, theirs.agent_metadata) == (
+        reg.endpoint, port, reg.session_id, metadata)
+    assert (theirs.dst_kv_ptrs, theirs.dst_aux_ptrs, theirs.dst_kv_item_lens, theirs.dst_kv_mem_kinds) == (
+        list(reg.kv_ptrs), list(reg.aux_ptrs), list(reg.kv_item_lens), list(reg.kv_mem_kinds))
+    assert (theirs.decode_tp_rank, theirs.decode_tp_size, theirs.gpu_id, theirs.dst_num_slots) == (tp_rank, tp, gpu, slots)
+    assert theirs.dst_state_data_ptrs == [list(x) for x in reg.state_ptrs]
+    assert theirs.dst_state_data_lens == [list(x) for x in state_lens]
+    assert (theirs.dst_kv_layer_ids, theirs.dst_state_layer_ids) == (list(layer_ids), [list(x) for x in state_layer_ids])
+    slot_bytes = [slots * n for n in reg.kv_item_lens]  # so that SGLang's num_kv_slots gives ``slots`` back
+    mgr = nixl_decode(nixl_conn, replace(reg, num_slots=slots))
+    mgr.kv_args.kv_data_lens = slot_bytes
+    assert parse_registration(mgr.build_receiver_registration_message(), "nixl") == reg  # we read SGLang's
+
+
+@settings(max_examples=60, deadline=None)
+@given(room=st.integers(0, 2**63 - 1), pages=st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=20),
+       aux=st.integers(0, 2**20), state=st.lists(st.lists(st.integers(-2**31, 2**31 - 1), max_size=5), max_size=4),
+       required=st.integers(1, 8), prefix=st.integers(0, 2**20), dummy=st.booleans())
+def test_nixl_transfer_requests_read_alike_both_ways(nixl_conn, room, pages, aux, state, required, prefix, dummy):
+    pages = np.array(pages, np.int32)
+    req = TransferRequest(room, "127.0.0.1", 17000, "agent-a", pages if not dummy else np.zeros(0, np.int32),
+                          None if dummy else aux, () if dummy else tuple(map(tuple, state)), required, prefix, dummy)
+    theirs = nixl_conn.TransferInfo.from_zmq(transfer_frames(req, "nixl")[1:]) if not dummy else None
+    if theirs is not None:  # (SGLang's reader takes a dummy's aux row as an integer it does not send)
+        assert (theirs.room, theirs.is_dummy, theirs.required_dst_info_num, theirs.agent_name) == (
+            room, False, required, "agent-a")
+        assert theirs.dst_kv_indices.tolist() == pages.tolist() and theirs.dst_aux_index == aux
+        assert theirs.dst_state_indices == [list(x) for x in req.state_lists]
+        assert (theirs.decode_prefix_len or 0) == prefix
+    mgr = nixl_decode(nixl_conn, Registration("127.0.0.1", 17000, "agent-a", (), (), (), 0, 1, num_slots=1))
+    frames = mgr.build_receiver_metadata_message(bootstrap_room=room, required_dst_info_num=required, kv_indices=pages,
+                                                 aux_index=aux, state_indices=[list(x) for x in state],
+                                                 decode_prefix_len=prefix, is_dummy=dummy)
+    ours = parse_transfer(frames, "nixl")
+    assert (ours.room, ours.is_dummy, ours.required_dst_info_num, ours.decode_prefix_len, ours.session_id) == (
+        room, dummy, required, prefix, "agent-a")
+    assert ours.dst_pages.tolist() == ([] if dummy else pages.tolist())
+    assert list(map(list, ours.state_lists)) == ([] if dummy else [list(x) for x in state])
+    assert ours.aux_index == (None if dummy else aux)
+
+
+def test_a_nixl_message_without_its_guard_or_with_bad_memory_kinds_is_refused():
+    reg = Registration("127.0.0.1", 1, "agent", (4096,), (64,), (), 0, 1, kv_mem_kinds=("DRAM",), num_slots=4)
+    frames = registration_frames(reg, "nixl")
+    with pytest.raises(PeerError, match="no NixlMsgGuard frame first"):
+        parse_registration(frames[1:], "nixl")
+    with pytest.raises(PeerError, match="kv_mem_kinds"):
+        parse_registration(frames[:18] + [b"HBM"] + frames[19:], "nixl")
+    with pytest.raises(PeerError, match="no NixlMsgGuard frame first"):
+        parse_transfer(transfer_frames(TransferRequest(1, "127.0.0.1", 1, "agent", np.array([3], np.int32), 0)), "nixl")
+    with pytest.raises(ValueError, match="no SGLang framing for backend 'tcp'"):
+        registration_frames(reg, "tcp")

@@ -28,8 +28,8 @@ sides. SWA and DSA components are declared ``from_prefix`` (planning.md §6's va
 decode prefix their lists start at the prefix, as SGLang 0.5.23's do. The last chunk's
 ``num_kv_tokens`` gives the request's true length, which places the SWA window and the ring's.
 
-With the server arg ``kvplan_protocol="sglang"`` a manager speaks SGLang's own protocol (Mooncake)
-instead. A prefill manager serves SGLang's decode ranks: it registers with SGLang's bootstrap server,
+With the server arg ``kvplan_protocol="sglang"`` a manager speaks SGLang's own protocol (Mooncake or
+NIXL) instead. A prefill manager serves SGLang's decode ranks: it registers with SGLang's bootstrap server,
 reads SGLang's registrations and transfer requests, and answers each request with SGLang's status
 message (:mod:`.decode_ranks`). A decode manager is served by SGLang's prefill: it finds it through the
 bootstrap server, registers, asks for each request and reads its status (:mod:`.decode_link`).
@@ -93,7 +93,8 @@ from .decode_link import DecodeRankLink
 from .decode_ranks import DecodeRanks
 from .kv_args import side_from_kv_args, side_from_registration, state_from_kv_args
 from .rank_link import PrefillRankLink
-from .wire import KV_POLL_STATES, Registration, TransferRequest
+from .engine_identity import identity
+from .wire import BACKENDS, KV_POLL_STATES, Registration, TransferRequest
 
 __all__ = ["KVManager", "KVReceiver", "KVSender", "TransferFailed"]
 
@@ -105,7 +106,7 @@ DEFAULT_CONTEXT = 1 << 17  # planning-table width without a context_length serve
 _FROM_PREFIX_KINDS = frozenset(kind.value for kind, rules in RULES.items() if rules.starts_at_prefix)
 HANDSHAKE_S = 5.0  # how long a new decode manager may take to register once it has its channel
 # the control protocols a prefill manager speaks to its decode side: kvplan's own (both sides kvplan), or
-# SGLang's (Mooncake backend), to serve SGLang's own decode ranks (.decode_ranks)
+# SGLang's (Mooncake or NIXL backend), to serve SGLang's decode ranks or be served by SGLang's prefill
 PROTOCOLS = ("kvplan", "sglang")
 
 
@@ -133,7 +134,7 @@ class KVManager(BaseKVManager):
     ``kvplan_state_params`` (per state component, what ``KVArgs`` does not hold: windows, ring sizes),
     ``kvplan_mode`` (``auto``, ``direct``, ``staged``), ``kvplan_timeout_s``, ``kvplan_engine_settings``
     (a dict for the engine, such as ``{"num_threads": 4}`` or ``{"progress_thread": False}`` for NIXL),
-    ``kvplan_protocol`` (``"kvplan"``; or ``"sglang"``, over Mooncake: a prefill manager that serves
+    ``kvplan_protocol`` (``"kvplan"``; or ``"sglang"``, over Mooncake or NIXL: a prefill manager that serves
     SGLang's own decode ranks, registered with SGLang's bootstrap server at ``host`` and
     ``disaggregation_bootstrap_port`` (:mod:`.decode_ranks`; it also needs ``kvplan_decode_lens``, the
     decode's ``kv_data_lens``, ``aux_data_lens`` and ``state_data_lens``, which SGLang's registration
@@ -172,10 +173,10 @@ class KVManager(BaseKVManager):
         self.protocol = str(_setting(server_args, "kvplan_protocol", "kvplan"))
         if self.protocol not in PROTOCOLS:
             raise ValueError(f"server arg kvplan_protocol must be one of {PROTOCOLS}, got {self.protocol!r}")
-        if self.protocol == "sglang" and engine_kind != "mooncake":
-            raise LayoutError("kvplan_protocol='sglang' speaks SGLang's Mooncake protocol; SGLang's NIXL registration "
-                              f"(its agent metadata) is not read yet, so not over {engine_kind}")
+        if self.protocol == "sglang" and engine_kind not in BACKENDS:
+            raise LayoutError(f"kvplan_protocol='sglang' speaks SGLang's protocol over {list(BACKENDS)}, not {engine_kind}")
         engine_settings = dict(_setting(server_args, "kvplan_engine_settings", None) or {})
+        self.engine_kind = engine_kind
         self.engine = make_engine(engine_kind, f"{disaggregation_mode.value}-{os.getpid()}-{id(self):x}", memory,
                                   self.device.index or 0, **engine_settings)
         self.closed = False
@@ -214,6 +215,7 @@ class KVManager(BaseKVManager):
             self.bootstrap_addr: str | None = None
             self.link: DecodeRankLink | None = None  # served by SGLang's own prefill (kvplan_protocol "sglang")
             self._asked: dict[int, float] = {}  # with SGLang's protocol: each room's deadline for its status
+            self._registered = False  # this side's buffers with the engine (SGLang's protocol; once)
         else:
             raise ValueError(f"a KVManager is for PREFILL or DECODE, not {disaggregation_mode}")
 
@@ -270,6 +272,9 @@ class KVManager(BaseKVManager):
         """An SGLang decode rank's memory: its registration and the lengths it does not register (the
         server arg ``kvplan_decode_lens``: the decode's ``kv_data_lens``, ``aux_data_lens`` and
         ``state_data_lens``)."""
+        if reg.kv_mem_kinds and set(reg.kv_mem_kinds) != {self.engine.memory}:  # (NIXL describes both sides alike)
+            raise LayoutError(f"the decode's KV buffers are {sorted(set(reg.kv_mem_kinds))} memory, this side's engine "
+                              f"moves {self.engine.memory}")
         try:
             return side_from_registration(reg, self.kv_args, _setting(self.server_args, "kvplan_decode_lens", None),
                                           mla=self.is_mla, attn_tp_size=self.attn_tp_size,
@@ -492,9 +497,14 @@ class KVManager(BaseKVManager):
 
     def _connect_sglang(self, host: str, port: int) -> None:
         """Register this side's buffers with the engine and its layout with SGLang's prefill rank."""
-        args, link = self.kv_args, DecodeRankLink(self.engine.segment)
-        try:
+        backend, args = self.engine_kind, self.kv_args
+        if not self._registered:  # first: NIXL's metadata carries the registrations
             self.engine.register(engine_regions(self.side))
+            self._registered = True
+        named = identity(self.engine, backend, len(args.kv_data_ptrs))
+        link = DecodeRankLink(named.pop("session_id"), backend=backend)
+        try:
+            slots = min((int(n) // int(i) for n, i in zip(args.kv_data_lens, args.kv_item_lens)), default=0)
             reg = Registration(endpoint="", port=0, session_id="", kv_ptrs=tuple(args.kv_data_ptrs),
                                kv_item_lens=tuple(args.kv_item_lens), aux_ptrs=tuple(args.aux_data_ptrs),
                                tp_rank=int(args.engine_rank), attn_tp_size=self.attn_tp_size,
@@ -502,7 +512,8 @@ class KVManager(BaseKVManager):
                                state_item_lens=_nested(getattr(args, "state_item_lens", None)),
                                state_dim_per_tensor=_nested(getattr(args, "state_dim_per_tensor", None)),
                                kv_layer_ids=tuple(getattr(args, "kv_layer_ids", None) or ()),
-                               state_layer_ids=_nested(getattr(args, "state_layer_ids", None)))
+                               state_layer_ids=_nested(getattr(args, "state_layer_ids", None)), num_slots=slots,
+                               state_data_lens=_nested(getattr(args, "state_data_lens", None)), **named)
             link.connect(host, port, reg, page_size=self.page_size, timeout=self.timeout,
                          kv_cache_dtype=str(getattr(args, "kv_cache_dtype_str", None) or "auto"))
         except BaseException:

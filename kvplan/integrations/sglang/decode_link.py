@@ -1,10 +1,10 @@
-"""A decode rank's control path in SGLang's protocol (0.5.23, Mooncake backend), spoken by kvplan.
+"""A decode rank's control path in SGLang's protocol (0.5.23, Mooncake or NIXL backend), spoken by kvplan.
 
 The mirror of :mod:`.rank_link`: a kvplan decode rank served by SGLang's own prefill. It finds the
 prefill rank through SGLang's bootstrap server (:mod:`.bootstrap`), checks that the prefill's layout
 is one it can take (page size, KV dtype, one prefill rank), registers its buffers with it, asks for
 each request (destination pages, aux row, state lists, decode prefix), and reads each request's
-status from its own ZeroMQ PULL socket. SGLang's prefill writes the bytes itself, through Mooncake,
+status from its own ZeroMQ PULL socket. SGLang's prefill writes the bytes itself, through its engine,
 into the buffers this rank registered with its engine.
 
 Nothing from the prefill is trusted: a status message is parsed strictly (:func:`~.wire.parse_status`),
@@ -49,8 +49,8 @@ log = logging.getLogger("kvplan")
 class DecodeRankLink:
     """One decode rank's control socket in SGLang's protocol (see the module docstring).
 
-    ``session_id``: this rank's engine session (for Mooncake, ``host:rpc_port``), which SGLang's
-    prefill writes to. ``asked``: the rooms asked for and not yet settled. ``aborting``: the rooms
+    ``session_id``: this rank's engine session (for Mooncake, ``host:rpc_port``; for NIXL, its agent's
+    name), which SGLang's prefill writes to. ``asked``: the rooms asked for and not yet settled. ``aborting``: the rooms
     aborted and not yet acknowledged, with the abort's generation; ``acked``: those acknowledged (the
     prefill writes nothing more of them, so their pages may be reused).
     """
@@ -93,7 +93,7 @@ class DecodeRankLink:
         self._push.setsockopt(self._zmq.LINGER, 1000)
         self._push.connect(f"tcp://{self.prefill[0]}:{self.prefill[1]}")
         self._send(registration_frames(replace(registration, endpoint=self.rank_ip, port=self.rank_port,
-                                               session_id=self.session_id)), timeout)
+                                               session_id=self.session_id), self.backend), timeout)
         self.layout = layout
         return layout
 
@@ -102,7 +102,7 @@ class DecodeRankLink:
         if self.prefill is None:
             raise LayoutError("this decode rank has not connected to a prefill")
         self._send(transfer_frames(replace(request, endpoint=self.rank_ip, port=self.rank_port,
-                                           session_id=self.session_id)), timeout)
+                                           session_id=self.session_id), self.backend), timeout)
         self.asked.add(request.room)
 
     def abort(self, room: int, timeout: float = 1.0) -> None:

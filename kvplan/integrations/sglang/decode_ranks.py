@@ -1,6 +1,6 @@
 """SGLang's decode ranks as peers of a kvplan prefill endpoint (a kvplan prefill serving SGLang decodes).
 
-An SGLang decode rank speaks SGLang's protocol (Mooncake backend), not kvplan's: it registers and asks
+An SGLang decode rank speaks SGLang's protocol (Mooncake or NIXL backend), not kvplan's: it registers and asks
 for each request through the prefill rank's control socket (:class:`~.rank_link.PrefillRankLink`), and
 learns that a request landed, or failed, from the prefill's status message, not from the write.
 :class:`DecodeRanks` turns that into what a :class:`~kvplan.transport.prefill.PrefillEndpoint` plans
@@ -16,9 +16,9 @@ planned, so bounds-checked, against the pools the decode's lengths describe.
 Scope: one decode rank per request (a room the decode's TP fans out to several ranks fails, naming
 it), the ``early`` decode allocation policy, no staging buffer (SGLang's decode-side staging protocol).
 
-Example (inside a prefill manager; ``endpoint`` a PrefillEndpoint over a Mooncake engine)::
+Example (inside a prefill manager; ``endpoint`` a PrefillEndpoint over a Mooncake or NIXL engine)::
 
-    ranks = DecodeRanks(endpoint, PrefillRankLink(), side_of=lambda reg: side_from_registration(reg, ...))
+    ranks = DecodeRanks(endpoint, PrefillRankLink(backend="nixl"), side_of=lambda reg: side_from_registration(reg, ...))
     ranks.link.register("127.0.0.1", bootstrap_port, page_size=64, kv_cache_dtype="bfloat16")
     published, failed = ranks.progress()       # rooms whose lists arrived; rooms that cannot be served
     ...
@@ -37,6 +37,7 @@ from ...planner.model import SideMemory
 from ...planner.plan import DestinationLists
 from ...planner.pairing import pair_sides
 from ...transport.prefill import Peer, PrefillEndpoint
+from .engine_identity import peer_name
 from .rank_link import FAILED, SUCCESS, PrefillRankLink
 from .wire import Registration, TransferRequest
 
@@ -111,12 +112,18 @@ class DecodeRanks:
             return
         self.refused.pop(session_id, None)
         k = self.sessions.get(session_id)
-        if k is None:  # its session id is its Mooncake segment: the engine's name for it
-            self.endpoint.peers.append(Peer(_StatusOnly(session_id), name=session_id, side=side, notified=False))
+        try:
+            name = peer_name(self.endpoint.engine, self.link.backend, reg)
+        except Exception as err:  # noqa: BLE001 - the engine's own error (NIXL cannot add the agent)
+            self.refused[session_id] = f"decode session {session_id}: the engine cannot reach it: {err}"
+            log.warning("%s", self.refused[session_id])
+            return
+        if k is None:
+            self.endpoint.peers.append(Peer(_StatusOnly(session_id), name=name, side=side, notified=False))
             self.sessions[session_id] = len(self.endpoint.peers) - 1
         else:  # registered again (a restarted decode): what it asked for before is gone
             peer = self.endpoint.peers[k]
-            peer.side = side
+            peer.name, peer.side = name, side
             peer.lists.clear()
         log.info("paired with SGLang decode session %s (attention TP rank %d of %d)", session_id, reg.tp_rank,
                  reg.attn_tp_size)

@@ -174,6 +174,15 @@ def side_from_registration(reg: Any, local_args: Any, decode_lens: Mapping[str, 
     if len(reg.state_ptrs) != len(state_types):
         raise LayoutError(f"the decode rank registers {len(reg.state_ptrs)} state components, this side "
                           f"{len(state_types)} ({[str(getattr(t, 'value', t)) for t in state_types]})")
+    kv_lens = [int(n) for n in decode_lens["kv_data_lens"]]
+    slots = getattr(reg, "num_slots", None)  # what a NIXL registration says the pool holds: it must agree
+    if slots and kv_lens and min(n // int(i) for n, i in zip(kv_lens, reg.kv_item_lens)) != slots:
+        raise LayoutError(f"the decode rank registers {slots} KV slots; the lengths given for it hold "
+                          f"{min(n // int(i) for n, i in zip(kv_lens, reg.kv_item_lens))}")
+    registered = [list(x) for x in getattr(reg, "state_data_lens", ()) or ()]
+    if registered and registered != [[int(n) for n in x] for x in decode_lens.get("state_data_lens", ())]:
+        raise LayoutError(f"the decode rank registers state buffer lengths {registered}; the lengths given for it "
+                          f"are {decode_lens.get('state_data_lens')}")
     total_heads = int(getattr(local_args, "total_kv_head_num", 0) or 0) or int(local_args.kv_head_num) * attn_tp_size
     decode = SimpleNamespace(
         kv_data_ptrs=reg.kv_ptrs, kv_data_lens=decode_lens["kv_data_lens"], kv_item_lens=reg.kv_item_lens,

@@ -1,4 +1,4 @@
-"""A prefill rank's control path in SGLang's protocol (0.5.23, Mooncake backend), spoken by kvplan.
+"""A prefill rank's control path in SGLang's protocol (0.5.23, Mooncake or NIXL backend), spoken by kvplan.
 
 SGLang's decode ranks find a prefill rank through the bootstrap server (:mod:`.bootstrap`), then
 push to its control socket (a ZeroMQ PULL socket): one registration per decode rank, one transfer
@@ -36,6 +36,7 @@ from .wire import (
     StatusMessage,
     TransferRequest,
     abort_ack_frames,
+    is_registration,
     parse_abort,
     parse_registration,
     parse_transfer,
@@ -103,11 +104,11 @@ class PrefillRankLink:
                 abort = parse_abort(frames)
                 self.aborts[abort.room] = abort
                 return "abort", abort.room
-            if frames and frames[0] == b"None":
-                reg = parse_registration(frames)
+            if is_registration(frames, self.backend):
+                reg = parse_registration(frames, self.backend)
                 self.registrations[reg.session_id] = reg
                 return "registered", reg.session_id
-            req = parse_transfer(frames)
+            req = parse_transfer(frames, self.backend)
         except PeerError as err:
             log.warning("dropped a malformed message from a decode rank: %s", err)
             return None

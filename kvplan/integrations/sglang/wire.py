@@ -1,4 +1,4 @@
-"""SGLang's control messages (0.5.23, Mooncake transfer backend), encoded and parsed by kvplan.
+"""SGLang's control messages (0.5.23, Mooncake and NIXL transfer backends), encoded and parsed by kvplan.
 
 A decode rank sends the prefill two kinds of ZeroMQ multipart messages:
 
@@ -21,6 +21,10 @@ naming the field, where SGLang would read short or raise from deep inside ``stru
 little-endian (SGLang packs pointers with the native ``"Q"``: the same bytes on every platform it
 runs on).
 
+Each takes the transfer ``backend`` (:data:`BACKENDS`). NIXL's messages start with a guard frame and
+order their fields otherwise; its registration also carries the decode's NIXL agent (its name is the
+session id, its metadata :attr:`Registration.agent_metadata`), GPU, memory kinds and pool sizes.
+
 Example::
 
     frames = transfer_frames(TransferRequest(room=7, endpoint="127.0.0.1", port=17000, session_id="127.0.0.1:17001",
@@ -39,8 +43,8 @@ import numpy as np
 from ...compat.sglang import pack_int_lists, unpack_int_lists
 from ...errors import KvplanError, PeerError
 
-__all__ = ["KV_POLL_STATES", "STATUS_FRAMING", "Abort", "AbortAck", "Registration", "StatusMessage", "TransferRequest",
-           "abort_ack_frames", "abort_frames", "parse_abort", "parse_abort_ack", "parse_registration", "parse_status",
+__all__ = ["BACKENDS", "KV_POLL_STATES", "STATUS_FRAMING", "Abort", "AbortAck", "Registration", "StatusMessage", "TransferRequest",
+           "abort_ack_frames", "abort_frames", "is_registration", "parse_abort", "parse_abort_ack", "parse_registration", "parse_status",
            "parse_transfer", "registration_frames", "status_frames", "transfer_frames"]
 
 REGISTRATION_FIELDS = 20  # frames in 0.5.23's registration (the staging and DCP fields included)
@@ -48,14 +52,19 @@ TRANSFER_FIELDS = 10
 KV_POLL_STATES = {0: "Failed", 1: "Bootstrapping", 2: "WaitingForInput", 3: "Transferring", 4: "Success"}  # KVPoll
 # per transfer backend, a status message's leading tag (or none) and whether it carries a failure reason
 STATUS_FRAMING: dict[str, tuple[bytes | None, bool]] = {"mooncake": (None, False), "nixl": (b"KV_STATUS", True)}
+BACKENDS = tuple(STATUS_FRAMING)
+NIXL_GUARD = b"NixlMsgGuard"  # the first frame of NIXL's registrations and transfer requests
 
 
 @dataclass(frozen=True)
 class Registration:
     """A decode rank's registration: its endpoint, buffers and TP place.
 
-    SGLang's registration carries no pool sizes, only base pointers and item lengths: a prefill
-    that reads one cannot bound-check destination pages against the decode's pools.
+    SGLang's Mooncake registration carries no pool sizes, only base pointers and item lengths: a
+    prefill that reads one cannot bound-check destination pages against the decode's pools. NIXL's
+    carries the KV pool's slot count (``num_slots``) and the state buffers' lengths, and the decode's
+    NIXL agent: ``session_id`` is its name, ``agent_metadata`` what ``add_remote_agent`` takes, on
+    GPU ``gpu_id``, with each KV buffer's memory kind (``kv_mem_kinds``: ``"VRAM"`` or ``"DRAM"``).
     """
 
     endpoint: str
@@ -73,6 +82,11 @@ class Registration:
     state_layer_ids: tuple[tuple[int, ...], ...] = ()
     dcp_size: int = 1
     dcp_rank: int = 0
+    agent_metadata: bytes = b""
+    gpu_id: int = 0
+    kv_mem_kinds: tuple[str, ...] = ()
+    num_slots: int | None = None
+    state_data_lens: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -134,8 +148,25 @@ def _words(values: Sequence[int], fmt: str) -> bytes:
     return np.asarray(values, dtype=np.dtype(fmt)).tobytes()
 
 
-def registration_frames(reg: Registration) -> list[bytes]:
-    """The registration frames, in 0.5.23's order (no staging buffer)."""
+def _backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"no SGLang framing for backend {backend!r}; known: {list(BACKENDS)}")
+    return backend
+
+
+def registration_frames(reg: Registration, backend: str = "mooncake") -> list[bytes]:
+    """The registration frames, in 0.5.23's order for ``backend`` (no staging buffer)."""
+    if _backend(backend) == "nixl":
+        kinds = reg.kv_mem_kinds or ("VRAM",) * len(reg.kv_ptrs)
+        return [NIXL_GUARD, b"None", reg.endpoint.encode("ascii"), _ascii(reg.port), reg.session_id.encode("ascii"),
+                bytes(reg.agent_metadata), _words(reg.kv_ptrs, "<u8"), _words(reg.aux_ptrs, "<u8"),
+                pack_int_lists(reg.state_ptrs, "Q"), _ascii(reg.gpu_id), _ascii(reg.attn_tp_size), _ascii(reg.tp_rank),
+                _ascii(reg.kv_item_lens[0] if reg.kv_item_lens else 0), pack_int_lists(reg.state_item_lens, "I"),
+                pack_int_lists(reg.state_dim_per_tensor, "I"), b"", b"",
+                _ascii(reg.num_slots if reg.num_slots is not None else 0), ",".join(kinds).encode("ascii"),
+                _words(reg.kv_item_lens, "<u8"), pack_int_lists(reg.state_layer_ids, "I"),
+                _words(reg.kv_layer_ids, "<u4"), _ascii(reg.dcp_size), _ascii(reg.dcp_rank),
+                pack_int_lists(reg.state_data_lens, "Q")]
     return [b"None", reg.endpoint.encode("ascii"), _ascii(reg.port), reg.session_id.encode("ascii"),
             _words(reg.kv_ptrs, "<u8"), _words(reg.aux_ptrs, "<u8"), pack_int_lists(reg.state_ptrs, "Q"),
             _ascii(reg.tp_rank), _ascii(reg.attn_tp_size), _ascii(reg.kv_item_lens[0] if reg.kv_item_lens else 0),
@@ -144,10 +175,15 @@ def registration_frames(reg: Registration) -> list[bytes]:
             _ascii(reg.dcp_size), _ascii(reg.dcp_rank), b"", _words(reg.kv_item_lens, "<u8")]
 
 
-def transfer_frames(req: TransferRequest) -> list[bytes]:
-    """A transfer request's frames, in 0.5.23's order."""
+def transfer_frames(req: TransferRequest, backend: str = "mooncake") -> list[bytes]:
+    """A transfer request's frames, in 0.5.23's order for ``backend``."""
     dummy = req.is_dummy
     state = pack_int_lists(req.state_lists, "i") if not dummy and req.state_lists else b""
+    if _backend(backend) == "nixl":
+        return [NIXL_GUARD, _ascii(req.room), req.endpoint.encode("ascii"), _ascii(req.port),
+                req.session_id.encode("ascii"), b"" if dummy else np.asarray(req.dst_pages, dtype="<i4").tobytes(),
+                _ascii(req.aux_index), _ascii(req.required_dst_info_num), state, _ascii(req.decode_prefix_len or 0),
+                _ascii(int(dummy))]
     return [_ascii(req.room), req.endpoint.encode("ascii"), _ascii(req.port), req.session_id.encode("ascii"),
             b"" if dummy else np.asarray(req.dst_pages, dtype="<i4").tobytes(),
             b"" if dummy else _ascii(req.aux_index), state, _ascii(req.required_dst_info_num),
@@ -273,18 +309,32 @@ class _Frames:
             raise PeerError(f"{self.what}: field {name}: {err}") from None
 
 
-def parse_registration(frames: Sequence[bytes]) -> Registration:
+def is_registration(frames: Sequence[bytes], backend: str = "mooncake") -> bool:
+    """Whether a decode rank's message (not an abort) is a registration rather than a transfer request."""
+    at = 1 if _backend(backend) == "nixl" else 0
+    return len(frames) > at and bytes(frames[at]) == b"None"
+
+
+def _unguarded(frames: Sequence[bytes], backend: str, what: str) -> list[bytes]:
+    """``frames`` without NIXL's guard frame (which a NIXL message must have)."""
+    frames = [bytes(x) for x in frames]
+    if _backend(backend) != "nixl":
+        return frames
+    if not frames or frames[0] != NIXL_GUARD:
+        raise PeerError(f"{what}: no {NIXL_GUARD.decode()} frame first")
+    return frames[1:]
+
+
+def parse_registration(frames: Sequence[bytes], backend: str = "mooncake") -> Registration:
     """A decode rank's registration frames (SGLang's or :func:`registration_frames`'), checked."""
+    if backend == "nixl":
+        return _parse_nixl_registration(_unguarded(frames, backend, "an SGLang registration"))
+    _backend(backend)
     f = _Frames(frames, "an SGLang registration", 10)
-    kv_item_lens = tuple(int(x) for x in f.array(19, "kv_item_lens", "<u8"))
     kv_ptrs = tuple(int(x) for x in f.array(4, "kv_ptrs", "<u8"))
-    if kv_item_lens and len(kv_item_lens) != len(kv_ptrs):
-        raise PeerError(f"an SGLang registration: {len(kv_ptrs)} KV pointers but {len(kv_item_lens)} item lengths")
-    if not kv_item_lens:  # older senders: one item length for every entry
-        kv_item_lens = (f.integer(9, "kv_item_len"),) * len(kv_ptrs)
     return Registration(
         endpoint=f.text(1, "endpoint"), port=f.integer(2, "port"), session_id=f.text(3, "session_id"),
-        kv_ptrs=kv_ptrs, kv_item_lens=kv_item_lens, aux_ptrs=tuple(int(x) for x in f.array(5, "aux_ptrs", "<u8")),
+        kv_ptrs=kv_ptrs, kv_item_lens=_kv_item_lens(f, len(kv_ptrs), 19, 9), aux_ptrs=tuple(int(x) for x in f.array(5, "aux_ptrs", "<u8")),
         tp_rank=f.integer(7, "tp_rank"), attn_tp_size=f.integer(8, "attn_tp_size"),
         state_ptrs=f.lists(6, "state_ptrs", "Q"), state_item_lens=f.lists(10, "state_item_lens", "I"),
         state_dim_per_tensor=f.lists(11, "state_dim_per_tensor", "I"),
@@ -293,8 +343,39 @@ def parse_registration(frames: Sequence[bytes]) -> Registration:
         dcp_rank=f.integer(17, "dcp_rank", 0))
 
 
-def parse_transfer(frames: Sequence[bytes]) -> TransferRequest:
+def _kv_item_lens(f: "_Frames", ptrs: int, at: int, one_at: int) -> tuple[int, ...]:
+    lens = tuple(int(x) for x in f.array(at, "kv_item_lens", "<u8"))
+    if lens and len(lens) != ptrs:
+        raise PeerError(f"{f.what}: {ptrs} KV pointers but {len(lens)} item lengths")
+    return lens or (f.integer(one_at, "kv_item_len"),) * ptrs  # older senders: one item length for all
+
+
+def _parse_nixl_registration(frames: list[bytes]) -> Registration:
+    f = _Frames(frames, "an SGLang NIXL registration", 12)
+    kv_ptrs = tuple(int(x) for x in f.array(5, "kv_ptrs", "<u8"))
+    kinds = tuple(k for k in f.text(17, "kv_mem_kinds").split(",") if k) or ("VRAM",) * len(kv_ptrs)
+    if len(kinds) != len(kv_ptrs) or not set(kinds) <= {"VRAM", "DRAM"}:
+        raise PeerError(f"{f.what}: field kv_mem_kinds {kinds[:4]} does not give VRAM or DRAM for each of "
+                        f"{len(kv_ptrs)} KV pointers")
+    slots = f.integer(16, "num_slots", 0)
+    return Registration(
+        endpoint=f.text(1, "endpoint"), port=f.integer(2, "port"), session_id=f.text(3, "agent_name"),
+        kv_ptrs=kv_ptrs, kv_item_lens=_kv_item_lens(f, len(kv_ptrs), 18, 11),
+        aux_ptrs=tuple(int(x) for x in f.array(6, "aux_ptrs", "<u8")), tp_rank=f.integer(10, "tp_rank"),
+        attn_tp_size=f.integer(9, "attn_tp_size"), state_ptrs=f.lists(7, "state_ptrs", "Q"),
+        state_item_lens=f.lists(12, "state_item_lens", "I"),
+        state_dim_per_tensor=f.lists(13, "state_dim_per_tensor", "I"),
+        kv_layer_ids=tuple(int(x) for x in f.array(20, "kv_layer_ids", "<u4")),
+        state_layer_ids=f.lists(19, "state_layer_ids", "I"), dcp_size=f.integer(21, "dcp_size", 1),
+        dcp_rank=f.integer(22, "dcp_rank", 0), agent_metadata=f.get(4), gpu_id=f.integer(8, "gpu_id"),
+        kv_mem_kinds=kinds, num_slots=slots or None, state_data_lens=f.lists(23, "state_data_lens", "Q"))
+
+
+def parse_transfer(frames: Sequence[bytes], backend: str = "mooncake") -> TransferRequest:
     """A transfer request's frames (SGLang's or :func:`transfer_frames`'), checked."""
+    if backend == "nixl":
+        return _parse_nixl_transfer(_unguarded(frames, backend, "an SGLang transfer request"))
+    _backend(backend)
     f = _Frames(frames, "an SGLang transfer request", 8)
     dummy = f.get(4) == b"" and f.get(5) == b""
     return TransferRequest(
@@ -305,3 +386,18 @@ def parse_transfer(frames: Sequence[bytes]) -> TransferRequest:
         state_lists=() if dummy or f.get(6) == b"" else f.lists(6, "state_lists", "i"),
         required_dst_info_num=f.integer(7, "required_dst_info_num"),
         decode_prefix_len=f.integer(8, "decode_prefix_len", 0), is_dummy=dummy)
+
+
+def _parse_nixl_transfer(frames: list[bytes]) -> TransferRequest:
+    f = _Frames(frames, "an SGLang NIXL transfer request", 8)
+    prefix = f.integer(8, "decode_prefix_len", 0)
+    pages = f.array(4, "dst_pages", "<i4").astype(np.int32)
+    flag = f.get(9)
+    # as SGLang reads it: the flag where sent; else no pages (and no prefix to explain them) is a dummy
+    dummy = bool(f.integer(9, "is_dummy")) if flag else (pages.size == 0 and not prefix)
+    return TransferRequest(
+        room=f.integer(0, "room"), endpoint=f.text(1, "endpoint"), port=f.integer(2, "port"),
+        session_id=f.text(3, "agent_name"), dst_pages=np.zeros(0, np.int32) if dummy else pages,
+        aux_index=None if dummy else f.integer(5, "aux_index"),
+        state_lists=() if dummy or f.get(7) == b"" else f.lists(7, "state_lists", "i"),
+        required_dst_info_num=f.integer(6, "required_dst_info_num"), decode_prefix_len=prefix, is_dummy=dummy)

@@ -18,7 +18,7 @@ import numpy as np
 from .base import Capabilities, Handle, TransferError
 from .registry import register_engine
 
-__all__ = ["NixlEngine"]
+__all__ = ["NixlEngine", "pack_metadata", "unpack_metadata"]
 
 log = logging.getLogger("kvplan")
 
@@ -32,6 +32,16 @@ def nixl_api():
         except ImportError:
             continue
     raise ImportError("no NIXL package is installed (nixl-cu12, nixl-cu13 or nixl)")
+
+
+def pack_metadata(device_id: int, agent_metadata: bytes) -> bytes:
+    """What :meth:`NixlEngine.metadata` sends: the GPU index, then NIXL's own agent metadata."""
+    return int(device_id).to_bytes(4, "little") + bytes(agent_metadata)
+
+
+def unpack_metadata(metadata: bytes) -> tuple[int, bytes]:
+    """``(device_id, agent_metadata)`` of :func:`pack_metadata`'s bytes."""
+    return int.from_bytes(metadata[:4], "little"), metadata[4:]
 
 
 @register_engine("nixl")
@@ -63,10 +73,10 @@ class NixlEngine:
 
     def metadata(self) -> bytes:
         """NIXL's agent metadata behind this side's GPU index (a peer's descriptors name its device)."""
-        return self.device_id.to_bytes(4, "little") + self.agent.get_agent_metadata()
+        return pack_metadata(self.device_id, self.agent.get_agent_metadata())
 
     def connect(self, peer_metadata: bytes) -> str:
-        device, nixl_metadata = int.from_bytes(peer_metadata[:4], "little"), peer_metadata[4:]
+        device, nixl_metadata = unpack_metadata(peer_metadata)
         name = self.agent.add_remote_agent(nixl_metadata)
         name = name.decode() if isinstance(name, bytes) else name
         self._peer_device[name] = device
