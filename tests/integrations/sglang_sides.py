@@ -175,10 +175,11 @@ def bootstrap_server(port: int):
 
 
 def run_prefill(engine: str, port: int, seed: int, results, deadline_s: float, state: bool = False,
-                protocol: str = "kvplan", decode_kv_pages: int = PAGES) -> None:
+                protocol: str = "kvplan", decode_kv_pages: int = PAGES, decode_tp: int = 1) -> None:
     """kvplan's prefill manager; with ``protocol="sglang"`` it serves SGLang's own decode ranks
     through SGLang's bootstrap server, which this process runs, told that the decode's KV pools
-    hold ``decode_kv_pages`` pages."""
+    hold ``decode_kv_pages`` pages. With ``decode_tp`` > 1 its pages hold that many KV heads, one per
+    decode rank (attention TP 1 to ``decode_tp``: head-sliced)."""
     from tests.sglang_real import sglang_module
 
     base = sglang_module("srt.disaggregation.base.conn")
@@ -191,8 +192,9 @@ def run_prefill(engine: str, port: int, seed: int, results, deadline_s: float, s
                                         kvplan_state_params=STATE_PARAMS if state == "hybrid" else None,
                                         kvplan_protocol=protocol,
                                         kvplan_decode_lens={**decode_lens(state), "kv_data_lens": [
-                                            decode_kv_pages * PAGE * TOKEN_BYTES] * 2 * LAYERS})
+                                            decode_kv_pages * PAGE * TOKEN_BYTES // decode_tp] * 2 * LAYERS})
     args, _ = with_state(kv_args_of(base, kv, aux), state, seed)
+    args.kv_head_num = args.total_kv_head_num = decode_tp
     server = bootstrap_server(port) if protocol == "sglang" else None
     mgr = KVManager(args, utils.DisaggregationMode.PREFILL, server_args)
     lists = page_lists(seed, state == "hybrid")
@@ -308,6 +310,23 @@ def wrong_bytes(state, seed: int, lists, rooms, kv, aux, state_pools) -> list:
     return wrong
 
 
+def wrong_head_bytes(seed: int, lists, kv, aux, tp_rank: int, tp_size: int) -> list:
+    """What differs on decode rank ``tp_rank`` of ``tp_size``: each KV page must hold that rank's head of
+    every token of the prefill's page (tokens of ``tp_size`` heads), and the aux row the prefill's."""
+    src_kv, src_aux = pools(seed)
+    item, wrong = PAGE * TOKEN_BYTES, []
+    for room, (src_pages, dst_pages, src_row, dst_row) in lists.items():
+        for s_t, d_t in zip(src_kv, kv):
+            for sp, dp in zip(src_pages, dst_pages):
+                heads = s_t[sp * item : (sp + 1) * item].reshape(PAGE, tp_size, -1)[:, tp_rank]
+                if not torch.equal(heads.reshape(-1), d_t[dp * item // tp_size : (dp + 1) * item // tp_size]):
+                    wrong.append((room, int(dp)))
+        if not torch.equal(src_aux[src_row * AUX_BYTES : (src_row + 1) * AUX_BYTES],
+                           aux[dst_row * AUX_BYTES : (dst_row + 1) * AUX_BYTES]):
+            wrong.append((room, "aux"))
+    return wrong
+
+
 def sglang_kv_args(base, kv, aux):
     """``KVArgs`` with every field SGLang's own managers read at construction (``kv_args_of`` fills
     those kvplan reads)."""
@@ -342,11 +361,11 @@ def _nixl_as_sglang_imports_it() -> None:
     raise ImportError("no NIXL package is installed")
 
 
-def sglang_manager(mode: str, port: int, args, backend: str = "mooncake"):
+def sglang_manager(mode: str, port: int, args, backend: str = "mooncake", tp_rank: int = 0, tp_size: int = 1):
     """SGLang's own KV manager of ``backend`` in ``mode`` ("prefill" or "decode"), on 127.0.0.1 (Mooncake
     over its TCP transport, NIXL over UCX on ``lo`` with the KV in host memory), under a published test
-    configuration (SGLang's ``override_server_args``) of one attention rank and no pipeline group.
-    Returns SGLang's module of that backend and the manager."""
+    configuration (SGLang's ``override_server_args``): attention rank ``tp_rank`` of ``tp_size``, no
+    pipeline group. Returns SGLang's module of that backend and the manager."""
     from tests.sglang_real import sglang_module
 
     os.environ.update(SGLANG_HOST_IP="127.0.0.1", MOONCAKE_PROTOCOL="tcp", MC_FORCE_TCP="1", UCX_NET_DEVICES="lo",
@@ -360,9 +379,9 @@ def sglang_manager(mode: str, port: int, args, backend: str = "mooncake"):
     conn = sglang_module(f"srt.disaggregation.{module}.conn")
     server_args = context.get_context().override_server_args(
         disaggregation_mode=mode, disaggregation_transfer_backend=backend, disaggregation_bootstrap_port=port,
-        host="127.0.0.1", page_size=PAGE, device="cpu").install()
-    context.get_parallel().override_permanently(attn_tp_rank=0, attn_cp_rank=0, attn_dcp_rank=0, attn_dp_rank=0,
-                                                pp_group=None)
+        host="127.0.0.1", page_size=PAGE, device="cpu", tp_size=tp_size).install()
+    context.get_parallel().override_permanently(attn_tp_rank=tp_rank, attn_cp_rank=0, attn_dcp_rank=0,
+                                                attn_dp_rank=0, pp_group=None)
     if backend == "mooncake":
         sglang_module("srt.distributed.device_communicators.mooncake_transfer_engine").init_mooncake_transfer_engine(
             "127.0.0.1")
@@ -378,16 +397,22 @@ def _held_notifications(mgr, backend: str) -> int:
 
 
 def run_sglang_decode(port: int, seed: int, results, deadline_s: float, state: bool = False,
-                      backend: str = "mooncake") -> None:
-    """SGLang's own decode side (its ``MooncakeKVManager`` and ``MooncakeKVReceiver``, unchanged) receiving
-    every request from a kvplan prefill manager; reports as ``"decode"``: the ``KVPoll`` states it saw,
+                      backend: str = "mooncake", tp_rank: int = 0, tp_size: int = 1) -> None:
+    """SGLang's own decode side (its KV manager and receiver, unchanged) receiving every request from a
+    kvplan prefill manager; reports as ``"decode"`` (``"decode-<rank>"`` with ``tp_size`` > 1: then it
+    is attention rank ``tp_rank``, holding one KV head of ``tp_size``): the ``KVPoll`` states it saw,
     its failure records, the bytes that differ and how many notifications its engine holds."""
     from tests.sglang_real import sglang_module
 
     base = sglang_module("srt.disaggregation.base.conn")
     kv, aux = pools(None)
+    if tp_size > 1:  # this rank's share: one head of each token
+        kv = [torch.zeros(t.numel() // tp_size, dtype=torch.uint8) for t in kv]
     args, state_pools = with_state(sglang_kv_args(base, kv, aux), state, None)
-    conn, mgr = sglang_manager("decode", port, args, backend)
+    if tp_size > 1:
+        args.kv_data_lens, args.kv_item_lens = [t.numel() for t in kv], [PAGE * TOKEN_BYTES // tp_size] * len(kv)
+        args.engine_rank, args.kv_head_num, args.total_kv_head_num = tp_rank, 1, tp_size
+    conn, mgr = sglang_manager("decode", port, args, backend, tp_rank, tp_size)
     address, deadline = f"127.0.0.1:{port}", time.monotonic() + deadline_s
     while not mgr.try_ensure_parallel_info(address):  # until the prefill rank has registered
         if time.monotonic() > deadline:
@@ -411,8 +436,10 @@ def run_sglang_decode(port: int, seed: int, results, deadline_s: float, state: b
         if all(s in (base.KVPoll.Success, base.KVPoll.Failed) for s in states.values()):
             break
         time.sleep(0.001)
-    wrong = wrong_bytes(state, seed, lists, None, kv, aux, state_pools)
-    results.put(("decode", seen, dict(mgr.failure_records), wrong, _held_notifications(mgr, backend)))
+    wrong = wrong_bytes(state, seed, lists, None, kv, aux, state_pools) if tp_size == 1 else \
+        wrong_head_bytes(seed, lists, kv, aux, tp_rank, tp_size)
+    name = "decode" if tp_size == 1 else f"decode-{tp_rank}"
+    results.put((name, seen, dict(mgr.failure_records), wrong, _held_notifications(mgr, backend)))
     results.close()
     results.join_thread()  # flushed before the exit below
     os._exit(0)  # SGLang's manager keeps daemon threads and sockets that have no close of their own

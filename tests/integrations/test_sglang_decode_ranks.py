@@ -1,8 +1,8 @@
 """SGLang's decode ranks as peers of a kvplan prefill endpoint (kvplan/integrations/sglang/decode_ranks.py),
 driven by SGLang 0.5.23's own decode-side message builders over real ZeroMQ sockets on 127.0.0.1: a
 registration pairs (or is refused, and its requests fail naming why), a request becomes its peer's
-destination lists, a request received by two decode ranks is refused, an abort drops the room and is
-acknowledged, and every status goes to the decode as SGLang's own parser reads it."""
+destination lists, a request spread over two decode ranks goes to both and a dummy's to none, an abort
+drops the room and is acknowledged, and every status goes to the decode as SGLang's own parser reads it."""
 
 import types
 
@@ -110,7 +110,9 @@ def test_a_rank_that_cannot_pair_is_refused_and_its_requests_fail_naming_why(ser
     pull.close()
 
 
-def test_a_request_received_by_two_decode_ranks_is_refused(served):
+def test_a_request_spread_over_two_decode_ranks_goes_to_both_and_a_dummy_s_to_none(served):
+    """A room two decode ranks ask for becomes both peers' lists (one batch then writes each rank its
+    share); a room only a dummy rank asks for has nothing to send here, and its status goes to nobody."""
     ranks, push, pools = served
     pulls = [_pull() for _ in range(2)]
     decodes = [_decode(0, pulls[0][1], pools), _decode(0, pulls[1][1], pools)]
@@ -119,8 +121,13 @@ def test_a_request_received_by_two_decode_ranks_is_refused(served):
         push.send_multipart(d.build_receiver_registration_message())
     for d in decodes:
         _ask(push, d, 9, [2], aux=1, required=2)
-    published, failed = _progress(ranks, 1)
-    assert published == [] and failed[0][0] == 9 and "received by 2 decode ranks" in failed[0][1]
+    assert _progress(ranks, 1) == ([9], [])
+    assert [9 in p.lists for p in ranks.endpoint.peers] == [True, True]
+    _ask(push, decodes[1], 10, [], aux=None, dummy=True)
+    assert _progress(ranks, 1) == ([10], []) and ranks.dummies == {10}
+    assert not any(10 in p.lists for p in ranks.endpoint.peers)
+    ranks.report(10, ok=True)
+    assert not pulls[1][0].poll(300) and not ranks.dummies
     for sock, _ in pulls:
         sock.close()
 

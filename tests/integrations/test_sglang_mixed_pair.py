@@ -33,6 +33,11 @@ def _run_pair(state, decode_kv_pages: int = sglang_sides.PAGES, sglang_side: str
         procs = [ctx.Process(target=sglang_sides.run_sglang_prefill, args=(port, 11, results, 60.0, state, backend)),
                  ctx.Process(target=sglang_sides.run_decode,
                              args=(backend, port, 11, results, 60.0, state, None, "decode", "sglang"))]
+    return _gather(procs, results)
+
+
+def _gather(procs, results) -> dict:
+    """Start ``procs``, then what each reported, by name; each joined or killed by its own handle."""
     for p in procs:
         p.start()
     got: dict = {}
@@ -114,3 +119,25 @@ def test_sglang_s_own_prefill_serves_a_kvplan_decode(backend, state):
     for room, states in decode_states.items():  # after init: WaitingForInput; asked: Transferring; Success
         assert states[1] == base.KVPoll.WaitingForInput and base.KVPoll.Transferring in states[2:], (room, states)
         assert states[-1] == base.KVPoll.Success, (room, states)
+
+
+def test_a_kvplan_prefill_spreads_each_request_over_sglang_s_decode_ranks():
+    """SGLang's decode at attention TP 2 (two processes, one KV head each) and kvplan's prefill at TP 1
+    (both heads): each request is asked for by both decode ranks, planned once for both, and each rank
+    receives its head of every token, and the aux row."""
+    base = sglang_module("srt.disaggregation.base.conn")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=sglang_sides.run_prefill,
+                         args=("mooncake", port, 11, results, 60.0, False, "sglang", sglang_sides.PAGES, 2))]
+    procs += [ctx.Process(target=sglang_sides.run_sglang_decode, args=(port, 11, results, 60.0, False, "mooncake", r, 2))
+              for r in (0, 1)]
+    got = _gather(procs, results)
+    prefill_states, failures = got["prefill"]
+    assert not any(failures.values()), failures
+    assert all(states[-1] == base.KVPoll.Success for states in prefill_states.values()), prefill_states
+    for rank in (0, 1):
+        decode_states, decode_failures, wrong, notes = got[f"decode-{rank}"]
+        assert not decode_failures and not wrong, (rank, decode_failures, wrong[:8])
+        assert all(states[-1] == base.KVPoll.Success for states in decode_states.values()), (rank, decode_states)

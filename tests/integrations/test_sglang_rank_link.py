@@ -1,7 +1,7 @@
 """A kvplan prefill rank's control path in SGLang's protocol (kvplan/integrations/sglang/rank_link.py),
 driven by SGLang 0.5.23's own decode-side message builders over real ZeroMQ sockets on 127.0.0.1, and
 answered with frames that SGLang's own parsers read: registrations and transfer requests of two decode
-ranks (one of them a dummy), the room's status to both, an abort and its ack; malformed messages and
+ranks (one of them a dummy), the room's status to the other, an abort and its ack; malformed messages and
 requests from unregistered sessions are dropped, nothing of them kept."""
 
 import numpy as np
@@ -71,8 +71,8 @@ def test_a_kvplan_prefill_rank_answers_sglang_s_decode_ranks(link):
         assert link.registrations["127.0.0.1:17101"].tp_rank == 1
 
         link.send_status(42, SUCCESS)
-        for (sock, _), d in zip(pulls, decodes):
-            assert d.parse_kv_status_message(_recv(sock)) == (42, SUCCESS, 3, None)  # SGLang reads it
+        assert decodes[0].parse_kv_status_message(_recv(pulls[0][0])) == (42, SUCCESS, 3, None)  # SGLang reads it
+        assert not pulls[1][0].poll(300)  # the dummy rank is told nothing, as by SGLang's prefill
 
         pull0, port0 = pulls[0]
         push.send_multipart(common.AbortNotification(room=43, decode_ip="127.0.0.1", decode_port=port0,

@@ -287,11 +287,16 @@ class KVManager(BaseKVManager):
         return self.prefill is not None and any(p.side is not None for p in self.prefill.peers)
 
     def has_lists(self, room: int) -> bool:
-        return self._peer_of(room) is not None
+        return bool(self._peers_of(room)) or self._dummy(room)
 
-    def _peer_of(self, room: int) -> int | None:
-        """The decode manager (peer index) that published ``room``'s lists, if one has."""
-        return next((k for k, p in enumerate(self.prefill.peers) if room in p.lists), None)
+    def _dummy(self, room: int) -> bool:
+        """Whether only SGLang's dummy decode ranks asked for ``room``: nothing of it goes from here."""
+        return self.ranks is not None and room in self.ranks.dummies
+
+    def _peers_of(self, room: int) -> list[int]:
+        """The decode sides (peer indices) that published ``room``'s lists: one decode manager, or with
+        SGLang's protocol each decode rank the decode's TP spreads the request over."""
+        return [k for k, p in enumerate(self.prefill.peers) if room in p.lists]
 
     def enqueue(self, sender: "KVSender", pages: np.ndarray, state: tuple[np.ndarray, ...] | None,
                 tokens: int) -> None:
@@ -329,6 +334,11 @@ class KVManager(BaseKVManager):
         """Plan every ``send`` since the last flush as one kvplan batch and move it. A step that
         cannot be laid out fails every send of it, on both sides; nothing of it is sent."""
         pending, self._pending = self._pending, []
+        for sender, pages, _, _ in [x for x in pending if self._dummy(x[0].room)]:
+            sender.pages_sent += len(pages)  # as SGLang's prefill does for a dummy: it succeeds unsent
+            if sender.pages_sent >= sender.num_pages:
+                self._settle(sender.room, KVPoll.Success)
+        pending = [x for x in pending if not self._dummy(x[0].room)]
         if not pending:
             return
         try:
@@ -339,8 +349,9 @@ class KVManager(BaseKVManager):
                 self._settle(sender.room, KVPoll.Failed, reason)
             by_peer: dict[int, list[int]] = {}
             for sender, *_ in pending:
-                if (k := self._peer_of(sender.room)) is not None and sender.room not in by_peer.get(k, []):
-                    by_peer.setdefault(k, []).append(sender.room)
+                for k in self._peers_of(sender.room):
+                    if sender.room not in by_peer.get(k, []):
+                        by_peer.setdefault(k, []).append(sender.room)
             for k, rooms in by_peer.items():
                 self.prefill.fail(rooms, reason, peer=k)
             return
@@ -349,13 +360,13 @@ class KVManager(BaseKVManager):
             results = endpoint.send(chunks, mode=self.transfer_mode, timeout=self.timeout)
         except KvplanError as err:
             results = {t.request: f"{type(err).__name__}: {err}" for t in chunks}
-        for t in chunks:
-            reason = results.get(t.request)
+        for request in dict.fromkeys(t.request for t in chunks):  # (a request's chunk may go to several ranks)
+            reason = results.get(request)
             if reason is not None:
-                self._settle(t.request, KVPoll.Failed, reason)
-            elif t.last:
-                self._settle(t.request, KVPoll.Success)
-                endpoint.forget([t.request])
+                self._settle(request, KVPoll.Failed, reason)
+            elif any(t.last for t in chunks if t.request == request):
+                self._settle(request, KVPoll.Success)
+                endpoint.forget([request])
 
     def _chunks(self, pending: list[tuple["KVSender", np.ndarray, tuple[np.ndarray, ...] | None, int]]) -> list:
         """The step's transfers, with their requests' pages written into the planning table and, for a
@@ -372,8 +383,8 @@ class KVManager(BaseKVManager):
         by_row = np.zeros((len(self.maps), max(rows) + 1), np.int64)
         by_slot: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in self.maps]
         for row, (sender, pages, state, tokens) in zip(rows, pending):
-            peer = self._peer_of(sender.room)
-            _, _, prefix = endpoint.peers[peer].lists[sender.room]
+            peers = self._peers_of(sender.room)
+            _, _, prefix = endpoint.peers[peers[0]].lists[sender.room]
             first = prefix // ps + sender.pages_sent
             if first + len(pages) > blocks.shape[1]:
                 raise LayoutError(f"request {sender.room}: {(first + len(pages)) * ps} tokens exceed the planning "
@@ -395,8 +406,8 @@ class KVManager(BaseKVManager):
             else:
                 sender.tokens_sent += len(pages) * ps
             prompt = end if last else prefix + sender.num_pages * ps
-            chunks.append(endpoint.transfer(Chunk(sender.room, row, first * ps, end, prompt, last, sender.aux_index),
-                                            peer=peer))
+            chunk = Chunk(sender.room, row, first * ps, end, prompt, last, sender.aux_index)
+            chunks += [endpoint.transfer(chunk, peer=k) for k in peers]
         token_table_from_blocks(torch.from_numpy(blocks).to(self.device), ps, out=self.table)
         for c, slot_map in enumerate(self.maps):
             if slot_map is not None and rules_of(self.prefill.side.state[c].kind).map_by_row:

@@ -13,8 +13,9 @@ Nothing from the peer is trusted: a registration that does not pair with this si
 requests fail, naming the reason), malformed messages are dropped by the link, and the pages are
 planned, so bounds-checked, against the pools the decode's lengths describe.
 
-Scope: one decode rank per request (a room the decode's TP fans out to several ranks fails, naming
-it), the ``early`` decode allocation policy, no staging buffer (SGLang's decode-side staging protocol).
+A request the decode's TP spreads over several ranks goes to each of them, planned in one batch (each
+rank's share of the heads where the TP sizes differ). Scope: the ``early`` decode allocation policy, no
+staging buffer (SGLang's decode-side staging protocol).
 
 Example (inside a prefill manager; ``endpoint`` a PrefillEndpoint over a Mooncake or NIXL engine)::
 
@@ -71,7 +72,8 @@ class DecodeRanks:
 
     ``side_of`` builds a registered rank's memory (raising :class:`~kvplan.errors.LayoutError` when it
     cannot); ``sessions`` maps each paired rank's session id to its peer index in ``endpoint``;
-    ``refused`` gives the reason for each rank that registered and could not pair.
+    ``refused`` gives the reason for each rank that registered and could not pair; ``dummies`` holds
+    the rooms asked for by dummy ranks only (nothing of them is this rank's to send).
     """
 
     def __init__(self, endpoint: PrefillEndpoint, link: PrefillRankLink,
@@ -79,17 +81,19 @@ class DecodeRanks:
         self.endpoint, self.link, self.side_of = endpoint, link, side_of
         self.sessions: dict[str, int] = {}
         self.refused: dict[str, str] = {}
+        self.dummies: set[int] = set()  # rooms whose every decode rank is a dummy here: nothing to send
 
     def progress(self, timeout: float = 0.0) -> tuple[list[int], list[tuple[int, str]]]:
         """Take in registrations, requests and aborts (waiting up to ``timeout`` for the first). Returns
         the rooms whose lists arrived, and those that cannot be served, each with the reason: the
         caller fails them (and reports them with :meth:`report`). An aborted room is acknowledged
         here, once its lists are dropped."""
-        published, failed = [], []
+        published, failed, handled = [], [], set()
         for kind, key in self.link.poll(timeout):
             if kind == "registered":
                 self._pair(key)
-            elif kind == "request" and self.link.complete(key):
+            elif kind == "request" and self.link.complete(key) and key not in handled:
+                handled.add(key)  # (once: its ranks' requests may all arrive in one poll)
                 reason = self._publish(key)
                 if reason is not None:
                     failed.append((key, reason))
@@ -135,14 +139,17 @@ class DecodeRanks:
         if refused:
             return refused[0]
         live = [r for r in asked if not r.is_dummy]
-        if len(live) != 1:
-            return (f"request {room} is received by {len(live)} decode ranks; kvplan serves an SGLang decode with "
-                    "one rank per request (its attention TP size no larger than this prefill's)")
-        req = live[0]
-        lists = DestinationLists(np.asarray(req.dst_pages, np.int64),
-                                 tuple(np.asarray(ids, np.int64) for ids in req.state_lists))
-        self.endpoint.peers[self.sessions[req.session_id]].lists[room] = (lists, int(req.aux_index or 0),
-                                                                           int(req.decode_prefix_len))
+        if not live:  # nothing of it is this prefill rank's to send (SGLang's dummy ranks): it succeeds as sent
+            self.dummies.add(room)
+            return None
+        if len({r.decode_prefix_len for r in live}) != 1:
+            return (f"request {room}: its decode ranks give different decode prefixes "
+                    f"{sorted({r.decode_prefix_len for r in live})}")
+        for req in live:  # each rank the decode's TP spreads the request over: a peer of its own (head slices)
+            lists = DestinationLists(np.asarray(req.dst_pages, np.int64),
+                                     tuple(np.asarray(ids, np.int64) for ids in req.state_lists))
+            self.endpoint.peers[self.sessions[req.session_id]].lists[room] = (lists, int(req.aux_index or 0),
+                                                                               int(req.decode_prefix_len))
         return None
 
     def report(self, room: int, ok: bool, reason: str | None = None) -> None:
@@ -153,6 +160,7 @@ class DecodeRanks:
             log.warning("could not send request %s's status to its decode rank: %s", room, err)
         self.link.forget(room)
         self.endpoint.forget([room])
+        self.dummies.discard(room)
 
     def close(self) -> None:
         self.link.close()

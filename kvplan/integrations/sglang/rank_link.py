@@ -125,10 +125,12 @@ class PrefillRankLink:
         return bool(asked) and len(asked) >= max(r.required_dst_info_num for r in asked.values())
 
     def send_status(self, room: int, status: int, reason: str | None = None) -> None:
-        """Push ``room``'s status to every decode rank that asked for it (each request names where)."""
+        """Push ``room``'s status to every decode rank that asked for it (each request names where), but
+        the dummies: as SGLang's prefill, which tells a dummy rank nothing."""
         frames = status_frames(StatusMessage(room, status, self.prefill_rank, reason), self.backend)
         for req in self.requests.get(room, {}).values():
-            self._push(req.endpoint, req.port, frames)
+            if not req.is_dummy:
+                self._push(req.endpoint, req.port, frames)
 
     def ack_abort(self, room: int) -> None:
         """Acknowledge ``room``'s abort where its decode rank asked for it (nothing more of it will be
