@@ -91,9 +91,9 @@ from ...transport.engines import make_engine
 from ...transport.prefill import Chunk, PrefillEndpoint
 from .decode_link import DecodeRankLink
 from .decode_ranks import DecodeRanks
+from .engine_identity import identity
 from .kv_args import side_from_kv_args, side_from_registration, state_from_kv_args
 from .rank_link import PrefillRankLink
-from .engine_identity import identity
 from .wire import BACKENDS, KV_POLL_STATES, Registration, TransferRequest
 
 __all__ = ["KVManager", "KVReceiver", "KVSender", "TransferFailed"]
@@ -134,11 +134,12 @@ class KVManager(BaseKVManager):
     ``kvplan_state_params`` (per state component, what ``KVArgs`` does not hold: windows, ring sizes),
     ``kvplan_mode`` (``auto``, ``direct``, ``staged``), ``kvplan_timeout_s``, ``kvplan_engine_settings``
     (a dict for the engine, such as ``{"num_threads": 4}`` or ``{"progress_thread": False}`` for NIXL),
-    ``kvplan_protocol`` (``"kvplan"``; or ``"sglang"``, over Mooncake or NIXL: a prefill manager that serves
-    SGLang's own decode ranks, registered with SGLang's bootstrap server at ``host`` and
+    ``kvplan_protocol`` (``"kvplan"``; or ``"sglang"``, over Mooncake or NIXL: a prefill manager that
+    serves SGLang's own decode ranks, registered with SGLang's bootstrap server at ``host`` and
     ``disaggregation_bootstrap_port`` (:mod:`.decode_ranks`; it also needs ``kvplan_decode_lens``, the
     decode's ``kv_data_lens``, ``aux_data_lens`` and ``state_data_lens``, which SGLang's registration
-    lacks), or a decode manager served by SGLang's own prefill (:mod:`.decode_link`)). :meth:`close` releases the engine and the channels.
+    lacks), or a decode manager served by SGLang's own prefill (:mod:`.decode_link`)). :meth:`close`
+    releases the engine and the channels.
     """
 
     def __init__(self, args: Any, disaggregation_mode: DisaggregationMode, server_args: Any,
@@ -174,7 +175,8 @@ class KVManager(BaseKVManager):
         if self.protocol not in PROTOCOLS:
             raise ValueError(f"server arg kvplan_protocol must be one of {PROTOCOLS}, got {self.protocol!r}")
         if self.protocol == "sglang" and engine_kind not in BACKENDS:
-            raise LayoutError(f"kvplan_protocol='sglang' speaks SGLang's protocol over {list(BACKENDS)}, not {engine_kind}")
+            raise LayoutError(f"kvplan_protocol='sglang' speaks SGLang's protocol over {list(BACKENDS)}, not "
+                              f"{engine_kind}")
         engine_settings = dict(_setting(server_args, "kvplan_engine_settings", None) or {})
         self.engine_kind = engine_kind
         self.engine = make_engine(engine_kind, f"{disaggregation_mode.value}-{os.getpid()}-{id(self):x}", memory,

@@ -81,7 +81,8 @@ class DecodeRankLink:
         if layout.page_size is not None and layout.page_size != page_size:
             raise LayoutError(f"the prefill's page size is {layout.page_size}, this decode's {page_size}")
         if layout.kv_cache_dtype is not None and layout.kv_cache_dtype != kv_cache_dtype:
-            raise LayoutError(f"the prefill's KV cache dtype is {layout.kv_cache_dtype}, this decode's {kv_cache_dtype}")
+            raise LayoutError(f"the prefill's KV cache dtype is {layout.kv_cache_dtype}, this decode's "
+                              f"{kv_cache_dtype}")
         if (layout.attn_tp_size, layout.attn_cp_size, layout.dp_size, layout.pp_size) != (1, 1, 1, 1):
             raise LayoutError(f"the prefill has attention TP {layout.attn_tp_size}, CP {layout.attn_cp_size}, DP "
                               f"{layout.dp_size} and PP {layout.pp_size}; this version takes one prefill rank")

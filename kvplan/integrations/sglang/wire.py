@@ -43,9 +43,10 @@ import numpy as np
 from ...compat.sglang import pack_int_lists, unpack_int_lists
 from ...errors import KvplanError, PeerError
 
-__all__ = ["BACKENDS", "KV_POLL_STATES", "STATUS_FRAMING", "Abort", "AbortAck", "Registration", "StatusMessage", "TransferRequest",
-           "abort_ack_frames", "abort_frames", "is_registration", "parse_abort", "parse_abort_ack", "parse_registration", "parse_status",
-           "parse_transfer", "registration_frames", "status_frames", "transfer_frames"]
+__all__ = ["BACKENDS", "KV_POLL_STATES", "STATUS_FRAMING", "Abort", "AbortAck", "Registration",
+           "StatusMessage", "TransferRequest", "abort_ack_frames", "abort_frames", "is_registration",
+           "parse_abort", "parse_abort_ack", "parse_registration", "parse_status", "parse_transfer",
+           "registration_frames", "status_frames", "transfer_frames"]
 
 REGISTRATION_FIELDS = 20  # frames in 0.5.23's registration (the staging and DCP fields included)
 TRANSFER_FIELDS = 10
@@ -334,7 +335,8 @@ def parse_registration(frames: Sequence[bytes], backend: str = "mooncake") -> Re
     kv_ptrs = tuple(int(x) for x in f.array(4, "kv_ptrs", "<u8"))
     return Registration(
         endpoint=f.text(1, "endpoint"), port=f.integer(2, "port"), session_id=f.text(3, "session_id"),
-        kv_ptrs=kv_ptrs, kv_item_lens=_kv_item_lens(f, len(kv_ptrs), 19, 9), aux_ptrs=tuple(int(x) for x in f.array(5, "aux_ptrs", "<u8")),
+        kv_ptrs=kv_ptrs, kv_item_lens=_kv_item_lens(f, len(kv_ptrs), 19, 9),
+        aux_ptrs=tuple(int(x) for x in f.array(5, "aux_ptrs", "<u8")),
         tp_rank=f.integer(7, "tp_rank"), attn_tp_size=f.integer(8, "attn_tp_size"),
         state_ptrs=f.lists(6, "state_ptrs", "Q"), state_item_lens=f.lists(10, "state_item_lens", "I"),
         state_dim_per_tensor=f.lists(11, "state_dim_per_tensor", "I"),
