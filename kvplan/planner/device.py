@@ -77,6 +77,43 @@ MAX_MAPS = 4
 # the graph's replay without the Python wrapper's per-call checks; the public method where a torch
 # build lacks the binding
 _replay = getattr(getattr(torch._C, "_CUDAGraph", None), "replay", None) or torch.cuda.CUDAGraph.replay
+# the current stream's get and set through torch's own bindings, without the Python wrappers' device
+# checks (a ``torch.cuda.stream`` switch costs 10-16 us on an H200 host); the public calls where a torch
+# build lacks them
+_get_current = getattr(torch._C, "_cuda_getCurrentStream", None)
+_set_current = getattr(torch._C, "_cuda_setStream", None)
+
+
+def _current_stream(device: torch.device) -> torch.cuda.Stream:
+    """``torch.cuda.current_stream(device)`` on the hot path (``device`` has its index)."""
+    if _get_current is None:
+        return torch.cuda.current_stream(device)
+    stream_id, index, kind = _get_current(device.index)
+    return torch.cuda.Stream(stream_id=stream_id, device_index=index, device_type=kind)
+
+
+class _OnStream:
+    """``with torch.cuda.stream(stream)`` on the hot path: the same switch and restore of the current
+    stream of ``stream``'s device."""
+
+    def __init__(self, stream: torch.cuda.Stream):
+        self.stream, self._prev, self._context = stream, None, None
+
+    def __enter__(self) -> None:
+        s = self.stream
+        if _get_current is None or _set_current is None:
+            self._context = torch.cuda.stream(s)
+            self._context.__enter__()
+            return
+        self._prev = _get_current(s.device_index)
+        _set_current(stream_id=s.stream_id, device_index=s.device_index, device_type=s.device_type)
+
+    def __exit__(self, *exc) -> None:
+        if self._context is not None:
+            self._context.__exit__(*exc)
+            return
+        stream_id, index, kind = self._prev
+        _set_current(stream_id=stream_id, device_index=index, device_type=kind)
 
 
 def _pow2(n: int, least: int) -> int:
@@ -360,7 +397,7 @@ class Planner:
             if slot.graph is not None and stream is None:  # the hot path: no stream switch, no new objects
                 _replay(slot.graph)
                 self.replays += 1
-                stream = torch.cuda.current_stream(self.device)
+                stream = _current_stream(self.device)
             else:
                 stream = stream or torch.cuda.current_stream(self.device)
                 with torch.cuda.stream(stream):
@@ -563,7 +600,7 @@ class PendingPlan:
         if landing is None or landing.numel() < flat.numel():
             landing = b.landing[name] = host_empty(max(flat.numel(), 1 << 16), flat.dtype, p.device)
         out = landing[: flat.numel()]
-        with torch.cuda.stream(p.copy_stream):
+        with _OnStream(p.copy_stream):
             p.copy_stream.wait_event(self.event)
             out.copy_(flat, non_blocking=True)
         p.copy_stream.synchronize()

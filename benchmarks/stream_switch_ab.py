@@ -1,0 +1,52 @@
+"""Plan-to-descriptors latency with torch's stream wrappers (old) against kvplan's stream fast path (new),
+alternating on one machine: ``kvplan.planner.device._OnStream`` and ``_current_stream``.
+
+Run on a GPU:  ``TRITON_INTERPRET=0 PYTHONPATH=. python -m benchmarks.stream_switch_ab``
+"""
+
+import statistics
+import time
+
+import torch
+
+import kvplan.planner.device as dev
+from kvplan.planner.columns import BatchColumns
+from kvplan.planner.device import Planner
+from kvplan.tools.bench import scenario_batch
+
+FAST = (dev._OnStream, dev._current_stream)
+SLOW = (lambda s: torch.cuda.stream(s), lambda d: torch.cuda.current_stream(d))
+
+def timed_us(fn, n: int) -> tuple[float, float]:
+    """Median and p99 of ``n`` calls of ``fn`` after 30 to warm up, in us."""
+    for _ in range(30):
+        fn()
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6, sorted(times)[int(0.99 * n)] * 1e6
+
+
+def main() -> None:
+    print(torch.cuda.get_device_name())
+    for name in ("llama70b-tp8-p64", "qwen3next-mamba-p64"):
+        batch = scenario_batch(name)[0].to("cuda")
+        cols = BatchColumns.from_batch(batch)
+        planner = Planner(batch.src, batch.dsts, graphs=True)
+        for _ in range(5):
+            planner.plan(cols).descriptors()
+        found: dict[str, list] = {"old": [], "new": []}
+        for round_ in range(4):
+            order = (("old", SLOW), ("new", FAST)) if round_ % 2 == 0 else (("new", FAST), ("old", SLOW))
+            for label, (on, current) in order:
+                dev._OnStream, dev._current_stream = on, current
+                found[label].append(timed_us(lambda: planner.plan(cols).descriptors(), 300))
+        dev._OnStream, dev._current_stream = FAST
+        for label, values in found.items():
+            print(name, label, "plan+descriptors median/p99 us:", [f"{m:.1f}/{p:.1f}" for m, p in values])
+
+
+if __name__ == "__main__":
+    main()
