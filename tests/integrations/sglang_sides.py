@@ -260,17 +260,27 @@ def run_decode(engine: str, port: int, seed: int, results, deadline_s: float, st
                                decode_prefix_len=prefix, state_indices=state_indices(state, room, 1, lists, seed))
         receivers[room] = receiver
     deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        states = {room: int(r.poll()) for room, r in receivers.items()}
-        for room, now in states.items():
-            if seen[room][-1] != now:
-                seen[room].append(now)
-        if all(s in (base.KVPoll.Success, base.KVPoll.Failed) for s in states.values()):
-            break
-        time.sleep(0.001)
+    watch(receivers, seen, deadline)
     wrong = wrong_bytes(state, seed, lists, rooms, kv, aux, state_pools)
     mgr.close()
     results.put((name, seen, wrong))
+
+
+def watch(pollers: dict, seen: dict, deadline: float) -> None:
+    """Poll each room's sender or receiver until all have concluded (``Success`` or ``Failed``) or the
+    deadline passes, appending each new ``KVPoll`` state to the room's list in ``seen``."""
+    from tests.sglang_real import sglang_module
+
+    poll = sglang_module("srt.disaggregation.base.conn").KVPoll
+    done = {int(poll.Success), int(poll.Failed)}
+    while time.monotonic() < deadline:
+        states = {room: int(p.poll()) for room, p in pollers.items()}
+        for room, now in states.items():
+            if seen[room][-1] != now:
+                seen[room].append(now)
+        if all(x in done for x in states.values()):
+            return
+        time.sleep(0.001)
 
 
 def wrong_bytes(state, seed: int, lists, rooms, kv, aux, state_pools) -> list:
@@ -428,14 +438,7 @@ def run_sglang_decode(port: int, seed: int, results, deadline_s: float, state: b
         receiver.send_metadata(lists[room][1].astype(np.int32), aux_index=lists[room][3], decode_prefix_len=prefix,
                                state_indices=state_indices(state, room, 1, lists, seed))
         receivers[room] = receiver
-    while time.monotonic() < deadline:
-        states = {room: int(r.poll()) for room, r in receivers.items()}
-        for room, now in states.items():
-            if seen[room][-1] != now:
-                seen[room].append(now)
-        if all(s in (base.KVPoll.Success, base.KVPoll.Failed) for s in states.values()):
-            break
-        time.sleep(0.001)
+    watch(receivers, seen, deadline)
     wrong = wrong_bytes(state, seed, lists, None, kv, aux, state_pools) if tp_size == 1 else \
         wrong_head_bytes(seed, lists, kv, aux, tp_rank, tp_size)
     name = "decode" if tp_size == 1 else f"decode-{tp_rank}"
@@ -497,17 +500,37 @@ def run_sglang_prefill(port: int, seed: int, results, deadline_s: float, state: 
                 ids = state_indices(state, room, 0, lists, seed) if last else None
                 count = tokens - prefix - cut * PAGE if last else len(part) * PAGE
                 senders[room].send(part.astype(np.int32), state_indices=ids, num_kv_tokens=count)
-    while time.monotonic() < deadline:
-        states = {room: int(s.poll()) for room, s in senders.items()}
-        for room, now in states.items():
-            if seen[room][-1] != now:
-                seen[room].append(now)
-        if all(x in (base.KVPoll.Success, base.KVPoll.Failed) for x in states.values()):
-            break
-        time.sleep(0.001)
+    watch(senders, seen, deadline)
     results.put(("prefill", seen, dict(mgr.failure_records)))
     results.close()
     results.join_thread()
     time.sleep(0.5)  # the last status messages leave before the process does
     server.close()
     os._exit(0)  # SGLang's manager keeps daemon threads and sockets that have no close of their own
+
+
+def gather(procs: list, results, timeout: float = 150.0) -> dict:
+    """Start ``procs`` (each puts one report, ``(name, *rest)``, on ``results``), then what each reported,
+    by name; fails at once if one exits without reporting, or after ``timeout``. Each process is joined,
+    or killed, by its own handle."""
+    import queue
+
+    for p in procs:
+        p.start()
+    got: dict = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(got) < len(procs):
+            try:
+                kind, *rest = results.get(timeout=1)
+                got[kind] = rest
+            except queue.Empty:
+                dead = [p.name for p in procs if p.exitcode not in (None, 0)]
+                assert not dead and time.monotonic() < deadline, f"no report from every side; exited: {dead}"
+        return got
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)

@@ -68,16 +68,7 @@ def _run_sides(engine: str, state, decodes: list[tuple]) -> dict:
     procs = [ctx.Process(target=sglang_sides.run_prefill, args=(engine, port, 11, results, 60.0, state))]
     procs += [ctx.Process(target=sglang_sides.run_decode, args=(engine, port, 11, results, 60.0, state, *extra))
               for extra in decodes]
-    for p in procs:
-        p.start()
-    try:
-        return dict((kind, rest) for kind, *rest in (results.get(timeout=150) for _ in procs))
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+    return sglang_sides.gather(procs, results)
 
 
 @pytest.mark.parametrize("engine, state", [(e, s) for s in (False, True, "hybrid") for e in ENGINES])

@@ -6,8 +6,6 @@ chunked, one after a decode prefix), every byte checked on the decode side, the 
 side's caller sees."""
 
 import multiprocessing as mp
-import queue
-import time
 
 import pytest
 
@@ -33,30 +31,7 @@ def _run_pair(state, decode_kv_pages: int = sglang_sides.PAGES, sglang_side: str
         procs = [ctx.Process(target=sglang_sides.run_sglang_prefill, args=(port, 11, results, 60.0, state, backend)),
                  ctx.Process(target=sglang_sides.run_decode,
                              args=(backend, port, 11, results, 60.0, state, None, "decode", "sglang"))]
-    return _gather(procs, results)
-
-
-def _gather(procs, results) -> dict:
-    """Start ``procs``, then what each reported, by name; each joined or killed by its own handle."""
-    for p in procs:
-        p.start()
-    got: dict = {}
-    deadline = time.monotonic() + 150
-    try:
-        while len(got) < len(procs):
-            try:
-                kind, *rest = results.get(timeout=1)
-                got[kind] = rest
-            except queue.Empty:
-                dead = [p.name for p in procs if p.exitcode not in (None, 0)]
-                assert not dead and time.monotonic() < deadline, f"no report from every side; exited: {dead}"
-        return got
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+    return sglang_sides.gather(procs, results)
 
 
 # (backend, state): SGLang's NIXL manager registers state buffers as GPU memory, so over NIXL on the CPU
@@ -133,7 +108,7 @@ def test_a_kvplan_prefill_spreads_each_request_over_sglang_s_decode_ranks():
                          args=("mooncake", port, 11, results, 60.0, False, "sglang", sglang_sides.PAGES, 2))]
     procs += [ctx.Process(target=sglang_sides.run_sglang_decode, args=(port, 11, results, 60.0, False, "mooncake", r, 2))
               for r in (0, 1)]
-    got = _gather(procs, results)
+    got = sglang_sides.gather(procs, results)
     prefill_states, failures = got["prefill"]
     assert not any(failures.values()), failures
     assert all(states[-1] == base.KVPoll.Success for states in prefill_states.values()), prefill_states
