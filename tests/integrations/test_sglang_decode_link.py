@@ -50,29 +50,37 @@ def test_a_decode_rank_registers_and_asks_in_frames_sglang_s_prefill_reads(prefi
         link.close()
 
 
-def test_only_statuses_of_asked_rooms_from_the_prefill_rank_are_taken(prefill):
+@pytest.fixture
+def connected(prefill):
+    """A link connected to the prefill, and a PUSH socket into the link, as the prefill's answers come;
+    with the prefill's socket (the registration is the first message on it)."""
     bootstrap, sock = prefill
     link = DecodeRankLink("127.0.0.1:17301")
     push = zmq.Context.instance().socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 0)
     try:
         link.connect("127.0.0.1", bootstrap, REG, page_size=4, kv_cache_dtype="bfloat16")
-        link.ask(TransferRequest(5, "", 0, "", np.array([1], np.int32), 0))
         push.connect(f"tcp://127.0.0.1:{link.rank_port}")
-        push.send_multipart(status_frames(StatusMessage(6, 4, 0)))  # a room never asked for
-        push.send_multipart(status_frames(StatusMessage(5, 4, 3)))  # another prefill rank
-        push.send_multipart([b"5", b"4x", b"0"])  # malformed
-        push.send_multipart([b"ABORT_ACK", b"5", b"0"])  # an abort ack: not a status
-        push.send_multipart(status_frames(StatusMessage(5, 4, 0)))
-        got = []
-        for _ in range(50):
-            got += link.poll(timeout=0.1)
-            if got:
-                break
-        assert got == [StatusMessage(5, 4, 0)] and 5 not in link.asked
+        yield link, push, sock
     finally:
         push.close()
         link.close()
+
+
+def test_only_statuses_of_asked_rooms_from_the_prefill_rank_are_taken(connected):
+    link, push, _ = connected
+    link.ask(TransferRequest(5, "", 0, "", np.array([1], np.int32), 0))
+    push.send_multipart(status_frames(StatusMessage(6, 4, 0)))  # a room never asked for
+    push.send_multipart(status_frames(StatusMessage(5, 4, 3)))  # another prefill rank
+    push.send_multipart([b"5", b"4x", b"0"])  # malformed
+    push.send_multipart([b"ABORT_ACK", b"5", b"0"])  # an abort ack: not a status
+    push.send_multipart(status_frames(StatusMessage(5, 4, 0)))
+    got = []
+    for _ in range(50):
+        got += link.poll(timeout=0.1)
+        if got:
+            break
+    assert got == [StatusMessage(5, 4, 0)] and 5 not in link.asked
 
 
 @pytest.mark.parametrize("route, message", [
@@ -105,32 +113,23 @@ def test_a_prefill_of_several_ranks_is_refused(server):
         link.close()
 
 
-def test_an_abort_is_sent_as_sglang_s_and_only_its_own_ack_counts(prefill):
+def test_an_abort_is_sent_as_sglang_s_and_only_its_own_ack_counts(connected):
     common = sglang_module("srt.disaggregation.common.conn")
-    bootstrap, sock = prefill
-    link = DecodeRankLink("127.0.0.1:17304")
-    push = zmq.Context.instance().socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 0)
-    try:
-        link.connect("127.0.0.1", bootstrap, REG, page_size=4, kv_cache_dtype="bfloat16")
-        _recv(sock)  # the registration
-        link.ask(TransferRequest(5, "", 0, "", np.array([1], np.int32), 0))
-        _recv(sock)
-        link.abort(5)
-        theirs = common.AbortNotification.from_zmq(_recv(sock))  # SGLang's prefill reads it
-        assert (theirs.room, theirs.decode_ip, theirs.decode_port) == (5, "127.0.0.1", link.rank_port)
-        assert 5 not in link.asked and link.aborting == {5: theirs.generation}
-        push.connect(f"tcp://127.0.0.1:{link.rank_port}")
-        push.send_multipart(common.AbortAck(room=5, prefill_rank=0, generation=theirs.generation + 1).to_zmq())
-        push.send_multipart(common.AbortAck(room=5, prefill_rank=0, generation=theirs.generation).to_zmq())
-        for _ in range(50):
-            link.poll(timeout=0.1)
-            if link.acked:
-                break
-        assert link.acked == {5} and not link.aborting  # the stale generation was not taken
-    finally:
-        push.close()
-        link.close()
+    link, push, sock = connected
+    _recv(sock)  # the registration
+    link.ask(TransferRequest(5, "", 0, "", np.array([1], np.int32), 0))
+    _recv(sock)
+    link.abort(5)
+    theirs = common.AbortNotification.from_zmq(_recv(sock))  # SGLang's prefill reads it
+    assert (theirs.room, theirs.decode_ip, theirs.decode_port) == (5, "127.0.0.1", link.rank_port)
+    assert 5 not in link.asked and link.aborting == {5: theirs.generation}
+    push.send_multipart(common.AbortAck(room=5, prefill_rank=0, generation=theirs.generation + 1).to_zmq())
+    push.send_multipart(common.AbortAck(room=5, prefill_rank=0, generation=theirs.generation).to_zmq())
+    for _ in range(50):
+        link.poll(timeout=0.1)
+        if link.acked:
+            break
+    assert link.acked == {5} and not link.aborting  # the other generation's ack was not taken
 
 
 @pytest.mark.engines
