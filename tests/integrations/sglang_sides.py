@@ -146,6 +146,23 @@ def page_lists(seed: int, hybrid: bool = False):
     return out
 
 
+def scheduler_steps(state, lists, seed: int):
+    """What SGLang's prefill scheduler sends, step by step: every request's first chunk in the first
+    step, the rest in the next. Each send is ``(room, pages, state_indices, num_kv_tokens)``: the state
+    indices come with the last chunk only, and each chunk counts its tokens."""
+    for step in range(2):
+        sends = []
+        for room, tokens, prefix, chunks in requests_of(state):
+            pages = lists[room][0]
+            cut = len(pages) // 2 if chunks == 2 else 0
+            part = pages[:cut] if step == 0 and cut else pages[cut:] if step == 1 and cut else pages if step == 0 else []
+            last = step == 1 or chunks == 1
+            if len(part):
+                ids = state_indices(state, room, 0, lists, seed) if last else None
+                sends.append((room, part, ids, tokens - prefix - cut * PAGE if last else len(part) * PAGE))
+        yield sends
+
+
 def decode_lens(state) -> dict:
     """The decode side's buffer lengths (its pools are shaped as the prefill's), as ``KVArgs`` name them."""
     kv, aux = pools(None)
@@ -207,17 +224,9 @@ def run_prefill(engine: str, port: int, seed: int, results, deadline_s: float, s
     seen = {room: [] for room in senders}
     while any(s.poll() == base.KVPoll.Bootstrapping for s in senders.values()) and time.monotonic() < deadline:
         time.sleep(0.01)
-    # one scheduler step: every request's first chunk; the next step: the rest
-    for step in range(2):
-        for room, tokens, prefix, chunks in requests_of(state):
-            pages = lists[room][0]
-            cut = len(pages) // 2 if chunks == 2 else 0
-            part = pages[:cut] if step == 0 and cut else pages[cut:] if step == 1 and cut else pages if step == 0 else []
-            last = step == 1 or chunks == 1
-            if len(part):  # SGLang hands the state indices with the last chunk only, and each chunk's tokens
-                ids = state_indices(state, room, 0, lists, seed) if last else None
-                count = tokens - prefix - cut * PAGE if last else len(part) * PAGE
-                senders[room].send(torch.from_numpy(part.astype(np.int32)), state_indices=ids, num_kv_tokens=count)
+    for sends in scheduler_steps(state, lists, seed):
+        for room, part, ids, count in sends:
+            senders[room].send(torch.from_numpy(part.astype(np.int32)), state_indices=ids, num_kv_tokens=count)
         for room, sender in senders.items():
             seen[room].append(int(sender.poll()))
     while any(s.poll() not in (base.KVPoll.Success, base.KVPoll.Failed) for s in senders.values()) \
@@ -490,16 +499,9 @@ def run_sglang_prefill(port: int, seed: int, results, deadline_s: float, state: 
     seen = {room: [int(s.poll())] for room, s in senders.items()}
     while any(s.poll() == base.KVPoll.Bootstrapping for s in senders.values()) and time.monotonic() < deadline:
         time.sleep(0.01)
-    for step in range(2):
-        for room, tokens, prefix, chunks in requests_of(state):
-            pages = lists[room][0]
-            cut = len(pages) // 2 if chunks == 2 else 0
-            part = pages[:cut] if step == 0 and cut else pages[cut:] if step == 1 and cut else pages if step == 0 else []
-            last = step == 1 or chunks == 1
-            if len(part):
-                ids = state_indices(state, room, 0, lists, seed) if last else None
-                count = tokens - prefix - cut * PAGE if last else len(part) * PAGE
-                senders[room].send(part.astype(np.int32), state_indices=ids, num_kv_tokens=count)
+    for sends in scheduler_steps(state, lists, seed):
+        for room, part, ids, count in sends:
+            senders[room].send(part.astype(np.int32), state_indices=ids, num_kv_tokens=count)
     watch(senders, seen, deadline)
     results.put(("prefill", seen, dict(mgr.failure_records)))
     results.close()
