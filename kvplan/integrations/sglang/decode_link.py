@@ -29,7 +29,10 @@ from typing import Any
 
 from ...errors import LayoutError, PeerError
 from .bootstrap import PrefillLayout, prefill_layout, prefill_rank
+from .sockets import push, push_socket
 from .wire import (
+    FAILED,
+    SUCCESS,
     Abort,
     Registration,
     StatusMessage,
@@ -90,9 +93,7 @@ class DecodeRankLink:
             raise LayoutError(f"the prefill allocates with the {layout.decode_allocation_policy!r} policy; this "
                               "version takes 'early'")
         self.prefill = prefill_rank(bootstrap_host, bootstrap_port, tp_rank=0, timeout=timeout)
-        self._push = self._zmq.Context.instance().socket(self._zmq.PUSH)
-        self._push.setsockopt(self._zmq.LINGER, 1000)
-        self._push.connect(f"tcp://{self.prefill[0]}:{self.prefill[1]}")
+        self._push = push_socket(*self.prefill)
         self._send(registration_frames(replace(registration, endpoint=self.rank_ip, port=self.rank_port,
                                                session_id=self.session_id), self.backend), timeout)
         self.layout = layout
@@ -142,16 +143,13 @@ class DecodeRankLink:
                 log.warning("dropped room %d's status from prefill rank %d (this rank's prefill is rank 0)",
                             status.room, status.prefill_rank)
                 continue
-            if status.status in (0, 4):  # Failed, Success: the room is settled
+            if status.status in (FAILED, SUCCESS):  # the room is settled
                 self.asked.discard(status.room)
             out.append(status)
         return out
 
     def _send(self, frames: list[bytes], timeout: float) -> None:
-        if not self._push.poll(max(0, round(timeout * 1000)), self._zmq.POLLOUT):
-            raise PeerError(f"the prefill rank at {self.prefill[0]}:{self.prefill[1]} did not take a message within "
-                            f"{timeout} s")
-        self._push.send_multipart(frames, self._zmq.NOBLOCK)
+        push(self._push, frames, timeout, f"the prefill rank at {self.prefill[0]}:{self.prefill[1]}")
 
     def close(self) -> None:
         if self._push is not None:

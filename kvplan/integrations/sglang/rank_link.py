@@ -28,8 +28,12 @@ from typing import Any
 
 from ...errors import PeerError
 from .bootstrap import RankRoute, register_rank
+from .sockets import push, push_socket
 from .wire import (
     ABORT_TAG,
+    FAILED,
+    SUCCESS,
+    WAITING_FOR_INPUT,
     Abort,
     AbortAck,
     Registration,
@@ -47,7 +51,6 @@ __all__ = ["FAILED", "SUCCESS", "WAITING_FOR_INPUT", "PrefillRankLink"]
 
 log = logging.getLogger("kvplan")
 
-FAILED, WAITING_FOR_INPUT, SUCCESS = 0, 2, 4  # KVPoll states this side reports
 
 
 class PrefillRankLink:
@@ -149,13 +152,8 @@ class PrefillRankLink:
     def _push(self, host: str, port: int, frames: list[bytes], timeout: float = 1.0) -> None:
         sock = self._pushers.get((host, port))
         if sock is None:
-            sock = self._zmq.Context.instance().socket(self._zmq.PUSH)
-            sock.setsockopt(self._zmq.LINGER, 1000)
-            sock.connect(f"tcp://{host}:{port}")
-            self._pushers[(host, port)] = sock
-        if not sock.poll(max(0, round(timeout * 1000)), self._zmq.POLLOUT):
-            raise PeerError(f"the decode rank at {host}:{port} did not take a message within {timeout} s")
-        sock.send_multipart(frames, self._zmq.NOBLOCK)
+            sock = self._pushers[(host, port)] = push_socket(host, port)
+        push(sock, frames, timeout, f"the decode rank at {host}:{port}")
 
     def close(self) -> None:
         for sock in self._pushers.values():

@@ -43,7 +43,7 @@ import numpy as np
 from ...compat.sglang import pack_int_lists, unpack_int_lists
 from ...errors import KvplanError, PeerError
 
-__all__ = ["BACKENDS", "KV_POLL_STATES", "STATUS_FRAMING", "Abort", "AbortAck", "Registration",
+__all__ = ["BACKENDS", "FAILED", "KV_POLL_STATES", "SUCCESS", "WAITING_FOR_INPUT", "STATUS_FRAMING", "Abort", "AbortAck", "Registration",
            "StatusMessage", "TransferRequest", "abort_ack_frames", "abort_frames", "is_registration",
            "parse_abort", "parse_abort_ack", "parse_registration", "parse_status", "parse_transfer",
            "registration_frames", "status_frames", "transfer_frames"]
@@ -51,6 +51,7 @@ __all__ = ["BACKENDS", "KV_POLL_STATES", "STATUS_FRAMING", "Abort", "AbortAck", 
 REGISTRATION_FIELDS = 20  # frames in 0.5.23's registration (the staging and DCP fields included)
 TRANSFER_FIELDS = 10
 KV_POLL_STATES = {0: "Failed", 1: "Bootstrapping", 2: "WaitingForInput", 3: "Transferring", 4: "Success"}  # KVPoll
+FAILED, WAITING_FOR_INPUT, SUCCESS = 0, 2, 4  # the KVPoll states a prefill reports in its status messages
 # per transfer backend, a status message's leading tag (or none) and whether it carries a failure reason
 STATUS_FRAMING: dict[str, tuple[bytes | None, bool]] = {"mooncake": (None, False), "nixl": (b"KV_STATUS", True)}
 BACKENDS = tuple(STATUS_FRAMING)
