@@ -1,7 +1,9 @@
 """An engine's own ceiling on this machine: one contiguous WRITE between two processes.
 
-``python -m benchmarks.engine_ceiling nixl|mooncake [MiB] [target GPU]``; GPU memory (VRAM) when a
-GPU is present; the target buffer on another card when a target GPU is named (two-card runs). The median of 5 writes after one warm-up, in GiB/s, next to which kvplan's end-to-end
+``python -m benchmarks.engine_ceiling nixl|mooncake [MiB] [target GPU] [pieces]``; GPU memory (VRAM) when a
+GPU is present; the target buffer on another card when a target GPU is named (two-card runs). With
+``pieces`` > 1 the same bytes go as that many equal descriptors in one write: the engine's ceiling for a
+batch of that many descriptors (Mooncake spreads the descriptors of a batch over its TCP lanes). The median of 5 writes after one warm-up, in GiB/s, next to which kvplan's end-to-end
 numbers (``kvplan demo``) are read.
 """
 
@@ -41,6 +43,7 @@ def main() -> None:
     kind = sys.argv[1]
     size = int(sys.argv[2] if len(sys.argv) > 2 else 256) << 20
     gpu = int(sys.argv[3]) if len(sys.argv) > 3 else 0
+    pieces = int(sys.argv[4]) if len(sys.argv) > 4 else 1
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
     proc = ctx.Process(target=target, args=(kind, size, gpu, there), daemon=True)
@@ -53,16 +56,20 @@ def main() -> None:
         src = torch.ones(size, dtype=torch.uint8, device=_device())
         engine.register([(src.data_ptr(), size)])
         peer = engine.connect(metadata)
-        descs = np.array([[src.data_ptr(), remote, size]], dtype=np.uint64)
+        piece = size // pieces
+        at = np.arange(pieces, dtype=np.uint64) * np.uint64(piece)
+        descs = np.stack([np.uint64(src.data_ptr()) + at, np.uint64(remote) + at,
+                          np.full(pieces, piece, np.uint64)], axis=1)
         times = []
         for i in range(6):
             t0 = time.perf_counter()
             write(engine, peer, descs, b"ceiling", time.monotonic() + DEADLINE)
             if i:
                 times.append(time.perf_counter() - t0)
-        gibs = size / statistics.median(times) / 2**30
+        gibs = piece * pieces / statistics.median(times) / 2**30
         where = f", GPU 0 to GPU {gpu}" if gpu else ""
-        print(f"{kind} ceiling, one contiguous write of {size >> 20} MiB, {_device()} memory{where}: {gibs:.2f} GiB/s")
+        what = "one contiguous write" if pieces == 1 else f"one write of {pieces} descriptors of {piece} B"
+        print(f"{kind} ceiling, {what}, {size >> 20} MiB, {_device()} memory{where}: {gibs:.2f} GiB/s")
     finally:
         here.send("bye")
         proc.join(10)

@@ -58,8 +58,8 @@ from .verify import AddressSpace, execute
 __all__ = ["DemoConfig", "DemoReport", "FAULTS", "run_demo"]
 
 FAULTS = ("none", "dead-decode", "dead-prefill", "dead-decode-mid", "dead-prefill-mid", "bad-registration", "deadline")
-ENGINE_ENV = (("UCX_NET_DEVICES", "lo"), ("NIXL_LOG_LEVEL", "WARN"), ("GLOG_minloglevel", "2"),
-              ("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "65535"), ("MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER", "65535"))
+# (Mooncake's TCP settings: the engine sets them, kvplan.transport.engines.mooncake.TCP_DEFAULTS)
+ENGINE_ENV = (("UCX_NET_DEVICES", "lo"), ("NIXL_LOG_LEVEL", "WARN"), ("GLOG_minloglevel", "2"))
 STAGES = ("start decode", "start prefill", "pair", "publish lists", "plan", "transfer", "complete", "verify")
 
 

@@ -45,3 +45,20 @@ def test_the_registry_names_every_engine_and_refuses_others():
     assert engine_names() == ["mooncake", "nixl"]
     with pytest.raises(ValueError, match="choose from mooncake, nixl"):
         make_engine("rdma-magic", "x")
+
+
+def test_mooncake_settings_asked_win_then_the_environment_then_the_defaults(monkeypatch):
+    from kvplan.transport.engines.mooncake import TCP_DEFAULTS, apply_tcp_settings
+
+    for var in TCP_DEFAULTS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("MC_NUM_TCP_IO_THREADS", "3")  # the operator's own setting stays
+    settings = apply_tcp_settings(lanes=5, io_threads=None, slice_bytes=None)
+    assert settings["MC_TCP_LANES_PER_PEER"] == "5"
+    assert settings["MC_NUM_TCP_IO_THREADS"] == "3"
+    assert settings["MC_TCP_SLICE_SIZE"] == str(TCP_DEFAULTS["MC_TCP_SLICE_SIZE"])
+    assert settings["MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"] == "65535"
+    with pytest.raises(ValueError, match="lanes must be positive"):
+        apply_tcp_settings(lanes=0)
+    with pytest.raises(ValueError, match="unknown Mooncake setting 'threads'"):
+        apply_tcp_settings(threads=2)

@@ -6,6 +6,13 @@ receiver is told only after all of the write's bytes have landed (a write withou
 goes whole in the batches). The wheel's array calls are
 used where it has them (the CUDA 13 wheel 0.3.14); the CPU wheel 0.3.13 takes Python lists.
 
+Mooncake's TCP transport reads its settings from the environment once, when the process's first
+engine starts; :class:`MooncakeEngine` sets them there unless the environment already has them. Its
+defaults were measured on an H200 host (issue 11, ``benchmarks/gpu_mooncake_sweep.sh``; the
+``llama70b-tp8-p64`` batch of 6,832 descriptors, two processes, VRAM): with Mooncake's own (4 lanes per
+peer, its default I/O threads, 64 KiB slices) direct mode moved 0.95 GiB/s and staged 1.63; with 16
+lanes, 8 I/O threads and 1 MiB slices, 1.23 and 2.24.
+
 Mooncake cannot cancel a batch. Waiting for its status blocks until the batch has ended, bounded
 by Mooncake's own transfer timeout (``MC_TRANSFER_TIMEOUT``, 30 s by default): a write reported
 failed has ended, and no byte of it lands afterwards.
@@ -14,6 +21,7 @@ failed has ended, and no byte of it lands afterwards.
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import numpy as np
@@ -21,18 +29,59 @@ import numpy as np
 from .base import Capabilities, Handle, TransferError
 from .registry import register_engine
 
-__all__ = ["MooncakeEngine"]
+__all__ = ["MooncakeEngine", "TCP_DEFAULTS", "apply_tcp_settings"]
+
+log = logging.getLogger("kvplan")
+
+# Mooncake's TCP settings (environment variables) that kvplan sets unless the environment has them
+TCP_DEFAULTS = {
+    # requests in flight per peer: above ~2048 with Mooncake's defaults a batch is refused (rc -1)
+    "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": 65535,
+    "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": 65535,
+    "MC_TCP_LANES_PER_PEER": 16,  # connections per peer that a batch's descriptors spread over (max 16)
+    "MC_NUM_TCP_IO_THREADS": 8,  # threads serving them
+    "MC_TCP_SLICE_SIZE": 1 << 20,  # bytes per socket write and per bounce copy of device memory
+}
+_SETTINGS = {"lanes": "MC_TCP_LANES_PER_PEER", "io_threads": "MC_NUM_TCP_IO_THREADS", "slice_bytes": "MC_TCP_SLICE_SIZE"}
+
+
+def apply_tcp_settings(**asked: int | None) -> dict[str, str]:
+    """Put Mooncake's TCP settings into the environment: each one asked for (``lanes``, ``io_threads``,
+    ``slice_bytes``; ``None``: not asked), then :data:`TCP_DEFAULTS` where the environment has none.
+    Returns the settings now in force for an engine that starts in this process.
+
+    Example::
+
+        apply_tcp_settings(lanes=8)   # MC_TCP_LANES_PER_PEER=8, the rest as the environment or TCP_DEFAULTS say
+    """
+    for setting, value in asked.items():
+        if setting not in _SETTINGS:
+            raise ValueError(f"unknown Mooncake setting {setting!r}; choose from {', '.join(_SETTINGS)}")
+        if value is not None:
+            if int(value) < 1:
+                raise ValueError(f"Mooncake's {setting} must be positive, got {value}")
+            os.environ[_SETTINGS[setting]] = str(int(value))
+    for var, value in TCP_DEFAULTS.items():
+        os.environ.setdefault(var, str(value))
+    settings = {var: os.environ[var] for var in TCP_DEFAULTS}
+    log.debug("Mooncake TCP settings: %s", settings)
+    return settings
 
 
 @register_engine("mooncake")
 class MooncakeEngine:
-    """Mooncake (TCP). ``memory`` is informational: Mooncake addresses host and device memory alike."""
+    """Mooncake (TCP). ``memory`` is informational: Mooncake addresses host and device memory alike.
+
+    ``lanes``, ``io_threads`` and ``slice_bytes`` set Mooncake's TCP lanes per peer, I/O threads and
+    slice size (:data:`TCP_DEFAULTS` where neither they nor the environment say). They take effect for
+    the process's first engine only: Mooncake reads them once.
+    """
 
     batch_limit = 16384  # descriptors per batch, under the per-peer queue limits raised below
 
-    def __init__(self, name: str = "", memory: str = "DRAM", device_id: int = 0):
-        os.environ.setdefault("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "65535")
-        os.environ.setdefault("MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER", "65535")
+    def __init__(self, name: str = "", memory: str = "DRAM", device_id: int = 0, *, lanes: int | None = None,
+                 io_threads: int | None = None, slice_bytes: int | None = None):
+        apply_tcp_settings(lanes=lanes, io_threads=io_threads, slice_bytes=slice_bytes)
         from mooncake.engine import TransferEngine, TransferNotify, TransferOpcode
 
         self._notify, self._opcode = TransferNotify, TransferOpcode
