@@ -257,8 +257,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser(
         "bench", parents=[verbosity], help="plan latency against the strongest host planners for the scenarios of docs/benchmarks.md",
-        description="Plans each scenario with kvplan and with the SGLang-style baseline in this process, checks "
-                    "that the descriptors are equal, and reports medians, the ratio and which targets are met. "
+        description="Plans each scenario with kvplan and with the strongest host planners (numpy-batch, "
+                    "prepared-ids, the compact runs form; the SGLang-style loop for reference) in this process, "
+                    "checks that every output equals kvplan's, and reports medians, the floor, the ratios against "
+                    "the strongest baseline and which targets are met. "
                     "Without a GPU the kernels run in Triton's interpreter: use --scale to keep it short.")
     bench.add_argument("--scenario", action="append", choices=list(SCENARIOS),
                        help="a scenario to run (repeatable; default: all)")
