@@ -137,11 +137,10 @@ def _add_decode(mgr):
 
 def test_a_last_chunk_without_its_state_slot_fails_and_nothing_is_sent():
     """Without the slot, the planner would read whatever slot its map row held: another request's state."""
+    base, mgr, _ = _state_manager("PREFILL")  # (skips where SGLang is not installed)
     from kvplan.integrations.sglang.adapter import KVSender
-
     from kvplan.planner.plan import DestinationLists
 
-    base, mgr, _ = _state_manager("PREFILL")
     for room in (5, 6):  # as if the decode side had published them
         mgr.prefill.peers[0].lists[room] = (DestinationLists(np.array([3]), (np.array([1]),)), 0, 0)
     sender = KVSender(mgr, "127.0.0.1:0", 5)
@@ -278,9 +277,9 @@ def test_a_last_chunk_whose_tokens_do_not_end_in_its_last_page_fails():
 
 def test_two_requests_of_one_request_pool_row_in_a_step_fail_and_nothing_is_sent():
     """Ring rows place a request at its request-pool row; two on one row would share the ring."""
+    base, mgr, one = _hybrid_sender(3, [7, 8, 9])  # (skips where SGLang is not installed)
     from kvplan.integrations.sglang.adapter import KVSender
 
-    base, mgr, one = _hybrid_sender(3, [7, 8, 9])
     two = KVSender(mgr, "127.0.0.1:0", 4)
     two.init(3, aux_index=1)
     one.send(np.array([7, 8, 9]), state_indices=[[5, 6, 2], [7, 8, 9], RING], num_kv_tokens=10)
