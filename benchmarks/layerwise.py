@@ -11,7 +11,7 @@ Usage (on the GPU machine, engine wheels installed)::
 
     python3 benchmarks/layerwise.py --out /tmp/out [--engine nixl] [--decode-gpu 0 --decode-gpu 1]
         [--modes staged] [--repeat 8] [--staging 64:4 --staging 256:2] [--skip-signal]
-        [--progress-thread on --progress-thread off]
+        [--progress-thread on --progress-thread off] [--split even --split tapered]
 """
 
 from __future__ import annotations
@@ -125,14 +125,15 @@ def graph_check(via: str) -> str:
 
 
 def handoff(preset: str, dim: int, groups: int, mode: str, engine: str, decode_gpu: int = 0, repeat: int = 4,
-            staging: tuple[int, int] = (64, 4), progress_thread: bool = True) -> dict:
+            staging: tuple[int, int] = (64, 4), progress_thread: bool = True, split: str = "even") -> dict:
     config = DemoConfig(preset=preset, layers=PRESETS[preset].layers, requests=1, prompt_len=TOKENS, chunks=1,
                         engine=engine, mode=mode, layer_groups=groups, forward_dim=dim, repeat=repeat, timeout=40,
                         decode_gpu=decode_gpu, staging_bytes=staging[0] << 20, staging_slots=staging[1],
-                        progress_thread=progress_thread)
+                        progress_thread=progress_thread, layer_split=split)
     t0 = time.monotonic()
     report = run_demo(config)
-    return {"preset": preset, "groups": groups, "mode": mode, "used": report.mode_used, "ok": report.ok,
+    return {"preset": preset, "groups": groups, "split": split if groups else None,
+            "group_sizes": config.groups().sizes if groups else None, "mode": mode, "used": report.mode_used, "ok": report.ok,
             "descriptors": report.descriptors, "bytes": report.nbytes,
             "forward_ms": report.forward_s * 1e3 if report.forward_s is not None else None,
             "exposed_ms": report.exposed_s * 1e3 if report.exposed_s is not None else None,
@@ -153,6 +154,9 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=4, help="batches per hand-off (the first is a warm-up)")
     parser.add_argument("--staging", action="append", metavar="MIB:SLOTS",
                         help="staging buffer and ring length (repeatable: each hand-off runs with each; default 64:4)")
+    parser.add_argument("--split", action="append", choices=("even", "tapered"),
+                        help="how streamed layers are split into groups (repeatable: each streamed hand-off runs with "
+                             "each; default even)")
     parser.add_argument("--progress-thread", action="append", choices=("on", "off"),
                         help="NIXL's own progress thread (repeatable: each hand-off runs with each; default on)")
     args = parser.parse_args()
@@ -172,9 +176,10 @@ def main() -> int:
     for decode_gpu, staging, thread in [(d, s, p) for d in args.decode_gpu or [0] for s in stagings for p in threads]:
         for preset, dim, counts in CASES:
             after = [(0, "auto")] + ([(0, "direct")] if "direct" in streamed_modes else [])
-            streamed = [(g, m) for g in (counts[-1:] if args.largest_only else counts) for m in streamed_modes]
-            for groups, mode in after + streamed:
-                row = handoff(preset, dim, groups, mode, args.engine, decode_gpu, args.repeat, staging, thread)
+            streamed = [(g, m, split) for g in (counts[-1:] if args.largest_only else counts) for m in streamed_modes
+                        for split in args.split or ["even"]]
+            for groups, mode, split in [(g, m, "even") for g, m in after] + streamed:
+                row = handoff(preset, dim, groups, mode, args.engine, decode_gpu, args.repeat, staging, thread, split)
                 print(json.dumps(row), flush=True)
                 rows["handoff"].append(row)
     with open(os.path.join(args.out, "layerwise.json"), "w") as out:

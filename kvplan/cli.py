@@ -122,7 +122,8 @@ def _demo(args: argparse.Namespace) -> int:
                         fault=args.fault, repeat=args.repeat, engine_threads=args.engine_threads, staging_bytes=args.staging_mib << 20,
                         staging_slots=args.staging_slots, scatter_tables=args.scatter_tables, decode_gpu=args.decode_gpu,
                         progress_thread=args.progress_thread == "on", dst_page_size=args.dst_page_size,
-                        tp=_tp_sizes(args), layer_groups=args.layerwise, forward_dim=args.forward_dim,
+                        tp=_tp_sizes(args), layer_groups=args.layerwise, layer_split=args.layer_split,
+                        forward_dim=args.forward_dim,
                         gather=args.gather)
     if config.gather:
         ts, td = config.model().src_tp, config.model().dst_tp
@@ -238,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--layerwise", type=_positive, default=0, metavar="GROUPS",
                       help="stream the batch in this many layer groups while a stand-in forward pass writes it "
                            "(docs/layerwise.md)")
+    demo.add_argument("--layer-split", choices=["even", "tapered"], default="even",
+                      help="with --layerwise: groups of equal size, or groups whose last ones shrink by halves to "
+                           "one layer, so that little is left to move once the pass ends (default: even)")
     demo.add_argument("--forward-dim", type=int, default=0, metavar="DIM",
                       help="run the stand-in forward pass, each layer a [tokens, DIM] x [DIM, DIM] matmul; without "
                            "--layerwise the batch is sent after it ends (the non-streamed baseline)")

@@ -10,6 +10,7 @@ with the last group.
 Example::
 
     groups = LayerGroups.even(num_layers=80, groups=4)            # layers [0,20), [20,40), ...
+    groups = LayerGroups.tapered(num_layers=80, groups=8)         # ..., [73,77), [77,79), [79,80): little left to expose
     per_group = group_sections(plan.sections(), [pair_sides(src, dst)], src, [0] * len(plan.transfers), groups)
     for g, sections in enumerate(per_group):
         ...  # once layer group g is written, post descs[s.rows()] for each s in sections
@@ -53,9 +54,39 @@ class LayerGroups:
             raise LayoutError(f"cannot split {num_layers} layers into {groups} groups")
         return cls(tuple(first_layer + (num_layers * g) // groups for g in range(groups + 1)))
 
+    @classmethod
+    def tapered(cls, num_layers: int, groups: int, first_layer: int = 0) -> "LayerGroups":
+        """``groups`` groups whose last ones shrink by halves to a single layer, the rest even.
+
+        Streaming leaves only the last group (and aux) to move after the forward pass ends
+        (docs/layerwise.md §4), so a small last group exposes little. From the end, the groups
+        take 1, 2, 4, ... layers while each is at most an even share of the layers still left;
+        the first groups split what remains as :meth:`even` does. Each group must move while
+        the forward pass computes the next one: a group of ``2k`` layers in the time of ``k``.
+
+        Example::
+
+            LayerGroups.tapered(80, 8).bounds   # (0, 16, 32, 49, 65, 73, 77, 79, 80): 16, 16, 17, 16, 8, 4, 2, 1
+        """
+        if not 1 <= groups <= num_layers:
+            raise LayoutError(f"cannot split {num_layers} layers into {groups} groups")
+        tail: list[int] = []  # the last groups' sizes, last first
+        layers_left, groups_left = num_layers, groups
+        while groups_left > 1 and (size := 1 << len(tail)) * groups_left <= layers_left:
+            tail.append(size)
+            layers_left -= size
+            groups_left -= 1
+        head = cls.even(layers_left, groups_left, first_layer).bounds
+        return cls(head + tuple(head[-1] + int(b) for b in np.cumsum(tail[::-1])))
+
     @property
     def count(self) -> int:
         return len(self.bounds) - 1
+
+    @property
+    def sizes(self) -> list[int]:
+        """Each group's number of layers."""
+        return [b - a for a, b in zip(self.bounds, self.bounds[1:])]
 
     def group_of(self, layers: np.ndarray, what: str = "layer") -> np.ndarray:
         """The group of each layer id; LayoutError for one outside every group."""

@@ -14,8 +14,8 @@ sender dies after the first chunks of every request have been sent),
 does not pair), ``deadline`` (nothing is ever sent).
 
 ``layer_groups`` streams the batch behind a stand-in forward pass (:mod:`.forward`) in that many
-layer groups; ``forward_dim`` sizes its per-layer matmul. With ``forward_dim`` alone the batch is
-sent once the pass has ended: the non-streamed baseline. Either way the report says how long the
+layer groups (``layer_split``: even, or tapered to a last group of one layer); ``forward_dim``
+sizes its per-layer matmul. With ``forward_dim`` alone the batch is sent once the pass has ended: the non-streamed baseline. Either way the report says how long the
 pass took and how long after its end the decode side had every request (the exposed transfer).
 
 Example::
@@ -57,6 +57,8 @@ from .verify import AddressSpace, execute
 
 __all__ = ["DemoConfig", "DemoReport", "FAULTS", "run_demo"]
 
+log = logging.getLogger("kvplan")
+
 FAULTS = ("none", "dead-decode", "dead-prefill", "dead-decode-mid", "dead-prefill-mid", "bad-registration", "deadline")
 # (Mooncake's TCP settings: the engine sets them, kvplan.transport.engines.mooncake.TCP_DEFAULTS)
 ENGINE_ENV = (("UCX_NET_DEVICES", "lo"), ("NIXL_LOG_LEVEL", "WARN"), ("GLOG_minloglevel", "2"))
@@ -91,6 +93,7 @@ class DemoConfig:
     dst_page_size: int | None = None  # the decode side's KV page size, when not the preset's (docs/page_sizes.md)
     tp: tuple[int, int] | None = None  # (source, destination) attention TP sizes, when not the preset's
     layer_groups: int = 0  # stream behind a stand-in forward pass in this many layer groups (0: no streaming)
+    layer_split: str = "even"  # how the layers are split into groups: LayerGroups.even or LayerGroups.tapered
     forward_dim: int = 0  # the stand-in forward pass's per-layer matmul: [tokens, dim] x [dim, dim]
     gather: bool = False  # TP gather (source TP > destination TP): a prefill process per source rank of the group
 
@@ -109,6 +112,11 @@ class DemoConfig:
 
     def round_ids(self, k: int) -> str:
         return "" if self.repeat == 1 else f"#{k}"
+
+    def groups(self) -> LayerGroups:
+        """The stand-in forward pass's layer groups (one group when the batch is not streamed)."""
+        split = {"even": LayerGroups.even, "tapered": LayerGroups.tapered}[self.layer_split]
+        return split(self.model().layers, max(1, self.layer_groups))
 
     def model(self) -> ModelShape:
         if self.shape is not None:
@@ -229,7 +237,8 @@ class DemoReport:
                 lines.append(f"  spread        {later[0] * 1e3:.2f} .. {later[len(later) // 10] * 1e3:.2f} (p10) .. "
                              f"{later[(9 * len(later)) // 10] * 1e3:.2f} (p90) .. {later[-1] * 1e3:.2f} ms")
         if self.forward_s is not None and self.exposed_s is not None:
-            how = f"streamed in {c.layer_groups} layer groups" if c.layer_groups else "sent after the forward pass"
+            how = (f"streamed in {c.layer_groups} layer groups ({c.layer_split}: {c.groups().sizes} "
+                   f"layers)" if c.layer_groups else "sent after the forward pass")
             lines.append(f"  forward       {self.forward_s * 1e3:.1f} ms (stand-in, {model.layers} layers); {how}")
             lines.append(f"  exposed       {self.exposed_s * 1e3:.1f} ms from the end of the forward pass to decode-ready")
         if self.refused:
@@ -347,6 +356,8 @@ def decode_process(config: DemoConfig, conn) -> None:
                             os._exit(0)
                 states.update(endpoint.wait())
                 ready.append(time.monotonic())
+                if os.environ.get("KVPLAN_TRACE"):
+                    log.warning("decode ready (clock ms): %.3f", ready[-1] * 1e3)
                 failures.update(endpoint.failures)
                 if any(v != "complete" for v in states.values()):
                     break
@@ -377,7 +388,7 @@ def prefill_process(config: DemoConfig, port: int, conn, src_rank: int | None = 
         side = side.to(device)
         forward = None
         if config.forward:
-            groups = LayerGroups.even(config.model().layers, max(1, config.layer_groups))
+            groups = config.groups()
             tokens = sum(t.prompt_len for t in batch.transfers if t.last)
             forward = StandInForward(side, src_tensors, groups, config.forward_dim, tokens)
         staging = torch.zeros(config.staging_bytes, dtype=torch.uint8, device=device) if config.mode == "staged" or config.mode == "auto" and device == "cuda" else None
@@ -464,9 +475,13 @@ def _behind_forward(endpoint: PrefillEndpoint, forward: StandInForward, chunks, 
     forward.start()
     if config.layer_groups:
         sent = endpoint.send(chunks, config.mode, timeout=config.timeout, layers=streaming)
-        return sent, forward.join(config.timeout)
-    span = forward.join(config.timeout)
-    return endpoint.send(chunks, config.mode, timeout=config.timeout), span
+        span = forward.join(config.timeout)
+    else:
+        span = forward.join(config.timeout)
+        sent = endpoint.send(chunks, config.mode, timeout=config.timeout)
+    if os.environ.get("KVPLAN_TRACE"):  # on the traces' clock (CLOCK_MONOTONIC, as perf_counter here)
+        log.warning("forward pass (start, end clock ms): %.3f %.3f", span[0] * 1e3, span[1] * 1e3)
+    return sent, span
 
 
 class _Progress:

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Where a streamed last layer group's time goes, on two GPUs of one host (issue 15): NIXL's cost of
+# one write with its notification by size (benchmarks/post_cost.py, across the cards and within one),
+# traced demos of llama70b-tp8-p64 streamed in 8 even or tapered groups, then benchmarks/layerwise.py
+# with both splits. Carry .whl. STAGINGS (default "256:2 512:1"), REPEAT (default 6), TRACES=0 skips
+# the traced demos, BENCH=0 the benchmark.
+# Usage on the GPU machine:  OUT=/some/dir bash benchmarks/gpu_last_group.sh
+set -uo pipefail
+source "$(dirname "$0")/gpu_env.sh" .whl
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/card.txt"
+nvidia-smi topo -m | head -4 >> "$OUT/card.txt"
+STAGINGS=${STAGINGS:-"256:2 512:1"}
+timeout 90 python3 -m benchmarks.post_cost 1 2>&1 | tee "$OUT/post-cost.txt"
+timeout 90 python3 -m benchmarks.post_cost 0 2>&1 | tee -a "$OUT/post-cost.txt"
+if [ "${TRACES:-1}" = 1 ]; then
+  for staging in $STAGINGS; do for split in even tapered; do
+    args="--preset llama70b-tp8-p64 --layers 80 --forward-dim 10240 --layerwise 8 --layer-split $split --mode staged
+          --decode-gpu 1 --staging-mib ${staging%:*} --staging-slots ${staging#*:} --requests 1 --prompt-len 8192 --chunks 1
+          --repeat 4 --timeout 30"
+    echo "\$ KVPLAN_TRACE=1 kvplan demo $args" | tr -s ' \n' ' ' | tee -a "$OUT/trace.txt"; echo >> "$OUT/trace.txt"
+    KVPLAN_TRACE=1 timeout 100 python3 -m kvplan demo --no-progress --engine nixl $args >> "$OUT/trace.txt" 2>&1
+    echo "exit $?" >> "$OUT/trace.txt"
+  done; done
+  grep -E "exposed|streamed in|result|exit" "$OUT/trace.txt"
+fi
+if [ "${BENCH:-1}" = 1 ]; then
+  stagings=$(for s in $STAGINGS; do printf -- "--staging %s " "$s"; done)
+  timeout "${BENCH_S:-400}" python3 benchmarks/layerwise.py --out "$OUT" --engine nixl --skip-signal --decode-gpu 1 \
+    $stagings --modes staged --largest-only --repeat "${REPEAT:-6}" --split even --split tapered \
+    2>&1 | tee "$OUT/layerwise.log" | grep -v "^\s*$" | tail -30
+fi
