@@ -3,17 +3,20 @@
 # one write with its notification by size (benchmarks/post_cost.py, across the cards and within one),
 # traced demos of llama70b-tp8-p64 streamed in 8 even or tapered groups, then benchmarks/layerwise.py
 # with both splits. Carry .whl. STAGINGS (default "256:2 512:1"), REPEAT (default 6), TRACES=0 skips
-# the traced demos, BENCH=0 the benchmark.
+# the traced demos (TRACE_STAGINGS and TRACE_SPLITS choose them: default every staging, both splits),
+# POST=0 the engine's post cost, BENCH=0 the benchmark.
 # Usage on the GPU machine:  OUT=/some/dir bash benchmarks/gpu_last_group.sh
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh" .whl
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/card.txt"
 nvidia-smi topo -m | head -4 >> "$OUT/card.txt"
 STAGINGS=${STAGINGS:-"256:2 512:1"}
-timeout 90 python3 -m benchmarks.post_cost 1 2>&1 | tee "$OUT/post-cost.txt"
-timeout 90 python3 -m benchmarks.post_cost 0 2>&1 | tee -a "$OUT/post-cost.txt"
+if [ "${POST:-1}" = 1 ]; then
+  timeout 90 python3 -m benchmarks.post_cost 1 2>&1 | tee "$OUT/post-cost.txt"
+  [ "${POST_ONE_CARD:-1}" = 1 ] && timeout 90 python3 -m benchmarks.post_cost 0 2>&1 | tee -a "$OUT/post-cost.txt"
+fi
 if [ "${TRACES:-1}" = 1 ]; then
-  for staging in $STAGINGS; do for split in even tapered; do
+  for staging in ${TRACE_STAGINGS:-$STAGINGS}; do for split in ${TRACE_SPLITS:-even tapered}; do
     args="--preset llama70b-tp8-p64 --layers 80 --forward-dim 10240 --layerwise 8 --layer-split $split --mode staged
           --decode-gpu 1 --staging-mib ${staging%:*} --staging-slots ${staging#*:} --requests 1 --prompt-len 8192 --chunks 1
           --repeat 4 --timeout 30"

@@ -8,6 +8,10 @@ for each size, between two processes (GPU memory; the target on another card whe
 * ``notified``: from the post until the target's loop has the notification (both processes read
   CLOCK_MONOTONIC, so their clocks agree).
 
+Each size runs twice: posted from a quiet thread, then right after 2 ms of polling the engine's
+notifications in a loop (as a staged sender does while it waits for a gather): NIXL's progress
+thread and such a loop share the UCX worker.
+
 Medians (and the slowest) of 10 writes after one warm-up, for NIXL (the engine that notifies).
 
 ``python -m benchmarks.post_cost [target GPU] [MiB ...]``
@@ -65,13 +69,16 @@ def main() -> None:
         peer = engine.connect(metadata)
         where = f"GPU 0 to GPU {gpu}" if gpu else "GPU 0 to GPU 0"
         print(f"NIXL, one write with a notification, {where}: medians (slowest) of 10, us")
-        print("| MiB | post | done | notified | GiB/s to notified |")
-        print("|---|---|---|---|---|")
-        for mib in sizes:
+        print("| MiB | posted after | post | done | notified | GiB/s to notified |")
+        print("|---|---|---|---|---|---|")
+        for mib, polled in [(m, p) for m in sizes for p in (False, True)]:
             descs = np.array([[src.data_ptr(), remote, mib << 20]], np.uint64)
             posts, dones, notes = [], [], []
             for rep in range(11):
                 note = f"w{mib}-{rep}".encode()
+                until = time.perf_counter() + (0.002 if polled else 0.0)
+                while time.perf_counter() < until:
+                    engine.notifications()
                 t0 = time.perf_counter()
                 handle = engine.post(peer, descs, note, reuse=("slot", 0, mib))
                 t1 = time.perf_counter()
@@ -92,7 +99,7 @@ def main() -> None:
                     notes.append(t3 - t0)
             us = lambda xs: f"{statistics.median(xs) * 1e6:.0f} ({max(xs) * 1e6:.0f})"  # noqa: E731
             rate = (mib << 20) / statistics.median(notes) / 2**30
-            print(f"| {mib} | {us(posts)} | {us(dones)} | {us(notes)} | {rate:.1f} |", flush=True)
+            print(f"| {mib} | {'polling' if polled else 'quiet'} | {us(posts)} | {us(dones)} | {us(notes)} | {rate:.1f} |", flush=True)
     finally:
         here.send("bye")
         proc.join(10)

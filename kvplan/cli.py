@@ -241,7 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "(docs/layerwise.md)")
     demo.add_argument("--layer-split", choices=["even", "tapered"], default="even",
                       help="with --layerwise: groups of equal size, or groups whose last ones shrink by halves to "
-                           "one layer, so that little is left to move once the pass ends (default: even)")
+                           "two layers (LayerGroups.tapered), so that little is left to move once the pass ends "
+                           "(default: even)")
     demo.add_argument("--forward-dim", type=int, default=0, metavar="DIM",
                       help="run the stand-in forward pass, each layer a [tokens, DIM] x [DIM, DIM] matmul; without "
                            "--layerwise the batch is sent after it ends (the non-streamed baseline)")

@@ -10,7 +10,7 @@ with the last group.
 Example::
 
     groups = LayerGroups.even(num_layers=80, groups=4)            # layers [0,20), [20,40), ...
-    groups = LayerGroups.tapered(num_layers=80, groups=8)         # ..., [73,77), [77,79), [79,80): little left to expose
+    groups = LayerGroups.tapered(num_layers=80, groups=8)         # ..., [66,74), [74,78), [78,80): little left to expose
     per_group = group_sections(plan.sections(), [pair_sides(src, dst)], src, [0] * len(plan.transfers), groups)
     for g, sections in enumerate(per_group):
         ...  # once layer group g is written, post descs[s.rows()] for each s in sections
@@ -55,24 +55,32 @@ class LayerGroups:
         return cls(tuple(first_layer + (num_layers * g) // groups for g in range(groups + 1)))
 
     @classmethod
-    def tapered(cls, num_layers: int, groups: int, first_layer: int = 0) -> "LayerGroups":
-        """``groups`` groups whose last ones shrink by halves to a single layer, the rest even.
+    def tapered(cls, num_layers: int, groups: int, first_layer: int = 0, last: int = 2) -> "LayerGroups":
+        """``groups`` groups whose last ones shrink by halves down to ``last`` layers, the rest even.
 
         Streaming leaves only the last group (and aux) to move after the forward pass ends
         (docs/layerwise.md §4), so a small last group exposes little. From the end, the groups
-        take 1, 2, 4, ... layers while each is at most an even share of the layers still left;
-        the first groups split what remains as :meth:`even` does. Each group must move while
-        the forward pass computes the next one: a group of ``2k`` layers in the time of ``k``.
+        take ``last``, ``2 * last``, ``4 * last``, ... layers while each is at most an even share of
+        the layers still left; the first groups split what remains as :meth:`even` does.
+
+        Each group must have moved by the time the pass ends. A group's gather runs on the GPU
+        once its layers are written, but a forward pass's matmul that already fills every SM holds
+        it back until that matmul ends (measured: docs/layerwise.md §5): the group before the last
+        is gathered one layer after its mark. ``last=2`` leaves it a layer's time to move;
+        ``last=1`` suits a pass whose kernels leave room between them.
 
         Example::
 
-            LayerGroups.tapered(80, 8).bounds   # (0, 16, 32, 49, 65, 73, 77, 79, 80): 16, 16, 17, 16, 8, 4, 2, 1
+            LayerGroups.tapered(80, 8).bounds          # sizes 13, 13, 13, 13, 14, 8, 4, 2
+            LayerGroups.tapered(80, 8, last=1).bounds  # sizes 16, 16, 17, 16, 8, 4, 2, 1
         """
         if not 1 <= groups <= num_layers:
             raise LayoutError(f"cannot split {num_layers} layers into {groups} groups")
+        if last < 1:
+            raise LayoutError(f"the last layer group must hold at least one layer, got {last}")
         tail: list[int] = []  # the last groups' sizes, last first
         layers_left, groups_left = num_layers, groups
-        while groups_left > 1 and (size := 1 << len(tail)) * groups_left <= layers_left:
+        while groups_left > 1 and (size := last << len(tail)) * groups_left <= layers_left:
             tail.append(size)
             layers_left -= size
             groups_left -= 1

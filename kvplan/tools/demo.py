@@ -14,7 +14,7 @@ sender dies after the first chunks of every request have been sent),
 does not pair), ``deadline`` (nothing is ever sent).
 
 ``layer_groups`` streams the batch behind a stand-in forward pass (:mod:`.forward`) in that many
-layer groups (``layer_split``: even, or tapered to a last group of one layer); ``forward_dim``
+layer groups (``layer_split``: even, or tapered to a last group of two layers); ``forward_dim``
 sizes its per-layer matmul. With ``forward_dim`` alone the batch is sent once the pass has ended: the non-streamed baseline. Either way the report says how long the
 pass took and how long after its end the decode side had every request (the exposed transfer).
 

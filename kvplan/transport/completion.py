@@ -130,6 +130,9 @@ class CompletionTracker:
         self._kv_layers = np.asarray(side.kv.model_layers if side is not None else (0,), np.int64)
         self._component_layers = {c.name: tuple(sorted(set(c.layers))) or _ALL for c in side.state} \
             if side is not None else {}
+        # the same layer ids as arrays, made once: a note is landed in the receive loop's critical path
+        self._layer_ids = {layers: np.asarray([-1 if x is None else x for x in layers], np.int64)
+                           for layers in self._component_layers.values()}
 
     def expect(self, expectation: Expectation, deadline: float,
                senders: dict[int, frozenset[str] | None] | None = None) -> None:
@@ -146,10 +149,10 @@ class CompletionTracker:
         status.refresh()
 
     def _covered(self, layers: tuple[int, ...] | np.ndarray, note: SectionNote) -> np.ndarray:
-        """Which of ``layers`` a note covers (all of them when it names none)."""
+        """Which of ``layers`` (the KV layers, or a component's) a note covers (all of them when it names none)."""
         if note.layers is None:
             return np.ones(len(layers), bool)
-        ids = np.asarray([-1 if x is None else x for x in layers], np.int64)
+        ids = layers if isinstance(layers, np.ndarray) else self._layer_ids[layers]
         return (ids >= note.layers[0]) & (ids < note.layers[1])
 
     def on_section(self, note: SectionNote) -> None:

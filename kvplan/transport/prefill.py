@@ -666,6 +666,7 @@ class _GroupedSend:
         self.posted: list[tuple[Handle, Any]] = []  # direct writes, waited for together at the end
         self.failed: dict[Any, str | None] = {}
         self.announced: dict[int, list[_StagedRun]] = {}
+        self.queued: set[int] = set()  # groups whose first waves' gathers are queued behind their marks
         self.trace: list | None = [] if os.environ.get("KVPLAN_TRACE") else None
 
     def merge(self, result: dict[Any, str | None]) -> None:
@@ -673,7 +674,7 @@ class _GroupedSend:
             self.failed[request] = self.failed.get(request) or reason
 
     def announce(self, g: int) -> None:
-        """Announce group ``g``'s staged runs (one per peer) ahead of its mark."""
+        """Announce group ``g``'s staged runs (one per peer) ahead of its mark (once)."""
         if self.staged is None or g >= len(self.per_group) or g in self.announced:
             return
         ep, runs = self.ep, []
@@ -687,14 +688,21 @@ class _GroupedSend:
                 else:
                     self.merge(run.result)
         self.announced[g] = runs
+
+    def queue_ahead(self, g: int) -> None:
+        """Queue the gathers of group ``g``'s first waves behind its mark (once), into the slots
+        that are free: only once the group before it has moved, whose waves used them."""
         written = getattr(self.layers.readiness, "written", None)
-        if runs and written is not None:  # the runs share the staging slots: only the first goes ahead
+        runs = self.announced.get(g)
+        if runs and written is not None and g not in self.queued:  # the runs share the slots: the first goes ahead
+            self.queued.add(g)
             runs[0].gather_ahead(written(g))
 
     def run(self) -> None:
         ep = self.ep
         for g, parts in enumerate(self.per_group):
             self.announce(g)
+            self.queue_ahead(g)
             why = ep._until_ready(self.layers.readiness, g, self.posted, self.dests, self.deadline)
             self._mark(g, "ready")
             if why is not None:  # nothing of this group or later ones goes out
@@ -702,9 +710,11 @@ class _GroupedSend:
                     ep._fail(self.transfers[s.transfer].dest, self.failed, [s.request], why)
                 return
             if self.staged is not None:
+                # the next group's tables go out first: the receiver checks them while this group moves
+                self.announce(g + 1)
                 for run in self.announced.pop(g):
                     self.merge(run.move())
-                self.announce(g + 1)
+                self.queue_ahead(g + 1)
             else:
                 for s in parts:
                     rows = self.descs[s.spans[0][0]:s.spans[0][1]] if len(s.spans) == 1 else self.descs[s.rows()]
@@ -944,7 +954,10 @@ class _StagedRun:
                 self._credit(int(header["wave"]), header.get("error"))
             except (KeyError, TypeError, ValueError):
                 log.warning("ignored a malformed credit from the decode side: %r", header)
-        if self.peer.credits_by_engine:
+        # credits through the engine are looked for only while some are due: a loop that asks the engine
+        # for notifications while it waits for a gather contends for the UCX worker with NIXL's progress
+        # thread, and the next post waits for it (benchmarks/post_cost.py)
+        if self.peer.credits_by_engine and len(self.acked) < len(self.posted):
             for raw in ep.engine.notifications():
                 wave_id = decode_credit(raw)
                 if wave_id is None:

@@ -153,25 +153,30 @@ def test_layer_groups_are_checked():
         LayerGroups((0, 4, 8)).group_of(np.array([1, 9]))
 
 
-def test_tapered_groups_shrink_by_halves_to_one_layer_and_cover_every_layer_once():
-    assert LayerGroups.tapered(80, 8).bounds == (0, 16, 32, 49, 65, 73, 77, 79, 80)
-    assert LayerGroups.tapered(18, 6).bounds == (0, 3, 7, 11, 15, 17, 18)
+def test_tapered_groups_shrink_by_halves_to_the_last_and_cover_every_layer_once():
+    assert LayerGroups.tapered(80, 8).bounds == (0, 13, 26, 39, 52, 66, 74, 78, 80)
+    assert LayerGroups.tapered(80, 8, last=1).bounds == (0, 16, 32, 49, 65, 73, 77, 79, 80)
+    assert LayerGroups.tapered(18, 6).sizes == [3, 3, 3, 3, 4, 2]
+    assert LayerGroups.tapered(18, 6, last=1).sizes == [3, 4, 4, 4, 2, 1]
     assert LayerGroups.tapered(80, 8, first_layer=3).bounds == tuple(b + 3 for b in LayerGroups.tapered(80, 8).bounds)
     assert LayerGroups.tapered(10, 1).bounds == (0, 10)
     with pytest.raises(LayoutError, match="cannot split"):
         LayerGroups.tapered(2, 3)
-    for layers in range(1, 90):
-        for count in range(1, layers + 1):
-            bounds = LayerGroups.tapered(layers, count).bounds
-            sizes = np.diff(bounds)
-            assert bounds[0] == 0 and bounds[-1] == layers and len(sizes) == count and (sizes >= 1).all()
-            # the tail halves down to one layer, and no tail group outgrows the groups before it
-            tail = 0
-            while tail < count - 1 and sizes[count - 1 - tail] == 1 << tail:
-                tail += 1
-            assert count == 1 or sizes[-1] == 1
-            assert sizes[: count - tail].max() <= sizes[: count - tail].min() + 1  # the head is even
-            assert tail == count - 1 or 1 << tail > sizes[: count - tail].min()  # the next half would outgrow the head
+    with pytest.raises(LayoutError, match="at least one layer"):
+        LayerGroups.tapered(8, 2, last=0)
+    for last in (1, 2, 3):
+        for layers in range(1, 70):
+            for count in range(1, layers + 1):
+                sizes = LayerGroups.tapered(layers, count, last=last).sizes
+                assert sum(sizes) == layers and len(sizes) == count and min(sizes) >= 1
+                # the tail halves down to `last`, and the head before it is even
+                tail = 0
+                while tail < count - 1 and sizes[count - 1 - tail] == last << tail:
+                    tail += 1
+                head = sizes[: count - tail]
+                assert max(head) <= min(head) + 1
+                # it stopped where the next size would have outgrown an even share of what was left
+                assert tail == count - 1 or (last << tail) * len(head) > sum(head)
 
 
 def test_a_layer_outside_the_groups_is_refused():
