@@ -156,7 +156,7 @@ def main() -> int:
                         help="staging buffer and ring length (repeatable: each hand-off runs with each; default 64:4)")
     parser.add_argument("--split", action="append", choices=("even", "tapered"),
                         help="how streamed layers are split into groups (repeatable: each streamed hand-off runs with "
-                             "each; default even)")
+                             "each; default both)")
     parser.add_argument("--progress-thread", action="append", choices=("on", "off"),
                         help="NIXL's own progress thread (repeatable: each hand-off runs with each; default on)")
     args = parser.parse_args()
@@ -177,7 +177,7 @@ def main() -> int:
         for preset, dim, counts in CASES:
             after = [(0, "auto")] + ([(0, "direct")] if "direct" in streamed_modes else [])
             streamed = [(g, m, split) for g in (counts[-1:] if args.largest_only else counts) for m in streamed_modes
-                        for split in args.split or ["even"]]
+                        for split in args.split or ["even", "tapered"]]
             for groups, mode, split in [(g, m, "even") for g, m in after] + streamed:
                 row = handoff(preset, dim, groups, mode, args.engine, decode_gpu, args.repeat, staging, thread, split)
                 print(json.dumps(row), flush=True)

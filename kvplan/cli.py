@@ -239,10 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--layerwise", type=_positive, default=0, metavar="GROUPS",
                       help="stream the batch in this many layer groups while a stand-in forward pass writes it "
                            "(docs/layerwise.md)")
-    demo.add_argument("--layer-split", choices=["even", "tapered"], default="even",
-                      help="with --layerwise: groups of equal size, or groups whose last ones shrink by halves to "
-                           "two layers (LayerGroups.tapered), so that little is left to move once the pass ends "
-                           "(default: even)")
+    demo.add_argument("--layer-split", choices=["tapered", "even"], default="tapered",
+                      help="with --layerwise: groups whose last ones shrink by halves to two layers "
+                           "(LayerGroups.tapered), so that little is left to move once the pass ends, or groups of "
+                           "equal size (default: tapered)")
     demo.add_argument("--forward-dim", type=int, default=0, metavar="DIM",
                       help="run the stand-in forward pass, each layer a [tokens, DIM] x [DIM, DIM] matmul; without "
                            "--layerwise the batch is sent after it ends (the non-streamed baseline)")

@@ -14,7 +14,7 @@ sender dies after the first chunks of every request have been sent),
 does not pair), ``deadline`` (nothing is ever sent).
 
 ``layer_groups`` streams the batch behind a stand-in forward pass (:mod:`.forward`) in that many
-layer groups (``layer_split``: even, or tapered to a last group of two layers); ``forward_dim``
+layer groups (``layer_split``: tapered to a last group of two layers, or even); ``forward_dim``
 sizes its per-layer matmul. With ``forward_dim`` alone the batch is sent once the pass has ended: the non-streamed baseline. Either way the report says how long the
 pass took and how long after its end the decode side had every request (the exposed transfer).
 
@@ -93,7 +93,7 @@ class DemoConfig:
     dst_page_size: int | None = None  # the decode side's KV page size, when not the preset's (docs/page_sizes.md)
     tp: tuple[int, int] | None = None  # (source, destination) attention TP sizes, when not the preset's
     layer_groups: int = 0  # stream behind a stand-in forward pass in this many layer groups (0: no streaming)
-    layer_split: str = "even"  # how the layers are split into groups: LayerGroups.even or LayerGroups.tapered
+    layer_split: str = "tapered"  # how the layers are split into groups: LayerGroups.tapered or LayerGroups.even
     forward_dim: int = 0  # the stand-in forward pass's per-layer matmul: [tokens, dim] x [dim, dim]
     gather: bool = False  # TP gather (source TP > destination TP): a prefill process per source rank of the group
 
