@@ -50,13 +50,17 @@ class ForwardPass:
         return self.signal.ready()
 
 
-def _pair():
+def _pair(staging_bytes: int = 0):
     decode_pools, prefill_pools = pools(), pools()
     decode_side = side(decode_pools, {1: [3, 4], 2: [6, 7]})
     mine, theirs = FakeChannel.pair()
     engine = FakeEngine()
-    prefill = PrefillEndpoint(side(prefill_pools, {1: [5, 9], 2: [10, 11]}), engine, mine)
-    theirs.send("register", {"side": describe_side(decode_side), "staging": None}, b"meta")
+    staging = [torch.zeros(staging_bytes, dtype=torch.uint8) for _ in range(2)] if staging_bytes else None
+    prefill = PrefillEndpoint(side(prefill_pools, {1: [5, 9], 2: [10, 11]}), engine, mine,
+                              staging[0] if staging else None)
+    prefill._kept_alive = (decode_pools, prefill_pools, staging)
+    theirs.send("register", {"side": describe_side(decode_side),
+                             "staging": [staging[1].data_ptr(), staging_bytes] if staging else None}, b"meta")
     prefill.accept(timeout=1)
     requests = [PreallocatedRequest("r1", 1, 8, aux_index=1), PreallocatedRequest("r2", 2, 8, aux_index=2)]
     pending = plan_destinations(decode_side, requests)
@@ -94,6 +98,28 @@ def prefill_batch(prefill, chunks):
     from kvplan.planner.model import Batch
 
     return Batch(prefill.side, (prefill.peer_side,), tuple(chunks))
+
+
+def test_a_staged_stream_announces_the_next_group_before_this_group_moves():
+    """The receiver checks the next group's tables while this group's bytes move (docs/layerwise.md §3):
+    when a wave of group g is posted, the runs of groups 0..g+1 have been announced."""
+    prefill, engine, decode, chunks, _, _ = _pair(staging_bytes=8192)
+    groups = LayerGroups((0, 1, 3, 4))
+    runs, posted = [], []  # each announced run's wave ids, in order; (group, runs announced) at each post
+
+    def on_post(descs, note):
+        while (msg := decode.try_recv()) is not None:
+            if msg[0] == "staged":
+                runs.append({w[0] for w in msg[1]["waves"]})
+        wave = json.loads(note)["wave"]
+        posted.append((next(g for g, ids in enumerate(runs) if wave in ids), len(runs)))
+        decode.send("wave-done", {"wave": wave})  # the receiver's credit
+
+    engine.on_post = on_post
+    result = prefill.send(chunks, mode="staged", timeout=30, layers=LayerStreaming(groups, ForwardPass(groups.count)))
+    assert result == {"r1": None, "r2": None} and prefill.last_mode == "staged"
+    assert len(runs) == groups.count and {g for g, _ in posted} == set(range(groups.count))
+    assert all(announced >= min(g + 2, groups.count) for g, announced in posted), posted
 
 
 def test_a_group_never_written_fails_every_request_at_the_deadline_and_nothing_later_is_posted():

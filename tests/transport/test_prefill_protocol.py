@@ -107,6 +107,28 @@ def test_credits_come_back_through_the_engine_where_both_sides_can(notifies):
     assert prefill.send([prefill.transfer(Chunk("r1", 1, 0, 8, 8, True))], mode="staged", timeout=5) == {"r1": None}
 
 
+def test_a_staged_run_asks_the_engine_for_credits_only_while_one_is_due():
+    """Polling the engine's notifications contends with its progress thread, which slows the next
+    post (benchmarks/post_cost.py): a run looks for credits only once it has a write uncredited."""
+
+    class CountingEngine(NotifyingFakeEngine):
+        def __init__(self):
+            super().__init__()
+            self.looked_with: list[tuple[int, int]] = []  # (writes posted, credits queued) at each look
+
+        def notifications(self):
+            self.looked_with.append((len(self.posted), len(self.inbox)))
+            return super().notifications()
+
+    engine = CountingEngine()
+    prefill, _, _, theirs, _, _buffers = _staged_pair(plans=True, engine=engine, notifies=True,
+                                                      staging_bytes=1024)  # two waves: a slot of 512 B each
+    engine.on_post = lambda descs, note: engine.inbox.append(credit_note(json.loads(note)["wave"]))
+    assert prefill.send([prefill.transfer(Chunk("r1", 1, 0, 8, 8, True))], mode="staged", timeout=5) == {"r1": None}
+    assert len(engine.posted) >= 2 and engine.looked_with
+    assert all(posted >= 1 for posted, _ in engine.looked_with), engine.looked_with
+
+
 def test_a_batch_refused_after_its_chunks_went_withdraws_them():
     """r1's chunk reaches past its source row's pages: the sender's plan refuses the batch after the
     chunks were announced, so they are withdrawn before the failure is reported, and nothing is written."""
