@@ -9,7 +9,6 @@ numbers (``kvplan demo``) are read.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import statistics
 import sys
 import time
@@ -17,6 +16,7 @@ import time
 import numpy as np
 import torch
 
+from benchmarks.target_process import target_process
 from kvplan.transport.engines import make_engine, write
 
 DEADLINE = 60.0
@@ -44,14 +44,7 @@ def main() -> None:
     size = int(sys.argv[2] if len(sys.argv) > 2 else 256) << 20
     gpu = int(sys.argv[3]) if len(sys.argv) > 3 else 0
     pieces = int(sys.argv[4]) if len(sys.argv) > 4 else 1
-    ctx = mp.get_context("spawn")
-    here, there = ctx.Pipe()
-    proc = ctx.Process(target=target, args=(kind, size, gpu, there), daemon=True)
-    proc.start()
-    try:
-        if not here.poll(DEADLINE):
-            raise TimeoutError("the target process did not start")
-        metadata, remote = here.recv()
+    with target_process(target, kind, size, gpu) as (_, (metadata, remote)):
         engine = make_engine(kind, "ceiling-initiator", "VRAM" if _device() == "cuda" else "DRAM")
         src = torch.ones(size, dtype=torch.uint8, device=_device())
         engine.register([(src.data_ptr(), size)])
@@ -67,14 +60,9 @@ def main() -> None:
             if i:
                 times.append(time.perf_counter() - t0)
         gibs = piece * pieces / statistics.median(times) / 2**30
-        where = f", GPU 0 to GPU {gpu}" if gpu else ""
+        where = f", GPU 0 to GPU {gpu}" if gpu and _device() == "cuda" else ""
         what = "one contiguous write" if pieces == 1 else f"one write of {pieces} descriptors of {piece} B"
         print(f"{kind} ceiling, {what}, {size >> 20} MiB, {_device()} memory{where}: {gibs:.2f} GiB/s")
-    finally:
-        here.send("bye")
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ Medians (and the slowest) of 10 writes after one warm-up, for NIXL (the engine t
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import statistics
 import sys
 import time
@@ -27,6 +26,7 @@ import time
 import numpy as np
 import torch
 
+from benchmarks.target_process import target_process
 from kvplan.transport.engines import make_engine
 
 DEADLINE = 60.0
@@ -55,14 +55,7 @@ def main() -> None:
     gpu = int(sys.argv[1]) if len(sys.argv) > 1 else 0
     sizes = [int(x) for x in sys.argv[2:]] or list(SIZES_MIB)
     largest = max(sizes) << 20
-    ctx = mp.get_context("spawn")
-    here, there = ctx.Pipe()
-    proc = ctx.Process(target=target, args=(largest, gpu, there), daemon=True)
-    proc.start()
-    try:
-        if not here.poll(DEADLINE):
-            raise TimeoutError("the target process did not start")
-        metadata, remote = here.recv()
+    with target_process(target, largest, gpu) as (here, (metadata, remote)):
         engine = make_engine("nixl", "post-initiator", "VRAM")
         src = torch.ones(largest, dtype=torch.uint8, device="cuda")
         engine.register([(src.data_ptr(), largest)])
@@ -100,11 +93,6 @@ def main() -> None:
             us = lambda xs: f"{statistics.median(xs) * 1e6:.0f} ({max(xs) * 1e6:.0f})"  # noqa: E731
             rate = (mib << 20) / statistics.median(notes) / 2**30
             print(f"| {mib} | {'polling' if polled else 'quiet'} | {us(posts)} | {us(dones)} | {us(notes)} | {rate:.1f} |", flush=True)
-    finally:
-        here.send("bye")
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
 
 
 if __name__ == "__main__":
