@@ -15,8 +15,9 @@ does not pair), ``deadline`` (nothing is ever sent).
 
 ``layer_groups`` streams the batch behind a stand-in forward pass (:mod:`.forward`) in that many
 layer groups (``layer_split``: tapered to a last group of two layers, or even); ``forward_dim``
-sizes its per-layer matmul. With ``forward_dim`` alone the batch is sent once the pass has ended: the non-streamed baseline. Either way the report says how long the
-pass took and how long after its end the decode side had every request (the exposed transfer).
+sizes its per-layer matmul. With ``forward_dim`` alone the batch is sent once the pass has ended:
+the non-streamed baseline. Either way the report says how long the pass took and how long after
+its end the decode side had every request (the exposed transfer).
 
 Example::
 

@@ -666,7 +666,6 @@ class _GroupedSend:
         self.posted: list[tuple[Handle, Any]] = []  # direct writes, waited for together at the end
         self.failed: dict[Any, str | None] = {}
         self.announced: dict[int, list[_StagedRun]] = {}
-        self.queued: set[int] = set()  # groups whose first waves' gathers are queued behind their marks
         self.trace: list | None = [] if os.environ.get("KVPLAN_TRACE") else None
 
     def merge(self, result: dict[Any, str | None]) -> None:
@@ -674,7 +673,7 @@ class _GroupedSend:
             self.failed[request] = self.failed.get(request) or reason
 
     def announce(self, g: int) -> None:
-        """Announce group ``g``'s staged runs (one per peer) ahead of its mark (once)."""
+        """Announce group ``g``'s staged runs (one per peer) ahead of its mark."""
         if self.staged is None or g >= len(self.per_group) or g in self.announced:
             return
         ep, runs = self.ep, []
@@ -690,19 +689,18 @@ class _GroupedSend:
         self.announced[g] = runs
 
     def queue_ahead(self, g: int) -> None:
-        """Queue the gathers of group ``g``'s first waves behind its mark (once), into the slots
-        that are free: only once the group before it has moved, whose waves used them."""
+        """Queue the gathers of group ``g``'s first waves behind its mark, into the slots that are
+        free: only once the group before it has moved, whose waves used them."""
         written = getattr(self.layers.readiness, "written", None)
         runs = self.announced.get(g)
-        if runs and written is not None and g not in self.queued:  # the runs share the slots: the first goes ahead
-            self.queued.add(g)
+        if runs and written is not None:  # the runs share the staging slots: only the first goes ahead
             runs[0].gather_ahead(written(g))
 
     def run(self) -> None:
         ep = self.ep
+        self.announce(0)
+        self.queue_ahead(0)
         for g, parts in enumerate(self.per_group):
-            self.announce(g)
-            self.queue_ahead(g)
             why = ep._until_ready(self.layers.readiness, g, self.posted, self.dests, self.deadline)
             self._mark(g, "ready")
             if why is not None:  # nothing of this group or later ones goes out
