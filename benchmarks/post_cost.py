@@ -26,7 +26,7 @@ import time
 import numpy as np
 import torch
 
-from benchmarks.target_process import target_process
+from kvplan.tools.target_process import target_process
 from kvplan.transport.engines import make_engine
 
 DEADLINE = 60.0

@@ -6,12 +6,13 @@ target checks every byte. Every wait has a deadline; children are joined or kill
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import time
 
 import numpy as np
 import pytest
+
+from kvplan.tools.target_process import target_process
 
 pytestmark = pytest.mark.engines
 ENGINES = os.environ.get("KVPLAN_TEST_ENGINES", "nixl,mooncake").split(",")
@@ -82,19 +83,8 @@ def _mooncake_target(conn) -> None:
 
 
 def _run_pair(target, initiator) -> None:
-    ctx = mp.get_context("spawn")
-    here, there = ctx.Pipe()
-    proc = ctx.Process(target=target, args=(there,), daemon=True)
-    proc.start()
-    try:
-        assert here.poll(DEADLINE), "the target did not start in time"
-        initiator(here, here.recv())
-    finally:
-        here.send("bye")
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(5)
+    with target_process(target, start_s=DEADLINE) as (conn, hello):
+        initiator(conn, hello)
 
 
 @pytest.mark.skipif("nixl" not in ENGINES, reason="KVPLAN_TEST_ENGINES leaves NIXL out (a GPU run carries one engine)")

@@ -1,6 +1,6 @@
-"""A target process for the engine benchmarks (``engine_ceiling``, ``post_cost``): spawned, asked for
-its first message (its engine metadata and buffer address), told ``"bye"`` at the end, and joined
-or killed by its own handle.
+"""A target process for two-process engine runs (``benchmarks/engine_ceiling.py``,
+``benchmarks/post_cost.py``, the engine smoke tests): spawned, asked for its first message (its
+engine metadata and buffer address), told ``"bye"`` at the end, and joined or killed by its own handle.
 
 Example::
 
@@ -14,18 +14,19 @@ import multiprocessing as mp
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-START_S = 60.0  # how long the target may take to start and register
+__all__ = ["target_process"]
 
 
 @contextmanager
-def target_process(target: Callable[..., None], *args: Any) -> Iterator[tuple[Any, Any]]:
-    """Run ``target(*args, conn)`` in a spawned process; yields ``(conn, its first message)``."""
+def target_process(target: Callable[..., None], *args: Any, start_s: float = 60.0) -> Iterator[tuple[Any, Any]]:
+    """Run ``target(*args, conn)`` in a spawned process; yields ``(conn, its first message)``, which
+    must come within ``start_s`` seconds (else ``TimeoutError``)."""
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
     proc = ctx.Process(target=target, args=(*args, there), daemon=True)
     proc.start()
     try:
-        if not here.poll(START_S):
+        if not here.poll(start_s):
             raise TimeoutError("the target process did not start")
         yield here, here.recv()
     finally:
