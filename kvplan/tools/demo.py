@@ -359,6 +359,7 @@ def decode_process(config: DemoConfig, conn) -> None:
                 ready.append(time.monotonic())
                 if os.environ.get("KVPLAN_TRACE"):
                     log.warning("decode ready (clock ms): %.3f", ready[-1] * 1e3)
+                    endpoint.log_trace()
                 failures.update(endpoint.failures)
                 if any(v != "complete" for v in states.values()):
                     break

@@ -43,13 +43,21 @@ class ControlChannel:
     channel takes a new peer once the old one is gone (a restarted process connecting to the same
     port); :meth:`replaced` says when that happened, so that the owner can pair again. Messages
     still queued at :meth:`close` get a second to leave (a final ``failed`` must not be lost).
+
+    The monitor is read at most every ``LOOK_S`` seconds: the transport's loops ask on every turn,
+    and a turn that reads it costs several times one that does not (a streamed send's last group is
+    noticed and posted from such a loop; docs/layerwise.md §3).
     """
+
+    LOOK_S = 0.001
 
     def __init__(self, connect_port: int | None = None, peer_timeout: float = 1.0, host: str = "127.0.0.1",
                  bind_port: int | None = None):
         import zmq
+        from zmq.utils.monitor import recv_monitor_message
 
-        self._zmq = zmq
+        self._zmq, self._recv_monitor = zmq, recv_monitor_message
+        self._looked = 0.0  # when the monitor was last read (time.monotonic)
         self.context = zmq.Context.instance()
         self.socket = self.context.socket(zmq.PAIR)
         self.socket.setsockopt(zmq.LINGER, 1000)
@@ -102,10 +110,12 @@ class ControlChannel:
 
     def peer_gone(self) -> bool:
         """Whether the peer was connected and its connection has since been lost (death or silence)."""
-        from zmq.utils.monitor import recv_monitor_message
-
+        now = time.monotonic()
+        if now - self._looked < self.LOOK_S:
+            return self._gone
+        self._looked = now
         while self._monitor.poll(0):
-            event = recv_monitor_message(self._monitor)["event"]
+            event = self._recv_monitor(self._monitor)["event"]
             if event in (self._zmq.EVENT_ACCEPTED, self._zmq.EVENT_CONNECTED):
                 if self._ever:
                     log.warning("control connection on 127.0.0.1 port %d made again after a loss", self.port)

@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 from collections import OrderedDict
@@ -26,7 +27,7 @@ import torch
 
 from ..errors import KvplanError
 
-__all__ = ["CopyGraphs", "capture_copy", "copy_graphs_enabled"]
+__all__ = ["CopyGraphs", "capture_copy", "copy_graphs_enabled", "upload_graph"]
 
 log = logging.getLogger("kvplan")
 
@@ -49,6 +50,28 @@ def capture_copy(launch: Callable[[], None], stream: torch.cuda.Stream, what: st
         log.warning("%s are launched, not replayed: a capture failed (%s: %s)", what, type(err).__name__, err)
         return None
     return graph
+
+
+def upload_graph(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> bool:
+    """Upload a captured graph's executable to the device for launches on ``stream``
+    (``cuGraphUpload``), so that its first replay does not pay for it. Whether it was uploaded:
+    ``False`` where torch does not expose the executable or the driver refuses (the first replay
+    then uploads it, as it would anyway)."""
+    global _driver
+    raw = getattr(graph, "raw_cuda_graph_exec", None)
+    if raw is None:
+        return False
+    try:
+        if _driver is None:
+            _driver = ctypes.CDLL("libcuda.so.1")
+        status = _driver.cuGraphUpload(ctypes.c_void_p(raw()), ctypes.c_void_p(stream.cuda_stream))
+    except (OSError, AttributeError, RuntimeError) as err:
+        log.debug("a graph could not be uploaded ahead: %s", err)
+        return False
+    return status == 0
+
+
+_driver: ctypes.CDLL | None = None
 
 
 def copy_graphs_enabled() -> bool:

@@ -37,7 +37,7 @@ from ..planner.pairing import pair_sides
 from ..planner.tensor_slices import partner_rank
 from .completion import CompletionTracker, SectionNote, decode_notification, note_of
 from .control import ControlChannel, ControlTimeout
-from .copy_graphs import CopyGraphs, capture_copy, copy_graphs_enabled
+from .copy_graphs import CopyGraphs, capture_copy, copy_graphs_enabled, upload_graph
 from .engines import Engine, TransferError
 from .landing import LandingGuard
 from .local import plan_alignment, scatter, warm_up
@@ -116,6 +116,7 @@ class DecodeEndpoint:
         self._mirrors: dict[int, tuple[Planner, int]] = {}
         self._credit_to: dict[int, str] = {}  # senders that take staged credits as engine notifications: their name
         self._waves: dict[str, _StagedWave] = {}
+        self._checked = 0.0  # when deadlines were last looked at (time.monotonic)
         self._early: dict[str, float] = {}  # waves whose bytes landed before their table was read: when
         self._uploads: dict[int, tuple[torch.Tensor, Any]] = {}  # per sender: pinned rows, their last upload
         self._own: dict[Any, OwnLists] = {}  # what planned runs are planned from, per request published with a row
@@ -131,6 +132,8 @@ class DecodeEndpoint:
         # landing then replays one graph instead of launching the kernel from the host (docs/layerwise.md §3)
         self._graphs = self._stream is not None and os.environ.get("KVPLAN_SCATTER_GRAPHS", "1") != "0"
         self._capture_stream = transport_stream(staging.device) if self._graphs else None
+        # each is uploaded to the device once captured, not at its one replay (KVPLAN_UPLOAD_GRAPHS=0: not)
+        self._upload = os.environ.get("KVPLAN_UPLOAD_GRAPHS", "1") != "0"
         # a one-wave planned run's scatter reads its plan's buffers, which recur with the planner's slots
         self._copy_graphs = CopyGraphs(transport_stream(staging.device)) \
             if self._stream is not None and copy_graphs_enabled() else None
@@ -252,13 +255,17 @@ class DecodeEndpoint:
         if self._runs:
             self._advance_runs()
         self._scatter_landed()
-        self._finish_scatters()
+        if self._finish_scatters() and self.tracker.settled():
+            return  # what completed the last request is reported at once (the checks below come next turn)
         for k, channel in enumerate(self.channels):
             if channel.replaced():
                 self._pair_again(k)
             elif channel.peer_gone():
                 self._fail_owned(k, "the prefill side is gone: its control connection was lost")
         now = time.monotonic()
+        if now - self._checked < ControlChannel.LOOK_S:
+            return
+        self._checked = now  # deadlines are seconds away: looked at every millisecond, not every turn
         self.tracker.check_deadlines(now)
         if self._early:  # a wave whose table was refused or lost: its note is never claimed
             for key in [k for k, at in self._early.items() if now - at > EARLY_KEEP_S]:
@@ -325,14 +332,10 @@ class DecodeEndpoint:
                     del self._waves[key]  # announced for requests that have failed: it will never be scattered
                 self._chunked = {key: run for key, run in self._chunked.items()  # (waves that never came)
                                  if isinstance(run, PlannedRun) and any(r in self._owner for r in run.requests)}
-                if self.trace:
-                    log.warning("decode waves (wave, step, clock ms): %s",
-                                [(w.split(":")[-1], k, round(t * 1e3, 3)) for w, k, t in self.trace])
-                    self.trace.clear()
+                self._mark("-", "settled")
                 return states
             if self._waves or len(self.channels) > 1:  # look at the engine and every sender again at once
-                if not any(c.wait_readable(0) for c in self.channels):
-                    os.sched_yield()
+                os.sched_yield()  # (the next turn reads every channel first)
             else:
                 self.channel.wait_readable(POLL_S)
 
@@ -604,6 +607,8 @@ class DecodeEndpoint:
             return None
         graph = capture_copy(lambda: self._scatter(wave), self._capture_stream, "scatters")
         self._graphs = graph is not None
+        if graph is not None and self._upload:  # its first (only) replay then launches at once
+            upload_graph(graph, self._stream)
         return graph
 
     def _refuse(self, wave: _StagedWave, why: str) -> None:
@@ -629,13 +634,25 @@ class DecodeEndpoint:
         if self.trace is not None:
             self.trace.append((wave, step, time.perf_counter()))
 
-    def _finish_scatters(self) -> None:
+    def log_trace(self) -> None:
+        """Log what ``KVPLAN_TRACE`` recorded since the last call (each wave's steps on the clock),
+        then forget it. Logging takes long: call it once the timing that matters has been taken."""
+        if self.trace:
+            log.warning("decode waves (wave, step, clock ms): %s",
+                        [(w.split(":")[-1], k, round(t * 1e3, 3)) for w, k, t in self.trace])
+            self.trace.clear()
+
+    def _finish_scatters(self) -> bool:
+        """Credit and land every wave whose scatter has finished; whether any had."""
         done = [(k, w) for k, w in self._waves.items()
                 if w.event is not None and not w.scattered and (w.event is True or w.event.query())]
         for key, wave in sorted(done, key=lambda kw: kw[1].index):
             wave.scattered = True
+            self._mark(key, "done")
             self._credit(wave)  # before completion shows
             self._mark(key, "credit")
             for note in wave.sections:
                 self.tracker.on_section(replace(note, sender=wave.peer))
+            self._mark(key, "noted")
             del self._waves[key]
+        return bool(done)

@@ -763,6 +763,7 @@ class _StagedRun:
         self.remote_free = [True] * self.slots
         self.local_write: list[Handle | None] = [None] * self.slots
         self.gathered: list[tuple[Wave, Any]] = []  # waves gathered, not yet posted, in order
+        self.writes: dict[int, tuple[np.ndarray, bytes]] = {}  # a gathered wave's region and note, made ahead
         self.next_wave = 0  # waves [0, next_wave) are gathered (or queued to be)
         self.posted: dict[int, tuple[Wave, Handle]] = {}
         self.acked: set[int] = set()
@@ -911,8 +912,7 @@ class _StagedRun:
                              "run: credits in flight on it may be lost")
             if self.gone is not None:
                 return False
-            if not self.peer.channel.wait_readable(0):
-                os.sched_yield()
+            os.sched_yield()  # (the next turn reads the channel first)
 
     def _gather(self, wave: Wave) -> None:
         """Gather a wave into its slot: the batch-wide offsets, shifted onto the slot (no per-wave tensors)."""
@@ -934,7 +934,15 @@ class _StagedRun:
             event = None
         self.gathered.append((wave, event))
         self.next_wave += 1
+        self.writes[wave.index] = self._write_args(wave)
         self._mark(wave.index, "gather")
+
+    def _write_args(self, wave: Wave) -> tuple[np.ndarray, bytes]:
+        """A wave's region (from its slot here to the same slot there) and notification. Made when it
+        is gathered: a gather queued ahead of its mark then leaves only the engine's post on the path."""
+        slot_lo = wave.slot * self.slot_bytes
+        return (np.array([[self.ep.staging.data_ptr() + slot_lo, self.peer.staging[0] + slot_lo, wave.nbytes]],
+                         np.uint64), wave_note(self.base_id + wave.index, self.ep.id))
 
     def _pump(self) -> None:
         """Post gathered waves whose gather has finished; take in credits; progress writes."""
@@ -1002,10 +1010,8 @@ class _StagedRun:
                 all(self.result[r] is not None for r in wave.requests(self.owners)):
             self.remote_free[wave.slot] = True  # every request of it has failed already: nothing to write
             return
-        slot_lo = wave.slot * self.slot_bytes
-        region = np.array([[ep.staging.data_ptr() + slot_lo, self.peer.staging[0] + slot_lo, wave.nbytes]], np.uint64)
-        handle = ep.engine.post(self.peer.name, region, wave_note(self.base_id + wave.index, ep.id),
-                                reuse=("slot", wave.slot, wave.nbytes))
+        region, note = self.writes.pop(wave.index, None) or self._write_args(wave)
+        handle = ep.engine.post(self.peer.name, region, note, reuse=("slot", wave.slot, wave.nbytes))
         self._mark(wave.index, "post")
         self.posted[wave.index] = (wave, handle)
         self.local_write[wave.slot] = handle
