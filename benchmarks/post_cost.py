@@ -21,7 +21,10 @@ Each size is posted after each of these (``MODES``):
   code warm without holding its worker);
 * ``yield+state``: the same loop, asking the engine for the state of the last write each time;
 * ``spinning``: 2 ms of a pure Python loop on the clock;
-* ``sleeping``: a 2 ms sleep.
+* ``sleeping``: a 2 ms sleep;
+* ``beside a sync``: the yielding loop, while another thread of the process has queued ~100 ms of
+  matmuls and waits in ``stream.synchronize()`` (as the stand-in forward pass does: CUDA spins there);
+* ``beside a query``: the same, the other thread waiting by ``event.query()`` and 0.5 ms sleeps.
 
 Medians (and the slowest) of 10 writes after one warm-up, for NIXL (the engine that notifies).
 
@@ -44,7 +47,8 @@ from kvplan.tools.target_process import target_process
 from kvplan.transport.engines import make_engine
 
 DEADLINE = 60.0
-MODES = ("quiet", "polling", "computing", "yielding", "yield+notes", "yield+state", "spinning", "sleeping")
+MODES = ("quiet", "polling", "computing", "yielding", "yield+notes", "yield+state", "spinning", "sleeping",
+         "beside a sync", "beside a query")
 WAIT_S = 0.002
 SIZES_MIB = (1, 4, 16, 42, 128, 320)
 
@@ -68,20 +72,28 @@ def target(size: int, gpu: int, conn) -> None:
 
 
 class _Computing:
-    """A thread that keeps GPU 0 busy with bf16 matmuls on a stream of its own, waiting for each
-    batch of them, until stopped (a forward pass beside the sender)."""
+    """A thread that keeps GPU 0 busy with bf16 matmuls on a stream of its own, ``batch`` at a time,
+    waiting for each batch (``stream.synchronize()``, or ``event.query()`` and short sleeps), until
+    stopped (a forward pass beside the sender)."""
 
-    def __init__(self, dim: int = 8192):
+    def __init__(self, dim: int = 8192, batch: int = 4, query: bool = False):
         self.x = torch.randn(dim, dim, device="cuda", dtype=torch.bfloat16)
+        self.batch, self.query = batch, query
         self.stream, self.stop = torch.cuda.Stream(), threading.Event()
         self.thread = threading.Thread(target=self._main, daemon=True)
 
     def _main(self) -> None:
         while not self.stop.is_set():
             with torch.cuda.stream(self.stream):
-                for _ in range(4):
+                for _ in range(self.batch):
                     torch.mm(self.x, self.x)
-            self.stream.synchronize()
+                done = torch.cuda.Event()
+                done.record()
+            if self.query:
+                while not done.query():
+                    time.sleep(0.0005)
+            else:
+                self.stream.synchronize()
 
     def __enter__(self) -> "_Computing":
         self.thread.start()
@@ -98,7 +110,7 @@ def _before(mode: str, engine, word: torch.Tensor, socket, last=None) -> None:
     if mode == "polling":
         while time.perf_counter() < until:
             engine.notifications()
-    elif mode.startswith("yield"):
+    elif mode.startswith("yield") or mode.startswith("beside"):
         warmed = 0.0
         while int(word[0]) == 0 and (now := time.perf_counter()) < until:
             time.monotonic()
@@ -139,7 +151,8 @@ def main() -> None:
         socket = zmq.Context.instance().socket(zmq.PAIR)  # never connected: a poll that finds nothing
         word = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         for mib, mode in [(m, p) for m in sizes for p in MODES]:
-            computing = _Computing() if mode == "computing" else None
+            computing = _Computing() if mode == "computing" else \
+                _Computing(batch=64, query=mode.endswith("query")) if mode.startswith("beside") else None
             if computing is not None:
                 computing.__enter__()
             descs = np.array([[src.data_ptr(), remote, mib << 20]], np.uint64)
@@ -174,7 +187,7 @@ def main() -> None:
             print(f"| {mib} | {mode} | {us(posts)} | {us(dones)} | {us(notes)} | {rate:.1f} |", flush=True)
         print("\nhost time of a Python step of the same kind (a region built and compared, no engine), us")
         print("| after | step |\n|---|---|")
-        for mode in (m for m in MODES if m != "computing"):
+        for mode in (m for m in MODES if m != "computing" and not m.startswith("beside")):
             steps = []
             for rep in range(11):
                 _before(mode, engine, word, socket)
