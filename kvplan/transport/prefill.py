@@ -666,6 +666,7 @@ class _GroupedSend:
         self.posted: list[tuple[Handle, Any]] = []  # direct writes, waited for together at the end
         self.failed: dict[Any, str | None] = {}
         self.announced: dict[int, list[_StagedRun]] = {}
+        self.runs: list[_StagedRun] = []  # every group's, in order (their traces are logged at the end)
         self.trace: list | None = [] if os.environ.get("KVPLAN_TRACE") else None
 
     def merge(self, result: dict[Any, str | None]) -> None:
@@ -682,6 +683,8 @@ class _GroupedSend:
             if mine:
                 share = ep._group_run(self.transfers, dest, mine, self.descs, *self.staged)
                 run = ep._staged_run(dest, share, self.staged[1], self.deadline)
+                run.defer_log = True  # logging takes long: not while the next group's mark may come
+                self.runs.append(run)
                 if run.announce():
                     runs.append(run)
                 else:
@@ -697,6 +700,13 @@ class _GroupedSend:
             runs[0].gather_ahead(written(g))
 
     def run(self) -> None:
+        try:
+            self._run()
+        finally:
+            for run in self.runs:
+                run.log_trace()
+
+    def _run(self) -> None:
         ep = self.ep
         self.announce(0)
         self.queue_ahead(0)
@@ -772,6 +782,7 @@ class _StagedRun:
         self.waves: list[Wave] = []  # planned when announced
         self.deferred: dict[str, Any] | None = None  # a staged-waves header sent once the first wave is posted
         self.trace: list[tuple[int, str, float]] | None = None
+        self.defer_log = False  # a streamed group's run: its trace is logged once the whole send is done
         if os.environ.get("KVPLAN_TRACE"):
             self.trace = [(0, step, t) for step, t in ep._times]
             self._mark(0, "init")
@@ -883,10 +894,15 @@ class _StagedRun:
                 ep._fail(self.dest, self.result, wave.requests(self.owners), reason)
         for wave in [w for w, _ in self.gathered] + waves[self.next_wave:]:
             ep._fail(self.dest, self.result, wave.requests(self.owners), self.gone or "deadline passed before the wave was sent")
+        if not self.defer_log:
+            self.log_trace()
+        return self.result
+
+    def log_trace(self) -> None:
+        """Log what ``KVPLAN_TRACE`` recorded of this run's waves (each step on the clock)."""
         if self.trace is not None:
             log.warning("staged waves (wave, step, clock ms): %s", [(self.base_id + w, k, round(t * 1e3, 3))
                                                                     for w, k, t in self.trace])
-        return self.result
 
     def _mark(self, wave: int, step: str) -> None:
         if self.trace is not None:

@@ -1,0 +1,32 @@
+"""The control channel (kvplan/transport/control.py): its connection monitor is read at most once a
+``LOOK_S``, however often the transport's loops ask, and a peer's loss is still reported."""
+
+import time
+
+from kvplan.transport.control import ControlChannel
+
+
+def test_the_monitor_is_read_at_most_once_a_look_period_and_a_lost_peer_is_still_reported():
+    bound = ControlChannel()
+    peer = ControlChannel(bound.port)
+    try:
+        peer.send("hello", {}, timeout=5)
+        assert bound.recv(time.monotonic() + 5)[0] == "hello"
+        assert not bound.peer_gone()  # takes in the connection's events
+        time.sleep(2 * ControlChannel.LOOK_S)
+        reads = []  # from here on each look polls the (empty) monitor once
+        poll = bound._monitor.poll
+        bound._monitor.poll = lambda timeout=None: reads.append(1) or poll(timeout)
+        started = time.monotonic()
+        for _ in range(2000):
+            assert not bound.peer_gone()
+        spent = time.monotonic() - started
+        assert 1 <= len(reads) <= spent / ControlChannel.LOOK_S + 2
+        peer.socket.close(linger=0)
+        peer._monitor.close(0)
+        deadline = time.monotonic() + 5
+        while not bound.peer_gone() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert bound.peer_gone()
+    finally:
+        bound.close()
