@@ -620,9 +620,15 @@ class DecodeEndpoint:
         wave.scattered = True  # nothing of it is written
 
     def _credit(self, wave: _StagedWave) -> None:
-        """Return a scattered wave's slot to its sender: through the engine where it takes them so."""
+        """Return a scattered wave's slot to its sender: through the engine where it takes them so,
+        unless it is the last wave this side knows of from that sender. That one goes on the control
+        channel, whose I/O thread delivers it by itself: an engine notification leaves only while this
+        side keeps asking the engine for its own (NIXL progresses the worker it went out on then), and a
+        caller whose requests are all complete may stop polling (a last credit sent through NIXL stayed
+        queued until the sender's deadline: session 19)."""
         name = self._credit_to.get(wave.peer)
-        if name is not None:
+        last = not any(w.peer == wave.peer and not w.scattered for w in self._waves.values() if w is not wave)
+        if name is not None and not last:
             try:
                 self.engine.notify(name, credit_note(wave.index))
                 return

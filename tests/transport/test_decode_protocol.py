@@ -39,11 +39,11 @@ def decode():
     return endpoint, theirs, pool, published[0]
 
 
-def _announce(channel, rows, wave=7, staging_lo=0):
+def _announce(channel, rows, wave=7, staging_lo=0, pages=2):
     """A run of one wave, as the sender announces it (waves.run_message)."""
     table = np.array(rows, np.uint64)
     header = {"from": "p0", "alignment": 16, "requests": [["r1", 0, len(rows)]],
-              "waves": [[wave, staging_lo, 0, len(rows), int(table[:, 1].sum()), [["r1", KV_ROLE, "kv", 2]]]]}
+              "waves": [[wave, staging_lo, 0, len(rows), int(table[:, 1].sum()), [["r1", KV_ROLE, "kv", pages]]]]}
     channel.send("staged", header, table.tobytes())
 
 
@@ -60,9 +60,11 @@ def test_a_wave_inside_the_published_pages_is_scattered_and_credited_before_comp
     assert int(pool[: 3 * PAGE_BYTES].sum()) == 0 and int(pool[5 * PAGE_BYTES :].sum()) == 0
 
 
-def test_a_sender_that_takes_credits_through_the_engine_gets_them_there():
-    """Both engines notify: the registration says so, the sender's pairing carries its engine
-    metadata, and the wave's credit goes as an engine notification to it, not on the channel."""
+def test_a_sender_that_takes_credits_through_the_engine_gets_them_there_but_the_last_on_the_channel():
+    """Both engines notify: the registration says so, and the sender's pairing carries its engine
+    metadata. Of two waves that land together, the first's credit goes as an engine notification;
+    the second is the last this side knows of from that sender, and its credit goes on the control
+    channel (an engine notification leaves only while this side keeps polling the engine)."""
     pool = torch.zeros(16 * PAGE_BYTES, dtype=torch.uint8)
     side = SideMemory(KVLayout(Attention.MLA, PAGE, (Entry(pool.data_ptr(), PAGE_BYTES, 16),)),
                       req_to_token=table_with({1: [3, 4]}, PAGE, max_ctx=16))
@@ -74,12 +76,16 @@ def test_a_sender_that_takes_credits_through_the_engine_gets_them_there():
     prefill.send("paired", {"from": "p0", "side": describe_side(side), "credits": "engine"}, b"prefill-metadata")
     endpoint.track(plan_destinations(side, [PreallocatedRequest("r1", row=1, prompt_len=8)]).result(),
                    time.monotonic() + 30)
-    _announce(prefill, [[pool.data_ptr() + 3 * PAGE_BYTES, 2 * PAGE_BYTES]])
-    engine.inbox.append(wave_note(7, "p0"))
+    _announce(prefill, [[pool.data_ptr() + 3 * PAGE_BYTES, PAGE_BYTES]], wave=7, pages=1)
+    _announce(prefill, [[pool.data_ptr() + 4 * PAGE_BYTES, PAGE_BYTES]], wave=8, staging_lo=1024, pages=1)
+    endpoint.poll()  # both tables read before either lands
+    engine.inbox += [wave_note(7, "p0"), wave_note(8, "p0")]
     assert endpoint.wait() == {"r1": "complete"}
     assert engine.connected == [b"prefill-metadata"] and engine.notified == [("peer", credit_note(7))]
-    assert prefill.try_recv() is None
-    assert torch.equal(pool[3 * PAGE_BYTES : 5 * PAGE_BYTES], torch.arange(512, dtype=torch.int64).to(torch.uint8))
+    assert prefill.try_recv()[0:2] == ("wave-done", {"wave": 8}) and prefill.try_recv() is None
+    staged = torch.arange(4096, dtype=torch.int64).to(torch.uint8)
+    assert torch.equal(pool[3 * PAGE_BYTES : 4 * PAGE_BYTES], staged[:PAGE_BYTES])
+    assert torch.equal(pool[4 * PAGE_BYTES : 5 * PAGE_BYTES], staged[1024 : 1024 + PAGE_BYTES])
 
 
 @pytest.mark.parametrize("rows, why", [
