@@ -622,10 +622,9 @@ class DecodeEndpoint:
     def _credit(self, wave: _StagedWave) -> None:
         """Return a scattered wave's slot to its sender: through the engine where it takes them so,
         unless it is the last wave this side knows of from that sender. That one goes on the control
-        channel, whose I/O thread delivers it by itself: an engine notification leaves only while this
-        side keeps asking the engine for its own (NIXL progresses the worker it went out on then), and a
-        caller whose requests are all complete may stop polling (a last credit sent through NIXL stayed
-        queued until the sender's deadline: session 19)."""
+        channel, whose I/O thread delivers it by itself: a caller whose requests are all complete may stop
+        polling, and an engine notification may need this side's polling to leave (NIXL without its
+        progress thread sends one only while its worker is progressed)."""
         name = self._credit_to.get(wave.peer)
         last = not any(w.peer == wave.peer and not w.scattered for w in self._waves.values() if w is not wave)
         if name is not None and not last:

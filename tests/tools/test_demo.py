@@ -74,7 +74,7 @@ def test_staged_mode_on_the_cpu_gets_a_deadline_scaled_to_its_interpreted_copies
 
     assert default_timeout(DemoConfig(mode="direct", device="cpu")) == 60.0
     staged = default_timeout(DemoConfig(mode="staged", device="cpu"))
-    assert staged > 60.0 + 100  # the default batch holds about 143 MB, copied at about 2 MB/s interpreted
+    assert staged > 60.0 + 100  # the default batch holds about 143 MB, copied at well under 1 MB/s interpreted
     assert default_timeout(DemoConfig(mode="staged", device="cpu", requests=2)) < staged
 
 
