@@ -33,6 +33,7 @@ Medians (and the slowest) of 10 writes after one warm-up, for NIXL (the engine t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import sys
@@ -104,6 +105,15 @@ class _Computing:
         self.thread.join(timeout=30)
 
 
+def _beside(mode: str):
+    """What else the process runs while it posts, by mode: a thread computing, or nothing."""
+    if mode == "computing":
+        return _Computing()
+    if mode.startswith("beside"):
+        return _Computing(batch=64, query=mode.endswith("query"))
+    return contextlib.nullcontext()
+
+
 def _before(mode: str, engine, word: torch.Tensor, socket, last=None) -> None:
     """What the sender does for ``WAIT_S`` before the post, by mode (``last``: the last write's handle)."""
     until = time.perf_counter() + WAIT_S
@@ -151,37 +161,32 @@ def main() -> None:
         socket = zmq.Context.instance().socket(zmq.PAIR)  # never connected: a poll that finds nothing
         word = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         for mib, mode in [(m, p) for m in sizes for p in MODES]:
-            computing = _Computing() if mode == "computing" else \
-                _Computing(batch=64, query=mode.endswith("query")) if mode.startswith("beside") else None
-            if computing is not None:
-                computing.__enter__()
-            descs = np.array([[src.data_ptr(), remote, mib << 20]], np.uint64)
-            posts, dones, notes = [], [], []
-            last = None
-            for rep in range(11):
-                note = f"w{mib}-{rep}".encode()
-                _before(mode, engine, word, socket, last)
-                t0 = time.perf_counter()
-                handle = engine.post(peer, descs, note, reuse=("slot", 0, mib))
-                t1 = time.perf_counter()
-                last = handle.native
-                deadline = time.monotonic() + DEADLINE
-                while engine.progress(handle) == "PROC" and time.monotonic() < deadline:
-                    pass
-                t2 = time.perf_counter()
-                if handle.state != "DONE":
-                    raise RuntimeError(f"the write of {mib} MiB ended {handle.state}: {handle.error}")
-                if not here.poll(DEADLINE):
-                    raise TimeoutError(f"no notification of the write of {mib} MiB")
-                seen, t3 = here.recv()
-                if seen != note:
-                    raise RuntimeError(f"expected notification {note!r}, got {seen!r}")
-                if rep:
-                    posts.append(t1 - t0)
-                    dones.append(t2 - t0)
-                    notes.append(t3 - t0)
-            if computing is not None:
-                computing.__exit__()
+            with _beside(mode):
+                descs = np.array([[src.data_ptr(), remote, mib << 20]], np.uint64)
+                posts, dones, notes = [], [], []
+                last = None
+                for rep in range(11):
+                    note = f"w{mib}-{rep}".encode()
+                    _before(mode, engine, word, socket, last)
+                    t0 = time.perf_counter()
+                    handle = engine.post(peer, descs, note, reuse=("slot", 0, mib))
+                    t1 = time.perf_counter()
+                    last = handle.native
+                    deadline = time.monotonic() + DEADLINE
+                    while engine.progress(handle) == "PROC" and time.monotonic() < deadline:
+                        pass
+                    t2 = time.perf_counter()
+                    if handle.state != "DONE":
+                        raise RuntimeError(f"the write of {mib} MiB ended {handle.state}: {handle.error}")
+                    if not here.poll(DEADLINE):
+                        raise TimeoutError(f"no notification of the write of {mib} MiB")
+                    seen, t3 = here.recv()
+                    if seen != note:
+                        raise RuntimeError(f"expected notification {note!r}, got {seen!r}")
+                    if rep:
+                        posts.append(t1 - t0)
+                        dones.append(t2 - t0)
+                        notes.append(t3 - t0)
             us = lambda xs: f"{statistics.median(xs) * 1e6:.0f} ({max(xs) * 1e6:.0f})"  # noqa: E731
             rate = (mib << 20) / statistics.median(notes) / 2**30
             print(f"| {mib} | {mode} | {us(posts)} | {us(dones)} | {us(notes)} | {rate:.1f} |", flush=True)

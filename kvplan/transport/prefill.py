@@ -666,7 +666,8 @@ class _GroupedSend:
         self.posted: list[tuple[Handle, Any]] = []  # direct writes, waited for together at the end
         self.failed: dict[Any, str | None] = {}
         self.announced: dict[int, list[_StagedRun]] = {}
-        self.runs: list[_StagedRun] = []  # every group's, in order (their traces are logged at the end)
+        self.runs: list[_StagedRun] = []  # every group's, in order: their traces are logged at the end, not
+        # while the next group's mark may come (logging takes long)
         self.trace: list | None = [] if os.environ.get("KVPLAN_TRACE") else None
 
     def merge(self, result: dict[Any, str | None]) -> None:
@@ -683,7 +684,6 @@ class _GroupedSend:
             if mine:
                 share = ep._group_run(self.transfers, dest, mine, self.descs, *self.staged)
                 run = ep._staged_run(dest, share, self.staged[1], self.deadline)
-                run.defer_log = True  # logging takes long: not while the next group's mark may come
                 self.runs.append(run)
                 if run.announce():
                     runs.append(run)
@@ -782,7 +782,6 @@ class _StagedRun:
         self.waves: list[Wave] = []  # planned when announced
         self.deferred: dict[str, Any] | None = None  # a staged-waves header sent once the first wave is posted
         self.trace: list[tuple[int, str, float]] | None = None
-        self.defer_log = False  # a streamed group's run: its trace is logged once the whole send is done
         if os.environ.get("KVPLAN_TRACE"):
             self.trace = [(0, step, t) for step, t in ep._times]
             self._mark(0, "init")
@@ -797,7 +796,11 @@ class _StagedRun:
 
     def go(self) -> dict[Any, str | None]:
         """Announce the run, then move it (see :meth:`announce` and :meth:`move`)."""
-        return self.move() if self.announce() else self.result
+        if not self.announce():
+            return self.result
+        result = self.move()
+        self.log_trace()
+        return result
 
     def announce(self) -> bool:
         """Send the run's announcement (its waves, with destination tables or chunk bounds) and make
@@ -894,8 +897,6 @@ class _StagedRun:
                 ep._fail(self.dest, self.result, wave.requests(self.owners), reason)
         for wave in [w for w, _ in self.gathered] + waves[self.next_wave:]:
             ep._fail(self.dest, self.result, wave.requests(self.owners), self.gone or "deadline passed before the wave was sent")
-        if not self.defer_log:
-            self.log_trace()
         return self.result
 
     def log_trace(self) -> None:
