@@ -38,6 +38,20 @@ def _map_ptr(map_slot, map0_ptr, map1_ptr, map2_ptr, map3_ptr):
 
 
 @triton.jit
+def _unit_ids(kind, row, a, step, div, ring, k, m, ps, table_ptr, table_stride, maps, map_len):
+    """Element ``k`` of a list in units of ``div`` tokens: a paged list's unit at position ``pos = a + k * step``
+    is unit ``(pos % ps) // div`` of the page its first token names (``ps``: the list's source page size), so an
+    unmapped SWA page (substituted by page 0) is sent whole and a page is read off one token, as in
+    :func:`kvplan.planner.host_expand.unit_lists`; other kinds as :func:`element_ids`."""
+    paged = (kind == sg.TOKEN_PAGES) | (kind == sg.MAPPED_PAGES)
+    pos = a + k * step
+    page_start = pos // ps * ps
+    ids, unmapped, map_bad = element_ids(kind, row, tl.where(paged, page_start, a), tl.where(paged, 0, step),
+                                         tl.where(paged, ps, div), ring, k, m, table_ptr, table_stride, maps, map_len)
+    return tl.where(paged, ids * (ps // div) + (pos % ps) // div, ids), unmapped, map_bad
+
+
+@triton.jit
 def _elements_kernel(seg_ptr, seg_end_ptr, table_ptr, table_stride, map0_ptr, map1_ptr, map2_ptr, map3_ptr,
                      dst_flat_ptr, src_ptr, dst_ptr, starts_ptr, err_ptr, own_ptr, claimed_ptr, claim_word_ptr,
                      N_CAP: tl.constexpr, S: tl.constexpr, K: tl.constexpr, LOG: tl.constexpr, SF: tl.constexpr,
@@ -66,8 +80,18 @@ def _elements_kernel(seg_ptr, seg_end_ptr, table_ptr, table_stride, map0_ptr, ma
     k = i - tl.load(row_ptr + sg.F_START, mask=live, other=0)
     maps = _map_ptr(map_slot, map0_ptr, map1_ptr, map2_ptr, map3_ptr)
 
-    ids, unmapped, map_bad = element_ids(kind, row, a, step, div, ring, k, live, table_ptr, table_stride, maps, map_len)
     has_prev = live & (k > 0) & merge
+    if UNITS:  # a page's units are named by its first token (the reference's rule; an unmapped page is page 0)
+        ps = tl.load(row_ptr + sg.F_CHK_PS, mask=live, other=1)
+        ids, unmapped, map_bad = _unit_ids(kind, row, a, step, div, ring, k, live, ps, table_ptr, table_stride, maps,
+                                           map_len)
+        prev, _, _ = _unit_ids(kind, row, a, step, div, ring, k - 1, has_prev, ps, table_ptr, table_stride, maps,
+                               map_len)
+    else:
+        ids, unmapped, map_bad = element_ids(kind, row, a, step, div, ring, k, live, table_ptr, table_stride, maps,
+                                             map_len)
+        prev, _, _ = element_ids(kind, row, a, step, div, ring, k - 1, has_prev, table_ptr, table_stride, maps,
+                                 map_len)
     if UNITS:  # F_RATIO destination units per list entry, from unit F_SKIP of the list (docs/page_sizes.md)
         ratio = tl.load(row_ptr + sg.F_RATIO, mask=live, other=1)
         kk = k + tl.load(row_ptr + sg.F_SKIP, mask=live, other=0)
@@ -80,7 +104,6 @@ def _elements_kernel(seg_ptr, seg_end_ptr, table_ptr, table_stride, map0_ptr, ma
         dst = tl.load(dst_flat_ptr + dst_lo + k, mask=live & ~dst_const, other=0)
         prev_dst = tl.load(dst_flat_ptr + dst_lo + k - 1, mask=has_prev & ~dst_const, other=0)
     dst = tl.where(dst_const, dst_lo, dst)
-    prev, _, _ = element_ids(kind, row, a, step, div, ring, k - 1, has_prev, table_ptr, table_stride, maps, map_len)
     start = live & (~has_prev | (ids - prev != 1) | (dst - prev_dst != 1))
 
     bad = map_bad | (live & ~unmapped & ((ids < lo) | (ids >= hi))) | (live & ((dst < dlo) | (dst >= dhi)))

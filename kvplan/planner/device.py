@@ -838,8 +838,11 @@ def _pages_of_units(part: tuple, ratios: tuple[int, int]) -> tuple:
     start inside its first page)."""
     if ratios == (1, 1):
         return part
-    pages = [units // r for units, r in zip(part[:2], ratios)]
-    return (*(p[np.r_[True, p[1:] != p[:-1]]] if len(p) else p for p in pages), *part[2:])
+    # a page starts at its first unit (unit % r == 0) or where the list does; two pages in a row may have
+    # one id (an unmapped SWA page substituted by page 0 under truncate), so the ids alone cannot tell
+    pages = [units[np.r_[True, units[1:] % r == 0]] // r if len(units) else units
+             for units, r in zip(part[:2], ratios)]
+    return (*pages, *part[2:])
 
 
 def _pairing_tables(pairing: SidePairing, k: int, K: int) -> tuple[np.ndarray, np.ndarray]:
