@@ -158,6 +158,29 @@ class DecodeEndpoint:
         self.channels[peer].send("register", header, self.engine.metadata(),
                                  timeout=max(0.0, deadline - time.monotonic()))
 
+    def add_sender(self, channel: ControlChannel, timeout: float) -> int:
+        """Take one more sender (a prefill rank found later, such as another prefill node's) and
+        register this side with it; returns its peer index. Refused with a staging buffer, whose shares
+        were split over the senders at construction."""
+        if self.staging is not None:
+            raise LayoutError("a decode endpoint with a staging buffer takes its senders at construction "
+                              "(each gets a share of the buffer)")
+        self.channels.append(channel)
+        self._register(len(self.channels) - 1, time.monotonic() + timeout)
+        return len(self.channels) - 1
+
+    def abort(self, request: Any, reason: str) -> None:
+        """Fail ``request`` here and tell each sender it was published to, which then sends none of it
+        that it has not posted yet; its lists stop being writable (the landing guard forgets them).
+        Writes already posted are not fenced by this (issue 38)."""
+        for k in self._owner.get(request, ()):
+            try:
+                self.channels[k].send("abort", {"request": request, "reason": reason}, timeout=POLL_S)
+            except ControlTimeout as err:
+                log.warning("request %r: the abort could not be sent to sender %d: %s", request, k, err)
+        if request in self.tracker:
+            self.tracker.fail(request, reason)
+
     @property
     def channel(self) -> ControlChannel:
         """The first (usually the only) sender's channel."""

@@ -148,6 +148,8 @@ class PrefillEndpoint:
         self._next_wave = 0
         self._next_run = 0  # ids of runs announced by their chunks ahead of their waves
         self.id = uuid.uuid4().hex[:12]  # names this sender's waves on receivers that have several senders
+        # (peer, request, reason) of requests a decode endpoint aborted (its lists are dropped); the caller drains it
+        self.aborted: list[tuple[int, Any, str]] = []
         self.last_mode: str | None = None  # the mode the last send used (what ``auto`` chose)
         self.last_announcement: str | None = None  # how its last staged run was announced: "planned" or "table"
         self.waves_ahead = 0  # staged waves gathered ahead of their layer group's mark, over this endpoint's life
@@ -220,6 +222,9 @@ class PrefillEndpoint:
                     self._on_register(k, header, frames)
                 elif kind == "request" and p.side is not None:
                     arrived.append((k, self._on_request(k, header, frames)))
+                elif kind == "abort" and header.get("request") in p.lists:  # nothing more of it goes there
+                    self.forget([header["request"]], peer=k)
+                    self.aborted.append((k, header["request"], str(header.get("reason") or "aborted")))
         return arrived
 
     def _on_register(self, k: int, header: dict[str, Any], frames: list[bytes]) -> None:

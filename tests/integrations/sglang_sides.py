@@ -205,6 +205,7 @@ def run_prefill(engine: str, port: int, seed: int, results, deadline_s: float, s
 
     kv, aux = pools(seed)
     server_args = types.SimpleNamespace(disaggregation_transfer_backend=engine, disaggregation_bootstrap_port=port,
+                                        host="127.0.0.1", kvplan_host="127.0.0.1",
                                         max_running_requests=8, context_length=64, kvplan_mode="direct",
                                         kvplan_state_params=STATE_PARAMS if state == "hybrid" else None,
                                         kvplan_protocol=protocol,
@@ -212,7 +213,7 @@ def run_prefill(engine: str, port: int, seed: int, results, deadline_s: float, s
                                             decode_kv_pages * PAGE * TOKEN_BYTES // decode_tp] * 2 * LAYERS})
     args, _ = with_state(kv_args_of(base, kv, aux), state, seed)
     args.kv_head_num = args.total_kv_head_num = decode_tp
-    server = bootstrap_server(port) if protocol == "sglang" else None
+    server = bootstrap_server(port)  # SGLang's, as its prefill node runs it: kvplan registers its rank there
     mgr = KVManager(args, utils.DisaggregationMode.PREFILL, server_args)
     lists = page_lists(seed, state == "hybrid")
     senders = {}
@@ -236,8 +237,7 @@ def run_prefill(engine: str, port: int, seed: int, results, deadline_s: float, s
                  {room: mgr.failures.get(room) for room in senders}))
     time.sleep(0.5)  # let the last notifications leave before the engine goes
     mgr.close()
-    if server is not None:
-        server.close()
+    server.close()
 
 
 def run_decode(engine: str, port: int, seed: int, results, deadline_s: float, state: bool = False,
@@ -253,7 +253,7 @@ def run_decode(engine: str, port: int, seed: int, results, deadline_s: float, st
     kv, aux = pools(None)
     server_args = types.SimpleNamespace(disaggregation_transfer_backend=engine, kvplan_timeout_s=deadline_s,
                                         kvplan_state_params=STATE_PARAMS if state == "hybrid" else None,
-                                        kvplan_protocol=protocol)
+                                        kvplan_protocol=protocol, host="127.0.0.1", kvplan_host="127.0.0.1")
     args, state_pools = with_state(kv_args_of(base, kv, aux), state, None)
     mgr = KVManager(args, utils.DisaggregationMode.DECODE, server_args)
     lists = page_lists(seed, state == "hybrid")
@@ -263,6 +263,10 @@ def run_decode(engine: str, port: int, seed: int, results, deadline_s: float, st
         seen[room] = [int(receiver.poll())]
         if protocol == "sglang":
             _until_registered(port, deadline_s)
+        # as SGLang's decode scheduler does: the prefill's layout first (tried again until known), then init
+        until = time.monotonic() + deadline_s
+        while not mgr.try_ensure_parallel_info(f"127.0.0.1:{port}") and time.monotonic() < until:
+            time.sleep(0.05)
         receiver.init(0)
         seen[room].append(int(receiver.poll()))
         receiver.send_metadata(torch.from_numpy(lists[room][1].astype(np.int32)), aux_index=lists[room][3],

@@ -38,8 +38,10 @@ def _manager(args, mode: str, **settings):
     utils = sglang_module("srt.disaggregation.utils")
     from kvplan.integrations.sglang.adapter import KVManager
 
+    # kvplan's listener on the bootstrap port itself (no SGLang bootstrap server here), on loopback
     server_args = types.SimpleNamespace(disaggregation_transfer_backend="nixl", disaggregation_bootstrap_port=free_port(),
-                                        kvplan_engine_settings={"progress_thread": False}, **settings)
+                                        kvplan_engine_settings={"progress_thread": False}, kvplan_bootstrap="direct",
+                                        kvplan_host="127.0.0.1", host="127.0.0.1", **settings)
     mgr = KVManager(args, getattr(utils.DisaggregationMode, mode), server_args)
     _MADE.append(mgr)
     return mgr

@@ -147,7 +147,7 @@ def test_a_kvplan_decode_whose_request_gets_no_status_fails_it_at_its_deadline_a
     bootstrap, sock = prefill
     kv, aux = sglang_sides.pools(None)
     server_args = types.SimpleNamespace(disaggregation_transfer_backend="mooncake", kvplan_protocol="sglang",
-                                        kvplan_timeout_s=0.5)
+                                        kvplan_timeout_s=0.5, host="127.0.0.1", kvplan_host="127.0.0.1")
     mgr = KVManager(sglang_sides.kv_args_of(base, kv, aux), utils.DisaggregationMode.DECODE, server_args)
     try:
         receiver = KVReceiver(mgr, f"127.0.0.1:{bootstrap}", 12)

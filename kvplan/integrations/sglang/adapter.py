@@ -79,7 +79,7 @@ from sglang.srt.disaggregation.base.conn import (
 )
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
-from ...errors import InputError, KvplanError, LayoutError
+from ...errors import InputError, KvplanError, LayoutError, PeerError
 from ...planner.block_tables import token_table_from_blocks
 from ...planner.destinations import PublishedRequest
 from ...planner.model import SideMemory
@@ -91,9 +91,12 @@ from ...transport.engines import make_engine
 from ...transport.prefill import Chunk, PrefillEndpoint
 from .decode_link import DecodeRankLink
 from .decode_ranks import DecodeRanks
+from .bootstrap import BootstrapNotReady, RankRoute, prefill_layout, prefill_rank, register_rank
 from .engine_identity import identity
 from .kv_args import side_from_kv_args, side_from_registration, state_from_kv_args
+from .node import attention_tp, bootstrap_host, context_parallel, node_address, parallel_place
 from .rank_link import PrefillRankLink
+from .settings import PROTOCOLS, Settings
 from .wire import BACKENDS, KV_POLL_STATES, Registration, TransferRequest
 
 __all__ = ["KVManager", "KVReceiver", "KVSender", "TransferFailed"]
@@ -105,9 +108,7 @@ DEFAULT_CONTEXT = 1 << 17  # planning-table width without a context_length serve
 # the state kinds whose lists SGLang starts at the decode prefix (StateComponent.from_prefix)
 _FROM_PREFIX_KINDS = frozenset(kind.value for kind, rules in RULES.items() if rules.starts_at_prefix)
 HANDSHAKE_S = 5.0  # how long a new decode manager may take to register once it has its channel
-# the control protocols a prefill manager speaks to its decode side: kvplan's own (both sides kvplan), or
-# SGLang's (Mooncake or NIXL backend), to serve SGLang's decode ranks or be served by SGLang's prefill
-PROTOCOLS = ("kvplan", "sglang")
+RETRY_S = 0.2  # between two tries of a bootstrap server that is not up yet
 
 
 class TransferFailed(KvplanError):
@@ -142,9 +143,21 @@ class KVManager(BaseKVManager):
     releases the engine and the channels.
     """
 
+    # what SGLang's schedulers read of a manager besides its methods (docs/sglang.md): kvplan runs without
+    # context parallelism (refused below), takes no host destinations and holds no deferred releases
+    attn_cp_size, attn_cp_rank = 1, 0
+    enable_all_cp_ranks_for_transfer = False
+    is_dummy_cp_rank = False
+    supports_host_destination = False
+    enable_deferred_decode_kv_release = False
+
     def __init__(self, args: Any, disaggregation_mode: DisaggregationMode, server_args: Any,
                  is_mla_backend: Optional[bool] = False):
-        self.state_params = [dict(p) for p in (_setting(server_args, "kvplan_state_params", None) or ())]
+        if context_parallel(server_args) > 1:
+            raise LayoutError(f"attention context parallelism (attn_cp_size {context_parallel(server_args)}) is not "
+                              "supported by kvplan's SGLang adapter: run without it, or unset KVPLAN_SGLANG")
+        self.settings = Settings.read(server_args)
+        self.state_params = [dict(p) for p in self.settings.state_params]
         # SGLang's SWA and DSA lists start at the decode prefix (planning.md §6's variant), unless a
         # component's params say otherwise; both sides of the adapter declare it, so they pair
         types = [str(getattr(t, "value", t)) for t in (getattr(args, "state_types", None) or ())]
@@ -164,20 +177,23 @@ class KVManager(BaseKVManager):
             raise LayoutError(f"state components {paged_apart}: the adapter maps SWA pages paged like the KV only")
         self.kv_args, self.mode, self.server_args = args, disaggregation_mode, server_args
         self.is_mla = bool(is_mla_backend)
-        self.attn_tp_size = int(_setting(server_args, "attn_tp_size", _setting(server_args, "tp_size", 1)))
+        self.attn_tp_size, self.attn_tp_rank = attention_tp(server_args, args)
         self.page_size = int(args.page_size)
-        self.timeout = float(_setting(server_args, "kvplan_timeout_s", 30.0))
-        self.transfer_mode = str(_setting(server_args, "kvplan_mode", "auto"))
+        self.timeout = self.settings.timeout_s
+        self.transfer_mode = self.settings.mode
         self.device = _planning_device()
         memory = "VRAM" if self.device.type == "cuda" else "DRAM"
-        engine_kind = str(_setting(server_args, "disaggregation_transfer_backend", "nixl"))
-        self.protocol = str(_setting(server_args, "kvplan_protocol", "kvplan"))
-        if self.protocol not in PROTOCOLS:
-            raise ValueError(f"server arg kvplan_protocol must be one of {PROTOCOLS}, got {self.protocol!r}")
+        backend = _setting(server_args, "disaggregation_transfer_backend", "nixl")
+        engine_kind = self.settings.engine or str(getattr(backend, "value", backend))
+        self.protocol = self.settings.protocol
+        assert self.protocol in PROTOCOLS  # (Settings refuses others)
         if self.protocol == "sglang" and engine_kind not in BACKENDS:
             raise LayoutError(f"kvplan_protocol='sglang' speaks SGLang's protocol over {list(BACKENDS)}, not "
                               f"{engine_kind}")
-        engine_settings = dict(_setting(server_args, "kvplan_engine_settings", None) or {})
+        # what this rank binds and advertises, and where SGLang's bootstrap server is (docs/sglang.md)
+        self.host = self.settings.host or node_address(server_args)
+        self.bootstrap_host = bootstrap_host(server_args)
+        engine_settings = dict(self.settings.engine_settings)
         self.engine_kind = engine_kind
         self.engine = make_engine(engine_kind, f"{disaggregation_mode.value}-{os.getpid()}-{id(self):x}", memory,
                                   self.device.index or 0, **engine_settings)
@@ -205,16 +221,22 @@ class KVManager(BaseKVManager):
             self.prefill: PrefillEndpoint | None = PrefillEndpoint(side, self.engine, [])
             self._pending: list[tuple[KVSender, np.ndarray, tuple[np.ndarray, ...] | None, int]] = []
             if self.protocol == "sglang":  # SGLang's decode ranks find this one through SGLang's bootstrap server
-                link = PrefillRankLink(backend=engine_kind, prefill_rank=int(args.engine_rank))
+                link = PrefillRankLink(rank_ip=self.host, backend=engine_kind, prefill_rank=int(args.engine_rank))
                 self.ranks = DecodeRanks(self.prefill, link, self._decode_side)
-                self.register_to_bootstrap()
-            else:  # each decode manager asks the bootstrap port for a channel of its own (several per prefill)
-                self.listener = ChannelListener(self.bootstrap_port)
+            elif self.settings.bootstrap == "direct":  # kvplan's listener is the bootstrap port (no SGLang server)
+                self.listener = ChannelListener(self.bootstrap_port, host=self.host)
+            else:  # a listener of its own, registered with SGLang's bootstrap server, which keeps its port
+                self.listener = ChannelListener(0, host=self.host)
+            self.register_to_bootstrap()
         elif disaggregation_mode is DisaggregationMode.DECODE:
             self.side: SideMemory = side_from_kv_args(args, mla=self.is_mla, attn_tp_size=self.attn_tp_size,
                                                       state_params=self.state_params)
             self.decode: DecodeEndpoint | None = None
             self.bootstrap_addr: str | None = None
+            # SGLang's decode reads it: per bootstrap address, the prefill's parallel layout (try_ensure_parallel_info)
+            self.prefill_info_table: dict[str, Any] = {}
+            self._senders: dict[tuple[str, int], int] = {}  # a prefill rank's (ip, port) -> its peer index here
+            self._room_peer: dict[int, int] = {}  # each published room's sender (peer index)
             self.link: DecodeRankLink | None = None  # served by SGLang's own prefill (kvplan_protocol "sglang")
             self._asked: dict[int, float] = {}  # with SGLang's protocol: each room's deadline for its status
             self._registered = False  # this side's buffers with the engine (SGLang's protocol; once)
@@ -243,7 +265,7 @@ class KVManager(BaseKVManager):
             closers += [peer.channel.close for peer in self.prefill.peers] if self.prefill is not None else []
             self.prefill = None
         elif self.decode is not None:
-            closers, self.decode = [self.decode.channel.close], None
+            closers, self.decode = [channel.close for channel in self.decode.channels], None
         elif self.link is not None:
             closers, self.link = [self.link.close], None
         engine, self.engine = self.engine, None
@@ -259,16 +281,29 @@ class KVManager(BaseKVManager):
         return int(lens[0] // self.kv_args.kv_item_lens[0]) * self.page_size if lens else self.page_size
 
     def register_to_bootstrap(self) -> None:
-        """With SGLang's protocol, register this rank's control socket and layout with SGLang's bootstrap
-        server (at the server args ``host`` and ``disaggregation_bootstrap_port``), as SGLang's prefill
-        does; with kvplan's, nothing: the decode manager connects to this prefill's bootstrap port itself."""
-        if self.ranks is None:
+        """Register this prefill rank's control socket and layout with SGLang's bootstrap server (at
+        ``bootstrap_host`` and ``disaggregation_bootstrap_port``), as SGLang's prefill does: SGLang's
+        protocol's PULL socket, or kvplan's listener. The server may still be starting: tries again until
+        the deadline. With ``KVPLAN_BOOTSTRAP=direct``, nothing: the listener is the bootstrap port."""
+        if self.mode is not DisaggregationMode.PREFILL or (self.ranks is None and self.settings.bootstrap == "direct"):
             return
-        args = self.kv_args
-        self.ranks.link.register(str(_setting(self.server_args, "host", "127.0.0.1")), self.bootstrap_port,
-                                 page_size=self.page_size, timeout=self.timeout,
-                                 kv_cache_dtype=str(getattr(args, "kv_cache_dtype_str", None) or "auto"),
-                                 attn_tp_size=self.attn_tp_size, attn_tp_rank=int(args.engine_rank) % self.attn_tp_size)
+        port = self.ranks.link.rank_port if self.ranks is not None else self.listener.port
+        route = RankRoute(rank_ip=self.host, rank_port=port, page_size=self.page_size,
+                          kv_cache_dtype=str(getattr(self.kv_args, "kv_cache_dtype_str", None) or "auto"),
+                          attn_tp_size=self.attn_tp_size, attn_tp_rank=self.attn_tp_rank,
+                          **parallel_place(self.server_args, self.kv_args))
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                register_rank(self.bootstrap_host, self.bootstrap_port, route, timeout=max(0.1, min(
+                    5.0, deadline - time.monotonic())))
+                return
+            except KvplanError as err:
+                if time.monotonic() + RETRY_S > deadline:
+                    raise PeerError(f"this prefill rank could not register with SGLang's bootstrap server at "
+                                    f"{self.bootstrap_host}:{self.bootstrap_port} within {self.timeout} s: {err}") \
+                        from None
+                time.sleep(RETRY_S)
 
     def _decode_side(self, reg: Any) -> SideMemory:
         """An SGLang decode rank's memory: its registration and the lengths it does not register (the
@@ -329,6 +364,9 @@ class KVManager(BaseKVManager):
                     self.prefill.progress()
                 except LayoutError as err:
                     self.broken = f"the decode side cannot pair with this one: {err}"
+            aborted, self.prefill.aborted = self.prefill.aborted, []
+            for _, room, reason in aborted:
+                self._settle(room, KVPoll.Failed, f"the decode side aborted it: {reason}")
         elif self.decode is not None:
             self.decode.poll()
 
@@ -336,6 +374,7 @@ class KVManager(BaseKVManager):
         """Plan every ``send`` since the last flush as one kvplan batch and move it. A step that
         cannot be laid out fails every send of it, on both sides; nothing of it is sent."""
         pending, self._pending = self._pending, []
+        pending = [x for x in pending if self.status.get(x[0].room) != KVPoll.Failed]  # aborted or failed: unsent
         for sender, pages, _, _ in [x for x in pending if self._dummy(x[0].room)]:
             sender.pages_sent += len(pages)  # as SGLang's prefill does for a dummy: it succeeds unsent
             if sender.pages_sent >= sender.num_pages:
@@ -476,6 +515,45 @@ class KVManager(BaseKVManager):
                 raise InputError(room, f"state component {comp.name!r}: SGLang's {comp.kind.value} list "
                                        f"{ids[:8].tolist()}... is not the request's pages {held[:8].tolist()}...")
 
+    def decode_prefix_len(self, room: int) -> int:
+        """The decode side's cached prefix for ``room`` (tokens it already holds), from its lists; 0 before
+        they arrived."""
+        if self.mode is not DisaggregationMode.PREFILL or self.prefill is None:
+            return 0
+        peers = self._peers_of(room)
+        return int(self.prefill.peers[peers[0]].lists[room][2]) if peers else 0
+
+    def abort_room(self, room: int, reason: str) -> None:
+        """Fail ``room`` on this side and tell its peers: a prefill drops its unsent chunks and tells each
+        decode side that published it; a decode tells its prefill, which sends nothing more of it."""
+        self._settle(room, KVPoll.Failed, reason)
+        if self.mode is DisaggregationMode.PREFILL and self.prefill is not None:
+            self._pending = [x for x in self._pending if x[0].room != room]
+            for k in self._peers_of(room):
+                self.prefill.fail([room], reason, peer=k)
+        elif self.decode is not None and room in self._room_peer:
+            self.decode.abort(room, reason)
+        elif self.link is not None and room in self._asked:
+            self._asked.pop(room)
+            try:
+                self.link.abort(room)
+            except KvplanError as err:
+                log.warning("request %s: the abort could not be sent to SGLang's prefill: %s", room, err)
+
+    def forget_room(self, room: int) -> None:
+        """Drop everything this manager keeps of ``room`` (SGLang's ``clear`` once it concluded it)."""
+        self.status.pop(room, None)
+        self.failures.pop(room, None)
+        if self.mode is DisaggregationMode.PREFILL:
+            if self.prefill is not None:
+                self.prefill.forget([room])
+            return
+        self._room_peer.pop(room, None)
+        if self.decode is not None:
+            if room in self.decode.tracker:
+                self.decode.tracker.forget(room)
+            self.decode.guard.forget(room)
+
     def _settle(self, room: int, state: int, reason: str | None = None) -> None:
         if self.status.get(room) == KVPoll.Failed:
             return
@@ -490,23 +568,82 @@ class KVManager(BaseKVManager):
     def connected(self) -> bool:
         return self.decode is not None or self.link is not None
 
-    def connect(self, bootstrap_addr: str) -> None:
-        """Connect to the prefill's bootstrap port and register this side's layout (once); with SGLang's
-        protocol, find the prefill rank through SGLang's bootstrap server and register there."""
-        if self.connected():
-            if bootstrap_addr != self.bootstrap_addr:
-                raise LayoutError(f"this decode manager is paired with {self.bootstrap_addr}; one prefill manager per "
-                                  f"decode manager in this version, not also {bootstrap_addr}")
-            return
-        host, _, port = bootstrap_addr.rpartition(":")
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """SGLang's decode asks this before it resolves a request's prefill DP rank: the prefill's
+        parallel layout at ``bootstrap_addr``, fetched once from SGLang's bootstrap server (one try, never
+        blocking past its timeout) into :attr:`prefill_info_table`; False while the server or some
+        prefill rank is not up yet (SGLang tries again). With ``KVPLAN_BOOTSTRAP=direct`` there is no
+        bootstrap server: one prefill rank, reached at that address."""
+        if bootstrap_addr in self.prefill_info_table:
+            return True
+        from sglang.srt.disaggregation.common.conn import PrefillServerInfo
+
+        if self.protocol == "kvplan" and self.settings.bootstrap == "direct":
+            self.prefill_info_table[bootstrap_addr] = PrefillServerInfo(
+                attn_tp_size=self.attn_tp_size, attn_cp_size=1, dp_size=1, pp_size=1, page_size=self.page_size,
+                kv_cache_dtype=None, follow_bootstrap_room=True)
+            return True
+        host, port = _host_port(bootstrap_addr)
+        try:
+            layout = prefill_layout(host, port, timeout=min(5.0, self.timeout))
+        except KvplanError as err:
+            level = logging.DEBUG if isinstance(err, BootstrapNotReady) else logging.WARNING
+            log.log(level, "the prefill's layout at %s is not known yet: %s", bootstrap_addr, err)
+            return False
+        self.prefill_info_table[bootstrap_addr] = PrefillServerInfo(
+            attn_tp_size=layout.attn_tp_size, attn_cp_size=layout.attn_cp_size, dp_size=layout.dp_size,
+            pp_size=layout.pp_size, page_size=layout.page_size, kv_cache_dtype=layout.kv_cache_dtype,
+            follow_bootstrap_room=layout.follow_bootstrap_room,
+            enable_dsa_cache_layer_split=layout.enable_dsa_cache_layer_split, kv_layout=layout.kv_layout,
+            decode_allocation_policy=layout.decode_allocation_policy,
+            enable_kv_cache_sharding=layout.enable_kv_cache_sharding, prefill_http_port=layout.prefill_http_port)
+        return True
+
+    def _target_tp_rank(self, prefill_tp: int) -> int:
+        """The prefill attention-TP rank that holds this decode rank's part (one rank: docs/sglang.md)."""
+        mine, rank = self.attn_tp_size, self.attn_tp_rank
+        if mine >= prefill_tp and mine % prefill_tp == 0:
+            return rank // (mine // prefill_tp)
+        if self.is_mla and prefill_tp % mine == 0:  # MLA's KV is whole on every prefill rank: one of them
+            return rank * (prefill_tp // mine)
+        raise LayoutError(f"decode attention TP {mine} rank {rank} takes its heads from several prefill ranks of TP "
+                          f"{prefill_tp}; the adapter pairs a decode rank with one prefill rank (decode TP a "
+                          "multiple of prefill TP, or MLA)")
+
+    def connect(self, bootstrap_addr: str, prefill_dp_rank: int = 0) -> int:
+        """Find the prefill rank that serves this decode rank and pair with it (once per rank): through
+        SGLang's bootstrap server (its parallel layout, then the rank's control socket), or at the address
+        itself with ``KVPLAN_BOOTSTRAP=direct``; with SGLang's protocol, register with SGLang's prefill.
+        Returns the prefill rank's peer index."""
+        host, port = _host_port(bootstrap_addr)
         if self.protocol == "sglang":
-            self._connect_sglang(host or "127.0.0.1", int(port))
-            self.bootstrap_addr = bootstrap_addr
-            return
-        channel = channel_via(host or "127.0.0.1", int(port), timeout=self.timeout)
-        self.decode = DecodeEndpoint(self.side, self.engine, channel)
-        self.decode.register(timeout=self.timeout)
-        self.bootstrap_addr = bootstrap_addr
+            if self.link is None:
+                self._connect_sglang(host, port)
+                self.bootstrap_addr = bootstrap_addr
+            elif bootstrap_addr != self.bootstrap_addr:
+                raise LayoutError(f"with SGLang's protocol this decode manager is paired with {self.bootstrap_addr}; "
+                                  f"one prefill per decode manager, not also {bootstrap_addr}")
+            return 0
+        if self.settings.bootstrap == "direct":  # kvplan's listener is the bootstrap port itself
+            rank_addr = (host, port)
+        else:
+            if not self.try_ensure_parallel_info(bootstrap_addr):
+                raise PeerError(f"the prefill's layout at {bootstrap_addr} is not known (SGLang's bootstrap server)")
+            info = self.prefill_info_table[bootstrap_addr]
+            rank_addr = prefill_rank(host, port, tp_rank=self._target_tp_rank(int(info.attn_tp_size)),
+                                     dp_rank=int(prefill_dp_rank), timeout=min(5.0, self.timeout))
+        if rank_addr in self._senders:
+            return self._senders[rank_addr]
+        channel = channel_via(*rank_addr, timeout=self.timeout)
+        if self.decode is None:
+            self.decode = DecodeEndpoint(self.side, self.engine, channel)
+            self.decode.register(timeout=self.timeout)
+            peer = 0
+        else:
+            peer = self.decode.add_sender(channel, self.timeout)
+        self._senders[rank_addr] = peer
+        self.bootstrap_addr = self.bootstrap_addr or bootstrap_addr
+        return peer
 
     def _connect_sglang(self, host: str, port: int) -> None:
         """Register this side's buffers with the engine and its layout with SGLang's prefill rank."""
@@ -535,7 +672,7 @@ class KVManager(BaseKVManager):
         self.link = link
 
     def publish(self, room: int, pages: np.ndarray, aux_index: int, prefix_len: int,
-                state: tuple[np.ndarray, ...] | None = None) -> None:
+                state: tuple[np.ndarray, ...] | None = None, peer: int = 0) -> None:
         lists = _state_lists_of(room, state, self.side.state) if self.side.state else ()
         if self.link is not None:  # SGLang's prefill writes them itself; its status settles the room
             self.link.ask(TransferRequest(room, "", 0, "", pages.astype(np.int32), int(aux_index),
@@ -545,9 +682,11 @@ class KVManager(BaseKVManager):
             return
         published = PublishedRequest(room, DestinationLists(pages.astype(np.int64), lists), int(aux_index),
                                      tuple(c.name for c in self.side.state), bool(self.side.aux))
-        self.decode.track([published], time.monotonic() + self.timeout)
-        self.decode.channel.send("request", {"request": room, "prompt_len": prefix_len + len(pages) * self.page_size,
-                                             "prefix_len": prefix_len}, published.message(), timeout=self.timeout)
+        self.decode.track([published], time.monotonic() + self.timeout, peer=peer)
+        self._room_peer[room] = peer
+        self.decode.channels[peer].send("request", {"request": room, "prompt_len": prefix_len + len(pages) *
+                                                    self.page_size, "prefix_len": prefix_len}, published.message(),
+                                        timeout=self.timeout)
 
     def decode_state(self, room: int) -> int:
         if self.link is not None:
@@ -586,6 +725,14 @@ class KVManager(BaseKVManager):
         return self.status.get(room, KVPoll.Transferring)
 
 
+def _host_port(address: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` too) as ``(host, port)``; a clear error for anything else."""
+    host, _, port = str(address).rpartition(":")
+    if not host or not port.isdigit():
+        raise LayoutError(f"{address!r} is not a host:port address")
+    return host.strip("[]"), int(port)
+
+
 def _nested(values: Any) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(int(v) for v in inner) for inner in (values or ()))
 
@@ -622,29 +769,39 @@ class KVSender(BaseKVSender):
     def __init__(self, mgr: KVManager, bootstrap_addr: str, bootstrap_room: int,
                  req_has_disagg_prefill_dp_rank: bool = False):
         self.mgr, self.room = mgr, int(bootstrap_room)
+        self.kv_mgr = mgr  # (SGLang's scheduler reads the sender's manager by this name)
         self.num_pages, self.aux_index, self.pages_sent, self.tokens_sent = 0, 0, 0, 0
         self.pages: list[np.ndarray] = []  # every page sent so far
         self._started = time.monotonic()
+        self._first_send: float | None = None  # when the first chunk was handed over, for the transfer metric
+        self._concluded: float | None = None
+
+    def pop_decode_prefix_len(self) -> int:
+        """The decode side's cached prefix (tokens), from the lists it published: SGLang's prefill starts
+        sending there and counts the pages after it (``finalize_bootstrap``)."""
+        return self.mgr.decode_prefix_len(self.room)
 
     def init(self, num_kv_indices: int, aux_index: Optional[int] = None) -> None:
         self.num_pages, self.aux_index = int(num_kv_indices), int(aux_index or 0)
 
     def send(self, kv_indices: Any, state_indices: Optional[list] = None, num_kv_tokens: Optional[int] = None) -> None:
         pages = _ids(kv_indices)
+        if self._first_send is None:
+            self._first_send = time.monotonic()
         tokens = len(pages) * self.mgr.page_size if num_kv_tokens is None else int(num_kv_tokens)
         self.mgr.enqueue(self, pages, _state_lists(state_indices), tokens)
 
     def poll(self) -> int:
         mgr = self.mgr
         if self.room in mgr.status:
-            return mgr.status[self.room]
+            return self._concluding(mgr.status[self.room])
         mgr.progress()
         if mgr.broken is not None:
             mgr._settle(self.room, KVPoll.Failed, mgr.broken)
         else:
             mgr.flush()
         if self.room in mgr.status:
-            return mgr.status[self.room]
+            return self._concluding(mgr.status[self.room])
         if not mgr.paired() or not mgr.has_lists(self.room):
             if time.monotonic() - self._started > mgr.timeout:
                 mgr._settle(self.room, KVPoll.Failed, "no destination lists from the decode side before the deadline")
@@ -652,27 +809,74 @@ class KVSender(BaseKVSender):
             return KVPoll.Bootstrapping
         return KVPoll.Transferring if self.pages_sent else KVPoll.WaitingForInput
 
+    def _concluding(self, state: int) -> int:
+        if state in (KVPoll.Success, KVPoll.Failed) and self._concluded is None:
+            self._concluded = time.monotonic()
+        return state
+
     def failure_exception(self):
         raise TransferFailed(self.mgr.failures.get(self.room, f"request {self.room} failed"))
 
     def get_transfer_metric(self) -> KVTransferMetric:
-        return KVTransferMetric()
+        """The time from the first chunk handed over to the request's conclusion (seconds); bytes are not
+        counted per request (a batch's plan moves several requests' bytes together)."""
+        if self._first_send is None or self._concluded is None:
+            return KVTransferMetric()
+        return KVTransferMetric(transfer_latency_s=self._concluded - self._first_send)
+
+    def abort(self) -> None:
+        """SGLang aborts the request: nothing more of it is sent, it ends ``Failed`` here, and each decode
+        side that published it is told at once (it fails it instead of waiting for its deadline)."""
+        if self.mgr.status.get(self.room) not in (KVPoll.Success, KVPoll.Failed):
+            self.mgr.abort_room(self.room, "aborted by the prefill's scheduler")
+
+    def clear(self) -> None:
+        """SGLang is done with the request: drop its state and its destination lists."""
+        self.mgr.forget_room(self.room)
 
 
 class KVReceiver(BaseKVReceiver):
     """One request's receiver on the decode side (SGLang's ``BaseKVReceiver``)."""
 
+    require_staging = False  # kvplan stages inside its own transport: SGLang's decode staging is not asked for
+
     def __init__(self, mgr: KVManager, bootstrap_addr: str, bootstrap_room: Optional[int] = None):
         self.mgr, self.bootstrap_addr, self.room = mgr, bootstrap_addr, int(bootstrap_room or 0)
+        self.kv_mgr = mgr  # (SGLang's scheduler reads the receiver's manager by this name)
         self.published = False
+        self.peer: int | None = None  # the prefill rank's peer index, once init found it
+        self.abort_notified = False  # whether the prefill was told of this request's abort
+        self.bootstrap_infos: list[dict[str, Any]] | None = None  # the prefill rank(s) this request reads from
+
+    @property
+    def conclude_state(self) -> Optional[int]:
+        """``Success`` or ``Failed`` once the request concluded here, else None (SGLang reads it after
+        ``init``)."""
+        state = self.mgr.status.get(self.room)
+        return state if state in (KVPoll.Success, KVPoll.Failed) else None
+
+    @property
+    def supports_host_destination(self) -> bool:
+        return False  # kvplan writes into the decode's device pool only
 
     def init(self, prefill_dp_rank: int = 0) -> None:
-        self.mgr.connect(self.bootstrap_addr)
+        """Find and pair with the prefill rank that serves this request; a failure ends the request
+        ``Failed`` with the reason instead of raising into SGLang's scheduler."""
+        try:
+            self.peer = self.mgr.connect(self.bootstrap_addr, prefill_dp_rank)
+        except KvplanError as err:
+            self.mgr._settle(self.room, KVPoll.Failed, f"no prefill rank to pair with at {self.bootstrap_addr}: "
+                                                       f"{type(err).__name__}: {err}")
+            return
+        self.bootstrap_infos = [{"bootstrap_addr": self.bootstrap_addr, "prefill_dp_rank": int(prefill_dp_rank),
+                                 "peer": self.peer}]
 
     def send_metadata(self, kv_indices: Any, aux_index: Optional[int] = None, state_indices: Optional[list] = None,
                       decode_prefix_len: Optional[int] = None, destination: Any = None) -> None:
+        if self.conclude_state is not None:  # failed at init (or aborted): nothing to publish
+            return
         self.mgr.publish(self.room, _ids(kv_indices), int(aux_index or 0), int(decode_prefix_len or 0),
-                         _state_lists(state_indices))
+                         _state_lists(state_indices), peer=self.peer or 0)
         self.published = True
 
     def poll(self) -> int:
@@ -688,3 +892,26 @@ class KVReceiver(BaseKVReceiver):
 
     def failure_exception(self):
         raise TransferFailed(self.mgr.failures.get(self.room, f"request {self.room} failed"))
+
+    def abort(self) -> None:
+        """SGLang aborts the request: it ends ``Failed`` here and the prefill is told (once), which then
+        sends nothing more of it. Writes already posted are not fenced yet (issue 38)."""
+        if self.conclude_state is None:
+            self.mgr._settle(self.room, KVPoll.Failed, "aborted by the decode's scheduler")
+        self.ensure_abort_notified()
+
+    def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
+        """Tell the prefill of the abort, once (SGLang calls it for a failure the decode did not start)."""
+        if not self.abort_notified and self.published:
+            self.mgr.abort_room(self.room, self.mgr.failures.get(self.room, "aborted by the decode's scheduler"))
+            self.abort_notified = True
+
+    def is_abort_release_safe(self) -> bool:
+        """Whether no write into the aborted request's pages can still land. kvplan cannot prove that yet
+        (issue 38), so SGLang is never told it can: only asked for host destinations, which kvplan does
+        not take."""
+        return False
+
+    def clear(self) -> None:
+        """SGLang is done with the request: drop what the manager keeps of it."""
+        self.mgr.forget_room(self.room)

@@ -1,0 +1,62 @@
+"""kvplan as an SGLang plugin: one switch, ``KVPLAN_SGLANG=1``.
+
+kvplan's package registers :func:`register` under SGLang's general-plugin entry point group
+``sglang.srt.plugins``; SGLang 0.5.23 calls it through ``load_plugins()`` in every scheduler
+process. Unless ``KVPLAN_SGLANG`` is ``1`` (or ``true``, ``yes``, ``on``) it does nothing, and SGLang
+runs exactly as without kvplan. When it is set, it hooks SGLang's
+``sglang.srt.disaggregation.utils.get_kv_class`` (an AROUND hook of SGLang's ``HookRegistry``):
+for ``--disaggregation-transfer-backend nixl`` and ``mooncake`` the prefill and decode schedulers
+get kvplan's :class:`~.adapter.KVManager`, :class:`~.adapter.KVSender` and
+:class:`~.adapter.KVReceiver`; the ``KVArgs`` container and the bootstrap server stay SGLang's, so
+SGLang's own bootstrap server keeps serving its port. kvplan's settings come from ``KVPLAN_*``
+variables (:mod:`.settings`).
+
+Example (what a deployment does; nothing to import)::
+
+    pip install "kvplan[nixl]"
+    KVPLAN_SGLANG=1 python -m sglang.launch_server --disaggregation-mode prefill \\
+        --disaggregation-transfer-backend nixl ...
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable
+
+__all__ = ["SWITCH", "enabled", "kv_class", "register"]
+
+log = logging.getLogger("kvplan")
+
+SWITCH = "KVPLAN_SGLANG"
+TARGET = "sglang.srt.disaggregation.utils.get_kv_class"
+BACKENDS = ("nixl", "mooncake")  # the transfer backends kvplan stands in for
+_TRUE = ("1", "true", "yes", "on")
+
+
+def enabled(environ: Any = None) -> bool:
+    """Whether ``KVPLAN_SGLANG`` switches kvplan on."""
+    return str((os.environ if environ is None else environ).get(SWITCH, "")).strip().lower() in _TRUE
+
+
+def kv_class(original: Callable[..., Any], transfer_backend: Any, class_type: Any) -> Any:
+    """SGLang's ``get_kv_class`` with kvplan's manager, sender and receiver for NIXL and Mooncake."""
+    from sglang.srt.disaggregation.utils import KVClassType
+
+    backend = str(getattr(transfer_backend, "value", transfer_backend))
+    roles = {KVClassType.MANAGER: "KVManager", KVClassType.SENDER: "KVSender", KVClassType.RECEIVER: "KVReceiver"}
+    if backend in BACKENDS and class_type in roles:
+        from . import adapter
+
+        return getattr(adapter, roles[class_type])
+    return original(transfer_backend, class_type)
+
+
+def register() -> None:
+    """SGLang's entry point: hook ``get_kv_class`` when ``KVPLAN_SGLANG`` is set, else nothing."""
+    if not enabled():
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(TARGET, kv_class, HookType.AROUND)
+    log.info("kvplan moves SGLang's KV for the transfer backends %s (%s is set)", list(BACKENDS), SWITCH)

@@ -1,0 +1,145 @@
+"""kvplan's own settings inside SGLang: one table, read from the server args, the environment or a file.
+
+SGLang's ``ServerArgs`` has no field for kvplan, so a deployment that switches kvplan on with the
+plugin (``KVPLAN_SGLANG=1``, :mod:`.plugin`) gives kvplan's settings as ``KVPLAN_*`` environment
+variables, or in a JSON file named by ``KVPLAN_CONFIG``. For each setting the first of these wins:
+
+1. an attribute ``kvplan_<name>`` of the server args (code that builds the managers itself, tests);
+2. the environment variable ``KVPLAN_<NAME>``;
+3. the key ``<name>`` of the JSON object in the file ``KVPLAN_CONFIG``;
+4. the default below.
+
+============== ======================= =========== ==================================================
+name           environment             default     meaning
+============== ======================= =========== ==================================================
+mode           ``KVPLAN_MODE``         ``auto``    ``auto``, ``direct``, ``prepared`` or ``staged``
+timeout_s      ``KVPLAN_TIMEOUT_S``    ``30``      deadline of every wait of a transfer, in seconds
+engine         ``KVPLAN_ENGINE``       (backend)   ``nixl`` or ``mooncake``; default: SGLang's
+                                                   ``--disaggregation-transfer-backend``
+engine_settings ``KVPLAN_ENGINE_SETTINGS`` ``{}``  JSON object for the engine (NIXL: ``num_threads``,
+                                                   ``progress_thread``; Mooncake: its TCP settings)
+state_params   ``KVPLAN_STATE_PARAMS`` ``[]``      JSON list, one object per state component: what
+                                                   ``KVArgs`` lacks (``window``, ``ring_size``, ...)
+protocol       ``KVPLAN_PROTOCOL``     ``kvplan``  ``kvplan`` (both sides kvplan) or ``sglang``
+                                                   (kvplan on one side, SGLang's own on the other)
+bootstrap      ``KVPLAN_BOOTSTRAP``    ``sglang``  how a decode finds a prefill rank (kvplan's
+                                                   protocol): ``sglang``, through SGLang's bootstrap
+                                                   server; ``direct``, kvplan's listener *is* the
+                                                   bootstrap port (no SGLang bootstrap server runs)
+host           ``KVPLAN_HOST``         (SGLang's)  the address kvplan binds and advertises; default:
+                                                   the node's address as SGLang finds it
+decode_lens    ``KVPLAN_DECODE_LENS``  none        JSON: an SGLang decode's buffer lengths, for a
+                                                   kvplan prefill serving it (``protocol=sglang``)
+============== ======================= =========== ==================================================
+
+A value that does not parse is refused with :class:`SettingsError`, naming the setting and where it
+came from; so is an unknown key in the file.
+
+Example::
+
+    # export KVPLAN_MODE=staged KVPLAN_ENGINE_SETTINGS='{"num_threads": 4}'
+    settings = Settings.read(server_args)
+    settings.mode, settings.engine_settings       # ('staged', {'num_threads': 4})
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+from ...errors import KvplanError
+
+__all__ = ["MODES", "PROTOCOLS", "BOOTSTRAPS", "Settings", "SettingsError"]
+
+MODES = ("auto", "direct", "prepared", "staged")
+PROTOCOLS = ("kvplan", "sglang")
+BOOTSTRAPS = ("sglang", "direct")
+CONFIG_VARIABLE = "KVPLAN_CONFIG"
+
+
+class SettingsError(KvplanError, ValueError):
+    """A kvplan setting that does not parse or is out of range; names it and where it came from."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """kvplan's settings for one SGLang manager (see the module's table)."""
+
+    mode: str = "auto"
+    timeout_s: float = 30.0
+    engine: str | None = None
+    engine_settings: dict = field(default_factory=dict)
+    state_params: list = field(default_factory=list)
+    protocol: str = "kvplan"
+    bootstrap: str = "sglang"
+    host: str | None = None
+    decode_lens: Any = None
+
+    @classmethod
+    def read(cls, server_args: Any = None, environ: Mapping[str, str] | None = None) -> "Settings":
+        """The settings in force: server args, then ``KVPLAN_*``, then the ``KVPLAN_CONFIG`` file, then
+        the defaults."""
+        environ = os.environ if environ is None else environ
+        from_file = _config_file(environ)
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            attr = getattr(server_args, f"kvplan_{f.name}", None) if server_args is not None else None
+            variable = f"KVPLAN_{f.name.upper()}"
+            if attr is not None:
+                values[f.name] = _parse(f.name, attr, f"server arg kvplan_{f.name}", text=False)
+            elif environ.get(variable, "") != "":
+                values[f.name] = _parse(f.name, environ[variable], variable, text=True)
+            elif f.name in from_file:
+                values[f.name] = _parse(f.name, from_file[f.name], f"{environ[CONFIG_VARIABLE]}: {f.name}", text=False)
+        return cls(**values)
+
+
+_JSON_SETTINGS = {"engine_settings": dict, "state_params": list, "decode_lens": (dict, list)}
+_CHOICES = {"mode": MODES, "protocol": PROTOCOLS, "bootstrap": BOOTSTRAPS, "engine": ("nixl", "mooncake")}
+
+
+def _parse(name: str, value: Any, where: str, text: bool) -> Any:
+    if name in _JSON_SETTINGS:
+        if text:
+            try:
+                value = json.loads(value)
+            except ValueError as err:
+                raise SettingsError(f"{where}: not JSON ({err}): {value[:80]!r}") from None
+        if not isinstance(value, _JSON_SETTINGS[name]):
+            raise SettingsError(f"{where}: expected a JSON {'object' if name == 'engine_settings' else 'list'}, "
+                                f"got {type(value).__name__}")
+        return dict(value) if isinstance(value, dict) else value
+    if name == "timeout_s":
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
+            raise SettingsError(f"{where}: not a number of seconds: {value!r}") from None
+        if not seconds > 0:
+            raise SettingsError(f"{where}: a deadline must be positive, got {seconds}")
+        return seconds
+    value = str(value).strip()
+    if name in _CHOICES and value not in _CHOICES[name]:
+        raise SettingsError(f"{where}: {value!r} is not one of {list(_CHOICES[name])}")
+    return value
+
+
+def _config_file(environ: Mapping[str, str]) -> dict:
+    path = environ.get(CONFIG_VARIABLE, "")
+    if not path:
+        return {}
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except OSError as err:
+        raise SettingsError(f"{CONFIG_VARIABLE}={path}: cannot be read: {err.strerror}") from None
+    except ValueError as err:
+        raise SettingsError(f"{CONFIG_VARIABLE}={path}: not JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise SettingsError(f"{CONFIG_VARIABLE}={path}: expected a JSON object of settings")
+    unknown = sorted(set(data) - {f.name for f in fields(Settings)})
+    if unknown:
+        raise SettingsError(f"{CONFIG_VARIABLE}={path}: unknown settings {unknown}; known: "
+                            f"{[f.name for f in fields(Settings)]}")
+    return data

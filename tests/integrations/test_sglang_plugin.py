@@ -1,0 +1,108 @@
+"""kvplan as an SGLang plugin (issue 36): SGLang's own ``load_plugins()`` finds kvplan's entry point;
+with ``KVPLAN_SGLANG=1`` SGLang's ``get_kv_class`` hands its prefill and decode schedulers kvplan's
+manager, sender and receiver for NIXL and Mooncake and keeps its own bootstrap server; without it,
+SGLang's classes. Each case runs in a fresh process: SGLang loads plugins once per process and its
+hooks patch the modules of that process."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvplan.integrations.sglang.settings import Settings, SettingsError
+from tests.sglang_real import sglang_module
+
+pytestmark = pytest.mark.sglang
+ROOT = Path(__file__).resolve().parents[2]
+
+# what SGLang's schedulers ask for, through the very function objects its modules imported
+_PROBE = """
+import json, sys
+sys.path.insert(0, {root!r})
+from tests.sglang_real import _torchvision_or_stand_in
+_torchvision_or_stand_in()
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from sglang.srt.disaggregation import decode, prefill, utils
+from sglang.srt.managers import disagg_service
+out = {{}}
+for backend in (utils.TransferBackend.NIXL, utils.TransferBackend.MOONCAKE):
+    for role in utils.KVClassType:
+        for where, module in (("prefill", prefill), ("decode", decode), ("utils", utils), ("service", disagg_service)):
+            cls = module.get_kv_class(backend, role)
+            out[f"{{backend.value}}/{{role.value}}/{{where}}"] = f"{{cls.__module__}}.{{cls.__qualname__}}"
+print(json.dumps(out))
+"""
+
+
+def _classes(switch: str | None) -> dict:
+    sglang_module("srt.disaggregation.base.conn")  # skips where SGLang is not installed
+    env = {k: v for k, v in os.environ.items() if k != "KVPLAN_SGLANG"}
+    if switch is not None:
+        env["KVPLAN_SGLANG"] = switch
+    done = subprocess.run([sys.executable, "-c", _PROBE.format(root=str(ROOT))], capture_output=True, text=True,
+                          timeout=240, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_entry_point_is_in_sglang_s_plugin_group():
+    from importlib.metadata import entry_points
+
+    points = {ep.name: ep.value for ep in entry_points(group="sglang.srt.plugins")}
+    assert points.get("kvplan") == "kvplan.integrations.sglang.plugin:register"
+
+
+def test_kvplan_sglang_1_gives_sglang_s_schedulers_kvplan_s_classes():
+    got = _classes("1")
+    for backend in ("nixl", "mooncake"):
+        for where in ("prefill", "decode", "utils", "service"):
+            assert got[f"{backend}/manager/{where}"] == "kvplan.integrations.sglang.adapter.KVManager"
+            assert got[f"{backend}/sender/{where}"] == "kvplan.integrations.sglang.adapter.KVSender"
+            assert got[f"{backend}/receiver/{where}"] == "kvplan.integrations.sglang.adapter.KVReceiver"
+            # SGLang's own bootstrap server and KVArgs stay: its port keeps working
+            assert got[f"{backend}/bootstrap_server/{where}"].startswith("sglang.srt.disaggregation.")
+            assert got[f"{backend}/kvargs/{where}"] == "sglang.srt.disaggregation.base.conn.KVArgs"
+
+
+@pytest.mark.parametrize("switch", [None, "0", ""])
+def test_without_the_switch_sglang_keeps_its_own_classes(switch):
+    got = _classes(switch)
+    assert got["nixl/manager/decode"] == "sglang.srt.disaggregation.nixl.conn.NixlKVManager"
+    assert got["mooncake/sender/prefill"] == "sglang.srt.disaggregation.mooncake.conn.MooncakeKVSender"
+    assert not any(name.startswith("kvplan") for name in got.values())
+
+
+def test_settings_come_from_server_args_then_environment_then_file(tmp_path):
+    config = tmp_path / "kvplan.json"
+    config.write_text(json.dumps({"mode": "staged", "timeout_s": 5, "engine_settings": {"num_threads": 2}}))
+    environ = {"KVPLAN_CONFIG": str(config), "KVPLAN_TIMEOUT_S": "7.5", "KVPLAN_STATE_PARAMS": '[{"window": 128}]'}
+    got = Settings.read(None, environ)
+    assert (got.mode, got.timeout_s, got.engine_settings, got.state_params) == ("staged", 7.5, {"num_threads": 2},
+                                                                               [{"window": 128}])
+    assert got.bootstrap == "sglang" and got.host is None  # the defaults: SGLang's bootstrap server, SGLang's host
+    server_args = type("ServerArgs", (), {"kvplan_mode": "direct"})()
+    assert Settings.read(server_args, environ).mode == "direct"
+
+
+@pytest.mark.parametrize("environ, named", [
+    ({"KVPLAN_MODE": "fast"}, "KVPLAN_MODE"),
+    ({"KVPLAN_TIMEOUT_S": "0"}, "KVPLAN_TIMEOUT_S"),
+    ({"KVPLAN_ENGINE_SETTINGS": "{num_threads: 4}"}, "KVPLAN_ENGINE_SETTINGS"),
+    ({"KVPLAN_STATE_PARAMS": '{"window": 4}'}, "KVPLAN_STATE_PARAMS"),
+    ({"KVPLAN_BOOTSTRAP": "http"}, "KVPLAN_BOOTSTRAP"),
+    ({"KVPLAN_CONFIG": "/nonexistent/kvplan.json"}, "KVPLAN_CONFIG"),
+])
+def test_a_setting_that_does_not_parse_is_refused_naming_it(environ, named):
+    with pytest.raises(SettingsError, match=named):
+        Settings.read(None, environ)
+
+
+def test_an_unknown_key_in_the_config_file_is_refused(tmp_path):
+    config = tmp_path / "kvplan.json"
+    config.write_text(json.dumps({"mdoe": "staged"}))
+    with pytest.raises(SettingsError, match="mdoe"):
+        Settings.read(None, {"KVPLAN_CONFIG": str(config)})

@@ -1,0 +1,176 @@
+"""What SGLang 0.5.23's schedulers call on a manager, sender and receiver, with SGLang's meaning (issue 36).
+
+The list of calls is docs/sglang.md §"What SGLang's schedulers call"; a test scans SGLang's own
+scheduler sources and fails on a call the list does not name, and on a name the list says kvplan has
+that its classes lack. The others drive the calls on kvplan's classes: the decode prefix SGLang's
+prefill reads with ``pop_decode_prefix_len``, aborts on either side (the peer is told), ``clear``,
+the transfer metric, the receiver's state flags, and a receiver whose prefill cannot be found.
+"""
+
+import ast
+import re
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.integrations import sglang_sides
+from tests.integrations.test_sglang_adapter import _free_managers, _manager, free_port  # noqa: F401 (fixture)
+from tests.sglang_real import sglang_module
+
+pytestmark = [pytest.mark.sglang, pytest.mark.engines]
+DOC = Path(__file__).resolve().parents[2] / "docs" / "sglang.md"
+# the scheduler sources issue 36 names, and the names they give a manager, sender or receiver
+SOURCES = ("disaggregation/prefill.py", "disaggregation/decode.py", "disaggregation/decode_schedule_batch_mixin.py",
+           "disaggregation/utils.py", "managers/scheduler.py", "managers/disagg_service.py",
+           "managers/scheduler_pp_mixin.py", "managers/schedule_batch.py")
+HOLDERS = {"kv_manager": "manager", "kv_mgr": "manager", "disagg_kv_sender": "sender", "kv_sender": "sender",
+           "sender": "sender", "kv_receiver": "receiver", "receiver": "receiver"}
+
+
+def _sglang_calls() -> set[tuple[str, str]]:
+    """``(role, attribute)`` for every attribute SGLang's scheduler code reads or calls on an object it
+    holds as a manager, sender or receiver (``x.kv_manager.attr``, ``getattr(x.kv_receiver, "attr")``)."""
+    root = Path(sglang_module("srt.disaggregation.utils").__file__).parents[1]
+    found = set()
+    for source in SOURCES:
+        tree = ast.parse((root / source).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and not node.attr.startswith("__"):
+                holder = node.value
+                name = holder.attr if isinstance(holder, ast.Attribute) else getattr(holder, "id", None)
+                if name in HOLDERS:
+                    found.add((HOLDERS[name], node.attr))
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr") \
+                    and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant):
+                holder = node.args[0]
+                name = holder.attr if isinstance(holder, ast.Attribute) else getattr(holder, "id", None)
+                if name in HOLDERS:
+                    found.add((HOLDERS[name], str(node.args[1].value)))
+    return found
+
+
+def _documented() -> dict[tuple[str, str], str]:
+    """``(role, attribute) -> support`` from the table in docs/sglang.md."""
+    rows = {}
+    for line in DOC.read_text().splitlines():
+        m = re.match(r"\|\s*(manager|sender|receiver)\s*\|\s*`(\w+)`\s*\|[^|]*\|\s*(\w+)", line)
+        if m:
+            rows[(m.group(1), m.group(2))] = m.group(3)
+    return rows
+
+
+def test_every_call_of_sglang_s_schedulers_is_in_the_list():
+    calls, documented = _sglang_calls(), _documented()
+    missing = sorted(calls - set(documented))
+    assert not missing, f"SGLang's schedulers call these; docs/sglang.md does not list them: {missing}"
+    assert len(calls) > 30  # the scan found SGLang's calls (it would pass vacuously on an empty scan)
+
+
+def test_what_the_list_says_kvplan_has_its_classes_have():
+    sglang_module("srt.disaggregation.base.conn")  # (SGLang's import chain, or a skip)
+    from kvplan.integrations.sglang import adapter
+
+    classes = {"manager": adapter.KVManager, "sender": adapter.KVSender, "receiver": adapter.KVReceiver}
+    instance_attrs = {("sender", "kv_mgr"), ("receiver", "kv_mgr"), ("receiver", "abort_notified"),
+                      ("receiver", "bootstrap_infos"), ("manager", "kv_args"), ("manager", "prefill_info_table"),
+                      ("manager", "server_args")}  # set in __init__ (checked on instances elsewhere)
+    for (role, name), support in _documented().items():
+        if support in ("yes", "inherited") and (role, name) not in instance_attrs:
+            assert hasattr(classes[role], name), f"docs/sglang.md says the {role} has {name}"
+        if support == "no":  # kvplan does not define what it says it does not support
+            assert name not in vars(classes[role]), f"docs/sglang.md says the {role} has no {name}"
+
+
+def _prefill_with_decode(room_prefix: dict[int, int]):
+    """A prefill manager with one decode side on an in-memory channel that published ``room -> prefix``."""
+    base = sglang_module("srt.disaggregation.base.conn")
+    from kvplan.planner.plan import DestinationLists
+    from kvplan.transport.prefill import Peer
+    from tests.transport.fakes import FakeChannel
+
+    kv, aux = sglang_sides.pools(1)
+    mgr = _manager(sglang_sides.kv_args_of(base, kv, aux), "PREFILL", max_running_requests=4, context_length=64)
+    ours, theirs = FakeChannel.pair()
+    mgr.prefill.peers.append(Peer(ours))
+    for room, prefix in room_prefix.items():
+        mgr.prefill.peers[0].lists[room] = (DestinationLists(np.array([3, 4]), ()), 0, prefix)
+    return base, mgr, theirs
+
+
+def test_the_prefill_reads_the_decode_s_cached_prefix():
+    """SGLang's prefill starts sending at ``pop_decode_prefix_len()`` and counts only the pages after it
+    (``finalize_bootstrap``): the base class's 0 made every request of the step fail on a prefix hit."""
+    from kvplan.integrations.sglang.adapter import KVSender
+
+    base, mgr, _ = _prefill_with_decode({7: 2 * sglang_sides.PAGE, 8: 0})
+    assert KVSender(mgr, "127.0.0.1:0", 7).pop_decode_prefix_len() == 2 * sglang_sides.PAGE
+    assert KVSender(mgr, "127.0.0.1:0", 8).pop_decode_prefix_len() == 0
+    assert KVSender(mgr, "127.0.0.1:0", 9).pop_decode_prefix_len() == 0  # no lists yet
+
+
+def test_a_prefill_abort_fails_the_request_sends_nothing_and_tells_the_decode():
+    from kvplan.integrations.sglang.adapter import KVSender, TransferFailed
+
+    base, mgr, decode_end = _prefill_with_decode({7: 0, 8: 0})
+    aborted, kept = KVSender(mgr, "127.0.0.1:0", 7), KVSender(mgr, "127.0.0.1:0", 8)
+    for sender in (aborted, kept):
+        sender.init(2, aux_index=0)
+    aborted.send(np.array([3]))  # a first chunk, queued
+    aborted.abort()
+    assert aborted.poll() == base.KVPoll.Failed
+    with pytest.raises(TransferFailed, match="aborted by the prefill's scheduler"):
+        aborted.failure_exception()
+    told = [(kind, header) for kind, header, _ in decode_end.inbox]
+    assert ("failed", {"request": 7, "reason": "aborted by the prefill's scheduler"}) in told
+    assert not any(sender.room == 7 for sender, *_ in mgr._pending)  # its queued chunk is dropped
+    assert 7 not in mgr.prefill.peers[0].lists and 8 in mgr.prefill.peers[0].lists
+    assert kept.poll() != base.KVPoll.Failed
+    aborted.clear()
+    assert 7 not in mgr.status and 7 not in mgr.failures  # nothing of it is kept
+
+
+def test_a_decode_abort_reaches_the_prefill_which_fails_it():
+    from kvplan.integrations.sglang.adapter import KVSender
+
+    base, mgr, decode_end = _prefill_with_decode({7: 0})
+    sender = KVSender(mgr, "127.0.0.1:0", 7)
+    sender.init(2, aux_index=0)
+    decode_end.send("abort", {"request": 7, "reason": "aborted by the decode's scheduler"})
+    assert sender.poll() == base.KVPoll.Failed
+    assert "the decode side aborted it" in mgr.failures[7]
+
+
+def test_a_receiver_whose_prefill_cannot_be_found_fails_instead_of_raising():
+    base = sglang_module("srt.disaggregation.base.conn")
+    from kvplan.integrations.sglang.adapter import KVReceiver
+
+    kv, aux = sglang_sides.pools(None)
+    mgr = _manager(sglang_sides.kv_args_of(base, kv, aux), "DECODE", kvplan_timeout_s=0.5)
+    mgr.settings = types.SimpleNamespace(**{**vars(mgr.settings), "bootstrap": "sglang"})  # no server listens
+    receiver = KVReceiver(mgr, f"127.0.0.1:{free_port()}", 3)
+    assert receiver.conclude_state is None and not receiver.require_staging
+    assert not mgr.try_ensure_parallel_info(receiver.bootstrap_addr)  # SGLang tries again later
+    receiver.init(0)
+    assert receiver.poll() == base.KVPoll.Failed and receiver.conclude_state == base.KVPoll.Failed
+    assert "no prefill rank to pair with" in mgr.failures[3]
+    receiver.send_metadata(np.array([1, 2]), aux_index=0)  # SGLang may still send it: nothing is published
+    assert not receiver.published
+    receiver.abort()
+    assert not receiver.abort_notified  # nothing was published: no prefill to tell
+    receiver.clear()
+    assert 3 not in mgr.status
+
+
+def test_the_transfer_metric_is_the_time_from_first_chunk_to_conclusion():
+    from kvplan.integrations.sglang.adapter import KVSender
+
+    base, mgr, _ = _prefill_with_decode({7: 0})
+    sender = KVSender(mgr, "127.0.0.1:0", 7)
+    assert sender.get_transfer_metric().transfer_latency_s is None
+    sender.init(2, aux_index=0)
+    sender.send(np.array([3]))
+    sender.abort()
+    assert sender.poll() == base.KVPoll.Failed
+    assert sender.get_transfer_metric().transfer_latency_s >= 0
