@@ -1,9 +1,11 @@
 """kvplan under SGLang's disaggregation interfaces: a prefill and a decode node's KV managers, one
 request sent in two chunks through NIXL on 127.0.0.1, checked byte for byte.
 
-This is the code an SGLang deployment runs in its schedulers: ``KVArgs`` as SGLang fills them, a
-``KVManager`` per side, a ``KVSender`` / ``KVReceiver`` per request, polled for SGLang's ``KVPoll``
-states. Here both sides run in one process (the decode side in a thread) on host memory.
+This is the code an SGLang deployment runs in its schedulers once ``KVPLAN_SGLANG=1`` switches kvplan
+on (docs/sglang.md): ``KVArgs`` as SGLang fills them, a ``KVManager`` per side, a ``KVSender`` /
+``KVReceiver`` per request, polled for SGLang's ``KVPoll`` states; SGLang's own bootstrap server, where
+the prefill rank registers and the decode finds it. Here both sides run in one process (the decode side
+in a thread) on host memory, bound to 127.0.0.1.
 
 Run: ``UCX_NET_DEVICES=lo python examples/sglang_integration.py`` with SGLang 0.5.23 installed
 (``make setup-sglang``; without a GPU, also ``TRITON_INTERPRET=1``).
@@ -17,7 +19,7 @@ from types import SimpleNamespace
 
 import torch
 from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
-from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType, TransferBackend, get_kv_class
 
 from kvplan.integrations.sglang import KVManager, KVReceiver, KVSender
 
@@ -44,8 +46,12 @@ def free_port() -> int:
 
 
 port = free_port()
+# SGLang's server args (a deployment's come from its command line); kvplan_* as KVPLAN_* variables would give them
 server_args = SimpleNamespace(disaggregation_transfer_backend="nixl", disaggregation_bootstrap_port=port,
-                              max_running_requests=8, context_length=1024, kvplan_mode="direct")
+                              host="127.0.0.1", max_running_requests=8, context_length=1024,
+                              kvplan_mode="direct", kvplan_host="127.0.0.1")
+# SGLang's own bootstrap server, as an SGLang prefill node starts it
+bootstrap = get_kv_class(TransferBackend.NIXL, KVClassType.BOOTSTRAP_SERVER)("127.0.0.1", port)
 room, src_pages, dst_pages = 42, [7, 3, 12, 13, 14], [30, 31, 32, 5, 9]  # a 70-token prompt: 5 pages
 
 # prefill node: pools with known bytes
@@ -63,6 +69,9 @@ decode_states = []
 def decode_node() -> None:
     decode = KVManager(kv_args(dst_kv, dst_aux), DisaggregationMode.DECODE, server_args)
     receiver = KVReceiver(decode, f"127.0.0.1:{port}", room)
+    deadline = time.monotonic() + 60
+    while not decode.try_ensure_parallel_info(f"127.0.0.1:{port}") and time.monotonic() < deadline:
+        time.sleep(0.05)  # as SGLang's decode scheduler does: the prefill's layout first, then init
     receiver.init(prefill_dp_rank=0)
     receiver.send_metadata(torch.tensor(dst_pages, dtype=torch.int32), aux_index=6)
     deadline = time.monotonic() + 60
@@ -86,6 +95,7 @@ while (state := sender.poll()) not in DONE and time.monotonic() < deadline:
     time.sleep(0.01)
 thread.join(timeout=60)
 prefill.close()
+bootstrap.close()
 
 item = PAGE_SIZE * TOKEN_BYTES
 same = all(torch.equal(s[sp * item:(sp + 1) * item], d[dp * item:(dp + 1) * item])

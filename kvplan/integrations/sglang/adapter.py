@@ -34,11 +34,16 @@ reads SGLang's registrations and transfer requests, and answers each request wit
 message (:mod:`.decode_ranks`). A decode manager is served by SGLang's prefill: it finds it through the
 bootstrap server, registers, asks for each request and reads its status (:mod:`.decode_link`).
 
-Several decode managers per prefill manager: each asks the prefill's bootstrap port (127.0.0.1 by
-default) for a control channel of its own (:mod:`kvplan.transport.listener`), and one step's
-sends fan out to the decode managers that published them, planned as one batch. A decode manager
-pairs with one prefill manager. Sends are moved when planned: ``poll`` returns ``Success`` or
-``Failed`` for a request whose last chunk has gone.
+Switched on by the plugin (``KVPLAN_SGLANG=1``, :mod:`.plugin`), with kvplan's settings from
+``KVPLAN_*`` variables (:mod:`.settings`). A prefill rank binds a control listener on its node's
+address (``KVPLAN_HOST``, default SGLang's own choice) and registers it with SGLang's bootstrap server,
+which keeps its port; a decode rank finds the prefill's layout there (``try_ensure_parallel_info``),
+then the rank that holds its part, and asks its listener for a control channel of its own
+(:mod:`kvplan.transport.listener`). Several decode managers per prefill manager: one step's sends fan
+out to the decode managers that published them, planned as one batch; a decode manager pairs with
+each prefill rank its requests come from. Sends are moved when planned: ``poll`` returns ``Success``
+or ``Failed`` for a request whose last chunk has gone. SGLang's ``abort`` on either side fails the
+request there and tells the peer; docs/sglang.md lists every call SGLang's schedulers make.
 
 Example (prefill and decode in two processes; ``kv_args`` as SGLang fills them)::
 
@@ -129,13 +134,15 @@ def _planning_device() -> torch.device:
 class KVManager(BaseKVManager):
     """One side's kvplan endpoint under SGLang's ``BaseKVManager`` (see the module docstring).
 
-    Server args read (each with a default): ``disaggregation_transfer_backend`` (``"nixl"`` or
-    ``"mooncake"``), ``disaggregation_bootstrap_port``, ``attn_tp_size`` (else ``tp_size``),
-    ``max_running_requests`` (rows of the planning table), ``context_length`` (its width),
-    ``kvplan_state_params`` (per state component, what ``KVArgs`` does not hold: windows, ring sizes),
-    ``kvplan_mode`` (``auto``, ``direct``, ``staged``), ``kvplan_timeout_s``, ``kvplan_engine_settings``
+    SGLang's server args read (each with a default): ``disaggregation_transfer_backend`` (``"nixl"`` or
+    ``"mooncake"``), ``disaggregation_bootstrap_port``, ``host`` and ``dist_init_addr`` (where SGLang's
+    bootstrap server is), attention TP (SGLang's runtime context, else ``attn_tp_size``, else ``tp_size``
+    over ``dp_size`` with DP attention), ``max_running_requests`` (rows of the planning table),
+    ``context_length`` (its width). kvplan's own settings (:class:`~.settings.Settings`: ``KVPLAN_*``
+    variables or ``kvplan_*`` server args): ``state_params`` (per state component, what ``KVArgs``
+    does not hold: windows, ring sizes), ``mode``, ``timeout_s``, ``engine_settings``
     (a dict for the engine, such as ``{"num_threads": 4}`` or ``{"progress_thread": False}`` for NIXL),
-    ``kvplan_protocol`` (``"kvplan"``; or ``"sglang"``, over Mooncake or NIXL: a prefill manager that
+    ``bootstrap``, ``host``, ``protocol`` (``"kvplan"``; or ``"sglang"``, over Mooncake or NIXL: a prefill manager that
     serves SGLang's own decode ranks, registered with SGLang's bootstrap server at ``host`` and
     ``disaggregation_bootstrap_port`` (:mod:`.decode_ranks`; it also needs ``kvplan_decode_lens``, the
     decode's ``kv_data_lens``, ``aux_data_lens`` and ``state_data_lens``, which SGLang's registration
@@ -313,7 +320,7 @@ class KVManager(BaseKVManager):
             raise LayoutError(f"the decode's KV buffers are {sorted(set(reg.kv_mem_kinds))} memory, this side's engine "
                               f"moves {self.engine.memory}")
         try:
-            return side_from_registration(reg, self.kv_args, _setting(self.server_args, "kvplan_decode_lens", None),
+            return side_from_registration(reg, self.kv_args, self.settings.decode_lens,
                                           mla=self.is_mla, attn_tp_size=self.attn_tp_size,
                                           state_params=self.state_params)
         except LayoutError as err:
