@@ -31,7 +31,9 @@ from hypothesis import strategies as st
 from kvplan.integrations.sglang import side_from_kv_args
 from kvplan.planner.model import Batch, Transfer
 from kvplan.planner.reference import plan_reference
+from kvplan.transport.engines.registry import register_engine
 from tests.sglang_real import sglang_module
+from tests.transport.fakes import FakeChannel, FakeEngine
 
 pytestmark = pytest.mark.sglang
 
@@ -455,3 +457,82 @@ def test_mamba_state_sliced_between_tp_sizes_equals_sglang_s(sglang, monkeypatch
         driver.state(src_lists, dst_lists)
     ours = np.concatenate([c.descs for tp in plan.transfers for c in tp.state]).reshape(-1, 3)
     assert byte_ranges(ours) == byte_ranges(driver.blocks)
+
+
+# -- kvplan's own code on the same sends: the adapter's page mapping, the device planner, the endpoint ----
+
+@register_engine("differential-recorder")
+class PostRecorder(FakeEngine):
+    """An engine that records every descriptor list kvplan posts (and completes each at once)."""
+
+    def __init__(self, name: str, memory: str = "DRAM", device_id: int = 0, **settings):
+        super().__init__()
+        self.memory = memory
+
+
+def adapter_posts(sglang, src_args, dst, batch, *, mla: bool, src_tp: int) -> np.ndarray:
+    """Every descriptor kvplan's SGLang adapter posts when SGLang's prefill scheduler drives it with the
+    batch's chunks: ``pop_decode_prefix_len`` and ``init`` per request, then ``send`` of each chunk's
+    page ids (SGLang's ``kv_to_page_indices`` over its ``req_to_token``, with ``num_kv_tokens``), then
+    ``poll``. The decode side is a peer on an in-memory channel that published the batch's lists; the
+    plan is made by the device planner (interpreted on the CPU) and posted to a recording engine."""
+    from kvplan.integrations.sglang.adapter import KVManager, KVSender
+    from kvplan.planner.plan import DestinationLists
+    from kvplan.transport.prefill import Peer
+
+    utils = sglang_module("srt.disaggregation.utils")
+    ps = batch.src.kv.page_size
+    server_args = types.SimpleNamespace(disaggregation_transfer_backend="differential-recorder",
+                                        disaggregation_bootstrap_port=0, kvplan_bootstrap="direct",
+                                        kvplan_host="127.0.0.1", attn_tp_size=src_tp, max_running_requests=8,
+                                        context_length=batch.src.req_to_token.shape[1], kvplan_mode="direct")
+    mgr = KVManager(src_args, utils.DisaggregationMode.PREFILL, server_args, is_mla_backend=mla)
+    try:
+        peer = Peer(FakeChannel.pair()[0], name="peer", side=dst)
+        mgr.prefill.peers.append(peer)
+        senders = {}
+        for t in batch.transfers:
+            if t.request in senders:
+                continue
+            peer.lists[t.request] = (DestinationLists(np.asarray(t.dst_pages, np.int64), ()), t.aux_dst, t.prefix_len)
+            sender = senders[t.request] = KVSender(mgr, "127.0.0.1:0", t.request)
+            assert sender.pop_decode_prefix_len() == t.prefix_len  # what SGLang's finalize_bootstrap reads
+            sender.init(-(-(t.prompt_len - t.prefix_len) // ps), aux_index=t.aux_src)
+        table = torch.from_numpy(np.asarray(batch.src.req_to_token))
+        for t in batch.transfers:
+            end = t.prompt_len if t.last else t.fill_len // ps * ps
+            pages = sglang.pages.kv_to_page_indices(table[t.src_row, t.start:end], ps).astype(np.int32)
+            senders[t.request].send(pages, num_kv_tokens=end - t.start)
+        polls = {room: sender.poll() for room, sender in senders.items()}
+        assert all(p == sglang.base.KVPoll.Success for p in polls.values()), (polls, mgr.failures)
+        return np.concatenate([descs for descs, _ in mgr.engine.posted]) if mgr.engine.posted else np.zeros((0, 3))
+    finally:
+        mgr.close()
+
+
+@pytest.mark.parametrize("engine", sorted(DRIVERS))
+@pytest.mark.parametrize("mla, heads, src_tp, src_rank, dst_tp, dst_rank", LAYOUTS)
+def test_the_adapter_posts_sglang_s_byte_ranges(sglang, monkeypatch, engine, mla, heads, src_tp, src_rank, dst_tp,
+                                                dst_rank):
+    """kvplan's own path, not its reference: SGLang's sends through the adapter's page mapping and the
+    device planner, against SGLang's own planning of the same sends, with decode prefixes and chunks."""
+    @settings(max_examples=3, deadline=None)
+    @given(page_size=st.sampled_from([1, 4, 16]), layers=st.integers(1, 2), requests=st.integers(1, 3),
+           prefix_pages=st.integers(1, 2), seed=st.integers(0, 2**31))
+    def check(page_size, layers, requests, prefix_pages, seed):
+        bph = 8
+        shape = dict(layers=layers, mla=mla, page_size=page_size, num_pages=64, heads=heads, aux_items=(16, 48))
+        src_args = kv_args(sglang, base=1 << 48, token_bytes=bph * (1 if mla else max(1, heads // src_tp)),
+                           tp_size=src_tp, rank=src_rank, **shape)
+        dst_args = kv_args(sglang, base=2 << 48, token_bytes=bph * (1 if mla else max(1, heads // dst_tp)),
+                           tp_size=dst_tp, rank=dst_rank, **shape)
+        src = side_from_kv_args(src_args, mla=mla, attn_tp_size=src_tp)
+        dst = side_from_kv_args(dst_args, mla=mla, attn_tp_size=dst_tp)
+        batch = random_batch(np.random.default_rng(seed), src, dst, requests, prefix_pages, chunked=True)
+        batch = replace(batch, transfers=tuple(replace(t, request=int(t.request[1:])) for t in batch.transfers))
+        ours = adapter_posts(sglang, src_args, dst, batch, mla=mla, src_tp=src_tp)
+        driver = DRIVERS[engine](sglang, src_args, dst_args, mla=mla, src_tp=src_tp, dst_tp=dst_tp,
+                                 monkeypatch=monkeypatch)
+        assert byte_ranges(ours) == byte_ranges(drive(sglang, driver, batch))
+
+    check()
