@@ -437,8 +437,11 @@ class KVManager(BaseKVManager):
             if first + len(pages) > blocks.shape[1]:
                 raise LayoutError(f"request {sender.room}: {(first + len(pages)) * ps} tokens exceed the planning "
                                   f"table's {self.table.shape[1]} (server arg context_length)")
+            held = np.concatenate(sender.pages + [pages])
+            if len(held) != sender.pages_sent + len(pages):  # never, unless an earlier step broke off midway
+                raise InputError(sender.room, f"{len(held)} pages handed over so far, {sender.pages_sent + len(pages)} "
+                                              "counted: its earlier chunks were not all laid out")
             sender.pages.append(pages)
-            held = np.concatenate(sender.pages)
             blocks[row, prefix // ps : first + len(pages)] = held
             sender.pages_sent += len(pages)
             last = sender.pages_sent >= sender.num_pages
