@@ -261,6 +261,19 @@ LAYOUTS = [(False, 4, 1, 0, 1, 0), (True, 1, 1, 0, 1, 0), (False, 4, 2, 1, 4, 3)
            (False, 2, 2, 1, 8, 6)]
 
 
+def layout_sides(sglang, layers: int, page_size: int, mla: bool, heads: int, src_tp: int, src_rank: int, dst_tp: int,
+                 dst_rank: int):
+    """Both sides of a layout of ``LAYOUTS``: SGLang's ``KVArgs`` and kvplan's sides made from them."""
+    bph = 8  # bytes per head and token
+    shape = dict(layers=layers, mla=mla, page_size=page_size, num_pages=64, heads=heads, aux_items=(16, 48))
+    src_args = kv_args(sglang, base=1 << 48, token_bytes=bph * (1 if mla else max(1, heads // src_tp)),
+                       tp_size=src_tp, rank=src_rank, **shape)
+    dst_args = kv_args(sglang, base=2 << 48, token_bytes=bph * (1 if mla else max(1, heads // dst_tp)),
+                       tp_size=dst_tp, rank=dst_rank, **shape)
+    return (src_args, dst_args, side_from_kv_args(src_args, mla=mla, attn_tp_size=src_tp),
+            side_from_kv_args(dst_args, mla=mla, attn_tp_size=dst_tp))
+
+
 @pytest.mark.parametrize("engine", sorted(DRIVERS))
 @pytest.mark.parametrize("mla, heads, src_tp, src_rank, dst_tp, dst_rank", LAYOUTS)
 def test_kv_and_aux_byte_ranges_equal_sglang_s(sglang, monkeypatch, engine, mla, heads, src_tp, src_rank, dst_tp,
@@ -269,14 +282,8 @@ def test_kv_and_aux_byte_ranges_equal_sglang_s(sglang, monkeypatch, engine, mla,
     @given(page_size=st.sampled_from([1, 4, 16]), layers=st.integers(1, 3), requests=st.integers(1, 4),
            prefix_pages=st.integers(0, 2), chunked=st.booleans(), seed=st.integers(0, 2**31))
     def check(page_size, layers, requests, prefix_pages, chunked, seed):
-        bph = 8  # bytes per head and token
-        shape = dict(layers=layers, mla=mla, page_size=page_size, num_pages=64, heads=heads, aux_items=(16, 48))
-        src_args = kv_args(sglang, base=1 << 48, token_bytes=bph * (1 if mla else max(1, heads // src_tp)),
-                           tp_size=src_tp, rank=src_rank, **shape)
-        dst_args = kv_args(sglang, base=2 << 48, token_bytes=bph * (1 if mla else max(1, heads // dst_tp)),
-                           tp_size=dst_tp, rank=dst_rank, **shape)
-        src = side_from_kv_args(src_args, mla=mla, attn_tp_size=src_tp)
-        dst = side_from_kv_args(dst_args, mla=mla, attn_tp_size=dst_tp)
+        src_args, dst_args, src, dst = layout_sides(sglang, layers, page_size, mla, heads, src_tp, src_rank, dst_tp,
+                                                    dst_rank)
         batch = random_batch(np.random.default_rng(seed), src, dst, requests, prefix_pages, chunked)
         ours = plan_reference(batch).descriptors()[0]
         driver = DRIVERS[engine](sglang, src_args, dst_args, mla=mla, src_tp=src_tp, dst_tp=dst_tp,
@@ -520,14 +527,8 @@ def test_the_adapter_posts_sglang_s_byte_ranges(sglang, monkeypatch, engine, mla
     @given(page_size=st.sampled_from([1, 4, 16]), layers=st.integers(1, 2), requests=st.integers(1, 3),
            prefix_pages=st.integers(1, 2), seed=st.integers(0, 2**31))
     def check(page_size, layers, requests, prefix_pages, seed):
-        bph = 8
-        shape = dict(layers=layers, mla=mla, page_size=page_size, num_pages=64, heads=heads, aux_items=(16, 48))
-        src_args = kv_args(sglang, base=1 << 48, token_bytes=bph * (1 if mla else max(1, heads // src_tp)),
-                           tp_size=src_tp, rank=src_rank, **shape)
-        dst_args = kv_args(sglang, base=2 << 48, token_bytes=bph * (1 if mla else max(1, heads // dst_tp)),
-                           tp_size=dst_tp, rank=dst_rank, **shape)
-        src = side_from_kv_args(src_args, mla=mla, attn_tp_size=src_tp)
-        dst = side_from_kv_args(dst_args, mla=mla, attn_tp_size=dst_tp)
+        src_args, dst_args, src, dst = layout_sides(sglang, layers, page_size, mla, heads, src_tp, src_rank, dst_tp,
+                                                    dst_rank)
         batch = random_batch(np.random.default_rng(seed), src, dst, requests, prefix_pages, chunked=True)
         batch = replace(batch, transfers=tuple(replace(t, request=int(t.request[1:])) for t in batch.transfers))
         ours = adapter_posts(sglang, src_args, dst, batch, mla=mla, src_tp=src_tp)

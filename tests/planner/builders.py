@@ -36,3 +36,21 @@ def swa(base: int, slot_map: np.ndarray, window: int, item_len: int = 512, count
     from kvplan.planner.model import StateKind
 
     return StateComponent(StateKind.SWA, entries(base, count, item_len), window=window, slot_map=slot_map)
+
+
+def assert_device_matches_reference(batch, device):
+    """The device planner's plan, descriptors (with offsets) and sections equal the reference's; the
+    reference's plan."""
+    import numpy as np
+
+    from kvplan.planner import gpu
+    from kvplan.planner.reference import plan_reference
+
+    expected = plan_reference(batch)
+    pending = gpu.plan(batch.to(device))
+    pending.result().assert_equal(expected)
+    descs, offsets = pending.descriptors()
+    want, want_offsets = expected.descriptors()
+    assert np.array_equal(descs, want) and np.array_equal(offsets, want_offsets)
+    assert pending.sections() == expected.sections()
+    return expected

@@ -12,6 +12,7 @@ from kvplan.planner import gpu
 from kvplan.planner.device import Planner
 from kvplan.planner.model import Attention, Batch, Entry, KVLayout, SideMemory, Transfer
 from kvplan.planner.reference import plan_reference
+from tests.planner.builders import assert_device_matches_reference
 
 SB, DB, TB = 0x1000_0000, 0x9000_0000, 2  # bases and bytes per token of the one MLA entry
 
@@ -236,13 +237,7 @@ def test_the_device_planner_matches_the_reference_on_random_batches(device, ps_s
         dst = SideMemory(KVLayout(Attention.MLA, ps_d, (Entry(DB, ps_d * TB, 1024),
                                                         Entry(DB + (1 << 24), ps_d * TB, 1024))), aux=(Entry(0x7800_0000, 8, 16),))
     batch = Batch(src, (dst,), tuple(transfers))
-    expected = plan_reference(batch)
-    pending = gpu.plan(batch.to(device))
-    pending.result().assert_equal(expected)
-    descs, offsets = pending.descriptors()
-    want, want_offsets = expected.descriptors()
-    assert np.array_equal(descs, want) and np.array_equal(offsets, want_offsets)
-    assert pending.sections() == expected.sections()
+    assert_device_matches_reference(batch, device)
     # one request given another's destination page: both paths refuse it alike
     if len(transfers) > 1 and transfers[0].request != transfers[-1].request:
         last = transfers[-1]

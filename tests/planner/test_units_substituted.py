@@ -14,10 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvplan.planner import gpu
 from kvplan.planner.model import (Attention, Batch, Entry, KVLayout, Policy, SideMemory, StateComponent, StateKind,
                                   Transfer)
-from kvplan.planner.reference import plan_reference
+from tests.planner.builders import assert_device_matches_reference
 
 SB, DB = 0x1000_0000, 0x9000_0000
 TB = 2  # bytes per token of every MLA entry
@@ -33,17 +32,6 @@ def _swa(base, ps, items, window, slot_map=None):
                           slot_map=slot_map)
 
 
-def _assert_same(batch, device):
-    expected = plan_reference(batch)
-    pending = gpu.plan(batch.to(device))
-    pending.result().assert_equal(expected)
-    descs, offsets = pending.descriptors()
-    want, want_offsets = expected.descriptors()
-    assert np.array_equal(descs, want) and np.array_equal(offsets, want_offsets)
-    assert pending.sections() == expected.sections()
-    return expected
-
-
 def test_an_unmapped_swa_page_is_sent_whole_as_page_0_in_units(device):
     """The issue's minimal case: MLA 16 -> 4, SWA window 32, positions 0-15 unmapped, 16-31 on SWA
     page 5, the decode's SWA items 10-17, truncate: page 0 goes whole (units 0-3 to 10-13)."""
@@ -54,7 +42,7 @@ def test_an_unmapped_swa_page_is_sent_whole_as_page_0_in_units(device):
     src = _mla_side(SB, 16, 16, [_swa(SB, 16, 16, 32, full_to_swa)], table)
     dst = _mla_side(DB, 4, 64, [_swa(DB, 4, 64, 32)])
     t = Transfer("r", 1, 0, 33, 32, True, np.arange(20, 28), dst_state=(np.arange(10, 18),))
-    plan = _assert_same(Batch(src, (dst,), (t,), policy=Policy.TRUNCATE), device)
+    plan = assert_device_matches_reference(Batch(src, (dst,), (t,), policy=Policy.TRUNCATE), device)
     assert plan.transfers[0].state[0].runs.tolist() == [[0, 10, 4], [20, 14, 4]]
 
 
@@ -127,4 +115,4 @@ def test_the_device_sends_what_the_reference_sends_for_substituted_pages(device,
     if kind is StateKind.DSA and unmapped_share > 0:
         unmapped_share = 0.0  # DSA has no map: what differs is a page named by its first token
     batch = _random_case(np.random.default_rng(seed), ps_s, ps_d, kind, unmapped_share, lens, sliced)
-    _assert_same(batch, device)
+    assert_device_matches_reference(batch, device)
