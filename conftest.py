@@ -6,6 +6,8 @@ The variable must be set before any module that defines kernels is imported.
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# tests move bytes on loopback only, by their own choice (the library picks no network): UCX's devices
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

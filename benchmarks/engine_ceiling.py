@@ -26,13 +26,18 @@ def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _loopback(kind: str) -> dict:
+    """This tool measures on one host: Mooncake is told 127.0.0.1 (NIXL's UCX: UCX_NET_DEVICES=lo, gpu_env.sh)."""
+    return {"local_hostname": "127.0.0.1"} if kind == "mooncake" else {}
+
+
 def target(kind: str, size: int, gpu: int, conn) -> None:
     device = _device()
     if device == "cuda" and gpu:
         torch.cuda.set_device(gpu)
         device = f"cuda:{gpu}"
     engine = make_engine(kind, "ceiling-target", "VRAM" if _device() == "cuda" else "DRAM",
-                         **({"device_id": gpu} if gpu else {}))
+                         **({"device_id": gpu} if gpu else {}), **_loopback(kind))
     buf = torch.zeros(size, dtype=torch.uint8, device=device)
     engine.register([(buf.data_ptr(), size)])
     conn.send((engine.metadata(), buf.data_ptr()))
@@ -45,7 +50,7 @@ def main() -> None:
     gpu = int(sys.argv[3]) if len(sys.argv) > 3 else 0
     pieces = int(sys.argv[4]) if len(sys.argv) > 4 else 1
     with target_process(target, kind, size, gpu) as (_, (metadata, remote)):
-        engine = make_engine(kind, "ceiling-initiator", "VRAM" if _device() == "cuda" else "DRAM")
+        engine = make_engine(kind, "ceiling-initiator", "VRAM" if _device() == "cuda" else "DRAM", **_loopback(kind))
         src = torch.ones(size, dtype=torch.uint8, device=_device())
         engine.register([(src.data_ptr(), size)])
         peer = engine.connect(metadata)

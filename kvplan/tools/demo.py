@@ -63,6 +63,7 @@ log = logging.getLogger("kvplan")
 FAULTS = ("none", "dead-decode", "dead-prefill", "dead-decode-mid", "dead-prefill-mid", "bad-registration", "deadline")
 # (Mooncake's TCP settings: the engine sets them, kvplan.transport.engines.mooncake.TCP_DEFAULTS)
 ENGINE_ENV = (("UCX_NET_DEVICES", "lo"), ("NIXL_LOG_LEVEL", "WARN"), ("GLOG_minloglevel", "2"))
+DEMO_HOST = "127.0.0.1"  # the demo's two processes meet on loopback: its choice, not the library's
 STAGES = ("start decode", "start prefill", "pair", "publish lists", "plan", "transfer", "complete", "verify")
 
 
@@ -103,12 +104,14 @@ class DemoConfig:
         """Whether a stand-in forward pass writes the pool before (or while) it is sent."""
         return bool(self.layer_groups or self.forward_dim)
 
-    def engine_settings(self, gpu: int = 0) -> dict[str, int]:
+    def engine_settings(self, gpu: int = 0) -> dict[str, Any]:
         settings = {"num_threads": self.engine_threads} if self.engine_threads and self.engine == "nixl" else {}
         if gpu:
             settings["device_id"] = gpu
         if not self.progress_thread and self.engine == "nixl":
             settings["progress_thread"] = False
+        if self.engine == "mooncake":  # the demo runs on loopback, by its own choice (NIXL: ENGINE_ENV)
+            settings["local_hostname"] = DEMO_HOST
         return settings
 
     def round_ids(self, k: int) -> str:

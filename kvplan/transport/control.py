@@ -118,11 +118,11 @@ class ControlChannel:
             event = self._recv_monitor(self._monitor)["event"]
             if event in (self._zmq.EVENT_ACCEPTED, self._zmq.EVENT_CONNECTED):
                 if self._ever:
-                    log.warning("control connection on 127.0.0.1 port %d made again after a loss", self.port)
+                    log.warning("control connection on %s port %d made again after a loss", self.host, self.port)
                 self._replaced = self._replaced or self._ever
                 self._ever, self._connected, self._gone = True, True, False
             elif event == self._zmq.EVENT_DISCONNECTED and self._connected:
-                log.warning("control connection on 127.0.0.1 port %d lost", self.port)
+                log.warning("control connection on %s port %d lost", self.host, self.port)
                 self._gone = True
         return self._gone
 

@@ -201,6 +201,8 @@ class KVManager(BaseKVManager):
         self.host = self.settings.host or node_address(server_args)
         self.bootstrap_host = bootstrap_host(server_args)
         engine_settings = dict(self.settings.engine_settings)
+        if engine_kind == "mooncake":  # peers reach its segment at this rank's address unless told otherwise
+            engine_settings.setdefault("local_hostname", self.host)
         self.engine_kind = engine_kind
         self.engine = make_engine(engine_kind, f"{disaggregation_mode.value}-{os.getpid()}-{id(self):x}", memory,
                                   self.device.index or 0, **engine_settings)

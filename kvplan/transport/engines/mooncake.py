@@ -1,4 +1,10 @@
-"""Mooncake's transfer engine over TCP with the peer-to-peer handshake, on 127.0.0.1.
+"""Mooncake's transfer engine: the caller's address, protocol and metadata service.
+
+Settings (each the caller's; defaults for a node that hands off over TCP without a metadata server):
+``local_hostname`` (the address peers reach this engine at; default: the node's host name),
+``protocol`` (``tcp`` by default; ``rdma``, ``nvlink_intra``, ... where the wheel has them),
+``metadata_server`` (``P2PHANDSHAKE``: peers exchange metadata directly) and ``device_name`` (the
+NICs for RDMA, ``""``: Mooncake's choice).
 
 A write is posted as asynchronous batches (of at most ``batch_limit`` descriptors each) but its
 last descriptor: once every batch has ended, the last one goes with the notification, so the
@@ -23,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 
 import numpy as np
 
@@ -70,7 +77,8 @@ def apply_tcp_settings(**asked: int | None) -> dict[str, str]:
 
 @register_engine("mooncake")
 class MooncakeEngine:
-    """Mooncake (TCP). ``memory`` is informational: Mooncake addresses host and device memory alike.
+    """Mooncake. ``memory`` is informational: Mooncake addresses host and device memory alike.
+    ``local_hostname``, ``protocol``, ``metadata_server`` and ``device_name``: see the module docstring.
 
     ``lanes``, ``io_threads`` and ``slice_bytes`` set Mooncake's TCP lanes per peer, I/O threads and
     slice size (:data:`TCP_DEFAULTS` where neither they nor the environment say). They take effect for
@@ -80,15 +88,20 @@ class MooncakeEngine:
     batch_limit = 16384  # descriptors per batch, under the per-peer queue limits raised below
 
     def __init__(self, name: str = "", memory: str = "DRAM", device_id: int = 0, *, lanes: int | None = None,
-                 io_threads: int | None = None, slice_bytes: int | None = None):
-        apply_tcp_settings(lanes=lanes, io_threads=io_threads, slice_bytes=slice_bytes)
+                 io_threads: int | None = None, slice_bytes: int | None = None, local_hostname: str | None = None,
+                 protocol: str = "tcp", metadata_server: str = "P2PHANDSHAKE", device_name: str = ""):
+        if protocol == "tcp":  # Mooncake's TCP transport reads these from the environment
+            apply_tcp_settings(lanes=lanes, io_threads=io_threads, slice_bytes=slice_bytes)
+        elif any(v is not None for v in (lanes, io_threads, slice_bytes)):
+            raise ValueError(f"lanes, io_threads and slice_bytes are Mooncake's TCP settings, not {protocol}'s")
         from mooncake.engine import TransferEngine, TransferNotify, TransferOpcode
 
+        host = local_hostname or socket.gethostname()
         self._notify, self._opcode = TransferNotify, TransferOpcode
         self.engine = TransferEngine()
-        if self.engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
-            raise TransferError("Mooncake failed to initialise on 127.0.0.1")
-        self.segment = f"127.0.0.1:{self.engine.get_rpc_port()}"  # how peers address it (SGLang: its session id)
+        if self.engine.initialize(host, metadata_server, protocol, device_name) != 0:
+            raise TransferError(f"Mooncake failed to initialise on {host} ({protocol}, metadata {metadata_server})")
+        self.segment = f"{host}:{self.engine.get_rpc_port()}"  # how peers address it (SGLang: its session id)
         self.name = name or self.segment
         self.memory = memory
         self._regions: list[int] = []

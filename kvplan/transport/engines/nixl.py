@@ -4,14 +4,14 @@ Settings: ``memory`` ``"DRAM"`` (CPU tensors) or ``"VRAM"`` (CUDA), ``device_id`
 ``num_threads`` (NIXL's UCX workers; lists of many descriptors are split across them, as vLLM
 runs it) and ``progress_thread`` (NIXL's own progress thread, which spins with no delay; off,
 the worker progresses only when kvplan looks at a write or at notifications, which its loops do
-continually while a transfer is in flight). Traffic stays on 127.0.0.1 unless ``UCX_NET_DEVICES`` says otherwise; kvplan sets it to
-``lo`` when it is unset.
+continually while a transfer is in flight). kvplan picks no network: UCX uses the devices its own
+settings name (``UCX_NET_DEVICES``, ``UCX_TLS``: the caller's environment; UCX's default is every
+device it finds). Tests and the demo choose loopback themselves (``UCX_NET_DEVICES=lo``).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 
 import numpy as np
 
@@ -53,7 +53,6 @@ class NixlEngine:
 
     def __init__(self, name: str, memory: str = "DRAM", device_id: int = 0, num_threads: int = 0,
                  progress_thread: bool = True):
-        os.environ.setdefault("UCX_NET_DEVICES", "lo")
         nixl_agent, nixl_agent_config = nixl_api()
         self.name, self.memory, self.device_id = name, memory, device_id
         try:
