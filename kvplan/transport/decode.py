@@ -267,9 +267,15 @@ class DecodeEndpoint:
                 elif kind == "refused":
                     self._fail_owned(k, f"the prefill side refused the pairing: {header.get('reason')}")
         for raw in self.engine.notifications():
-            wave = decode_wave_note(raw)
+            try:
+                wave = decode_wave_note(raw)
+                note = decode_notification(raw) if wave is None else None
+            except (ValueError, KeyError, TypeError) as err:  # a peer's malformed bytes: dropped, never a crash
+                log.warning("dropped a malformed engine notification (%s: %s): %r", type(err).__name__, err,
+                            bytes(raw[:80]))
+                continue
             if wave is None:
-                self.tracker.on_section(decode_notification(raw))
+                self.tracker.on_section(note)
             elif wave in self._waves:
                 self._waves[wave].landed = True
                 self._mark(wave, "landed")

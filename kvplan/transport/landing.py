@@ -50,6 +50,12 @@ def merge_ranges(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.n
     return s[first], reach[last]
 
 
+def _fits(dst: np.ndarray, size: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """``[dst, dst + size)`` ends by ``end``, in arithmetic that cannot wrap: a peer's size near 2**64
+    would wrap ``dst + size`` back below ``end`` (uint64)."""
+    return (dst < end) & (size <= end - np.minimum(dst, end))
+
+
 class LandingGuard:
     """The published ranges of every open request on one receiving side."""
 
@@ -84,7 +90,7 @@ class LandingGuard:
             starts, ends = self._ranges[r]
             at = np.searchsorted(starts, dst, side="right").astype(np.int64) - 1
             hit = (at >= 0) & (size > 0)
-            hit[hit] &= dst[hit] + size[hit] <= ends[at[hit]]
+            hit[hit] &= _fits(dst[hit], size[hit], ends[at[hit]])
             inside |= hit
         bad = np.flatnonzero(~inside)
         if bad.size:
@@ -107,7 +113,7 @@ class LandingGuard:
         dst, size = rows[:, 0], rows[:, 1]
         starts = [self._ranges[r][0] for r in order]
         ends = np.concatenate([self._ranges[r][1] for r in order])
-        top = max(int(dst.max()) + int(size.max()), int(ends.max()) if len(ends) else 0)
+        top = max(int(dst.max()), int(ends.max()) if len(ends) else 0)
         if top >= 1 << 48 or len(order) >= 1 << 15:
             for r, lo, hi in spans:
                 self.check([r], rows[lo:hi])
@@ -122,7 +128,7 @@ class LandingGuard:
         inside = (at >= 0) & (size > 0)
         hit = at[inside]
         inside[inside] = ((keys[hit] >> np.uint64(48)) == (tags[inside] >> np.uint64(48))) & \
-            (dst[inside] + size[inside] <= ends[hit])
+            _fits(dst[inside], size[inside], ends[hit])
         bad = np.flatnonzero(~inside)
         if bad.size:
             k = int(bad[0])

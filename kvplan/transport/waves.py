@@ -170,6 +170,10 @@ def check_run(rows: np.ndarray, spans: Sequence[tuple[Any, int, int]], waves: Se
         at = hi
     if at != n:
         raise PeerError(f"the requests' rows cover {at} of the table's {n} rows")
+    too_large = np.flatnonzero(rows[:, 1] > np.uint64(capacity)) if n else []
+    if len(too_large):  # (also what a negative size reads as: it would wrap the sums below)
+        k = int(too_large[0])
+        raise PeerError(f"row {k} claims {int(rows[k, 1])} bytes; a wave's staging bytes are {capacity} at most")
     ends = np.zeros(n + 1, np.int64)
     np.cumsum(rows[:, 1].view(np.int64), out=ends[1:])
     at = 0
@@ -180,7 +184,7 @@ def check_run(rows: np.ndarray, spans: Sequence[tuple[Any, int, int]], waves: Se
         at = hi
         if int(ends[hi] - ends[lo]) != nbytes:
             raise PeerError(f"wave {index} claims {nbytes} bytes; its rows hold {int(ends[hi] - ends[lo])}")
-        if lo_in_slot < 0 or lo_in_slot + nbytes > capacity:
+        if lo_in_slot < 0 or nbytes < 0 or lo_in_slot + nbytes > capacity:
             raise PeerError(f"wave {index} claims staging bytes [{lo_in_slot}, +{nbytes}); the staging buffer holds "
                             f"{capacity} for it")
         if lo_in_slot % alignment:

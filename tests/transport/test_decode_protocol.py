@@ -196,3 +196,16 @@ def test_a_failed_scatter_capture_falls_back_but_kvplan_s_own_errors_propagate()
     assert refused._graphs
     broken = endpoint(RuntimeError("operation not permitted when stream is capturing"))
     assert DecodeEndpoint._capture(broken, None) is None and not broken._graphs
+
+
+@pytest.mark.parametrize("raw", [b"garbage", b"\xff\xfe", b"[1, 2]", b'{"wave": "x", "from": "p0"}', b"7",
+                                 b'{"from": "zero", "note": ["r1", 0, "kv", 1]}', b'"abcd"'])
+def test_a_malformed_engine_notification_is_dropped_not_a_crash(decode, raw):
+    """Issue 38 (7): what a peer's engine delivers is parsed under suspicion; the endpoint goes on."""
+    endpoint, prefill, pool, _ = decode
+    endpoint.engine.inbox.append(raw)
+    endpoint.poll()
+    base = pool.data_ptr()
+    _announce(prefill, [[base + 3 * PAGE_BYTES, 2 * PAGE_BYTES]])
+    endpoint.engine.inbox.append(wave_note(7, "p0"))
+    assert endpoint.wait() == {"r1": "complete"}
