@@ -540,7 +540,7 @@ class DecodeEndpoint:
             if self._writes(r, peer):
                 self.tracker.fail(r, f"refused staged run: {why}")
         for index in waves:
-            self.channels[peer].send("wave-done", {"wave": index, "error": why})
+            self._tell(peer, {"wave": index, "error": why})
 
     def _stage_inputs(self, rows: np.ndarray, waves: list, share_lo: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every wave's scatter descriptors ``(0, dst, nbytes)`` and staging offsets, uploaded from pinned
@@ -645,7 +645,7 @@ class DecodeEndpoint:
         for r in wave.requests:
             if self._writes(r, wave.peer):
                 self.tracker.fail(r, f"refused staged wave {wave.index}: {why}")
-        self.channels[wave.peer].send("wave-done", {"wave": wave.index, "error": why})
+        self._tell(wave.peer, {"wave": wave.index, "error": why})
         wave.scattered = True  # nothing of it is written
 
     def _credit(self, wave: _StagedWave) -> None:
@@ -662,7 +662,18 @@ class DecodeEndpoint:
                 return
             except TransferError as err:
                 log.warning("a credit went through the control channel: the engine could not send it (%s)", err)
-        self.channels[wave.peer].send("wave-done", {"wave": wave.index})
+        self._tell(wave.peer, {"wave": wave.index})
+
+    def _tell(self, peer: int, header: dict[str, Any]) -> None:
+        """Send sender ``peer`` a wave's credit or refusal without blocking the poll loop: a sender that
+        cannot take it within ``POLL_S`` is gone (killed, stopped), so its unsettled requests fail here
+        instead of the loop raising (issue 38: a dead sender crashed this side after 11 s)."""
+        try:
+            self.channels[peer].send("wave-done", header, timeout=POLL_S)
+        except ControlTimeout as err:
+            log.warning("sender %d did not take a wave's %s: %s", peer, "refusal" if "error" in header else "credit",
+                        err)
+            self._fail_owned(peer, f"its sender stopped taking messages mid-transfer ({err})")
 
     def _mark(self, wave: str, step: str) -> None:
         if self.trace is not None:

@@ -209,3 +209,23 @@ def test_a_malformed_engine_notification_is_dropped_not_a_crash(decode, raw):
     _announce(prefill, [[base + 3 * PAGE_BYTES, 2 * PAGE_BYTES]])
     endpoint.engine.inbox.append(wave_note(7, "p0"))
     assert endpoint.wait() == {"r1": "complete"}
+
+
+def test_a_sender_that_cannot_take_its_credit_fails_its_requests_not_the_endpoint(decode):
+    """Issue 38 (5): a credit to a dead sender raised ControlTimeout out of poll() after the channel's
+    send timeout; now the send gives up at once and the sender's unsettled requests fail."""
+    from kvplan.transport.control import ControlTimeout
+
+    endpoint, prefill, pool, _ = decode
+    published = plan_destinations(endpoint.side, [PreallocatedRequest("r2", row=1, prompt_len=8)]).result()
+    endpoint.track(published, time.monotonic() + 30)  # a second request of that sender, not yet sent
+
+    def gone(*args, **kwargs):
+        raise ControlTimeout("the peer did not take a 'wave-done' message within 1 ms")
+    endpoint.channels[0].send = gone
+    _announce(prefill, [[pool.data_ptr() + 3 * PAGE_BYTES, 2 * PAGE_BYTES]])
+    endpoint.engine.inbox.append(wave_note(7, "p0"))
+    started = time.monotonic()
+    states = endpoint.wait()
+    assert time.monotonic() - started < 5
+    assert states["r2"] == "failed" and "stopped taking messages" in endpoint.failures["r2"]
