@@ -25,8 +25,8 @@ prefill_side, prefill_memory = materialize(batch.src, seed=1)      # pools with 
 decode_side, decode_memory = materialize(batch.dsts[0])            # empty pools
 
 # decode side: register, publish where each request's pages and state go
-decode = DecodeEndpoint(decode_side, make_engine("nixl", "decode"), ControlChannel())
-prefill = PrefillEndpoint(prefill_side, make_engine("nixl", "prefill"), ControlChannel(decode.channel.port))
+decode = DecodeEndpoint(decode_side, make_engine("nixl", "decode"), ControlChannel(host="127.0.0.1"))
+prefill = PrefillEndpoint(prefill_side, make_engine("nixl", "prefill"), ControlChannel(decode.channel.port, host="127.0.0.1"))
 decode.register(timeout=30)
 prefill.accept(timeout=30)
 finals = {t.request: t for t in batch.transfers if t.last}

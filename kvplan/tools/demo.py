@@ -336,7 +336,7 @@ def decode_process(config: DemoConfig, conn) -> None:
             side = replace(side, aux=())
         staging = torch.zeros(config.staging_bytes, dtype=torch.uint8, device=device) if config.mode == "staged" or config.mode == "auto" and device != "cpu" else None
         senders = config.sources()
-        channels = [ControlChannel() for _ in senders]
+        channels = [ControlChannel(host=DEMO_HOST) for _ in senders]
         endpoint = DecodeEndpoint(side, make_engine(config.engine, "decode", config.memory,
                                                     **config.engine_settings(config.decode_gpu)), channels, staging)
         conn.send(("port", [c.port for c in channels]))
@@ -397,7 +397,7 @@ def prefill_process(config: DemoConfig, port: int, conn, src_rank: int | None = 
             tokens = sum(t.prompt_len for t in batch.transfers if t.last)
             forward = StandInForward(side, src_tensors, groups, config.forward_dim, tokens)
         staging = torch.zeros(config.staging_bytes, dtype=torch.uint8, device=device) if config.mode == "staged" or config.mode == "auto" and device == "cuda" else None
-        endpoint = PrefillEndpoint(side, make_engine(config.engine, "prefill", config.memory, **config.engine_settings()), ControlChannel(port), staging,
+        endpoint = PrefillEndpoint(side, make_engine(config.engine, "prefill", config.memory, **config.engine_settings()), ControlChannel(port, host=DEMO_HOST), staging,
                                    slots=config.staging_slots, receiver_plans=not config.scatter_tables)
         try:
             endpoint.accept(timeout=config.timeout)

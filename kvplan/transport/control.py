@@ -1,4 +1,4 @@
-"""The control path between a decode and a prefill endpoint: ZeroMQ PAIR sockets (127.0.0.1 by default).
+"""The control path between a decode and a prefill endpoint: ZeroMQ PAIR sockets on the caller's address.
 
 Messages are multipart: a kind, a JSON header, then binary frames (engine metadata, index-list
 messages in SGLang's wire format, descriptor tables). Every receive has a deadline.
@@ -51,7 +51,7 @@ class ControlChannel:
 
     LOOK_S = 0.001
 
-    def __init__(self, connect_port: int | None = None, peer_timeout: float = 1.0, host: str = "127.0.0.1",
+    def __init__(self, connect_port: int | None = None, peer_timeout: float = 1.0, *, host: str,
                  bind_port: int | None = None):
         import zmq
         from zmq.utils.monitor import recv_monitor_message

@@ -11,7 +11,7 @@ sleeps: it blocks on the control socket with a short timeout between looks at th
 
 Example::
 
-    decode = DecodeEndpoint(side, make_engine("nixl", "decode"), ControlChannel())
+    decode = DecodeEndpoint(side, make_engine("nixl", "decode"), ControlChannel(host="127.0.0.1"))
     decode.register()
     decode.publish([PreallocatedRequest("r1", row=1, prompt_len=4096)], timeout=30)
     states = decode.wait()                    # {"r1": "complete"} or "failed"; settled requests are pruned

@@ -8,7 +8,7 @@ the decode endpoint connects its own channel to it. Every wait has a deadline.
 
 Example::
 
-    listener = ChannelListener(bind_port=8998)          # prefill
+    listener = ChannelListener(bind_port=8998, host="127.0.0.1")   # prefill (loopback: the example's choice)
     channel = channel_via("127.0.0.1", 8998, timeout=5)  # decode: its own channel
     new = listener.accept_pending()                     # prefill: [ControlChannel], one per hello
 """
@@ -31,7 +31,7 @@ class ChannelListener:
     """A ROUTER socket on ``host:bind_port`` (0: an ephemeral port, in ``port``) that answers each
     ``hello`` with a new channel's port."""
 
-    def __init__(self, bind_port: int, host: str = "127.0.0.1", peer_timeout: float = 1.0):
+    def __init__(self, bind_port: int, *, host: str, peer_timeout: float = 1.0):
         import zmq
 
         self._zmq = zmq

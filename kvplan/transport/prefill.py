@@ -24,7 +24,7 @@ A write that misses its deadline is aborted, and reported failed only once it ha
 
 Example::
 
-    prefill = PrefillEndpoint(side, make_engine("nixl", "prefill"), ControlChannel(port))
+    prefill = PrefillEndpoint(side, make_engine("nixl", "prefill"), ControlChannel(port, host="127.0.0.1"))
     prefill.accept(timeout=30)
     prefill.receive_requests(1, timeout=30)
     result = prefill.send([prefill.transfer(Chunk("r1", src_row=4, start=0, fill_len=4097, prompt_len=4096,

@@ -7,8 +7,8 @@ from kvplan.transport.control import ControlChannel
 
 
 def test_the_monitor_is_read_at_most_once_a_look_period_and_a_lost_peer_is_still_reported():
-    bound = ControlChannel()
-    peer = ControlChannel(bound.port)
+    bound = ControlChannel(host="127.0.0.1")
+    peer = ControlChannel(bound.port, host="127.0.0.1")
     try:
         peer.send("hello", {}, timeout=5)
         assert bound.recv(time.monotonic() + 5)[0] == "hello"

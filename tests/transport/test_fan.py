@@ -89,10 +89,10 @@ def _fan_out():
     decodes, pools = [], []
     for k in range(2):
         side, tensors = decode_side(batch)
-        decodes.append(DecodeEndpoint(side, make_engine("nixl", f"fan-out-decode-{k}"), ControlChannel()))
+        decodes.append(DecodeEndpoint(side, make_engine("nixl", f"fan-out-decode-{k}"), ControlChannel(host="127.0.0.1")))
         pools.append((side, tensors))
     prefill = PrefillEndpoint(src, make_engine("nixl", "fan-out-prefill"),
-                              [ControlChannel(d.channel.port) for d in decodes])
+                              [ControlChannel(d.channel.port, host="127.0.0.1") for d in decodes])
     for d in decodes:
         d.register(timeout=TIMEOUT)
     prefill.accept(timeout=TIMEOUT)
@@ -115,9 +115,9 @@ def _fan_in(mode):
     batch, src, src_tensors = scenario()
     side, tensors = decode_side(batch)
     staging = (lambda: torch.zeros(1 << 20, dtype=torch.uint8)) if mode == "staged" else (lambda: None)
-    channels = [ControlChannel(), ControlChannel()]
+    channels = [ControlChannel(host="127.0.0.1"), ControlChannel(host="127.0.0.1")]
     decode = DecodeEndpoint(side, make_engine("nixl", "fan-in-decode"), channels, staging())
-    prefills = [PrefillEndpoint(src, make_engine("nixl", f"fan-in-prefill-{k}"), ControlChannel(c.port), staging())
+    prefills = [PrefillEndpoint(src, make_engine("nixl", f"fan-in-prefill-{k}"), ControlChannel(c.port, host="127.0.0.1"), staging())
                 for k, c in enumerate(channels)]
     decode.register(timeout=TIMEOUT)
     for k, p in enumerate(prefills):  # each sender gets its own request
@@ -141,9 +141,9 @@ def _tp_gather(mode):
     sources = [materialize(b.src, "cpu", seed=9 + r) for r, b in enumerate(batches)]
     side, tensors = decode_side(batches[0])
     staging = (lambda: torch.zeros(1 << 20, dtype=torch.uint8)) if mode == "staged" else (lambda: None)
-    channels = [ControlChannel(), ControlChannel()]
+    channels = [ControlChannel(host="127.0.0.1"), ControlChannel(host="127.0.0.1")]
     decode = DecodeEndpoint(side, make_engine("nixl", "gather-decode"), channels, staging())
-    prefills = [PrefillEndpoint(src, make_engine("nixl", f"gather-prefill-{k}"), ControlChannel(c.port), staging())
+    prefills = [PrefillEndpoint(src, make_engine("nixl", f"gather-prefill-{k}"), ControlChannel(c.port, host="127.0.0.1"), staging())
                 for k, ((src, _), c) in enumerate(zip(sources, channels))]
     decode.register(timeout=TIMEOUT)
     for p in prefills:

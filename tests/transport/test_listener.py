@@ -17,7 +17,7 @@ from tests.transport.fakes import FakeChannel, FakeEngine
 
 
 def _listener() -> ChannelListener:
-    return ChannelListener(0)  # an ephemeral port, bound at once
+    return ChannelListener(0, host="127.0.0.1")  # an ephemeral port, bound at once
 
 
 def test_each_hello_gets_a_channel_of_its_own_and_the_two_ends_talk():

@@ -32,10 +32,10 @@ def until(predicate, decode, seconds=10.0):
 
 def test_a_restarted_prefill_endpoint_is_registered_again_and_its_requests_complete():
     src_pool, dst_pool = torch.zeros(16 * PAGE_BYTES, dtype=torch.uint8), torch.zeros(16 * PAGE_BYTES, dtype=torch.uint8)
-    decode = DecodeEndpoint(side(dst_pool, {1: [3, 4], 2: [6, 7]}), FakeEngine(), ControlChannel())
+    decode = DecodeEndpoint(side(dst_pool, {1: [3, 4], 2: [6, 7]}), FakeEngine(), ControlChannel(host="127.0.0.1"))
     port = decode.channel.port
 
-    first = PrefillEndpoint(side(src_pool, {1: [5, 9], 2: [10, 11]}), FakeEngine(), ControlChannel(port))
+    first = PrefillEndpoint(side(src_pool, {1: [5, 9], 2: [10, 11]}), FakeEngine(), ControlChannel(port, host="127.0.0.1"))
     decode.register(timeout=5)
     first.accept(timeout=5)
     decode.publish([PreallocatedRequest("r1", 1, 8)], timeout=5)
@@ -44,7 +44,7 @@ def test_a_restarted_prefill_endpoint_is_registered_again_and_its_requests_compl
     until(lambda: decode.tracker.state("r1") == "failed", decode)
     assert "the prefill side is gone" in decode.tracker.failure("r1")
 
-    second = PrefillEndpoint(side(src_pool, {1: [5, 9], 2: [10, 11]}), FakeEngine(), ControlChannel(port))
+    second = PrefillEndpoint(side(src_pool, {1: [5, 9], 2: [10, 11]}), FakeEngine(), ControlChannel(port, host="127.0.0.1"))
     until(lambda: second.channel.wait_readable(0), decode)  # the registration, sent again
     second.accept(timeout=5)
     decode.publish([PreallocatedRequest("r2", 2, 8)], timeout=5)
@@ -58,8 +58,8 @@ def test_a_restarted_prefill_endpoint_is_registered_again_and_its_requests_compl
 
 def test_malformed_control_messages_from_a_peer_are_ignored_not_a_crash():
     dst_pool = torch.zeros(16 * PAGE_BYTES, dtype=torch.uint8)
-    decode = DecodeEndpoint(side(dst_pool, {1: [3, 4]}), FakeEngine(), ControlChannel())
-    peer = ControlChannel(decode.channel.port)
+    decode = DecodeEndpoint(side(dst_pool, {1: [3, 4]}), FakeEngine(), ControlChannel(host="127.0.0.1"))
+    peer = ControlChannel(decode.channel.port, host="127.0.0.1")
     decode.register(timeout=5)
     assert peer.recv(time.monotonic() + 5)[0] == "register"
     decode.publish([PreallocatedRequest("r1", 1, 8)], timeout=5)

@@ -664,7 +664,7 @@ class KVManager(BaseKVManager):
             self.engine.register(engine_regions(self.side))
             self._registered = True
         named = identity(self.engine, backend, len(args.kv_data_ptrs))
-        link = DecodeRankLink(named.pop("session_id"), backend=backend)
+        link = DecodeRankLink(named.pop("session_id"), rank_ip=self.host, backend=backend)
         try:
             slots = min((int(n) // int(i) for n, i in zip(args.kv_data_lens, args.kv_item_lens)), default=0)
             reg = Registration(endpoint="", port=0, session_id="", kv_ptrs=tuple(args.kv_data_ptrs),
