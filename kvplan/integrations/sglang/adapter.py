@@ -99,7 +99,7 @@ from .decode_ranks import DecodeRanks
 from .bootstrap import BootstrapNotReady, RankRoute, prefill_layout, prefill_rank, register_rank
 from .engine_identity import identity
 from .kv_args import side_from_kv_args, side_from_registration, state_from_kv_args
-from .node import attention_tp, bootstrap_host, context_parallel, node_address, parallel_place
+from .node import attention_tp, bootstrap_host, context_parallel, node_address, parallel_place, server_arg
 from .rank_link import PrefillRankLink
 from .settings import PROTOCOLS, Settings
 from .wire import BACKENDS, KV_POLL_STATES, Registration, TransferRequest
@@ -121,8 +121,8 @@ class TransferFailed(KvplanError):
 
 
 def _setting(server_args: Any, name: str, default: Any) -> Any:
-    value = getattr(server_args, name, None)
-    return default if value is None else value
+    """SGLang's server arg: its published runtime context first (inside its scheduler), then the attribute."""
+    return server_arg(server_args, name, default)
 
 
 def _planning_device() -> torch.device:

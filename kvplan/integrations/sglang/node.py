@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-__all__ = ["attention_tp", "bootstrap_host", "context_parallel", "node_address", "parallel_place"]
+__all__ = ["attention_tp", "bootstrap_host", "context_parallel", "node_address", "parallel_place", "server_arg"]
 
 _WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1"}  # a wildcard bind is reached on its family's loopback
 
@@ -38,6 +38,19 @@ def _arg(server_args: Any, name: str) -> Any:
 
 def _first(*values: Any) -> Any:
     return next((v for v in values if v is not None), None)
+
+
+# which of SGLang's published config namespaces holds a server arg (SGLang's own managers read them there:
+# inside its scheduler the ServerArgs object's attributes keep their defaults)
+_NAMESPACES = {"host": "get_serving", "port": "get_serving", "max_running_requests": "get_schedule",
+               "context_length": "get_model"}
+
+
+def server_arg(server_args: Any, name: str, default: Any = None) -> Any:
+    """SGLang's server arg ``name``: from its published runtime context where there is one (its
+    scheduler), else the server args' attribute, else ``default``."""
+    getter = "get_disagg" if name.startswith("disaggregation_") else _NAMESPACES.get(name)
+    return _first(_context(getter, name) if getter else None, _arg(server_args, name), default)
 
 
 def attention_tp(server_args: Any, kv_args: Any) -> tuple[int, int]:
@@ -84,7 +97,7 @@ def node_address(server_args: Any) -> str:
 
         return str(get_local_ip_auto())
     except Exception:  # noqa: BLE001 - SGLang absent or no address found: the configured host
-        host = _first(_context("get_serving", "host"), _arg(server_args, "host"))
+        host = server_arg(server_args, "host")
         if host is None:
             raise ValueError("no address for this node: set KVPLAN_HOST (or SGLANG_HOST_IP)") from None
         return _WILDCARDS.get(str(host), str(host))
@@ -97,5 +110,5 @@ def bootstrap_host(server_args: Any) -> str:
     if dist:
         host = str(dist).rsplit(":", 1)[0] if str(dist).count(":") == 1 or str(dist).startswith("[") else str(dist)
         return host.strip("[]")
-    host = _first(_context("get_serving", "host"), _arg(server_args, "host"))
+    host = server_arg(server_args, "host")
     return _WILDCARDS.get(str(host), str(host)) if host is not None else node_address(server_args)
