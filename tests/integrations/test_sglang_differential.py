@@ -31,7 +31,6 @@ from hypothesis import strategies as st
 from kvplan.integrations.sglang import side_from_kv_args
 from kvplan.planner.model import Batch, Transfer
 from kvplan.planner.reference import plan_reference
-from kvplan.transport.engines.registry import register_engine
 from tests.sglang_real import sglang_module
 from tests.transport.fakes import FakeChannel, FakeEngine
 
@@ -468,7 +467,6 @@ def test_mamba_state_sliced_between_tp_sizes_equals_sglang_s(sglang, monkeypatch
 
 # -- kvplan's own code on the same sends: the adapter's page mapping, the device planner, the endpoint ----
 
-@register_engine("differential-recorder")
 class PostRecorder(FakeEngine):
     """An engine that records every descriptor list kvplan posts (and completes each at once)."""
 
@@ -523,6 +521,9 @@ def test_the_adapter_posts_sglang_s_byte_ranges(sglang, monkeypatch, engine, mla
                                                 dst_rank):
     """kvplan's own path, not its reference: SGLang's sends through the adapter's page mapping and the
     device planner, against SGLang's own planning of the same sends, with decode prefixes and chunks."""
+    from kvplan.transport.engines import registry
+
+    monkeypatch.setitem(registry._ENGINES, "differential-recorder", PostRecorder)  # for this test only
     @settings(max_examples=3, deadline=None)
     @given(page_size=st.sampled_from([1, 4, 16]), layers=st.integers(1, 2), requests=st.integers(1, 3),
            prefix_pages=st.integers(1, 2), seed=st.integers(0, 2**31))
