@@ -10,7 +10,6 @@ that moves in units (SWA, DSA, KV), direct and head-sliced.
 """
 
 import numpy as np
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

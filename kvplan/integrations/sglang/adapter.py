@@ -101,7 +101,7 @@ from .engine_identity import identity
 from .kv_args import side_from_kv_args, side_from_registration, state_from_kv_args
 from .node import attention_tp, bootstrap_host, context_parallel, node_address, parallel_place, server_arg
 from .rank_link import PrefillRankLink
-from .settings import PROTOCOLS, Settings
+from .settings import Settings
 from .wire import BACKENDS, KV_POLL_STATES, Registration, TransferRequest
 
 __all__ = ["KVManager", "KVReceiver", "KVSender", "TransferFailed"]
@@ -193,7 +193,6 @@ class KVManager(BaseKVManager):
         backend = _setting(server_args, "disaggregation_transfer_backend", "nixl")
         engine_kind = self.settings.engine or str(getattr(backend, "value", backend))
         self.protocol = self.settings.protocol
-        assert self.protocol in PROTOCOLS  # (Settings refuses others)
         if self.protocol == "sglang" and engine_kind not in BACKENDS:
             raise LayoutError(f"kvplan_protocol='sglang' speaks SGLang's protocol over {list(BACKENDS)}, not "
                               f"{engine_kind}")
