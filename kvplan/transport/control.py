@@ -50,6 +50,7 @@ class ControlChannel:
     """
 
     LOOK_S = 0.001
+    SLICE_MS = 50  # a blocked send looks whether its peer is gone this often
 
     def __init__(self, connect_port: int | None = None, peer_timeout: float = 1.0, *, host: str,
                  bind_port: int | None = None):
@@ -88,9 +89,16 @@ class ControlChannel:
 
         (A PAIR socket with no connected peer would otherwise block forever.)
         """
-        wait_ms = int(1000 * (self.send_timeout if timeout is None else timeout))
-        if not self.socket.poll(wait_ms, self._zmq.POLLOUT):
-            raise ControlTimeout(f"the peer did not take a {kind!r} message within {wait_ms} ms")
+        wait_s = self.send_timeout if timeout is None else timeout
+        deadline = time.monotonic() + wait_s
+        # in slices: a peer that is gone (dead, or silent past its heartbeats) ends the wait at once
+        while not self.socket.poll(max(0, min(self.SLICE_MS, round(1000 * (deadline - time.monotonic())))),
+                                   self._zmq.POLLOUT):
+            if self.peer_gone():
+                raise ControlTimeout(f"the peer of the channel on {self.host} port {self.port} is gone: a {kind!r} "
+                                     "message cannot leave")
+            if time.monotonic() >= deadline:
+                raise ControlTimeout(f"the peer did not take a {kind!r} message within {round(wait_s * 1000)} ms")
         self.socket.send_multipart([kind.encode(), json.dumps(header or {}).encode(), *frames], self._zmq.NOBLOCK)
 
     def recv(self, deadline: float) -> tuple[str, dict[str, Any], list[bytes]]:

@@ -3,7 +3,7 @@
 
 import time
 
-from kvplan.transport.control import ControlChannel
+from kvplan.transport.control import ControlChannel, ControlTimeout
 
 
 def test_the_monitor_is_read_at_most_once_a_look_period_and_a_lost_peer_is_still_reported():
@@ -28,5 +28,28 @@ def test_the_monitor_is_read_at_most_once_a_look_period_and_a_lost_peer_is_still
         while not bound.peer_gone() and time.monotonic() < deadline:
             time.sleep(0.001)
         assert bound.peer_gone()
+    finally:
+        bound.close()
+
+
+def test_a_send_to_a_peer_that_is_gone_gives_up_at_once_not_at_its_timeout():
+    """Issue 38 (9): a decode's ``publish`` to a sender already gone waited its whole timeout (20 s);
+    a blocked send now looks whether its peer is gone every ``SLICE_MS``."""
+    bound = ControlChannel(host="127.0.0.1")
+    peer = ControlChannel(bound.port, host="127.0.0.1")
+    try:
+        peer.send("hello", {}, timeout=5)
+        assert bound.recv(time.monotonic() + 5)[0] == "hello"
+        peer.socket.close(linger=0)  # the sender dies
+        peer._monitor.close(0)
+        started = time.monotonic()
+        try:
+            for _ in range(100_000):  # until the dead pipe stops taking messages
+                bound.send("request", {"n": 1}, timeout=20)
+        except ControlTimeout as err:
+            assert "is gone" in str(err)
+        else:
+            raise AssertionError("every send to a dead peer was taken")
+        assert time.monotonic() - started < 10  # not the 20 s of the send's timeout
     finally:
         bound.close()
