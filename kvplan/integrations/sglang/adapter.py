@@ -120,11 +120,6 @@ class TransferFailed(KvplanError):
     """What ``failure_exception`` raises: the request's transfer failed, with the reason."""
 
 
-def _setting(server_args: Any, name: str, default: Any) -> Any:
-    """SGLang's server arg: its published runtime context first (inside its scheduler), then the attribute."""
-    return server_arg(server_args, name, default)
-
-
 def _planning_device() -> torch.device:
     if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         return torch.device("cuda", torch.cuda.current_device())
@@ -190,7 +185,7 @@ class KVManager(BaseKVManager):
         self.transfer_mode = self.settings.mode
         self.device = _planning_device()
         memory = "VRAM" if self.device.type == "cuda" else "DRAM"
-        backend = _setting(server_args, "disaggregation_transfer_backend", "nixl")
+        backend = server_arg(server_args, "disaggregation_transfer_backend", "nixl")
         engine_kind = self.settings.engine or str(getattr(backend, "value", backend))
         self.protocol = self.settings.protocol
         if self.protocol == "sglang" and engine_kind not in BACKENDS:
@@ -206,15 +201,15 @@ class KVManager(BaseKVManager):
         self.engine = make_engine(engine_kind, f"{disaggregation_mode.value}-{os.getpid()}-{id(self):x}", memory,
                                   self.device.index or 0, **engine_settings)
         self.closed = False
-        self.bootstrap_port = int(_setting(server_args, "disaggregation_bootstrap_port", DEFAULT_BOOTSTRAP_PORT))
+        self.bootstrap_port = int(server_arg(server_args, "disaggregation_bootstrap_port", DEFAULT_BOOTSTRAP_PORT))
         self.status: dict[int, int] = {}
         self.failures: dict[int, str] = {}
         self.broken: str | None = None  # why this manager can send nothing (a refused pairing)
         self.listener: ChannelListener | None = None
         self.ranks: DecodeRanks | None = None  # the SGLang decode ranks served (kvplan_protocol "sglang")
         if disaggregation_mode is DisaggregationMode.PREFILL:
-            rows = int(_setting(server_args, "max_running_requests", 256)) + 1
-            width = int(_setting(server_args, "context_length", min(self._pool_tokens(), DEFAULT_CONTEXT)))
+            rows = int(server_arg(server_args, "max_running_requests", 256)) + 1
+            width = int(server_arg(server_args, "context_length", min(self._pool_tokens(), DEFAULT_CONTEXT)))
             width = -(-width // self.page_size) * self.page_size
             self.table = torch.zeros((rows, width), dtype=torch.int32, device=self.device)
             # per state component, its map, filled from what SGLang hands with each last chunk: a slot per

@@ -15,7 +15,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 __all__ = ["attention_tp", "bootstrap_host", "context_parallel", "node_address", "parallel_place", "server_arg"]
 
@@ -75,15 +75,15 @@ def context_parallel(server_args: Any) -> int:
 
 def parallel_place(server_args: Any, kv_args: Any) -> dict[str, int]:
     """The rest of a prefill rank's place, as SGLang registers it: DP attention, PP, system DP."""
-    def get(name: str, getter: Callable[[], Any], default: int) -> int:
-        return int(_first(_context("get_parallel", name), getter(), default))
+    def get(name: str, fallback: Any, default: int) -> int:
+        return int(_first(_context("get_parallel", name), fallback, default))
 
     return {
-        "attn_dp_size": get("attn_dp_size", lambda: None, 1),
-        "attn_dp_rank": get("attn_dp_rank", lambda: None, 0),
-        "pp_size": get("pp_size", lambda: _arg(server_args, "pp_size"), 1),
+        "attn_dp_size": get("attn_dp_size", None, 1),
+        "attn_dp_rank": get("attn_dp_rank", None, 0),
+        "pp_size": get("pp_size", _arg(server_args, "pp_size"), 1),
         "pp_rank": int(getattr(kv_args, "pp_rank", 0) or 0),
-        "system_dp_size": get("dp_size", lambda: _arg(server_args, "dp_size"), 1),
+        "system_dp_size": get("dp_size", _arg(server_args, "dp_size"), 1),
         "system_dp_rank": int(getattr(kv_args, "system_dp_rank", 0) or 0),
     }
 
