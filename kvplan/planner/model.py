@@ -133,7 +133,9 @@ class KVLayout:
         page_size: tokens per page.
         entries: the KV entries in planning order.
         first_layer: first layer this side holds (pipeline parallelism).
-        num_kv_heads: total KV heads of the model (``H``), used by head slicing.
+        num_kv_heads: total KV heads of the model (``H``), used by head slicing; 0 where this side
+            does not know it (SGLang's decode ``KVArgs`` name none): the side takes its peer's count
+            when the two pair (:func:`kvplan.transport.registration.with_model_heads`).
         tp_size: attention-TP size of this side.
         tp_rank: this rank within its attention-TP group.
         layer_ids: the model-wide layer id of each local layer, for streaming in layer groups
@@ -164,8 +166,8 @@ class KVLayout:
             raise LayoutError(f"an MHA layout needs K and V entries, got {len(self.entries)} entries")
         if not 0 <= self.tp_rank < self.tp_size:
             raise LayoutError(f"tp_rank {self.tp_rank} is outside tp_size {self.tp_size}")
-        if self.num_kv_heads < 1 or self.first_layer < 0:
-            raise LayoutError("num_kv_heads must be >= 1 and first_layer >= 0")
+        if self.num_kv_heads < 0 or self.first_layer < 0:
+            raise LayoutError("num_kv_heads must be >= 0 (0: not known yet) and first_layer >= 0")
 
     @property
     def num_layers(self) -> int:

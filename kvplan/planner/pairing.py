@@ -58,6 +58,8 @@ def head_slice(src: KVLayout, dst: KVLayout, src_item: int, dst_item: int, pages
     >>> [head_slice(lay(4, r), lay(2, 0), 256, 512).dst_head for r in range(4)]
     [0, 2, 0, 2]
     """
+    if not src.num_kv_heads or not dst.num_kv_heads:
+        raise LayoutError("a side's number of KV heads is not known (0); head slicing needs the model's count")
     if src.num_kv_heads != dst.num_kv_heads:
         raise LayoutError(f"the sides disagree on the number of KV heads: {src.num_kv_heads} vs {dst.num_kv_heads}")
     heads, ts, td = src.num_kv_heads, src.tp_size, dst.tp_size

@@ -43,7 +43,7 @@ from .landing import LandingGuard
 from .local import plan_alignment, scatter, warm_up
 from .receiver_plan import OwnLists, PlannedRun, PlannedWave, scatter_source
 from .streams import transport_stream
-from .registration import describe_side, side_from_description
+from .registration import describe_side, side_from_description, with_model_heads
 from .waves import check_run, credit_note, decode_wave_note, wave_key
 
 __all__ = ["DecodeEndpoint", "engine_regions"]
@@ -108,6 +108,9 @@ class DecodeEndpoint:
         self.guard = LandingGuard(side)
         self.failures: dict[Any, str | None] = {}
         self._owner: dict[Any, tuple[int, ...]] = {}  # request -> the channels (senders) it was published to
+        # aborted requests: per sender it was published to, its acknowledgement (None: not yet; False: a
+        # write it could not end); see fenced()
+        self._fences: dict[Any, dict[int, bool | None]] = {}
         self._senders: dict[int, SideMemory] = {}  # each paired sender's layout (its "paired" message)
         # per paired sender whose staged runs this side plans itself: the side it plans them from
         # (receiver_plan.scatter_source: this side, or the sender's mirror), and for a mirror its
@@ -172,7 +175,9 @@ class DecodeEndpoint:
     def abort(self, request: Any, reason: str) -> None:
         """Fail ``request`` here and tell each sender it was published to, which then sends none of it
         that it has not posted yet; its lists stop being writable (the landing guard forgets them).
-        Writes already posted are not fenced by this (issue 38)."""
+        Writes already posted may still land: the request's pages are free for reuse only once
+        :meth:`fenced` says so (each sender has acknowledged the abort, or is gone)."""
+        self._fences[request] = {k: None for k in self._owner.get(request, ())}
         for k in self._owner.get(request, ()):
             try:
                 self.channels[k].send("abort", {"request": request, "reason": reason}, timeout=POLL_S)
@@ -180,6 +185,26 @@ class DecodeEndpoint:
                 log.warning("request %r: the abort could not be sent to sender %d: %s", request, k, err)
         if request in self.tracker:
             self.tracker.fail(request, reason)
+
+    def fenced(self, request: Any) -> bool:
+        """Whether no write into aborted ``request``'s pages can still land: every sender it was
+        published to acknowledged the abort with nothing in flight, or its control connection is
+        gone (a dead sender writes nothing more). False for a request not aborted here."""
+        acks = self._fences.get(request)
+        return acks is not None and all(ok or self.channels[k].peer_gone() for k, ok in acks.items())
+
+    def forget_fence(self, request: Any) -> None:
+        """Drop what :meth:`fenced` keeps of ``request`` (its pages were released)."""
+        self._fences.pop(request, None)
+
+    def _on_abort_ack(self, peer: int, header: dict[str, Any]) -> None:
+        acks = self._fences.get(header.get("request"))
+        if acks is None or peer not in acks:  # not aborted here, or not this sender's: nothing to fence
+            return
+        acks[peer] = header.get("fenced") is True
+        if not acks[peer]:
+            log.error("request %r: sender %d could not end a write into its pages; they must stay out of use",
+                      header.get("request"), peer)
 
     @property
     def channel(self) -> ControlChannel:
@@ -266,6 +291,8 @@ class DecodeEndpoint:
                     self.tracker.fail(header["request"], f"the prefill side reports: {header.get('reason')}")
                 elif kind == "refused":
                     self._fail_owned(k, f"the prefill side refused the pairing: {header.get('reason')}")
+                elif kind == "abort-ack":
+                    self._on_abort_ack(k, header)
         for raw in self.engine.notifications():
             try:
                 wave = decode_wave_note(raw)
@@ -305,6 +332,7 @@ class DecodeEndpoint:
         where it takes staged credits as engine notifications, its engine metadata."""
         try:
             self._senders[peer] = side_from_description(header["side"])
+            self.side = with_model_heads(self.side, self._senders[peer].kv.num_kv_heads)  # where it named none
             source = scatter_source(self._senders[peer], self.side, Policy.STRICT)
             if source is not None:
                 self._scatter_from[peer] = source

@@ -45,7 +45,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..errors import LayoutError, PlanError
+from ..errors import KvplanError, LayoutError, PlanError
 from ..planner import gpu
 from ..planner.destinations import decode_message
 from ..planner.model import Batch, Policy, SideMemory, Transfer
@@ -65,7 +65,7 @@ from .local import gather, plan_alignment, warm_up
 from .readiness import LayerStreaming
 from .streams import transport_stream
 from .receiver_plan import planned_run_chunks, planned_run_message, planned_run_waves, receiver_can_plan
-from .registration import describe_side, side_from_description
+from .registration import describe_side, side_from_description, with_model_heads
 from .waves import Wave, decode_credit, one_wave, plan_waves, run_message, staging_ring, wave_note
 
 __all__ = ["Chunk", "MODES", "Peer", "PrefillEndpoint"]
@@ -73,6 +73,7 @@ __all__ = ["Chunk", "MODES", "Peer", "PrefillEndpoint"]
 log = logging.getLogger("kvplan")
 
 MODES = ("auto", "direct", "prepared", "staged")
+ACK_S = 0.5  # how long an abort's acknowledgement may wait on a full control socket
 AUTO_MIN_DESCS, AUTO_MAX_AVG_BYTES = 64, 256 << 10
 
 
@@ -150,6 +151,8 @@ class PrefillEndpoint:
         self.id = uuid.uuid4().hex[:12]  # names this sender's waves on receivers that have several senders
         # (peer, request, reason) of requests a decode endpoint aborted (its lists are dropped); the caller drains it
         self.aborted: list[tuple[int, Any, str]] = []
+        # requests with a write that could not be ended (wait_all's "unsafe"): their aborts are not fenced
+        self.unsafe: set[Any] = set()
         self.last_mode: str | None = None  # the mode the last send used (what ``auto`` chose)
         self.last_announcement: str | None = None  # how its last staged run was announced: "planned" or "table"
         self.waves_ahead = 0  # staged waves gathered ahead of their layer group's mark, over this endpoint's life
@@ -222,14 +225,28 @@ class PrefillEndpoint:
                     self._on_register(k, header, frames)
                 elif kind == "request" and p.side is not None:
                     arrived.append((k, self._on_request(k, header, frames)))
-                elif kind == "abort" and header.get("request") in p.lists:  # nothing more of it goes there
-                    self.forget([header["request"]], peer=k)
-                    self.aborted.append((k, header["request"], str(header.get("reason") or "aborted")))
+                elif kind == "abort":
+                    self._on_abort(k, header.get("request"), str(header.get("reason") or "aborted"))
         return arrived
+
+    def _on_abort(self, k: int, request: Any, reason: str) -> None:
+        """A decode endpoint aborted ``request``: nothing more of it goes there, and it is told so at
+        once ("abort-ack"). The acknowledgement is its fence: ``send`` returns only once every write it
+        posted has ended, so when this runs no write into the request's pages is in flight, unless one
+        could not be ended (``unsafe``, :func:`~kvplan.transport.engines.base.wait_all`): then the
+        acknowledgement says ``fenced: false`` and the decode side must keep the pages out of use."""
+        if request in self.peers[k].lists:
+            self.forget([request], peer=k)
+            self.aborted.append((k, request, reason))
+        try:
+            self.peers[k].channel.send("abort-ack", {"request": request, "fenced": request not in self.unsafe},
+                                       timeout=ACK_S)
+        except KvplanError as err:  # the decode side is gone or stuck: it cannot be told; its pages are its own
+            log.warning("request %r: the abort could not be acknowledged: %s", request, err)
 
     def _on_register(self, k: int, header: dict[str, Any], frames: list[bytes]) -> None:
         peer = self.peers[k]
-        peer_side = side_from_description(header["side"])
+        peer_side = with_model_heads(side_from_description(header["side"]), self.side.kv.num_kv_heads)
         try:
             pair_sides(self.side, peer_side)
         except LayoutError as err:
@@ -426,6 +443,8 @@ class PrefillEndpoint:
 
     def _fail(self, peer: int, result: dict[Any, str | None], requests, reason: str) -> None:
         for request in requests:
+            if reason.startswith("unsafe"):  # a write into its pages may still land: never acknowledged as fenced
+                self.unsafe.add(request)
             if result.get(request) is None:
                 result[request] = reason
                 self._report(peer, request, reason)

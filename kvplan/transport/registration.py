@@ -7,11 +7,12 @@ The decode side publishes :func:`describe_side`; the prefill side rebuilds it wi
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from ..planner.model import Attention, Entry, KVLayout, SideMemory, StateComponent, StateKind, TensorShard
 
-__all__ = ["describe_side", "side_from_description"]
+__all__ = ["describe_side", "side_from_description", "with_model_heads"]
 
 
 def _entries(entries: tuple[Entry, ...]) -> list[list[int]]:
@@ -47,3 +48,18 @@ def side_from_description(desc: dict[str, Any]) -> SideMemory:
                                  tuple(c.get("layers", ())), bool(c.get("from_prefix", False)))
                   for c in desc["state"])
     return SideMemory(layout, state, _from_entries(desc["aux"]))
+
+
+def with_model_heads(side: SideMemory, num_kv_heads: int) -> SideMemory:
+    """``side`` with the model's KV head count where it names none (0: SGLang's decode ``KVArgs`` carry
+    no head count, as SGLang's own decode managers need none: the prefill counts a decode rank's heads
+    from its own). A side that names its count keeps it; pairing checks that the two agree, and head
+    slicing checks every item length against the count.
+
+    >>> from kvplan.planner.model import Attention, KVLayout, SideMemory
+    >>> with_model_heads(SideMemory(KVLayout(Attention.MHA, 16, (), num_kv_heads=0)), 8).kv.num_kv_heads
+    8
+    """
+    if side.kv.num_kv_heads or not num_kv_heads:
+        return side
+    return replace(side, kv=replace(side.kv, num_kv_heads=int(num_kv_heads)))

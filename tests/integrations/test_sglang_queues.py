@@ -10,8 +10,7 @@ defaults there) and register its rank with SGLang's server. A kvplan decode mana
 prefill's layout there, and SGLang's own ``DecodePreallocQueue._resolve_prefill_dp_rank`` (which
 crashed on a manager without ``prefill_info_table``) resolves the request's prefill DP rank.
 
-Not yet here (the rest of item 3): requests driven through the queues' pop paths, the transfer queue,
-several ranks, hybrid state and aborts.
+Requests driven through the queues' pop paths, several ranks and aborts: test_sglang_scheduler_queues.py.
 """
 
 import json

@@ -146,12 +146,31 @@ class KVManager(BaseKVManager):
     """
 
     # what SGLang's schedulers read of a manager besides its methods (docs/sglang.md): kvplan runs without
-    # context parallelism (refused below), takes no host destinations and holds no deferred releases
+    # context parallelism (refused below) and takes no host destinations
     attn_cp_size, attn_cp_rank = 1, 0
     enable_all_cp_ranks_for_transfer = False
     is_dummy_cp_rank = False
     supports_host_destination = False
-    enable_deferred_decode_kv_release = False
+
+    @property
+    def enable_deferred_decode_kv_release(self) -> bool:
+        """SGLang's decode holds a failed request's pages until :meth:`is_abort_release_safe` (or its
+        ``SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT``): kvplan's decode fences them with
+        its prefill's acknowledgement of the abort. Not with SGLang's protocol (SGLang's own prefill
+        acknowledges in its own format), where the pages are released at once as before."""
+        return self.mode is DisaggregationMode.DECODE and self.protocol == "kvplan"
+
+    def is_abort_release_safe(self, bootstrap_room: int, required_acks: int = 1) -> bool:
+        """SGLang's decode asks it of a failed request it holds: whether no write into its pages can
+        still land (every kvplan sender it was published to acknowledged the abort with nothing in flight,
+        or is gone). ``required_acks`` (SGLang's count of its prefill ranks) is not needed: the decode
+        endpoint knows each sender of the request."""
+        return self.decode is not None and self.decode.fenced(int(bootstrap_room))
+
+    def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
+        """SGLang released a held request's pages: forget its fence."""
+        if self.decode is not None:
+            self.decode.forget_fence(int(bootstrap_room))
 
     def __init__(self, args: Any, disaggregation_mode: DisaggregationMode, server_args: Any,
                  is_mla_backend: Optional[bool] = False):

@@ -7,7 +7,8 @@ SGLang registers, per side:
   kvplan's :class:`KVLayout` keeps the same entry order, so entries pair by position as SGLang's
   ``get_mha_kv_ptrs_with_pp`` pairs them.
 * ``engine_rank``, ``total_kv_head_num`` (or ``kv_head_num`` per rank) and the attention TP size:
-  where this rank sits for head-sliced transfers (planning.md §5).
+  where this rank sits for head-sliced transfers (planning.md §5). SGLang's decode names no head
+  count: its side takes the prefill's when the two pair.
 * ``aux_data_ptrs`` / ``aux_data_lens`` / ``aux_item_lens``: one row per request in each buffer.
 * ``state_types`` with ``state_data_ptrs`` / ``state_data_lens`` / ``state_item_lens`` (lists of
   lists: one list of entries per component, the multi-component form) and, for Mamba,
@@ -119,8 +120,9 @@ def side_from_kv_args(kv_args: Any, *, mla: bool, attn_tp_size: int = 1, req_to_
     (1, 16, 64)
     """
     total_heads = int(getattr(kv_args, "total_kv_head_num", 0) or 0)
-    if total_heads <= 0:  # as SGLang's send_kvcache_slice: per-rank heads times the TP size
-        total_heads = int(kv_args.kv_head_num) * attn_tp_size
+    if total_heads <= 0:  # as SGLang's send_kvcache_slice: per-rank heads times the TP size; SGLang's decode
+        # names neither (0: the side takes the prefill's count when they pair, as SGLang's prefill counts)
+        total_heads = int(getattr(kv_args, "kv_head_num", 0) or 0) * attn_tp_size
     kv = KVLayout(Attention.MLA if mla else Attention.MHA, int(kv_args.page_size),
                   _entries(kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens, "KV"),
                   first_layer=int(getattr(kv_args, "prefill_start_layer", 0) or 0),

@@ -1,0 +1,432 @@
+"""One rank of an SGLang prefill or decode node, driven by SGLang 0.5.23's own scheduler-side code.
+
+Run by ``test_sglang_scheduler_queues.py``, one process per rank (``python -m
+tests.integrations.sglang_scheduler_node ROLE ...``). Each process is what SGLang's scheduler process
+is to a transfer backend: its runtime configuration published, the plugins loaded with
+``KVPLAN_SGLANG=1``, the attention-TP ranks of its side in one gloo group (SGLang's
+``attn_tp_group.cpu_group``, over which its queues all-reduce their polls), SGLang's own
+``ReqToTokenPool`` (``DecodeReqToTokenPool`` on decode), ``MHATokenToKVPool`` and
+``PagedTokenToKVPoolAllocator`` on the CPU, SGLang's ``UnifiedRadixCache``, ``MetadataBuffers``,
+real ``Req`` objects, and SGLang's queues and scheduler mixins:
+
+* prefill: ``PrefillBootstrapQueue.add`` / ``pop_bootstrapped``, the mixin's ``send_kv_chunk`` (every
+  chunk of a chunked prefill) and ``process_disagg_prefill_inflight_queue``;
+* decode: ``DecodePreallocQueue.add`` / ``pop_preallocated`` (its radix cache gives prefix hits from
+  earlier requests), ``DecodeTransferQueue.pop_transferred``; finished requests go back into the
+  tree with SGLang's ``release_kv_cache``;
+* aborts as SGLang's ``Scheduler.abort_request`` makes them (``kv_receiver.abort()`` on a request of
+  the transfer queue; its module imports SGLang's HTTP server stack, which the CPU install lacks).
+
+What stands in: the forward pass (it allocates a chunk's KV with SGLang's allocator and writes
+``kv_value`` of every token, head and layer into SGLang's pool) and the scheduler's batch
+bookkeeping. The stand-in scheduler object has exactly the attributes SGLang's code reads of it.
+
+Each rank prints one JSON line: per request, ``"ok"``, ``"failed"`` or what went wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import types
+from array import array
+
+import numpy as np
+
+PAGE, CHUNK, LAYERS, TOTAL_HEADS, HEAD_DIM = 4, 16, 2, 4, 8
+POOL_TOKENS, ROWS, CONTEXT = 2048, 48, 256
+WAVE = 16  # requests per wave; the second wave shares prefixes with the first
+
+
+def plan(seed: int, waves: int, aborts: int):
+    """Every request of the run, the same on every rank: ``(rid, room, prompt, wave, aborted)``.
+    Half of each later wave's prompts continue a first-wave prompt (a decode-side prefix hit); in the
+    last wave, ``aborts`` requests of three chunks or more are aborted by the decode mid-transfer."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for wave in range(waves):
+        for k in range(WAVE):
+            aborted = wave == waves - 1 and k % 4 == 3 and k // 4 < aborts
+            n = int(rng.integers(2 * CHUNK + 1, 61)) if aborted else int(rng.integers(5, 61))
+            prompt = [int(t) for t in rng.integers(1, 30000, n)]
+            if wave and k % 2 == 0:
+                base = out[k][2]
+                keep = min(len(base), int(rng.integers(PAGE + 1, 40)))
+                prompt = base[:keep] + prompt[: max(3, n - keep)]
+            out.append((f"req-{wave}-{k}", 1000 + wave * WAVE + k, prompt, wave, aborted))
+    return out
+
+
+def kv_value(tokens, positions, layer: int, kv: int, heads) -> np.ndarray:
+    """What the stand-in forward writes: an int16 per (token, head, dim), from the token, its
+    position, the layer, K or V and the global head only (equal prefixes give equal KV)."""
+    t = np.asarray(tokens, np.int64)[:, None, None]
+    p = np.asarray(positions, np.int64)[:, None, None]
+    h = np.asarray(heads, np.int64)[None, :, None]
+    d = np.arange(HEAD_DIM, dtype=np.int64)[None, None, :]
+    return ((t * 37 + p * 101 + layer * 7 + kv * 3 + h * 13 + d) % 16000 + 1).astype(np.int16)
+
+
+def first_token(prompt) -> int:
+    return (sum(prompt) * 7 + len(prompt)) % 30000 + 1
+
+
+def publish(args, role: str):
+    from sglang.srt import runtime_context as ctx
+
+    server_args = ctx.get_context().override_server_args(
+        disaggregation_mode=role, disaggregation_transfer_backend=args.backend,
+        disaggregation_bootstrap_port=args.bootstrap_port, host="127.0.0.1", page_size=PAGE, device="cpu",
+        tp_size=args.tp, max_running_requests=ROWS, context_length=CONTEXT, chunked_prefill_size=CHUNK,
+        disaggregation_decode_enable_radix_cache=role == "decode").install()
+    ctx.get_parallel().override_permanently(
+        tp_rank=args.rank, pp_rank=0, dp_rank=0, attn_tp_rank=args.rank, attn_cp_rank=0, attn_dcp_rank=0,
+        attn_dp_rank=0, pp_group=None)
+    return server_args
+
+
+def gloo_group(args):
+    """The side's attention-TP ranks in one gloo group, as SGLang's ``attn_tp_group.cpu_group``."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.dist_port}", world_size=args.tp,
+                            rank=args.rank)
+    return dist.group.WORLD
+
+
+def pools(server_args, args, decode: bool):
+    import torch
+    from sglang.srt.disaggregation.decode import DecodeReqToTokenPool
+    from sglang.srt.mem_cache import memory_pool
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.unified_cache.components import ComponentType
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    heads = TOTAL_HEADS // args.tp
+    kv_pool = memory_pool.MHATokenToKVPool(size=POOL_TOKENS, page_size=PAGE, dtype=torch.bfloat16, head_num=heads,
+                                           head_dim=HEAD_DIM, layer_num=LAYERS, device="cpu",
+                                           enable_memory_saver=False)
+    allocator = PagedTokenToKVPoolAllocator(POOL_TOKENS, PAGE, torch.bfloat16, "cpu", kv_pool, need_sort=False)
+    if decode:
+        rows = DecodeReqToTokenPool(size=ROWS, max_context_len=CONTEXT, device="cpu", enable_memory_saver=False,
+                                    pre_alloc_size=ROWS)
+    else:
+        rows = memory_pool.ReqToTokenPool(size=ROWS, max_context_len=CONTEXT, device="cpu",
+                                          enable_memory_saver=False)
+    params = CacheInitParams(disable=not decode, req_to_token_pool=rows, token_to_kv_pool_allocator=allocator,
+                             page_size=PAGE, tree_components=(ComponentType.FULL,))
+    return kv_pool, allocator, rows, UnifiedRadixCache(params)
+
+
+def head_range(args) -> range:
+    heads = TOTAL_HEADS // args.tp
+    return range(args.rank * heads, (args.rank + 1) * heads)
+
+
+def write_kv(kv_pool, locs, tokens, positions, heads) -> None:
+    import torch
+
+    for layer in range(LAYERS):
+        for kv, buffers in enumerate((kv_pool.k_buffer, kv_pool.v_buffer)):
+            values = torch.from_numpy(kv_value(tokens, positions, layer, kv, heads))
+            buffers[layer].view(torch.int16)[torch.as_tensor(locs, dtype=torch.int64)] = values
+
+
+def check_kv(kv_pool, locs, prompt, heads) -> str | None:
+    import torch
+
+    for layer in range(LAYERS):
+        for kv, buffers in enumerate((kv_pool.k_buffer, kv_pool.v_buffer)):
+            got = buffers[layer].view(torch.int16)[torch.as_tensor(locs, dtype=torch.int64)].numpy()
+            want = kv_value(prompt, range(len(prompt)), layer, kv, heads)
+            if not np.array_equal(got, want):
+                bad = np.nonzero((got != want).any(axis=(1, 2)))[0]
+                return f"layer {layer} {'KV'[kv]}: tokens {bad[:8].tolist()} of {len(prompt)} differ"
+    return None
+
+
+def new_req(rid: str, room: int, prompt, mode):
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    params = SamplingParams(max_new_tokens=4)
+    params.normalize(None)
+    return Req(rid, "", array("q", prompt), params, bootstrap_host="127.0.0.1", bootstrap_port=None,
+               bootstrap_room=room, disagg_mode=mode)
+
+
+class _Streamer:
+    def stream_output(self, reqs, return_logprob, *rest) -> None:
+        pass
+
+
+def _scheduler_base(args, server_args, kv_pool, allocator, rows, tree, group):
+    from sglang.srt.disaggregation.utils import MetadataBuffers, ReqToMetadataIdxAllocator
+    import torch
+
+    return dict(
+        server_args=server_args, tp_rank=args.rank, tp_size=args.tp, random_seed=0,
+        req_to_token_pool=rows, token_to_kv_pool_allocator=allocator, tree_cache=tree,
+        attn_tp_cpu_group=group, attn_cp_cpu_group=group, tp_cpu_group=group,
+        req_to_metadata_buffer_idx_allocator=ReqToMetadataIdxAllocator(ROWS),
+        disagg_metadata_buffers=MetadataBuffers(size=ROWS, hidden_size=16, hidden_states_dtype=torch.float32,
+                                                max_sampling_mask_tokens=0),
+        output_streamer=_Streamer(), kv_checksum_computer=None, scheduler_stage_metrics=None, enable_overlap=False, enable_staging=False,
+        spec_algorithm=types.SimpleNamespace(is_eagle=lambda: False, is_none=lambda: True),
+        metrics_reporter=types.SimpleNamespace(enable_metrics=False, kv_transfer_latency_ms=0.0,
+                                               kv_transfer_speed_gb_s=0.0),
+        enable_hisparse=False, enable_lora=False, enable_priority_scheduling=False, enable_decode_hicache=False,
+        kv_shard_widening=1, rust_server=None, waiting_queue=[], chunked_req=None, mm_receiver=None,
+        dllm_config=None, grammar_manager=types.SimpleNamespace(abort_requests=lambda recv: None),
+        model_config=types.SimpleNamespace(num_hidden_layers=LAYERS, get_total_num_kv_heads=lambda: TOTAL_HEADS,
+                                           hf_text_config=types.SimpleNamespace()),
+        tp_worker=types.SimpleNamespace(
+            is_hybrid_swa=False,
+            model_runner=types.SimpleNamespace(effective_logical_max_total_num_tokens=POOL_TOKENS,
+                                               kv_cache_dtype_str="auto")),
+    )
+
+
+def stand_in(mixin, attrs: dict):
+    """An object of SGLang's scheduler mixin with exactly ``attrs``; anything else it is asked
+    for raises, so the test names what SGLang's code reads."""
+    cls = type("StandInScheduler", (mixin,), {})
+    obj = cls.__new__(cls)
+    obj.__dict__.update(attrs)
+    return obj
+
+
+def _aborted_by(req) -> bool:
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    return isinstance(req.finished_reason, FINISH_ABORT)
+
+
+def run_prefill(args) -> dict:
+    """SGLang's prefill scheduler: bootstrap queue, chunked prefill with a send per chunk, inflight queue."""
+    from sglang.srt import runtime_context as ctx
+    from sglang.srt.disaggregation import prefill, utils
+    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestOutcome
+    from sglang.srt.plugins import load_plugins
+
+    server_args = publish(args, "prefill")
+    group = gloo_group(args)
+    ctx.get_parallel().override_permanently(attn_tp_group=types.SimpleNamespace(cpu_group=group))
+    load_plugins()
+    backend = utils.TransferBackend(args.backend)
+    server = None
+    if args.rank == 0:
+        server = utils.get_kv_class(backend, utils.KVClassType.BOOTSTRAP_SERVER)("127.0.0.1", args.bootstrap_port)
+    kv_pool, allocator, rows, tree = pools(server_args, args, decode=False)
+    sched = stand_in(prefill.SchedulerDisaggregationPrefillMixin, {
+        **_scheduler_base(args, server_args, kv_pool, allocator, rows, tree, group),
+        "disaggregation_mode": utils.DisaggregationMode.PREFILL, "disagg_prefill_inflight_queue": [],
+        "disagg_prefill_pending_chunk_rids": set(), "processed_tokens_counter": 0,
+        # as Scheduler._release_aborted_request (SGLang's scheduler module does not import on the CPU
+        # install): the tree cache concludes the request as aborted
+        "_release_aborted_request": lambda req: tree.finish(req.cache_request_handle, CacheRequestOutcome.ABORT)})
+    queue = prefill.PrefillBootstrapQueue(
+        kv_pool, None, sched.req_to_metadata_buffer_idx_allocator, sched.disagg_metadata_buffers, gpu_id=0,
+        bootstrap_port=args.bootstrap_port, max_total_num_tokens=POOL_TOKENS, scheduler=sched,
+        scheduler_stage_metrics=None, transfer_backend=backend)
+    sched.disagg_prefill_bootstrap_queue = queue
+    heads = head_range(args)
+    planned = plan(args.seed, args.waves, args.aborts)
+    reqs = {rid: new_req(rid, room, prompt, utils.DisaggregationMode.PREFILL) for rid, room, prompt, _, _ in planned}
+    prompts = {rid: prompt for rid, _, prompt, _, _ in planned}
+    to_abort = {rid for rid, *_, aborted in planned if aborted}
+    for req in reqs.values():
+        queue.add(req, num_kv_heads=len(heads))
+    outcome, running, held = {}, [], []
+    deadline = time.monotonic() + args.deadline_s
+    while len(outcome) < len(reqs):
+        if time.monotonic() > deadline:
+            outcome.update({rid: "hung" for rid in reqs if rid not in outcome})
+            break
+        waiting = {req.rid for req in queue.queue}
+        popped = queue.pop_bootstrapped()
+        running += popped
+        gone = waiting - {req.rid for req in queue.queue} - {req.rid for req in popped}
+        outcome.update({rid: "failed" for rid in gone})  # failed at bootstrap (SGLang's handle_bootstrap_failure)
+        if held:  # an aborted request waits, mid-transfer, for its decode's abort notice
+            polls = utils.poll_and_all_reduce([req.disagg_kv_sender for req in held], group)
+            resumed = [req for req, poll in zip(held, polls) if poll == utils.KVPoll.Failed]
+            held = [req for req in held if req not in resumed]
+            running += resumed
+        for req in list(running):
+            _forward_chunk(req, prompts[req.rid], rows, allocator, kv_pool, heads)
+            if req.extend_end < len(req.origin_input_ids):
+                sched.send_kv_chunk(req)  # SGLang's process_prefill_chunk for its chunked_req
+                if req.rid in to_abort and req.rid not in {r.rid for r in held} and req.extend_end == CHUNK:
+                    running.remove(req)
+                    held.append(req)
+                continue
+            running.remove(req)
+            req.output_ids.append(first_token(prompts[req.rid]))  # SGLang's process_batch_result_disagg_prefill
+            sched.disagg_prefill_inflight_queue.append(req)
+            sched.send_kv_chunk(req, last_chunk=True)
+        for req in sched.process_disagg_prefill_inflight_queue():
+            outcome[req.rid] = "failed" if _aborted_by(req) else "ok"
+        time.sleep(0.002)
+    queue.kv_manager.close()
+    if server is not None:
+        server.close()
+    return outcome
+
+
+def _forward_chunk(req, prompt, rows, allocator, kv_pool, heads) -> None:
+    """The stand-in forward pass of one prefill chunk: a request row and the chunk's KV pages from
+    SGLang's pools (its ``alloc_extend``), then the chunk's KV written into SGLang's KV pool."""
+    import torch
+
+    if not req.kv.holds_kv:
+        rows.alloc([req])
+    start = req.kv.kv_allocated_len
+    end = min(start + CHUNK, len(prompt))
+    row = req.kv.req_pool_idx
+    last = int(rows.req_to_token[row, start - 1]) if start else -1
+    locs = allocator.alloc_extend(torch.tensor([start]), torch.tensor([start]), torch.tensor([end]),
+                                  torch.tensor([end]), torch.tensor([last]), end - start)
+    rows.req_to_token[row, start:end] = locs.to(torch.int32)
+    write_kv(kv_pool, locs, prompt[start:end], range(start, end), heads)
+    req.kv.kv_allocated_len = req.kv.kv_committed_len = end
+    req.extend_end = end
+
+
+def run_decode(args) -> dict:
+    """SGLang's decode scheduler: ``process_decode_queue`` (prealloc queue with radix-cache prefix hits,
+    transfer queue, held releases of failed requests), aborts mid-transfer; then every completed
+    request's KV is read back through the radix tree (a late write into a released page shows there)."""
+    from sglang.srt import runtime_context as ctx
+    from sglang.srt.disaggregation import decode, utils
+    from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+    from sglang.srt.mem_cache.common import match_kv_cache, release_kv_cache
+    from sglang.srt.plugins import load_plugins
+
+    server_args = publish(args, "decode")
+    group = gloo_group(args)
+    ctx.get_parallel().override_permanently(attn_tp_group=types.SimpleNamespace(cpu_group=group))
+    load_plugins()
+    backend = utils.TransferBackend(args.backend)
+    kv_pool, allocator, rows, tree = pools(server_args, args, decode=True)
+    sched = stand_in(decode.SchedulerDisaggregationDecodeMixin, {
+        **_scheduler_base(args, server_args, kv_pool, allocator, rows, tree, group),
+        "disaggregation_mode": utils.DisaggregationMode.DECODE, "running_batch": types.SimpleNamespace(reqs=[]),
+        "collect_inflight_reqs": lambda: [], "last_batch": None, "new_token_ratio": 0.0,
+        "batch_result_processor": types.SimpleNamespace(_maybe_update_reasoning_tokens=lambda req, token: None)})
+    transfer = decode.DecodeTransferQueue(sched.req_to_metadata_buffer_idx_allocator, sched.disagg_metadata_buffers,
+                                          sched, tree)
+    prealloc = decode.DecodePreallocQueue(
+        rows, allocator, None, sched.req_to_metadata_buffer_idx_allocator, sched.disagg_metadata_buffers, sched,
+        transfer, tree, gpu_id=0, bootstrap_port=args.bootstrap_port, max_total_num_tokens=POOL_TOKENS,
+        num_reserved_decode_tokens=8, transfer_backend=backend)
+    sched.disagg_decode_prealloc_queue, sched.disagg_decode_transfer_queue = prealloc, transfer
+    heads = head_range(args)
+    planned = plan(args.seed, args.waves, args.aborts)
+    outcome, prefix_hits, held, aborted, released = {}, {}, set(), {}, {}
+    deadline = time.monotonic() + args.deadline_s
+    for wave in range(args.waves):
+        reqs = {}
+        for rid, room, prompt, w, _ in planned:
+            if w == wave:
+                reqs[rid] = new_req(rid, room, prompt, utils.DisaggregationMode.DECODE)
+                reqs[rid].bootstrap_port = args.bootstrap_port
+                prealloc.add(reqs[rid])
+        to_abort = {rid for rid, *_, aborted in planned if aborted and rid in reqs}
+        while any(rid not in outcome for rid in reqs) or transfer.has_pending_deferred_releases():
+            if time.monotonic() > deadline:
+                outcome.update({rid: "hung" for rid in reqs if rid not in outcome})
+                break
+            for d in transfer.queue:  # the client goes away mid-transfer: what Scheduler.abort_request does
+                prefix_hits[d.req.rid] = d.req.kv.cache_protected_len
+                if d.req.rid in to_abort and d.req.rid not in aborted:  # its pages, to watch once released
+                    aborted[d.req.rid] = rows.req_to_token[d.req.kv.req_pool_idx, : len(d.req.origin_input_ids)].clone()
+                if d.req.rid in to_abort and _landed(d.req, rows, kv_pool):
+                    to_abort.discard(d.req.rid)
+                    d.kv_receiver.abort()
+            sched.process_decode_queue()  # SGLang's decode step: releases, prealloc, transfer
+            held |= {d.req.rid for d, *_ in transfer._deferred_releases}
+            for rid, locs in aborted.items():  # its pages as SGLang released them: nothing may change them now
+                if rid not in released and not reqs[rid].kv.holds_kv:
+                    released[rid] = (locs, _kv_bytes(kv_pool, locs))
+            for req in sched.waiting_queue:
+                outcome[req.rid] = _check(req, rows, kv_pool, heads)
+                req.finished_reason = FINISH_LENGTH(length=0)  # it decodes, finishes, and its KV joins the tree
+                release_kv_cache(req, tree, checkpoint=True)
+            sched.waiting_queue.clear()
+            queued = {d.req.rid for d in prealloc.queue} | {d.req.rid for d in transfer.queue}
+            outcome.update({rid: "failed" for rid, req in reqs.items()
+                            if rid not in outcome and rid not in queued and _aborted_by(req)})
+            time.sleep(0.002)
+    time.sleep(0.5)  # anything still landing lands now
+    swept = {}
+    for rid, _, prompt, _, _ in planned:
+        if outcome.get(rid) == "ok":
+            probe = new_req(rid + "-probe", 0, prompt, utils.DisaggregationMode.DECODE)
+            match_kv_cache(probe, tree, probe.origin_input_ids)
+            locs = tree.prefix_device_indices(probe)
+            swept[rid] = check_kv(kv_pool, locs, prompt[: len(locs)], heads) or len(locs)
+    free = set(allocator.get_all_free_pages().tolist())
+    late = {}  # per aborted request: (its released tokens still free, those written after their release)
+    for rid, (locs, then) in released.items():
+        still = np.array([int(loc) // PAGE in free for loc in locs.tolist()])
+        changed = (_kv_bytes(kv_pool, locs) != then).reshape(len(locs), -1).any(axis=1)
+        late[rid] = [int(still.sum()), int((changed & still).sum())]
+    prealloc.kv_manager.close()
+    return {"outcome": outcome, "prefix_hits": prefix_hits, "held": sorted(held), "swept": swept, "late": late}
+
+
+def _kv_bytes(kv_pool, locs) -> np.ndarray:
+    """Every layer's K and V of the token slots ``locs``, as one int16 array per slot."""
+    import torch
+
+    at = torch.as_tensor(locs, dtype=torch.int64)
+    return np.concatenate([b[layer].view(torch.int16)[at].reshape(len(at), -1).numpy()
+                           for layer in range(LAYERS) for b in (kv_pool.k_buffer, kv_pool.v_buffer)], axis=1)
+
+
+def _landed(req, rows, kv_pool) -> bool:
+    """Whether the first chunk's bytes are in the request's first page past its prefix (the pool
+    starts zeroed; ``kv_value`` is never 0): the prefill holds the rest until the abort reaches it."""
+    import torch
+
+    loc = int(rows.req_to_token[req.kv.req_pool_idx, req.kv.cache_protected_len])
+    return bool(kv_pool.k_buffer[0].view(torch.int16)[loc].any())
+
+
+def _check(req, rows, kv_pool, heads) -> str:
+    prompt = list(req.origin_input_ids)
+    if list(req.output_ids) != [first_token(prompt)]:
+        return f"first token {list(req.output_ids)}"
+    locs = rows.req_to_token[req.kv.req_pool_idx, : len(prompt)]
+    return check_kv(kv_pool, locs, prompt, heads) or "ok"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("role", choices=("prefill", "decode"))
+    parser.add_argument("--backend", default="nixl")
+    parser.add_argument("--bootstrap-port", type=int, required=True)
+    parser.add_argument("--dist-port", type=int, required=True)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--waves", type=int, default=2)
+    parser.add_argument("--aborts", type=int, default=1)
+    parser.add_argument("--deadline-s", type=float, default=120.0)
+    args = parser.parse_args(argv)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, root)
+    from tests.sglang_real import _torchvision_or_stand_in
+
+    _torchvision_or_stand_in()
+    result = run_prefill(args) if args.role == "prefill" else run_decode(args)
+    print(json.dumps(result if args.role == "decode" else {"outcome": result}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""kvplan driven by SGLang 0.5.23's own scheduler-side queues, in a prefill and a decode node (issue 36).
+
+Each rank is a process of its own (:mod:`tests.integrations.sglang_scheduler_node`): SGLang's
+``PrefillBootstrapQueue``, ``send_kv_chunk`` and inflight queue on the prefill ranks, SGLang's
+``process_decode_queue`` (``DecodePreallocQueue``, ``DecodeTransferQueue``, held releases) on the
+decode ranks, over SGLang's own CPU pools and radix cache, with kvplan's classes from the plugin. 32
+requests in two waves: the second wave's prefix hits on the decode (its radix cache holds the first
+wave), chunked prefill (16 tokens a chunk, one send each), and 3 requests the decode aborts once their
+first chunk has landed (the prefill holds the rest until the abort reaches it).
+
+Checked on every rank: each request ends ``ok`` (its KV, every layer, head and token, equal to what the
+prefill wrote, and the first token from the metadata) or ``failed``, the aborted ones ``failed`` on
+both sides and the others ``ok``; decode prefix hits happened; nothing hung; the decode held each
+aborted request's pages until kvplan's fence allowed their release (SGLang's deferred release, never
+its timeout), no byte landed in them after that, and the completed requests' KV read back through the
+radix tree at the end is still right.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.sglang_real import sglang_module
+
+pytestmark = [pytest.mark.sglang, pytest.mark.engines]
+ROOT = Path(__file__).resolve().parents[2]
+ABORTED = {"req-1-3", "req-1-7", "req-1-11"}
+DEADLINE_S = 150.0
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _run_nodes(tmp_path: Path, backend: str, prefill_tp: int, decode_tp: int) -> dict[str, dict]:
+    """Start every rank, wait for all (killing all by their handles at the deadline or once one fails);
+    each rank's JSON line, by name (``prefill0``, ``decode3``...)."""
+    bootstrap, prefill_dist, decode_dist = _free_ports(3)
+    env = {**os.environ, "KVPLAN_SGLANG": "1", "KVPLAN_HOST": "127.0.0.1", "SGLANG_HOST_IP": "127.0.0.1",
+           "UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN", "PYTHONWARNINGS": "ignore"}
+    procs = {}
+    for role, tp, dist in (("prefill", prefill_tp, prefill_dist), ("decode", decode_tp, decode_dist)):
+        for rank in range(tp):
+            name = f"{role}{rank}"
+            cmd = [sys.executable, "-m", "tests.integrations.sglang_scheduler_node", role, "--backend", backend,
+                   "--bootstrap-port", str(bootstrap), "--dist-port", str(dist), "--tp", str(tp), "--rank",
+                   str(rank), "--aborts", str(len(ABORTED)), "--deadline-s", str(DEADLINE_S - 30)]
+            out, err = open(tmp_path / f"{name}.out", "w"), open(tmp_path / f"{name}.err", "w")
+            procs[name] = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=ROOT)
+    deadline = time.monotonic() + DEADLINE_S
+    try:
+        while any(p.poll() is None for p in procs.values()):
+            failed = [n for n, p in procs.items() if p.returncode not in (None, 0)]
+            assert not failed and time.monotonic() < deadline, (
+                f"ranks {failed or 'still running at the deadline'}: "
+                + "".join(f"\n--- {n}\n{(tmp_path / f'{n}.err').read_text()[-3000:]}" for n in failed or procs))
+            time.sleep(0.2)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=30)
+    bad = [n for n, p in procs.items() if p.returncode != 0]
+    assert not bad, "".join(f"\n--- {n}\n{(tmp_path / f'{n}.err').read_text()[-3000:]}" for n in bad)
+    return {n: json.loads((tmp_path / f"{n}.out").read_text().strip().splitlines()[-1]) for n in procs}
+
+
+@pytest.mark.parametrize("backend,prefill_tp,decode_tp", [("nixl", 2, 4), ("mooncake", 1, 1)])
+def test_sglang_s_schedulers_move_every_request_and_fail_the_aborted_ones_on_both_sides(
+        tmp_path, backend, prefill_tp, decode_tp):
+    sglang_module("srt.disaggregation.decode")  # skips where SGLang is not installed
+    ranks = _run_nodes(tmp_path, backend, prefill_tp, decode_tp)
+    for name, result in ranks.items():
+        outcome = result["outcome"]
+        assert len(outcome) == 32, name
+        wrong = {rid: v for rid, v in outcome.items() if v != ("failed" if rid in ABORTED else "ok")}
+        assert not wrong, f"{name}: {wrong}"
+        if name.startswith("decode"):
+            assert sum(1 for hit in result["prefix_hits"].values() if hit > 0) >= 6, name  # decode-side prefix hits
+            assert set(result["held"]) == ABORTED, f"{name}: SGLang released an aborted request's pages unfenced"
+            assert all(v[1] == 0 for v in result["late"].values()), f"{name}: bytes landed after release: {result['late']}"
+            swept = result["swept"]
+            assert len(swept) == 29 and all(isinstance(v, int) for v in swept.values()), f"{name}: {swept}"
+            log = (tmp_path / f"{name}.err").read_text()
+            assert "Deferred KV release" not in log, f"{name}: a held release timed out instead of being fenced"
