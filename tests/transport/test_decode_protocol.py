@@ -229,3 +229,33 @@ def test_a_sender_that_cannot_take_its_credit_fails_its_requests_not_the_endpoin
     states = endpoint.wait()
     assert time.monotonic() - started < 5
     assert states["r2"] == "failed" and "stopped taking messages" in endpoint.failures["r2"]
+
+
+def test_an_aborted_request_is_fenced_only_once_its_sender_acknowledges_with_nothing_in_flight(decode):
+    """The decode tells the sender; its pages may be reused only after an ``abort-ack`` that says
+    ``fenced``; an acknowledgement without it (a write the engine could not end) never fences them, nor
+    does one from another request. A request never aborted is not fenced."""
+    endpoint, prefill, _, _ = decode
+    assert not endpoint.fenced("r1")
+    endpoint.abort("r1", "the client went away")
+    assert prefill.try_recv()[:2] == ("abort", {"request": "r1", "reason": "the client went away"})
+    assert not endpoint.fenced("r1")
+    prefill.send("abort-ack", {"request": "r2", "fenced": True})  # another request's: no effect
+    endpoint.poll()
+    assert not endpoint.fenced("r1")
+    prefill.send("abort-ack", {"request": "r1", "fenced": False})
+    endpoint.poll()
+    assert not endpoint.fenced("r1")
+    prefill.send("abort-ack", {"request": "r1", "fenced": True})
+    endpoint.poll()
+    assert endpoint.fenced("r1")
+    endpoint.forget_fence("r1")
+    assert not endpoint.fenced("r1")
+
+
+def test_an_aborted_request_is_fenced_once_its_sender_is_gone(decode, monkeypatch):
+    endpoint, _, _, _ = decode
+    endpoint.abort("r1", "the client went away")
+    assert not endpoint.fenced("r1")
+    monkeypatch.setattr(endpoint.channels[0], "peer_gone", lambda: True)
+    assert endpoint.fenced("r1")

@@ -224,3 +224,29 @@ def test_chunks_announced_for_auto_are_withdrawn_when_it_sends_direct():
     assert [kind for kind, _ in sent] == ["staged-plan", "staged-waves"], sent
     assert sent[1][1] == {"from": prefill.id, "run": sent[0][1]["run"], "cancel": "sent direct"}
     assert prefill.last_mode == "direct" and engine.posted
+
+
+def test_an_abort_is_acknowledged_as_fenced_at_once_and_its_lists_dropped():
+    """``send`` returns only once its writes ended, so an abort read between sends has nothing in
+    flight: it is acknowledged ``fenced`` at once, for a request it knows (its lists are dropped, the
+    caller told) and for one it has finished or never had (the decode may still wait on it)."""
+    prefill, _, _, theirs, _, _buffers = _staged_pair()
+    _sent(theirs)
+    theirs.send("abort", {"request": "r1", "reason": "gone"})
+    theirs.send("abort", {"request": "r9", "reason": "gone"})
+    prefill.progress()
+    assert "r1" not in prefill.lists and prefill.aborted == [(0, "r1", "gone")]
+    assert _sent(theirs) == [("abort-ack", {"request": "r1", "fenced": True}),
+                             ("abort-ack", {"request": "r9", "fenced": True})]
+
+
+def test_an_abort_of_a_request_with_a_write_that_could_not_be_ended_is_not_acknowledged_as_fenced(monkeypatch):
+    monkeypatch.setenv("KVPLAN_DRAIN_S", "0.05")  # how long an aborted write may take to end
+    prefill, engine, _, theirs, _, _buffers = _staged_pair(engine=FakeEngine(stuck=True, abort_after=None))
+    _sent(theirs)
+    result = prefill.send([prefill.transfer(Chunk("r1", 1, 0, 9, 8, True))], mode="direct", timeout=0.05)
+    assert result["r1"].startswith("unsafe")
+    _sent(theirs)
+    theirs.send("abort", {"request": "r1", "reason": "gone"})
+    prefill.progress()
+    assert _sent(theirs) == [("abort-ack", {"request": "r1", "fenced": False})]
