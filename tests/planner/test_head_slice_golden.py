@@ -74,3 +74,19 @@ def test_mla_is_never_head_sliced():
     assert pair_sides(src, dst).mode is Mode.DIRECT
     want = np.array([[SRC_BASES[0] + SRC_PAGE * item, DST_BASES[0] + DST_PAGE * item, item]], dtype=np.uint64)
     assert np.array_equal(plan_one(src, dst), want)
+
+
+# A side that names no head count (0: SGLang's decode KVArgs carry none) cannot be head-sliced as it
+# is; with the prefill's count (registration.with_model_heads) it plans exactly as if it had named it.
+def test_a_side_without_a_head_count_takes_its_peer_s():
+    from kvplan.errors import LayoutError
+    from kvplan.transport.registration import with_model_heads
+
+    src = side(SRC_BASES, heads_per_rank=2, tp_size=2, tp_rank=0)
+    unnamed = side(DST_BASES, heads_per_rank=1, tp_size=4, tp_rank=1, heads=0)
+    with pytest.raises(LayoutError, match="not known"):
+        pair_sides(src, unnamed)
+    dst = with_model_heads(unnamed, src.kv.num_kv_heads)
+    assert dst.kv.num_kv_heads == 4 and with_model_heads(dst, 8).kv.num_kv_heads == 4  # a named count stays
+    assert np.array_equal(plan_one(src, dst), plan_one(src, side(DST_BASES, 1, 4, 1)))
+    assert np.array_equal(plan_one(src, dst), expected(2 * PS * BPH, 1 * PS * BPH, 1, 0, 1))
