@@ -39,6 +39,7 @@ import numpy as np
 PAGE, CHUNK, LAYERS, TOTAL_HEADS, HEAD_DIM = 4, 16, 2, 4, 8
 POOL_TOKENS, ROWS, CONTEXT = 2048, 48, 256
 WAVE = 16  # requests per wave; the second wave shares prefixes with the first
+WINDOW = 12  # the SWA layer's window (tokens), with --swa
 
 
 def plan(seed: int, waves: int, aborts: int):
@@ -81,7 +82,10 @@ def publish(args, role: str):
         disaggregation_mode=role, disaggregation_transfer_backend=args.backend,
         disaggregation_bootstrap_port=args.bootstrap_port, host="127.0.0.1", page_size=PAGE, device="cpu",
         tp_size=args.tp, max_running_requests=ROWS, context_length=CONTEXT, chunked_prefill_size=CHUNK,
-        disaggregation_decode_enable_radix_cache=role == "decode").install()
+        disaggregation_decode_enable_radix_cache=role == "decode" and not args.mamba).install()
+    # SGLang's Mamba tree component reads its chunk size off the model's HF config unless it is seeded
+    # (as SGLang's own fixtures do for a model without one)
+    server_args._mamba_cache_chunk_size = 64
     ctx.get_parallel().override_permanently(
         tp_rank=args.rank, pp_rank=0, dp_rank=0, attn_tp_rank=args.rank, attn_cp_rank=0, attn_dcp_rank=0,
         attn_dp_rank=0, pp_group=None)
@@ -107,18 +111,49 @@ def pools(server_args, args, decode: bool):
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
     heads = TOTAL_HEADS // args.tp
-    kv_pool = memory_pool.MHATokenToKVPool(size=POOL_TOKENS, page_size=PAGE, dtype=torch.bfloat16, head_num=heads,
-                                           head_dim=HEAD_DIM, layer_num=LAYERS, device="cpu",
-                                           enable_memory_saver=False)
-    allocator = PagedTokenToKVPoolAllocator(POOL_TOKENS, PAGE, torch.bfloat16, "cpu", kv_pool, need_sort=False)
-    if decode:
+    components = (ComponentType.FULL,)
+    if args.swa:  # layer 0 full attention, layer 1 sliding-window (SGLang's SWA pool and allocator)
+        from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+        from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+        kv_pool = SWAKVPool(size=POOL_TOKENS, size_swa=POOL_TOKENS, page_size=PAGE, dtype=torch.bfloat16,
+                            head_num=heads, head_dim=HEAD_DIM, swa_attention_layer_ids=[1],
+                            full_attention_layer_ids=[0], device="cpu")
+        allocator = SWATokenToKVPoolAllocator(POOL_TOKENS, POOL_TOKENS, PAGE, torch.bfloat16, "cpu", kv_pool,
+                                              need_sort=False)
+        components = (ComponentType.FULL, ComponentType.SWA)
+    else:
+        kv_pool = memory_pool.MHATokenToKVPool(size=POOL_TOKENS, page_size=PAGE, dtype=torch.bfloat16,
+                                               head_num=heads, head_dim=HEAD_DIM, layer_num=LAYERS, device="cpu",
+                                               enable_memory_saver=False)
+        allocator = PagedTokenToKVPoolAllocator(POOL_TOKENS, PAGE, torch.bfloat16, "cpu", kv_pool, need_sort=False)
+    if args.mamba:  # and a Mamba layer (model layer 2): SGLang's hybrid request pools, a state slot per request
+        from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+        from sglang.srt.disaggregation.decode import HybridMambaDecodeReqToTokenPool
+
+        shape = Mamba2StateShape.create(tp_world_size=args.tp, intermediate_size=16, n_groups=4, num_heads=4,
+                                        head_dim=4, state_size=4, conv_kernel=4)
+        mamba = dict(cache_params=Mamba2CacheParams(shape=shape, layers=[2]), mamba_layer_ids=[2],
+                     enable_mamba_extra_buffer=False, enable_overlap_schedule=False, mamba_size=2 * ROWS)
+        if decode:
+            rows = HybridMambaDecodeReqToTokenPool(size=ROWS, max_context_len=CONTEXT, device="cpu",
+                                                   enable_memory_saver=False, speculative_num_draft_tokens=None,
+                                                   speculative_eagle_topk=None, pre_alloc_size=ROWS, **mamba)
+        else:
+            rows = memory_pool.HybridReqToTokenPool(size=ROWS, mamba_spec_state_size=ROWS, max_context_len=CONTEXT,
+                                                    device="cpu", enable_memory_saver=False, **mamba)
+        components += (ComponentType.MAMBA,)
+    elif decode:
         rows = DecodeReqToTokenPool(size=ROWS, max_context_len=CONTEXT, device="cpu", enable_memory_saver=False,
                                     pre_alloc_size=ROWS)
     else:
         rows = memory_pool.ReqToTokenPool(size=ROWS, max_context_len=CONTEXT, device="cpu",
                                           enable_memory_saver=False)
-    params = CacheInitParams(disable=not decode, req_to_token_pool=rows, token_to_kv_pool_allocator=allocator,
-                             page_size=PAGE, tree_components=(ComponentType.FULL,))
+    # the decode's radix cache gives its prefix hits; with Mamba it is off (SGLang caches a Mamba state
+    # only at page size 1 or with its extra buffer)
+    params = CacheInitParams(disable=not decode or args.mamba, req_to_token_pool=rows, token_to_kv_pool_allocator=allocator,
+                             page_size=PAGE, tree_components=components,
+                             sliding_window_size=WINDOW if args.swa else None)
     return kv_pool, allocator, rows, UnifiedRadixCache(params)
 
 
@@ -127,26 +162,73 @@ def head_range(args) -> range:
     return range(args.rank * heads, (args.rank + 1) * heads)
 
 
-def write_kv(kv_pool, locs, tokens, positions, heads) -> None:
+def layers(kv_pool, allocator) -> list:
+    """Per layer: whether it is sliding-window, its K and V buffers (int16 views), and how a token
+    slot of the request table maps to its slot there (SGLang's full-to-SWA translation)."""
     import torch
 
-    for layer in range(LAYERS):
-        for kv, buffers in enumerate((kv_pool.k_buffer, kv_pool.v_buffer)):
-            values = torch.from_numpy(kv_value(tokens, positions, layer, kv, heads))
-            buffers[layer].view(torch.int16)[torch.as_tensor(locs, dtype=torch.int64)] = values
+    if hasattr(kv_pool, "swa_kv_pool"):
+        full, swa = kv_pool.full_kv_pool, kv_pool.swa_kv_pool
+        return [(False, full.k_buffer[0].view(torch.int16), full.v_buffer[0].view(torch.int16), lambda locs: locs),
+                (True, swa.k_buffer[0].view(torch.int16), swa.v_buffer[0].view(torch.int16),
+                 allocator.translate_loc_from_full_to_swa)]
+    return [(False, kv_pool.k_buffer[n].view(torch.int16), kv_pool.v_buffer[n].view(torch.int16), lambda locs: locs)
+            for n in range(LAYERS)]
 
 
-def check_kv(kv_pool, locs, prompt, heads) -> str | None:
+def write_kv(kv_pool, allocator, locs, tokens, positions, heads) -> None:
     import torch
 
-    for layer in range(LAYERS):
-        for kv, buffers in enumerate((kv_pool.k_buffer, kv_pool.v_buffer)):
-            got = buffers[layer].view(torch.int16)[torch.as_tensor(locs, dtype=torch.int64)].numpy()
-            want = kv_value(prompt, range(len(prompt)), layer, kv, heads)
-            if not np.array_equal(got, want):
-                bad = np.nonzero((got != want).any(axis=(1, 2)))[0]
-                return f"layer {layer} {'KV'[kv]}: tokens {bad[:8].tolist()} of {len(prompt)} differ"
+    locs = torch.as_tensor(locs, dtype=torch.int64)
+    for layer, (_, k, v, slots_of) in enumerate(layers(kv_pool, allocator)):
+        slots = torch.as_tensor(slots_of(locs), dtype=torch.int64)
+        for part, buffer in enumerate((k, v)):
+            buffer[slots] = torch.from_numpy(kv_value(tokens, positions, layer, part, heads))
+
+
+def check_kv(kv_pool, allocator, locs, prompt, heads, window_from: int | None = 0) -> str | None:
+    """Whether the KV at ``locs`` is the prompt's; a sliding-window layer from token ``window_from``
+    on (None: not at all)."""
+    import torch
+
+    locs = torch.as_tensor(locs, dtype=torch.int64)
+    for layer, (sliding, k, v, slots_of) in enumerate(layers(kv_pool, allocator)):
+        lo = (window_from if sliding else 0)
+        if lo is None or lo >= len(prompt):
+            continue
+        slots = torch.as_tensor(slots_of(locs[lo:]), dtype=torch.int64)
+        for part, buffer in enumerate((k, v)):
+            got = buffer[slots].numpy()
+            want = kv_value(prompt[lo:], range(lo, len(prompt)), layer, part, heads)
+            if (slots < 0).any() or not np.array_equal(got, want):
+                bad = lo + np.nonzero((got != want).any(axis=(1, 2)) | (slots < 0).numpy())[0]
+                return f"layer {layer} {'KV'[part]}: tokens {bad[:8].tolist()} of {len(prompt)} differ"
     return None
+
+
+def mamba_items(rows, req) -> list:
+    """The request's Mamba state in SGLang's pool: each state tensor's item (conv, temporal), as bytes."""
+    import torch
+
+    slot = int(rows.req_index_to_mamba_index_mapping[req.kv.req_pool_idx])
+    cache = rows.mamba_pool.mamba_cache
+    return [t[0, slot].view(torch.uint8).reshape(-1) for t in (*cache.conv, cache.temporal)]
+
+
+def mamba_value(prompt, items, rank: int, tp: int) -> list:
+    """What the stand-in forward leaves as the state after ``prompt``, per state tensor: this rank's
+    slice of one model-wide byte pattern. SGLang slices a Mamba2 state tensor contiguously over the
+    attention-TP ranks (no ``conv_shard_groups``), so rank ``r`` of ``tp`` holds bytes
+    ``[r * n, (r + 1) * n)`` of the pattern, ``n`` its item length."""
+    import torch
+
+    seed = (sum(prompt) * 31 + len(prompt) * 7) % 1000
+    out = []
+    for k, item in enumerate(items):
+        n = item.numel()
+        pattern = (np.arange(n * tp, dtype=np.int64) * (3 + k) + seed) % 251 + 1
+        out.append(torch.from_numpy(pattern[rank * n : (rank + 1) * n].astype(np.uint8)))
+    return out
 
 
 def new_req(rid: str, room: int, prompt, mode):
@@ -184,10 +266,11 @@ def _scheduler_base(args, server_args, kv_pool, allocator, rows, tree, group):
         dllm_config=None, grammar_manager=types.SimpleNamespace(abort_requests=lambda recv: None),
         model_config=types.SimpleNamespace(num_hidden_layers=LAYERS, get_total_num_kv_heads=lambda: TOTAL_HEADS,
                                            hf_text_config=types.SimpleNamespace()),
+        sliding_window_size=WINDOW if args.swa else None,
         tp_worker=types.SimpleNamespace(
-            is_hybrid_swa=False,
+            is_hybrid_swa=args.swa,
             model_runner=types.SimpleNamespace(effective_logical_max_total_num_tokens=POOL_TOKENS,
-                                               kv_cache_dtype_str="auto")),
+                                               swa_max_total_num_tokens=POOL_TOKENS, kv_cache_dtype_str="auto")),
     )
 
 
@@ -272,6 +355,11 @@ def run_prefill(args) -> dict:
         for req in sched.process_disagg_prefill_inflight_queue():
             outcome[req.rid] = "failed" if _aborted_by(req) else "ok"
         time.sleep(0.002)
+    # a serving prefill stays up: it goes on answering (aborts' acknowledgements) until the decode is done
+    done = [os.path.join(args.done_dir, f"decode{rank}.done") for rank in range(args.peer_tp)]
+    while not all(os.path.exists(path) for path in done) and time.monotonic() < deadline + 30:
+        queue.kv_manager.progress()
+        time.sleep(0.005)
     queue.kv_manager.close()
     if server is not None:
         server.close()
@@ -292,7 +380,11 @@ def _forward_chunk(req, prompt, rows, allocator, kv_pool, heads) -> None:
     locs = allocator.alloc_extend(torch.tensor([start]), torch.tensor([start]), torch.tensor([end]),
                                   torch.tensor([end]), torch.tensor([last]), end - start)
     rows.req_to_token[row, start:end] = locs.to(torch.int32)
-    write_kv(kv_pool, locs, prompt[start:end], range(start, end), heads)
+    write_kv(kv_pool, allocator, locs, prompt[start:end], range(start, end), heads)
+    if end == len(prompt) and hasattr(rows, "mamba_pool"):  # the Mamba layer's state after the prompt
+        items = mamba_items(rows, req)
+        for item, value in zip(items, mamba_value(prompt, items, heads.start // len(heads), TOTAL_HEADS // len(heads))):
+            item.copy_(value)
     req.kv.kv_allocated_len = req.kv.kv_committed_len = end
     req.extend_end = end
 
@@ -345,16 +437,16 @@ def run_decode(args) -> dict:
                 prefix_hits[d.req.rid] = d.req.kv.cache_protected_len
                 if d.req.rid in to_abort and d.req.rid not in aborted:  # its pages, to watch once released
                     aborted[d.req.rid] = rows.req_to_token[d.req.kv.req_pool_idx, : len(d.req.origin_input_ids)].clone()
-                if d.req.rid in to_abort and _landed(d.req, rows, kv_pool):
+                if d.req.rid in to_abort and _landed(d.req, rows, kv_pool, allocator, heads):
                     to_abort.discard(d.req.rid)
                     d.kv_receiver.abort()
             sched.process_decode_queue()  # SGLang's decode step: releases, prealloc, transfer
             held |= {d.req.rid for d, *_ in transfer._deferred_releases}
             for rid, locs in aborted.items():  # its pages as SGLang released them: nothing may change them now
                 if rid not in released and not reqs[rid].kv.holds_kv:
-                    released[rid] = (locs, _kv_bytes(kv_pool, locs))
+                    released[rid] = (locs, _kv_bytes(kv_pool, allocator, locs))
             for req in sched.waiting_queue:
-                outcome[req.rid] = _check(req, rows, kv_pool, heads)
+                outcome[req.rid] = _check(req, rows, kv_pool, allocator, heads)
                 req.finished_reason = FINISH_LENGTH(length=0)  # it decodes, finishes, and its KV joins the tree
                 release_kv_cache(req, tree, checkpoint=True)
             sched.waiting_queue.clear()
@@ -369,41 +461,51 @@ def run_decode(args) -> dict:
             probe = new_req(rid + "-probe", 0, prompt, utils.DisaggregationMode.DECODE)
             match_kv_cache(probe, tree, probe.origin_input_ids)
             locs = tree.prefix_device_indices(probe)
-            swept[rid] = check_kv(kv_pool, locs, prompt[: len(locs)], heads) or len(locs)
-    free = set(allocator.get_all_free_pages().tolist())
+            swept[rid] = check_kv(kv_pool, allocator, locs, prompt[: len(locs)], heads, None) or len(locs)
+    free = set(getattr(allocator, "full_attn_allocator", allocator).get_all_free_pages().tolist())
     late = {}  # per aborted request: (its released tokens still free, those written after their release)
     for rid, (locs, then) in released.items():
         still = np.array([int(loc) // PAGE in free for loc in locs.tolist()])
-        changed = (_kv_bytes(kv_pool, locs) != then).reshape(len(locs), -1).any(axis=1)
+        changed = (_kv_bytes(kv_pool, allocator, locs) != then).reshape(len(locs), -1).any(axis=1)
         late[rid] = [int(still.sum()), int((changed & still).sum())]
+    open(os.path.join(args.done_dir, f"decode{args.rank}.done"), "w").close()
     prealloc.kv_manager.close()
     return {"outcome": outcome, "prefix_hits": prefix_hits, "held": sorted(held), "swept": swept, "late": late}
 
 
-def _kv_bytes(kv_pool, locs) -> np.ndarray:
-    """Every layer's K and V of the token slots ``locs``, as one int16 array per slot."""
+def _kv_bytes(kv_pool, allocator, locs) -> np.ndarray:
+    """The full-attention layers' K and V of the token slots ``locs``, as one int16 row per slot."""
     import torch
 
     at = torch.as_tensor(locs, dtype=torch.int64)
-    return np.concatenate([b[layer].view(torch.int16)[at].reshape(len(at), -1).numpy()
-                           for layer in range(LAYERS) for b in (kv_pool.k_buffer, kv_pool.v_buffer)], axis=1)
+    return np.concatenate([b[at].reshape(len(at), -1).numpy() for sliding, k, v, _ in layers(kv_pool, allocator)
+                           if not sliding for b in (k, v)], axis=1)
 
 
-def _landed(req, rows, kv_pool) -> bool:
-    """Whether the first chunk's bytes are in the request's first page past its prefix (the pool
-    starts zeroed; ``kv_value`` is never 0): the prefill holds the rest until the abort reaches it."""
-    import torch
+def _landed(req, rows, kv_pool, allocator, heads) -> bool:
+    """Whether the first chunk's bytes are in the request's first page past its prefix (the slot
+    holds it, not what an earlier request left): the prefill holds the rest until the abort reaches it."""
+    at = req.kv.cache_protected_len
+    loc = int(rows.req_to_token[req.kv.req_pool_idx, at])
+    want = kv_value(req.origin_input_ids[at : at + 1], [at], 0, 0, heads)[0]
+    return bool((layers(kv_pool, allocator)[0][1][loc].numpy() == want).all())
 
-    loc = int(rows.req_to_token[req.kv.req_pool_idx, req.kv.cache_protected_len])
-    return bool(kv_pool.k_buffer[0].view(torch.int16)[loc].any())
 
-
-def _check(req, rows, kv_pool, heads) -> str:
+def _check(req, rows, kv_pool, allocator, heads) -> str:
+    """The request's first token and KV: every full layer's token, a sliding-window layer's window
+    (the prefill sends it past the decode's prefix; SGLang's decode keeps no SWA before it)."""
     prompt = list(req.origin_input_ids)
     if list(req.output_ids) != [first_token(prompt)]:
         return f"first token {list(req.output_ids)}"
     locs = rows.req_to_token[req.kv.req_pool_idx, : len(prompt)]
-    return check_kv(kv_pool, locs, prompt, heads) or "ok"
+    window_from = max(len(prompt) - WINDOW, req.kv.cache_protected_len)
+    if hasattr(rows, "mamba_pool"):
+        items = mamba_items(rows, req)
+        for k, (got, want) in enumerate(zip(items, mamba_value(prompt, items, heads.start // len(heads),
+                                                               TOTAL_HEADS // len(heads)))):
+            if not bool((got == want).all()):
+                return f"Mamba state tensor {k} differs"
+    return check_kv(kv_pool, allocator, locs, prompt, heads, window_from) or "ok"
 
 
 def main(argv=None) -> None:
@@ -418,6 +520,10 @@ def main(argv=None) -> None:
     parser.add_argument("--waves", type=int, default=2)
     parser.add_argument("--aborts", type=int, default=1)
     parser.add_argument("--deadline-s", type=float, default=120.0)
+    parser.add_argument("--peer-tp", type=int, default=1, help="the other side's TP size")
+    parser.add_argument("--done-dir", required=True, help="where each decode rank marks that it is done")
+    parser.add_argument("--swa", action="store_true", help="layer 1 sliding-window (SGLang's SWA pool)")
+    parser.add_argument("--mamba", action="store_true", help="and a Mamba layer (SGLang's hybrid request pools)")
     args = parser.parse_args(argv)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.path.insert(0, root)
