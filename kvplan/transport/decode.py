@@ -111,6 +111,8 @@ class DecodeEndpoint:
         # aborted requests: per sender it was published to, its acknowledgement (None: not yet; False: a
         # write it could not end); see fenced()
         self._fences: dict[Any, dict[int, bool | None]] = {}
+        # per request, the senders that reported it failed with their writes ended: an abort needs no ack from them
+        self._quiet: dict[Any, set[int]] = {}
         self._senders: dict[int, SideMemory] = {}  # each paired sender's layout (its "paired" message)
         # per paired sender whose staged runs this side plans itself: the side it plans them from
         # (receiver_plan.scatter_source: this side, or the sender's mirror), and for a mirror its
@@ -176,8 +178,10 @@ class DecodeEndpoint:
         """Fail ``request`` here and tell each sender it was published to, which then sends none of it
         that it has not posted yet; its lists stop being writable (the landing guard forgets them).
         Writes already posted may still land: the request's pages are free for reuse only once
-        :meth:`fenced` says so (each sender has acknowledged the abort, or is gone)."""
-        self._fences[request] = {k: None for k in self._owner.get(request, ())}
+        :meth:`fenced` says so (each sender has acknowledged the abort, reported the request failed
+        with its writes ended, or is gone)."""
+        quiet = self._quiet.get(request, ())  # senders that already reported it failed write nothing more of it
+        self._fences[request] = {k: (True if k in quiet else None) for k in self._owner.get(request, ())}
         for k in self._owner.get(request, ()):
             try:
                 self.channels[k].send("abort", {"request": request, "reason": reason}, timeout=POLL_S)
@@ -196,6 +200,7 @@ class DecodeEndpoint:
     def forget_fence(self, request: Any) -> None:
         """Drop what :meth:`fenced` keeps of ``request`` (its pages were released)."""
         self._fences.pop(request, None)
+        self._quiet.pop(request, None)
 
     def _on_abort_ack(self, peer: int, header: dict[str, Any]) -> None:
         acks = self._fences.get(header.get("request"))
@@ -289,6 +294,8 @@ class DecodeEndpoint:
                     self._on_paired(k, header, frames)
                 elif kind == "failed" and self._writes(header.get("request"), k):
                     self.tracker.fail(header["request"], f"the prefill side reports: {header.get('reason')}")
+                    if not str(header.get("reason")).startswith("unsafe"):  # it reports once its writes ended
+                        self._quiet.setdefault(header["request"], set()).add(k)
                 elif kind == "refused":
                     self._fail_owned(k, f"the prefill side refused the pairing: {header.get('reason')}")
                 elif kind == "abort-ack":

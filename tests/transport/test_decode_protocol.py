@@ -259,3 +259,18 @@ def test_an_aborted_request_is_fenced_once_its_sender_is_gone(decode, monkeypatc
     assert not endpoint.fenced("r1")
     monkeypatch.setattr(endpoint.channels[0], "peer_gone", lambda: True)
     assert endpoint.fenced("r1")
+
+
+def test_an_abort_after_the_sender_reported_the_request_failed_is_fenced_at_once(decode):
+    """The sender reports a failure once its writes ended: the decode's own abort after it needs no
+    acknowledgement (an idle prefill may not read it soon). Not after an ``unsafe`` failure."""
+    endpoint, prefill, _, _ = decode
+    prefill.send("failed", {"request": "r1", "reason": "unsafe: the engine could not end the write"})
+    endpoint.poll()
+    endpoint.abort("r1", "SGLang's decode concludes it")
+    assert not endpoint.fenced("r1")
+    endpoint.forget_fence("r1")
+    prefill.send("failed", {"request": "r1", "reason": "deadline passed; the write was aborted"})
+    endpoint.poll()
+    endpoint.abort("r1", "SGLang's decode concludes it")
+    assert endpoint.fenced("r1")

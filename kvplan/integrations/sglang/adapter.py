@@ -578,6 +578,7 @@ class KVManager(BaseKVManager):
             if room in self.decode.tracker:
                 self.decode.tracker.forget(room)
             self.decode.guard.forget(room)
+            self.decode.forget_fence(room)  # (SGLang clears a held request only once it released its pages)
 
     def _settle(self, room: int, state: int, reason: str | None = None) -> None:
         if self.status.get(room) == KVPoll.Failed:
