@@ -7,8 +7,14 @@ on (docs/sglang.md): ``KVArgs`` as SGLang fills them, a ``KVManager`` per side, 
 the prefill rank registers and the decode finds it. Here both sides run in one process (the decode side
 in a thread) on host memory, bound to 127.0.0.1.
 
-Run: ``UCX_NET_DEVICES=lo python examples/sglang_integration.py`` with SGLang 0.5.23 installed
-(``make setup-sglang``; without a GPU, also ``TRITON_INTERPRET=1``).
+Run, where SGLang 0.5.23 is installed with its dependencies::
+
+    UCX_NET_DEVICES=lo python examples/sglang_integration.py
+
+With the CPU environment of ``make setup-sglang`` (SGLang without its dependencies: no torchvision,
+which SGLang's multimodal imports ask for; ``tests/sglang_real.py`` answers that import)::
+
+    UCX_NET_DEVICES=lo TRITON_INTERPRET=1 .venv/bin/python -m tests.sglang_real examples/sglang_integration.py
 """
 
 import os

@@ -81,3 +81,15 @@ def sglang_module(name: str):
     if sglang.__version__ != SGLANG_VERSION:
         pytest.skip(f"these tests pin sglang {SGLANG_VERSION}, found {sglang.__version__}")
     return importlib.import_module(f"sglang.{name}")
+
+
+if __name__ == "__main__":
+    # ``python -m tests.sglang_real SCRIPT [ARGS]``: run SCRIPT as ``__main__`` where SGLang is installed
+    # as ``make setup-sglang`` installs it (no torchvision: the stand-in answers its import)
+    import runpy
+
+    if len(sys.argv) < 2:
+        sys.exit("usage: python -m tests.sglang_real SCRIPT [ARGS...]")
+    _torchvision_or_stand_in()
+    sys.argv = sys.argv[1:]
+    runpy.run_path(sys.argv[0], run_name="__main__")
