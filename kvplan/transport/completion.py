@@ -206,10 +206,12 @@ class CompletionTracker:
         for request in self.pending():
             self.fail(request, reason)
 
-    def check_deadlines(self, now: float) -> None:
-        for request, status in self._status.items():
-            if status.failure is None and not status.complete() and now > status.deadline:
-                self.fail(request, "deadline passed before every section arrived")
+    def check_deadlines(self, now: float) -> list[Any]:
+        """Fail every pending request whose deadline has passed; the requests it failed."""
+        late = [r for r, s in self._status.items() if s.failure is None and not s.complete() and now > s.deadline]
+        for request in late:
+            self.fail(request, "deadline passed before every section arrived")
+        return late
 
     def forget(self, request: Any) -> None:
         """Drop a settled request (the scheduler has been told); later notes about it are ignored."""

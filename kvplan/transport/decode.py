@@ -181,8 +181,8 @@ class DecodeEndpoint:
         :meth:`fenced` says so (each sender has acknowledged the abort, reported the request failed
         with its writes ended, or is gone)."""
         quiet = self._quiet.get(request, ())  # senders that already reported it failed write nothing more of it
-        self._fences[request] = {k: (True if k in quiet else None) for k in self._owner.get(request, ())}
-        for k in self._owner.get(request, ()):
+        acks = self._fences.setdefault(request, {k: (True if k in quiet else None) for k in self._owner.get(request, ())})
+        for k in [k for k, ok in acks.items() if ok is None]:  # (aborted again: only those yet to answer)
             try:
                 self.channels[k].send("abort", {"request": request, "reason": reason}, timeout=POLL_S)
             except ControlTimeout as err:
@@ -296,6 +296,8 @@ class DecodeEndpoint:
                     self.tracker.fail(header["request"], f"the prefill side reports: {header.get('reason')}")
                     if not str(header.get("reason")).startswith("unsafe"):  # it reports once its writes ended
                         self._quiet.setdefault(header["request"], set()).add(k)
+                        if k in self._fences.get(header["request"], {}):
+                            self._fences[header["request"]][k] = True
                 elif kind == "refused":
                     self._fail_owned(k, f"the prefill side refused the pairing: {header.get('reason')}")
                 elif kind == "abort-ack":
@@ -329,7 +331,8 @@ class DecodeEndpoint:
         if now - self._checked < ControlChannel.LOOK_S:
             return
         self._checked = now  # deadlines are seconds away: looked at every millisecond, not every turn
-        self.tracker.check_deadlines(now)
+        for request in self.tracker.check_deadlines(now):  # its senders are told at once, and must fence it
+            self.abort(request, "the decode side's deadline passed before every section arrived")
         if self._early:  # a wave whose table was refused or lost: its note is never claimed
             for key in [k for k, at in self._early.items() if now - at > EARLY_KEEP_S]:
                 del self._early[key]

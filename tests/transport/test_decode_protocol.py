@@ -270,7 +270,28 @@ def test_an_abort_after_the_sender_reported_the_request_failed_is_fenced_at_once
     endpoint.abort("r1", "SGLang's decode concludes it")
     assert not endpoint.fenced("r1")
     endpoint.forget_fence("r1")
-    prefill.send("failed", {"request": "r1", "reason": "deadline passed; the write was aborted"})
+    prefill.send("failed", {"request": "r1", "reason": "deadline passed; the write had ended (cancelled or completed) when this was reported"})
     endpoint.poll()
     endpoint.abort("r1", "SGLang's decode concludes it")
     assert endpoint.fenced("r1")
+
+
+def test_a_request_past_its_deadline_is_aborted_at_its_sender_and_fenced_only_once_it_answers(decode):
+    """Issue 38, defect 2: the decode failed a request at its deadline without telling the sender, which
+    went on writing into pages given up. Now the sender is told at once, and the pages are fenced
+    only by its answer; aborting it again sends nothing more than to those yet to answer."""
+    endpoint, prefill, _, published = decode
+    endpoint.track([published], time.monotonic() - 1)  # its deadline has passed
+    endpoint._checked = 0.0
+    endpoint.poll()
+    assert endpoint.tracker.state("r1") == "failed"
+    kind, header, _ = prefill.try_recv()
+    assert (kind, header["request"]) == ("abort", "r1") and "deadline" in header["reason"]
+    assert not endpoint.fenced("r1")
+    endpoint.abort("r1", "SGLang's decode concludes it")
+    assert prefill.try_recv()[0] == "abort"  # not answered yet: told again
+    prefill.send("abort-ack", {"request": "r1", "fenced": True})
+    endpoint.poll()
+    assert endpoint.fenced("r1")
+    endpoint.abort("r1", "once more")
+    assert prefill.try_recv() is None  # answered: nothing more to send

@@ -161,7 +161,7 @@ def _abort(engine: Engine, handle: Handle, why: str) -> str:
     drain_end = time.monotonic() + drain_seconds()
     while True:
         if engine.abort(handle):
-            return f"{why}; the write was aborted before it completed"
+            return f"{why}; the write had ended (cancelled or completed) when this was reported"
         if time.monotonic() > drain_end:
             log.error("a write to %s could not be ended %.1f s after its deadline; its destination pages must stay "
                       "quarantined", handle.peer, drain_seconds())

@@ -48,7 +48,7 @@ def unpack_metadata(metadata: bytes) -> tuple[int, bytes]:
 class NixlEngine:
     """NIXL (UCX). See the module docstring for the settings."""
 
-    capabilities = Capabilities(prepared=True, arrays=True, abortable=True, notifies=True)
+    capabilities = Capabilities(prepared=True, arrays=True, notifies=True)  # not abortable: see abort()
     KEPT = 64  # reusable handles kept (staged mode keeps one per slot and wave size)
 
     def __init__(self, name: str, memory: str = "DRAM", device_id: int = 0, num_threads: int = 0,
@@ -183,17 +183,14 @@ class NixlEngine:
             handle.native = None
 
     def abort(self, handle: Handle) -> bool:
-        """Release an in-flight handle: NIXL cancels it, or refuses while it cannot (then it is still live)."""
+        """Whether an in-flight handle has ended. NIXL cannot stop a write that UCX is moving: releasing
+        it succeeds, and its bytes still land (issue 38: 256 MiB over UCX's TCP transport, all after the
+        release). So nothing is released here; the handle ends only when NIXL reports it DONE or ERR,
+        and a caller that gives up before then (:func:`~.base.wait_all`'s ``unsafe``) must keep its
+        pages out of use."""
         if handle.native is None:
             return True
-        try:
-            handle.native.release()
-        except Exception:  # noqa: BLE001 - NIXL could not cancel it yet: it is still in flight
-            return False
-        self._kept = {k: v for k, v in self._kept.items() if v[0] is not handle.native}
-        handle.native, handle.state = None, "ERR"
-        handle.error = handle.error or "aborted"
-        return True
+        return self.progress(handle) != "PROC"
 
     def notifications(self) -> list[bytes]:
         return [msg for msgs in self.agent.get_new_notifs().values() for msg in msgs]
