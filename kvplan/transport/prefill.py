@@ -1019,6 +1019,9 @@ class _StagedRun:
         """Wave ``wave_id``'s slot is free again (the receiver scattered it, or refused it with ``error``)."""
         index = wave_id - self.base_id
         if index not in self.posted:
+            if error and 0 <= index < len(self.waves):  # refused before it was posted: it never will be
+                self.ep._fail(self.dest, self.result, self.waves[index].requests(self.owners),
+                              f"the receiver refused the wave: {error}")
             return
         wave, _ = self.posted[index]
         self.acked.add(index)

@@ -250,3 +250,21 @@ def test_an_abort_of_a_request_with_a_write_that_could_not_be_ended_is_not_ackno
     theirs.send("abort", {"request": "r1", "reason": "gone"})
     prefill.progress()
     assert _sent(theirs) == [("abort-ack", {"request": "r1", "fenced": False})]
+
+
+def test_a_wave_refused_before_it_is_posted_is_never_posted():
+    """Issue 38, defect 6: the receiver refuses wave 1 while wave 0 is being written; the refusal
+    arrived before wave 1 was posted and was dropped, so wave 1 was written into the refused run.
+    Now its request fails with the receiver's reason and wave 1 is never posted."""
+    prefill, engine, _, theirs, _, _buffers = _staged_pair(plans=True, staging_bytes=1024)  # two waves
+
+    def on_post(descs, note):
+        wave = json.loads(note)["wave"]
+        if wave == 0:
+            theirs.send("wave-done", {"wave": 1, "error": "its table writes outside the published pages"})
+            theirs.send("wave-done", {"wave": 0})
+
+    engine.on_post = on_post
+    result = prefill.send([prefill.transfer(Chunk("r1", 1, 0, 8, 8, True))], mode="staged", timeout=1)
+    assert len(engine.posted) == 1
+    assert "refused the wave: its table writes outside" in result["r1"]
