@@ -33,6 +33,22 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _address(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (an IP address; IPv6 in brackets) for ``--listen`` and ``--peer``."""
+    import ipaddress
+
+    host, sep, port = text.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        ipaddress.ip_address(host)
+        number = int(port)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT with an IP address, got {text!r}") from None
+    if not sep or not 0 < number < 65536:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT with a port in 1..65535, got {text!r}")
+    return host, number
+
+
 def _check_demo(config, shape) -> None:
     """Refuse what cannot run before any process starts (each message says what to change)."""
     import torch
@@ -148,12 +164,35 @@ def _demo(args: argparse.Namespace) -> int:
         config = replace(config, timeout=default_timeout(config))
     shape = config.model()
     _check_demo(config, shape)
+    if args.role != "both":
+        return _demo_role(args, config)
+    if args.listen or args.peer:
+        raise SystemExit("kvplan demo: error: --listen and --peer go with --role decode and --role prefill")
     report = run_demo(config, progress=not args.no_progress)
     sys.stdout.write(report.render() + "\n")
     if config.fault != "none":  # a drill passes when exactly its failure was observed
         observed = report.drill_observed()
         sys.stdout.write(f"  drill         {'observed ' + observed if observed else 'NOT the expected failure'}\n")
         return 0 if observed else 1
+    return 0 if report.ok else 1
+
+
+def _demo_role(args: argparse.Namespace, config) -> int:
+    """One side of a two-host demo (``--role``): the decode verifies every byte, the prefill reports
+    what it sent; each exits 0 when its side succeeded."""
+    from .tools.demo import run_role
+
+    address = args.listen if args.role == "decode" else args.peer
+    if address is None or (args.listen and args.peer):
+        flag = "--listen" if args.role == "decode" else "--peer"
+        raise SystemExit(f"kvplan demo: error: --role {args.role} needs {flag} HOST:PORT (and not the other)")
+    if config.gather or config.fault != "none" or config.repeat != 1 or config.forward:
+        raise SystemExit("kvplan demo: error: --role runs one batch without --gather, --fault, --repeat, --layerwise "
+                         "and --forward-dim")
+    host, port = address
+    config = replace(config, host=host, port=port if args.role == "decode" else 0)
+    report = run_role(config, args.role, peer_port=port, progress=not args.no_progress)
+    sys.stdout.write(report.render() + "\n")
     return 0 if report.ok else 1
 
 
@@ -258,6 +297,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="drill a failure path: the decode or prefill process dies, the layouts do not pair, or "
                            "nothing is sent before the deadline (default: none)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar on standard error")
+    demo.add_argument("--role", choices=("both", "decode", "prefill"), default="both",
+                      help="run both sides here (default), or one side, the other being the same command with the "
+                           "other role on another machine: decode with --listen, prefill with --peer")
+    demo.add_argument("--listen", type=_address, metavar="HOST:PORT",
+                      help="with --role decode: the address to bind, which the prefill command names with --peer")
+    demo.add_argument("--peer", type=_address, metavar="HOST:PORT",
+                      help="with --role prefill: the decode command's --listen address")
     demo.set_defaults(run=_demo)
 
     from .tools.bench import SCENARIOS

@@ -27,6 +27,7 @@ Example::
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import multiprocessing as mp
 import os
@@ -98,6 +99,8 @@ class DemoConfig:
     layer_split: str = "tapered"  # how the layers are split into groups: LayerGroups.tapered or LayerGroups.even
     forward_dim: int = 0  # the stand-in forward pass's per-layer matmul: [tokens, dim] x [dim, dim]
     gather: bool = False  # TP gather (source TP > destination TP): a prefill process per source rank of the group
+    host: str = DEMO_HOST  # the address the two sides bind and advertise (the decode listens there)
+    port: int = 0  # the decode's control port (0: an ephemeral one, told to the prefill by the parent)
 
     @property
     def forward(self) -> bool:
@@ -110,8 +113,8 @@ class DemoConfig:
             settings["device_id"] = gpu
         if not self.progress_thread and self.engine == "nixl":
             settings["progress_thread"] = False
-        if self.engine == "mooncake":  # the demo runs on loopback, by its own choice (NIXL: ENGINE_ENV)
-            settings["local_hostname"] = DEMO_HOST
+        if self.engine == "mooncake":  # the demo's own choice of address (NIXL: UCX picks the device, ENGINE_ENV)
+            settings["local_hostname"] = self.host
         return settings
 
     def round_ids(self, k: int) -> str:
@@ -188,10 +191,12 @@ class DemoReport:
     send_failures: dict[Any, str | None] = field(default_factory=dict)
     refused: str | None = None
     verified: bool | None = None
+    role: str = "both"  # or the one side this command ran ("decode", "prefill": run_role)
 
     @property
     def ok(self) -> bool:
-        return bool(self.states) and set(self.states.values()) == {"complete"} and self.verified is True
+        complete = bool(self.states) and set(self.states.values()) == {"complete"}
+        return complete and (self.verified is True or self.role == "prefill")  # (the decode side verifies)
 
     def drill_observed(self) -> str | None:
         """For a fault drill: what was observed when it is exactly the expected failure, else ``None``."""
@@ -221,10 +226,13 @@ class DemoReport:
                  f"page size {model.page_size} to {self.config.dst_page_size}")
         lines = [f"kvplan demo: {model.name} ({model.layers} layers, {pages}), "
                  f"{c.engine} {c.mode}{f' ({self.mode_used})' if self.mode_used and self.mode_used != c.mode else ''}, "
-                 f"{self.device} memory, 127.0.0.1"]
-        lines.append(f"  requests      {c.requests} x {c.prompt_len} tokens in {self.transfers} chunks "
-                     f"({self.mode} descriptors)")
-        lines.append(f"  descriptors   {self.descriptors:,}   bytes {self.nbytes:,}")
+                 f"{self.device} memory, {c.host}" + (f", {self.role} side" if self.role != "both" else "")]
+        if self.role == "decode":  # the prefill side plans and sends: its command reports those
+            lines.append(f"  requests      {c.requests} x {c.prompt_len} tokens, from the prefill command")
+        else:
+            lines.append(f"  requests      {c.requests} x {c.prompt_len} tokens in {self.transfers} chunks "
+                         f"({self.mode} descriptors)")
+            lines.append(f"  descriptors   {self.descriptors:,}   bytes {self.nbytes:,}")
         if self.kvplan_ms is not None:
             where = "GPU" if self.device == "cuda" else "CPU, Triton interpreter: not a speed measurement"
             why = "different page sizes" if self.config.dst_page_size else "head-sliced"
@@ -252,16 +260,19 @@ class DemoReport:
         for request, reason in self.failures.items():
             if reason:
                 lines.append(f"  FAILED        {request}: {reason}")
-        verdict = {True: "every byte matches", False: "WRONG BYTES", None: "not checked"}[self.verified]
+        verdict = {True: "every byte matches", False: "WRONG BYTES",
+                   None: "on the decode side" if self.role == "prefill" else "not checked"}[self.verified]
         lines.append(f"  verification  {verdict}")
         lines.append("  result        " + ("OK" if self.ok else "FAILED"))
         return "\n".join(lines)
 
 
-def _child_setup() -> None:
-    """Engine settings and the parent's log level in a spawned process."""
+def _child_setup(config: DemoConfig) -> None:
+    """Engine settings and the parent's log level in a spawned process (UCX kept on the loopback
+    device only where the demo runs on loopback)."""
     for key, value in ENGINE_ENV:
-        os.environ.setdefault(key, value)
+        if key != "UCX_NET_DEVICES" or ipaddress.ip_address(config.host).is_loopback:
+            os.environ.setdefault(key, value)
     level = os.environ.get("KVPLAN_LOG_LEVEL")
     if level:
         logging.basicConfig(level=level, format="%(levelname)s %(processName)s %(message)s")
@@ -324,7 +335,7 @@ def source_pools(config: DemoConfig, batch: Batch, device: str, rank: int) -> tu
 def decode_process(config: DemoConfig, conn) -> None:
     """The receiving side: publish, wait, verify; every outcome goes back through ``conn``."""
     try:
-        _child_setup()
+        _child_setup(config)
         device = config.resolved_device()
         if device == "cuda" and config.decode_gpu:
             torch.cuda.set_device(config.decode_gpu)  # kernels launch on the current device
@@ -336,7 +347,7 @@ def decode_process(config: DemoConfig, conn) -> None:
             side = replace(side, aux=())
         staging = torch.zeros(config.staging_bytes, dtype=torch.uint8, device=device) if config.mode == "staged" or config.mode == "auto" and device != "cpu" else None
         senders = config.sources()
-        channels = [ControlChannel(host=DEMO_HOST) for _ in senders]
+        channels = [ControlChannel(host=config.host, bind_port=config.port or None) for _ in senders]
         endpoint = DecodeEndpoint(side, make_engine(config.engine, "decode", config.memory,
                                                     **config.engine_settings(config.decode_gpu)), channels, staging)
         conn.send(("port", [c.port for c in channels]))
@@ -386,7 +397,7 @@ def prefill_process(config: DemoConfig, port: int, conn, src_rank: int | None = 
     """The sending side (source rank ``src_rank``, else the paired one): pair, receive lists, plan
     (and time it), move the batch."""
     try:
-        _child_setup()
+        _child_setup(config)
         device = config.resolved_device()
         batch = config.batch(src_rank=src_rank)
         side, src_tensors = source_pools(config, batch, device, config.ranks()[0] if src_rank is None else src_rank)
@@ -397,7 +408,7 @@ def prefill_process(config: DemoConfig, port: int, conn, src_rank: int | None = 
             tokens = sum(t.prompt_len for t in batch.transfers if t.last)
             forward = StandInForward(side, src_tensors, groups, config.forward_dim, tokens)
         staging = torch.zeros(config.staging_bytes, dtype=torch.uint8, device=device) if config.mode == "staged" or config.mode == "auto" and device == "cuda" else None
-        endpoint = PrefillEndpoint(side, make_engine(config.engine, "prefill", config.memory, **config.engine_settings()), ControlChannel(port, host=DEMO_HOST), staging,
+        endpoint = PrefillEndpoint(side, make_engine(config.engine, "prefill", config.memory, **config.engine_settings()), ControlChannel(port, host=config.host), staging,
                                    slots=config.staging_slots, receiver_plans=not config.scatter_tables)
         try:
             endpoint.accept(timeout=config.timeout)
@@ -621,4 +632,62 @@ def run_demo(config: DemoConfig, progress: bool = False) -> DemoReport:
         bar.close()
         if procs is not None:
             procs.close()
+    return report
+
+
+class _RoleConn:
+    """The parent's pipe, for a side that runs alone (:func:`run_role`): it keeps what the side reports,
+    shows its stages, and answers "go" when the prefill asks."""
+
+    def __init__(self, show: Any) -> None:
+        self.messages: list[tuple] = []
+        self.show = show
+
+    def send(self, msg: Any) -> None:
+        self.messages.append(msg)
+        if msg[0] == "stage":
+            self.show(msg[1])
+
+    def poll(self, timeout: float | None = None) -> bool:
+        return True
+
+    def recv(self) -> str:
+        return "go"
+
+    def last(self, kind: str) -> tuple | None:
+        return next((m for m in reversed(self.messages) if m[0] == kind), None)
+
+
+def run_role(config: DemoConfig, role: str, peer_port: int = 0, progress: bool = False) -> DemoReport:
+    """Run one side of the demo in this process, the other being a command on another machine: the
+    decode listens on ``config.host:config.port``; the prefill connects to ``config.host:peer_port``.
+    Both rebuild the same batch from the same settings (seed included). Only the decode verifies
+    bytes; the prefill reports what it sent."""
+    if role not in ("decode", "prefill"):
+        raise ValueError(f"a role is 'decode' or 'prefill', not {role!r}")
+    bar = _Progress(progress)
+    report = DemoReport(config, device=config.resolved_device(), role=role)
+    conn = _RoleConn(bar.stage)
+    try:
+        if role == "decode":
+            decode_process(config, conn)
+        else:
+            prefill_process(config, peer_port, conn)
+    finally:
+        bar.close()
+    if (error := conn.last("error")) is not None:
+        raise RuntimeError(f"the {role} side failed:\n{error[1]}")
+    if role == "decode":
+        _, report.states, report.failures, report.verified, _ = conn.last("result")
+        return report
+    if (refused := conn.last("refused")) is not None:
+        report.refused = refused[1]
+        return report
+    _, report.transfers, _, report.nbytes, report.mode, report.kvplan_ms, report.baseline_ms = conn.last("planned")
+    report.descriptors = conn.last("planned")[2]
+    _, sent, times, report.mode_used, _ = conn.last("sent")
+    report.send_failures = dict(sent)
+    report.states = {r: "failed" if why else "complete" for r, why in sent.items()}
+    report.failures = {r: why for r, why in sent.items() if why}
+    report.transfer_s, report.batch_s = (times[0] if times else None), list(times)
     return report

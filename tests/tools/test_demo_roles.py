@@ -1,0 +1,70 @@
+"""``kvplan demo --role``: the two sides as two commands, as on two machines (issue 37, item 2).
+
+Both commands are started here, bound to a non-loopback address of this host where it has one (else
+127.0.0.1): the decode with ``--listen ADDR:PORT``, the prefill with ``--peer ADDR:PORT``. The decode
+verifies every byte; each exits 0. Over NIXL (UCX picks the device for the address: the library sets no
+``UCX_*``) and Mooncake (its ``local_hostname`` is the address).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.engines
+ROOT = Path(__file__).resolve().parents[2]
+SCENARIO = ["--requests", "2", "--prompt-len", "64", "--layers", "2", "--no-progress"]
+
+
+def _host_address() -> str:
+    """A non-loopback IPv4 address of this host (what a second machine would reach), else 127.0.0.1."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: the kernel picks the outgoing address
+            address = s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+    return address if not address.startswith("127.") else "127.0.0.1"
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("engine", ["nixl", "mooncake"])
+def test_the_two_sides_run_as_two_commands_bound_to_the_host_s_address(engine):
+    host = _host_address()
+    port = _free_port(host)
+    env = {k: v for k, v in os.environ.items() if k != "UCX_NET_DEVICES"}  # as on a real host: UCX chooses
+    env["TRITON_INTERPRET"] = "1"
+    cmd = [sys.executable, "-m", "kvplan", "demo", "--engine", engine, *SCENARIO]
+    decode = subprocess.Popen(cmd + ["--role", "decode", "--listen", f"{host}:{port}"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        prefill = subprocess.run(cmd + ["--role", "prefill", "--peer", f"{host}:{port}"], capture_output=True,
+                                 text=True, timeout=300, env=env, cwd=ROOT)
+        out, err = decode.communicate(timeout=120)
+    finally:
+        if decode.poll() is None:
+            decode.kill()
+            decode.wait(30)
+    assert prefill.returncode == 0, prefill.stdout + prefill.stderr[-3000:]
+    assert decode.returncode == 0, out + err[-3000:]
+    assert f"{host}, decode side" in out and "every byte matches" in out and "completed     2 of 2" in out
+    assert f"{host}, prefill side" in prefill.stdout and "completed     2 of 2" in prefill.stdout
+
+
+def test_a_role_needs_its_address_and_refuses_the_other():
+    run = lambda *a: subprocess.run([sys.executable, "-m", "kvplan", "demo", *a], capture_output=True, text=True,
+                                    timeout=120, cwd=ROOT)
+    assert "needs --listen" in run("--role", "decode").stderr
+    assert "needs --peer" in run("--role", "prefill", "--listen", "127.0.0.1:5000").stderr
+    assert "expected HOST:PORT" in run("--role", "decode", "--listen", "localhost").stderr
+    assert "go with --role" in run("--peer", "127.0.0.1:5000").stderr
