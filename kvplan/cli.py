@@ -232,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser(
         "demo", parents=[verbosity], help="a real prefill-to-decode hand-off on this machine, verified byte for byte",
-        description="Starts a decode and a prefill process on 127.0.0.1 with model-shaped, fragmented paged pools "
+        description="Starts a decode and a prefill process on 127.0.0.1 (or runs one side of two hosts: --role) with model-shaped, fragmented paged pools "
                     "(GPU memory when a GPU is present), plans the batch with kvplan, moves it through a real engine "
                     "and checks every byte on the decode side. Exits 1 if any request fails or any byte is wrong.")
     demo.add_argument("--preset", choices=sorted(PRESETS), default="gptoss-swa-p16",

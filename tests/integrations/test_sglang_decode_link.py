@@ -33,7 +33,7 @@ def prefill(server):
 def test_a_decode_rank_registers_and_asks_in_frames_sglang_s_prefill_reads(prefill):
     conn = sglang_module("srt.disaggregation.mooncake.conn")
     bootstrap, sock = prefill
-    link = DecodeRankLink("127.0.0.1:17300")
+    link = DecodeRankLink("127.0.0.1:17300", rank_ip="127.0.0.1")
     try:
         layout = link.connect("127.0.0.1", bootstrap, REG, page_size=4, kv_cache_dtype="bfloat16")
         assert layout.attn_tp_size == 1
@@ -55,7 +55,7 @@ def connected(prefill):
     """A link connected to the prefill, and a PUSH socket into the link, as the prefill's answers come;
     with the prefill's socket (the registration is the first message on it)."""
     bootstrap, sock = prefill
-    link = DecodeRankLink("127.0.0.1:17301")
+    link = DecodeRankLink("127.0.0.1:17301", rank_ip="127.0.0.1")
     push = zmq.Context.instance().socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 0)
     try:
@@ -91,7 +91,7 @@ def test_only_statuses_of_asked_rooms_from_the_prefill_rank_are_taken(connected)
 def test_a_prefill_layout_this_rank_cannot_take_is_refused(server, route, message):
     register_rank("127.0.0.1", server, RankRoute(**{"rank_ip": "127.0.0.1", "rank_port": 17400, "page_size": 4,
                                                     "kv_cache_dtype": "bfloat16", **route}))
-    link = DecodeRankLink("127.0.0.1:17302")
+    link = DecodeRankLink("127.0.0.1:17302", rank_ip="127.0.0.1")
     try:
         with pytest.raises(LayoutError, match=message):
             link.connect("127.0.0.1", server, REG, page_size=4, kv_cache_dtype="bfloat16")
@@ -105,7 +105,7 @@ def test_a_prefill_of_several_ranks_is_refused(server):
     for rank in (0, 1):
         register_rank("127.0.0.1", server, RankRoute(rank_ip="127.0.0.1", rank_port=17500 + rank, page_size=4,
                                                      kv_cache_dtype="bfloat16", attn_tp_size=2, attn_tp_rank=rank))
-    link = DecodeRankLink("127.0.0.1:17303")
+    link = DecodeRankLink("127.0.0.1:17303", rank_ip="127.0.0.1")
     try:
         with pytest.raises(LayoutError, match="attention TP 2.*one prefill rank"):
             link.connect("127.0.0.1", server, REG, page_size=4, kv_cache_dtype="bfloat16")

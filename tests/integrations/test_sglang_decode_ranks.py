@@ -38,7 +38,7 @@ def served():
     def side_of(reg):
         return side_from_registration(reg, args, lens if reg.tp_rank == 0 else None, mla=False, attn_tp_size=1)
 
-    link = PrefillRankLink(backend="mooncake")
+    link = PrefillRankLink(rank_ip="127.0.0.1", backend="mooncake")
     ranks = DecodeRanks(endpoint, link, side_of)
     push = zmq.Context.instance().socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 0)

@@ -37,7 +37,7 @@ def _poll_until(link, count):
 
 @pytest.fixture
 def link():
-    link = PrefillRankLink(backend="mooncake", prefill_rank=3)
+    link = PrefillRankLink(rank_ip="127.0.0.1", backend="mooncake", prefill_rank=3)
     yield link
     link.close()
 

@@ -13,7 +13,7 @@ is dropped with a warning.
 
 Example::
 
-    link = DecodeRankLink(session_id=engine.name)             # binds 127.0.0.1 on a free port
+    link = DecodeRankLink(session_id=engine.name, rank_ip="127.0.0.1")  # binds the address given
     link.connect("127.0.0.1", bootstrap_port, registration, page_size=64, kv_cache_dtype="bfloat16")
     link.ask(TransferRequest(room=7, endpoint=link.rank_ip, port=link.rank_port, session_id=engine.name,
                              dst_pages=pages, aux_index=3))
@@ -58,7 +58,7 @@ class DecodeRankLink:
     prefill writes nothing more of them, so their pages may be reused).
     """
 
-    def __init__(self, session_id: str, rank_ip: str = "127.0.0.1", backend: str = "mooncake"):
+    def __init__(self, session_id: str, *, rank_ip: str, backend: str = "mooncake"):
         import zmq
 
         self._zmq = zmq

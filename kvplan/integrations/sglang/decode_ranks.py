@@ -19,7 +19,7 @@ staging buffer (SGLang's decode-side staging protocol).
 
 Example (inside a prefill manager; ``endpoint`` a PrefillEndpoint over a Mooncake or NIXL engine)::
 
-    ranks = DecodeRanks(endpoint, PrefillRankLink(backend="nixl"), side_of=lambda reg: side_from_registration(reg, ...))
+    ranks = DecodeRanks(endpoint, PrefillRankLink(rank_ip="127.0.0.1", backend="nixl"), side_of=lambda reg: side_from_registration(reg, ...))
     ranks.link.register("127.0.0.1", bootstrap_port, page_size=64, kv_cache_dtype="bfloat16")
     published, failed = ranks.progress()       # rooms whose lists arrived; rooms that cannot be served
     ...

@@ -13,7 +13,7 @@ against its pools from it; a caller that writes must bound them by other means (
 
 Example::
 
-    link = PrefillRankLink(backend="mooncake")                  # binds 127.0.0.1 on a free port
+    link = PrefillRankLink(rank_ip="127.0.0.1", backend="mooncake")  # binds the address given, on a free port
     link.register("127.0.0.1", bootstrap_port, page_size=64, kv_cache_dtype="bfloat16")
     for kind, key in link.poll(timeout=0.1):                     # ("registered", session), ("request", room), ...
         if kind == "request" and link.complete(key):
@@ -61,7 +61,7 @@ class PrefillRankLink:
     ``aborts``: the rooms a decode rank aborted, with the abort.
     """
 
-    def __init__(self, rank_ip: str = "127.0.0.1", rank_port: int | None = None, backend: str = "mooncake",
+    def __init__(self, *, rank_ip: str, rank_port: int | None = None, backend: str = "mooncake",
                  prefill_rank: int = 0):
         import zmq
 
