@@ -16,21 +16,16 @@ import numpy as np
 import pytest
 
 from kvplan.tools.target_process import target_process
+from tests.transport.one_write import descriptors, engine as _engine, sender
 
 pytestmark = pytest.mark.engines
 SIZE = 256 << 20
 DEADLINE_S = 60.0
 
 
-def _engine(name: str):
-    from kvplan.transport.engines import make_engine
-
-    return make_engine("nixl", name, "DRAM", 0)
-
-
 def _target(conn) -> None:
     os.environ["UCX_TLS"] = "tcp,self"  # a transport slow enough that the deadline passes mid-write
-    engine = _engine("fence-target")
+    engine = _engine("nixl", "fence-target")
     buf = np.zeros(SIZE, np.uint8)
     engine.register([(buf.ctypes.data, SIZE)])
     conn.send((engine.metadata(), buf.ctypes.data))
@@ -48,15 +43,8 @@ def test_a_nixl_write_past_its_deadline_lands_nothing_after_it_is_reported(monke
     monkeypatch.setenv("KVPLAN_DRAIN_S", "30")
     with target_process(_target, start_s=DEADLINE_S) as (conn, hello):
         metadata, remote = hello
-        engine = _engine("fence-initiator")
-        src = np.full(SIZE, 7, np.uint8)
-        engine.register([(src.ctypes.data, SIZE)])
-        peer = engine.connect(metadata)
-        chunk = 1 << 20
-        offsets = np.arange(0, SIZE, chunk, dtype=np.uint64)
-        descs = np.stack([offsets + np.uint64(src.ctypes.data), offsets + np.uint64(remote),
-                          np.full(len(offsets), chunk, np.uint64)], axis=1)
-        handle = engine.post(peer, descs, b"done")
+        engine, src, peer = sender("nixl", "fence-initiator", metadata, SIZE, 7)
+        handle = engine.post(peer, descriptors(src, remote), b"done")
         reason = wait_all(engine, [handle], time.monotonic() + 0.002)[handle]
         conn.send("returned")
         assert conn.poll(DEADLINE_S)

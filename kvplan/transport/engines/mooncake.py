@@ -139,23 +139,35 @@ class MooncakeEngine:
         body = descs[:-1] if notification else descs
         for lo in range(0, len(body), self.batch_limit):
             batch_id = self._submit(peer, body[lo : lo + self.batch_limit])
-            if not batch_id:
-                handle.state, handle.error = "ERR", f"Mooncake refused a batch to {peer} at descriptor {lo}"
+            if not batch_id:  # (the batches already submitted still run: the handle ends once they have)
+                handle.error = f"Mooncake refused a batch to {peer} at descriptor {lo}"
                 break
             batches.append(batch_id)
         handle.native = (batches, descs[-1].copy() if notification else None, notification)
         return handle
 
     def progress(self, handle: Handle) -> str:
-        """Wait for the handle's batches (each status is read exactly once), then send the notifying tail."""
-        if handle.state != "PROC" and handle.native is None:
+        """Look at the handle's batches without blocking (``transfer_check_status``, which frees an id
+        once it has ended: each is asked until then, never after); once all have ended, send the
+        notifying tail (a one-descriptor synchronous write). A failure is reported only once every
+        batch of the handle has ended, so that an ended handle has nothing in flight."""
+        if handle.state != "PROC" or handle.native is None:
             return handle.state
         batches, tail, notification = handle.native
+        running = []
+        for batch_id in batches:
+            status = self.engine.transfer_check_status(batch_id)
+            if status == 0:
+                running.append(batch_id)
+            elif status != 1:
+                handle.error = handle.error or (f"Mooncake write to {handle.peer} failed" if status == -1 else
+                                                f"Mooncake write to {handle.peer} timed out (MC_TRANSFER_TIMEOUT)")
+        if running:
+            handle.native = (running, tail, notification)
+            return handle.state
         handle.native = None
-        failed = self.engine.get_batch_transfer_status(batches) != 0 if batches else False
-        if handle.state == "ERR" or failed:
+        if handle.error is not None:
             handle.state = "ERR"
-            handle.error = handle.error or f"Mooncake write to {handle.peer} failed"
             return handle.state
         if tail is None:  # nothing to notify: every descriptor went in the batches
             handle.state = "DONE"
@@ -168,10 +180,9 @@ class MooncakeEngine:
         return handle.state
 
     def abort(self, handle: Handle) -> bool:
-        """Mooncake cannot cancel: waiting for the status ends the handle (bounded by its own timeout)."""
-        if handle.native is not None:
-            self.progress(handle)
-        return True
+        """Whether the handle has ended: Mooncake cannot cancel a batch, which runs until it completes,
+        fails or reaches ``MC_TRANSFER_TIMEOUT``; a caller that gives up first reports ``unsafe``."""
+        return handle.native is None or self.progress(handle) != "PROC"
 
     def notifications(self) -> list[bytes]:
         return [n.msg.encode() for n in self.engine.get_notifies()]

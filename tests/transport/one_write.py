@@ -1,0 +1,31 @@
+"""One large write between two processes' host buffers through a kvplan engine, for the tests of
+what a deadline does to a write in flight (test_nixl_deadline_fence.py, test_mooncake_hung_peer.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def engine(kind: str, name: str):
+    """A kvplan engine on host memory; Mooncake on 127.0.0.1 (the tests' own choice)."""
+    from kvplan.transport.engines import make_engine
+
+    settings = {"local_hostname": "127.0.0.1"} if kind == "mooncake" else {}
+    return make_engine(kind, name, "DRAM", 0, **settings)
+
+
+def sender(kind: str, name: str, metadata: bytes, size: int, fill: int):
+    """An engine holding ``size`` bytes of ``fill``, connected to the peer that sent ``metadata``:
+    ``(engine, its buffer, the peer's name)``."""
+    mine = engine(kind, name)
+    src = np.full(size, fill, np.uint8)
+    mine.register([(src.ctypes.data, size)])
+    return mine, src, mine.connect(metadata)
+
+
+def descriptors(src: np.ndarray, remote: int, chunk: int = 1 << 20) -> np.ndarray:
+    """``src`` onto the peer's buffer at ``remote`` in ``chunk``-byte descriptors, rows of (source
+    address, destination address, bytes) as kvplan's engines take them."""
+    offsets = np.arange(0, src.nbytes, chunk, dtype=np.uint64)
+    return np.stack([offsets + np.uint64(src.ctypes.data), offsets + np.uint64(remote),
+                     np.full(len(offsets), chunk, np.uint64)], axis=1)

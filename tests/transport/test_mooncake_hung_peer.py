@@ -1,0 +1,63 @@
+"""Issue 38, defect 8: a hung Mooncake target does not block the sender past its deadline.
+
+Mooncake's ``get_batch_transfer_status`` blocks until a batch ends; with the target stopped
+(SIGSTOP) a 1 s deadline gave up after Mooncake's own 30 s timeout. The engine now asks each batch's
+status without blocking (``transfer_check_status``): the deadline passes, Mooncake cannot cancel the
+batch, and after ``KVPLAN_DRAIN_S`` the write is reported ``unsafe`` (its pages may still be written).
+Once the target runs again the batch completes and the handle ends cleanly.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from kvplan.tools.target_process import target_process
+from tests.transport.one_write import descriptors, engine as _engine, sender
+
+pytestmark = pytest.mark.engines
+SIZE = 64 << 20
+DEADLINE_S = 60.0
+
+
+def _target(conn) -> None:
+    engine = _engine("mooncake", "hung-target")
+    buf = np.zeros(SIZE, np.uint8)
+    engine.register([(buf.ctypes.data, SIZE)])
+    conn.send((engine.metadata(), buf.ctypes.data, os.getpid()))
+    if conn.poll(DEADLINE_S) and conn.recv() == "check":
+        conn.send(bool((buf == 5).all()))
+    conn.poll(DEADLINE_S)
+
+
+def test_a_stopped_mooncake_target_fails_the_write_at_its_deadline_not_at_mooncake_s(monkeypatch):
+    from kvplan.transport.engines import wait_all
+
+    monkeypatch.setenv("KVPLAN_DRAIN_S", "1")
+    with target_process(_target, start_s=DEADLINE_S) as (conn, hello):
+        metadata, remote, pid = hello
+        engine, src, peer = sender("mooncake", "hung-initiator", metadata, SIZE, 5)
+        descs = descriptors(src, remote)
+        warm = engine.post(peer, descs[:1], b"")  # the two have moved bytes before (Mooncake's handshake)
+        assert wait_all(engine, [warm], time.monotonic() + 30)[warm] is None
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            handle = engine.post(peer, descs, b"done")
+            reason = wait_all(engine, [handle], time.monotonic() + 1.0)[handle]
+            took = time.monotonic() - started
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert took < 5.0, f"wait_all took {took:.1f} s"
+        assert reason is not None and reason.startswith("unsafe"), reason
+        ends = time.monotonic() + DEADLINE_S
+        while engine.progress(handle) == "PROC" and time.monotonic() < ends:
+            time.sleep(0.01)
+        assert handle.state == "DONE", handle.error
+        conn.send("check")
+        assert conn.poll(DEADLINE_S) and conn.recv() is True
+        engine.close()
