@@ -66,7 +66,7 @@ def target(size: int, gpu: int, conn) -> None:
     conn.send((engine.metadata(), buf.data_ptr()))
     stop = time.monotonic() + DEADLINE * 10
     while time.monotonic() < stop:
-        for note in engine.notifications():
+        for _, note in engine.notifications():
             conn.send((note, time.perf_counter()))
         if conn.poll(0) and conn.recv() == "bye":
             return

@@ -114,6 +114,7 @@ class DecodeEndpoint:
         # per request, the senders that reported it failed with their writes ended: an abort needs no ack from them
         self._quiet: dict[Any, set[int]] = {}
         self._senders: dict[int, SideMemory] = {}  # each paired sender's layout (its "paired" message)
+        self._engine_names: dict[int, str] = {}  # each paired sender's engine name (whence its notifications)
         # per paired sender whose staged runs this side plans itself: the side it plans them from
         # (receiver_plan.scatter_source: this side, or the sender's mirror), and for a mirror its
         # planner and copy word (made on the sender's first run)
@@ -201,6 +202,21 @@ class DecodeEndpoint:
         """Drop what :meth:`fenced` keeps of ``request`` (its pages were released)."""
         self._fences.pop(request, None)
         self._quiet.pop(request, None)
+
+    def _foreign(self, origin: str | None, note: Any) -> str | None:
+        """Why a section's notification cannot be its sender's, else ``None``: the engine that sent it
+        is a paired sender's (by the name it gave when pairing) that the request was not published to,
+        or not the sender the note names. Where the engine cannot say who sent it, or two senders
+        share a name, nothing can be checked."""
+        senders = [k for k, name in self._engine_names.items() if name == origin]
+        if origin is None or len(senders) != 1 or note.request not in self._owner:
+            return None
+        k = senders[0]
+        if note.sender is not None and note.sender != k:
+            return f"it names sender {note.sender} but comes from sender {k}"
+        if not self._writes(note.request, k):
+            return f"request {note.request!r} was not published to sender {k}"
+        return None
 
     def _on_abort_ack(self, peer: int, header: dict[str, Any]) -> None:
         acks = self._fences.get(header.get("request"))
@@ -302,7 +318,7 @@ class DecodeEndpoint:
                     self._fail_owned(k, f"the prefill side refused the pairing: {header.get('reason')}")
                 elif kind == "abort-ack":
                     self._on_abort_ack(k, header)
-        for raw in self.engine.notifications():
+        for origin, raw in self.engine.notifications():
             try:
                 wave = decode_wave_note(raw)
                 note = decode_notification(raw) if wave is None else None
@@ -311,6 +327,9 @@ class DecodeEndpoint:
                             bytes(raw[:80]))
                 continue
             if wave is None:
+                if (why := self._foreign(origin, note)) is not None:
+                    log.error("dropped a section notification from engine %r: %s", origin, why)
+                    continue
                 self.tracker.on_section(note)
             elif wave in self._waves:
                 self._waves[wave].landed = True
@@ -342,6 +361,8 @@ class DecodeEndpoint:
         where it takes staged credits as engine notifications, its engine metadata."""
         try:
             self._senders[peer] = side_from_description(header["side"])
+            if isinstance(header.get("engine"), str):
+                self._engine_names[peer] = header["engine"]
             self.side = with_model_heads(self.side, self._senders[peer].kv.num_kv_heads)  # where it named none
             source = scatter_source(self._senders[peer], self.side, Policy.STRICT)
             if source is not None:
@@ -361,6 +382,7 @@ class DecodeEndpoint:
         log.warning("a prefill endpoint connected again on channel %d: registering with it", peer)
         self._fail_owned(peer, "the prefill side is gone: it restarted and connected again")
         self._senders.pop(peer, None)  # the new one sends its own layout
+        self._engine_names.pop(peer, None)
         self._scatter_from.pop(peer, None)
         self._mirrors.pop(peer, None)
         self._credit_to.pop(peer, None)

@@ -258,7 +258,8 @@ class PrefillEndpoint:
         peer.index_there = int(header["peer"]) if header.get("peer") is not None else None
         peer.name = self.engine.connect(frames[0])
         # this side's layout: a decode rank that gathers from several source ranks checks their ranks with it
-        paired: dict[str, Any] = {"from": self.id, "side": describe_side(self.side)}
+        # (its engine's name: the receiver checks that a section's notification comes from the sender of its request)
+        paired: dict[str, Any] = {"from": self.id, "side": describe_side(self.side), "engine": self.engine.name}
         peer.credits_by_engine = bool(header.get("notifies")) and self.engine.capabilities.notifies
         if peer.credits_by_engine:  # its credits come back through the engine, to this side's metadata
             paired["credits"] = "engine"
@@ -1005,7 +1006,7 @@ class _StagedRun:
         # for notifications while it waits for a gather contends for the UCX worker with NIXL's progress
         # thread, and the next post waits for it (benchmarks/post_cost.py)
         if self.peer.credits_by_engine and len(self.acked) < len(self.posted):
-            for raw in ep.engine.notifications():
+            for _, raw in ep.engine.notifications():
                 wave_id = decode_credit(raw)
                 if wave_id is None:
                     log.warning("ignored an engine notification that is no credit: %r", raw[:80])

@@ -53,8 +53,9 @@ class FakeEngine:
             return True
         return False
 
-    def notifications(self) -> list[bytes]:
-        out = list(self.inbox)
+    def notifications(self) -> list[tuple[str | None, bytes]]:
+        """The inbox: bytes (their sender unknown) or ``(sender's engine name, bytes)``."""
+        out = [(None, raw) if isinstance(raw, (bytes, bytearray)) else raw for raw in self.inbox]
         self.inbox.clear()
         return out
 

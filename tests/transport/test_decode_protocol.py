@@ -295,3 +295,26 @@ def test_a_request_past_its_deadline_is_aborted_at_its_sender_and_fenced_only_on
     assert endpoint.fenced("r1")
     endpoint.abort("r1", "once more")
     assert prefill.try_recv() is None  # answered: nothing more to send
+
+
+def test_a_section_note_counts_only_from_the_sender_its_request_was_published_to():
+    """Issue 38, defect 4 (its second half): with two senders, sender 0's engine could complete sender
+    1's request with a note. Each sender names its engine when it pairs; a note from a paired sender's
+    engine counts only for that sender's requests (and only as that sender)."""
+    pool = torch.zeros(16 * PAGE_BYTES, dtype=torch.uint8)
+    side = SideMemory(KVLayout(Attention.MLA, PAGE, (Entry(pool.data_ptr(), PAGE_BYTES, 16),)),
+                      req_to_token=table_with({1: [3, 4]}, PAGE, max_ctx=16))
+    (mine0, theirs0), (mine1, theirs1) = FakeChannel.pair(), FakeChannel.pair()
+    endpoint = DecodeEndpoint(side, FakeEngine(), [mine0, mine1])
+    for k, theirs in enumerate((theirs0, theirs1)):
+        theirs.send("paired", {"from": f"p{k}", "side": describe_side(side), "engine": f"prefill-{k}"})
+    endpoint.poll()
+    published = plan_destinations(side, [PreallocatedRequest("r1", row=1, prompt_len=8)]).result()
+    endpoint.track(published, time.monotonic() + 30, peer=1)  # r1 is sender 1's
+    kv = Section(0, "r1", KV_ROLE, "kv", 0, 1, 2)  # both of r1's pages
+    endpoint.engine.inbox.extend([("prefill-0", encode_notification(kv)), ("prefill-1", encode_notification(kv, sender=0))])
+    endpoint.poll()
+    assert endpoint.tracker.state("r1") == "pending"  # neither counted
+    endpoint.engine.inbox.append(("prefill-1", encode_notification(kv)))
+    endpoint.poll()
+    assert endpoint.tracker.state("r1") == "complete"

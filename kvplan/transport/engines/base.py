@@ -104,7 +104,10 @@ class Engine(Protocol):
         """Try to end an in-flight handle; True once it has ended (no more of its bytes will land)."""
         ...
 
-    def notifications(self) -> list[bytes]: ...
+    def notifications(self) -> list[tuple[str | None, bytes]]:
+        """What has arrived since the last call: each notification with the name of the engine that
+        sent it (its ``name``; ``None`` where the engine cannot say)."""
+        ...
 
     def notify(self, peer: str, message: bytes) -> None:
         """Send ``message`` to a connected peer on its own (engines whose capabilities say ``notifies``)."""

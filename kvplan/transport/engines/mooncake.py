@@ -184,8 +184,9 @@ class MooncakeEngine:
         fails or reaches ``MC_TRANSFER_TIMEOUT``; a caller that gives up first reports ``unsafe``."""
         return handle.native is None or self.progress(handle) != "PROC"
 
-    def notifications(self) -> list[bytes]:
-        return [n.msg.encode() for n in self.engine.get_notifies()]
+    def notifications(self) -> list[tuple[str | None, bytes]]:
+        """Each with the name its sender gave (a kvplan engine gives its ``name``)."""
+        return [(n.name, n.msg.encode()) for n in self.engine.get_notifies()]
 
     def close(self) -> None:
         for addr in self._regions:

@@ -192,8 +192,9 @@ class NixlEngine:
             return True
         return self.progress(handle) != "PROC"
 
-    def notifications(self) -> list[bytes]:
-        return [msg for msgs in self.agent.get_new_notifs().values() for msg in msgs]
+    def notifications(self) -> list[tuple[str | None, bytes]]:
+        """Each with the agent that sent it (NIXL keys them by the remote agent's name)."""
+        return [(agent, msg) for agent, msgs in self.agent.get_new_notifs().items() for msg in msgs]
 
     def notify(self, peer: str, message: bytes) -> None:
         try:
