@@ -19,10 +19,33 @@ log = logging.getLogger("kvplan")
 CPU_SCALE = 0.02  # kvplan bench's scale without a GPU
 
 
+class Refused(Exception):
+    """Options a command refuses before anything runs. :func:`main` writes the message on standard
+    error and returns 2, argparse's code for a bad option (1 stays the code of a failed transfer or a
+    wrong byte)."""
+
+    def __init__(self, command: str, why: str):
+        super().__init__(f"kvplan {command}: error: {why}")
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _scale(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1] (a fraction of the full-size scenario), got {value}")
     return value
 
 
@@ -54,7 +77,7 @@ def _check_demo(config, shape) -> None:
     import torch
 
     def fail(why: str) -> None:
-        raise SystemExit(f"kvplan demo: error: {why}")
+        raise Refused("demo", why)
 
     longest = max(config.prompt_len) if isinstance(config.prompt_len, tuple) else config.prompt_len
     grain = shape.page_size
@@ -71,6 +94,11 @@ def _check_demo(config, shape) -> None:
         from .planner.pairing import pair_sides
 
         ts, td = config.tp
+        heads = shape.num_kv_heads
+        for flag, tp in (("--src-tp", ts), ("--dst-tp", td)):
+            if shape.attention.value == "mha" and heads % tp and tp % heads:  # as SGLang shards KV heads
+                fail(f"{flag} {tp}: {config.preset}'s {heads} KV heads do not split over {tp} ranks (a TP size "
+                     f"must divide the head count or be a multiple of it)")
         try:
             tiny = config.batch(requests=1, prompt_len=2 * shape.page_size)
             pair_sides(tiny.src, tiny.dsts[0])
@@ -146,20 +174,20 @@ def _demo(args: argparse.Namespace) -> int:
     if config.gather:
         ts, td = config.model().src_tp, config.model().dst_tp
         if ts <= td:
-            raise SystemExit(f"kvplan demo: error: --gather needs a larger TP size on the prefill side (here "
+            raise Refused("demo", f"--gather needs a larger TP size on the prefill side (here "
                              f"--src-tp {ts} --dst-tp {td})")
         if config.fault != "none" or config.forward:
-            raise SystemExit("kvplan demo: error: --gather runs without --fault, --layerwise and --forward-dim")
+            raise Refused("demo", "--gather runs without --fault, --layerwise and --forward-dim")
     if config.layer_groups and config.mode == "prepared":
-        raise SystemExit("kvplan demo: error: --layerwise cannot stream through prepared lists; use --mode auto, "
+        raise Refused("demo", "--layerwise cannot stream through prepared lists; use --mode auto, "
                          "direct or staged")
     if config.layer_groups > config.layers:
-        raise SystemExit(f"kvplan demo: error: --layerwise {config.layer_groups}: more groups than the "
+        raise Refused("demo", f"--layerwise {config.layer_groups}: more groups than the "
                          f"{config.layers} layers")
     if config.layer_groups and config.fault != "none":
-        raise SystemExit("kvplan demo: error: --layerwise runs without a fault drill")
+        raise Refused("demo", "--layerwise runs without a fault drill")
     if config.mode == "prepared" and config.engine != "nixl":
-        raise SystemExit("kvplan demo: error: --mode prepared needs --engine nixl (prepared lists are NIXL's)")
+        raise Refused("demo", "--mode prepared needs --engine nixl (prepared lists are NIXL's)")
     if args.timeout is None:
         config = replace(config, timeout=default_timeout(config))
     shape = config.model()
@@ -167,7 +195,7 @@ def _demo(args: argparse.Namespace) -> int:
     if args.role != "both":
         return _demo_role(args, config)
     if args.listen or args.peer:
-        raise SystemExit("kvplan demo: error: --listen and --peer go with --role decode and --role prefill")
+        raise Refused("demo", "--listen and --peer go with --role decode and --role prefill")
     report = run_demo(config, progress=not args.no_progress)
     sys.stdout.write(report.render() + "\n")
     if config.fault != "none":  # a drill passes when exactly its failure was observed
@@ -185,9 +213,9 @@ def _demo_role(args: argparse.Namespace, config) -> int:
     address = args.listen if args.role == "decode" else args.peer
     if address is None or (args.listen and args.peer):
         flag = "--listen" if args.role == "decode" else "--peer"
-        raise SystemExit(f"kvplan demo: error: --role {args.role} needs {flag} HOST:PORT (and not the other)")
+        raise Refused("demo", f"--role {args.role} needs {flag} HOST:PORT (and not the other)")
     if config.gather or config.fault != "none" or config.repeat != 1 or config.forward:
-        raise SystemExit("kvplan demo: error: --role runs one batch without --gather, --fault, --repeat, --layerwise "
+        raise Refused("demo", "--role runs one batch without --gather, --fault, --repeat, --layerwise "
                          "and --forward-dim")
     host, port = address
     config = replace(config, host=host, port=port if args.role == "decode" else 0)
@@ -204,6 +232,10 @@ def _bench(args: argparse.Namespace) -> int:
     import torch
 
     names = args.scenario or list(SCENARIOS)
+    if args.json:  # refused now, not after the whole bench has run
+        folder = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise Refused("bench", f"--json {args.json}: {folder} is not a folder this process can write to")
     scale = args.scale
     if scale is None:  # full size on a GPU; on a CPU the interpreter would take hours
         scale = 1.0 if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else CPU_SCALE
@@ -254,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--repeat", type=_positive, default=1,
                       help="send the batch this many times (new request ids each time); reports the first batch "
                            "and the median of the others (default: 1)")
-    demo.add_argument("--engine-threads", type=int, default=0,
+    demo.add_argument("--engine-threads", type=_non_negative, default=0,
                       help="NIXL's UCX worker threads (default: 0, NIXL's own default)")
     demo.add_argument("--staging-mib", type=_positive, default=64,
                       help="staging buffer per side, in MiB, for staged and auto modes (default: 64)")
@@ -318,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--scenario", action="append", choices=list(SCENARIOS),
                        help="a scenario to run (repeatable; default: all)")
     bench.add_argument("--runs", type=_positive, default=20, help="timed runs per measurement (default: 20)")
-    bench.add_argument("--scale", type=float, default=None,
+    bench.add_argument("--scale", type=_scale, default=None,
                        help=f"shrink requests, tokens and layers by this factor (default: 1 on a GPU, {CPU_SCALE} "
                             "without one)")
     bench.add_argument("--staging", action="store_true",
@@ -344,4 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     level = logging.DEBUG if args.verbose >= 2 else logging.INFO if args.verbose else logging.WARNING
     logging.basicConfig(level=level, format="%(levelname)s %(message)s")
     os.environ["KVPLAN_LOG_LEVEL"] = logging.getLevelName(level)  # the demo's processes log alike
-    return args.run(args)
+    try:
+        return args.run(args)
+    except Refused as refused:
+        sys.stderr.write(f"{refused}\n")
+        return 2

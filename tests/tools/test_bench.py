@@ -41,3 +41,14 @@ def test_bench_picks_a_small_scale_by_itself_without_a_gpu(tmp_path):
                            "--json", str(out), "--no-progress"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "scaled by 0.02" in done.stderr, done.stderr
     assert json.loads(out.read_text())[0]["requests"] < 64
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--scale", "0"], "must be in (0, 1]"),
+    (["--scale", "1000"], "must be in (0, 1]"),
+    (["--json", "/missing/dir/x.json"], "is not a folder this process can write to"),
+])
+def test_bench_options_that_cannot_run_are_refused_before_it_runs(args, message):
+    done = subprocess.run([sys.executable, "-m", "kvplan", "bench", "--no-progress", *args], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and message in done.stderr, done.stderr

@@ -44,17 +44,19 @@ def test_a_drill_report_with_another_failure_is_not_observed():
     (["--requests", "100000"], "the pools need at least"),
     (["--gather", "--src-tp", "4", "--dst-tp", "8"], "--gather needs a larger TP size on the prefill side"),
     (["--gather", "--src-tp", "8", "--dst-tp", "4", "--fault", "deadline"], "--gather runs without --fault"),
+    (["--src-tp", "3", "--dst-tp", "8"], "8 KV heads do not split over 3 ranks"),
+    (["--engine-threads", "-1"], "must be >= 0"),
 ])
 def test_numbers_that_cannot_run_are_refused_before_any_process_starts(args, message):
     done = subprocess.run([sys.executable, "-m", "kvplan", "demo", "--no-progress", *args],
                           capture_output=True, text=True, timeout=120)
-    assert done.returncode != 0 and message in done.stderr, done.stderr
+    assert done.returncode == 2 and message in done.stderr, done.stderr  # (1: a failed transfer)
 
 
 def test_bad_options_get_a_clear_message():
     done = subprocess.run([sys.executable, "-m", "kvplan", "demo", "--mode", "prepared", "--engine", "mooncake"],
                           capture_output=True, text=True, timeout=120)
-    assert done.returncode != 0 and "prepared lists are NIXL's" in done.stderr
+    assert done.returncode == 2 and "prepared lists are NIXL's" in done.stderr
     done = subprocess.run([sys.executable, "-m", "kvplan", "demo", "--requests", "0"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "must be >= 1" in done.stderr
