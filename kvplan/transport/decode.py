@@ -38,7 +38,7 @@ from ..planner.tensor_slices import partner_rank
 from .completion import CompletionTracker, SectionNote, decode_notification, note_of
 from .control import ControlChannel, ControlTimeout
 from .copy_graphs import CopyGraphs, capture_copy, copy_graphs_enabled, upload_graph
-from .engines import Engine, TransferError
+from .engines import Engine, TransferError, is_unsafe
 from .landing import LandingGuard
 from .local import plan_alignment, scatter, warm_up
 from .receiver_plan import OwnLists, PlannedRun, PlannedWave, scatter_source
@@ -108,11 +108,9 @@ class DecodeEndpoint:
         self.guard = LandingGuard(side)
         self.failures: dict[Any, str | None] = {}
         self._owner: dict[Any, tuple[int, ...]] = {}  # request -> the channels (senders) it was published to
-        # aborted requests: per sender it was published to, its acknowledgement (None: not yet; False: a
-        # write it could not end); see fenced()
+        # aborted or failed requests: per sender it was published to, whether that sender can no longer
+        # write into it (None: not known yet; False: a write it could not end); see fenced()
         self._fences: dict[Any, dict[int, bool | None]] = {}
-        # per request, the senders that reported it failed with their writes ended: an abort needs no ack from them
-        self._quiet: dict[Any, set[int]] = {}
         self._senders: dict[int, SideMemory] = {}  # each paired sender's layout (its "paired" message)
         self._engine_names: dict[int, str] = {}  # each paired sender's engine name (whence its notifications)
         # per paired sender whose staged runs this side plans itself: the side it plans them from
@@ -181,8 +179,7 @@ class DecodeEndpoint:
         Writes already posted may still land: the request's pages are free for reuse only once
         :meth:`fenced` says so (each sender has acknowledged the abort, reported the request failed
         with its writes ended, or is gone)."""
-        quiet = self._quiet.get(request, ())  # senders that already reported it failed write nothing more of it
-        acks = self._fences.setdefault(request, {k: (True if k in quiet else None) for k in self._owner.get(request, ())})
+        acks = self._fence_of(request)
         for k in [k for k, ok in acks.items() if ok is None]:  # (aborted again: only those yet to answer)
             try:
                 self.channels[k].send("abort", {"request": request, "reason": reason}, timeout=POLL_S)
@@ -192,16 +189,21 @@ class DecodeEndpoint:
             self.tracker.fail(request, reason)
 
     def fenced(self, request: Any) -> bool:
-        """Whether no write into aborted ``request``'s pages can still land: every sender it was
-        published to acknowledged the abort with nothing in flight, or its control connection is
-        gone (a dead sender writes nothing more). False for a request not aborted here."""
+        """Whether no write into ``request``'s pages can still land: every sender it was published to
+        acknowledged its abort with nothing in flight, or reported it failed once its writes had
+        ended, or is gone (a dead sender writes nothing more). False for a request none of them has
+        answered for."""
         acks = self._fences.get(request)
         return acks is not None and all(ok or self.channels[k].peer_gone() for k, ok in acks.items())
+
+    def _fence_of(self, request: Any) -> dict[int, bool | None]:
+        """Per sender ``request`` was published to, whether it can no longer write into it (None: not
+        known yet); made at its abort or at a sender's report of its failure."""
+        return self._fences.setdefault(request, {k: None for k in self._owner.get(request, ())})
 
     def forget_fence(self, request: Any) -> None:
         """Drop what :meth:`fenced` keeps of ``request`` (its pages were released)."""
         self._fences.pop(request, None)
-        self._quiet.pop(request, None)
 
     def _foreign(self, origin: str | None, note: Any) -> str | None:
         """Why a section's notification cannot be its sender's, else ``None``: the engine that sent it
@@ -310,10 +312,8 @@ class DecodeEndpoint:
                     self._on_paired(k, header, frames)
                 elif kind == "failed" and self._writes(header.get("request"), k):
                     self.tracker.fail(header["request"], f"the prefill side reports: {header.get('reason')}")
-                    if not str(header.get("reason")).startswith("unsafe"):  # it reports once its writes ended
-                        self._quiet.setdefault(header["request"], set()).add(k)
-                        if k in self._fences.get(header["request"], {}):
-                            self._fences[header["request"]][k] = True
+                    if not is_unsafe(header.get("reason")):  # it reports once its writes have ended
+                        self._fence_of(header["request"])[k] = True
                 elif kind == "refused":
                     self._fail_owned(k, f"the prefill side refused the pairing: {header.get('reason')}")
                 elif kind == "abort-ack":

@@ -60,7 +60,7 @@ from .completion import encode_notification
 from .control import ControlChannel, ControlTimeout
 from .copy_graphs import CopyGraphs, copy_graphs_enabled
 from .decode import engine_regions
-from .engines import Engine, Handle, wait_all
+from .engines import Engine, Handle, is_unsafe, wait_all
 from .local import gather, plan_alignment, warm_up
 from .readiness import LayerStreaming
 from .streams import transport_stream
@@ -444,7 +444,7 @@ class PrefillEndpoint:
 
     def _fail(self, peer: int, result: dict[Any, str | None], requests, reason: str) -> None:
         for request in requests:
-            if reason.startswith("unsafe"):  # a write into its pages may still land: never acknowledged as fenced
+            if is_unsafe(reason):  # a write into its pages may still land: never acknowledged as fenced
                 self.unsafe.add(request)
             if result.get(request) is None:
                 result[request] = reason

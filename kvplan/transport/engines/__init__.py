@@ -3,8 +3,8 @@ per engine (:mod:`.nixl`, :mod:`.mooncake`). Importing this package registers ev
 engine's own library is imported only when one is made."""
 
 from . import mooncake, nixl  # noqa: F401  (registers the engines)
-from .base import Capabilities, Engine, Handle, TransferError, wait_all, write
+from .base import Capabilities, Engine, Handle, TransferError, is_unsafe, wait_all, write
 from .registry import engine_names, make_engine, register_engine
 
-__all__ = ["Capabilities", "Engine", "Handle", "TransferError", "engine_names", "make_engine", "register_engine",
+__all__ = ["Capabilities", "Engine", "Handle", "TransferError", "is_unsafe", "engine_names", "make_engine", "register_engine",
            "wait_all", "write"]

@@ -33,7 +33,9 @@ import numpy as np
 
 from ...errors import KvplanError
 
-__all__ = ["Capabilities", "Engine", "Handle", "TransferError", "drain_seconds", "wait_all", "write"]
+__all__ = ["Capabilities", "Engine", "Handle", "TransferError", "drain_seconds", "is_unsafe", "wait_all", "write"]
+
+UNSAFE = "unsafe"  # how a failure reason starts when a write into its pages may still land
 
 log = logging.getLogger("kvplan")
 
@@ -116,6 +118,12 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
+def is_unsafe(reason: object) -> bool:
+    """Whether a failure reason (:func:`wait_all`'s, or a peer's report of one) says a write into the
+    request's pages may still land."""
+    return str(reason).startswith(UNSAFE)
+
+
 def drain_seconds() -> float:
     """How long an aborted handle may take to end (``KVPLAN_DRAIN_S``, default 5 s)."""
     return float(os.environ.get("KVPLAN_DRAIN_S", "5"))
@@ -168,7 +176,7 @@ def _abort(engine: Engine, handle: Handle, why: str) -> str:
         if time.monotonic() > drain_end:
             log.error("a write to %s could not be ended %.1f s after its deadline; its destination pages must stay "
                       "quarantined", handle.peer, drain_seconds())
-            return f"unsafe: {why} and the engine could not end the write; its pages may still be written"
+            return f"{UNSAFE}: {why} and the engine could not end the write; its pages may still be written"
         os.sched_yield()
 
 
