@@ -66,6 +66,8 @@ def note_of(fields: Sequence[Any]) -> SectionNote:
     request, role, name, count, *layers = fields
     if layers and len(layers) != 2:
         raise ValueError(f"a section names {len(layers)} layer bounds, not 2")
+    if int(count) < 0:
+        raise ValueError(f"a section claims {count} pages")
     return SectionNote(request, int(role), str(name), int(count),
                        (int(layers[0]), int(layers[1])) if layers else None)
 

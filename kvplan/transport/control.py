@@ -13,7 +13,7 @@ from typing import Any
 
 from ..errors import KvplanError
 
-__all__ = ["ControlChannel", "ControlTimeout"]
+__all__ = ["ControlChannel", "ControlTimeout", "named_request"]
 
 log = logging.getLogger("kvplan")
 
@@ -32,6 +32,13 @@ def _parse(parts: list[bytes]) -> tuple[str, dict[str, Any], list[bytes]]:
     except (IndexError, UnicodeDecodeError, ValueError):
         pass
     return "malformed", {}, parts
+
+def named_request(header: dict[str, Any]) -> str | int | None:
+    """The request a peer's message names, if it names one as a request is named (a string or an
+    integer); ``None`` for anything else, which no lookup may be handed (a list is not hashable)."""
+    request = header.get("request")
+    return request if isinstance(request, (str, int)) and not isinstance(request, bool) else None
+
 
 class ControlChannel:
     """One end of a PAIR socket; the decode side binds an ephemeral port (or ``bind_port``), the

@@ -36,7 +36,7 @@ from ..planner.model import Batch, Policy, SideMemory
 from ..planner.pairing import pair_sides
 from ..planner.tensor_slices import partner_rank
 from .completion import CompletionTracker, SectionNote, decode_notification, note_of
-from .control import ControlChannel, ControlTimeout
+from .control import ControlChannel, ControlTimeout, named_request
 from .copy_graphs import CopyGraphs, capture_copy, copy_graphs_enabled, upload_graph
 from .engines import Engine, TransferError, is_unsafe
 from .landing import LandingGuard
@@ -221,13 +221,13 @@ class DecodeEndpoint:
         return None
 
     def _on_abort_ack(self, peer: int, header: dict[str, Any]) -> None:
-        acks = self._fences.get(header.get("request"))
+        acks = self._fences.get(named_request(header))
         if acks is None or peer not in acks:  # not aborted here, or not this sender's: nothing to fence
             return
         acks[peer] = header.get("fenced") is True
         if not acks[peer]:
             log.error("request %r: sender %d could not end a write into its pages; they must stay out of use",
-                      header.get("request"), peer)
+                      named_request(header), peer)
 
     @property
     def channel(self) -> ControlChannel:
@@ -310,10 +310,10 @@ class DecodeEndpoint:
                     self._on_run_waves(k, header)
                 elif kind == "paired":
                     self._on_paired(k, header, frames)
-                elif kind == "failed" and self._writes(header.get("request"), k):
-                    self.tracker.fail(header["request"], f"the prefill side reports: {header.get('reason')}")
+                elif kind == "failed" and self._writes(request := named_request(header), k):
+                    self.tracker.fail(request, f"the prefill side reports: {header.get('reason')}")
                     if not is_unsafe(header.get("reason")):  # it reports once its writes have ended
-                        self._fence_of(header["request"])[k] = True
+                        self._fence_of(request)[k] = True
                 elif kind == "refused":
                     self._fail_owned(k, f"the prefill side refused the pairing: {header.get('reason')}")
                 elif kind == "abort-ack":
@@ -437,12 +437,12 @@ class DecodeEndpoint:
         waves: list = []
         try:
             sender = str(header["from"])
+            spans = [(r, int(lo), int(hi)) for r, lo, hi in header["requests"]]  # first: a refusal fails them
+            requests = list(dict.fromkeys(r for r, _, _ in spans))
             waves = [[int(i), int(slot_lo), int(lo), int(hi), int(n), [note_of(fields) for fields in notes]]
                      for i, slot_lo, lo, hi, n, notes in header["waves"]]
             if waves:
                 self._mark(wave_key(waves[0][0], sender), "received")
-            spans = [(r, int(lo), int(hi)) for r, lo, hi in header["requests"]]
-            requests = list(dict.fromkeys(r for r, _, _ in spans))
             alignment = int(header["alignment"])
             strangers = [r for r in requests if r in self._owner and not self._writes(r, peer)]
             if strangers:
@@ -452,6 +452,7 @@ class DecodeEndpoint:
             rows = np.frombuffer(table, dtype=np.uint64).reshape(-1, 2)
             check_run(rows, spans, waves, alignment, self._share)
             self.guard.check_spans(spans, rows)
+            self.guard.check_notes(spans, rows, [note for *_, notes in waves for note in notes])
             if waves:
                 self._mark(wave_key(waves[0][0], sender), "checked")
         except (PeerError, KeyError, TypeError, ValueError) as err:

@@ -11,7 +11,12 @@ Example::
     guard.publish("r1", lists, aux_index=3)
     guard.check(["r1"], dst_and_size)        # [n, 2] uint64 rows from the peer
     guard.check_spans([("r1", 0, n)], dst_and_size)   # each request's own rows, checked in one search
+    guard.check_notes(spans, dst_and_size, notes)   # what the run's notes claim, against what its rows write
     guard.forget("r1")                       # once the request has settled
+
+A run's section notes are checked too: a KV note may claim, per layer, no more pages than the run's
+rows touch there, and a state component's or the aux row's note needs rows that touch it. A sender
+that writes one page and claims two is refused, not taken for a complete request.
 """
 
 from __future__ import annotations
@@ -22,9 +27,11 @@ import numpy as np
 
 from ..errors import PeerError
 from ..planner.model import Entry, SideMemory
-from ..planner.plan import DestinationLists
+from ..planner.plan import AUX_ROLE, KV_ROLE, DestinationLists
 
 __all__ = ["LandingGuard", "merge_ranges"]
+
+_TAG = 40  # touched-item keys: a request's index above this bit, an item's place in every entry below it
 
 
 def _ranges(entries: tuple[Entry, ...], ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -62,6 +69,14 @@ class LandingGuard:
     def __init__(self, side: SideMemory):
         self.side = side
         self._ranges: dict[Any, tuple[np.ndarray, np.ndarray]] = {}
+        # every entry (KV, then each component's, then aux), sorted by address, each item a key in one line
+        # with a gap between entries (so that touched items of two entries never merge)
+        entries = list(side.kv.entries) + [e for c in side.state for e in c.entries] + list(side.aux)
+        self._order = np.argsort(np.array([e.base_ptr for e in entries], np.uint64), kind="stable")
+        self._bases = np.array([entries[k].base_ptr for k in self._order], np.uint64)
+        self._items = np.array([entries[k].item_len for k in self._order], np.uint64)
+        self._counts = np.array([entries[k].num_items for k in self._order], np.uint64)
+        self._keys = np.concatenate([[0], np.cumsum(self._counts + np.uint64(1))]).astype(np.uint64)
 
     def publish(self, request: Any, lists: DestinationLists, aux_index: int) -> None:
         parts = [_ranges(self.side.kv.entries, lists.pages)]
@@ -97,6 +112,83 @@ class LandingGuard:
             k = int(bad[0])
             raise PeerError(f"scatter row {k} writes [{int(dst[k]):#x}, +{int(size[k])}) outside what this side "
                             f"published for requests {requests[:4]}{'...' if len(requests) > 4 else ''}")
+
+    def check_notes(self, spans: Sequence[tuple[Any, int, int]], dst_and_size: np.ndarray,
+                    notes: Iterable[Any]) -> None:
+        """Raise :class:`PeerError` unless the run's rows (already inside what was published, see
+        :meth:`check_spans`) write what its section notes claim (:class:`~.completion.SectionNote`),
+        request by request: a KV note's pages at most the pages the rows touch in each layer it
+        covers (all notes of the run added up), a state component's note only where the rows touch
+        its items in the layers it covers, an aux note only where they touch the aux row."""
+        notes = list(notes)
+        if not notes:
+            return
+        order = list(dict.fromkeys(r for r, _, _ in spans))
+        touched = self._touched(order, spans, np.asarray(dst_and_size, np.uint64).reshape(-1, 2))
+        index = {r: k for k, r in enumerate(order)}
+        kv = self.side.kv
+        layers = np.asarray(kv.model_layers, np.int64)
+        parts = len(kv.entries) // max(1, len(layers))
+        claims = np.zeros((len(order), len(layers)), np.int64)
+        for note in notes:
+            k = index.get(note.request)
+            if k is None:
+                raise PeerError(f"a section note names request {note.request!r}, which the run's table does not")
+            covered = np.ones(len(layers), bool) if note.layers is None else \
+                (layers >= note.layers[0]) & (layers < note.layers[1])
+            if note.role == KV_ROLE:
+                claims[k, covered] += note.count
+            elif not self._written(note, touched[k]):
+                raise PeerError(f"request {note.request!r}: a note says its {note.name!r} landed, but the run's rows "
+                                "write none of it")
+        at = len(kv.entries)
+        kv_pages = touched[:, :at].reshape(len(order), parts, len(layers)).min(axis=1) if at else claims * 0
+        over = np.argwhere(claims > kv_pages)
+        if len(over):
+            k, layer = (int(x) for x in over[0])
+            raise PeerError(f"request {order[k]!r}: its notes claim {int(claims[k, layer])} KV pages of layer "
+                            f"{int(layers[layer])}, but the run's rows write {int(kv_pages[k, layer])}")
+
+    def _touched(self, order: list, spans: Sequence[tuple[Any, int, int]], rows: np.ndarray) -> np.ndarray:
+        """Distinct items each request's rows touch, per entry (KV, components, aux: ``engine_regions``
+        order), ``[requests, entries]``."""
+        touched = np.zeros((len(order), len(self._bases)), np.int64)
+        if len(rows) == 0 or len(self._bases) == 0:
+            return touched
+        index = {r: k for k, r in enumerate(order)}
+        tags = np.repeat(np.array([index[r] for r, _, _ in spans], np.uint64), [hi - lo for _, lo, hi in spans])
+        dst, size = rows[:, 0], rows[:, 1]
+        at = np.clip(np.searchsorted(self._bases, dst, side="right").astype(np.int64) - 1, 0, None)
+        base, item, count = self._bases[at], self._items[at], self._counts[at]
+        inside = (dst >= base) & (size > 0)
+        first = np.where(inside, (dst - np.minimum(dst, base)) // item, 0)
+        last = np.where(inside, np.minimum((dst - np.minimum(dst, base) + np.minimum(size, item * count)
+                                            + item - np.uint64(1)) // item, count), 0)
+        keep = inside & (last > first)
+        tag = tags[keep] << np.uint64(_TAG)
+        lo, hi = merge_ranges(tag | (self._keys[at[keep]] + first[keep]), tag | (self._keys[at[keep]] + last[keep]))
+        request = (lo >> np.uint64(_TAG)).astype(np.int64)
+        place = lo & np.uint64((1 << _TAG) - 1)
+        entry = np.searchsorted(self._keys, place, side="right").astype(np.int64) - 1
+        np.add.at(touched, (request, self._order[entry]), (hi - lo).astype(np.int64))
+        return touched
+
+    def _written(self, note: Any, touched: np.ndarray) -> bool:
+        """Whether a component's or the aux row's note has rows behind it (``touched``: one request's row
+        of :meth:`_touched`). A note of no component this side holds is the tracker's to refuse."""
+        at = len(self.side.kv.entries)
+        for component in self.side.state:
+            n = len(component.entries)
+            if component.name == note.name and note.role != AUX_ROLE:
+                mine = touched[at : at + n]
+                if note.layers is not None and component.layers:
+                    ids = np.asarray(component.layers, np.int64)
+                    mine = mine[(ids >= note.layers[0]) & (ids < note.layers[1])]
+                return bool(mine.sum() > 0)
+            at += n
+        if note.role == AUX_ROLE:
+            return not self.side.aux or bool(touched[at:].sum() > 0)
+        return True
 
     def check_spans(self, spans: Sequence[tuple[Any, int, int]], dst_and_size: np.ndarray) -> None:
         """Raise :class:`PeerError` unless rows ``lo:hi`` of each ``(request, lo, hi)`` lie in that

@@ -57,7 +57,7 @@ from ..planner.plan import AUX_ROLE, KV_ROLE, DestinationLists, Section
 from ..planner.prepared import PreparedIndices, prepared_slots
 from .ahead import AheadGatherer, GatherAhead
 from .completion import encode_notification
-from .control import ControlChannel, ControlTimeout
+from .control import ControlChannel, ControlTimeout, named_request
 from .copy_graphs import CopyGraphs, copy_graphs_enabled
 from .decode import engine_regions
 from .engines import Engine, Handle, is_unsafe, wait_all
@@ -115,6 +115,16 @@ class Peer:
 
     def recv(self, deadline: float) -> tuple[str, dict[str, Any], list[bytes]]:
         return self.backlog.popleft() if self.backlog else self.channel.recv(deadline)
+
+
+def _staging_share(value: Any) -> tuple[int, int] | None:
+    """A registration's staging share ``[address, bytes]`` (``None``: it has no staging buffer)."""
+    if not value:
+        return None
+    if not isinstance(value, list) or len(value) != 2 or not all(isinstance(x, int) and x >= 0 for x in value) \
+            or value[0] + value[1] >= 1 << 64:
+        raise LayoutError(f"the registration's staging share is {value!r}, not [address, bytes]")
+    return value[0], value[1]
 
 
 class PrefillEndpoint:
@@ -224,9 +234,10 @@ class PrefillEndpoint:
                 if kind == "register":
                     self._on_register(k, header, frames)
                 elif kind == "request" and p.side is not None:
-                    arrived.append((k, self._on_request(k, header, frames)))
-                elif kind == "abort":
-                    self._on_abort(k, header.get("request"), str(header.get("reason") or "aborted"))
+                    if (request := self._on_request(k, header, frames)) is not None:
+                        arrived.append((k, request))
+                elif kind == "abort" and (request := named_request(header)) is not None:
+                    self._on_abort(k, request, str(header.get("reason") or "aborted"))
         return arrived
 
     def _on_abort(self, k: int, request: Any, reason: str) -> None:
@@ -245,17 +256,26 @@ class PrefillEndpoint:
             log.warning("request %r: the abort could not be acknowledged: %s", request, err)
 
     def _on_register(self, k: int, header: dict[str, Any], frames: list[bytes]) -> None:
+        """Pair with decode endpoint ``k`` from its registration; one that is malformed or cannot pair
+        is refused (told so, with the reason) and raises :class:`~kvplan.errors.LayoutError`."""
         peer = self.peers[k]
-        peer_side = with_model_heads(side_from_description(header["side"]), self.side.kv.num_kv_heads)
         try:
+            peer_side = with_model_heads(side_from_description(header["side"]), self.side.kv.num_kv_heads)
             pair_sides(self.side, peer_side)
-        except LayoutError as err:
-            peer.channel.send("refused", {"reason": str(err)})
-            raise
+            staging = _staging_share(header.get("staging"))
+            index_there = header.get("peer")
+            if index_there is not None and (not isinstance(index_there, int) or index_there < 0):
+                raise LayoutError(f"the registration names this sender by {index_there!r}, not an index")
+            if not frames:
+                raise LayoutError("the registration carries no engine metadata")
+        except (LayoutError, KeyError, TypeError, ValueError) as err:
+            why = str(err) if isinstance(err, LayoutError) else f"a malformed registration ({type(err).__name__}: {err})"
+            peer.channel.send("refused", {"reason": why})
+            raise LayoutError(f"decode endpoint {k}: {why}") from err
         peer.side = peer_side
         peer.plannable = receiver_can_plan(self.side, peer_side, self.policy)
-        peer.staging = tuple(header["staging"]) if header["staging"] else None
-        peer.index_there = int(header["peer"]) if header.get("peer") is not None else None
+        peer.staging = staging
+        peer.index_there = index_there
         peer.name = self.engine.connect(frames[0])
         # this side's layout: a decode rank that gathers from several source ranks checks their ranks with it
         # (its engine's name: the receiver checks that a section's notification comes from the sender of its request)
@@ -268,12 +288,28 @@ class PrefillEndpoint:
             peer.channel.send("paired", paired)
 
     def _on_request(self, k: int, header: dict[str, Any], frames: list[bytes]) -> Any:
+        """Keep a request's destination lists from decode endpoint ``k``; its name, or ``None`` where the
+        message is malformed (then the request, if it has a usable name, is answered ``failed``)."""
         p = self.peers[k]
-        lists, aux = decode_message(frames[0], len(p.side.state))
-        p.lists[header["request"]] = (lists, aux, header["prefix_len"])
+        request = named_request(header)
+        try:
+            if request is None:
+                raise ValueError(f"it names no request ({header.get('request')!r})")
+            prefix_len = header["prefix_len"]
+            if not isinstance(prefix_len, int) or prefix_len < 0:
+                raise ValueError(f"its prefix length is {prefix_len!r}")
+            lists, aux = decode_message(frames[0], len(p.side.state))
+        except (KvplanError, KeyError, IndexError, TypeError, ValueError) as err:
+            why = f"its destination lists are malformed ({type(err).__name__}: {err})"
+            if request is not None:
+                self._report(k, request, why)
+            else:
+                log.warning("decode endpoint %d sent destination lists this side cannot use: %s", k, why)
+            return None
+        p.lists[request] = (lists, aux, prefix_len)
         if header.get("plans"):
-            p.planning.add(header["request"])
-        return header["request"]
+            p.planning.add(request)
+        return request
 
     def transfer(self, chunk: Chunk, peer: int = 0) -> Transfer:
         """The :class:`Transfer` of a chunk to decode endpoint ``peer``, with the lists it published."""

@@ -318,3 +318,27 @@ def test_a_section_note_counts_only_from_the_sender_its_request_was_published_to
     endpoint.engine.inbox.append(("prefill-1", encode_notification(kv)))
     endpoint.poll()
     assert endpoint.tracker.state("r1") == "complete"
+
+
+@pytest.mark.parametrize("rows, pages, why", [
+    ([[3 * PAGE_BYTES, PAGE_BYTES]], 2, "claim 2 KV pages of layer 0, but the run's rows write 1"),
+    ([[3 * PAGE_BYTES, 64], [3 * PAGE_BYTES + 64, 64]], 2, "claim 2 KV pages"),  # two rows, one page
+])
+def test_a_note_that_claims_more_pages_than_its_table_writes_is_refused(decode, rows, pages, why):
+    """Issue 38, defect 4: a note claimed 2 pages while the table wrote 1, and the request completed
+    with a page never written."""
+    endpoint, prefill, pool, _ = decode
+    base = pool.data_ptr()
+    _announce(prefill, [[base + a, n] for a, n in rows], pages=pages)
+    endpoint.engine.inbox.append(wave_note(7, "p0"))
+    assert endpoint.wait() == {"r1": "failed"}
+    assert why in endpoint.failures["r1"]
+    kind, header, _ = prefill.try_recv()
+    assert kind == "wave-done" and why in header["error"]
+    assert int(pool.sum()) == 0, "a refused run's bytes were written"
+
+
+def test_a_note_with_a_negative_page_count_is_refused(decode):
+    endpoint, prefill, pool, _ = decode
+    _announce(prefill, [[pool.data_ptr() + 3 * PAGE_BYTES, 2 * PAGE_BYTES]], pages=-1)
+    assert endpoint.wait() == {"r1": "failed"} and "claims -1 pages" in endpoint.failures["r1"]
