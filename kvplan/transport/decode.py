@@ -7,7 +7,8 @@ control channel ahead of its bytes, either by its chunks alone (the endpoint pla
 from what it published, :mod:`.receiver_plan`) or with the sender's destination table (checked
 against what it published, :mod:`.landing`). The engine's notification says a wave has landed;
 the endpoint scatters it on its own stream and returns the slot's credit once the scatter has finished. It never
-sleeps: it blocks on the control socket with a short timeout between looks at the engine.
+spins: between looks at the engine it yields while waves move and blocks on its control sockets once
+quiet (:mod:`.pause`).
 
 Example::
 
@@ -41,6 +42,7 @@ from .copy_graphs import CopyGraphs, capture_copy, copy_graphs_enabled, upload_g
 from .engines import Engine, TransferError, is_unsafe
 from .landing import LandingGuard
 from .local import plan_alignment, scatter, warm_up
+from .pause import Pause
 from .receiver_plan import OwnLists, PlannedRun, PlannedWave, scatter_source
 from .streams import transport_stream
 from .registration import describe_side, side_from_description, with_model_heads
@@ -121,6 +123,7 @@ class DecodeEndpoint:
         self._credit_to: dict[int, str] = {}  # senders that take staged credits as engine notifications: their name
         self._waves: dict[str, _StagedWave] = {}
         self._checked = 0.0  # when deadlines were last looked at (time.monotonic)
+        self._pause = Pause()  # between two looks of wait()
         self._early: dict[str, float] = {}  # waves whose bytes landed before their table was read: when
         self._uploads: dict[int, tuple[torch.Tensor, Any]] = {}  # per sender: pinned rows, their last upload
         self._own: dict[Any, OwnLists] = {}  # what planned runs are planned from, per request published with a row
@@ -301,6 +304,7 @@ class DecodeEndpoint:
         """Take in what has arrived: engine notifications, wave tables, failures; apply deadlines."""
         for k, channel in enumerate(self.channels):
             while (msg := channel.try_recv()) is not None:
+                self._pause.busy()
                 kind, header, frames = msg
                 if kind == "staged":
                     self._announce(k, header, frames[0])
@@ -318,7 +322,9 @@ class DecodeEndpoint:
                     self._fail_owned(k, f"the prefill side refused the pairing: {header.get('reason')}")
                 elif kind == "abort-ack":
                     self._on_abort_ack(k, header)
+        took = False  # whether anything arrived or moved this turn (then the wait loop stays hot)
         for origin, raw in self.engine.notifications():
+            took = True
             try:
                 wave = decode_wave_note(raw)
                 note = decode_notification(raw) if wave is None else None
@@ -339,7 +345,10 @@ class DecodeEndpoint:
         if self._runs:
             self._advance_runs()
         self._scatter_landed()
-        if self._finish_scatters() and self.tracker.settled():
+        finished = self._finish_scatters()
+        if took or finished or self._runs or any(w.event is not None for w in self._waves.values()):
+            self._pause.busy()  # (a scatter or a plan on the device finishes within microseconds)
+        if finished and self.tracker.settled():
             return  # what completed the last request is reported at once (the checks below come next turn)
         for k, channel in enumerate(self.channels):
             if channel.replaced():
@@ -423,10 +432,7 @@ class DecodeEndpoint:
                                  if isinstance(run, PlannedRun) and any(r in self._owner for r in run.requests)}
                 self._mark("-", "settled")
                 return states
-            if self._waves or len(self.channels) > 1:  # look at the engine and every sender again at once
-                os.sched_yield()  # (the next turn reads every channel first)
-            else:
-                self.channel.wait_readable(POLL_S)
+            self._pause(self.channels)  # yields while waves move, blocks on the channels once quiet (.pause)
 
     # -- staged waves -----------------------------------------------------------------------------
     def _announce(self, peer: int, header: dict[str, Any], table: bytes) -> None:

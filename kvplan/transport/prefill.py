@@ -62,6 +62,7 @@ from .copy_graphs import CopyGraphs, copy_graphs_enabled
 from .decode import engine_regions
 from .engines import Engine, Handle, is_unsafe, wait_all
 from .local import gather, plan_alignment, warm_up
+from .pause import Pause
 from .readiness import LayerStreaming
 from .streams import transport_stream
 from .receiver_plan import planned_run_chunks, planned_run_message, planned_run_waves, receiver_can_plan
@@ -539,17 +540,18 @@ class PrefillEndpoint:
 
     def _until_ready(self, readiness, group: int, posted: list[tuple[Handle, Any]], dests: Sequence[int],
                      deadline: float) -> str | None:
-        """Wait (never sleeping; progressing what is posted) until layer group ``group`` is written;
+        """Wait (progressing what is posted; :mod:`.pause` between looks) until layer group ``group`` is written;
         the reason it never was, else ``None``."""
+        pause = Pause(longest_s=1e-4)  # a group is written within milliseconds: short slices once quiet
         while readiness.ready() <= group:
             if time.monotonic() > deadline:
                 return f"layer group {group} was not written before the deadline"
             if (gone := self._any_peer_gone(dests)) is not None:
                 return gone
             for handle, _ in posted:
-                if handle.state == "PROC":
-                    self.engine.progress(handle)
-            os.sched_yield()
+                if handle.state == "PROC" and self.engine.progress(handle) != "PROC":
+                    pause.busy()
+            pause()
         return None
 
     def _settle(self, transfers: Sequence[Transfer], posted: list[tuple[Handle, Any]],
@@ -977,8 +979,10 @@ class _StagedRun:
 
     def _wait(self, ready) -> bool:
         """Pump until ``ready()`` or the deadline; never sleeps (yields the core between looks)."""
+        pause = Pause()
         while True:
-            self._pump()
+            if self._pump():
+                pause.busy()
             if ready():
                 return True
             if time.monotonic() > self.deadline:
@@ -990,7 +994,7 @@ class _StagedRun:
                              "run: credits in flight on it may be lost")
             if self.gone is not None:
                 return False
-            os.sched_yield()  # (the next turn reads the channel first)
+            pause([self.peer.channel])  # yields while waves move; once quiet a credit on the channel wakes it
 
     def _gather(self, wave: Wave) -> None:
         """Gather a wave into its slot: the batch-wide offsets, shifted onto the slot (no per-wave tensors)."""
@@ -1022,9 +1026,11 @@ class _StagedRun:
         return (np.array([[self.ep.staging.data_ptr() + slot_lo, self.peer.staging[0] + slot_lo, wave.nbytes]],
                          np.uint64), wave_note(self.base_id + wave.index, self.ep.id))
 
-    def _pump(self) -> None:
-        """Post gathered waves whose gather has finished; take in credits; progress writes."""
+    def _pump(self) -> bool:
+        """Post gathered waves whose gather has finished; take in credits; progress writes. Whether
+        anything moved (or a gather is still running on the device, which ends within microseconds)."""
         ep = self.ep
+        before = (len(self.posted), len(self.acked), len(self.gathered))
         while self.gathered and (self.gathered[0][1] is None or self.gathered[0][1].query()):
             wave, _ = self.gathered.pop(0)
             self._mark(wave.index, "gathered")  # seen done: what follows is the engine's post
@@ -1051,6 +1057,7 @@ class _StagedRun:
         for wave, handle in self.posted.values():
             if handle.state == "PROC":
                 ep.engine.progress(handle)
+        return bool(self.gathered) or before != (len(self.posted), len(self.acked), len(self.gathered))
 
     def _credit(self, wave_id: int, error: Any) -> None:
         """Wave ``wave_id``'s slot is free again (the receiver scattered it, or refused it with ``error``)."""

@@ -32,6 +32,7 @@ from typing import Any, Callable, Protocol
 import numpy as np
 
 from ...errors import KvplanError
+from ..pause import Pause
 
 __all__ = ["Capabilities", "Engine", "Handle", "TransferError", "drain_seconds", "is_unsafe", "wait_all", "write"]
 
@@ -145,6 +146,7 @@ def wait_all(engine: Engine, handles: list[Handle], deadline: float,
             outcome[h] = h.error or "the engine refused the write"
         else:
             live.append(h)
+    pause = Pause()  # yields while writes end, then sleeps in slices (the engine's progress thread moves them)
     while live:
         still = []
         for h in live:
@@ -155,13 +157,15 @@ def wait_all(engine: Engine, handles: list[Handle], deadline: float,
                 outcome[h] = h.error or "the engine reported an error"
             else:
                 still.append(h)
+        if len(still) < len(live):
+            pause.busy()
         live = still
         if live and time.monotonic() > deadline:
             break
         if live and give_up is not None and (why := give_up()) is not None:
             break
         if live:
-            os.sched_yield()  # the engine's own progress thread shares the worker: give it the core
+            pause()
     for h in live:
         outcome[h] = _abort(engine, h, why or "deadline passed")
     return outcome
@@ -170,6 +174,7 @@ def wait_all(engine: Engine, handles: list[Handle], deadline: float,
 def _abort(engine: Engine, handle: Handle, why: str) -> str:
     """Abort ``handle`` and wait (bounded) until the engine says it has ended."""
     drain_end = time.monotonic() + drain_seconds()
+    pause = Pause(hot_s=0.0)
     while True:
         if engine.abort(handle):
             return f"{why}; the write had ended (cancelled or completed) when this was reported"
@@ -177,7 +182,7 @@ def _abort(engine: Engine, handle: Handle, why: str) -> str:
             log.error("a write to %s could not be ended %.1f s after its deadline; its destination pages must stay "
                       "quarantined", handle.peer, drain_seconds())
             return f"{UNSAFE}: {why} and the engine could not end the write; its pages may still be written"
-        os.sched_yield()
+        pause()
 
 
 def write(engine: Engine, peer: str, descs: np.ndarray, notification: bytes, deadline: float) -> None:
