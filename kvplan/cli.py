@@ -7,12 +7,14 @@ import logging
 import math
 import os
 import sys
+from typing import Any
 from dataclasses import replace
 
 from . import __version__
 from .tools.scenarios import PRESETS
 from .transport.endpoints import MODES
 from .transport.engines import engine_names
+from .transport.engines.registry import engine_settings
 
 log = logging.getLogger("kvplan")
 
@@ -54,6 +56,27 @@ def _fraction(text: str) -> float:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1 (pages per allocator run), got {value}")
     return value
+
+
+def _setting(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` for ``--engine-setting``: an integer where the value is one, else the text."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE with KEY a setting's name, got {text!r}")
+    try:
+        return key, int(value)
+    except ValueError:
+        return key, {"true": True, "false": False}.get(value.lower(), value)
+
+
+def _ip(text: str) -> str:
+    """An IP address (``--host``)."""
+    import ipaddress
+
+    try:
+        return str(ipaddress.ip_address(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an IP address, got {text!r}") from None
 
 
 def _address(text: str) -> tuple[str, int]:
@@ -170,7 +193,7 @@ def _demo(args: argparse.Namespace) -> int:
                         progress_thread=args.progress_thread == "on", dst_page_size=args.dst_page_size,
                         tp=_tp_sizes(args), layer_groups=args.layerwise, layer_split=args.layer_split,
                         forward_dim=args.forward_dim,
-                        gather=args.gather)
+                        gather=args.gather, engine_extra=tuple(args.engine_setting))
     if config.gather:
         ts, td = config.model().src_tp, config.model().dst_tp
         if ts <= td:
@@ -186,6 +209,10 @@ def _demo(args: argparse.Namespace) -> int:
                          f"{config.layers} layers")
     if config.layer_groups and config.fault != "none":
         raise Refused("demo", "--layerwise runs without a fault drill")
+    unknown = [key for key, _ in config.engine_extra if key not in engine_settings(config.engine)]
+    if unknown:
+        raise Refused("demo", f"--engine-setting {unknown[0]}: {config.engine} has no such setting; its settings: "
+                              f"{', '.join(engine_settings(config.engine))}")
     if config.mode == "prepared" and config.engine != "nixl":
         raise Refused("demo", "--mode prepared needs --engine nixl (prepared lists are NIXL's)")
     if args.timeout is None:
@@ -224,6 +251,42 @@ def _demo_role(args: argparse.Namespace, config) -> int:
     return 0 if report.ok else 1
 
 
+def _json_folder(command: str, path: str | None) -> None:
+    """Refuse a ``--json`` file in a folder this process cannot write, before anything runs."""
+    if path:
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise Refused(command, f"--json {path}: {folder} is not a folder this process can write to")
+
+
+def _load(args: argparse.Namespace) -> int:
+    import json
+
+    from .tools.load import LoadConfig, run_load
+
+    _json_folder("load", args.json)
+    if args.chunk_tokens % args.page_size:
+        raise Refused("load", f"--chunk-tokens {args.chunk_tokens} is not a multiple of the page size {args.page_size}")
+    if args.kill_at and args.decodes < 2:
+        raise Refused("load", "--kill-at needs at least two decodes (the others' requests must go on)")
+    if args.prompt_median > args.prompt_max:
+        raise Refused("load", f"--prompt-median {args.prompt_median} is above --prompt-max {args.prompt_max}")
+    host = args.host
+    config = LoadConfig(rate=args.rate, duration=args.duration, decodes=args.decodes, engine=args.engine,
+                        mode=args.mode, device=args.device, layers=args.layers, prompt_median=args.prompt_median,
+                        prompt_max=args.prompt_max, chunk_tokens=args.chunk_tokens, page_size=args.page_size,
+                        prefix_share=args.prefix_share, fault_every=args.fault_every, kill_at=args.kill_at,
+                        rows=args.rows, timeout=args.timeout, seed=args.seed, host=host,
+                        forward_tokens_per_s=args.forward_tokens_per_s, staging_mib=args.staging_mib,
+                        engine_extra=tuple(args.engine_setting))
+    report = run_load(config)
+    sys.stdout.write("\n".join(report.lines()) + "\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report.as_dict(), f, indent=1)
+    return 0 if report.ok else 1
+
+
 def _bench(args: argparse.Namespace) -> int:
     import json
 
@@ -232,10 +295,7 @@ def _bench(args: argparse.Namespace) -> int:
     import torch
 
     names = args.scenario or list(SCENARIOS)
-    if args.json:  # refused now, not after the whole bench has run
-        folder = os.path.dirname(os.path.abspath(args.json))
-        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-            raise Refused("bench", f"--json {args.json}: {folder} is not a folder this process can write to")
+    _json_folder("bench", args.json)  # refused now, not after the whole bench has run
     scale = args.scale
     if scale is None:  # full size on a GPU; on a CPU the interpreter would take hours
         scale = 1.0 if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else CPU_SCALE
@@ -286,6 +346,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--repeat", type=_positive, default=1,
                       help="send the batch this many times (new request ids each time); reports the first batch "
                            "and the median of the others (default: 1)")
+    demo.add_argument("--engine-setting", type=_setting, action="append", default=[], metavar="KEY=VALUE",
+                      help="one of the engine's own settings, repeatable: e.g. protocol=nvlink_intra for Mooncake "
+                           "between the GPUs of one host (README: engines)")
     demo.add_argument("--engine-threads", type=_non_negative, default=0,
                       help="NIXL's UCX worker threads (default: 0, NIXL's own default)")
     demo.add_argument("--staging-mib", type=_positive, default=64,
@@ -358,6 +421,42 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", help="write the results as JSON to this file")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar on standard error")
     bench.set_defaults(run=_bench)
+
+    load = sub.add_parser(
+        "load", parents=[verbosity], help="serving-shaped load through real endpoints, with faults on a schedule",
+        description="One prefill process sends to several decode processes on this machine: Poisson arrivals, "
+                    "log-normal prompt lengths, chunked prefill behind a stand-in forward pass, decode-side prefix "
+                    "hits, aborts and deadlines on a schedule, optionally a decode killed mid-run. Every completed "
+                    "request is checked byte for byte; it reports throughput, latency from the last chunk being "
+                    "ready to decode-ready, failures by cause, and each process's memory, descriptors, sockets and "
+                    "engine state over time. Exit code 1 when a byte differs, a failure was not injected, or "
+                    "something did not drain or grew.")
+    load.add_argument("--rate", type=float, default=20.0, help="arrivals a second (default: 20)")
+    load.add_argument("--duration", type=float, default=5.0, help="seconds of arrivals (default: 5)")
+    load.add_argument("--decodes", type=_positive, default=2, help="decode processes (default: 2)")
+    load.add_argument("--engine", choices=engine_names(), default="nixl")
+    load.add_argument("--engine-setting", type=_setting, action="append", default=[], metavar="KEY=VALUE")
+    load.add_argument("--mode", choices=list(MODES), default="auto")
+    load.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    load.add_argument("--layers", type=_positive, default=4)
+    load.add_argument("--page-size", type=_positive, default=16)
+    load.add_argument("--prompt-median", type=_positive, default=512, help="tokens (log-normal; default: 512)")
+    load.add_argument("--prompt-max", type=_positive, default=2048)
+    load.add_argument("--chunk-tokens", type=_positive, default=256, help="chunked prefill (default: 256)")
+    load.add_argument("--prefix-share", type=float, default=0.25, help="requests with a cached decode prefix")
+    load.add_argument("--fault-every", type=_non_negative, default=8,
+                      help="every n-th request is aborted or given a deadline it cannot meet (0: none)")
+    load.add_argument("--kill-at", type=float, default=0.0, help="kill the last decode this many seconds in")
+    load.add_argument("--rows", type=_positive, default=32, help="requests a side holds at once (default: 32)")
+    load.add_argument("--forward-tokens-per-s", type=float, default=100_000.0,
+                      help="the stand-in forward pass's speed (default: 100000)")
+    load.add_argument("--staging-mib", type=_positive, default=32)
+    load.add_argument("--timeout", type=float, default=30.0, help="each request's deadline (default: 30 s)")
+    load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--host", type=_ip, default="127.0.0.1",
+                      help="the address every process binds and advertises (default: 127.0.0.1)")
+    load.add_argument("--json", help="write the report as JSON to this file")
+    load.set_defaults(run=_load)
     return parser
 
 

@@ -101,6 +101,7 @@ class DemoConfig:
     gather: bool = False  # TP gather (source TP > destination TP): a prefill process per source rank of the group
     host: str = DEMO_HOST  # the address the two sides bind and advertise (the decode listens there)
     port: int = 0  # the decode's control port (0: an ephemeral one, told to the prefill by the parent)
+    engine_extra: tuple[tuple[str, Any], ...] = ()  # the engine's own settings (--engine-setting KEY=VALUE)
 
     @property
     def forward(self) -> bool:
@@ -108,6 +109,7 @@ class DemoConfig:
         return bool(self.layer_groups or self.forward_dim)
 
     def engine_settings(self, gpu: int = 0) -> dict[str, Any]:
+        """The engine's settings for the process on GPU ``gpu``: the demo's own, then ``extra``'s."""
         settings = {"num_threads": self.engine_threads} if self.engine_threads and self.engine == "nixl" else {}
         if gpu:
             settings["device_id"] = gpu
@@ -115,7 +117,7 @@ class DemoConfig:
             settings["progress_thread"] = False
         if self.engine == "mooncake":  # the demo's own choice of address (NIXL: UCX picks the device, ENGINE_ENV)
             settings["local_hostname"] = self.host
-        return settings
+        return {**settings, **dict(self.engine_extra)}
 
     def round_ids(self, k: int) -> str:
         return "" if self.repeat == 1 else f"#{k}"

@@ -208,6 +208,24 @@ class DecodeEndpoint:
         """Drop what :meth:`fenced` keeps of ``request`` (its pages were released)."""
         self._fences.pop(request, None)
 
+    def forget(self, request: Any) -> None:
+        """Drop everything this endpoint keeps of a settled ``request``: its tracking, the lists it
+        published, who may write it and its fence. Call it once the request's pages were released
+        (for a failed one: once :meth:`fenced`); a long-running endpoint then keeps nothing of it."""
+        if request in self.tracker:
+            self.tracker.forget(request)
+        self.guard.forget(request)
+        self._owner.pop(request, None)
+        self._own.pop(request, None)
+        self._fences.pop(request, None)
+
+    def footprint(self) -> dict[str, int]:
+        """How many entries each of this endpoint's per-request and per-wave tables holds (what
+        ``kvplan load`` watches for growth)."""
+        return {"tracked": len(self.tracker), "published": len(self.guard), "owners": len(self._owner),
+                "own_lists": len(self._own), "fences": len(self._fences), "waves": len(self._waves),
+                "early_waves": len(self._early), "runs": len(self._runs) + len(self._chunked)}
+
     def _foreign(self, origin: str | None, note: Any) -> str | None:
         """Why a section's notification cannot be its sender's, else ``None``: the engine that sent it
         is a paired sender's (by the name it gave when pairing) that the request was not published to,
@@ -355,6 +373,8 @@ class DecodeEndpoint:
                 self._pair_again(k)
             elif channel.peer_gone():
                 self._fail_owned(k, "the prefill side is gone: its control connection was lost")
+                if k in self._credit_to:  # (once) what the engine made to send it credits
+                    self.engine.disconnect(self._credit_to.pop(k))
         now = time.monotonic()
         if now - self._checked < ControlChannel.LOOK_S:
             return
@@ -394,7 +414,8 @@ class DecodeEndpoint:
         self._engine_names.pop(peer, None)
         self._scatter_from.pop(peer, None)
         self._mirrors.pop(peer, None)
-        self._credit_to.pop(peer, None)
+        if peer in self._credit_to:
+            self.engine.disconnect(self._credit_to.pop(peer))
         for key in [k for k, w in self._waves.items() if w.peer == peer and w.event is None]:
             del self._waves[key]
         self._runs = [(k, run) for k, run in self._runs if k != peer]
@@ -424,7 +445,7 @@ class DecodeEndpoint:
                     self.tracker.forget(r)
                     self.guard.forget(r)
                     self._owner.pop(r, None)
-                    self._own.pop(r, None)
+                    self._own.pop(r, None)  # (its fence stays: the caller releases its pages once fenced)
                 for key in [k for k, w in self._waves.items() if w.event is None and not w.landed
                             and all(r not in self._owner for r in w.requests)]:
                     del self._waves[key]  # announced for requests that have failed: it will never be scattered

@@ -6,11 +6,18 @@ decode endpoints through one advertised port (an SGLang bootstrap port) binds a
 the listener binds a new channel on an ephemeral port of the same host and answers with that port;
 the decode endpoint connects its own channel to it. Every wait has a deadline.
 
+A channel handed out is *pending* until its decode endpoint's first message (its registration)
+arrives: :meth:`ChannelListener.accept_pending` returns only channels whose first message is
+there, so pairing never blocks the caller's loop on a peer that said hello and nothing more. A
+pending channel whose first message has not come within ``handshake_s`` is closed, and at most
+``max_pending`` are open at once (a hello beyond that is answered "busy"): hellos from a broken or
+hostile peer cost a bounded number of sockets for a bounded time.
+
 Example::
 
     listener = ChannelListener(bind_port=8998, host="127.0.0.1")   # prefill (loopback: the example's choice)
     channel = channel_via("127.0.0.1", 8998, timeout=5)  # decode: its own channel
-    new = listener.accept_pending()                     # prefill: [ControlChannel], one per hello
+    new = listener.accept_pending()                     # prefill: [ControlChannel], each with a message to read
 """
 
 from __future__ import annotations
@@ -31,11 +38,14 @@ class ChannelListener:
     """A ROUTER socket on ``host:bind_port`` (0: an ephemeral port, in ``port``) that answers each
     ``hello`` with a new channel's port."""
 
-    def __init__(self, bind_port: int, *, host: str, peer_timeout: float = 1.0):
+    def __init__(self, bind_port: int, *, host: str, peer_timeout: float = 1.0, handshake_s: float = 5.0,
+                 max_pending: int = 64):
         import zmq
 
         self._zmq = zmq
         self.host, self.peer_timeout = host, peer_timeout
+        self.handshake_s, self.max_pending = handshake_s, max_pending
+        self.pending: list[tuple[ControlChannel, float]] = []  # channels handed out, not yet written to: deadline
         self.socket = zmq.Context.instance().socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 1000)
         if bind_port:
@@ -45,9 +55,25 @@ class ChannelListener:
             self.port = self.socket.bind_to_random_port(f"tcp://{host}")
 
     def accept_pending(self) -> list[ControlChannel]:
-        """A new bound channel for every ``hello`` that has arrived (never blocks); each asker has
-        been sent its channel's port. A malformed message is answered with an error and skipped."""
-        made = []
+        """The channels handed out whose decode endpoint has sent its first message (never blocks):
+        the caller reads it at once. Answers every ``hello`` that has arrived with a new channel's
+        port (up to ``max_pending`` waiting at once; beyond, "busy"); closes a channel whose first
+        message has not come within ``handshake_s``. A malformed message is answered with an error."""
+        self._answer_hellos()
+        now, ready, waiting = time.monotonic(), [], []
+        for channel, deadline in self.pending:
+            if channel.wait_readable(0):
+                ready.append(channel)
+            elif now > deadline:
+                log.warning("closed the channel on port %d: its decode endpoint said hello, then nothing for %.1f s",
+                            channel.port, self.handshake_s)
+                channel.close()
+            else:
+                waiting.append((channel, deadline))
+        self.pending = waiting
+        return ready
+
+    def _answer_hellos(self) -> None:
         while self.socket.poll(0):
             parts = self.socket.recv_multipart()
             who, body = parts[0], parts[-1]
@@ -59,12 +85,19 @@ class ChannelListener:
                 log.warning("ignored a malformed message on the listening port %d", self.port)
                 self.socket.send_multipart([who, json.dumps({"error": "expected a hello"}).encode()])
                 continue
+            if len(self.pending) >= self.max_pending:
+                log.warning("refused a hello on port %d: %d channels already wait for their first message",
+                            self.port, len(self.pending))
+                self.socket.send_multipart([who, json.dumps({"error": "busy: too many channels wait to pair"}).encode()])
+                continue
             channel = ControlChannel(peer_timeout=self.peer_timeout, host=self.host)
             self.socket.send_multipart([who, json.dumps({"port": channel.port}).encode()])
-            made.append(channel)
-        return made
+            self.pending.append((channel, time.monotonic() + self.handshake_s))
 
     def close(self) -> None:
+        for channel, _ in self.pending:
+            channel.close()
+        self.pending = []
         self.socket.close()
 
 

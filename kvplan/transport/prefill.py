@@ -108,6 +108,7 @@ class Peer:
     index_there: int | None = None  # how that endpoint knows this sender, where it has several (notifications name it)
     credits_by_engine: bool = False  # it returns staged slots' credits as engine notifications (Capabilities.notifies)
     notified: bool = True  # it learns of a write from the write's notification (else from another message)
+    dropped: bool = False  # it is gone and what it published was dropped (:meth:`PrefillEndpoint._drop`)
 
     def notification(self, section: Any) -> bytes:
         """A direct or prepared write's notification of ``section``, naming this sender where the
@@ -239,7 +240,23 @@ class PrefillEndpoint:
                         arrived.append((k, request))
                 elif kind == "abort" and (request := named_request(header)) is not None:
                     self._on_abort(k, request, str(header.get("reason") or "aborted"))
+            if p.side is not None and not p.dropped and p.channel.peer_gone():
+                self._drop(k)
         return arrived
+
+    def _drop(self, k: int) -> None:
+        """Decode endpoint ``k`` is gone: forget what it published and what the engine keeps for it
+        (issue 38: a prefill that outlived many decode endpoints kept every one's lists and NIXL
+        agent). Its index stays; a restarted endpoint on the same channel registers and pairs again."""
+        p = self.peers[k]
+        log.warning("decode endpoint %d is gone: dropping its %d requests' lists and its engine connection",
+                    k, len(p.lists))
+        if p.name is not None:
+            self.engine.disconnect(p.name)
+        p.lists.clear()
+        p.planning.clear()
+        p.backlog.clear()
+        p.name, p.prepared, p.dropped = None, False, True  # (its layout stays: the planner pairs every peer)
 
     def _on_abort(self, k: int, request: Any, reason: str) -> None:
         """A decode endpoint aborted ``request``: nothing more of it goes there, and it is told so at
@@ -273,7 +290,7 @@ class PrefillEndpoint:
             why = str(err) if isinstance(err, LayoutError) else f"a malformed registration ({type(err).__name__}: {err})"
             peer.channel.send("refused", {"reason": why})
             raise LayoutError(f"decode endpoint {k}: {why}") from err
-        peer.side = peer_side
+        peer.side, peer.dropped = peer_side, False
         peer.plannable = receiver_can_plan(self.side, peer_side, self.policy)
         peer.staging = staging
         peer.index_there = index_there
@@ -311,6 +328,13 @@ class PrefillEndpoint:
         if header.get("plans"):
             p.planning.add(request)
         return request
+
+    def footprint(self) -> dict[str, int]:
+        """How many entries this endpoint's per-request tables hold, over every peer (what ``kvplan
+        load`` watches for growth)."""
+        return {"lists": sum(len(p.lists) for p in self.peers), "planning": sum(len(p.planning) for p in self.peers),
+                "backlog": sum(len(p.backlog) for p in self.peers), "unsafe": len(self.unsafe),
+                "aborted": len(self.aborted)}
 
     def transfer(self, chunk: Chunk, peer: int = 0) -> Transfer:
         """The :class:`Transfer` of a chunk to decode endpoint ``peer``, with the lists it published."""

@@ -46,6 +46,8 @@ def test_a_drill_report_with_another_failure_is_not_observed():
     (["--gather", "--src-tp", "8", "--dst-tp", "4", "--fault", "deadline"], "--gather runs without --fault"),
     (["--src-tp", "3", "--dst-tp", "8"], "8 KV heads do not split over 3 ranks"),
     (["--engine-threads", "-1"], "must be >= 0"),
+    (["--engine-setting", "protocol"], "expected KEY=VALUE"),
+    (["--engine", "mooncake", "--engine-setting", "num_threads=2"], "mooncake has no such setting"),
 ])
 def test_numbers_that_cannot_run_are_refused_before_any_process_starts(args, message):
     done = subprocess.run([sys.executable, "-m", "kvplan", "demo", "--no-progress", *args],
@@ -88,3 +90,12 @@ def test_tp_sizes_of_the_two_sides_are_options():
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "head-sliced descriptors" in done.stdout and "every byte matches" in done.stdout
+
+
+def test_engine_settings_from_the_command_line_reach_the_engine_and_win_over_the_demo_s():
+    from kvplan.tools.demo import DemoConfig
+
+    config = DemoConfig(engine="mooncake", host="192.0.2.7",
+                        engine_extra=(("protocol", "nvlink_intra"), ("local_hostname", "10.0.0.1")))
+    assert config.engine_settings(1) == {"device_id": 1, "local_hostname": "10.0.0.1", "protocol": "nvlink_intra"}
+    assert DemoConfig(engine="nixl", engine_extra=(("num_threads", 4),)).engine_settings() == {"num_threads": 4}

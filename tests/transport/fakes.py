@@ -59,6 +59,12 @@ class FakeEngine:
         self.inbox.clear()
         return out
 
+    def stats(self) -> dict[str, int]:
+        return {"regions": len(self.regions), "peers": 0, "handles": 0}
+
+    def disconnect(self, peer: str) -> None:
+        self.disconnected = getattr(self, "disconnected", []) + [peer]
+
     def close(self) -> None:
         pass
 

@@ -27,15 +27,18 @@ def test_each_hello_gets_a_channel_of_its_own_and_the_two_ends_talk():
 
         with ThreadPoolExecutor(2) as pool:  # two decode endpoints ask at once
             asked = [pool.submit(channel_via, "127.0.0.1", listener.port, 5.0) for _ in range(2)]
-            made = []
             deadline = time.monotonic() + 5
-            while len(made) < 2 and time.monotonic() < deadline:
-                made += listener.accept_pending()
+            while not all(f.done() for f in asked) and time.monotonic() < deadline:
+                assert listener.accept_pending() == []  # (handed out, but nothing written to them yet)
             decodes = [f.result(timeout=5) for f in asked]
+        for k, decode in enumerate(decodes):
+            decode.send("register", {"k": k})
+        made = []
+        while len(made) < 2 and time.monotonic() < deadline:
+            made += listener.accept_pending()
         assert len(made) == 2 and len({c.port for c in made}) == 2
         by_port = {c.port: c for c in made}
         for k, decode in enumerate(decodes):
-            decode.send("hello-back", {"k": k})
             assert by_port[decode.port].recv(time.monotonic() + 5)[1] == {"k": k}
         for c in made + decodes:
             c.close()
@@ -67,6 +70,36 @@ def test_a_malformed_hello_gets_an_error_and_no_channel():
         assert made == [] and json.loads(socket.recv_multipart()[-1]) == {"error": "expected a hello"}
     finally:
         socket.close()
+        listener.close()
+
+
+def test_a_hello_and_then_silence_costs_a_socket_for_a_bounded_time_and_never_blocks():
+    """Issue 38, defect 10: every hello made a channel that was never closed, and pairing with it
+    blocked the caller's loop for 5 s."""
+    listener = ChannelListener(0, host="127.0.0.1", handshake_s=0.3, max_pending=2)
+    sockets = []
+    try:
+        answers = []
+        for _ in range(3):  # a peer that says hello three times, then nothing
+            socket = zmq.Context.instance().socket(zmq.DEALER)
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.connect(f"tcp://127.0.0.1:{listener.port}")
+            socket.send_multipart([json.dumps({"kind": "hello"}).encode()])
+            sockets.append(socket)
+        deadline = time.monotonic() + 5
+        while len(answers) < 3 and time.monotonic() < deadline:
+            started = time.monotonic()
+            assert listener.accept_pending() == []
+            assert time.monotonic() - started < 0.1, "accept_pending blocked"
+            answers += [json.loads(s.recv_multipart()[-1]) for s in sockets if s.poll(10)]
+        assert sorted(map(sorted, answers)) == [["error"], ["port"], ["port"]]
+        assert "busy" in next(a["error"] for a in answers if "error" in a)
+        assert len(listener.pending) == 2
+        time.sleep(0.4)
+        assert listener.accept_pending() == [] and listener.pending == []  # closed past their handshake
+    finally:
+        for socket in sockets:
+            socket.close()
         listener.close()
 
 

@@ -268,3 +268,21 @@ def test_a_wave_refused_before_it_is_posted_is_never_posted():
     result = prefill.send([prefill.transfer(Chunk("r1", 1, 0, 8, 8, True))], mode="staged", timeout=1)
     assert len(engine.posted) == 1
     assert "refused the wave: its table writes outside" in result["r1"]
+
+
+def test_a_decode_endpoint_that_is_gone_leaves_nothing_behind_and_can_pair_again(monkeypatch):
+    """Issue 38, defect 10: a prefill kept every gone decode endpoint's lists and its engine
+    connection (NIXL's remote agent) for as long as it ran."""
+    prefill, engine, theirs, _ = _direct_pair("batch")
+    assert len(prefill.lists) == 2
+    channel = prefill.peers[0].channel
+    monkeypatch.setattr(channel, "peer_gone", lambda: True, raising=False)
+    prefill.progress()
+    assert prefill.lists == {} and prefill.peers[0].dropped and engine.disconnected == ["peer"]
+    prefill.progress()  # (once)
+    assert engine.disconnected == ["peer"]
+    monkeypatch.setattr(channel, "peer_gone", lambda: False, raising=False)
+    decode_side = side(torch.zeros(16 * PAGE_BYTES, dtype=torch.uint8), {1: [3, 4]})
+    theirs.send("register", {"side": describe_side(decode_side), "staging": None}, b"meta")  # a restarted one
+    prefill.progress()
+    assert not prefill.peers[0].dropped and prefill.peers[0].name == "peer"

@@ -246,9 +246,9 @@ class KVManager(BaseKVManager):
                 link = PrefillRankLink(rank_ip=self.host, backend=engine_kind, prefill_rank=int(args.engine_rank))
                 self.ranks = DecodeRanks(self.prefill, link, self._decode_side)
             elif self.settings.bootstrap == "direct":  # kvplan's listener is the bootstrap port (no SGLang server)
-                self.listener = ChannelListener(self.bootstrap_port, host=self.host)
+                self.listener = ChannelListener(self.bootstrap_port, host=self.host, handshake_s=HANDSHAKE_S)
             else:  # a listener of its own, registered with SGLang's bootstrap server, which keeps its port
-                self.listener = ChannelListener(0, host=self.host)
+                self.listener = ChannelListener(0, host=self.host, handshake_s=HANDSHAKE_S)
             self.register_to_bootstrap()
         elif disaggregation_mode is DisaggregationMode.DECODE:
             self.side: SideMemory = side_from_kv_args(args, mla=self.is_mla, attn_tp_size=self.attn_tp_size,
@@ -402,6 +402,9 @@ class KVManager(BaseKVManager):
             if sender.pages_sent >= sender.num_pages:
                 self._settle(sender.room, KVPoll.Success)
         pending = [x for x in pending if not self._dummy(x[0].room)]
+        for sender, *_ in [x for x in pending if not self._peers_of(x[0].room)]:  # (its decode side went away)
+            self._settle(sender.room, KVPoll.Failed, "the decode side is gone: its lists were dropped")
+        pending = [x for x in pending if self._peers_of(x[0].room)]
         if not pending:
             return
         try:
@@ -574,11 +577,8 @@ class KVManager(BaseKVManager):
                 self.prefill.forget([room])
             return
         self._room_peer.pop(room, None)
-        if self.decode is not None:
-            if room in self.decode.tracker:
-                self.decode.tracker.forget(room)
-            self.decode.guard.forget(room)
-            self.decode.forget_fence(room)  # (SGLang clears a held request only once it released its pages)
+        if self.decode is not None:  # (SGLang clears a held request only once it released its pages)
+            self.decode.forget(room)
 
     def _settle(self, room: int, state: int, reason: str | None = None) -> None:
         if self.status.get(room) == KVPoll.Failed:

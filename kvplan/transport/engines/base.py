@@ -116,6 +116,16 @@ class Engine(Protocol):
         """Send ``message`` to a connected peer on its own (engines whose capabilities say ``notifies``)."""
         ...
 
+    def stats(self) -> dict[str, int]:
+        """What it holds now: ``regions`` registered, ``peers`` connected, ``handles`` kept (``kvplan load``
+        watches them for growth)."""
+        ...
+
+    def disconnect(self, peer: str) -> None:
+        """Forget a connected peer that is gone (what :meth:`connect` made for it, and handles kept for
+        it); nothing of it may be in flight. A later :meth:`connect` to it starts over."""
+        ...
+
     def close(self) -> None: ...
 
 

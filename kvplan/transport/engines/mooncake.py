@@ -19,9 +19,16 @@ defaults were measured on an H200 host (issue 11, ``benchmarks/gpu_mooncake_swee
 peer, its default I/O threads, 64 KiB slices) direct mode moved 0.95 GiB/s and staged 1.63; with 16
 lanes, 8 I/O threads and 1 MiB slices, 1.23 and 2.24.
 
-Mooncake cannot cancel a batch. Waiting for its status blocks until the batch has ended, bounded
-by Mooncake's own transfer timeout (``MC_TRANSFER_TIMEOUT``, 30 s by default): a write reported
-failed has ended, and no byte of it lands afterwards.
+``protocol="nvlink_intra"`` moves GPU memory between the GPUs of one host through the copy
+engines (the CUDA 13 wheel 0.3.14; 361 GiB/s for one write between two H200s, as a torch peer
+copy). Mooncake turns that transport on from the environment (``MC_INTRANODE_NVLINK=1``): asked for
+that protocol, the engine sets it unless the environment already says otherwise. It costs about
+2.6 us a descriptor, so a staged run (a few large writes) reaches it where thousands of pages
+written one by one do not (benchmarks/RESULTS.md).
+
+Mooncake cannot cancel a batch: it runs to its end or to Mooncake's own transfer timeout
+(``MC_TRANSFER_TIMEOUT``, 30 s by default). kvplan asks each batch's status without blocking, and
+a write it could not see end is reported ``unsafe`` (docs/failures.md §3).
 """
 
 from __future__ import annotations
@@ -92,6 +99,8 @@ class MooncakeEngine:
                  protocol: str = "tcp", metadata_server: str = "P2PHANDSHAKE", device_name: str = ""):
         if protocol == "tcp":  # Mooncake's TCP transport reads these from the environment
             apply_tcp_settings(lanes=lanes, io_threads=io_threads, slice_bytes=slice_bytes)
+        elif protocol == "nvlink_intra":  # the caller asked for it: Mooncake reads the switch from the environment
+            os.environ.setdefault("MC_INTRANODE_NVLINK", "1")
         elif any(v is not None for v in (lanes, io_threads, slice_bytes)):
             raise ValueError(f"lanes, io_threads and slice_bytes are Mooncake's TCP settings, not {protocol}'s")
         from mooncake.engine import TransferEngine, TransferNotify, TransferOpcode
@@ -105,6 +114,8 @@ class MooncakeEngine:
         self.name = name or self.segment
         self.memory = memory
         self._regions: list[int] = []
+        self._peers: set[str] = set()  # segments connected to (stats)
+        self._protocol = protocol
         # what this wheel offers, decided once here (0.3.14 has array calls, 0.3.13 only lists)
         self.capabilities = Capabilities(arrays=hasattr(self.engine, "batch_transfer_async_write_arrays"))
 
@@ -118,7 +129,9 @@ class MooncakeEngine:
         return json.dumps({"segment": self.segment, "name": self.name}).encode()
 
     def connect(self, peer_metadata: bytes) -> str:
-        return json.loads(peer_metadata)["segment"]
+        segment = json.loads(peer_metadata)["segment"]
+        self._peers.add(segment)
+        return segment
 
     def _submit(self, peer: str, part: np.ndarray) -> int:
         if self.capabilities.arrays:
@@ -187,6 +200,19 @@ class MooncakeEngine:
     def notifications(self) -> list[tuple[str | None, bytes]]:
         """Each with the name its sender gave (a kvplan engine gives its ``name``)."""
         return [(n.name, n.msg.encode()) for n in self.engine.get_notifies()]
+
+    def stats(self) -> dict[str, int]:
+        """``connections_max``: over TCP, Mooncake opens up to its lanes per peer as batches need them,
+        each way (a peer writing here counts too): that many sockets may appear, bounded by peers,
+        not by requests."""
+        lanes = int(os.environ.get("MC_TCP_LANES_PER_PEER", TCP_DEFAULTS["MC_TCP_LANES_PER_PEER"])) \
+            if self._protocol == "tcp" else 0
+        return {"regions": len(self._regions), "peers": len(self._peers), "handles": 0,  # (batches end with writes)
+                "connections_max": 2 * lanes * (len(self._peers) + 1)}
+
+    def disconnect(self, peer: str) -> None:
+        """Forget ``peer`` (Mooncake's own segment cache refreshes a peer that comes back)."""
+        self._peers.discard(peer)
 
     def close(self) -> None:
         for addr in self._regions:

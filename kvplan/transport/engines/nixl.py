@@ -202,6 +202,27 @@ class NixlEngine:
         except Exception as err:  # noqa: BLE001 - nixl raises its own types (a dead peer)
             raise TransferError(f"NIXL could not notify {peer}: {type(err).__name__}: {err}") from err
 
+    def stats(self) -> dict[str, int]:
+        return {"regions": len(self._registrations), "peers": len(self._peer_device),
+                "handles": len(self._kept) + len(self._prepared)}
+
+    def disconnect(self, peer: str) -> None:
+        """Release what was kept and prepared for ``peer`` and remove its remote agent (issue 38: every
+        agent a prefill ever paired with stayed in NIXL's table, with its handles)."""
+        for key in [k for k in self._kept if k[0] == peer]:
+            native, _, last = self._kept.pop(key)
+            if last.state != "PROC":
+                native.release()
+        for key in [k for k in self._prepared if k[0] == peer]:
+            local, remote = self._prepared.pop(key)
+            local.release()
+            remote.release()
+        self._peer_device.pop(peer, None)
+        try:
+            self.agent.remove_remote_agent(peer)
+        except Exception as err:  # noqa: BLE001 - nixl's own types: an agent already gone
+            log.warning("could not remove NIXL's remote agent %s: %s: %s", peer, type(err).__name__, err)
+
     def close(self) -> None:
         """Release the kept and prepared handles and the registrations, even if one release fails.
         The agent (and its progress thread) ends with this engine object: destroying it here, while

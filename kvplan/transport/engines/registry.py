@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-__all__ = ["engine_names", "make_engine", "register_engine"]
+__all__ = ["engine_names", "engine_settings", "make_engine", "register_engine"]
 
 _ENGINES: dict[str, Callable[..., Any]] = {}
 
@@ -25,6 +25,14 @@ def register_engine(name: str) -> Callable[[type], type]:
 
 def engine_names() -> list[str]:
     return sorted(_ENGINES)
+
+
+def engine_settings(kind: str) -> list[str]:
+    """The names of engine ``kind``'s own settings (its constructor's, past name, memory and device)."""
+    import inspect
+
+    parameters = inspect.signature(_ENGINES[kind]).parameters
+    return [p for p in parameters if p not in ("self", "name", "memory", "device_id")]
 
 
 def make_engine(kind: str, name: str, memory: str = "DRAM", device_id: int = 0, **settings: Any):

@@ -1,0 +1,573 @@
+"""``kvplan load``: serving-shaped load through real endpoints, with faults on a schedule (issue 38).
+
+One prefill process sends to ``decodes`` decode processes (fan-out), each its own process with its
+own engine and control channel. Requests arrive at ``rate`` a second for ``duration`` seconds
+(Poisson), with prompt lengths from a log-normal distribution, a decode-side cached prefix for a
+share of them, and chunked prefill: a stand-in forward pass writes each chunk's KV (a known byte
+per token, layer and request) at the chunk's ready time, and the prefill sends every chunk that
+is ready in one batch. Each decode allocates pages and a row per request from free lists, publishes
+them, checks every byte of a completed request, and releases its pages, a failed request's only
+once :meth:`~kvplan.transport.decode.DecodeEndpoint.fenced`. Faults cycle over the requests
+(``fault_every``): the decode aborts the request mid-transfer, or gives it a deadline it cannot
+meet; ``kill_at`` kills the last decode process mid-run, and the other decodes' requests go on.
+
+Reported: throughput, latency from a request's last chunk being ready to the decode seeing it
+complete (p50, p99; one host's monotonic clock), failures by cause, and per process over time: RSS,
+open file descriptors and sockets, the engine's registered regions, peers and kept handles, GPU
+memory, and the endpoints' per-request tables (``footprint``), which must come back to empty.
+
+Example::
+
+    report = run_load(LoadConfig(rate=10, duration=3, decodes=2, device="cpu"))
+    assert report.ok, report.problems
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import multiprocessing as mp
+import os
+import statistics
+import time
+import traceback
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..planner.destinations import PreallocatedRequest
+from ..planner.model import Attention, Entry, KVLayout, SideMemory
+from ..transport.control import ControlChannel
+from ..transport.endpoints import Chunk, DecodeEndpoint, PrefillEndpoint
+from ..transport.engines import make_engine
+
+__all__ = ["Arrival", "LoadConfig", "LoadReport", "run_load", "schedule"]
+
+log = logging.getLogger("kvplan")
+
+FAULTS = ("abort", "deadline")
+FENCE_WAIT_S = 10.0  # a failed request's pages wait this long for their fence, then stay out of use (counted)
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """One load run. Sizes are per side; the pools hold ``rows`` requests of ``prompt_max`` tokens."""
+
+    rate: float = 20.0  # arrivals a second
+    duration: float = 5.0  # seconds of arrivals
+    decodes: int = 2
+    engine: str = "nixl"
+    mode: str = "auto"
+    device: str = "auto"
+    layers: int = 4
+    page_size: int = 16
+    token_bytes: int = 64  # per token, per K or V entry of a layer
+    prompt_median: int = 512  # tokens (log-normal, sigma 0.6)
+    prompt_max: int = 2048
+    chunk_tokens: int = 256  # chunked prefill (a multiple of the page size)
+    prefix_share: float = 0.25  # requests with a decode-side cached prefix
+    fault_every: int = 8  # every n-th request gets the next fault of FAULTS (0: none)
+    kill_at: float = 0.0  # seconds into the run at which the last decode is killed (0: never; needs 2 decodes)
+    forward_tokens_per_s: float = 100_000.0  # the stand-in forward pass: when each chunk is ready
+    rows: int = 32  # requests a side holds at once
+    staging_mib: int = 32
+    timeout: float = 30.0  # each request's deadline on both sides
+    sample_s: float = 0.5
+    seed: int = 0
+    host: str = "127.0.0.1"
+    engine_extra: tuple[tuple[str, Any], ...] = ()
+
+    def resolved_device(self) -> str:
+        return ("cuda" if torch.cuda.is_available() else "cpu") if self.device == "auto" else self.device
+
+    @property
+    def pages(self) -> int:
+        """Pages per pool: every row full, plus page 0 (never handed out)."""
+        return self.rows * math.ceil(self.prompt_max / self.page_size) + 1
+
+    def engine_settings(self) -> dict[str, Any]:
+        settings = {"local_hostname": self.host} if self.engine == "mooncake" else {}
+        return {**settings, **dict(self.engine_extra)}
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """One request of the schedule."""
+
+    index: int
+    request: str
+    at: float  # seconds after the run's start
+    prompt_len: int
+    prefix_len: int
+    decode: int
+    fault: str | None
+
+
+def schedule(config: LoadConfig) -> list[Arrival]:
+    """The run's arrivals, the same in every process (from ``seed``)."""
+    rng = np.random.default_rng(config.seed)
+    out, at, ps = [], 0.0, config.page_size
+    while True:
+        at += rng.exponential(1.0 / config.rate)
+        if at > config.duration:
+            return out
+        k = len(out)
+        length = int(np.clip(rng.lognormal(math.log(config.prompt_median), 0.6), ps + 1, config.prompt_max))
+        prefix = 0
+        if rng.random() < config.prefix_share and length > 2 * ps:
+            prefix = int(rng.integers(1, (length - 1) // ps)) * ps
+        fault = FAULTS[(k // config.fault_every) % len(FAULTS)] if config.fault_every and \
+            k % config.fault_every == config.fault_every - 1 else None
+        out.append(Arrival(k, f"q{k}", at, length, prefix, int(rng.integers(config.decodes)), fault))
+
+
+SLOW = 20  # a faulted request's stand-in forward pass runs this many times slower: its fault lands mid-transfer
+
+
+def compute_s(config: LoadConfig, arrival: Arrival, tokens: int) -> float:
+    """How long the stand-in forward pass takes for ``tokens`` of ``arrival``."""
+    return tokens / config.forward_tokens_per_s * (SLOW if arrival.fault else 1)
+
+
+def fault_at(config: LoadConfig, arrival: Arrival) -> float:
+    """When (seconds after the run's start) the decode aborts an ``abort`` request, or its deadline
+    passes for a ``deadline`` one: halfway through its forward pass."""
+    return arrival.at + 0.5 * compute_s(config, arrival, arrival.prompt_len - arrival.prefix_len)
+
+
+def _pattern(arrival: Arrival, entry: int, tokens: torch.Tensor) -> torch.Tensor:
+    """The byte every position of a token's item holds: per request, entry and token, never 0."""
+    return ((arrival.index * 131 + entry * 17 + tokens) % 251 + 1).to(torch.uint8)
+
+
+class _Pools:
+    """One side's pools: K and V per layer (``[pages, page_size, token_bytes]``), one aux entry of a
+    row per request, the token table, and free lists of pages and rows."""
+
+    def __init__(self, config: LoadConfig, device: str):
+        self.config, self.device = config, device
+        ps, tb = config.page_size, config.token_bytes
+        self.kv = [torch.zeros(config.pages, ps, tb, dtype=torch.uint8, device=device) for _ in range(2 * config.layers)]
+        self.aux = torch.zeros(config.rows + 1, 64, dtype=torch.uint8, device=device)
+        self.table = torch.zeros(config.rows + 1, config.prompt_max + 1, dtype=torch.int32, device=device)
+        entries = tuple(Entry(t.data_ptr(), ps * tb, config.pages) for t in self.kv)
+        self.side = SideMemory(KVLayout(Attention.MHA, ps, entries, num_kv_heads=1),
+                               aux=(Entry(self.aux.data_ptr(), 64, config.rows + 1),), req_to_token=self.table)
+        self.free_pages = deque(range(1, config.pages))
+        self.free_rows = deque(range(1, config.rows + 1))
+
+    def take(self, length: int) -> tuple[int, list[int]] | None:
+        """A row and the pages for ``length`` tokens, written into the token table; None when full."""
+        need = math.ceil(length / self.config.page_size)
+        if not self.free_rows or len(self.free_pages) < need:
+            return None
+        row, pages = self.free_rows.popleft(), [self.free_pages.popleft() for _ in range(need)]
+        ps = self.config.page_size
+        slots = (torch.tensor(pages, dtype=torch.int64)[:, None] * ps + torch.arange(ps)).reshape(-1)[:length]
+        self.table[row].zero_()
+        self.table[row, :length] = slots.to(torch.int32).to(self.device)
+        return row, pages
+
+    def give(self, row: int, pages: list[int]) -> None:
+        self.free_rows.append(row)
+        self.free_pages.extend(pages)
+
+    def write(self, arrival: Arrival, row: int, lo: int, hi: int) -> None:
+        """The stand-in forward pass: tokens ``[lo, hi)`` of the request, in every KV entry."""
+        ps = self.config.page_size
+        tokens = torch.arange(lo, hi, device=self.device)
+        slots = self.table[row, lo:hi].to(torch.int64)
+        for e, pool in enumerate(self.kv):
+            pool[slots // ps, slots % ps] = _pattern(arrival, e, tokens)[:, None]
+
+    def check(self, arrival: Arrival, row: int) -> bool:
+        """Whether every sent byte of the request is the one its source wrote (tokens past the prefix,
+        and the aux row)."""
+        ps = self.config.page_size
+        tokens = torch.arange(arrival.prefix_len, arrival.prompt_len, device=self.device)
+        slots = self.table[row, arrival.prefix_len : arrival.prompt_len].to(torch.int64)
+        for e, pool in enumerate(self.kv):
+            if not bool((pool[slots // ps, slots % ps] == _pattern(arrival, e, tokens)[:, None]).all()):
+                return False
+        return bool((self.aux[row] == arrival.index % 251 + 1).all())
+
+
+def _resources(engine: Any, endpoint: Any, started: float) -> dict[str, Any]:
+    """One sample of what a process holds."""
+    fds = os.listdir("/proc/self/fd")
+    sockets = 0
+    for fd in fds:
+        try:
+            sockets += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:
+            pass
+    with open("/proc/self/status") as status:
+        rss = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+    gpu = torch.cuda.memory_allocated() if torch.cuda.is_available() and torch.cuda.is_initialized() else 0
+    stats = engine.stats() if hasattr(engine, "stats") else {}
+    return {"t": round(time.monotonic() - started, 2), "rss_kib": rss, "fds": len(fds), "sockets": sockets,
+            "gpu_bytes": gpu, **{f"engine_{k}": v for k, v in stats.items()}, **endpoint.footprint()}
+
+
+def _setup(config: LoadConfig) -> None:
+    if config.host == "127.0.0.1" or config.host == "::1":
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")  # the run's own choice of loopback (see the demo)
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    for var in ("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER"):
+        os.environ.setdefault(var, "65535")
+
+
+def _go(conn, timeout: float) -> float:
+    """Wait for the parent's start (every process counts the schedule from one monotonic instant)."""
+    if not conn.poll(timeout):
+        raise TimeoutError("the parent never said go")
+    return float(conn.recv()[1])
+
+
+def decode_process(config: LoadConfig, index: int, conn) -> None:
+    """Decode ``index``: publish its arrivals as they come, settle, verify, release; report."""
+    try:
+        _setup(config)
+        device = config.resolved_device()
+        pools = _Pools(config, device)
+        staging = torch.zeros(config.staging_mib << 20, dtype=torch.uint8, device=device) \
+            if device == "cuda" and config.mode in ("auto", "staged") else None
+        engine = make_engine(config.engine, f"load-decode-{index}", "VRAM" if device == "cuda" else "DRAM",
+                             **config.engine_settings())
+        channel = ControlChannel(host=config.host)
+        endpoint = DecodeEndpoint(pools.side, engine, channel, staging)
+        conn.send(("port", channel.port))
+        endpoint.register(timeout=config.timeout + 60)
+        conn.send(("ready",))
+        started = _go(conn, config.timeout + 120)
+        arrivals = deque(a for a in schedule(config) if a.decode == index)
+        live: dict[str, tuple[Arrival, int, list[int]]] = {}
+        failed_at: dict[str, float] = {}
+        outcomes: dict[str, dict[str, Any]] = {}
+        samples, quarantined, next_sample = [], 0, 0.0
+        end = started + config.duration + config.timeout + 30
+        while (arrivals or live) and time.monotonic() < end:
+            now = time.monotonic() - started
+            while arrivals and arrivals[0].at <= now:
+                a = arrivals[0]
+                got = pools.take(a.prompt_len)
+                if got is None:
+                    break  # (full: it waits, as a real decode's queue would)
+                arrivals.popleft()
+                row, pages = got
+                deadline = fault_at(config, a) - now if a.fault == "deadline" else config.timeout
+                endpoint.publish([PreallocatedRequest(a.request, row, a.prompt_len, a.prefix_len, aux_index=row)],
+                                 timeout=deadline)
+                live[a.request] = (a, row, pages)
+            endpoint.poll()
+            for request, (a, row, pages) in list(live.items()):
+                state = endpoint.tracker.state(request) if request in endpoint.tracker else "failed"
+                if a.fault == "abort" and state == "pending" and now > fault_at(config, a):
+                    endpoint.abort(request, "load: an abort on the schedule")
+                    state = "failed"
+                if state == "complete":
+                    outcomes[request] = {"state": "complete", "at": time.monotonic(), "ok": pools.check(a, row)}
+                elif state == "failed":
+                    if request not in failed_at:
+                        failed_at[request] = time.monotonic()
+                        reason = endpoint.tracker.failure(request) if request in endpoint.tracker else "failed"
+                        outcomes[request] = {"state": "failed", "at": failed_at[request], "reason": reason}
+                        endpoint.abort(request, reason or "failed")  # every sender stops and answers: the fence
+                    if not endpoint.fenced(request):
+                        if time.monotonic() - failed_at[request] < FENCE_WAIT_S:
+                            continue
+                        quarantined += 1  # its pages stay out of use
+                        endpoint.forget(request)
+                        del live[request]
+                        continue
+                else:
+                    continue
+                endpoint.forget(request)
+                pools.give(row, pages)
+                del live[request]
+            if now >= next_sample:
+                samples.append(_resources(engine, endpoint, started))
+                next_sample = now + config.sample_s
+        samples.append(_resources(engine, endpoint, started))
+        conn.send(("result", outcomes, samples, quarantined, len(live) + len(arrivals)))
+        conn.poll(60)
+        engine.close()
+    except Exception:  # noqa: BLE001 - reported to the parent process
+        conn.send(("error", traceback.format_exc()))
+
+
+def prefill_process(config: LoadConfig, ports: list[int], conn) -> None:
+    """The prefill: compute each arrival's chunks on the stand-in clock and send what is ready."""
+    try:
+        _setup(config)
+        device = config.resolved_device()
+        pools = _Pools(config, device)
+        staging = torch.zeros(config.staging_mib << 20, dtype=torch.uint8, device=device) \
+            if device == "cuda" and config.mode in ("auto", "staged") else None
+        engine = make_engine(config.engine, "load-prefill", "VRAM" if device == "cuda" else "DRAM",
+                             **config.engine_settings())
+        endpoint = PrefillEndpoint(pools.side, engine, [ControlChannel(p, host=config.host) for p in ports], staging)
+        endpoint.accept(timeout=config.timeout + 60)
+        conn.send(("ready",))
+        started = _go(conn, config.timeout + 120)
+        arrivals = deque(schedule(config))
+        live: dict[str, dict[str, Any]] = {}
+        outcomes: dict[str, dict[str, Any]] = {}
+        samples, next_sample = [], 0.0
+        end = started + config.duration + config.timeout + 30
+        grain = config.chunk_tokens
+        while (arrivals or live) and time.monotonic() < end:
+            now = time.monotonic() - started
+            while arrivals and arrivals[0].at <= now and (got := pools.take(arrivals[0].prompt_len)) is not None:
+                a = arrivals.popleft()
+                live[a.request] = {"arrival": a, "row": got[0], "pages": got[1], "next": a.prefix_len,
+                                   "ready_at": a.at + compute_s(config, a, min(grain, a.prompt_len - a.prefix_len))}
+            for k, request in endpoint.progress():
+                pass  # (lists are looked up when a chunk is ready)
+            for k, request, reason in endpoint.aborted:
+                if request in live:
+                    outcomes[request] = {"state": "failed", "reason": f"the decode aborted it: {reason}"}
+            endpoint.aborted.clear()
+            chunks, last_ready = [], {}
+            for request, r in live.items():
+                a = r["arrival"]
+                if request in outcomes or r["ready_at"] > now:
+                    continue
+                if request not in endpoint.peers[a.decode].lists:
+                    if endpoint.peers[a.decode].dropped or now > a.at + config.timeout:
+                        outcomes[request] = {"state": "failed", "reason": "its decode never published it (gone?)"}
+                    continue
+                lo = r["next"]
+                hi = min(lo + grain, a.prompt_len)
+                last = hi >= a.prompt_len
+                pools.write(a, r["row"], lo, hi)
+                if last:
+                    pools.aux[r["row"]] = a.index % 251 + 1
+                    last_ready[request] = started + r["ready_at"]
+                chunks.append(endpoint.transfer(Chunk(request, r["row"], lo, a.prompt_len + 1 if last else hi,
+                                                      a.prompt_len, last, r["row"]), peer=a.decode))
+                r["next"] = hi
+                r["ready_at"] += compute_s(config, a, min(grain, a.prompt_len - hi))
+            if chunks:
+                if device == "cuda":
+                    torch.cuda.synchronize()  # the stand-in forward pass's writes are in the pools
+                results = endpoint.send(chunks, mode=config.mode, timeout=config.timeout)
+                for t in chunks:
+                    reason = results.get(t.request)
+                    if reason is not None and t.request not in outcomes:
+                        outcomes[t.request] = {"state": "failed", "reason": reason}
+                    elif t.last and reason is None:
+                        outcomes[t.request] = {"state": "sent", "ready": last_ready[t.request]}
+            for request in [r for r in live if r in outcomes]:
+                r = live.pop(request)
+                pools.give(r["row"], r["pages"])
+                endpoint.forget([request], peer=r["arrival"].decode)
+            if now >= next_sample:
+                samples.append(_resources(engine, endpoint, started))
+                next_sample = now + config.sample_s
+            if not chunks:
+                time.sleep(0.0005)  # (the stand-in clock: nothing is ready for a while)
+        samples.append(_resources(engine, endpoint, started))
+        conn.send(("result", outcomes, samples, len(live) + len(arrivals)))
+        conn.poll(60)
+        engine.close()
+    except Exception:  # noqa: BLE001 - reported to the parent process
+        conn.send(("error", traceback.format_exc()))
+
+
+@dataclass
+class LoadReport:
+    """What a load run measured (see the module docstring)."""
+
+    config: LoadConfig
+    requests: int = 0
+    completed: int = 0
+    verified: int = 0
+    failures: dict[str, int] = field(default_factory=dict)  # by cause
+    faults: dict[str, int] = field(default_factory=dict)  # injected, by kind
+    latency_ms: dict[str, float] = field(default_factory=dict)  # p50, p99: last chunk ready -> decode complete
+    throughput: dict[str, float] = field(default_factory=dict)
+    quarantined: int = 0
+    unsettled: int = 0
+    with_killed_decode: int = 0  # requests of the decode killed mid-run (their outcome died with it)
+    resources: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # per process, samples over time
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["config"] = asdict(self.config)
+        return out
+
+    def lines(self) -> list[str]:
+        c = self.config
+        out = [f"load          {self.requests} requests at {c.rate:g}/s for {c.duration:g} s, {c.decodes} decodes, "
+               f"{c.engine}, mode {c.mode}, {c.resolved_device()}",
+               f"completed     {self.completed} ({self.verified} byte-equal); failed {sum(self.failures.values())}: "
+               + ", ".join(f"{k} {v}" for k, v in sorted(self.failures.items()))
+               + (f"; {self.with_killed_decode} went to the decode killed mid-run" if self.with_killed_decode else ""),
+               f"faults        " + (", ".join(f"{k} {v}" for k, v in sorted(self.faults.items())) or "none"),
+               f"throughput    {self.throughput.get('requests_per_s', 0):.1f} requests/s, "
+               f"{self.throughput.get('gib_per_s', 0):.3f} GiB/s",
+               f"latency       p50 {self.latency_ms.get('p50', float('nan')):.2f} ms, "
+               f"p99 {self.latency_ms.get('p99', float('nan')):.2f} ms (last chunk ready -> decode complete)"]
+        for who, samples in self.resources.items():
+            if samples:
+                a, b = samples[min(1, len(samples) - 1)], samples[-1]
+                out.append(f"{who:<13} rss {a['rss_kib'] >> 10}->{b['rss_kib'] >> 10} MiB, fds {a['fds']}->{b['fds']}, "
+                           f"sockets {a['sockets']}->{b['sockets']}, engine regions {a.get('engine_regions')}->"
+                           f"{b.get('engine_regions')}, handles {a.get('engine_handles')}->{b.get('engine_handles')}")
+        out.append("result        " + ("OK" if self.ok else "PROBLEMS: " + "; ".join(self.problems)))
+        return out
+
+
+def _cause(reason: str) -> str:
+    for key, cause in (("abort on the schedule", "abort"), ("deadline", "deadline"), ("gone", "decode gone"),
+                       ("never published", "decode gone")):
+        if key in (reason or ""):
+            return cause
+    return "other"
+
+
+def run_load(config: LoadConfig) -> LoadReport:
+    """Run the processes to the end and report; problems (a byte that differs, a failure that was not
+    injected, a table that did not drain, growth) are listed in ``problems``."""
+    if config.kill_at and config.decodes < 2:
+        raise ValueError("kill_at needs at least two decodes: the killed one's peers must go on")
+    if config.chunk_tokens % config.page_size or config.chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be a positive multiple of the page size {config.page_size}")
+    ctx = mp.get_context("spawn")
+    wait = config.duration + config.timeout + 120
+    procs: list[tuple[Any, Any, str]] = []  # (process, pipe, who)
+    try:
+        for k in range(config.decodes):
+            mine, there = ctx.Pipe()
+            procs.append((ctx.Process(target=decode_process, args=(config, k, there), daemon=True), mine, f"decode {k}"))
+            procs[-1][0].start()
+        ports = [_recv(conn, who, wait)[1] for _, conn, who in procs]
+        mine, there = ctx.Pipe()
+        procs.append((ctx.Process(target=prefill_process, args=(config, ports, there), daemon=True), mine, "prefill"))
+        procs[-1][0].start()
+        for _, conn, who in procs:
+            _recv(conn, who, wait)  # ready: registered and paired
+        started = time.monotonic() + 0.1
+        for _, conn, _ in procs:
+            conn.send(("go", started))
+        return _collect(config, procs, started, wait)
+    finally:
+        for proc, conn, _ in procs:
+            try:
+                conn.send("bye")
+            except (BrokenPipeError, OSError):
+                pass
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+
+
+def _collect(config: LoadConfig, procs: list[tuple[Any, Any, str]], started: float, wait: float) -> LoadReport:
+    """Every process's results (killing the last decode at ``kill_at``), then the report."""
+    arrivals = {a.request: a for a in schedule(config)}
+    report = LoadReport(config, requests=len(arrivals))
+    killed = procs[config.decodes - 1][2] if config.kill_at else None
+    results: dict[str, tuple] = {}
+    deadline = time.monotonic() + wait
+    while len(results) < len(procs) and time.monotonic() < deadline:
+        if killed and time.monotonic() >= started + config.kill_at and killed not in results:
+            proc = procs[config.decodes - 1][0]
+            proc.kill()
+            proc.join(5)
+            results[killed] = ("killed",)
+            log.warning("load: killed %s at %.1f s", killed, config.kill_at)
+        for _, conn, who in procs:
+            if who not in results and conn.poll(0.01):
+                results[who] = _recv(conn, who, 1)
+    missing = [who for _, _, who in procs if who not in results]
+    if missing:
+        raise TimeoutError(f"no result from {missing} within {wait:.0f} s")
+    sent = results["prefill"][1]
+    report.resources["prefill"] = results["prefill"][2]
+    report.unsettled = results["prefill"][3]
+    done: dict[str, dict[str, Any]] = {}
+    for k in range(config.decodes):
+        result = results[f"decode {k}"]
+        if result[0] == "killed":
+            continue
+        _, outcomes, samples, quarantined, unsettled = result
+        done.update(outcomes)
+        report.resources[f"decode {k}"] = samples
+        report.quarantined += quarantined
+        report.unsettled += unsettled
+    latencies, moved = [], 0
+    for request, a in arrivals.items():
+        if a.fault:
+            report.faults[a.fault] = report.faults.get(a.fault, 0) + 1
+        here, there = done.get(request), sent.get(request, {})
+        if killed is not None and a.decode == config.decodes - 1:
+            report.with_killed_decode += 1
+            continue
+        if here is not None and here["state"] == "complete":
+            report.completed += 1
+            report.verified += bool(here["ok"])
+            if not here["ok"]:
+                report.problems.append(f"request {request}: a byte differs from what its source wrote")
+            if a.fault:
+                report.problems.append(f"request {request}: its {a.fault} fault was not observed")
+            if there.get("state") == "sent":
+                latencies.append((here["at"] - there["ready"]) * 1e3)
+            moved += (a.prompt_len - a.prefix_len) * 2 * config.layers * config.token_bytes
+            continue
+        reason = (here or {}).get("reason") or there.get("reason") or "no outcome"
+        cause = _cause(reason)
+        report.failures[cause] = report.failures.get(cause, 0) + 1
+        if cause != a.fault:
+            report.problems.append(f"request {request} failed without a fault of that kind ({a.fault}): {reason}")
+    if latencies:
+        report.latency_ms = {"p50": round(float(np.percentile(latencies, 50)), 3),
+                             "p99": round(float(np.percentile(latencies, 99)), 3)}
+    span = max(config.duration, 1e-9)
+    report.throughput = {"requests_per_s": round(report.completed / span, 2), "gib_per_s": round(moved / span / 2**30, 4)}
+    _check_resources(report)
+    return report
+
+
+def _check_resources(report: LoadReport) -> None:
+    """Tables drained, and nothing grew between the run's first sample and its last."""
+    if report.unsettled:
+        report.problems.append(f"{report.unsettled} requests never settled")
+    if report.quarantined:
+        report.problems.append(f"{report.quarantined} failed requests were never fenced (their pages stay out of use)")
+    for who, samples in report.resources.items():
+        if not samples:
+            continue
+        # against the run's first quarter (an engine connects and keeps its handles on first use)
+        first = next((x for x in samples if x["t"] >= report.config.duration / 4), samples[0])
+        last = samples[-1]
+        left = {k: v for k, v in last.items() if k in _TABLES and v}
+        if left:
+            report.problems.append(f"{who}: its tables did not drain: {left}")
+        for key in ("fds", "sockets", "engine_regions", "engine_handles"):
+            # an engine may open connections up to a bound it declares (Mooncake's TCP lanes, per peer)
+            allowed = 2 + last.get("engine_connections_max", 0) if key in ("fds", "sockets") else 0
+            if key in last and last[key] > first[key] + allowed:
+                report.problems.append(f"{who}: {key} grew from {first[key]} to {last[key]} (allowed: +{allowed})")
+
+
+_TABLES = ("tracked", "published", "owners", "own_lists", "fences", "waves", "early_waves", "runs", "lists",
+           "planning", "backlog")
+
+
+def _recv(conn, who: str, timeout: float):
+    if not conn.poll(timeout):
+        raise TimeoutError(f"the {who} process said nothing for {timeout:.0f} s")
+    msg = conn.recv()
+    if msg[0] == "error":
+        raise RuntimeError(f"the {who} process failed:\n{msg[1]}")
+    return msg

@@ -1,0 +1,44 @@
+"""``kvplan load`` on this machine (issue 38, item 4): serving-shaped load through real engines and
+processes, with aborts and deadlines on a schedule and a decode killed mid-run; every completed
+request byte-equal, every failure one that was injected, and nothing left behind or growing."""
+
+import pytest
+
+from kvplan.tools.load import LoadConfig, LoadReport, _check_resources, run_load, schedule
+
+SHORT = dict(rate=10.0, duration=3.0, decodes=2, device="cpu", fault_every=6)
+
+
+@pytest.mark.parametrize("engine, kill_at", [("nixl", 0.0), ("mooncake", 1.5)])
+def test_a_short_load_run_with_faults_moves_every_surviving_request_byte_for_byte(engine, kill_at):
+    config = LoadConfig(engine=engine, kill_at=kill_at, **SHORT)
+    report = run_load(config)
+    assert report.ok, report.problems
+    assert report.completed and report.verified == report.completed
+    injected = [a for a in schedule(config) if a.fault and not (kill_at and a.decode == config.decodes - 1)]
+    assert sum(report.failures.values()) == len(injected) and set(report.failures) <= {"abort", "deadline"}
+    if kill_at:
+        assert report.with_killed_decode and "decode 1" not in report.resources
+    for who, samples in report.resources.items():  # the endpoints' tables drained
+        assert samples[-1]["tracked" if who != "prefill" else "lists"] == 0
+
+
+def test_the_schedule_is_the_same_in_every_process_and_faults_reach_every_decode():
+    config = LoadConfig(rate=50, duration=4, decodes=3, fault_every=4)
+    first, again = schedule(config), schedule(config)
+    assert first == again
+    assert {a.decode for a in first if a.fault} == {0, 1, 2}
+    assert all(a.prefix_len % config.page_size == 0 and a.prefix_len < a.prompt_len <= config.prompt_max
+               for a in first)
+
+
+def test_growth_and_undrained_tables_are_reported():
+    report = LoadReport(LoadConfig(duration=4))
+    base = {"t": 0.0, "rss_kib": 1000, "fds": 30, "sockets": 5, "engine_regions": 1, "engine_handles": 0,
+            "tracked": 0, "lists": 0}
+    report.resources["decode 0"] = [base, {**base, "t": 1.0}, {**base, "t": 4.0, "fds": 90, "sockets": 65,
+                                                               "tracked": 3}]
+    _check_resources(report)
+    assert not report.ok
+    assert any("fds grew from 30 to 90" in p for p in report.problems)
+    assert any("did not drain" in p and "'tracked': 3" in p for p in report.problems)
