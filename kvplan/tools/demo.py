@@ -55,6 +55,7 @@ from ..transport.control import ControlChannel
 from ..transport.endpoints import Chunk, DecodeEndpoint, PrefillEndpoint
 from ..transport.engines import make_engine
 from .forward import StandInForward
+from .target_process import child_message
 from .verify import AddressSpace, execute
 
 __all__ = ["DemoConfig", "DemoReport", "FAULTS", "run_demo"]
@@ -549,14 +550,7 @@ class Processes:
         """One message from every prefill process."""
         return [self.recv(conn, "prefill", timeout) for conn in self.prefill_conns]
 
-    @staticmethod
-    def recv(conn, who: str, timeout: float):
-        if not conn.poll(timeout):
-            raise TimeoutError(f"the {who} process said nothing for {timeout:.0f} s")
-        msg = conn.recv()
-        if msg[0] == "error":
-            raise RuntimeError(f"the {who} process failed:\n{msg[1]}")
-        return msg
+    recv = staticmethod(child_message)
 
     def kill_decode(self) -> None:
         self.decode.kill()

@@ -43,6 +43,7 @@ from ..planner.model import Attention, Entry, KVLayout, SideMemory
 from ..transport.control import ControlChannel
 from ..transport.endpoints import Chunk, DecodeEndpoint, PrefillEndpoint
 from ..transport.engines import make_engine
+from .target_process import child_message
 
 __all__ = ["Arrival", "LoadConfig", "LoadReport", "run_load", "schedule"]
 
@@ -220,6 +221,16 @@ def _setup(config: LoadConfig) -> None:
         os.environ.setdefault(var, "65535")
 
 
+def _side(config: LoadConfig, name: str) -> tuple[str, _Pools, torch.Tensor | None, Any]:
+    """One process's device, pools, staging buffer (on a GPU, for staged and auto) and engine."""
+    _setup(config)
+    device = config.resolved_device()
+    staging = torch.zeros(config.staging_mib << 20, dtype=torch.uint8, device=device) \
+        if device == "cuda" and config.mode in ("auto", "staged") else None
+    engine = make_engine(config.engine, name, "VRAM" if device == "cuda" else "DRAM", **config.engine_settings())
+    return device, _Pools(config, device), staging, engine
+
+
 def _go(conn, timeout: float) -> float:
     """Wait for the parent's start (every process counts the schedule from one monotonic instant)."""
     if not conn.poll(timeout):
@@ -230,13 +241,7 @@ def _go(conn, timeout: float) -> float:
 def decode_process(config: LoadConfig, index: int, conn) -> None:
     """Decode ``index``: publish its arrivals as they come, settle, verify, release; report."""
     try:
-        _setup(config)
-        device = config.resolved_device()
-        pools = _Pools(config, device)
-        staging = torch.zeros(config.staging_mib << 20, dtype=torch.uint8, device=device) \
-            if device == "cuda" and config.mode in ("auto", "staged") else None
-        engine = make_engine(config.engine, f"load-decode-{index}", "VRAM" if device == "cuda" else "DRAM",
-                             **config.engine_settings())
+        device, pools, staging, engine = _side(config, f"load-decode-{index}")
         channel = ControlChannel(host=config.host)
         endpoint = DecodeEndpoint(pools.side, engine, channel, staging)
         conn.send(("port", channel.port))
@@ -302,13 +307,7 @@ def decode_process(config: LoadConfig, index: int, conn) -> None:
 def prefill_process(config: LoadConfig, ports: list[int], conn) -> None:
     """The prefill: compute each arrival's chunks on the stand-in clock and send what is ready."""
     try:
-        _setup(config)
-        device = config.resolved_device()
-        pools = _Pools(config, device)
-        staging = torch.zeros(config.staging_mib << 20, dtype=torch.uint8, device=device) \
-            if device == "cuda" and config.mode in ("auto", "staged") else None
-        engine = make_engine(config.engine, "load-prefill", "VRAM" if device == "cuda" else "DRAM",
-                             **config.engine_settings())
+        device, pools, staging, engine = _side(config, "load-prefill")
         endpoint = PrefillEndpoint(pools.side, engine, [ControlChannel(p, host=config.host) for p in ports], staging)
         endpoint.accept(timeout=config.timeout + 60)
         conn.send(("ready",))
@@ -450,12 +449,12 @@ def run_load(config: LoadConfig) -> LoadReport:
             mine, there = ctx.Pipe()
             procs.append((ctx.Process(target=decode_process, args=(config, k, there), daemon=True), mine, f"decode {k}"))
             procs[-1][0].start()
-        ports = [_recv(conn, who, wait)[1] for _, conn, who in procs]
+        ports = [child_message(conn, who, wait)[1] for _, conn, who in procs]
         mine, there = ctx.Pipe()
         procs.append((ctx.Process(target=prefill_process, args=(config, ports, there), daemon=True), mine, "prefill"))
         procs[-1][0].start()
         for _, conn, who in procs:
-            _recv(conn, who, wait)  # ready: registered and paired
+            child_message(conn, who, wait)  # ready: registered and paired
         started = time.monotonic() + 0.1
         for _, conn, _ in procs:
             conn.send(("go", started))
@@ -488,7 +487,7 @@ def _collect(config: LoadConfig, procs: list[tuple[Any, Any, str]], started: flo
             log.warning("load: killed %s at %.1f s", killed, config.kill_at)
         for _, conn, who in procs:
             if who not in results and conn.poll(0.01):
-                results[who] = _recv(conn, who, 1)
+                results[who] = child_message(conn, who, 1)
     missing = [who for _, _, who in procs if who not in results]
     if missing:
         raise TimeoutError(f"no result from {missing} within {wait:.0f} s")
@@ -562,12 +561,3 @@ def _check_resources(report: LoadReport) -> None:
 
 _TABLES = ("tracked", "published", "owners", "own_lists", "fences", "waves", "early_waves", "runs", "lists",
            "planning", "backlog")
-
-
-def _recv(conn, who: str, timeout: float):
-    if not conn.poll(timeout):
-        raise TimeoutError(f"the {who} process said nothing for {timeout:.0f} s")
-    msg = conn.recv()
-    if msg[0] == "error":
-        raise RuntimeError(f"the {who} process failed:\n{msg[1]}")
-    return msg

@@ -14,7 +14,18 @@ import multiprocessing as mp
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-__all__ = ["target_process"]
+__all__ = ["child_message", "target_process"]
+
+
+def child_message(conn: Any, who: str, timeout: float) -> Any:
+    """The next message of a child process (``("error", traceback)`` raised as ``RuntimeError``);
+    ``TimeoutError`` when none comes within ``timeout`` seconds."""
+    if not conn.poll(timeout):
+        raise TimeoutError(f"the {who} process said nothing for {timeout:.0f} s")
+    msg = conn.recv()
+    if msg[0] == "error":
+        raise RuntimeError(f"the {who} process failed:\n{msg[1]}")
+    return msg
 
 
 @contextmanager
