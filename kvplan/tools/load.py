@@ -28,7 +28,6 @@ import logging
 import math
 import multiprocessing as mp
 import os
-import statistics
 import time
 import traceback
 from collections import deque
@@ -411,7 +410,7 @@ class LoadReport:
                f"completed     {self.completed} ({self.verified} byte-equal); failed {sum(self.failures.values())}: "
                + ", ".join(f"{k} {v}" for k, v in sorted(self.failures.items()))
                + (f"; {self.with_killed_decode} went to the decode killed mid-run" if self.with_killed_decode else ""),
-               f"faults        " + (", ".join(f"{k} {v}" for k, v in sorted(self.faults.items())) or "none"),
+               "faults        " + (", ".join(f"{k} {v}" for k, v in sorted(self.faults.items())) or "none"),
                f"throughput    {self.throughput.get('requests_per_s', 0):.1f} requests/s, "
                f"{self.throughput.get('gib_per_s', 0):.3f} GiB/s",
                f"latency       p50 {self.latency_ms.get('p50', float('nan')):.2f} ms, "

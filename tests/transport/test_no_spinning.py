@@ -10,7 +10,6 @@ burned 90-100% of a core in both waits below.
 import resource
 import time
 
-import pytest
 import torch
 
 from kvplan.planner.destinations import PreallocatedRequest, plan_destinations
