@@ -281,7 +281,7 @@ def _child_setup(config: DemoConfig) -> None:
         logging.basicConfig(level=level, format="%(levelname)s %(processName)s %(message)s")
 
 
-class _Profile:
+class Profile:
     """cProfile of a demo process's transfer loop when ``KVPLAN_PROFILE`` names a folder: the
     functions with the most own time, then the most time under them, go to ``<folder>/<side>.txt``."""
 
@@ -289,7 +289,7 @@ class _Profile:
         self.folder, self.side = os.environ.get("KVPLAN_PROFILE"), side
         self.profiler = None
 
-    def __enter__(self) -> "_Profile":
+    def __enter__(self) -> "Profile":
         if self.folder:
             import cProfile
 
@@ -358,7 +358,7 @@ def decode_process(config: DemoConfig, conn) -> None:
         last = {t.request: t for t in batch.transfers if t.last}
         timeout = 3.0 if config.fault in ("deadline", "dead-prefill") else config.timeout
         states, failures, ready = {}, {}, []
-        with _Profile("decode"):
+        with Profile("decode"):
             for k in range(config.repeat):
                 tag = config.round_ids(k)
                 endpoint.publish([PreallocatedRequest(f"{r}{tag}", t.src_row, t.prompt_len, t.prefix_len, t.aux_dst)
@@ -438,7 +438,7 @@ def prefill_process(config: DemoConfig, port: int, conn, src_rank: int | None = 
         if not conn.poll(config.timeout * 2) or conn.recv() != "go":
             return
         result, times, spans = {}, [], []
-        with _Profile("prefill"):
+        with Profile("prefill"):
             for k in range(config.repeat):
                 tag = config.round_ids(k)
                 if k:

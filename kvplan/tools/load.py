@@ -37,11 +37,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import KvplanError
 from ..planner.destinations import PreallocatedRequest
 from ..planner.model import Attention, Entry, KVLayout, SideMemory
 from ..transport.control import ControlChannel
 from ..transport.endpoints import Chunk, DecodeEndpoint, PrefillEndpoint
 from ..transport.engines import make_engine
+from .demo import Profile
 from .target_process import child_message
 
 __all__ = ["Arrival", "LoadConfig", "LoadReport", "run_load", "schedule"]
@@ -72,7 +74,7 @@ class LoadConfig:
     fault_every: int = 8  # every n-th request gets the next fault of FAULTS (0: none)
     kill_at: float = 0.0  # seconds into the run at which the last decode is killed (0: never; needs 2 decodes)
     forward_tokens_per_s: float = 100_000.0  # the stand-in forward pass: when each chunk is ready
-    rows: int = 32  # requests a side holds at once
+    rows: int = 32  # requests a decode holds at once (the prefill: as many as all decodes)
     staging_mib: int = 32
     timeout: float = 30.0  # each request's deadline on both sides
     sample_s: float = 0.5
@@ -82,11 +84,6 @@ class LoadConfig:
 
     def resolved_device(self) -> str:
         return ("cuda" if torch.cuda.is_available() else "cpu") if self.device == "auto" else self.device
-
-    @property
-    def pages(self) -> int:
-        """Pages per pool: every row full, plus page 0 (never handed out)."""
-        return self.rows * math.ceil(self.prompt_max / self.page_size) + 1
 
     def engine_settings(self) -> dict[str, Any]:
         settings = {"local_hostname": self.host} if self.engine == "mooncake" else {}
@@ -144,20 +141,22 @@ def _pattern(arrival: Arrival, entry: int, tokens: torch.Tensor) -> torch.Tensor
 
 
 class _Pools:
-    """One side's pools: K and V per layer (``[pages, page_size, token_bytes]``), one aux entry of a
-    row per request, the token table, and free lists of pages and rows."""
+    """One side's pools for ``rows`` requests of ``prompt_max`` tokens: K and V per layer (``[pages,
+    page_size, token_bytes]``), one aux entry of a row per request, the token table, and free lists
+    of pages and rows (page 0 and row 0 are never handed out)."""
 
-    def __init__(self, config: LoadConfig, device: str):
+    def __init__(self, config: LoadConfig, device: str, rows: int):
         self.config, self.device = config, device
         ps, tb = config.page_size, config.token_bytes
-        self.kv = [torch.zeros(config.pages, ps, tb, dtype=torch.uint8, device=device) for _ in range(2 * config.layers)]
-        self.aux = torch.zeros(config.rows + 1, 64, dtype=torch.uint8, device=device)
-        self.table = torch.zeros(config.rows + 1, config.prompt_max + 1, dtype=torch.int32, device=device)
-        entries = tuple(Entry(t.data_ptr(), ps * tb, config.pages) for t in self.kv)
+        pages = rows * math.ceil(config.prompt_max / ps) + 1
+        self.kv = [torch.zeros(pages, ps, tb, dtype=torch.uint8, device=device) for _ in range(2 * config.layers)]
+        self.aux = torch.zeros(rows + 1, 64, dtype=torch.uint8, device=device)
+        self.table = torch.zeros(rows + 1, config.prompt_max + 1, dtype=torch.int32, device=device)
+        entries = tuple(Entry(t.data_ptr(), ps * tb, pages) for t in self.kv)
         self.side = SideMemory(KVLayout(Attention.MHA, ps, entries, num_kv_heads=1),
-                               aux=(Entry(self.aux.data_ptr(), 64, config.rows + 1),), req_to_token=self.table)
-        self.free_pages = deque(range(1, config.pages))
-        self.free_rows = deque(range(1, config.rows + 1))
+                               aux=(Entry(self.aux.data_ptr(), 64, rows + 1),), req_to_token=self.table)
+        self.free_pages = deque(range(1, pages))
+        self.free_rows = deque(range(1, rows + 1))
 
     def take(self, length: int) -> tuple[int, list[int]] | None:
         """A row and the pages for ``length`` tokens, written into the token table; None when full."""
@@ -220,14 +219,15 @@ def _setup(config: LoadConfig) -> None:
         os.environ.setdefault(var, "65535")
 
 
-def _side(config: LoadConfig, name: str) -> tuple[str, _Pools, torch.Tensor | None, Any]:
-    """One process's device, pools, staging buffer (on a GPU, for staged and auto) and engine."""
+def _side(config: LoadConfig, name: str, rows: int) -> tuple[str, _Pools, torch.Tensor | None, Any]:
+    """One process's device, pools of ``rows`` requests, staging buffer (on a GPU, for staged and auto)
+    and engine."""
     _setup(config)
     device = config.resolved_device()
     staging = torch.zeros(config.staging_mib << 20, dtype=torch.uint8, device=device) \
         if device == "cuda" and config.mode in ("auto", "staged") else None
     engine = make_engine(config.engine, name, "VRAM" if device == "cuda" else "DRAM", **config.engine_settings())
-    return device, _Pools(config, device), staging, engine
+    return device, _Pools(config, device, rows), staging, engine
 
 
 def _go(conn, timeout: float) -> float:
@@ -240,13 +240,14 @@ def _go(conn, timeout: float) -> float:
 def decode_process(config: LoadConfig, index: int, conn) -> None:
     """Decode ``index``: publish its arrivals as they come, settle, verify, release; report."""
     try:
-        device, pools, staging, engine = _side(config, f"load-decode-{index}")
+        device, pools, staging, engine = _side(config, f"load-decode-{index}", config.rows)
         channel = ControlChannel(host=config.host)
         endpoint = DecodeEndpoint(pools.side, engine, channel, staging)
         conn.send(("port", channel.port))
         endpoint.register(timeout=config.timeout + 60)
         conn.send(("ready",))
         started = _go(conn, config.timeout + 120)
+        profile = Profile(f"load-decode-{index}").__enter__()  # (KVPLAN_PROFILE names a folder)
         arrivals = deque(a for a in schedule(config) if a.decode == index)
         live: dict[str, tuple[Arrival, int, list[int]]] = {}
         failed_at: dict[str, float] = {}
@@ -295,6 +296,7 @@ def decode_process(config: LoadConfig, index: int, conn) -> None:
             if now >= next_sample:
                 samples.append(_resources(engine, endpoint, started))
                 next_sample = now + config.sample_s
+        profile.__exit__(None, None, None)
         samples.append(_resources(engine, endpoint, started))
         conn.send(("result", outcomes, samples, quarantined, len(live) + len(arrivals)))
         conn.poll(60)
@@ -306,37 +308,47 @@ def decode_process(config: LoadConfig, index: int, conn) -> None:
 def prefill_process(config: LoadConfig, ports: list[int], conn) -> None:
     """The prefill: compute each arrival's chunks on the stand-in clock and send what is ready."""
     try:
-        device, pools, staging, engine = _side(config, "load-prefill")
+        # a row for every request the decodes can hold at once: it takes one once the request's lists are there
+        device, pools, staging, engine = _side(config, "load-prefill", config.rows * config.decodes)
         endpoint = PrefillEndpoint(pools.side, engine, [ControlChannel(p, host=config.host) for p in ports], staging)
         endpoint.accept(timeout=config.timeout + 60)
         conn.send(("ready",))
         started = _go(conn, config.timeout + 120)
+        profile = Profile("load-prefill").__enter__()
         arrivals = deque(schedule(config))
         live: dict[str, dict[str, Any]] = {}
         outcomes: dict[str, dict[str, Any]] = {}
         samples, next_sample = [], 0.0
         end = started + config.duration + config.timeout + 30
         grain = config.chunk_tokens
-        while (arrivals or live) and time.monotonic() < end:
+        waiting: dict[str, Arrival] = {}  # arrived; admitted (a row, its forward pass) once its decode published it
+        while (arrivals or waiting or live) and time.monotonic() < end:
             now = time.monotonic() - started
-            while arrivals and arrivals[0].at <= now and (got := pools.take(arrivals[0].prompt_len)) is not None:
+            while arrivals and arrivals[0].at <= now:
                 a = arrivals.popleft()
-                live[a.request] = {"arrival": a, "row": got[0], "pages": got[1], "next": a.prefix_len,
-                                   "ready_at": a.at + compute_s(config, a, min(grain, a.prompt_len - a.prefix_len))}
-            for k, request in endpoint.progress():
-                pass  # (lists are looked up when a chunk is ready)
+                waiting[a.request] = a
+            endpoint.progress()  # (destination lists, aborts)
+            for request, a in list(waiting.items()):
+                peer = endpoint.peers[a.decode]
+                if request in peer.lists and (got := pools.take(a.prompt_len)) is not None:
+                    del waiting[request]
+                    live[request] = {"arrival": a, "row": got[0], "pages": got[1], "next": a.prefix_len,
+                                     "ready_at": now + compute_s(config, a, min(grain, a.prompt_len - a.prefix_len))}
+                elif peer.dropped or now > a.at + config.timeout:
+                    del waiting[request]
+                    outcomes[request] = {"state": "failed", "reason": "its decode never published it (gone?)"}
             for k, request, reason in endpoint.aborted:
-                if request in live:
+                if request in live or request in waiting:
                     outcomes[request] = {"state": "failed", "reason": f"the decode aborted it: {reason}"}
+                    waiting.pop(request, None)
             endpoint.aborted.clear()
             chunks, last_ready = [], {}
             for request, r in live.items():
                 a = r["arrival"]
                 if request in outcomes or r["ready_at"] > now:
                     continue
-                if request not in endpoint.peers[a.decode].lists:
-                    if endpoint.peers[a.decode].dropped or now > a.at + config.timeout:
-                        outcomes[request] = {"state": "failed", "reason": "its decode never published it (gone?)"}
+                if request not in endpoint.peers[a.decode].lists:  # (dropped: its decode is gone)
+                    outcomes[request] = {"state": "failed", "reason": "the decode side is gone: its lists were dropped"}
                     continue
                 lo = r["next"]
                 hi = min(lo + grain, a.prompt_len)
@@ -352,7 +364,10 @@ def prefill_process(config: LoadConfig, ports: list[int], conn) -> None:
             if chunks:
                 if device == "cuda":
                     torch.cuda.synchronize()  # the stand-in forward pass's writes are in the pools
-                results = endpoint.send(chunks, mode=config.mode, timeout=config.timeout)
+                try:
+                    results = endpoint.send(chunks, mode=config.mode, timeout=config.timeout)
+                except KvplanError as err:  # a batch that does not plan is refused whole (PrefillEndpoint.send)
+                    results = {t.request: f"{type(err).__name__}: {err}" for t in chunks}
                 for t in chunks:
                     reason = results.get(t.request)
                     if reason is not None and t.request not in outcomes:
@@ -368,8 +383,9 @@ def prefill_process(config: LoadConfig, ports: list[int], conn) -> None:
                 next_sample = now + config.sample_s
             if not chunks:
                 time.sleep(0.0005)  # (the stand-in clock: nothing is ready for a while)
+        profile.__exit__(None, None, None)
         samples.append(_resources(engine, endpoint, started))
-        conn.send(("result", outcomes, samples, len(live) + len(arrivals)))
+        conn.send(("result", outcomes, samples, len(live) + len(arrivals) + len(waiting)))
         conn.poll(60)
         engine.close()
     except Exception:  # noqa: BLE001 - reported to the parent process
@@ -411,7 +427,8 @@ class LoadReport:
                + ", ".join(f"{k} {v}" for k, v in sorted(self.failures.items()))
                + (f"; {self.with_killed_decode} went to the decode killed mid-run" if self.with_killed_decode else ""),
                "faults        " + (", ".join(f"{k} {v}" for k, v in sorted(self.faults.items())) or "none"),
-               f"throughput    {self.throughput.get('requests_per_s', 0):.1f} requests/s, "
+               f"throughput    {self.throughput.get('requests_per_s', 0):.1f} requests/s completed over "
+               f"{self.throughput.get('span_s', 0):.1f} s (offered {self.throughput.get('offered_per_s', 0):.1f}/s), "
                f"{self.throughput.get('gib_per_s', 0):.3f} GiB/s",
                f"latency       p50 {self.latency_ms.get('p50', float('nan')):.2f} ms, "
                f"p99 {self.latency_ms.get('p99', float('nan')):.2f} ms (last chunk ready -> decode complete)"]
@@ -530,8 +547,13 @@ def _collect(config: LoadConfig, procs: list[tuple[Any, Any, str]], started: flo
     if latencies:
         report.latency_ms = {"p50": round(float(np.percentile(latencies, 50)), 3),
                              "p99": round(float(np.percentile(latencies, 99)), 3)}
-    span = max(config.duration, 1e-9)
-    report.throughput = {"requests_per_s": round(report.completed / span, 2), "gib_per_s": round(moved / span / 2**30, 4)}
+    # over the run as it went: from the start to the last completion (a run that cannot keep up takes longer
+    # than its arrivals)
+    ends = [o["at"] for o in done.values() if o["state"] == "complete"]
+    span = max(max(ends, default=started) - started, config.duration, 1e-9)
+    report.throughput = {"offered_per_s": round(len(arrivals) / config.duration, 2),
+                         "requests_per_s": round(report.completed / span, 2), "span_s": round(span, 2),
+                         "gib_per_s": round(moved / span / 2**30, 4)}
     _check_resources(report)
     return report
 
@@ -552,8 +574,11 @@ def _check_resources(report: LoadReport) -> None:
         if left:
             report.problems.append(f"{who}: its tables did not drain: {left}")
         for key in ("fds", "sockets", "engine_regions", "engine_handles"):
-            # an engine may open connections up to a bound it declares (Mooncake's TCP lanes, per peer)
+            # an engine may open connections and keep handles up to bounds it declares (Mooncake's TCP lanes
+            # per peer; the handles NIXL keeps for reposting)
             allowed = 2 + last.get("engine_connections_max", 0) if key in ("fds", "sockets") else 0
+            if key == "engine_handles":
+                allowed = max(0, last.get("engine_handles_max", 0) - first[key])
             if key in last and last[key] > first[key] + allowed:
                 report.problems.append(f"{who}: {key} grew from {first[key]} to {last[key]} (allowed: +{allowed})")
 

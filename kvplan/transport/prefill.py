@@ -581,8 +581,8 @@ class PrefillEndpoint:
     def _settle(self, transfers: Sequence[Transfer], posted: list[tuple[Handle, Any]],
                 deadline: float) -> dict[Any, str | None]:
         result: dict[Any, str | None] = {t.request: None for t in transfers}
-        dests = sorted({t.dest for t in transfers})
-        outcome = wait_all(self.engine, [h for h, _ in posted], deadline, give_up=lambda: self._any_peer_gone(dests))
+        dest_of = {handle: transfers[section.transfer].dest for handle, section in posted}
+        outcome = wait_all(self.engine, [h for h, _ in posted], deadline, give_up=lambda h: self._peer_gone(dest_of[h]))
         for handle, section in posted:
             if outcome[handle] is not None:
                 dest = transfers[section.transfer].dest

@@ -62,3 +62,14 @@ def test_mooncake_settings_asked_win_then_the_environment_then_the_defaults(monk
         apply_tcp_settings(lanes=0)
     with pytest.raises(ValueError, match="unknown Mooncake setting 'threads'"):
         apply_tcp_settings(threads=2)
+
+
+def test_a_write_to_a_dead_peer_is_given_up_while_the_others_complete():
+    """Issue 38, item 3: a batch that fans out to two decode endpoints gave up every write when one
+    of them died; the live one's requests failed with it."""
+    engine = FakeEngine(steps=50)
+    dead, alive = engine.post("dead", [[0, 0, 64]], b""), engine.post("alive", [[0, 0, 64]], b"")
+    outcome = wait_all(engine, [dead, alive], time.monotonic() + 5,
+                       give_up=lambda h: "the decode side is gone" if h.peer == "dead" else None)
+    assert outcome[alive] is None
+    assert outcome[dead].startswith("the decode side is gone; the write had ended")

@@ -141,14 +141,14 @@ def drain_seconds() -> float:
 
 
 def wait_all(engine: Engine, handles: list[Handle], deadline: float,
-             give_up: Callable[[], str | None] | None = None) -> dict[Handle, str | None]:
+             give_up: Callable[[Handle], str | None] | None = None) -> dict[Handle, str | None]:
     """Wait for every handle until ``deadline``; ``None`` per handle that completed, else the reason.
 
-    Handles still in flight at the deadline, or when ``give_up()`` returns a reason (a dead peer),
-    are aborted; each is reported only once it has ended, or after :func:`drain_seconds` as
-    ``unsafe`` (its pages may still be written).
+    Handles still in flight at the deadline are aborted, and so is each handle for which
+    ``give_up(handle)`` returns a reason (its peer is dead), while the others go on; each is
+    reported only once it has ended, or after :func:`drain_seconds` as ``unsafe`` (its pages may
+    still be written).
     """
-    why = None
     outcome: dict[Handle, str | None] = {}
     live = []
     for h in handles:
@@ -172,12 +172,18 @@ def wait_all(engine: Engine, handles: list[Handle], deadline: float,
         live = still
         if live and time.monotonic() > deadline:
             break
-        if live and give_up is not None and (why := give_up()) is not None:
-            break
+        if live and give_up is not None:  # (a write to a dead peer is given up; the others' go on)
+            going = []
+            for h in live:
+                if (lost := give_up(h)) is None:
+                    going.append(h)
+                else:
+                    outcome[h] = _abort(engine, h, lost)
+            live = going
         if live:
             pause()
     for h in live:
-        outcome[h] = _abort(engine, h, why or "deadline passed")
+        outcome[h] = _abort(engine, h, "deadline passed")
     return outcome
 
 

@@ -204,7 +204,8 @@ class NixlEngine:
 
     def stats(self) -> dict[str, int]:
         return {"regions": len(self._registrations), "peers": len(self._peer_device),
-                "handles": len(self._kept) + len(self._prepared)}
+                "handles": len(self._kept) + len(self._prepared),
+                "handles_max": self.KEPT + len(self._prepared)}  # (kept ones are evicted past KEPT)
 
     def disconnect(self, peer: str) -> None:
         """Release what was kept and prepared for ``peer`` and remove its remote agent (issue 38: every
