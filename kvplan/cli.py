@@ -193,7 +193,7 @@ def _demo(args: argparse.Namespace) -> int:
                         progress_thread=args.progress_thread == "on", dst_page_size=args.dst_page_size,
                         tp=_tp_sizes(args), layer_groups=args.layerwise, layer_split=args.layer_split,
                         forward_dim=args.forward_dim,
-                        gather=args.gather, engine_extra=tuple(args.engine_setting))
+                        gather=args.gather, engine_extra=tuple(args.engine_setting), integrity=args.integrity)
     if config.gather:
         ts, td = config.model().src_tp, config.model().dst_tp
         if ts <= td:
@@ -213,6 +213,10 @@ def _demo(args: argparse.Namespace) -> int:
     if unknown:
         raise Refused("demo", f"--engine-setting {unknown[0]}: {config.engine} has no such setting; its settings: "
                               f"{', '.join(engine_settings(config.engine))}")
+    if config.integrity and (config.mode == "prepared" or config.layer_groups or config.dst_page_size
+                             or config.gather):
+        raise Refused("demo", "--integrity needs whole destination items and every byte written when planned: not "
+                              "with --mode prepared, --layerwise, --dst-page-size or --gather")
     if config.mode == "prepared" and config.engine != "nixl":
         raise Refused("demo", "--mode prepared needs --engine nixl (prepared lists are NIXL's)")
     if args.timeout is None:
@@ -278,7 +282,7 @@ def _load(args: argparse.Namespace) -> int:
                         prefix_share=args.prefix_share, fault_every=args.fault_every, kill_at=args.kill_at,
                         rows=args.rows, timeout=args.timeout, seed=args.seed, host=host,
                         forward_tokens_per_s=args.forward_tokens_per_s, staging_mib=args.staging_mib,
-                        engine_extra=tuple(args.engine_setting))
+                        engine_extra=tuple(args.engine_setting), integrity=args.integrity)
     report = run_load(config)
     sys.stdout.write("\n".join(report.lines()) + "\n")
     if args.json:
@@ -349,6 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--engine-setting", type=_setting, action="append", default=[], metavar="KEY=VALUE",
                       help="one of the engine's own settings, repeatable: e.g. protocol=nvlink_intra for Mooncake "
                            "between the GPUs of one host (README: engines)")
+    demo.add_argument("--integrity", action="store_true",
+                      help="per-request checksums of the bytes sent, compared at decode-ready (not with "
+                           "--mode prepared, --layerwise or --dst-page-size)")
     demo.add_argument("--engine-threads", type=_non_negative, default=0,
                       help="NIXL's UCX worker threads (default: 0, NIXL's own default)")
     demo.add_argument("--staging-mib", type=_positive, default=64,
@@ -455,6 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--seed", type=int, default=0)
     load.add_argument("--host", type=_ip, default="127.0.0.1",
                       help="the address every process binds and advertises (default: 127.0.0.1)")
+    load.add_argument("--integrity", action="store_true", help="per-request checksums compared at decode-ready")
     load.add_argument("--json", help="write the report as JSON to this file")
     load.set_defaults(run=_load)
     return parser

@@ -103,6 +103,7 @@ class DemoConfig:
     host: str = DEMO_HOST  # the address the two sides bind and advertise (the decode listens there)
     port: int = 0  # the decode's control port (0: an ephemeral one, told to the prefill by the parent)
     engine_extra: tuple[tuple[str, Any], ...] = ()  # the engine's own settings (--engine-setting KEY=VALUE)
+    integrity: bool = False  # per-request checksums compared at decode-ready (kvplan.transport.integrity)
 
     @property
     def forward(self) -> bool:
@@ -352,7 +353,8 @@ def decode_process(config: DemoConfig, conn) -> None:
         senders = config.sources()
         channels = [ControlChannel(host=config.host, bind_port=config.port or None) for _ in senders]
         endpoint = DecodeEndpoint(side, make_engine(config.engine, "decode", config.memory,
-                                                    **config.engine_settings(config.decode_gpu)), channels, staging)
+                                                    **config.engine_settings(config.decode_gpu)), channels, staging,
+                                  integrity=config.integrity)
         conn.send(("port", [c.port for c in channels]))
         endpoint.register(timeout=config.timeout + 60)  # the prefill process may still be starting
         last = {t.request: t for t in batch.transfers if t.last}

@@ -81,6 +81,7 @@ class LoadConfig:
     seed: int = 0
     host: str = "127.0.0.1"
     engine_extra: tuple[tuple[str, Any], ...] = ()
+    integrity: bool = False  # per-request checksums compared at decode-ready (kvplan.transport.integrity)
 
     def resolved_device(self) -> str:
         return ("cuda" if torch.cuda.is_available() else "cpu") if self.device == "auto" else self.device
@@ -242,7 +243,7 @@ def decode_process(config: LoadConfig, index: int, conn) -> None:
     try:
         device, pools, staging, engine = _side(config, f"load-decode-{index}", config.rows)
         channel = ControlChannel(host=config.host)
-        endpoint = DecodeEndpoint(pools.side, engine, channel, staging)
+        endpoint = DecodeEndpoint(pools.side, engine, channel, staging, integrity=config.integrity)
         conn.send(("port", channel.port))
         endpoint.register(timeout=config.timeout + 60)
         conn.send(("ready",))

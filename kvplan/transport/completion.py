@@ -111,12 +111,13 @@ class _Status:
     parts: dict[int | None, _Part]  # by sender; one part keyed ``None`` when any one sender writes it all
     failure: str | None = None
     landed_all: bool = False  # every part has landed (kept by :meth:`refresh`: the receive loop asks often)
+    verified: bool = True  # False until its checksum was checked, for a request that must be (.integrity)
 
     def refresh(self) -> None:
         self.landed_all = all(p.complete(self.expected) for p in self.parts.values())
 
     def complete(self) -> bool:
-        return self.failure is None and self.landed_all
+        return self.failure is None and self.landed_all and self.verified
 
 
 class CompletionTracker:
@@ -137,17 +138,18 @@ class CompletionTracker:
                            for layers in self._component_layers.values()}
 
     def expect(self, expectation: Expectation, deadline: float,
-               senders: dict[int, frozenset[str] | None] | None = None) -> None:
+               senders: dict[int, frozenset[str] | None] | None = None, verify: bool = False) -> None:
         """Track a request until ``deadline``. ``senders``: for a request gathered from several
         senders, each sender's index and the components it writes (``None``: all of the request's);
-        each must land its whole part."""
+        each must land its whole part. ``verify``: it is complete only once :meth:`verify` says its
+        bytes were checked (:mod:`.integrity`)."""
         def part(names: frozenset[str] | None) -> _Part:
             components = {n: self._component_layers.get(n, _ALL) for n in expectation.components
                           if names is None or n in names}
             return _Part(np.zeros(len(self._kv_layers), np.int64), components)
 
         parts = {None: part(None)} if senders is None else {int(k): part(names) for k, names in senders.items()}
-        status = self._status[expectation.request] = _Status(expectation, deadline, parts)
+        status = self._status[expectation.request] = _Status(expectation, deadline, parts, verified=not verify)
         status.refresh()
 
     def _covered(self, layers: tuple[int, ...] | np.ndarray, note: SectionNote) -> np.ndarray:
@@ -196,6 +198,17 @@ class CompletionTracker:
             self.fail(note.request, f"received state component {note.name!r}, which was not expected"
                                     + (f" from sender {note.sender}" if None not in status.parts else ""))
 
+    def landed(self, request: Any) -> bool:
+        """Whether every section of a tracked, unfailed request has landed (it may still await its check)."""
+        status = self._status.get(request)
+        return status is not None and status.failure is None and status.landed_all
+
+    def verify(self, request: Any) -> None:
+        """Its bytes were checked and agree: it completes once every section has landed."""
+        status = self._status.get(request)
+        if status is not None:
+            status.verified = True
+
     def fail(self, request: Any, reason: str) -> None:
         status = self._status.get(request)
         if status is not None:
@@ -212,7 +225,8 @@ class CompletionTracker:
         """Fail every pending request whose deadline has passed; the requests it failed."""
         late = [r for r, s in self._status.items() if s.failure is None and not s.complete() and now > s.deadline]
         for request in late:
-            self.fail(request, "deadline passed before every section arrived")
+            self.fail(request, "deadline passed before its checksum was checked" if self._status[request].landed_all
+                      else "deadline passed before every section arrived")
         return late
 
     def forget(self, request: Any) -> None:

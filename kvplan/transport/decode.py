@@ -41,6 +41,7 @@ from .control import ControlChannel, ControlTimeout, named_request
 from .copy_graphs import CopyGraphs, capture_copy, copy_graphs_enabled, upload_graph
 from .engines import Engine, TransferError, is_unsafe
 from .landing import LandingGuard
+from .integrity import MASK, published_sum
 from .local import plan_alignment, scatter, warm_up
 from .pause import Pause
 from .receiver_plan import OwnLists, PlannedRun, PlannedWave, scatter_source
@@ -103,8 +104,11 @@ class DecodeEndpoint:
     """
 
     def __init__(self, side: SideMemory, engine: Engine, channels: ControlChannel | Sequence[ControlChannel],
-                 staging: torch.Tensor | None = None):
+                 staging: torch.Tensor | None = None, integrity: bool = False):
         self.side, self.engine, self.staging = side, engine, staging
+        # per-request checksums (.integrity): asked of every sender; a request completes once its bytes agree
+        self.integrity = integrity
+        self._sums: dict[Any, dict[int, int]] = {}  # request -> each sender's checksum as it came
         self.channels = list(channels) if isinstance(channels, (list, tuple)) else [channels]
         self.tracker = CompletionTracker(side)
         self.guard = LandingGuard(side)
@@ -132,6 +136,8 @@ class DecodeEndpoint:
         self._chunked: dict[tuple[int, int], PlannedRun | str] = {}
         self._planner: Planner | None = None  # plans planned runs' scatters (this side to itself)
         self._alignment = plan_alignment(Batch(side, (side,), ()))  # caps a planned run's announced alignment
+        table = side.req_to_token  # where this side's pools live (its checksums run there)
+        self._device = table.device if isinstance(table, torch.Tensor) else torch.device("cpu")
         self.trace: list[tuple[str, str, float]] | None = [] if os.environ.get("KVPLAN_TRACE") else None
         # high priority: a scatter is short and the request waits on it; it must not queue behind a forward pass
         self._stream = transport_stream(staging.device) if staging is not None and staging.is_cuda else None
@@ -159,7 +165,8 @@ class DecodeEndpoint:
     def _register(self, peer: int, deadline: float) -> None:
         """Send sender ``peer`` this side's layout, engine metadata and its share of the staging buffer."""
         share = [self.staging.data_ptr() + peer * self._share, self._share] if self.staging is not None else None
-        header = {"side": describe_side(self.side), "staging": share, "notifies": self.engine.capabilities.notifies}
+        header = {"side": describe_side(self.side), "staging": share, "notifies": self.engine.capabilities.notifies,
+                  "integrity": self.integrity}
         if len(self.channels) > 1:  # the sender names itself by it in its notifications
             header["peer"] = peer
         self.channels[peer].send("register", header, self.engine.metadata(),
@@ -218,13 +225,14 @@ class DecodeEndpoint:
         self._owner.pop(request, None)
         self._own.pop(request, None)
         self._fences.pop(request, None)
+        self._sums.pop(request, None)
 
     def footprint(self) -> dict[str, int]:
         """How many entries each of this endpoint's per-request and per-wave tables holds (what
         ``kvplan load`` watches for growth)."""
         return {"tracked": len(self.tracker), "published": len(self.guard), "owners": len(self._owner),
                 "own_lists": len(self._own), "fences": len(self._fences), "waves": len(self._waves),
-                "early_waves": len(self._early), "runs": len(self._runs) + len(self._chunked)}
+                "early_waves": len(self._early), "runs": len(self._runs) + len(self._chunked), "checksums": len(self._sums)}
 
     def _foreign(self, origin: str | None, note: Any) -> str | None:
         """Why a section's notification cannot be its sender's, else ``None``: the engine that sent it
@@ -283,7 +291,7 @@ class DecodeEndpoint:
         peers = _peers(peer)
         parts = self._gather_parts(peers, deadline) if len(peers) > 1 else None
         for p in published:
-            self.tracker.expect(p.expectation(), deadline, parts)
+            self.tracker.expect(p.expectation(), deadline, parts, verify=self.integrity)
             self.guard.publish(p.request, p.lists, p.aux_index)
             self._owner[p.request] = peers
 
@@ -340,6 +348,9 @@ class DecodeEndpoint:
                     self._fail_owned(k, f"the prefill side refused the pairing: {header.get('reason')}")
                 elif kind == "abort-ack":
                     self._on_abort_ack(k, header)
+                elif kind == "checksum" and self._writes(request := named_request(header), k):
+                    if isinstance(header.get("sum"), int):
+                        self._sums.setdefault(request, {})[k] = header["sum"] & MASK
         took = False  # whether anything arrived or moved this turn (then the wait loop stays hot)
         for origin, raw in self.engine.notifications():
             took = True
@@ -364,6 +375,8 @@ class DecodeEndpoint:
             self._advance_runs()
         self._scatter_landed()
         finished = self._finish_scatters()
+        if self._sums:
+            finished = self._verify() or finished
         if took or finished or self._runs or any(w.event is not None for w in self._waves.values()):
             self._pause.busy()  # (a scatter or a plan on the device finishes within microseconds)
         if finished and self.tracker.settled():
@@ -384,6 +397,33 @@ class DecodeEndpoint:
         if self._early:  # a wave whose table was refused or lost: its note is never claimed
             for key in [k for k, at in self._early.items() if now - at > EARLY_KEEP_S]:
                 del self._early[key]
+
+    def _verify(self) -> bool:
+        """Check every landed request whose senders' checksums have all come: its own bytes, over what
+        this side published, against the sum of theirs (:mod:`.integrity`). Whether any was checked."""
+        checked = False
+        for request, sums in list(self._sums.items()):
+            if request not in self.tracker or self.tracker.state(request) == "failed":
+                del self._sums[request]
+                continue
+            if len(sums) < len(self._owner.get(request, ())) or not self.tracker.landed(request):
+                continue
+            del self._sums[request]
+            checked = True
+            whole = [k for k in sums if self._scatter_from.get(k) is not self.side and len(sums) == 1]
+            if whole:
+                self.tracker.fail(request, f"integrity: sender {whole[0]}'s bytes do not fill this side's items whole "
+                                           "(different page sizes?), so its checksum cannot be checked here")
+                continue
+            starts, ends = self.guard.ranges(request)
+            mine = published_sum(starts, ends, self._device)
+            theirs = sum(sums.values()) & MASK
+            if mine == theirs:
+                self.tracker.verify(request)
+            else:
+                self.tracker.fail(request, f"integrity: the bytes that landed differ from those sent (checksum "
+                                           f"{mine:#010x} here, {theirs:#010x} at the sender)")
+        return checked
 
     def _on_paired(self, peer: int, header: dict[str, Any], frames: Sequence[bytes] = ()) -> None:
         """A sender's layout, sent once it has paired with this side (a gather needs its rank), and

@@ -87,6 +87,10 @@ class LandingGuard:
     def forget(self, request: Any) -> None:
         self._ranges.pop(request, None)
 
+    def ranges(self, request: Any) -> tuple[np.ndarray, np.ndarray]:
+        """The request's published bytes: sorted, disjoint ``[starts, ends)`` (uint64)."""
+        return self._ranges[request]
+
     def __len__(self) -> int:
         return len(self._ranges)
 

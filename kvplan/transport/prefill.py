@@ -61,6 +61,7 @@ from .control import ControlChannel, ControlTimeout, named_request
 from .copy_graphs import CopyGraphs, copy_graphs_enabled
 from .decode import engine_regions
 from .engines import Engine, Handle, is_unsafe, wait_all
+from .integrity import MASK, transfer_sums
 from .local import gather, plan_alignment, warm_up
 from .pause import Pause
 from .readiness import LayerStreaming
@@ -109,6 +110,7 @@ class Peer:
     credits_by_engine: bool = False  # it returns staged slots' credits as engine notifications (Capabilities.notifies)
     notified: bool = True  # it learns of a write from the write's notification (else from another message)
     dropped: bool = False  # it is gone and what it published was dropped (:meth:`PrefillEndpoint._drop`)
+    integrity: bool = False  # it asked for each request's checksum (.integrity)
 
     def notification(self, section: Any) -> bytes:
         """A direct or prepared write's notification of ``section``, naming this sender where the
@@ -172,6 +174,7 @@ class PrefillEndpoint:
         self._planners: dict[bool, Planner] = {}  # by prepared or not
         self._alignments: tuple[tuple[SideMemory, ...], int] | None = None  # the last sides' copy word
         self._times: list[tuple[str, float]] = []
+        self._sums: dict[tuple[int, Any], int] = {}  # (peer, request) -> its chunks' checksum so far (.integrity)
 
     # the first peer, for the common one-to-one pairing
     channel = property(lambda self: self.peers[0].channel)
@@ -256,6 +259,7 @@ class PrefillEndpoint:
         p.lists.clear()
         p.planning.clear()
         p.backlog.clear()
+        self._sums = {key: v for key, v in self._sums.items() if key[0] != k}
         p.name, p.prepared, p.dropped = None, False, True  # (its layout stays: the planner pairs every peer)
 
     def _on_abort(self, k: int, request: Any, reason: str) -> None:
@@ -294,6 +298,7 @@ class PrefillEndpoint:
         peer.plannable = receiver_can_plan(self.side, peer_side, self.policy)
         peer.staging = staging
         peer.index_there = index_there
+        peer.integrity = header.get("integrity") is True
         peer.name = self.engine.connect(frames[0])
         # this side's layout: a decode rank that gathers from several source ranks checks their ranks with it
         # (its engine's name: the receiver checks that a section's notification comes from the sender of its request)
@@ -334,7 +339,7 @@ class PrefillEndpoint:
         load`` watches for growth)."""
         return {"lists": sum(len(p.lists) for p in self.peers), "planning": sum(len(p.planning) for p in self.peers),
                 "backlog": sum(len(p.backlog) for p in self.peers), "unsafe": len(self.unsafe),
-                "aborted": len(self.aborted)}
+                "aborted": len(self.aborted), "checksums": len(self._sums)}
 
     def transfer(self, chunk: Chunk, peer: int = 0) -> Transfer:
         """The :class:`Transfer` of a chunk to decode endpoint ``peer``, with the lists it published."""
@@ -344,10 +349,13 @@ class PrefillEndpoint:
 
     def forget(self, requests: Sequence[Any], peer: int | None = None) -> None:
         """Drop the destination lists of finished requests (of one peer, or of all)."""
-        for p in self.peers if peer is None else [self.peers[peer]]:
+        for k, p in enumerate(self.peers):
+            if peer is not None and k != peer:
+                continue
             for r in requests:
                 p.lists.pop(r, None)
                 p.planning.discard(r)
+                self._sums.pop((k, r), None)
 
     def send(self, transfers: Sequence[Transfer], mode: str = "auto", timeout: float = 30.0,
              layers: LayerStreaming | None = None) -> dict[Any, str | None]:
@@ -371,6 +379,10 @@ class PrefillEndpoint:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         if layers is not None and mode == "prepared":
             raise ValueError("prepared lists cannot stream in layer groups; use direct, staged or auto")
+        if (mode == "prepared" or layers is not None) and any(self.peers[t.dest].integrity for t in transfers):
+            raise ValueError("a decode endpoint asked for checksums (integrity=True), which need a plan's descriptors "
+                             "and every byte written when it is planned: send direct, staged or auto, without layer "
+                             "streaming (kvplan.transport.integrity)")
         with self._streaming(layers):
             return self._send(transfers, mode, timeout, layers)
 
@@ -427,14 +439,46 @@ class PrefillEndpoint:
             raise
         if not transfers:
             return dict(refused)
+        sums = self._checksums(transfers, pending, per_transfer)
         if layers is not None:
             staged = mode == "staged" or mode == "auto" and self._auto_mode(len(descs), nbytes) == "staged"
             moved = self._send_layerwise(transfers, descs, sections, layers, time.monotonic() + timeout,
                                          (pending.device_descriptors(), self._alignment(batch)) if staged else None)
             return {**moved, **refused}
-        return {**self._move(transfers, mode, pending, _Batch(transfers, descs, per_transfer, sections, None, ahead=ahead,
-                                                              chunks_run=chunks_run, nbytes=nbytes, pending=pending),
-                             batch, timeout), **refused}
+        moved = self._move(transfers, mode, pending, _Batch(transfers, descs, per_transfer, sections, None, ahead=ahead,
+                                                            chunks_run=chunks_run, nbytes=nbytes, pending=pending),
+                           batch, timeout)
+        if sums is not None:
+            self._send_checksums(transfers, sums, moved)
+        return {**moved, **refused}
+
+    def _checksums(self, transfers: tuple[Transfer, ...], pending, per_transfer: np.ndarray) -> torch.Tensor | None:
+        """Each transfer's checksum, launched behind the plan, where a peer of the batch asked for them
+        (:mod:`.integrity`); ``None`` where none did."""
+        if not any(self.peers[t.dest].integrity for t in transfers):
+            return None
+        return transfer_sums(pending.device_descriptors(), per_transfer)
+
+    def _send_checksums(self, transfers: tuple[Transfer, ...], sums: torch.Tensor,
+                        result: dict[Any, str | None]) -> None:
+        """Add each sent chunk's checksum to its request's, and send the request's once its last chunk
+        has been written (the writes have ended: so has the kernel, queued before them)."""
+        values = sums.cpu().numpy()
+        for k, t in enumerate(transfers):
+            key = (t.dest, t.request)
+            if not self.peers[t.dest].integrity:
+                continue
+            if result.get(t.request) is not None:
+                self._sums.pop(key, None)
+                continue
+            total = (self._sums.pop(key, 0) + int(values[k])) & MASK
+            if not t.last:
+                self._sums[key] = total
+                continue
+            try:
+                self.peers[t.dest].channel.send("checksum", {"request": t.request, "sum": total}, timeout=ACK_S)
+            except KvplanError as err:  # its decode side is gone or stuck: it cannot complete the request anyway
+                log.warning("request %r: its checksum could not be sent: %s", t.request, err)
 
     def _move(self, transfers: tuple[Transfer, ...], mode: str, pending, planned: "_Batch", batch: Batch,
               timeout: float) -> dict[Any, str | None]:

@@ -1,0 +1,55 @@
+"""Opt-in integrity: per-request checksums of the bytes sent, compared when the request has landed
+(issue 38, item 5).
+
+A decode endpoint made with ``integrity=True`` asks its senders for checksums when it registers.
+A sender then sums, on the device right behind each plan, the source bytes of every descriptor
+keyed by where they land (:mod:`kvplan.kernels.checksum`), adds a request's chunks up, and once the
+request's last chunk has been written sends the sum (``"checksum"``). The decode side sums the
+bytes of what it published for the request, over its own addresses, when every section has
+landed: a request is complete only when the two agree, and fails with the reason when they do
+not. A byte flipped by a NIC, a bounce buffer or a stray write then fails its request instead of
+decoding from corrupted KV.
+
+What it covers: layouts where the sender's bytes fill the decode's items whole (equal page sizes,
+strict lists, TP scatter; a TP gather adds its senders' sums), through direct and staged writes.
+Not covered, and refused: NIXL prepared lists (no descriptors to sum), layer-wise streaming (the
+bytes are not all written when the batch is planned), and sides of different page sizes (the
+decode's items are written in part).
+
+Example::
+
+    decode = DecodeEndpoint(side, engine, channel, integrity=True)   # the sender follows its registration
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..kernels.checksum import MASK, checksum_descriptors
+
+__all__ = ["MASK", "published_sum", "transfer_sums"]
+
+
+def transfer_sums(device_descs: torch.Tensor, per_transfer: np.ndarray) -> torch.Tensor:
+    """Each transfer's checksum (int64 ``[T]`` on the descriptors' device, mod 2**32 once read), from
+    a plan's descriptors ``(src, dst, nbytes)`` and its per-transfer offsets ``[T + 1]``; launched on
+    the current stream, behind the plan."""
+    counts = torch.from_numpy(np.diff(np.asarray(per_transfer, np.int64)))
+    owners = torch.repeat_interleave(torch.arange(len(counts)), counts).to(device_descs.device, non_blocking=True)
+    out = torch.zeros(len(counts), dtype=torch.int64, device=device_descs.device)
+    n = int(per_transfer[-1])
+    checksum_descriptors(device_descs[:n], owners, out)
+    return out
+
+
+def published_sum(starts: np.ndarray, ends: np.ndarray, device: torch.device | str) -> int:
+    """The checksum of the bytes in ``[starts, ends)`` on ``device`` (the decode's own published
+    ranges), read back at once."""
+    starts, ends = np.asarray(starts, np.uint64), np.asarray(ends, np.uint64)
+    rows = np.stack([starts, starts, ends - starts], axis=1).view(np.int64)
+    descs = torch.from_numpy(np.ascontiguousarray(rows)).to(device)
+    out = torch.zeros(1, dtype=torch.int64, device=device)
+    typical = int((ends - starts).mean()) if len(starts) else 1
+    checksum_descriptors(descs, torch.zeros(len(rows), dtype=torch.int64, device=device), out, typical_bytes=typical)
+    return int(out.item()) & MASK
