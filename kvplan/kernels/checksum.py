@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["MASK", "checksum_descriptors", "reference_checksum"]
+__all__ = ["MASK", "checksum_descriptors", "launch_shape", "reference_checksum"]
 
 K1, K2, MASK = 0x9E3779B1, 0x85EBCA77, 0xFFFFFFFF
 BLOCK = 1024
@@ -66,9 +66,16 @@ def checksum_descriptors(descs: torch.Tensor, owners: torch.Tensor, out: torch.T
         return
     if descs.dtype != torch.int64 or owners.dtype != torch.int64 or out.dtype != torch.int64:
         raise TypeError("descs, owners and out must be int64 tensors")
-    block = min(BLOCK, max(64, triton.next_power_of_2(max(1, typical_bytes))))
-    split = max(1, min(MAX_SPLIT, triton.cdiv(typical_bytes, block)))
+    block, split = launch_shape(typical_bytes)
     _checksum_kernel[(n, split)](descs, owners, out, BLOCK=block, SPLIT=split)
+
+
+def launch_shape(typical_bytes: int) -> tuple[int, int]:
+    """``(BLOCK, SPLIT)`` for descriptors of about ``typical_bytes``: few shapes, so that sizes that
+    vary from call to call do not compile a kernel each."""
+    block = BLOCK if typical_bytes > BLOCK else 256
+    split = next(s for s in (1, 8, MAX_SPLIT) if typical_bytes <= 4 * s * block or s == MAX_SPLIT)
+    return block, split
 
 
 def reference_checksum(data: np.ndarray, key_addr: int) -> int:
@@ -83,5 +90,5 @@ def reference_checksum(data: np.ndarray, key_addr: int) -> int:
 COMPILE_SPECS = [
     (_checksum_kernel, {"desc_ptr": "*i64", "owner_ptr": "*i64", "out_ptr": "*i64", "BLOCK": "constexpr",
                         "SPLIT": "constexpr"}, {"BLOCK": block, "SPLIT": split})
-    for block, split in ((1024, 64), (64, 1))
+    for block, split in ((1024, 1), (1024, 8), (1024, 64), (256, 1), (256, 8))
 ]

@@ -41,7 +41,7 @@ from .control import ControlChannel, ControlTimeout, named_request
 from .copy_graphs import CopyGraphs, capture_copy, copy_graphs_enabled, upload_graph
 from .engines import Engine, TransferError, is_unsafe
 from .landing import LandingGuard
-from .integrity import MASK, published_sum
+from .integrity import MASK, published_sums
 from .local import plan_alignment, scatter, warm_up
 from .pause import Pause
 from .receiver_plan import OwnLists, PlannedRun, PlannedWave, scatter_source
@@ -400,30 +400,28 @@ class DecodeEndpoint:
 
     def _verify(self) -> bool:
         """Check every landed request whose senders' checksums have all come: its own bytes, over what
-        this side published, against the sum of theirs (:mod:`.integrity`). Whether any was checked."""
-        checked = False
+        this side published, against the sum of theirs (:mod:`.integrity`; one launch for all of them).
+        Whether any was checked."""
+        ready = []
         for request, sums in list(self._sums.items()):
             if request not in self.tracker or self.tracker.state(request) == "failed":
                 del self._sums[request]
-                continue
-            if len(sums) < len(self._owner.get(request, ())) or not self.tracker.landed(request):
-                continue
-            del self._sums[request]
-            checked = True
-            whole = [k for k in sums if self._scatter_from.get(k) is not self.side and len(sums) == 1]
-            if whole:
-                self.tracker.fail(request, f"integrity: sender {whole[0]}'s bytes do not fill this side's items whole "
-                                           "(different page sizes?), so its checksum cannot be checked here")
-                continue
-            starts, ends = self.guard.ranges(request)
-            mine = published_sum(starts, ends, self._device)
-            theirs = sum(sums.values()) & MASK
-            if mine == theirs:
+            elif len(sums) >= len(self._owner.get(request, ())) and self.tracker.landed(request):
+                del self._sums[request]
+                partial = [k for k in sums if self._scatter_from.get(k) is not self.side and len(sums) == 1]
+                if partial:
+                    self.tracker.fail(request, f"integrity: sender {partial[0]}'s bytes do not fill this side's items "
+                                               "whole (different page sizes?): its checksum cannot be checked here")
+                else:
+                    ready.append((request, sum(sums.values()) & MASK))
+        mine = published_sums([self.guard.ranges(r) for r, _ in ready], self._device)
+        for (request, theirs), here in zip(ready, mine):
+            if here == theirs:
                 self.tracker.verify(request)
             else:
                 self.tracker.fail(request, f"integrity: the bytes that landed differ from those sent (checksum "
-                                           f"{mine:#010x} here, {theirs:#010x} at the sender)")
-        return checked
+                                           f"{here:#010x} here, {theirs:#010x} at the sender)")
+        return bool(ready)
 
     def _on_paired(self, peer: int, header: dict[str, Any], frames: Sequence[bytes] = ()) -> None:
         """A sender's layout, sent once it has paired with this side (a gather needs its rank), and

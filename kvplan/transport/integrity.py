@@ -28,7 +28,7 @@ import torch
 
 from ..kernels.checksum import MASK, checksum_descriptors
 
-__all__ = ["MASK", "published_sum", "transfer_sums"]
+__all__ = ["MASK", "published_sums", "transfer_sums"]
 
 
 def transfer_sums(device_descs: torch.Tensor, per_transfer: np.ndarray) -> torch.Tensor:
@@ -43,13 +43,17 @@ def transfer_sums(device_descs: torch.Tensor, per_transfer: np.ndarray) -> torch
     return out
 
 
-def published_sum(starts: np.ndarray, ends: np.ndarray, device: torch.device | str) -> int:
-    """The checksum of the bytes in ``[starts, ends)`` on ``device`` (the decode's own published
-    ranges), read back at once."""
-    starts, ends = np.asarray(starts, np.uint64), np.asarray(ends, np.uint64)
+def published_sums(ranges: list[tuple[np.ndarray, np.ndarray]], device: torch.device | str) -> list[int]:
+    """The checksum of the bytes in each ``(starts, ends)`` set of ranges on ``device`` (the decode's own
+    published ranges, one set per request): one launch for all of them, read back at once."""
+    if not ranges:
+        return []
+    starts = np.concatenate([np.asarray(a, np.uint64) for a, _ in ranges])
+    ends = np.concatenate([np.asarray(b, np.uint64) for _, b in ranges])
+    owners = np.repeat(np.arange(len(ranges), dtype=np.int64), [len(a) for a, _ in ranges])
     rows = np.stack([starts, starts, ends - starts], axis=1).view(np.int64)
     descs = torch.from_numpy(np.ascontiguousarray(rows)).to(device)
-    out = torch.zeros(1, dtype=torch.int64, device=device)
+    out = torch.zeros(len(ranges), dtype=torch.int64, device=device)
     typical = int((ends - starts).mean()) if len(starts) else 1
-    checksum_descriptors(descs, torch.zeros(len(rows), dtype=torch.int64, device=device), out, typical_bytes=typical)
-    return int(out.item()) & MASK
+    checksum_descriptors(descs, torch.from_numpy(owners).to(device), out, typical_bytes=typical)
+    return [int(x) & MASK for x in out.cpu()]
