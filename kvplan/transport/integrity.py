@@ -23,12 +23,14 @@ Example::
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
 from ..kernels.checksum import MASK, checksum_descriptors
 
-__all__ = ["MASK", "published_sums", "transfer_sums"]
+__all__ = ["MASK", "RunningSums", "published_sums", "transfer_sums"]
 
 
 def transfer_sums(device_descs: torch.Tensor, per_transfer: np.ndarray) -> torch.Tensor:
@@ -57,3 +59,56 @@ def published_sums(ranges: list[tuple[np.ndarray, np.ndarray]], device: torch.de
     typical = int((ends - starts).mean()) if len(starts) else 1
     checksum_descriptors(descs, torch.from_numpy(owners).to(device), out, typical_bytes=typical)
     return [int(x) & MASK for x in out.cpu()]
+
+
+class RunningSums:
+    """Each ``(peer, request)``'s checksum so far, on the device: a chunk's sum is added there without
+    the host waiting, and a request's is read once, when its last chunk has gone (one wait for every
+    request that finished in the send, none for a send of middle chunks)."""
+
+    def __init__(self) -> None:
+        self._slots: dict[Any, int] = {}
+        self._free: list[int] = []
+        self._acc: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def _slot(self, key: Any, device: torch.device) -> int:
+        if key not in self._slots:
+            if not self._free:
+                old = 0 if self._acc is None else self._acc.numel()
+                grown = torch.zeros(max(64, 2 * old), dtype=torch.int64, device=device)
+                if self._acc is not None:
+                    grown[:old] = self._acc
+                self._free = list(range(grown.numel() - 1, old - 1, -1))
+                self._acc = grown
+            self._slots[key] = self._free.pop()
+        return self._slots[key]
+
+    def add(self, keys: list, sums: torch.Tensor) -> None:
+        """Add ``sums[i]`` (device int64) to ``keys[i]``'s running sum."""
+        if keys:
+            slots = [self._slot(key, sums.device) for key in keys]
+            self._acc.index_add_(0, torch.tensor(slots, device=sums.device), sums)
+
+    def take(self, keys: list) -> list[int]:
+        """The running sums of ``keys`` (mod 2**32), read at once, and forgotten."""
+        if not keys:
+            return []
+        slots = [self._slots.pop(key) for key in keys]
+        index = torch.tensor(slots, device=self._acc.device)
+        values = [int(x) & MASK for x in self._acc[index].cpu()]
+        self._acc[index] = 0
+        self._free += slots
+        return values
+
+    def drop(self, keys: list) -> None:
+        """Forget ``keys``' sums (their requests failed or were forgotten)."""
+        slots = [self._slots.pop(key) for key in keys if key in self._slots]
+        if slots:
+            self._acc[torch.tensor(slots, device=self._acc.device)] = 0
+            self._free += slots
+
+    def keys(self) -> list:
+        return list(self._slots)

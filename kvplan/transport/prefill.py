@@ -61,7 +61,7 @@ from .control import ControlChannel, ControlTimeout, named_request
 from .copy_graphs import CopyGraphs, copy_graphs_enabled
 from .decode import engine_regions
 from .engines import Engine, Handle, is_unsafe, wait_all
-from .integrity import MASK, transfer_sums
+from .integrity import RunningSums, transfer_sums
 from .local import gather, plan_alignment, warm_up
 from .pause import Pause
 from .readiness import LayerStreaming
@@ -174,7 +174,7 @@ class PrefillEndpoint:
         self._planners: dict[bool, Planner] = {}  # by prepared or not
         self._alignments: tuple[tuple[SideMemory, ...], int] | None = None  # the last sides' copy word
         self._times: list[tuple[str, float]] = []
-        self._sums: dict[tuple[int, Any], int] = {}  # (peer, request) -> its chunks' checksum so far (.integrity)
+        self._sums = RunningSums()  # (peer, request) -> its chunks' checksum so far, on the device (.integrity)
 
     # the first peer, for the common one-to-one pairing
     channel = property(lambda self: self.peers[0].channel)
@@ -259,7 +259,7 @@ class PrefillEndpoint:
         p.lists.clear()
         p.planning.clear()
         p.backlog.clear()
-        self._sums = {key: v for key, v in self._sums.items() if key[0] != k}
+        self._sums.drop([key for key in self._sums.keys() if key[0] == k])
         p.name, p.prepared, p.dropped = None, False, True  # (its layout stays: the planner pairs every peer)
 
     def _on_abort(self, k: int, request: Any, reason: str) -> None:
@@ -355,7 +355,7 @@ class PrefillEndpoint:
             for r in requests:
                 p.lists.pop(r, None)
                 p.planning.discard(r)
-                self._sums.pop((k, r), None)
+                self._sums.drop([(k, r)])
 
     def send(self, transfers: Sequence[Transfer], mode: str = "auto", timeout: float = 30.0,
              layers: LayerStreaming | None = None) -> dict[Any, str | None]:
@@ -461,20 +461,17 @@ class PrefillEndpoint:
 
     def _send_checksums(self, transfers: tuple[Transfer, ...], sums: torch.Tensor,
                         result: dict[Any, str | None]) -> None:
-        """Add each sent chunk's checksum to its request's, and send the request's once its last chunk
-        has been written (the writes have ended: so has the kernel, queued before them)."""
-        values = sums.cpu().numpy()
-        for k, t in enumerate(transfers):
-            key = (t.dest, t.request)
-            if not self.peers[t.dest].integrity:
-                continue
-            if result.get(t.request) is not None:
-                self._sums.pop(key, None)
-                continue
-            total = (self._sums.pop(key, 0) + int(values[k])) & MASK
-            if not t.last:
-                self._sums[key] = total
-                continue
+        """Add each sent chunk's checksum to its request's (on the device), and send the request's once its
+        last chunk has been written: the one wait of the host is for those."""
+        wanted = [k for k, t in enumerate(transfers) if self.peers[t.dest].integrity]
+        self._sums.drop([(transfers[k].dest, transfers[k].request) for k in wanted
+                         if result.get(transfers[k].request) is not None])
+        sent = [k for k in wanted if result.get(transfers[k].request) is None]
+        if sent:
+            self._sums.add([(transfers[k].dest, transfers[k].request) for k in sent],
+                           sums[torch.tensor(sent, device=sums.device)])
+        last = [transfers[k] for k in sent if transfers[k].last]
+        for t, total in zip(last, self._sums.take([(t.dest, t.request) for t in last])):
             try:
                 self.peers[t.dest].channel.send("checksum", {"request": t.request, "sum": total}, timeout=ACK_S)
             except KvplanError as err:  # its decode side is gone or stuck: it cannot complete the request anyway
