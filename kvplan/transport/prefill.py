@@ -445,12 +445,11 @@ class PrefillEndpoint:
             moved = self._send_layerwise(transfers, descs, sections, layers, time.monotonic() + timeout,
                                          (pending.device_descriptors(), self._alignment(batch)) if staged else None)
             return {**moved, **refused}
-        moved = self._move(transfers, mode, pending, _Batch(transfers, descs, per_transfer, sections, None, ahead=ahead,
-                                                            chunks_run=chunks_run, nbytes=nbytes, pending=pending),
-                           batch, timeout)
-        if sums is not None:
-            self._send_checksums(transfers, sums, moved)
-        return {**moved, **refused}
+        if sums is not None:  # before the bytes: the decode checks a request as soon as it has landed
+            self._send_checksums(transfers, sums)
+        return {**self._move(transfers, mode, pending, _Batch(transfers, descs, per_transfer, sections, None, ahead=ahead,
+                                                              chunks_run=chunks_run, nbytes=nbytes, pending=pending),
+                             batch, timeout), **refused}
 
     def _checksums(self, transfers: tuple[Transfer, ...], pending, per_transfer: np.ndarray) -> torch.Tensor | None:
         """Each transfer's checksum, launched behind the plan, where a peer of the batch asked for them
@@ -459,18 +458,17 @@ class PrefillEndpoint:
             return None
         return transfer_sums(pending.device_descriptors(), per_transfer)
 
-    def _send_checksums(self, transfers: tuple[Transfer, ...], sums: torch.Tensor,
-                        result: dict[Any, str | None]) -> None:
-        """Add each sent chunk's checksum to its request's (on the device), and send the request's once its
-        last chunk has been written: the one wait of the host is for those."""
+    def _send_checksums(self, transfers: tuple[Transfer, ...], sums: torch.Tensor) -> None:
+        """Add each chunk's checksum to its request's (on the device), and send a request's with its last
+        chunk, ahead of the bytes: the host waits only for the sums of requests that finish here (the
+        kernel over their source bytes, queued behind the plan). A chunk that fails later fails its
+        request on the decode side anyway."""
         wanted = [k for k, t in enumerate(transfers) if self.peers[t.dest].integrity]
-        self._sums.drop([(transfers[k].dest, transfers[k].request) for k in wanted
-                         if result.get(transfers[k].request) is not None])
-        sent = [k for k in wanted if result.get(transfers[k].request) is None]
-        if sent:
-            self._sums.add([(transfers[k].dest, transfers[k].request) for k in sent],
-                           sums[torch.tensor(sent, device=sums.device)])
-        last = [transfers[k] for k in sent if transfers[k].last]
+        if not wanted:
+            return
+        self._sums.add([(transfers[k].dest, transfers[k].request) for k in wanted],
+                       sums[torch.tensor(wanted, device=sums.device)])
+        last = [transfers[k] for k in wanted if transfers[k].last]
         for t, total in zip(last, self._sums.take([(t.dest, t.request) for t in last])):
             try:
                 self.peers[t.dest].channel.send("checksum", {"request": t.request, "sum": total}, timeout=ACK_S)
