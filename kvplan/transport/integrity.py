@@ -33,15 +33,15 @@ from ..kernels.checksum import MASK, checksum_descriptors
 __all__ = ["MASK", "RunningSums", "published_sums", "transfer_sums"]
 
 
-def transfer_sums(device_descs: torch.Tensor, per_transfer: np.ndarray) -> torch.Tensor:
+def transfer_sums(device_descs: torch.Tensor, per_transfer: np.ndarray, nbytes: int = 0) -> torch.Tensor:
     """Each transfer's checksum (int64 ``[T]`` on the descriptors' device, mod 2**32 once read), from
     a plan's descriptors ``(src, dst, nbytes)`` and its per-transfer offsets ``[T + 1]``; launched on
-    the current stream, behind the plan."""
+    the current stream, behind the plan. ``nbytes``: the plan's bytes, which shape the launch."""
     counts = torch.from_numpy(np.diff(np.asarray(per_transfer, np.int64)))
     owners = torch.repeat_interleave(torch.arange(len(counts)), counts).to(device_descs.device, non_blocking=True)
     out = torch.zeros(len(counts), dtype=torch.int64, device=device_descs.device)
     n = int(per_transfer[-1])
-    checksum_descriptors(device_descs[:n], owners, out)
+    checksum_descriptors(device_descs[:n], owners, out, typical_bytes=max(1, nbytes // max(1, n)) if nbytes else 4096)
     return out
 
 

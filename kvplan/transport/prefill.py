@@ -439,7 +439,7 @@ class PrefillEndpoint:
             raise
         if not transfers:
             return dict(refused)
-        sums = self._checksums(transfers, pending, per_transfer)
+        sums = self._checksums(transfers, pending, per_transfer, nbytes)
         if layers is not None:
             staged = mode == "staged" or mode == "auto" and self._auto_mode(len(descs), nbytes) == "staged"
             moved = self._send_layerwise(transfers, descs, sections, layers, time.monotonic() + timeout,
@@ -451,12 +451,13 @@ class PrefillEndpoint:
                                                               chunks_run=chunks_run, nbytes=nbytes, pending=pending),
                              batch, timeout), **refused}
 
-    def _checksums(self, transfers: tuple[Transfer, ...], pending, per_transfer: np.ndarray) -> torch.Tensor | None:
+    def _checksums(self, transfers: tuple[Transfer, ...], pending, per_transfer: np.ndarray,
+                   nbytes: int) -> torch.Tensor | None:
         """Each transfer's checksum, launched behind the plan, where a peer of the batch asked for them
         (:mod:`.integrity`); ``None`` where none did."""
         if not any(self.peers[t.dest].integrity for t in transfers):
             return None
-        return transfer_sums(pending.device_descriptors(), per_transfer)
+        return transfer_sums(pending.device_descriptors(), per_transfer, nbytes)
 
     def _send_checksums(self, transfers: tuple[Transfer, ...], sums: torch.Tensor) -> None:
         """Add each chunk's checksum to its request's (on the device), and send a request's with its last
