@@ -23,7 +23,7 @@ from .state_kinds import rules_of
 if TYPE_CHECKING:
     from .model import SideMemory
     from .pairing import SidePairing
-    from .transfer_lists import TransferLists
+    from .chunk_lists import TransferLists
 
 __all__ = ["component_plans", "contiguous_runs", "scaled_tables", "unit_lists", "direct_descriptors", "head_sliced_descriptors", "unit_runs"]
 

@@ -55,6 +55,23 @@ __all__ = [
 ]
 
 
+
+_KIND_RULES: list = []  # the kinds' rules, registered by .state_kinds (they build on this module; no import back)
+
+
+def use_kind_rules(lookup: Any) -> None:
+    """Register how a state kind's rules are found (``kvplan.planner.state_kinds.rules_of``; the
+    planner package imports that module, so it is registered before any component is made)."""
+    _KIND_RULES[:] = [lookup]
+
+
+def kind_rules(kind: Any) -> Any:
+    """The rules of ``kind`` (``state_kinds.KindRules``), through the registered lookup."""
+    if not _KIND_RULES:
+        raise LayoutError("no state-kind rules are registered: import kvplan.planner (it registers "
+                          "kvplan.planner.state_kinds)")
+    return _KIND_RULES[0](kind)
+
 class Policy(str, enum.Enum):
     """How list-length mismatches are handled (planning.md §3, §4, §6)."""
 
@@ -275,9 +292,7 @@ class StateComponent:
                               f"{len(self.entries)} entries (one per entry)")
         if not self.name:
             object.__setattr__(self, "name", self.kind.value)
-        from .state_kinds import rules_of  # the kinds' rules build on this model
-
-        rules_of(self.kind).validate(self)
+        kind_rules(self.kind).validate(self)
         if self.page_size is not None and self.page_size < 1:
             raise LayoutError(f"component {self.name}: page_size must be >= 1")
 
@@ -291,9 +306,7 @@ class StateComponent:
         A peer's components are described without maps (they are only needed by the side that
         computes its own lists), so the check happens where lists are computed.
         """
-        from .state_kinds import rules_of
-
-        rules_of(self.kind).require_map(self)
+        kind_rules(self.kind).require_map(self)
 
     def pages_of(self, side_page_size: int) -> int:
         return self.page_size or side_page_size

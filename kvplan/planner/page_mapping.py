@@ -33,7 +33,7 @@ from .model import Policy
 from .pairing import Mode
 from .plan import TransferPlan, empty_descs, empty_runs
 from .rules import check_bounds, check_paged_slots, check_row, chunk_end, host, token_pages
-from .transfer_lists import TransferLists, last_chunk_lists
+from .chunk_lists import TransferLists, last_chunk_lists
 
 if TYPE_CHECKING:
     from .model import Batch, Transfer

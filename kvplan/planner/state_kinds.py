@@ -26,7 +26,7 @@ import numpy as np
 from ..errors import InputError, LayoutError, UnmappedSlotError
 from ..kernels import batch_layout as kl
 from ..kernels import index_lists as ki
-from .model import Policy, SideMemory, StateComponent, StateKind
+from .model import Policy, SideMemory, StateComponent, StateKind, use_kind_rules
 from .rules import cdiv, check_bounds, check_paged_slots, check_row, host, token_pages
 
 __all__ = ["KindRules", "ListShape", "RULES", "rules_of", "state_list"]
@@ -261,6 +261,9 @@ def rules_of(kind: StateKind) -> KindRules:
         return RULES[StateKind(kind)]
     except (KeyError, ValueError):
         raise LayoutError(f"state kind {kind!r} has no rules in kvplan.planner.state_kinds") from None
+
+
+use_kind_rules(rules_of)  # components validate themselves through it (kvplan.planner.model)
 
 
 def state_list(side: SideMemory, comp: StateComponent, row: int, seq: int, request: Any = None,
