@@ -357,7 +357,7 @@ class DecodeEndpoint:
             try:
                 wave = decode_wave_note(raw)
                 note = decode_notification(raw) if wave is None else None
-            except (ValueError, KeyError, TypeError) as err:  # a peer's malformed bytes: dropped, never a crash
+            except (ValueError, KeyError, TypeError, OverflowError) as err:  # a peer's malformed bytes: dropped, never a crash
                 log.warning("dropped a malformed engine notification (%s: %s): %r", type(err).__name__, err,
                             bytes(raw[:80]))
                 continue
@@ -434,7 +434,7 @@ class DecodeEndpoint:
             source = scatter_source(self._senders[peer], self.side, Policy.STRICT)
             if source is not None:
                 self._scatter_from[peer] = source
-        except (KeyError, TypeError, ValueError) as err:
+        except (KeyError, TypeError, ValueError, OverflowError) as err:
             log.warning("ignored a malformed pairing message from sender %d: %s: %s", peer, type(err).__name__, err)
         if header.get("credits") == "engine" and frames and self.engine.capabilities.notifies:
             try:
@@ -520,7 +520,7 @@ class DecodeEndpoint:
             self.guard.check_notes(spans, rows, [note for *_, notes in waves for note in notes])
             if waves:
                 self._mark(wave_key(waves[0][0], sender), "checked")
-        except (PeerError, KeyError, TypeError, ValueError) as err:
+        except (PeerError, KeyError, TypeError, ValueError, IndexError, OverflowError) as err:
             why = str(err) if isinstance(err, PeerError) else f"a malformed announcement ({type(err).__name__}: {err})"
             self._refuse_run(peer, requests, [w[0] for w in waves], why)
             return
@@ -563,7 +563,7 @@ class DecodeEndpoint:
                                 "cannot plan a scatter for (not paired, or of other page sizes or policy)")
             planner, alignment = self._scatter_planner(peer)
             run = PlannedRun.announce(header, self._share, self._own_lists, planner, self._stream, alignment)
-        except (PeerError, KeyError, TypeError, ValueError, IndexError) as err:
+        except (PeerError, KeyError, TypeError, ValueError, IndexError, OverflowError) as err:
             why = str(err) if isinstance(err, PeerError) else \
                 f"a malformed or unplannable run ({type(err).__name__}: {err})"
             self._refuse_run(peer, requests, waves, why)
@@ -586,7 +586,7 @@ class DecodeEndpoint:
             if "cancel" in header:
                 return
             waves = [int(w[0]) for w in header["waves"]]
-        except (KeyError, TypeError, ValueError, IndexError) as err:
+        except (KeyError, TypeError, ValueError, IndexError, OverflowError) as err:
             log.warning("ignored a malformed staged-waves message from sender %d: %s: %s", peer, type(err).__name__,
                         err)
             return
@@ -595,7 +595,7 @@ class DecodeEndpoint:
             return
         try:
             run.set_waves(header["waves"], self._share)
-        except (PeerError, TypeError, ValueError, IndexError) as err:
+        except (PeerError, TypeError, ValueError, IndexError, OverflowError) as err:
             self._refuse_run(peer, run.requests, waves, str(err) if isinstance(err, PeerError) else
                              f"malformed waves ({type(err).__name__}: {err})")
             return

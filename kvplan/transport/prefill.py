@@ -290,7 +290,7 @@ class PrefillEndpoint:
                 raise LayoutError(f"the registration names this sender by {index_there!r}, not an index")
             if not frames:
                 raise LayoutError("the registration carries no engine metadata")
-        except (LayoutError, KeyError, TypeError, ValueError) as err:
+        except (LayoutError, KeyError, TypeError, ValueError, OverflowError) as err:
             why = str(err) if isinstance(err, LayoutError) else f"a malformed registration ({type(err).__name__}: {err})"
             peer.channel.send("refused", {"reason": why})
             raise LayoutError(f"decode endpoint {k}: {why}") from err
@@ -322,7 +322,7 @@ class PrefillEndpoint:
             if not isinstance(prefix_len, int) or prefix_len < 0:
                 raise ValueError(f"its prefix length is {prefix_len!r}")
             lists, aux = decode_message(frames[0], len(p.side.state))
-        except (KvplanError, KeyError, IndexError, TypeError, ValueError) as err:
+        except (KvplanError, KeyError, IndexError, TypeError, ValueError, OverflowError) as err:
             why = f"its destination lists are malformed ({type(err).__name__}: {err})"
             if request is not None:
                 self._report(k, request, why)
@@ -1106,7 +1106,7 @@ class _StagedRun:
                 continue
             try:
                 self._credit(int(header["wave"]), header.get("error"))
-            except (KeyError, TypeError, ValueError):
+            except (KeyError, TypeError, ValueError, OverflowError):
                 log.warning("ignored a malformed credit from the decode side: %r", header)
         # credits through the engine are looked for only while some are due: a loop that asks the engine
         # for notifications while it waits for a gather contends for the UCX worker with NIXL's progress

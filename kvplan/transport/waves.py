@@ -123,7 +123,7 @@ def decode_credit(raw: bytes) -> int | None:
     try:
         note = json.loads(raw)
         return int(note["credit"]) if isinstance(note, dict) and "credit" in note else None
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, OverflowError):
         return None
 
 
@@ -179,8 +179,9 @@ def check_run(rows: np.ndarray, spans: Sequence[tuple[Any, int, int]], waves: Se
     at = 0
     for index, lo_in_slot, lo, hi, nbytes, _ in waves:
         lo, hi, lo_in_slot, nbytes = int(lo), int(hi), int(lo_in_slot), int(nbytes)
-        if lo != at or hi < lo:
-            raise PeerError(f"wave {index}'s rows [{lo}, {hi}) do not follow the previous wave's (row {at})")
+        if lo != at or hi < lo or hi > n:
+            raise PeerError(f"wave {index}'s rows [{lo}, {hi}) do not follow the previous wave's (row {at}) within the "
+                            f"table's {n} rows")
         at = hi
         if int(ends[hi] - ends[lo]) != nbytes:
             raise PeerError(f"wave {index} claims {nbytes} bytes; its rows hold {int(ends[hi] - ends[lo])}")
