@@ -1,7 +1,7 @@
 """Opt-in integrity (issue 38, item 5): per-request checksums computed on both sides, compared when
 a request has landed. A flipped byte fails its request with the reason; the others complete. Real
-NIXL, both endpoints in this process (one pair for the module: NIXL agents of one process must
-not pile up), kernels interpreted on the CPU."""
+Mooncake (TCP), both endpoints in this process (one pair for the module), kernels interpreted on
+the CPU."""
 
 import time
 import uuid
@@ -22,12 +22,15 @@ SHAPES = [(200, 0), (137, 16), (64, 0)]  # (prompt, decode prefix) of each round
 
 @pytest.fixture(scope="module")
 def pair():
-    pytest.importorskip("kvplan.transport.engines.nixl").nixl_api()
+    pytest.importorskip("mooncake.engine")
     src, dst = _Pools(CONFIG, "cpu", CONFIG.rows), _Pools(CONFIG, "cpu", CONFIG.rows)
     channel = ControlChannel(host="127.0.0.1")
     name = uuid.uuid4().hex[:8]
-    decode = DecodeEndpoint(dst.side, make_engine("nixl", f"decode-{name}"), channel, integrity=True)
-    prefill = PrefillEndpoint(src.side, make_engine("nixl", f"prefill-{name}"),
+    # Mooncake, not NIXL: NIXL's progress threads each spin a core for as long as their agent lives, which is
+    # the rest of this pytest process (on a 2-core machine they starved every later test's sockets)
+    decode = DecodeEndpoint(dst.side, make_engine("mooncake", f"decode-{name}", local_hostname="127.0.0.1"), channel,
+                            integrity=True)
+    prefill = PrefillEndpoint(src.side, make_engine("mooncake", f"prefill-{name}", local_hostname="127.0.0.1"),
                               ControlChannel(channel.port, host="127.0.0.1"))
     decode.register(timeout=10)
     prefill.accept(timeout=10)
