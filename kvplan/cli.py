@@ -193,7 +193,8 @@ def _demo(args: argparse.Namespace) -> int:
                         progress_thread=args.progress_thread == "on", dst_page_size=args.dst_page_size,
                         tp=_tp_sizes(args), layer_groups=args.layerwise, layer_split=args.layer_split,
                         forward_dim=args.forward_dim,
-                        gather=args.gather, engine_extra=tuple(args.engine_setting), integrity=args.integrity)
+                        gather=args.gather, engine_extra=tuple(args.engine_setting), integrity=args.integrity,
+                        warm_up=not args.no_warm_up)
     if config.gather:
         ts, td = config.model().src_tp, config.model().dst_tp
         if ts <= td:
@@ -356,6 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--integrity", action="store_true",
                       help="per-request checksums of the bytes sent, compared at decode-ready (not with "
                            "--mode prepared, --layerwise or --dst-page-size)")
+    demo.add_argument("--no-warm-up", action="store_true",
+                      help="skip the endpoints' warm_up() at start-up: the first batch then pays for planner "
+                           "captures, kernel loads and the engine's connection (RESULTS: warm start)")
     demo.add_argument("--engine-threads", type=_non_negative, default=0,
                       help="NIXL's UCX worker threads (default: 0, NIXL's own default)")
     demo.add_argument("--staging-mib", type=_positive, default=64,

@@ -128,7 +128,7 @@ def copy_descriptors(descs: torch.Tensor, mode: int = DIRECT, offsets: torch.Ten
 def launch_shape(typical_bytes: int, alignment: int) -> tuple[int, bool, int, int]:
     """``(word, tile, width, split)``: how :func:`copy_descriptors` copies descriptors of about
     ``typical_bytes``. With ``tile``, ``split`` descriptors of ``width`` words per program; else
-    ``split`` programs of ``width``-word blocks per descriptor. Two calls of the same shape, kind,
+    ``split`` programs of ``width``-word blocks per descriptor (a power of two). Two calls of the same shape, kind,
     window and counting launch the same kernel for the same grid over the same rows."""
     word = word_size(alignment)
     words = max(1, typical_bytes // word)
@@ -136,7 +136,9 @@ def launch_shape(typical_bytes: int, alignment: int) -> tuple[int, bool, int, in
         width = max(16, triton.next_power_of_2(words))
         return word, True, width, max(1, TILE_WORDS // width)
     block = min(2048, max(64, triton.next_power_of_2(words)))
-    return word, False, block, max(1, min(MAX_SPLIT, triton.cdiv(words, block)))  # about one block per program
+    # about one block per program, rounded up to a power of two: few shapes, so that typical sizes that vary
+    # from batch to batch do not compile a kernel each mid-serving, and a warm-up can compile them all
+    return word, False, block, max(1, min(MAX_SPLIT, triton.next_power_of_2(triton.cdiv(words, block))))
 
 
 _GATHER_SCATTER = ((DIRECT, False, False), (GATHER, False, False), (SCATTER, False, False), (SCATTER, True, False),

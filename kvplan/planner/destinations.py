@@ -47,7 +47,7 @@ from .rules import check_row, check_token_table
 from .state_kinds import rules_of
 
 __all__ = ["Expectation", "PendingDestinations", "PreallocatedRequest", "PublishedRequest", "decode_message",
-           "plan_destinations"]
+           "list_entries", "plan_destinations"]
 
 
 @dataclass(frozen=True)
@@ -169,6 +169,18 @@ class PendingDestinations:
                               self._seg_off, Policy.STRICT)
             self._checked = True
         return self._host["ids"].numpy()
+
+
+def list_entries(side: SideMemory, prompt_len: int) -> int:
+    """How many destination-list entries one request of ``prompt_len`` tokens publishes on ``side``
+    (its KV pages and each state component's list): what a planner's buffers hold per transfer of it.
+
+    Example::
+
+        list_entries(decode_side, 8192)   # 128 KV pages at page size 64, plus each component's list
+    """
+    ps = side.kv.page_size
+    return -(-prompt_len // ps) + sum(rules_of(c.kind).list_shape(c, ps, prompt_len, 0).n for c in side.state)
 
 
 def plan_destinations(side: SideMemory, requests: Sequence[PreallocatedRequest], stream: torch.cuda.Stream | None = None,

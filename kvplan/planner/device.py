@@ -414,6 +414,47 @@ class Planner:
         slot.generation += 1
         return PendingPlan(self, columns, slot, slot.generation)
 
+    def warm_up(self, max_transfers: int, elements_per_transfer: int, stream: torch.cuda.Stream | None = None) -> int:
+        """Make every bucket a batch of at most ``max_transfers`` transfers, each with at most
+        ``elements_per_transfer`` destination-list entries, can fall in ready now: its buffers
+        allocated, the kernels compiled and, with graphs, each of its ``depth`` slots captured, so that
+        the first such batch replays a graph as a steady one does (issue 37: a first batch cost
+        250-760 ms against 2-5 ms). Buckets up to ``max_transfers`` transfers, each with element
+        capacities up to what that many transfers can hold; memory grows with the largest (about
+        four times one bucket's at the top). Runs on ``stream`` (default: a stream of its own) and
+        waits for it, never for the caller's. Returns how many buckets were made ready (none off the GPU).
+
+        Example::
+
+            planner.warm_up(max_transfers=128, elements_per_transfer=129)  # 8k-token prompts, page 64
+        """
+        if max_transfers < 1 or elements_per_transfer < 1:
+            raise InputError(None, f"warm_up needs at least one transfer of one element, got {max_transfers} "
+                             f"x {elements_per_transfer}")
+        keys = []
+        t = _pow2(max_transfers, 8)
+        while t >= 8:
+            e = _pow2(min(t, max_transfers) * elements_per_transfer, 64)
+            while e >= 64:
+                keys.append((t, e))
+                e //= 2
+            t //= 2
+        if self.device.type != "cuda":
+            return 0  # (off the GPU a plan keeps nothing per bucket and compiles nothing: nothing to warm)
+        # a stream of its own by default: warming never waits for what the caller has queued (a forward pass)
+        stream = stream or torch.cuda.Stream(self.device)
+        for key in keys:
+            with torch.cuda.stream(stream):
+                for slot in self._rings.get(key) or [self._next_slot(key) for _ in range(self.depth)]:
+                    slot.buffers.inp_host[0] = 0  # an empty batch: every launch runs, nothing is listed
+                    if key not in self._warm:
+                        self._launch(slot.buffers)
+                        self._warm.add(key)
+                    if self.graphs and slot.graph is None:
+                        self._capture(slot, stream)
+        stream.synchronize()
+        return len(keys)
+
     def _columns(self, batch: Batch | BatchColumns) -> BatchColumns:
         if isinstance(batch, Batch):
             if batch.src is not self.src or len(batch.dsts) != len(self.dsts) or any(

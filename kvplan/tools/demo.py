@@ -104,6 +104,7 @@ class DemoConfig:
     port: int = 0  # the decode's control port (0: an ephemeral one, told to the prefill by the parent)
     engine_extra: tuple[tuple[str, Any], ...] = ()  # the engine's own settings (--engine-setting KEY=VALUE)
     integrity: bool = False  # per-request checksums compared at decode-ready (kvplan.transport.integrity)
+    warm_up: bool = True  # both endpoints' warm_up() before the first batch (issue 37's warm start)
 
     @property
     def forward(self) -> bool:
@@ -120,6 +121,11 @@ class DemoConfig:
         if self.engine == "mooncake":  # the demo's own choice of address (NIXL: UCX picks the device, ENGINE_ENV)
             settings["local_hostname"] = self.host
         return {**settings, **dict(self.engine_extra)}
+
+    def warm_bound(self) -> tuple[int, int]:
+        """What the endpoints' warm-up prepares for: this demo's batch (transfers, longest prompt)."""
+        lens = self.prompt_len if isinstance(self.prompt_len, tuple) else (self.prompt_len,)
+        return self.requests * max(1, self.chunks), max(1, *lens)
 
     def round_ids(self, k: int) -> str:
         return "" if self.repeat == 1 else f"#{k}"
@@ -183,7 +189,8 @@ class DemoReport:
     mode: str = ""
     kvplan_ms: float | None = None
     baseline_ms: float | None = None
-    transfer_s: float | None = None  # the first (cold) batch
+    warm_up_s: float | None = None  # the prefill endpoint's warm_up() (None: not called)
+    transfer_s: float | None = None  # the first batch (after the warm-up, when there is one)
     steady_s: float | None = None  # median of the later batches (``repeat`` > 1)
     batch_s: list[float] = field(default_factory=list)  # every batch's time, in order
     forward_s: float | None = None  # the stand-in forward pass (median over batches)
@@ -242,6 +249,9 @@ class DemoReport:
             why = "different page sizes" if self.config.dst_page_size else "head-sliced"
             base = f"{self.baseline_ms:.2f} ms" if self.baseline_ms is not None else f"n/a ({why})"
             lines.append(f"  plan latency  kvplan {self.kvplan_ms:.2f} ms ({where}); SGLang-style {base}")
+        if self.warm_up_s is not None:
+            lines.append(f"  warm-up       {self.warm_up_s * 1e3:.1f} ms (the prefill endpoint's warm_up(), before the "
+                         "first batch)")
         if self.transfer_s:
             lines.append(f"  transfer      {self.transfer_s * 1e3:.1f} ms, {self.nbytes / self.transfer_s / 2**30:.3f} GiB/s"
                          + (" (first batch)" if self.steady_s else ""))
@@ -357,6 +367,8 @@ def decode_process(config: DemoConfig, conn) -> None:
                                   integrity=config.integrity)
         conn.send(("port", [c.port for c in channels]))
         endpoint.register(timeout=config.timeout + 60)  # the prefill process may still be starting
+        if config.warm_up:
+            endpoint.warm_up(*config.warm_bound(), timeout=config.timeout)
         last = {t.request: t for t in batch.transfers if t.last}
         timeout = 3.0 if config.fault in ("deadline", "dead-prefill") else config.timeout
         states, failures, ready = {}, {}, []
@@ -424,6 +436,10 @@ def prefill_process(config: DemoConfig, port: int, conn, src_rank: int | None = 
         conn.send(("stage", "pair"))
         if config.fault == "dead-prefill":
             os._exit(0)
+        started = time.perf_counter()
+        if config.warm_up:
+            endpoint.warm_up(*config.warm_bound(), timeout=config.timeout)
+        warm_s = time.perf_counter() - started if config.warm_up else None
         endpoint.receive_requests(config.requests, timeout=config.timeout)
         tag = config.round_ids(0)
         transfers = [endpoint.transfer(Chunk(f"{t.request}{tag}", t.src_row, t.start, t.fill_len, t.prompt_len,
@@ -436,7 +452,7 @@ def prefill_process(config: DemoConfig, port: int, conn, src_rank: int | None = 
         same_pages = endpoint.peer_side.kv.page_size == side.kv.page_size  # SGLang refuses a mismatch
         baseline_ms = median_ms(lambda: sglang_style_descs(planned), runs) if direct and same_pages else None
         conn.send(("planned", len(transfers), len(descs), int(descs[:, 2].sum()) if len(descs) else 0,
-                   "direct" if direct else "head-sliced", kvplan_ms, baseline_ms))
+                   "direct" if direct else "head-sliced", kvplan_ms, baseline_ms, warm_s))
         if not conn.poll(config.timeout * 2) or conn.recv() != "go":
             return
         result, times, spans = {}, [], []
@@ -592,7 +608,7 @@ def run_demo(config: DemoConfig, progress: bool = False) -> DemoReport:
             bar.stage("pair")
             if config.fault != "dead-prefill":
                 planned = procs.from_prefills(wait)  # each source rank's part: counted together
-                _, report.transfers, _, _, report.mode, report.kvplan_ms, report.baseline_ms = planned[0]
+                _, report.transfers, _, _, report.mode, report.kvplan_ms, report.baseline_ms, report.warm_up_s = planned[0]
                 report.descriptors, report.nbytes = sum(m[2] for m in planned), sum(m[3] for m in planned)
                 bar.stage("plan")
                 if config.fault == "dead-decode":
@@ -681,7 +697,8 @@ def run_role(config: DemoConfig, role: str, peer_port: int = 0, progress: bool =
     if (refused := conn.last("refused")) is not None:
         report.refused = refused[1]
         return report
-    _, report.transfers, _, report.nbytes, report.mode, report.kvplan_ms, report.baseline_ms = conn.last("planned")
+    _, report.transfers, _, report.nbytes, report.mode, report.kvplan_ms, report.baseline_ms, report.warm_up_s = \
+        conn.last("planned")
     report.descriptors = conn.last("planned")[2]
     _, sent, times, report.mode_used, _ = conn.last("sent")
     report.send_failures = dict(sent)

@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from ..errors import LayoutError, PeerError
-from ..kernels.copy import launch_shape
-from ..planner.destinations import PreallocatedRequest, PublishedRequest, plan_destinations
+from ..kernels.copy import SCATTER, launch_shape
+from ..planner.destinations import PreallocatedRequest, PublishedRequest, list_entries, plan_destinations
 from ..planner.device import Planner
 from ..planner.model import Batch, Policy, SideMemory
 from ..planner.pairing import pair_sides
@@ -42,7 +42,7 @@ from .copy_graphs import CopyGraphs, capture_copy, copy_graphs_enabled, upload_g
 from .engines import Engine, TransferError, is_unsafe
 from .landing import LandingGuard
 from .integrity import MASK, published_sums
-from .local import plan_alignment, scatter, warm_up
+from .local import plan_alignment, scatter, typical_sizes, warm_up
 from .pause import Pause
 from .receiver_plan import OwnLists, PlannedRun, PlannedWave, scatter_source
 from .streams import transport_stream
@@ -324,6 +324,46 @@ class DecodeEndpoint:
             pairing = pair_sides(sender, self.side)
             parts[k] = frozenset(c.name for c, table in zip(self.side.state, pairing.state_src) if len(table))
         return parts
+
+    def warm_up(self, max_transfers: int = 16, max_prompt_len: int = 8192, timeout: float = 30.0) -> dict[str, float]:
+        """Do at start-up what the first staged batch would otherwise pay for (issue 37): wait (up to
+        ``timeout``) until every sender has paired, compile the scatter kernels for this side's launch
+        shapes, and make every planner of receiver-planned runs ready for batches of up to
+        ``max_transfers`` transfers of requests of up to ``max_prompt_len`` tokens
+        (:meth:`~kvplan.planner.device.Planner.warm_up`). Call it after :meth:`register`, before the
+        first :meth:`publish`; the sender's :meth:`PrefillEndpoint.warm_up` runs meanwhile. Returns
+        the seconds each step took. Without a staging buffer on a GPU there is nothing to warm.
+
+        Example::
+
+            decode.register()
+            decode.warm_up(max_transfers=64, max_prompt_len=8192)
+        """
+        took: dict[str, float] = {}
+        if self.staging is None or not self.staging.is_cuda:  # (off the GPU nothing is compiled or captured)
+            return took
+        start = time.perf_counter()
+        deadline, pause = time.monotonic() + timeout, Pause()
+        while len(self._senders) < len(self.channels) and time.monotonic() < deadline:
+            self.poll()
+            pause()
+        if len(self._senders) < len(self.channels):
+            log.warning("warm-up: %d of %d senders had not paired after %.1f s; their planners start cold",
+                        len(self.channels) - len(self._senders), len(self.channels), timeout)
+        took["pairing"] = time.perf_counter() - start
+        start = time.perf_counter()
+        warm_up(self.staging, self._alignment, typical_sizes(self.side), kinds=(SCATTER,))
+        took["kernels"] = time.perf_counter() - start
+        start = time.perf_counter()
+        warmed: set[int] = set()
+        for peer in list(self._scatter_from):
+            planner, _ = self._scatter_planner(peer)
+            if id(planner) not in warmed:
+                warmed.add(id(planner))
+                planner.warm_up(max_transfers, list_entries(planner.src, max_prompt_len), stream=self._stream)
+        took["planners"] = time.perf_counter() - start
+        log.info("decode endpoint warmed up: %s", ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in took.items()))
+        return took
 
     # -- progress ---------------------------------------------------------------------------------
     def poll(self) -> None:

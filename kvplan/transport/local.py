@@ -18,16 +18,17 @@ Example::
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 
 from ..errors import InputError
 from ..kernels import copy as kc
-from ..planner.model import Batch
+from ..planner.model import Batch, SideMemory
 from ..planner.page_mapping import unit_tables
 from ..planner.pairing import pair_sides
 
-__all__ = ["gather", "plan_alignment", "run_direct", "scatter", "staging_offsets", "warm_up"]
+__all__ = ["gather", "plan_alignment", "run_direct", "scatter", "staging_offsets", "typical_sizes", "warm_up"]
 
 
 def plan_alignment(batch: Batch) -> int:
@@ -113,18 +114,42 @@ def scatter(descs: torch.Tensor, offsets: torch.Tensor, staging: torch.Tensor, a
                         rows)
 
 
-def warm_up(staging: torch.Tensor, alignment: int = 16) -> None:
-    """Compile the gather and scatter kernels now (a first transfer should not pay for it): each
-    copies the staging buffer's first 16 bytes onto themselves."""
+def warm_up(staging: torch.Tensor, alignment: int = 16, typical_sizes: Sequence[int] = (4096,),
+            kinds: Sequence[int] = (kc.GATHER, kc.SCATTER)) -> int:
+    """Compile now the gather and scatter kernels a staged transfer launches (a first transfer should
+    not pay for it): for each descriptor size of ``typical_sizes`` (one per launch shape is enough,
+    :func:`~kvplan.kernels.copy.launch_shape`) and each of ``kinds``, every form the transport uses
+    (plain, a byte window, counted rows). Each copies the staging buffer's first 16 bytes onto
+    themselves. Returns how many launch shapes were compiled."""
     if staging.numel() < 16:
-        return
+        return 0
     addr = staging.data_ptr()
     descs = torch.tensor([[addr, addr, 16]], dtype=torch.int64).to(staging.device)
     offsets = torch.zeros(1, dtype=torch.int64, device=staging.device)
-    for mode in (kc.GATHER, kc.SCATTER):
-        kc.copy_descriptors(descs, mode, offsets, addr, alignment)
     one = torch.ones(1, dtype=torch.int64, device=staging.device)
-    kc.copy_descriptors(descs, kc.GATHER, offsets, addr, alignment, window=(0, 16), rows=one)  # a gather ahead of the host
-    kc.copy_descriptors(descs, kc.SCATTER, offsets, addr, alignment, rows=one)  # a counted scatter (.copy_graphs)
+    forms = {kc.GATHER: ((None, None), ((0, 16), None), ((0, 16), one)),  # a wave's; a gather ahead of the host
+             kc.SCATTER: ((None, None), ((0, 16), None), (None, one))}  # a table run's; a counted one (.copy_graphs)
+    shapes = {kc.launch_shape(size, alignment): size for size in typical_sizes}
+    for size in shapes.values():
+        for kind in kinds:
+            for window, rows in forms[kind]:
+                kc.copy_descriptors(descs, kind, offsets, addr, alignment, size, window=window, rows=rows)
     if staging.is_cuda:
         torch.cuda.current_stream(staging.device).synchronize()
+    return len(shapes)
+
+
+def typical_sizes(side: SideMemory, largest: int = 256 << 10) -> list[int]:
+    """One descriptor size per launch shape a staged transfer of ``side``'s pools can take: powers of
+    two from its smallest item (a head slice or a page of one layer) up to ``largest`` (``auto``
+    stages batches of at most 256 KiB per descriptor on average)."""
+    items = [e.item_len for e in side.kv.entries] + [e.item_len for c in side.state for e in c.entries]
+    heads = max(1, side.kv.num_kv_heads or 1)
+    size = 16
+    while size * 2 <= max(16, min(items, default=4096) // heads):
+        size *= 2
+    sizes = []
+    while size <= largest:
+        sizes.append(size)
+        size *= 2
+    return sizes

@@ -47,7 +47,8 @@ import torch
 
 from ..errors import KvplanError, LayoutError, PlanError
 from ..planner import gpu
-from ..planner.destinations import decode_message
+from ..planner.destinations import decode_message, list_entries
+from ..kernels.copy import GATHER
 from ..planner.model import Batch, Policy, SideMemory, Transfer
 from ..planner.pairing import pair_sides
 from ..planner.device import Planner
@@ -62,7 +63,7 @@ from .copy_graphs import CopyGraphs, copy_graphs_enabled
 from .decode import engine_regions
 from .engines import Engine, Handle, is_unsafe, wait_all
 from .integrity import RunningSums, transfer_sums
-from .local import gather, plan_alignment, warm_up
+from .local import gather, plan_alignment, typical_sizes, warm_up
 from .pause import Pause
 from .readiness import LayerStreaming
 from .streams import transport_stream
@@ -175,6 +176,8 @@ class PrefillEndpoint:
         self._alignments: tuple[tuple[SideMemory, ...], int] | None = None  # the last sides' copy word
         self._times: list[tuple[str, float]] = []
         self._sums = RunningSums()  # (peer, request) -> its chunks' checksum so far, on the device (.integrity)
+        self._warm_shape: tuple[int, int] | None = None  # warm_up's batch bound, applied to peers as they pair
+        self._touched: set[int] = set()  # peers whose staging share the warm-up has written (its runs may be there now)
 
     # the first peer, for the common one-to-one pairing
     channel = property(lambda self: self.peers[0].channel)
@@ -217,6 +220,64 @@ class PrefillEndpoint:
             channel.close()
             raise
         return k
+
+    def warm_up(self, max_transfers: int = 16, max_prompt_len: int = 8192, timeout: float = 10.0) -> dict[str, float]:
+        """Do at start-up what a first batch would otherwise pay for (issue 37: 250-760 ms against a
+        steady 2-5 ms), for every decode endpoint paired now and, from then on, for each one as it
+        pairs: the device planner made and every bucket of batches of up to ``max_transfers`` transfers
+        of requests of up to ``max_prompt_len`` tokens captured
+        (:meth:`~kvplan.planner.device.Planner.warm_up`), the gather kernels compiled for the pairing's
+        launch shapes, and the engine's connection to each decode's staging buffer opened by a 16-byte
+        write into its share (nothing of a batch is there before the first run). Call it after
+        :meth:`accept` (the decode side calls :meth:`DecodeEndpoint.warm_up` meanwhile). Returns the
+        seconds each step took.
+
+        Example::
+
+            prefill.accept(timeout=30)
+            prefill.warm_up(max_transfers=64, max_prompt_len=8192)
+        """
+        if max_transfers < 1 or max_prompt_len < 1:
+            raise ValueError(f"warm_up needs at least one transfer of one token, got {max_transfers} x {max_prompt_len}")
+        self._warm_shape = (max_transfers, max_prompt_len)
+        return self._warm_peers(timeout)
+
+    def _warm_peers(self, timeout: float) -> dict[str, float]:
+        """:meth:`warm_up`'s steps for the peers paired now (none while any is still unpaired)."""
+        took: dict[str, float] = {}
+        if self._warm_shape is None or not self.peers or any(p.side is None for p in self.peers):
+            return took
+        max_transfers, max_prompt_len = self._warm_shape
+        sides = tuple(p.side for p in self.peers)
+        start = time.perf_counter()
+        if self.staging is not None and self.staging.is_cuda:
+            warm_up(self.staging, plan_alignment(Batch(self.side, sides, ())), typical_sizes(self.side), kinds=(GATHER,))
+        took["kernels"] = time.perf_counter() - start
+        start = time.perf_counter()
+        self._planner(prepared=False).warm_up(max_transfers, max(list_entries(side, max_prompt_len) for side in sides))
+        took["planners"] = time.perf_counter() - start
+        start = time.perf_counter()
+        self._touch_peers(time.monotonic() + timeout)
+        took["connections"] = time.perf_counter() - start
+        log.info("prefill endpoint warmed up for %d decode endpoints: %s", len(self.peers),
+                 ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in took.items()))
+        return took
+
+    def _touch_peers(self, deadline: float) -> None:
+        """Open the engine's connection to each decode paired since the last warm-up: 16 bytes of this
+        side's staging buffer written to its share's start (no run has gone there yet; no notification)."""
+        if self.staging is None or self.staging.numel() < 16:
+            return
+        handles = {}
+        for k, p in enumerate(self.peers):
+            if k not in self._touched and p.staging is not None and p.staging[1] >= 16 and p.name is not None \
+                    and not p.dropped:
+                self._touched.add(k)
+                descs = np.array([[self.staging.data_ptr(), p.staging[0], 16]], dtype=np.uint64)
+                handles[self.engine.post(p.name, descs, b"")] = k
+        for handle, reason in wait_all(self.engine, list(handles), deadline).items():
+            if reason is not None:
+                log.warning("warm-up: the write to decode endpoint %d's staging buffer failed: %s", handles[handle], reason)
 
     def receive_requests(self, count: int, timeout: float, peer: int = 0) -> None:
         """Receive ``count`` requests' destination lists (wire messages) from decode endpoint ``peer``."""
@@ -295,6 +356,7 @@ class PrefillEndpoint:
             peer.channel.send("refused", {"reason": why})
             raise LayoutError(f"decode endpoint {k}: {why}") from err
         peer.side, peer.dropped = peer_side, False
+        self._touched.discard(k)  # (a decode that registers again is a new one: nothing of this side's is there)
         peer.plannable = receiver_can_plan(self.side, peer_side, self.policy)
         peer.staging = staging
         peer.index_there = index_there
@@ -309,6 +371,7 @@ class PrefillEndpoint:
             peer.channel.send("paired", paired, self.engine.metadata())
         else:
             peer.channel.send("paired", paired)
+        self._warm_peers(timeout=ACK_S * 4)  # (after warm_up: each peer that pairs later is warmed as it pairs)
 
     def _on_request(self, k: int, header: dict[str, Any], frames: list[bytes]) -> Any:
         """Keep a request's destination lists from decode endpoint ``k``; its name, or ``None`` where the

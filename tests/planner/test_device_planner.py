@@ -128,3 +128,19 @@ def test_bad_columns_are_refused_at_once():
     with pytest.raises(InputError, match="integer"):
         BatchColumns.build(src_row=[1.5], start=[0], fill_len=[5], prompt_len=[4], last=[1],
                            dst_pages=np.array([1]), dst_page_counts=[1])
+
+
+def test_a_warmed_up_planner_plans_like_the_reference(device):
+    """Warm-up plans empty batches into every bucket; a real batch after it is planned exactly (the
+    claim bitmap and buffers the empty plans touched are left as a fresh planner's)."""
+    batch = build_batch(PRESETS["qwen3next-mamba-p64"].scaled(layers=2), requests=3, prompt_len=[300, 129, 1000],
+                        chunks=2, seed=5).to(device)
+    planner = Planner(batch.src, batch.dsts, outputs=("descriptors", "byte_offsets"), block=128)
+    ready = planner.warm_up(max_transfers=6, elements_per_transfer=40)
+    assert ready == (3 if device.type == "cuda" else 0)  # one transfer bucket of 64, 128, 256 elements; none off a GPU
+    pending = planner.plan(BatchColumns.from_batch(batch))
+    expected = plan_reference(batch)
+    pending.result().assert_equal(expected)
+    assert np.array_equal(pending.descriptors()[0], expected.descriptors()[0])
+    with pytest.raises(InputError, match="at least one transfer"):
+        planner.warm_up(max_transfers=0, elements_per_transfer=8)

@@ -57,3 +57,23 @@ def test_a_plan_is_invalid_once_its_buffers_are_reused():
     planner.plan(cols)  # reuses old's slot
     with pytest.raises(InputError, match="reused"):
         old.descriptors()
+
+
+@pytest.mark.parametrize("preset", ["llama70b-tp8-p64", "qwen3next-mamba-p64", "llama70b-tp4to8-p64"])
+def test_after_warm_up_the_first_plan_of_each_bucket_replays_a_graph(preset):
+    shape = PRESETS[preset].scaled(layers=4)
+    lens = [300, 129, 1000, 64]
+    first = resident(build_batch(shape, requests=4, prompt_len=lens, chunks=2, seed=0))
+    planner = Planner(first.src, first.dsts, graphs=True, outputs=("descriptors", "byte_offsets"))
+    per_transfer = max(len(BatchColumns.from_batch(first).dst_flat) // len(first.transfers), 1) * 2
+    assert planner.warm_up(max_transfers=16, elements_per_transfer=per_transfer) >= 2
+    for seed, chunks, count in [(1, 2, 8), (2, 2, 3), (3, 4, 16)]:  # three sizes, two transfer buckets
+        batch = build_batch(shape, requests=4, prompt_len=lens, chunks=chunks, seed=seed)
+        refill(first.src, batch)
+        batch = replace(batch, src=first.src, dsts=first.dsts, transfers=batch.transfers[:count])
+        before = planner.replays
+        pending = planner.plan(BatchColumns.from_batch(batch))
+        assert planner.replays == before + 1  # a graph, not an eager first plan
+        descs, offsets = pending.descriptors()
+        want_descs, want_offsets = gpu.plan(batch).descriptors()
+        assert (descs == want_descs).all() and (offsets == want_offsets).all()

@@ -241,6 +241,8 @@ class KVManager(BaseKVManager):
             side = side_from_kv_args(args, mla=self.is_mla, attn_tp_size=self.attn_tp_size, req_to_token=self.table,
                                      state_params=params)
             self.prefill: PrefillEndpoint | None = PrefillEndpoint(side, self.engine, [])
+            if self.settings.warm_up:  # each decode that pairs gets a planner ready for these batches (no first-batch stall)
+                self.prefill.warm_up(**self.settings.warm_up, timeout=min(5.0, self.timeout))
             self._pending: list[tuple[KVSender, np.ndarray, tuple[np.ndarray, ...] | None, int]] = []
             if self.protocol == "sglang":  # SGLang's decode ranks find this one through SGLang's bootstrap server
                 link = PrefillRankLink(rank_ip=self.host, backend=engine_kind, prefill_rank=int(args.engine_rank))

@@ -30,6 +30,11 @@ host           ``KVPLAN_HOST``         (SGLang's)  the address kvplan binds and 
                                                    the node's address as SGLang finds it
 decode_lens    ``KVPLAN_DECODE_LENS``  none        JSON: an SGLang decode's buffer lengths, for a
                                                    kvplan prefill serving it (``protocol=sglang``)
+warm_up        ``KVPLAN_WARM_UP``      see meaning JSON object: the batches a prefill rank's planner is
+                                                   made ready for as each decode pairs
+                                                   (``PrefillEndpoint.warm_up``): default
+                                                   ``{"max_transfers": 16, "max_prompt_len": 8192}``;
+                                                   ``{}`` warms nothing
 ============== ======================= =========== ==================================================
 
 A value that does not parse is refused with :class:`SettingsError`, naming the setting and where it
@@ -56,6 +61,7 @@ __all__ = ["MODES", "PROTOCOLS", "BOOTSTRAPS", "Settings", "SettingsError"]
 MODES = ("auto", "direct", "prepared", "staged")
 PROTOCOLS = ("kvplan", "sglang")
 BOOTSTRAPS = ("sglang", "direct")
+WARM_UP = {"max_transfers": 16, "max_prompt_len": 8192}
 CONFIG_VARIABLE = "KVPLAN_CONFIG"
 
 
@@ -76,6 +82,7 @@ class Settings:
     bootstrap: str = "sglang"
     host: str | None = None
     decode_lens: Any = None
+    warm_up: dict = field(default_factory=lambda: dict(WARM_UP))
 
     @classmethod
     def read(cls, server_args: Any = None, environ: Mapping[str, str] | None = None) -> "Settings":
@@ -96,7 +103,7 @@ class Settings:
         return cls(**values)
 
 
-_JSON_SETTINGS = {"engine_settings": dict, "state_params": list, "decode_lens": (dict, list)}
+_JSON_SETTINGS = {"engine_settings": dict, "state_params": list, "decode_lens": (dict, list), "warm_up": dict}
 _CHOICES = {"mode": MODES, "protocol": PROTOCOLS, "bootstrap": BOOTSTRAPS, "engine": ("nixl", "mooncake")}
 
 
@@ -108,8 +115,11 @@ def _parse(name: str, value: Any, where: str, text: bool) -> Any:
             except ValueError as err:
                 raise SettingsError(f"{where}: not JSON ({err}): {value[:80]!r}") from None
         if not isinstance(value, _JSON_SETTINGS[name]):
-            raise SettingsError(f"{where}: expected a JSON {'object' if name == 'engine_settings' else 'list'}, "
+            raise SettingsError(f"{where}: expected a JSON {'list' if name == 'state_params' else 'object'}, "
                                 f"got {type(value).__name__}")
+        if name == "warm_up" and value and (set(value) != set(WARM_UP) or not all(
+                isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value.values())):
+            raise SettingsError(f"{where}: expected {{}} or positive integers for exactly {sorted(WARM_UP)}, got {value}")
         return dict(value) if isinstance(value, dict) else value
     if name == "timeout_s":
         try:

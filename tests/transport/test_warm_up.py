@@ -1,0 +1,61 @@
+"""The warm start (issue 37, item 6) on the CPU: what ``warm_up`` does that can be seen without a GPU
+(the connection opened by a 16-byte write into each new decode's staging share, once, and nothing
+else of the decode's touched), and that a batch after it still lands. Its GPU side (planners
+captured, kernels compiled: the first batch within 2x of a steady one) is measured in
+benchmarks/RESULTS.md and tests/planner/test_graphs.py. Real Mooncake (TCP), both endpoints in
+this process (NIXL's progress threads would spin the rest of the run's cores)."""
+
+import uuid
+
+import pytest
+import torch
+
+from kvplan.planner.destinations import PreallocatedRequest
+from kvplan.tools.load import Arrival, LoadConfig, _Pools
+from kvplan.transport.control import ControlChannel
+from kvplan.transport.endpoints import Chunk, DecodeEndpoint, PrefillEndpoint
+from kvplan.transport.engines import make_engine
+
+pytestmark = pytest.mark.engines
+
+CONFIG = LoadConfig(layers=2, token_bytes=32, prompt_max=256, rows=4, device="cpu")
+
+
+def test_warm_up_opens_each_new_connection_once_and_a_batch_after_it_lands():
+    pytest.importorskip("mooncake.engine")
+    src, dst = _Pools(CONFIG, "cpu", CONFIG.rows), _Pools(CONFIG, "cpu", CONFIG.rows)
+    name = uuid.uuid4().hex[:8]
+    channel = ControlChannel(host="127.0.0.1")
+    decode_staging, prefill_staging = torch.zeros(4096, dtype=torch.uint8), torch.zeros(4096, dtype=torch.uint8)
+    decode = DecodeEndpoint(dst.side, make_engine("mooncake", f"decode-{name}", local_hostname="127.0.0.1"), channel,
+                            decode_staging)
+    prefill = PrefillEndpoint(src.side, make_engine("mooncake", f"prefill-{name}", local_hostname="127.0.0.1"),
+                              ControlChannel(channel.port, host="127.0.0.1"), prefill_staging)
+    try:
+        decode.register(timeout=10)
+        prefill.accept(timeout=10)
+        assert decode.warm_up(timeout=10) == {}  # (a CPU staging buffer: nothing is compiled or captured)
+        with pytest.raises(ValueError, match="at least one transfer"):
+            prefill.warm_up(max_transfers=0)
+        prefill_staging[:32] = torch.arange(1, 33, dtype=torch.uint8)
+        took = prefill.warm_up(max_transfers=8, max_prompt_len=256, timeout=10)
+        assert set(took) == {"kernels", "planners", "connections"}
+        assert decode_staging[:16].tolist() == list(range(1, 17))  # the 16 bytes that opened the connection
+        assert not decode_staging[16:].any()  # and nothing else
+        prefill_staging[:16] = 0xEE
+        prefill.warm_up(max_transfers=8, max_prompt_len=256, timeout=10)  # again: a run may be in that share now
+        assert decode_staging[:16].tolist() == list(range(1, 17))
+
+        a = Arrival(0, "after-warm-up", 0.0, 200, 0, 0, None)
+        s_row, d_row = src.take(a.prompt_len)[0], dst.take(a.prompt_len)[0]
+        decode.publish([PreallocatedRequest(a.request, d_row, a.prompt_len, 0, aux_index=d_row)], timeout=30)
+        prefill.receive_requests(1, timeout=10)
+        src.write(a, s_row, 0, a.prompt_len)
+        src.aux[s_row] = a.index % 251 + 1  # (what check() expects of the aux row)
+        chunk = Chunk(a.request, s_row, 0, a.prompt_len + 1, a.prompt_len, True, s_row)
+        assert prefill.send([prefill.transfer(chunk)], mode="direct", timeout=30) == {a.request: None}
+        assert decode.wait() == {a.request: "complete"}
+        assert dst.check(a, d_row)
+    finally:
+        for closing in (decode.engine, prefill.engine, channel, prefill.channel):
+            closing.close()
