@@ -67,7 +67,13 @@ def _endpoints(desc_ptr, offsets_ptr, rows_ptr, staging_addr, i, live, win_lo, w
         return src.to(tl.pointer_type(tl.uint8)), dst.to(tl.pointer_type(tl.uint8)), words
 
 
-@triton.jit
+# the addresses, counts and windows that change from call to call are not specialised on (Triton would compile
+# a variant per value that is 1 or a multiple of 16): one compiled kernel per launch shape, which a warm-up can
+# compile ahead (kvplan.transport.local.warm_up)
+_VARYING = ["staging_addr", "n", "win_lo", "win_hi"]
+
+
+@triton.jit(do_not_specialize=_VARYING[:1] + _VARYING[2:])
 def _copy_kernel(desc_ptr, offsets_ptr, rows_ptr, staging_addr, win_lo, win_hi, MODE: tl.constexpr,
                  WORD: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr, WINDOW: tl.constexpr,
                  COUNTED: tl.constexpr):
@@ -81,7 +87,7 @@ def _copy_kernel(desc_ptr, offsets_ptr, rows_ptr, staging_addr, win_lo, win_hi, 
         tl.store(dp + o, tl.load(sp + o, mask=m), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_VARYING)
 def _copy_tile_kernel(desc_ptr, offsets_ptr, rows_ptr, staging_addr, n, win_lo, win_hi, MODE: tl.constexpr,
                       WORD: tl.constexpr, DPP: tl.constexpr, W: tl.constexpr, WINDOW: tl.constexpr,
                       COUNTED: tl.constexpr):
