@@ -118,6 +118,7 @@ class DecodeEndpoint:
         # write into it (None: not known yet; False: a write it could not end); see fenced()
         self._fences: dict[Any, dict[int, bool | None]] = {}
         self._senders: dict[int, SideMemory] = {}  # each paired sender's layout (its "paired" message)
+        self._refused: dict[int, str] = {}  # senders that refused the pairing: why (requests published to them fail)
         self._engine_names: dict[int, str] = {}  # each paired sender's engine name (whence its notifications)
         # per paired sender whose staged runs this side plans itself: the side it plans them from
         # (receiver_plan.scatter_source: this side, or the sender's mirror), and for a mirror its
@@ -294,6 +295,9 @@ class DecodeEndpoint:
             self.tracker.expect(p.expectation(), deadline, parts, verify=self.integrity)
             self.guard.publish(p.request, p.lists, p.aux_index)
             self._owner[p.request] = peers
+            refused = next((self._refused[k] for k in peers if k in self._refused), None)
+            if refused is not None:  # (its sender refused the pairing before: nothing of it can come)
+                self.tracker.fail(p.request, refused)
 
     def _writes(self, request: Any, peer: int) -> bool:
         """Whether sender ``peer`` may write ``request``."""
@@ -344,12 +348,13 @@ class DecodeEndpoint:
             return took
         start = time.perf_counter()
         deadline, pause = time.monotonic() + timeout, Pause()
-        while len(self._senders) < len(self.channels) and time.monotonic() < deadline:
+        while len(self._senders) + len(self._refused) < len(self.channels) and time.monotonic() < deadline:
             self.poll()
             pause()
         if len(self._senders) < len(self.channels):
-            log.warning("warm-up: %d of %d senders had not paired after %.1f s; their planners start cold",
-                        len(self.channels) - len(self._senders), len(self.channels), timeout)
+            log.warning("warm-up: %d of %d senders had not paired after %.1f s (%d refused the pairing); their "
+                        "planners start cold", len(self.channels) - len(self._senders), len(self.channels), timeout,
+                        len(self._refused))
         took["pairing"] = time.perf_counter() - start
         start = time.perf_counter()
         warm_up(self.staging, self._alignment, typical_sizes(self.side), kinds=(SCATTER,))
@@ -385,7 +390,8 @@ class DecodeEndpoint:
                     if not is_unsafe(header.get("reason")):  # it reports once its writes have ended
                         self._fence_of(request)[k] = True
                 elif kind == "refused":
-                    self._fail_owned(k, f"the prefill side refused the pairing: {header.get('reason')}")
+                    self._refused[k] = f"the prefill side refused the pairing: {header.get('reason')}"
+                    self._fail_owned(k, self._refused[k])
                 elif kind == "abort-ack":
                     self._on_abort_ack(k, header)
                 elif kind == "checksum" and self._writes(request := named_request(header), k):
@@ -468,6 +474,7 @@ class DecodeEndpoint:
         where it takes staged credits as engine notifications, its engine metadata."""
         try:
             self._senders[peer] = side_from_description(header["side"])
+            self._refused.pop(peer, None)
             if isinstance(header.get("engine"), str):
                 self._engine_names[peer] = header["engine"]
             self.side = with_model_heads(self.side, self._senders[peer].kv.num_kv_heads)  # where it named none

@@ -124,16 +124,21 @@ def warm_up(staging: torch.Tensor, alignment: int = 16, typical_sizes: Sequence[
     if staging.numel() < 16:
         return 0
     addr = staging.data_ptr()
-    descs = torch.tensor([[addr, addr, 16]], dtype=torch.int64).to(staging.device)
-    offsets = torch.zeros(1, dtype=torch.int64, device=staging.device)
+    descs = torch.tensor([[addr, addr, 16]] * 2, dtype=torch.int64).to(staging.device)
+    offsets = torch.zeros(2, dtype=torch.int64, device=staging.device)
     one = torch.ones(1, dtype=torch.int64, device=staging.device)
     forms = {kc.GATHER: ((None, None), ((0, 16), None), ((0, 16), one)),  # a wave's; a gather ahead of the host
              kc.SCATTER: ((None, None), ((0, 16), None), (None, one))}  # a table run's; a counted one (.copy_graphs)
+    # a wave's rows are a slice of its run's: Triton compiles apart for tensors that start 16-byte aligned or not
+    # (rows of 24 bytes, offsets of 8); a counted copy reads whole plan buffers (aligned)
+    starts = {False: ((0, 0), (0, 1), (1, 0), (1, 1)), True: ((0, 0),)}
     shapes = {kc.launch_shape(size, alignment): size for size in typical_sizes}
     for size in shapes.values():
         for kind in kinds:
             for window, rows in forms[kind]:
-                kc.copy_descriptors(descs, kind, offsets, addr, alignment, size, window=window, rows=rows)
+                for d, o in starts[rows is not None]:
+                    kc.copy_descriptors(descs[d : d + 1], kind, offsets[o : o + 1], addr, alignment, size,
+                                        window=window, rows=rows)
     if staging.is_cuda:
         torch.cuda.current_stream(staging.device).synchronize()
     return len(shapes)

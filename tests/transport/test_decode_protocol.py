@@ -342,3 +342,16 @@ def test_a_note_with_a_negative_page_count_is_refused(decode):
     endpoint, prefill, pool, _ = decode
     _announce(prefill, [[pool.data_ptr() + 3 * PAGE_BYTES, 2 * PAGE_BYTES]], pages=-1)
     assert endpoint.wait() == {"r1": "failed"} and "claims -1 pages" in endpoint.failures["r1"]
+
+
+def test_a_request_published_after_its_sender_refused_the_pairing_fails_at_once(decode):
+    """A refusal read before the request was published (a warm-up polls while it waits for its senders
+    to pair) still fails the requests published to that sender, at once and with the reason."""
+    endpoint, prefill, _, _ = decode
+    prefill.send("refused", {"reason": "page sizes differ"})
+    endpoint.poll()
+    assert endpoint.tracker.states() == {"r1": "failed"}  # the one published before
+    published = plan_destinations(endpoint.side, [PreallocatedRequest("r2", row=1, prompt_len=8)]).result()
+    endpoint.track(published, time.monotonic() + 30)
+    assert endpoint.tracker.states()["r2"] == "failed"
+    assert "refused the pairing: page sizes differ" in endpoint.tracker.failure("r2")
