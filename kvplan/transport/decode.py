@@ -336,7 +336,8 @@ class DecodeEndpoint:
         ``max_transfers`` transfers of requests of up to ``max_prompt_len`` tokens
         (:meth:`~kvplan.planner.device.Planner.warm_up`). Call it after :meth:`register`, before the
         first :meth:`publish`; the sender's :meth:`PrefillEndpoint.warm_up` runs meanwhile. Returns
-        the seconds each step took. Without a staging buffer on a GPU there is nothing to warm.
+        the seconds each step took. Without a staging buffer there is nothing to warm; off the GPU,
+        nothing to compile or capture.
 
         Example::
 
@@ -344,7 +345,7 @@ class DecodeEndpoint:
             decode.warm_up(max_transfers=64, max_prompt_len=8192)
         """
         took: dict[str, float] = {}
-        if self.staging is None or not self.staging.is_cuda:  # (off the GPU nothing is compiled or captured)
+        if self.staging is None:
             return took
         start = time.perf_counter()
         deadline, pause = time.monotonic() + timeout, Pause()
@@ -356,6 +357,8 @@ class DecodeEndpoint:
                         "planners start cold", len(self.channels) - len(self._senders), len(self.channels), timeout,
                         len(self._refused))
         took["pairing"] = time.perf_counter() - start
+        if not self.staging.is_cuda:  # (off the GPU nothing is compiled or captured)
+            return took
         start = time.perf_counter()
         warm_up(self.staging, self._alignment, typical_sizes(self.side), kinds=(SCATTER,))
         took["kernels"] = time.perf_counter() - start

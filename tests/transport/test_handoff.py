@@ -176,8 +176,11 @@ def test_requests_that_never_arrive_fail_at_their_deadline(engine):
     assert all("deadline passed" in reason for reason in report.failures.values()), report.failures
 
 
-def test_bad_registration_is_refused_on_both_sides():
-    report = run_demo(config(ENGINES[0], fault="bad-registration", timeout=20))
+@pytest.mark.parametrize("mode", ["direct", "staged"])
+def test_bad_registration_is_refused_on_both_sides(mode):
+    """Staged: the decode's warm-up reads the refusal while it waits for the pairing; the requests it
+    publishes afterwards fail at once with it (not on their deadline)."""
+    report = run_demo(config(ENGINES[0], mode=mode, fault="bad-registration", timeout=20))
     assert report.refused and "aux: source has 2 entries, destination 0" in report.refused
     assert set(report.states.values()) == {"failed"}
     assert all("refused the pairing" in f for f in report.failures.values())
