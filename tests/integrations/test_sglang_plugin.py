@@ -84,6 +84,8 @@ def test_settings_come_from_server_args_then_environment_then_file(tmp_path):
     assert (got.mode, got.timeout_s, got.engine_settings, got.state_params) == ("staged", 7.5, {"num_threads": 2},
                                                                                [{"window": 128}])
     assert got.bootstrap == "sglang" and got.host is None  # the defaults: SGLang's bootstrap server, SGLang's host
+    assert got.warm_up == {"max_transfers": 16, "max_prompt_len": 8192}
+    assert Settings.read(None, {"KVPLAN_WARM_UP": "{}"}).warm_up == {}  # (warms nothing)
     server_args = type("ServerArgs", (), {"kvplan_mode": "direct"})()
     assert Settings.read(server_args, environ).mode == "direct"
 
@@ -95,6 +97,8 @@ def test_settings_come_from_server_args_then_environment_then_file(tmp_path):
     ({"KVPLAN_STATE_PARAMS": '{"window": 4}'}, "KVPLAN_STATE_PARAMS"),
     ({"KVPLAN_BOOTSTRAP": "http"}, "KVPLAN_BOOTSTRAP"),
     ({"KVPLAN_CONFIG": "/nonexistent/kvplan.json"}, "KVPLAN_CONFIG"),
+    ({"KVPLAN_WARM_UP": '{"max_transfers": 16}'}, "KVPLAN_WARM_UP"),
+    ({"KVPLAN_WARM_UP": '{"max_transfers": 0, "max_prompt_len": 8192}'}, "KVPLAN_WARM_UP"),
 ])
 def test_a_setting_that_does_not_parse_is_refused_naming_it(environ, named):
     with pytest.raises(SettingsError, match=named):
