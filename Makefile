@@ -6,6 +6,8 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.kvplan-installed
 SGLANG_STAMP := $(VENV)/.sglang-installed
+VLLM_SITE := .vllm-site
+VLLM_STAMP := $(VLLM_SITE)/.kvplan-installed
 
 export UCX_NET_DEVICES := lo
 export NIXL_LOG_LEVEL := WARN
@@ -13,7 +15,7 @@ export MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER := 65535
 export MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER := 65535
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup setup-sglang test test-sglang demo bench clean
+.PHONY: setup setup-sglang setup-vllm test test-sglang test-vllm demo bench clean
 
 setup: $(STAMP)
 
@@ -45,12 +47,28 @@ $(SGLANG_STAMP): $(STAMP)
 	$(PIP) install -q --no-build-isolation -e ".[sglang-test]"
 	@touch $(SGLANG_STAMP)
 
-# Two passes: every test with the kernels interpreted on the CPU (the SGLang differential tests
+# vLLM 0.33.0's own code for the connector tests (tests/integrations/test_vllm_connector.py), in a
+# folder of its own: vLLM wants a newer openai than SGLang 0.5.23 pins, so the two never share a
+# process. vllm without its dependencies, then what its connector modules import, pinned.
+setup-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): $(STAMP)
+	$(PIP) install -q --no-deps --target $(VLLM_SITE) vllm==0.33.0 openai==3.57.0 openai-harmony==0.0.8 \
+	  cbor2==6.3.0 cachetools==8.0.2 cloudpickle==3.1.3 uvloop==0.23.0 xgrammar==0.2.9 fastapi==0.136.3 llguidance==1.9.1
+	@touch $(VLLM_STAMP)
+
+# Three passes: every test with the kernels interpreted on the CPU (the SGLang differential tests
 # among them), then a compile check of every kernel for sm_90 in a process of its own (the two
-# cannot share a process).
-test: setup setup-sglang
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not compile_check" --benchmark-disable -p no:cacheprovider
+# cannot share a process), then the vLLM connector's tests with vLLM's folder on the path.
+test: setup setup-sglang setup-vllm
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not compile_check and not vllm" --benchmark-disable -p no:cacheprovider
 	TRITON_INTERPRET=0 $(PY) -m pytest -q -m compile_check -p no:cacheprovider tests/kernels
+	$(MAKE) --no-print-directory test-vllm
+
+# only the vLLM connector's tests, against vLLM's own code
+test-vllm: setup-vllm
+	PYTHONPATH=$(VLLM_SITE) VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 $(PY) -m pytest -q -m vllm -p no:cacheprovider \
+	  tests/integrations/test_vllm_connector.py
 
 # only the differential tests against SGLang's own code
 test-sglang: setup setup-sglang
@@ -63,4 +81,4 @@ bench: setup
 	$(VENV)/bin/kvplan bench
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_SITE) .pytest_cache .hypothesis

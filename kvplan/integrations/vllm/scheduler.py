@@ -1,0 +1,182 @@
+"""The scheduler side of kvplan's vLLM connector: what loads remotely, into which blocks, and when a
+prefill's blocks may be freed.
+
+kvplan pushes, as SGLang does and as vLLM's NIXL connector does in push mode: the decode registers the
+blocks it allocated with the prefill, and the prefill writes into them. The decisions here follow the
+semantics of vLLM 0.33's ``NixlPushConnectorScheduler`` (the tests run both on the same requests and
+compare them):
+
+* decode (a request whose ``kv_transfer_params`` say ``do_remote_prefill``):
+  :meth:`get_num_new_matched_tokens` reports the prompt tokens not computed here as loaded
+  asynchronously; :meth:`update_state_after_alloc` records the blocks vLLM allocated for them, once;
+  :meth:`build_connector_meta` hands them to the workers, which publish them to the prefill. A request
+  aborted before its blocks were allocated is still handed over, with no blocks, so that the prefill
+  frees its own.
+* prefill (``do_remote_decode``): :meth:`request_finished` keeps a finished request's blocks until its
+  workers report the write done (``finished_sending``), and returns the parameters the decode needs:
+  this engine's id and where its workers listen.
+
+Only full-attention KV cache groups are covered, and no multi-token prefill lookahead (MTP): both are
+refused at construction, naming what is not covered (docs/vllm.md).
+
+Example::
+
+    scheduler = ConnectorScheduler(vllm_config, engine_id, kv_cache_config, ListenAddress("10.0.0.3", 17500))
+    count, is_async = scheduler.get_num_new_matched_tokens(request, num_computed_tokens=0)
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...errors import KvplanError
+
+__all__ = ["ConnectorScheduler", "ListenAddress", "ReceiveRequest", "SendRequest", "UnsupportedConfig",
+           "TRANSFER_MODE"]
+
+log = logging.getLogger("kvplan")
+
+TRANSFER_MODE = "kvplan-push"  # in the parameters a prefill returns (vLLM's own connectors say "push" or "pull")
+# KV cache group kinds whose block tables kvplan maps today: one block per ``block_size`` tokens of every layer
+_COVERED_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+_DONE = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")  # a prefill request that finished normally
+
+
+class UnsupportedConfig(KvplanError, ValueError):
+    """A vLLM configuration this connector does not cover; names what and why."""
+
+
+@dataclass(frozen=True)
+class ListenAddress:
+    """Where this engine's workers listen for decodes: rank ``r`` at ``host:port + r``."""
+
+    host: str
+    port: int
+
+
+@dataclass(frozen=True)
+class ReceiveRequest:
+    """A decode request whose blocks its workers publish to the prefill that computed it."""
+
+    block_ids: tuple[list[int], ...]  # per KV cache group (an empty tuple: nothing to receive, free the prefill's)
+    num_tokens: int  # the prompt tokens that land in them
+    remote_engine_id: str | None
+    remote_request_id: str | None
+    remote_host: str | None
+    remote_port: int | None
+    remote_tp_size: int | None
+
+
+@dataclass(frozen=True)
+class SendRequest:
+    """A finished prefill request whose blocks stay allocated until its workers have written them."""
+
+    block_ids: tuple[list[int], ...]
+    num_tokens: int
+
+
+@dataclass
+class SchedulerStep:
+    """What one step hands to the workers (the connector metadata's content)."""
+
+    receive: dict[str, ReceiveRequest] = field(default_factory=dict)
+    send: dict[str, SendRequest] = field(default_factory=dict)
+    not_processed: set[str] = field(default_factory=set)  # prefill requests that finished without a hand-off
+
+
+class ConnectorScheduler:
+    """The scheduler side (see the module docstring)."""
+
+    def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any, listen: ListenAddress):
+        groups = list(getattr(kv_cache_config, "transfer_groups", None) or kv_cache_config.kv_cache_groups)
+        uncovered = [f"{type(g.kv_cache_spec).__name__} ({', '.join(g.layer_names[:2])}"
+                     f"{', ...' if len(g.layer_names) > 2 else ''})" for g in groups
+                     if type(g.kv_cache_spec).__name__ not in _COVERED_SPECS
+                     or getattr(g.kv_cache_spec, "sliding_window", None)]
+        if uncovered:
+            raise UnsupportedConfig(f"kvplan's vLLM connector moves full-attention KV cache groups only; not "
+                                    f"{'; '.join(uncovered)} (docs/vllm.md: what is covered)")
+        lookahead = int(getattr(vllm_config, "num_prefill_lookahead_tokens", 1) or 1)
+        if lookahead > 1:
+            raise UnsupportedConfig(f"a prefill lookahead of {lookahead} tokens (multi-token prediction) is not "
+                                    "covered: the decode would have to recompute the prompt's last tokens")
+        self.engine_id, self.listen = engine_id, listen
+        self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+        self.kv_cache_config = kv_cache_config
+        self._step = SchedulerStep()
+        self._sending: dict[str, SendRequest] = {}  # finished prefill requests until their write is done
+
+    # -- decode -----------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """The prompt tokens a decode request loads from its prefill (asynchronously), or ``(0, False)``."""
+        params = request.kv_transfer_params
+        if params is not None and params.get("do_remote_prefill"):
+            count = len(request.prompt_token_ids or []) - num_computed_tokens
+            if count > 0:
+                return count, True
+        return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Record, once per request, the blocks vLLM allocated for the tokens it loads."""
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill") or num_external_tokens <= 0:
+            return  # (all of it computed here: it stays marked, so that its end frees the prefill's blocks)
+        block_ids = self._transfer_blocks(blocks.get_unhashed_block_ids_all_groups())
+        self._step.receive[request.request_id] = self._receive(params, block_ids, num_external_tokens)
+        params["do_remote_prefill"] = False  # (a rescheduled request does not register again)
+
+    def _receive(self, params: dict, block_ids: tuple[list[int], ...], num_tokens: int) -> ReceiveRequest:
+        port = params.get("remote_port")
+        return ReceiveRequest(block_ids, num_tokens, params.get("remote_engine_id"), params.get("remote_request_id"),
+                              params.get("remote_host"), int(port) if port is not None else None,
+                              params.get("tp_size"))
+
+    # -- both ---------------------------------------------------------------------------------------
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        """Whether a finished request's blocks stay allocated (a prefill's, until they are written), and
+        the parameters its decode needs."""
+        params = request.kv_transfer_params
+        if not params:
+            return False, None
+        if params.get("do_remote_prefill"):  # a decode request aborted before its blocks were allocated:
+            params["do_remote_prefill"] = False  # its prefill is told, so that it frees its blocks
+            self._step.receive[request.request_id] = self._receive(params, (), 0)
+            return False, None
+        if not params.get("do_remote_decode"):
+            return False, None
+        if getattr(request.status, "name", str(request.status)) not in _DONE:
+            self._step.not_processed.add(request.request_id)
+            return False, None
+        block_ids = self._transfer_blocks(block_ids)
+        keep = any(len(group) > 0 for group in block_ids)
+        num_tokens = int(request.num_computed_tokens) if keep else 0
+        if keep:
+            self._sending[request.request_id] = self._step.send[request.request_id] = SendRequest(block_ids,
+                                                                                                  num_tokens)
+        return keep, {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": block_ids,
+                      "remote_engine_id": self.engine_id, "remote_request_id": request.request_id,
+                      "remote_host": self.listen.host, "remote_port": self.listen.port, "tp_size": self.tp_size,
+                      "remote_num_tokens": num_tokens, "transfer_mode": TRANSFER_MODE}
+
+    def build_step(self) -> SchedulerStep:
+        """What the workers act on this step; the scheduler starts the next one empty."""
+        step, self._step = self._step, SchedulerStep()
+        return step
+
+    def finished(self, finished_sending: Any, finished_recving: Any) -> None:
+        """The workers' report of a step: prefill requests whose blocks were written may be freed."""
+        for request_id in finished_sending or ():
+            self._sending.pop(request_id, None)
+
+    def has_pending_push_work(self) -> bool:
+        """Whether the engine loop must keep stepping for writes in flight or registrations not yet handed over."""
+        return bool(self._sending or self._step.receive)
+
+    def _transfer_blocks(self, block_ids: Any) -> tuple[list[int], ...]:
+        """The block lists of the groups that transfer (vLLM's own selection, where it has one)."""
+        if len(block_ids) == 0:
+            return ()
+        select = getattr(self.kv_cache_config, "select_transfer_block_ids", None)
+        return tuple(select(block_ids)) if select is not None else tuple(block_ids)
