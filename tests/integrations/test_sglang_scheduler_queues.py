@@ -57,7 +57,9 @@ def _run_nodes(tmp_path: Path, backend: str, prefill_tp: int, decode_tp: int, hy
     env = {**os.environ, "KVPLAN_SGLANG": "1", "KVPLAN_HOST": "127.0.0.1", "SGLANG_HOST_IP": "127.0.0.1",
            "UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN", "PYTHONWARNINGS": "ignore",
            # the prefill takes every request at once; the second wave's wait for its lists spans the first
-           "KVPLAN_TIMEOUT_S": "90",
+           # (150 s: a second-wave request's deadline ran out at 90 s on a 2-core machine kept busy alongside,
+           # session 23; the ranks' own deadline, DEADLINE_S - 40, stays above it)
+           "KVPLAN_TIMEOUT_S": "150",
            # the SWA component's window, which SGLang's KVArgs do not carry (docs/sglang.md)
            "KVPLAN_STATE_PARAMS": json.dumps([{"window": WINDOW}, {}] if hybrid else [])}
     procs = {}
