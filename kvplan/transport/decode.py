@@ -153,7 +153,7 @@ class DecodeEndpoint:
             if self._stream is not None and copy_graphs_enabled() else None
         self._share = (staging.numel() // len(self.channels)) // 256 * 256 if staging is not None else 0
         self.engine.register(engine_regions(side) + ([(staging.data_ptr(), staging.numel())] if staging is not None else []))
-        if staging is not None:
+        if staging is not None and staging.is_cuda:  # (the interpreter compiles nothing: nothing to warm off a GPU)
             warm_up(staging)
 
     def register(self, timeout: float = 60.0) -> None:

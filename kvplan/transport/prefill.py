@@ -152,7 +152,7 @@ class PrefillEndpoint:
         self.peers = [Peer(c) for c in (channels if isinstance(channels, (list, tuple)) else [channels])]
         self.slots = slots
         self.engine.register(engine_regions(side) + ([(staging.data_ptr(), staging.numel())] if staging is not None else []))
-        if staging is not None:
+        if staging is not None and staging.is_cuda:  # (the interpreter compiles nothing: nothing to warm off a GPU)
             warm_up(staging)
         # high priority: a wave's gather is short and holds up its write; it must not queue behind the forward
         # pass that streaming in layer groups overlaps (docs/layerwise.md)
