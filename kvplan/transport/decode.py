@@ -104,8 +104,11 @@ class DecodeEndpoint:
     """
 
     def __init__(self, side: SideMemory, engine: Engine, channels: ControlChannel | Sequence[ControlChannel],
-                 staging: torch.Tensor | None = None, integrity: bool = False):
+                 staging: torch.Tensor | None = None, integrity: bool = False, compat: str | None = None):
         self.side, self.engine, self.staging = side, engine, staging
+        # what the sender must match beyond the layout it can check (an integration's own word for the bytes'
+        # meaning, such as vLLM's physical KV layout); sent with the registration, compared there
+        self.compat = compat
         # per-request checksums (.integrity): asked of every sender; a request completes once its bytes agree
         self.integrity = integrity
         self._sums: dict[Any, dict[int, int]] = {}  # request -> each sender's checksum as it came
@@ -168,6 +171,8 @@ class DecodeEndpoint:
         share = [self.staging.data_ptr() + peer * self._share, self._share] if self.staging is not None else None
         header = {"side": describe_side(self.side), "staging": share, "notifies": self.engine.capabilities.notifies,
                   "integrity": self.integrity}
+        if self.compat is not None:
+            header["compat"] = self.compat
         if len(self.channels) > 1:  # the sender names itself by it in its notifications
             header["peer"] = peer
         self.channels[peer].send("register", header, self.engine.metadata(),

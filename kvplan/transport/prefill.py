@@ -139,16 +139,19 @@ class PrefillEndpoint:
     transfers name their peer in ``Transfer.dest`` (:meth:`transfer` sets it), so one batch can fan
     out to several decode endpoints. ``slots`` is the staging ring's length. ``receiver_plans``: a
     staged run whose receiver can plan its own scatter (:mod:`.receiver_plan`) is announced by its
-    chunks alone; ``False`` always sends the destination table.
+    chunks alone; ``False`` always sends the destination table. ``compat``: where set, a decode
+    endpoint whose registration does not carry the same word is refused (what the layouts cannot show,
+    such as the order of a block's bytes).
     """
 
     def __init__(self, side: SideMemory, engine: Engine, channels: ControlChannel | Sequence[ControlChannel],
                  staging: torch.Tensor | None = None, policy: Policy = Policy.STRICT, slots: int = 4,
-                 refuse: str = "batch", receiver_plans: bool = True):
+                 refuse: str = "batch", receiver_plans: bool = True, compat: str | None = None):
         if refuse not in ("batch", "request"):
             raise ValueError(f"refuse must be 'batch' or 'request', got {refuse!r}")
         self.side, self.engine, self.staging, self.policy, self.refuse = side, engine, staging, policy, refuse
         self.receiver_plans = receiver_plans
+        self.compat = compat  # a decode endpoint pairs only with the same word (DecodeEndpoint's ``compat``)
         self.peers = [Peer(c) for c in (channels if isinstance(channels, (list, tuple)) else [channels])]
         self.slots = slots
         self.engine.register(engine_regions(side) + ([(staging.data_ptr(), staging.numel())] if staging is not None else []))
@@ -166,6 +169,9 @@ class PrefillEndpoint:
         self.id = uuid.uuid4().hex[:12]  # names this sender's waves on receivers that have several senders
         # (peer, request, reason) of requests a decode endpoint aborted (its lists are dropped); the caller drains it
         self.aborted: list[tuple[int, Any, str]] = []
+        # (peer, request) of aborts of requests it holds no lists of; the last 4096 (a caller that never
+        # drains it keeps no more)
+        self.given_up: deque[tuple[int, Any]] = deque(maxlen=4096)
         # requests with a write that could not be ended (wait_all's "unsafe"): their aborts are not fenced
         self.unsafe: set[Any] = set()
         self.last_mode: str | None = None  # the mode the last send used (what ``auto`` chose)
@@ -328,10 +334,15 @@ class PrefillEndpoint:
         once ("abort-ack"). The acknowledgement is its fence: ``send`` returns only once every write it
         posted has ended, so when this runs no write into the request's pages is in flight, unless one
         could not be ended (``unsafe``, :func:`~kvplan.transport.engines.base.wait_all`): then the
-        acknowledgement says ``fenced: false`` and the decode side must keep the pages out of use."""
+        acknowledgement says ``fenced: false`` and the decode side must keep the pages out of use.
+        One it holds no lists of goes to :attr:`given_up` instead: its decode gave it up before it had
+        pages, or after it was sent (the vLLM connector frees the prefill's blocks of the first at once,
+        rather than at its deadline)."""
         if request in self.peers[k].lists:
             self.forget([request], peer=k)
             self.aborted.append((k, request, reason))
+        else:
+            self.given_up.append((k, request))
         try:
             self.peers[k].channel.send("abort-ack", {"request": request, "fenced": request not in self.unsafe},
                                        timeout=ACK_S)
@@ -343,6 +354,9 @@ class PrefillEndpoint:
         is refused (told so, with the reason) and raises :class:`~kvplan.errors.LayoutError`."""
         peer = self.peers[k]
         try:
+            if self.compat is not None and header.get("compat") != self.compat:
+                raise LayoutError(f"the decode side's KV bytes are {header.get('compat')!r}, this side's "
+                                  f"{self.compat!r}: they would land scrambled")
             peer_side = with_model_heads(side_from_description(header["side"]), self.side.kv.num_kv_heads)
             pair_sides(self.side, peer_side)
             staging = _staging_share(header.get("staging"))

@@ -1,8 +1,8 @@
 """kvplan's vLLM connector against vLLM 0.33.0's own code (issue 39, tests (a) and (b)).
 
-(a) vLLM's connector factory builds it from a ``KVTransferConfig`` naming this package: the scheduler
-    role works, the worker role (not built yet) is refused with the reason, and so are the KV cache
-    groups and settings it does not cover.
+(a) vLLM's connector factory builds it from a ``KVTransferConfig`` naming this package, both roles; the
+    worker side takes the KV caches vLLM allocates (per layer or across layers); the KV cache groups,
+    layouts and settings it does not cover are refused naming them.
 (b) The same requests go through vLLM's ``NixlPushConnectorScheduler`` and kvplan's scheduler side;
     both decide alike what loads remotely, into which blocks, and which blocks a prefill keeps.
 
@@ -19,64 +19,23 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 vllm = pytest.importorskip("vllm", reason="vLLM 0.33.0 is not installed (make setup-vllm)")
 
 import torch  # noqa: E402
-from vllm.config import KVTransferConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import NixlPushConnectorScheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import (  # noqa: E402
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    SlidingWindowSpec,
-)
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec  # noqa: E402
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
+from kvplan.errors import LayoutError  # noqa: E402
 from kvplan.integrations.vllm import KvplanConnector  # noqa: E402
-from kvplan.integrations.vllm.connector import WorkerNotBuilt  # noqa: E402
+from kvplan.integrations.vllm.kv_caches import BlockView  # noqa: E402
 from kvplan.integrations.vllm.scheduler import UnsupportedConfig  # noqa: E402
+from tests.integrations.vllm_fakes import BLOCK, ENGINE, Blocks, full_attention, kv_caches, request, vllm_config  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
-BLOCK = 16
-ENGINE = "prefill-engine-0"
 PREFILL = {"remote_engine_id": "p-engine", "remote_request_id": "p-req", "remote_host": "10.0.0.3",
            "remote_port": 17500, "tp_size": 1, "remote_block_ids": [1, 2, 3]}  # what a prefill returned
-
-
-def full_attention(*groups_of_layers) -> KVCacheConfig:
-    groups = [KVCacheGroupSpec(list(layers), FullAttentionSpec(block_size=BLOCK, num_kv_heads=8, head_size=128,
-                                                                dtype=torch.bfloat16)) for layers in groups_of_layers]
-    return KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
-
-
-def vllm_config(extra=None, role="kv_both", lookahead=1) -> SimpleNamespace:
-    """The parts of a ``VllmConfig`` the factory and both schedulers read (a real one needs a model)."""
-    transfer = KVTransferConfig(kv_connector="KvplanConnector", kv_connector_module_path="kvplan.integrations.vllm",
-                                kv_role=role, engine_id=ENGINE,
-                                kv_connector_extra_config={"host": "127.0.0.1", "port": 17500} if extra is None
-                                else extra)
-    return SimpleNamespace(
-        kv_transfer_config=transfer, num_prefill_lookahead_tokens=lookahead,
-        scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False),
-        cache_config=SimpleNamespace(block_size=BLOCK),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, decode_context_parallel_size=1, data_parallel_index=0,
-                                        pipeline_parallel_size=1))
-
-
-def request(request_id, prompt_len, params, computed=0, status=RequestStatus.RUNNING) -> SimpleNamespace:
-    return SimpleNamespace(request_id=request_id, prompt_token_ids=list(range(prompt_len)), num_prompt_tokens=prompt_len,
-                           num_computed_tokens=computed, status=status,
-                           kv_transfer_params=None if params is None else dict(params))
-
-
-class Blocks:
-    """What ``update_state_after_alloc`` reads of vLLM's ``KVCacheBlocks``."""
-
-    def __init__(self, *groups):
-        self.groups = tuple(list(g) for g in groups)
-
-    def get_unhashed_block_ids_all_groups(self):
-        return self.groups
 
 
 # -- (a) the factory ---------------------------------------------------------------------------------
@@ -88,9 +47,60 @@ def test_vllm_s_factory_builds_the_scheduler_side_from_a_kv_transfer_config():
     assert KVConnectorFactory.supports_hma_config(config.kv_transfer_config)  # (vLLM's hybrid manager stays on)
 
 
-def test_the_worker_role_is_refused_with_the_reason_rather_than_moving_nothing():
-    with pytest.raises(WorkerNotBuilt, match="worker side.*not built yet"):
-        KVConnectorFactory.create_connector(vllm_config(), KVConnectorRole.WORKER, full_attention(["l0"]))
+def test_vllm_s_factory_builds_the_worker_side_and_it_takes_vllm_s_kv_caches():
+    config = vllm_config(role="kv_producer", extra={"host": "127.0.0.1", "port": _free_port()})
+    kv_cache = full_attention(["model.layers.0.attn", "model.layers.1.attn"], num_blocks=8, heads=2, head_size=16,
+                              layout=KVCacheLayout.LBNHC)
+    connector = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache)
+    try:
+        assert connector.role is KVConnectorRole.WORKER and connector.scheduler is None
+        connector.register_kv_caches(kv_caches(kv_cache, KVCacheLayout.LBNHC))
+        assert connector.worker.prefill is not None and connector.worker.listener is not None  # (a producer listens)
+        assert connector.get_transfer_results(set()).finished_sending == set()
+        assert connector.get_block_ids_with_load_errors() == set()
+    finally:
+        connector.shutdown()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("layout, cross, items", [(KVCacheLayout.LBHNC, False, 3), (KVCacheLayout.LBNHC, False, 3),
+                                                  (KVCacheLayout.BLHNC, True, 1), (KVCacheLayout.BLNHC, True, 1)])
+def test_vllm_s_kv_caches_become_blocks_per_layer_or_across_layers(layout, cross, items):
+    names = [f"model.layers.{i}.self_attn.attn" for i in (0, 1, 10)]  # (ordered by number: 10 after 1)
+    kv_cache = full_attention(names, num_blocks=20, heads=2, head_size=8, layout=layout)
+    caches = kv_caches(kv_cache, layout)
+    view = BlockView.of(caches, BLOCK)
+    page = kv_cache.kv_cache_groups[0].kv_cache_spec.page_size_bytes
+    assert view.cross_layer is cross and len(view.entries) == items and view.num_blocks == 20
+    assert view.layers == tuple(names)
+    for entry in view.entries:  # each item is a block: one layer's, or every layer's
+        assert entry.item_len == page * (3 if cross else 1) and entry.num_items == 20
+    if not cross:  # block b of layer l starts where vLLM's view of it does
+        assert [e.base_ptr + 5 * e.item_len for e in view.entries] == [caches[n][5].data_ptr() for n in names]
+    else:
+        assert view.entries[0].base_ptr + 5 * view.entries[0].item_len == min(caches[n][5].data_ptr() for n in names)
+    assert layout.name not in view.word and ("cross-layer" in view.word) is cross  # (the byte order, not the name)
+
+
+def test_kv_caches_whose_blocks_are_not_one_span_are_refused_naming_the_layer():
+    heads_outside = torch.zeros(2, 20, 16, 16, dtype=torch.bfloat16).permute(1, 0, 2, 3)  # [B, H, N, C], H outermost
+    with pytest.raises(LayoutError, match="layer model.layers.0.attn .*heads outside the blocks"):
+        BlockView.of({"model.layers.0.attn": heads_outside}, BLOCK)
+    mixed = {"a.0": torch.zeros(20, 2, 16, 16), "a.1": torch.zeros(20, 2, 16, 16, dtype=torch.bfloat16)}
+    with pytest.raises(LayoutError, match="one KV cache group of alike layers"):
+        BlockView.of(mixed, BLOCK)
+
+
+def test_a_worker_of_a_model_with_several_kv_cache_groups_is_refused():
+    with pytest.raises(UnsupportedConfig, match="2 KV cache groups"):
+        KVConnectorFactory.create_connector(vllm_config(), KVConnectorRole.WORKER, full_attention(["l0"], ["l1"]))
 
 
 @pytest.mark.parametrize("extra, named", [({"port": 0}, "port 0"), ({"port": "17500"}, "port '17500'"),

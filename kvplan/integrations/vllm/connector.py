@@ -1,13 +1,8 @@
-"""``KvplanConnector``: the class vLLM's connector factory builds from a ``KVTransferConfig``.
+"""``KvplanConnector``: the class vLLM's connector factory builds from a ``KVTransferConfig``, once per
+role: the scheduler side (:mod:`.scheduler`) and, in each worker, the worker side (:mod:`.worker`).
 
-Settings, in ``kv_connector_extra_config``:
-
-======= ============================ ==========================================================
-key     default                      meaning
-======= ============================ ==========================================================
-host    vLLM's ``get_ip()``          the address this engine's workers listen at (decodes connect)
-port    17500                        worker rank ``r`` listens at ``port + r``
-======= ============================ ==========================================================
+Settings come from ``kv_connector_extra_config`` (:mod:`.settings`: host, port, engine,
+engine_settings, timeout_s, max_requests).
 
 Example::
 
@@ -24,24 +19,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 
-from ...errors import KvplanError
-from .scheduler import ConnectorScheduler, ListenAddress, SchedulerStep, UnsupportedConfig
+from .scheduler import ConnectorScheduler, SchedulerStep, UnsupportedConfig
+from .settings import DEFAULT_PORT, Settings
+from .worker import ConnectorWorker
 
-__all__ = ["DEFAULT_PORT", "KvplanConnector", "KvplanConnectorMetadata", "WorkerNotBuilt"]
-
-DEFAULT_PORT = 17500
-
-
-class WorkerNotBuilt(KvplanError, NotImplementedError):
-    """The worker side (the bytes) is not built yet: refused at construction, never a silent no-op."""
-
-    def __init__(self) -> None:
-        super().__init__("kvplan's vLLM connector has a scheduler side only so far: its worker side, which moves the "
-                         "KV blocks through kvplan's endpoints, is not built yet (issue 39). Use vLLM's NixlConnector "
-                         "for the transfers meanwhile.")
+__all__ = ["DEFAULT_PORT", "KvplanConnector", "KvplanConnectorMetadata"]
 
 
 class KvplanConnectorMetadata(KVConnectorMetadata):
@@ -57,11 +43,26 @@ class KvplanConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any):
         super().__init__(vllm_config, role, kv_cache_config)
+        transfer = self._kv_transfer_config
+        tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+        scheduler_config = getattr(vllm_config, "scheduler_config", None)
+        settings = Settings.parse(transfer.kv_connector_extra_config, tp_size,
+                                  int(getattr(scheduler_config, "max_num_seqs", 256) or 256))
+        # (the scheduler side refuses what is not covered; the worker side is built from the same checks)
+        self.scheduler: ConnectorScheduler | None = ConnectorScheduler(vllm_config, str(transfer.engine_id),
+                                                                       kv_cache_config, settings.listen)
+        self.worker: ConnectorWorker | None = None
         if role == KVConnectorRole.WORKER:
-            raise WorkerNotBuilt()
-        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        self.scheduler = ConnectorScheduler(vllm_config, str(self._kv_transfer_config.engine_id), kv_cache_config,
-                                            _listen_address(extra, int(vllm_config.parallel_config.tensor_parallel_size)))
+            groups = list(getattr(kv_cache_config, "transfer_groups", None) or kv_cache_config.kv_cache_groups)
+            if len(groups) > 1:
+                raise UnsupportedConfig(f"{len(groups)} KV cache groups: kvplan's vLLM connector moves one (each group "
+                                        "has its own block table)")
+            model_config = getattr(vllm_config, "model_config", None)
+            self.worker = ConnectorWorker(
+                settings, str(transfer.engine_id), _tp_rank(tp_size), tp_size,
+                int(vllm_config.cache_config.block_size), int(getattr(model_config, "max_model_len", 0) or 1 << 17),
+                sends=transfer.kv_role != "kv_consumer", receives=transfer.kv_role != "kv_producer")
+            self.scheduler = None
 
     # -- scheduler side ---------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -86,34 +87,50 @@ class KvplanConnector(KVConnectorBase_V1, SupportsHMA):
     def has_pending_push_work(self) -> bool:
         return self.scheduler.has_pending_push_work()
 
-    # -- worker side (refused at construction: these are never reached) ----------------------------
+    # -- worker side ----------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self.worker.register_kv_caches(kv_caches)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        raise WorkerNotBuilt()
+        metadata = self._get_connector_metadata()
+        if not isinstance(metadata, KvplanConnectorMetadata):
+            raise TypeError(f"the scheduler handed {type(metadata).__name__}, not kvplan's connector metadata")
+        self.worker.start_load_kv(metadata.step)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        raise WorkerNotBuilt()
+        return  # loads are asynchronous: a request runs once vLLM hears it finished receiving
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        raise WorkerNotBuilt()
+        return  # a prefill sends a request's blocks once it has finished (request_finished), not per layer
 
     def wait_for_save(self) -> None:
-        raise WorkerNotBuilt()
+        return  # the blocks stay allocated until finished_sending: nothing to wait for here
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        results = self.worker.get_transfer_results(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=results.finished_sending,
+                                          finished_recving=results.finished_recving,
+                                          failed_recving=results.failed_recving)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.worker.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.get_block_ids_with_load_errors()
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
 
 
-def _listen_address(extra: dict[str, Any], tp_size: int) -> ListenAddress:
-    """Where the workers listen, from ``kv_connector_extra_config`` (refused with the reason when it cannot be)."""
-    unknown = sorted(set(extra) - {"host", "port"})
-    if unknown:
-        raise UnsupportedConfig(f"kv_connector_extra_config: unknown keys {unknown}; kvplan takes 'host' and 'port'")
-    port = extra.get("port", DEFAULT_PORT)
-    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port <= 65536 - tp_size:
-        raise UnsupportedConfig(f"kv_connector_extra_config: port {port!r} is not a port number from which "
-                                f"{tp_size} ranks' ports (port + rank) fit")
-    host = extra.get("host")
-    if host is None:
-        from vllm.utils.network_utils import get_ip
+def _tp_rank(tp_size: int) -> int:
+    """This worker's TP rank, from vLLM's parallel state (rank 0 of TP 1 where it is not set up)."""
+    from vllm.distributed import parallel_state
 
-        host = get_ip()  # vLLM's own choice of this node's address (VLLM_HOST_IP first)
-    if not isinstance(host, str) or not host:
-        raise UnsupportedConfig(f"kv_connector_extra_config: host {host!r} is not an address")
-    return ListenAddress(host, port)
+    if parallel_state.model_parallel_is_initialized():
+        return int(parallel_state.get_tensor_model_parallel_rank())
+    if tp_size == 1:
+        return 0
+    raise UnsupportedConfig(f"TP {tp_size}, but vLLM's tensor-parallel group is not set up: this worker's rank is "
+                            "not known")

@@ -67,6 +67,7 @@ class ReceiveRequest:
     remote_host: str | None
     remote_port: int | None
     remote_tp_size: int | None
+    prefix_len: int = 0  # prompt tokens this side holds already (its own prefix cache): the blocks follow them
 
 
 @dataclass(frozen=True)
@@ -124,14 +125,16 @@ class ConnectorScheduler:
         if not params or not params.get("do_remote_prefill") or num_external_tokens <= 0:
             return  # (all of it computed here: it stays marked, so that its end frees the prefill's blocks)
         block_ids = self._transfer_blocks(blocks.get_unhashed_block_ids_all_groups())
-        self._step.receive[request.request_id] = self._receive(params, block_ids, num_external_tokens)
+        prefix = max(0, len(request.prompt_token_ids or []) - num_external_tokens)
+        self._step.receive[request.request_id] = self._receive(params, block_ids, num_external_tokens, prefix)
         params["do_remote_prefill"] = False  # (a rescheduled request does not register again)
 
-    def _receive(self, params: dict, block_ids: tuple[list[int], ...], num_tokens: int) -> ReceiveRequest:
+    def _receive(self, params: dict, block_ids: tuple[list[int], ...], num_tokens: int,
+                 prefix_len: int = 0) -> ReceiveRequest:
         port = params.get("remote_port")
         return ReceiveRequest(block_ids, num_tokens, params.get("remote_engine_id"), params.get("remote_request_id"),
                               params.get("remote_host"), int(port) if port is not None else None,
-                              params.get("tp_size"))
+                              params.get("tp_size"), prefix_len)
 
     # -- both ---------------------------------------------------------------------------------------
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:

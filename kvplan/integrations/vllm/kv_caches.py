@@ -1,0 +1,114 @@
+"""vLLM's KV cache tensors as a kvplan side.
+
+vLLM 0.33 hands the connector one view per attention layer (``register_kv_caches``), logically
+``[blocks, heads, block_size, content]`` (K and V packed in the content), laid out in memory by the
+configured ``KVCacheLayout``. kvplan moves whole blocks, so what it needs of a view is where block ``b``
+lies and how long it is:
+
+* **per layer** (layouts with the layer outermost, such as ``LBHNC`` and ``LBNHC``): each layer's
+  blocks follow each other; a layer is one kvplan entry whose item is one of its blocks;
+* **across layers** (``BLHNC``, ``BLNHC``: a block holds every layer's part): the layers' views
+  tile one block stride; the whole is one entry whose item is the block of every layer, so a
+  request's run of blocks is one descriptor for all layers.
+
+A view whose blocks are not contiguous (the heads outermost, ``LHBNC``) is refused. The side is an
+MLA-like layout (one entry per layer, no K/V split): kvplan copies a block as it is, so both sides
+must lay blocks out alike; :attr:`BlockView.word` names what must match, and the endpoints refuse to
+pair where it differs.
+
+Example::
+
+    kv_caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(64, 8, 16, 256, dtype=torch.bfloat16)
+                 for i in range(2)}                             # [blocks, heads, block_size, 2 * head_size]
+    view = BlockView.of(kv_caches, block_size=16)
+    side = view.side(req_to_token=torch.zeros(9, 4096, dtype=torch.int32))
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ...errors import LayoutError
+from ...planner.model import Attention, Entry, KVLayout, SideMemory
+
+__all__ = ["BlockView", "layer_order"]
+
+
+def layer_order(name: str) -> tuple:
+    """Sort key of a vLLM layer name: its numbers as numbers (``layers.2`` before ``layers.10``)."""
+    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
+
+
+def _block_bytes(view: Any) -> int | None:
+    """The bytes of one block of ``view`` (dimension 0 indexes blocks) when they are contiguous, else None."""
+    dims = sorted(((view.stride(d), view.shape[d]) for d in range(1, view.dim()) if view.shape[d] > 1))
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return None
+        expected *= size
+    return expected * view.element_size()
+
+
+@dataclass(frozen=True)
+class BlockView:
+    """Where vLLM's blocks lie: ``entries`` (one per layer, or one across layers), the block count and
+    what both sides must share (``word``: the endpoints pair only where it is equal)."""
+
+    entries: tuple[Entry, ...]
+    num_blocks: int
+    block_size: int
+    layers: tuple[str, ...]
+    cross_layer: bool
+    word: str
+
+    @classmethod
+    def of(cls, kv_caches: Mapping[str, Any], block_size: int) -> "BlockView":
+        """The block view of vLLM's per-layer KV tensors (refused, naming the layer, where a block is not
+        one contiguous span or the layers disagree)."""
+        if not kv_caches:
+            raise LayoutError("vLLM registered no KV cache tensors")
+        names = sorted(kv_caches, key=layer_order)
+        views, seen = [], set()
+        for name in names:  # a layer that shares another's cache (vLLM's cross-layer sharing) moves with it
+            view = kv_caches[name]
+            key = (view.data_ptr(), tuple(view.shape), tuple(view.stride()))
+            if key not in seen:
+                seen.add(key)
+                views.append((name, view))
+        first_name, first = views[0]
+        for name, view in views:
+            if view.dim() < 2 or view.shape[0] != first.shape[0] or view.dtype != first.dtype \
+                    or view.device != first.device:
+                raise LayoutError(f"vLLM's KV cache of layer {name}: {view.dtype} {tuple(view.shape)} on {view.device}, "
+                                  f"where {first_name} is {first.dtype} {tuple(first.shape)} on {first.device}: "
+                                  "kvplan's connector moves one KV cache group of alike layers")
+            if _block_bytes(view) is None:
+                raise LayoutError(f"vLLM's KV cache of layer {name} (shape {tuple(view.shape)}, strides "
+                                  f"{tuple(view.stride())}) does not hold a block in one span: a layout with the "
+                                  "heads outside the blocks (LHBNC) is not covered")
+        blocks, unit = int(first.shape[0]), first.element_size()
+        block_bytes = [_block_bytes(v) for _, v in views]
+        strides = {v.stride(0) * unit for _, v in views}
+        order = tuple(sorted(range(1, first.dim()), key=lambda d: -first.stride(d)))
+        base = f"vllm-kv/{str(first.dtype).removeprefix('torch.')}/{tuple(first.shape[1:])}/order{order}/bs{block_size}"
+        if strides == set(block_bytes[:1]) and len(set(block_bytes)) == 1:  # each layer's blocks follow each other
+            entries = tuple(Entry(v.data_ptr(), block_bytes[0], blocks) for _, v in views)
+            return cls(entries, blocks, block_size, tuple(n for n, _ in views), False, f"{base}/per-layer")
+        stride = strides.pop() if len(strides) == 1 else None
+        starts = sorted((v.data_ptr(), b) for (_, v), b in zip(views, block_bytes))
+        tiled = stride is not None and all(a + b == c for (a, b), (c, _) in zip(starts, starts[1:])) \
+            and starts[-1][0] + starts[-1][1] - starts[0][0] == stride
+        if not tiled:
+            raise LayoutError(f"vLLM's KV caches of {len(views)} layers have block strides {sorted(strides)} bytes and "
+                              f"blocks of {sorted(set(block_bytes))}: neither one layer's blocks after another nor "
+                              "every layer's part of a block side by side")
+        return cls((Entry(starts[0][0], stride, blocks),), blocks, block_size, tuple(n for n, _ in views), True,
+                   f"{base}/cross-layer{len(views)}")
+
+    def side(self, req_to_token: Any = None) -> SideMemory:
+        """This view as a kvplan side over ``req_to_token`` (its planning table: token slots, block
+        ``b``'s tokens being ``b * block_size ...``)."""
+        return SideMemory(KVLayout(Attention.MLA, self.block_size, self.entries), req_to_token=req_to_token)

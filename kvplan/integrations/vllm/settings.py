@@ -1,0 +1,83 @@
+"""The connector's settings, from ``kv_connector_extra_config`` (each refused, naming it, when it is wrong).
+
+=============== ============================ ======================================================
+key             default                      meaning
+=============== ============================ ======================================================
+host            vLLM's ``get_ip()``          the address this engine's workers listen at (decodes connect)
+port            17500                        worker rank ``r`` listens at ``port + r``
+engine          ``"nixl"``                   the transfer engine: ``"nixl"`` or ``"mooncake"``
+engine_settings ``{}``                       the engine's own settings (docs/engines.md), e.g. Mooncake's
+                                             ``{"protocol": "rdma", "device_name": "mlx5_0"}``
+timeout_s       120                          how long a transfer may take from the decode's publication:
+                                             past it the decode reports the load failed, and a prefill
+                                             frees blocks its decode never asked for
+max_requests    vLLM's ``max_num_seqs``      requests in flight per worker and direction (planning rows)
+=============== ============================ ======================================================
+
+Example::
+
+    settings = Settings.parse({"host": "10.0.0.3", "engine": "mooncake",
+                               "engine_settings": {"protocol": "rdma"}}, tp_size=8, max_num_seqs=256)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .scheduler import ListenAddress, UnsupportedConfig
+
+__all__ = ["DEFAULT_PORT", "ENGINES", "Settings"]
+
+DEFAULT_PORT = 17500
+DEFAULT_TIMEOUT_S = 120.0
+ENGINES = ("nixl", "mooncake")
+_KEYS = ("host", "port", "engine", "engine_settings", "timeout_s", "max_requests")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What ``kv_connector_extra_config`` says (see the module docstring)."""
+
+    listen: ListenAddress
+    engine: str = "nixl"
+    engine_settings: dict[str, Any] = field(default_factory=dict)
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    max_requests: int = 256
+
+    @classmethod
+    def parse(cls, extra: dict[str, Any] | None, tp_size: int, max_num_seqs: int = 256) -> "Settings":
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - set(_KEYS))
+        if unknown:
+            raise UnsupportedConfig(f"kv_connector_extra_config: unknown keys {unknown}; kvplan takes {list(_KEYS)}")
+        port = extra.get("port", DEFAULT_PORT)
+        if not _is_int(port) or not 0 < port <= 65536 - tp_size:
+            raise UnsupportedConfig(f"kv_connector_extra_config: port {port!r} is not a port number from which "
+                                    f"{tp_size} ranks' ports (port + rank) fit")
+        host = extra.get("host")
+        if host is None:
+            from vllm.utils.network_utils import get_ip
+
+            host = get_ip()  # vLLM's own choice of this node's address (VLLM_HOST_IP first)
+        if not isinstance(host, str) or not host:
+            raise UnsupportedConfig(f"kv_connector_extra_config: host {host!r} is not an address")
+        engine = extra.get("engine", "nixl")
+        if engine not in ENGINES:
+            raise UnsupportedConfig(f"kv_connector_extra_config: engine {engine!r}; kvplan's connector moves through "
+                                    f"{list(ENGINES)}")
+        engine_settings = extra.get("engine_settings", {})
+        if not isinstance(engine_settings, dict):
+            raise UnsupportedConfig(f"kv_connector_extra_config: engine_settings {engine_settings!r} is not a mapping")
+        timeout = extra.get("timeout_s", DEFAULT_TIMEOUT_S)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < 1e6:
+            raise UnsupportedConfig(f"kv_connector_extra_config: timeout_s {timeout!r} is not a positive number of "
+                                    "seconds")
+        rows = extra.get("max_requests", max_num_seqs)
+        if not _is_int(rows) or rows < 1:
+            raise UnsupportedConfig(f"kv_connector_extra_config: max_requests {rows!r} is not a positive count")
+        return cls(ListenAddress(host, port), engine, dict(engine_settings), float(timeout), rows)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

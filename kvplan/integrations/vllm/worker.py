@@ -1,0 +1,374 @@
+"""The worker side of kvplan's vLLM connector: vLLM's KV blocks moved through kvplan's endpoints.
+
+Each TP rank of an engine runs one :class:`ConnectorWorker`. It sees vLLM's KV tensors once
+(:meth:`register_kv_caches`, :mod:`.kv_caches`) and then, every step, what the scheduler side decided
+(:class:`~.scheduler.SchedulerStep`):
+
+* **sending** (a prefill): a kvplan :class:`~kvplan.transport.prefill.PrefillEndpoint` listens at
+  ``host:port + rank`` for decodes (:class:`~kvplan.transport.listener.ChannelListener`). A finished
+  request's blocks go into a row of its planning table; once the decode that took the request has
+  published its blocks for it, the step's ready requests are planned as one batch and written
+  (:meth:`get_finished`). A request is reported finished sending, so that vLLM frees its blocks, once
+  its writes have ended (sent or failed), once its decode gave it up, or once ``timeout_s`` passed
+  with no decode asking for it;
+* **receiving** (a decode): a kvplan :class:`~kvplan.transport.decode.DecodeEndpoint`, connected to
+  each prefill rank it receives from (the same rank of an engine of the same TP size), publishes the
+  blocks vLLM allocated, under the prefill's request id. A request is reported finished receiving
+  once every byte landed; a failed one (its prefill failed it, died, or missed ``timeout_s``) is
+  aborted, reported once no write into its blocks can still land (:meth:`DecodeEndpoint.fenced`), in
+  ``failed_recving`` and, where the model has one KV cache group, with its blocks in
+  :meth:`get_block_ids_with_load_errors`: never as a success.
+
+Both sides lay blocks out alike or do not pair: the endpoints compare :attr:`BlockView.word`
+(dtype, block shape and byte order, block size). Planning runs on the KV tensors' device (the
+GPU in a deployment); writes go direct (one per run of blocks): the decode takes prefills as they
+come, which a staging buffer split at construction cannot.
+
+Example (what vLLM's model runner does each step)::
+
+    worker = ConnectorWorker(settings, engine_id="decode-0", tp_rank=0, tp_size=1, block_size=16)
+    worker.register_kv_caches(kv_caches)
+    worker.start_load_kv(step)                       # the scheduler side's SchedulerStep
+    results = worker.get_transfer_results(finished_req_ids)
+    bad_blocks = worker.get_block_ids_with_load_errors()
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from ...errors import KvplanError
+from ...planner.block_tables import token_table_from_blocks
+from ...planner.destinations import PreallocatedRequest
+from ...transport.decode import DecodeEndpoint
+from ...transport.engines import make_engine
+from ...transport.listener import ChannelListener, channel_via
+from ...transport.prefill import Chunk, PrefillEndpoint
+from .kv_caches import BlockView
+from .scheduler import ReceiveRequest, SchedulerStep, SendRequest
+from .settings import Settings
+
+__all__ = ["ConnectorWorker", "TransferResults"]
+
+log = logging.getLogger("kvplan")
+
+HANDSHAKE_S = 5.0  # how long a decode that asked for a channel may take to register on it
+
+
+@dataclass
+class TransferResults:
+    """One step's report to vLLM's scheduler (its ``KVConnectorTransferResults``)."""
+
+    finished_sending: set[str]
+    finished_recving: set[str]
+    failed_recving: set[str]
+
+
+class _Rows:
+    """Free rows of a planning table (row 0 stays unused, as in SGLang's request pool)."""
+
+    def __init__(self, count: int):
+        self.free = list(range(count - 1, 0, -1))
+
+    def take(self) -> int | None:
+        return self.free.pop() if self.free else None
+
+    def give(self, row: int) -> None:
+        self.free.append(row)
+
+
+@dataclass
+class _Sending:
+    """A finished prefill request whose blocks wait for its decode's lists."""
+
+    request: SendRequest
+    row: int
+    deadline: float
+
+
+@dataclass
+class _Receiving:
+    """A decode request published to its prefill, under the prefill's request id."""
+
+    local_id: str
+    row: int
+    block_ids: list[int]
+    failed: str | None = None  # why, once it failed (it is reported once fenced)
+
+
+class ConnectorWorker:
+    """One TP rank's worker side (see the module docstring)."""
+
+    def __init__(self, settings: Settings, engine_id: str, tp_rank: int, tp_size: int, block_size: int,
+                 max_model_len: int = 1 << 17, sends: bool = True, receives: bool = True, groups: int = 1):
+        self.settings, self.engine_id = settings, engine_id
+        self.tp_rank, self.tp_size, self.block_size = tp_rank, tp_size, block_size
+        self.width = -(-max_model_len // block_size) * block_size  # planning-table columns (tokens)
+        self.sends, self.receives, self.groups = sends, receives, groups
+        self.view: BlockView | None = None
+        self.prefill: PrefillEndpoint | None = None
+        self.listener: ChannelListener | None = None
+        self.decode: DecodeEndpoint | None = None
+        self._engines: list[Any] = []
+        self._sending: dict[str, _Sending] = {}
+        self._sent: set[str] = set()  # written (or given up), waiting for vLLM to name them finished
+        self._finished: set[str] = set()  # requests vLLM said finished (finished_req_ids) not yet reported sent
+        self._receiving: dict[str, _Receiving] = {}  # by the prefill's request id
+        self._prefills: dict[tuple[str, int], int] = {}  # (host, port) -> the decode endpoint's sender index
+        self._load_errors: set[int] = set()
+        self._unpublished: list[tuple[str, list[int]]] = []  # requests refused before publication, and their blocks
+
+    # -- registration ---------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        """Take vLLM's KV tensors; a sending worker starts listening for decodes."""
+        self.view = BlockView.of(kv_caches, self.block_size)
+        self.device = next(iter(kv_caches.values())).device
+        if self.sends:
+            self._send_table = torch.zeros((self.settings.max_requests + 1, self.width), dtype=torch.int32,
+                                           device=self.device)
+            self._send_rows = _Rows(self.settings.max_requests + 1)
+            self.prefill = PrefillEndpoint(self.view.side(self._send_table), self._engine("send"), [],
+                                           compat=self.view.word)
+            listen = self.settings.listen
+            self.listener = ChannelListener(listen.port + self.tp_rank, host=listen.host, handshake_s=HANDSHAKE_S)
+            log.info("kvplan's vLLM connector, rank %d: %d blocks of %d layers; decodes connect at %s:%d", self.tp_rank,
+                     self.view.num_blocks, len(self.view.layers), listen.host, listen.port + self.tp_rank)
+        if self.receives:
+            self._recv_table = torch.zeros((self.settings.max_requests + 1, self.width), dtype=torch.int32,
+                                           device=self.device)
+            self._recv_rows = _Rows(self.settings.max_requests + 1)
+
+    def _engine(self, role: str) -> Any:
+        memory = "VRAM" if self.device.type == "cuda" else "DRAM"
+        settings = dict(self.settings.engine_settings)
+        if self.settings.engine == "mooncake":  # peers reach its segment at this worker's address unless told otherwise
+            settings.setdefault("local_hostname", self.settings.listen.host)
+        engine = make_engine(self.settings.engine, f"vllm-{self.engine_id}-{role}-{self.tp_rank}-{os.getpid()}", memory,
+                             self.device.index or 0, **settings)
+        self._engines.append(engine)
+        return engine
+
+    # -- each step ------------------------------------------------------------------------------------
+    def start_load_kv(self, step: SchedulerStep) -> None:
+        """Take the step's decisions: finished prefill requests to send, decode requests to publish."""
+        now = time.monotonic()
+        for request_id, send in step.send.items():
+            self._take_send(request_id, send, now)
+        for request_id, receive in step.receive.items():
+            try:
+                self._publish(request_id, receive)
+            except KvplanError as err:
+                self._fail_unpublished(request_id, receive, f"{type(err).__name__}: {err}")
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> TransferResults:
+        """Move what is ready and report what ended: the requests whose blocks vLLM may free (sent,
+        among those it named finished), received, and failed to receive."""
+        self._finished |= set(finished_req_ids)
+        if self.prefill is not None:
+            self._progress_sends()
+        received, failed = self._progress_receives() if self.decode is not None else (set(), set())
+        for request_id, blocks in self._unpublished:
+            failed.add(request_id)
+            self._load_errors.update(blocks)
+        self._unpublished = []
+        sent = self._sent & self._finished
+        self._sent -= sent
+        self._finished -= sent
+        return TransferResults(sent, received | failed, failed)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """The blocks of requests reported failed since the last call (one KV cache group only: vLLM maps
+        block ids back to requests only then; with several, ``failed_recving`` alone says it)."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors if self.groups == 1 else set()
+
+    def has_work(self) -> bool:
+        return bool(self._sending or self._sent or self._receiving)
+
+    def shutdown(self) -> None:
+        """Close every channel, the listener and the engines (idempotent)."""
+        closers = [self.listener.close] if self.listener is not None else []
+        closers += [p.channel.close for p in self.prefill.peers] if self.prefill is not None else []
+        closers += [c.close for c in self.decode.channels] if self.decode is not None else []
+        closers += [e.close for e in self._engines]
+        self.listener = self.prefill = self.decode = None
+        self._engines = []
+        for close in closers:
+            try:
+                close()
+            except Exception as err:  # noqa: BLE001 - a resource already gone: nothing left to release
+                log.warning("closing kvplan's vLLM connector: %s: %s", type(err).__name__, err)
+
+    # -- sending --------------------------------------------------------------------------------------
+    def _take_send(self, request_id: str, send: SendRequest, now: float) -> None:
+        if self.prefill is None:
+            log.error("request %s: a prefill request on a worker that does not send (kv_role); freed", request_id)
+            self._sent.add(request_id)
+            return
+        row = self._send_rows.take()
+        if row is None:
+            log.error("request %s: more than %d requests in flight (max_requests); its blocks are freed unsent",
+                      request_id, self.settings.max_requests)
+            self._sent.add(request_id)
+            return
+        blocks = send.block_ids[0] if send.block_ids else []
+        self._write_row(self._send_table, row, 0, blocks)
+        self._sending[request_id] = _Sending(send, row, now + self.settings.timeout_s)
+
+    def _progress_sends(self) -> None:
+        endpoint = self.prefill
+        for channel in self.listener.accept_pending():
+            try:
+                endpoint.add_peer(channel, HANDSHAKE_S)
+            except KvplanError as err:
+                log.warning("a decode could not pair with rank %d: %s", self.tp_rank, err)
+        try:
+            endpoint.progress()
+        except KvplanError as err:
+            log.warning("rank %d: %s", self.tp_rank, err)
+        given_up = [r for _, r, _ in endpoint.aborted] + [r for _, r in endpoint.given_up]
+        endpoint.aborted.clear()
+        endpoint.given_up.clear()
+        for request_id in given_up:
+            if request_id in self._sending:
+                self._done_sending(request_id, "its decode gave it up")
+        now, chunks = time.monotonic(), []
+        for request_id, sending in list(self._sending.items()):
+            peers = [k for k, p in enumerate(endpoint.peers) if request_id in p.lists]
+            if not peers:
+                if now > sending.deadline:
+                    self._done_sending(request_id, f"no decode asked for it within {self.settings.timeout_s} s")
+                continue
+            _, prompt_len, prefix = endpoint.peers[peers[0]].lists[request_id]
+            if prompt_len > sending.request.num_tokens:
+                reason = (f"the decode asks for {prompt_len} tokens; this prefill computed "
+                          f"{sending.request.num_tokens}")
+                endpoint.fail([request_id], reason, peer=peers[0])
+                self._done_sending(request_id, reason)
+                continue
+            chunks.append(endpoint.transfer(Chunk(request_id, sending.row, prefix, prompt_len, prompt_len, True),
+                                            peer=peers[0]))
+        if not chunks:
+            return
+        try:
+            results = endpoint.send(chunks, timeout=self.settings.timeout_s)
+        except KvplanError as err:
+            results = {t.request: f"{type(err).__name__}: {err}" for t in chunks}
+        for chunk in chunks:
+            self._done_sending(chunk.request, results.get(chunk.request))
+            endpoint.forget([chunk.request])
+
+    def _done_sending(self, request_id: str, reason: str | None) -> None:
+        sending = self._sending.pop(request_id)
+        self._send_rows.give(sending.row)
+        self._sent.add(request_id)
+        if reason is not None:
+            log.warning("request %s was not sent: %s", request_id, reason)
+
+    # -- receiving ------------------------------------------------------------------------------------
+    def _publish(self, request_id: str, receive: ReceiveRequest) -> None:
+        remote = receive.remote_request_id
+        if not receive.block_ids or not receive.block_ids[0]:  # nothing to load: its prefill frees its blocks
+            if self.receives and remote is not None and receive.remote_host is not None \
+                    and receive.remote_port is not None:
+                peer = self._connect(receive.remote_host, receive.remote_port)
+                self.decode.channels[peer].send("abort", {"request": remote, "reason": "the decode needs none of it"},
+                                                timeout=HANDSHAKE_S)
+            return
+        if not self.receives:
+            raise KvplanError("this worker does not receive (kv_role kv_producer)")
+        if remote is None or receive.remote_host is None or receive.remote_port is None:
+            raise KvplanError("its kv_transfer_params name no prefill (remote_request_id, remote_host, remote_port)")
+        if receive.remote_tp_size is not None and int(receive.remote_tp_size) != self.tp_size:
+            raise KvplanError(f"its prefill runs TP {receive.remote_tp_size}, this decode TP {self.tp_size}: kvplan's "
+                              "vLLM connector moves between equal TP sizes only")
+        blocks = list(receive.block_ids[0])
+        needed = -(-receive.num_tokens // self.block_size)
+        if len(blocks) != needed or receive.prefix_len % self.block_size:
+            raise KvplanError(f"{len(blocks)} blocks after a prefix of {receive.prefix_len} tokens for "
+                              f"{receive.num_tokens} tokens of blocks of {self.block_size}")
+        if remote in self._receiving:
+            raise KvplanError(f"its prefill's request id {remote!r} is already being received here")
+        row = self._recv_rows.take()
+        if row is None:
+            raise KvplanError(f"more than {self.settings.max_requests} requests in flight (max_requests)")
+        try:
+            peer = self._connect(receive.remote_host, receive.remote_port)
+            self._write_row(self._recv_table, row, receive.prefix_len, blocks)
+            prompt_len = receive.prefix_len + receive.num_tokens
+            self.decode.publish([PreallocatedRequest(remote, row, prompt_len, receive.prefix_len)],
+                                timeout=self.settings.timeout_s, peer=peer)
+        except BaseException:
+            self._recv_rows.give(row)
+            raise
+        self._receiving[remote] = _Receiving(request_id, row, blocks)
+
+    def _connect(self, host: str, port: int) -> int:
+        """The decode endpoint's sender index of this rank's peer at the prefill listening at ``host:port``."""
+        address = (host, int(port) + self.tp_rank)
+        if address in self._prefills:
+            return self._prefills[address]
+        channel = channel_via(*address, timeout=HANDSHAKE_S)
+        if self.decode is None:
+            side = self.view.side(self._recv_table)
+            self.decode = DecodeEndpoint(side, self._engine("receive"), channel, compat=self.view.word)
+            self.decode.register(timeout=HANDSHAKE_S)
+            peer = 0
+        else:
+            peer = self.decode.add_sender(channel, HANDSHAKE_S)
+        self._prefills[address] = peer
+        return peer
+
+    def _progress_receives(self) -> tuple[set[str], set[str]]:
+        decode = self.decode
+        decode.poll()
+        received, failed = set(), set()
+        for remote, receiving in list(self._receiving.items()):
+            if receiving.failed is None:
+                state = decode.tracker.state(remote) if remote in decode.tracker else "failed"
+                if state == "pending":
+                    continue
+                if state == "complete":
+                    received.add(receiving.local_id)
+                    self._end_receive(remote)
+                    continue
+                receiving.failed = decode.tracker.failure(remote) if remote in decode.tracker else "not tracked"
+                log.warning("request %s (the prefill's %s) failed to load: %s", receiving.local_id, remote,
+                            receiving.failed)
+                decode.abort(remote, receiving.failed)
+            if decode.fenced(remote):  # no write into its blocks can land any more: vLLM may reuse them
+                failed.add(receiving.local_id)
+                self._load_errors.update(receiving.block_ids)
+                self._end_receive(remote)
+        return received, failed
+
+    def _end_receive(self, remote: str) -> None:
+        receiving = self._receiving.pop(remote)
+        self._recv_rows.give(receiving.row)
+        self.decode.forget(remote)
+
+    def _fail_unpublished(self, request_id: str, receive: ReceiveRequest, reason: str) -> None:
+        """A request whose blocks could not be published: nothing was written into them; reported failed
+        at the next results, with its blocks."""
+        log.warning("request %s cannot load from its prefill: %s", request_id, reason)
+        blocks = list(receive.block_ids[0]) if receive.block_ids else []
+        self._unpublished.append((request_id, blocks))
+
+    # -- helpers --------------------------------------------------------------------------------------
+    def _write_row(self, table: torch.Tensor, row: int, prefix: int, blocks: list[int]) -> None:
+        """Tokens ``[prefix, prefix + len(blocks) * block_size)`` of planning row ``row``: the blocks' slots."""
+        if not blocks:
+            return
+        ids = torch.from_numpy(np.asarray(blocks, dtype=np.int64)[None, :]).to(table.device)
+        slots = token_table_from_blocks(ids, self.block_size)
+        end = prefix + slots.shape[1]
+        if end > table.shape[1]:
+            raise KvplanError(f"{end} tokens exceed the planning table's {table.shape[1]} (max_model_len)")
+        table[row, prefix:end].copy_(slots[0])

@@ -1,0 +1,70 @@
+"""What kvplan's vLLM connector tests hand vLLM's code: configurations, requests and KV caches shaped
+as vLLM 0.33 makes them (a real ``VllmConfig`` needs a model), for the tests and for the prefill and
+decode processes of :mod:`tests.integrations.vllm_node`. Needs vLLM installed (``make setup-vllm``)."""
+
+import os
+from types import SimpleNamespace
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+import torch  # noqa: E402
+from vllm.config import KVTransferConfig  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor  # noqa: E402
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
+from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
+
+BLOCK = 16
+ENGINE = "prefill-engine-0"
+
+
+def full_attention(*groups_of_layers, num_blocks=64, heads=8, head_size=128, dtype=torch.bfloat16,
+                   layout=None) -> KVCacheConfig:
+    """A KV cache config of full-attention groups; with ``layout``, one backing allocation of one group
+    placed as that layout places it (what vLLM's ``allocate_kv_cache`` reads)."""
+    groups = [KVCacheGroupSpec(list(layers), FullAttentionSpec(block_size=BLOCK, num_kv_heads=heads,
+                                                                head_size=head_size, dtype=dtype))
+              for layers in groups_of_layers]
+    tensors = []
+    if layout is not None:
+        layers, page = groups[0].layer_names, groups[0].kv_cache_spec.page_size_bytes
+        compact = layout.is_layer_compact
+        tensors = [KVCacheTensor(size=page * num_blocks * len(layers), layers=list(layers),
+                                 layer_stride=page * num_blocks if compact else page,
+                                 block_stride=page if compact else page * len(layers))]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
+
+
+def kv_caches(kv_cache_config: KVCacheConfig, layout: KVCacheLayout) -> dict[str, torch.Tensor]:
+    """The per-layer KV views vLLM's model runner registers with the connector, on the CPU."""
+    return allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout)
+
+
+def vllm_config(extra=None, role="kv_both", lookahead=1, engine_id=ENGINE, max_model_len=4096) -> SimpleNamespace:
+    """The parts of a ``VllmConfig`` the factory, both schedulers and the worker read."""
+    transfer = KVTransferConfig(kv_connector="KvplanConnector", kv_connector_module_path="kvplan.integrations.vllm",
+                                kv_role=role, engine_id=engine_id,
+                                kv_connector_extra_config={"host": "127.0.0.1", "port": 17500} if extra is None
+                                else extra)
+    return SimpleNamespace(
+        kv_transfer_config=transfer, num_prefill_lookahead_tokens=lookahead,
+        scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False, max_num_seqs=32),
+        cache_config=SimpleNamespace(block_size=BLOCK), model_config=SimpleNamespace(max_model_len=max_model_len),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, decode_context_parallel_size=1, data_parallel_index=0,
+                                        pipeline_parallel_size=1))
+
+
+def request(request_id, prompt_len, params, computed=0, status=RequestStatus.RUNNING) -> SimpleNamespace:
+    return SimpleNamespace(request_id=request_id, prompt_token_ids=list(range(prompt_len)), num_prompt_tokens=prompt_len,
+                           num_computed_tokens=computed, status=status,
+                           kv_transfer_params=None if params is None else dict(params))
+
+
+class Blocks:
+    """What ``update_state_after_alloc`` reads of vLLM's ``KVCacheBlocks``."""
+
+    def __init__(self, *groups):
+        self.groups = tuple(list(g) for g in groups)
+
+    def get_unhashed_block_ids_all_groups(self):
+        return self.groups
