@@ -44,7 +44,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from ...errors import KvplanError
+from ...errors import KvplanError, PeerError
 from ...planner.block_tables import token_table_from_blocks
 from ...planner.destinations import PreallocatedRequest
 from ...transport.decode import DecodeEndpoint
@@ -122,6 +122,7 @@ class ConnectorWorker:
         self._finished: set[str] = set()  # requests vLLM said finished (finished_req_ids) not yet reported sent
         self._receiving: dict[str, _Receiving] = {}  # by the prefill's request id
         self._prefills: dict[tuple[str, int], int] = {}  # (host, port) -> the decode endpoint's sender index
+        self._unreachable: dict[tuple[str, int], tuple[float, str]] = {}  # a prefill that did not answer: until, why
         self._load_errors: set[int] = set()
         self._unpublished: list[tuple[str, list[int]]] = []  # requests refused before publication, and their blocks
 
@@ -135,7 +136,7 @@ class ConnectorWorker:
                                            device=self.device)
             self._send_rows = _Rows(self.settings.max_requests + 1)
             self.prefill = PrefillEndpoint(self.view.side(self._send_table), self._engine("send"), [],
-                                           compat=self.view.word)
+                                           refuse="request", compat=self.view.word)
             listen = self.settings.listen
             self.listener = ChannelListener(listen.port + self.tp_rank, host=listen.host, handshake_s=HANDSHAKE_S)
             log.info("kvplan's vLLM connector, rank %d: %d blocks of %d layers; decodes connect at %s:%d", self.tp_rank,
@@ -246,13 +247,8 @@ class ConnectorWorker:
                 if now > sending.deadline:
                     self._done_sending(request_id, f"no decode asked for it within {self.settings.timeout_s} s")
                 continue
-            _, prompt_len, prefix = endpoint.peers[peers[0]].lists[request_id]
-            if prompt_len > sending.request.num_tokens:
-                reason = (f"the decode asks for {prompt_len} tokens; this prefill computed "
-                          f"{sending.request.num_tokens}")
-                endpoint.fail([request_id], reason, peer=peers[0])
-                self._done_sending(request_id, reason)
-                continue
+            # its decode's pages must hold tokens [prefix, num_tokens): the planner refuses it alone otherwise
+            prefix, prompt_len = endpoint.peers[peers[0]].lists[request_id][2], sending.request.num_tokens
             chunks.append(endpoint.transfer(Chunk(request_id, sending.row, prefix, prompt_len, prompt_len, True),
                                             peer=peers[0]))
         if not chunks:
@@ -315,7 +311,15 @@ class ConnectorWorker:
         address = (host, int(port) + self.tp_rank)
         if address in self._prefills:
             return self._prefills[address]
-        channel = channel_via(*address, timeout=HANDSHAKE_S)
+        until, reason = self._unreachable.get(address, (0.0, ""))
+        if time.monotonic() < until:  # (its other requests of the moment fail at once, not one wait each)
+            raise PeerError(reason)
+        try:
+            channel = channel_via(*address, timeout=HANDSHAKE_S)
+        except KvplanError as err:
+            self._unreachable[address] = (time.monotonic() + HANDSHAKE_S, f"the prefill at {address[0]}:{address[1]} "
+                                                                         f"did not answer: {err}")
+            raise PeerError(self._unreachable[address][1]) from None
         if self.decode is None:
             side = self.view.side(self._recv_table)
             self.decode = DecodeEndpoint(side, self._engine("receive"), channel, compat=self.view.word)

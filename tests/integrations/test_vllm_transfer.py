@@ -1,0 +1,79 @@
+"""kvplan's vLLM connector moving bytes between a prefill and a decode process (issue 39, (c) and (d)).
+
+Each process is a vLLM engine reduced to what touches the connector (:mod:`tests.integrations.vllm_node`):
+kvplan's connector built by vLLM's factory, KV caches allocated by vLLM's ``allocate_kv_cache`` in the
+layout under test, the engine loop's connector calls in vLLM's order. The prefill's blocks hold bytes
+drawn from each request's name; the decode, into blocks of its own, must end with every byte of every
+block of every layer equal, and every request it could not load reported in ``failed_recving`` with its
+blocks in ``get_block_ids_with_load_errors``: never as a success.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM 0.33.0 is not installed (make setup-vllm)")
+
+pytestmark = pytest.mark.vllm
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REQUESTS = ["d-req-0", "d-req-1", "d-req-2", "d-req-3"]  # (the node's lengths: 100, 37, 64, 5 tokens)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_pair(tmp_path, engine: str, prefill_layout: str, decode_layout: str, *decode_args: str,
+             prefill_args: tuple[str, ...] = ()) -> tuple[dict, dict]:
+    """Both processes, to their end (each has its own deadline); what each printed."""
+    params = str(tmp_path / "params.json")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), ROOT) if p),
+           "VLLM_TARGET_DEVICE": "cpu"}
+    base = [sys.executable, "-m", "tests.integrations.vllm_node"]
+    prefill = subprocess.Popen([*base, "prefill", "--port", str(_free_port()), "--params", params, "--engine", engine,
+                                "--layout", prefill_layout, *prefill_args], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    try:
+        decode = subprocess.run([*base, "decode", "--port", str(_free_port()), "--params", params, "--engine", engine,
+                                 "--layout", decode_layout, *decode_args], capture_output=True, text=True,
+                                cwd=ROOT, env=env, timeout=150)
+        out, err = prefill.communicate(timeout=60)
+    finally:
+        if prefill.poll() is None:
+            prefill.kill()
+            prefill.wait(timeout=10)
+    assert decode.returncode == 0, decode.stderr[-3000:]
+    assert prefill.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1]), json.loads(decode.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("engine, layout", [("nixl", "LBNHC"), ("nixl", "BLHNC"), ("mooncake", "LBHNC")])
+def test_every_byte_of_every_block_lands_and_a_request_its_prefill_never_had_is_reported_failed(tmp_path, engine,
+                                                                                               layout):
+    if engine == "mooncake":
+        pytest.importorskip("mooncake.engine", reason="Mooncake is not installed")
+    sent, got = run_pair(tmp_path, engine, layout, layout, "--ghost", "--timeout", "6")
+    assert sent == {"sent": ["p-req-0", "p-req-1", "p-req-2", "p-req-3"], "freed": True}  # (its blocks freed after)
+    assert got["received"] == REQUESTS + ["d-req-4"]  # every request ends, the failed one too (vLLM frees it)
+    assert got["failed"] == ["d-req-4"] and got["invalid_blocks"] == got["ghost_blocks"] != []
+    assert got["wrong"] == [] and got["blocks_checked"] == 7 + 3 + 4 + 1
+
+
+def test_sides_whose_blocks_are_laid_out_differently_do_not_pair_and_every_load_fails(tmp_path):
+    sent, got = run_pair(tmp_path, "nixl", "LBNHC", "LBHNC", "--timeout", "6", prefill_args=("--timeout", "6"))
+    assert got["failed"] == got["received"] == REQUESTS  # reported, none as a success
+    assert len(got["invalid_blocks"]) == 7 + 3 + 4 + 1
+    assert sent["sent"] == ["p-req-0", "p-req-1", "p-req-2", "p-req-3"]  # (freed: no decode asked within 6 s)
+
+
+def test_a_prefill_gone_before_its_decode_came_fails_every_load(tmp_path):
+    sent, got = run_pair(tmp_path, "nixl", "LBNHC", "LBNHC", "--timeout", "6", prefill_args=("--exit-early",))
+    assert got["failed"] == got["received"] == REQUESTS
+    assert len(got["invalid_blocks"]) == 7 + 3 + 4 + 1

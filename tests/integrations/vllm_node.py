@@ -1,0 +1,176 @@
+"""A prefill or a decode vLLM engine, reduced to what touches the connector, in a process of its own
+(issue 39, tests (c) and (d)): kvplan's connector built by vLLM's factory in both roles, KV caches
+allocated by vLLM's own ``allocate_kv_cache``, and the engine loop's calls in vLLM's order
+(``build_connector_meta``, ``bind_connector_metadata``, ``start_load_kv``, ``get_transfer_results``,
+``get_block_ids_with_load_errors``, ``update_connector_output``).
+
+The prefill fills each request's blocks with bytes drawn from the request's name, finishes the
+requests, writes the parameters it returns (what vLLM's proxy hands the decode) to ``--params``, and
+steps until every request is reported finished sending. The decode reads them, allocates its own
+(scattered) blocks, steps until every request is reported finished receiving, and checks every byte
+of every block it received. Each prints one JSON line of what it saw.
+
+    python -m tests.integrations.vllm_node prefill --port 17500 --params /tmp/p.json --layout LBNHC
+    python -m tests.integrations.vllm_node decode --params /tmp/p.json --layout LBNHC
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+import zlib
+from types import SimpleNamespace
+
+from tests.integrations.vllm_fakes import BLOCK, Blocks, full_attention, kv_caches, request, vllm_config
+
+import torch  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
+HEADS, HEAD_SIZE = 2, 16
+
+
+def block_bytes(request_name: str, index: int, layer: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """The bytes block ``index`` of a request holds in ``layer`` (both processes draw the same)."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{request_name}/{index}/{layer}".encode()))
+    return torch.randn(shape, generator=gen).to(torch.bfloat16)
+
+
+def connectors(role: str, extra: dict, num_blocks: int, layout: KVCacheLayout, engine_id: str):
+    kv_cache = full_attention(LAYERS, num_blocks=num_blocks, heads=HEADS, head_size=HEAD_SIZE, layout=layout)
+    config = vllm_config(extra, role="kv_both", engine_id=engine_id)
+    scheduler = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kv_cache)
+    worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache)
+    caches = kv_caches(kv_cache, layout)
+    worker.register_kv_caches(caches)
+    return scheduler, worker, caches
+
+
+def step(scheduler, worker, finished: set[str]):
+    """One engine step's connector calls, in vLLM's order; what the scheduler heard."""
+    worker.bind_connector_metadata(scheduler.build_connector_meta(SimpleNamespace()))
+    worker.start_load_kv(None)
+    worker.wait_for_save()
+    results = worker.get_transfer_results(finished)
+    invalid = worker.get_block_ids_with_load_errors()
+    worker.clear_connector_metadata()
+    scheduler.update_connector_output(SimpleNamespace(finished_sending=results.finished_sending,
+                                                      finished_recving=results.finished_recving))
+    return results, invalid
+
+
+def prefill(args: argparse.Namespace) -> dict:
+    extra = {"host": "127.0.0.1", "port": args.port, "engine": args.engine, "timeout_s": args.timeout}
+    scheduler, worker, caches = connectors("prefill", extra, 64, KVCacheLayout[args.layout], "prefill-engine")
+    rng = random.Random(1)
+    free = list(range(64))
+    rng.shuffle(free)
+    params, names = [], []
+    for i, prompt_len in enumerate(args.lengths):
+        name = f"p-req-{i}"
+        blocks = [free.pop() for _ in range(-(-prompt_len // BLOCK))]
+        for j, b in enumerate(blocks):
+            for layer, layer_name in enumerate(LAYERS):
+                caches[layer_name][b].copy_(block_bytes(name, j, layer, tuple(caches[layer_name][b].shape)))
+        finished = request(name, prompt_len, {"do_remote_decode": True}, computed=prompt_len,
+                           status=RequestStatus.FINISHED_LENGTH_CAPPED)
+        keep, returned = scheduler.request_finished_all_groups(finished, (blocks,))
+        assert keep, name
+        params.append(returned)
+        names.append(name)
+    with open(args.params + ".tmp", "w") as f:
+        json.dump(params, f)
+    os.replace(args.params + ".tmp", args.params)
+    if args.exit_early:  # gone before any decode reached it
+        worker.shutdown()
+        return {"sent": [], "freed": False}
+    sent: set[str] = set()
+    finished_now = set(names)  # (vLLM names them finished in the step after request_finished)
+    deadline = time.monotonic() + args.timeout + 30
+    while sent != set(names) and time.monotonic() < deadline:
+        results, _ = step(scheduler, worker, finished_now)
+        finished_now = set()
+        sent |= results.finished_sending
+        time.sleep(0.002)
+    freed = not scheduler.has_pending_push_work()
+    while not os.path.exists(args.params + ".done") and time.monotonic() < deadline:
+        step(scheduler, worker, set())  # (answers the decode's aborts while it checks)
+        time.sleep(0.01)
+    worker.shutdown()
+    return {"sent": sorted(sent), "freed": freed}
+
+
+def decode(args: argparse.Namespace) -> dict:
+    extra = {"host": "127.0.0.1", "port": args.port, "engine": args.engine, "timeout_s": args.timeout}
+    scheduler, worker, caches = connectors("decode", extra, 96, KVCacheLayout[args.layout], "decode-engine")
+    deadline = time.monotonic() + 60
+    while not os.path.exists(args.params):
+        if time.monotonic() > deadline:
+            raise TimeoutError("the prefill wrote no parameters")
+        time.sleep(0.05)
+    with open(args.params) as f:
+        params = json.load(f)
+    if args.ghost:  # a request its prefill never had: it must be reported failed, never complete
+        params.append({**params[0], "remote_request_id": "p-req-ghost"})
+    rng = random.Random(2)
+    free = list(range(96))
+    rng.shuffle(free)
+    mine = {}  # local id -> (prefill's name, blocks)
+    for i, p in enumerate(params):
+        prompt_len = p["remote_num_tokens"]
+        local = f"d-req-{i}"
+        r = request(local, prompt_len, p)
+        count, is_async = scheduler.get_num_new_matched_tokens(r, 0)
+        assert is_async and count == prompt_len, (count, is_async)
+        blocks = [free.pop() for _ in range(-(-count // BLOCK))]
+        scheduler.update_state_after_alloc(r, Blocks(blocks), count)
+        mine[local] = (p["remote_request_id"], blocks)
+    received, failed, invalid = set(), set(), set()
+    deadline = time.monotonic() + args.timeout + 30
+    while received != set(mine) and time.monotonic() < deadline:
+        results, bad = step(scheduler, worker, set())
+        received |= results.finished_recving
+        failed |= results.failed_recving
+        invalid |= bad
+        time.sleep(0.002)
+    wrong = []
+    for local in sorted(received - failed):
+        name, blocks = mine[local]
+        for j, b in enumerate(blocks):
+            for layer, layer_name in enumerate(LAYERS):
+                if not torch.equal(caches[layer_name][b], block_bytes(name, j, layer, tuple(caches[layer_name][b].shape))):
+                    wrong.append([local, j, layer])
+    open(args.params + ".done", "w").close()
+    worker.shutdown()
+    ghost_blocks = sorted(mine[f"d-req-{len(params) - 1}"][1]) if args.ghost else []
+    return {"received": sorted(received), "failed": sorted(failed), "invalid_blocks": sorted(invalid),
+            "ghost_blocks": ghost_blocks, "wrong": wrong, "requests": sorted(mine),
+            "blocks_checked": sum(len(b) for n, (_, b) in mine.items() if n in received - failed)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("role", choices=("prefill", "decode"))
+    parser.add_argument("--port", type=int, default=17500)
+    parser.add_argument("--params", required=True)
+    parser.add_argument("--layout", default="LBNHC")
+    parser.add_argument("--engine", default="nixl")
+    parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--lengths", type=int, nargs="*", default=[100, 37, 64, 5])
+    parser.add_argument("--ghost", action="store_true")
+    parser.add_argument("--exit-early", action="store_true")
+    args = parser.parse_args(argv)
+    result = prefill(args) if args.role == "prefill" else decode(args)
+    print(json.dumps(result), flush=True)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
