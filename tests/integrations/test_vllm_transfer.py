@@ -35,7 +35,7 @@ def run_pair(tmp_path, engine: str, prefill_layout: str, decode_layout: str, *de
     """Both processes, to their end (each has its own deadline); what each printed."""
     params = str(tmp_path / "params.json")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), ROOT) if p),
-           "VLLM_TARGET_DEVICE": "cpu"}
+           "VLLM_TARGET_DEVICE": "cpu", "UCX_NET_DEVICES": "lo"}  # (loopback: the test's choice)
     base = [sys.executable, "-m", "tests.integrations.vllm_node"]
     prefill = subprocess.Popen([*base, "prefill", "--port", str(_free_port()), "--params", params, "--engine", engine,
                                 "--layout", prefill_layout, *prefill_args], stdout=subprocess.PIPE,
@@ -54,12 +54,14 @@ def run_pair(tmp_path, engine: str, prefill_layout: str, decode_layout: str, *de
     return json.loads(out.strip().splitlines()[-1]), json.loads(decode.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("engine, layout", [("nixl", "LBNHC"), ("nixl", "BLHNC"), ("mooncake", "LBHNC")])
+@pytest.mark.parametrize("engine, layout, mode", [("nixl", "LBNHC", "auto"), ("nixl", "BLHNC", "prepared"),
+                                                ("mooncake", "LBHNC", "direct")])
 def test_every_byte_of_every_block_lands_and_a_request_its_prefill_never_had_is_reported_failed(tmp_path, engine,
-                                                                                               layout):
+                                                                                               layout, mode):
     if engine == "mooncake":
         pytest.importorskip("mooncake.engine", reason="Mooncake is not installed")
-    sent, got = run_pair(tmp_path, engine, layout, layout, "--ghost", "--timeout", "6")
+    sent, got = run_pair(tmp_path, engine, layout, layout, "--ghost", "--timeout", "6",
+                         prefill_args=("--mode", mode))
     assert sent == {"sent": ["p-req-0", "p-req-1", "p-req-2", "p-req-3"], "freed": True}  # (its blocks freed after)
     assert got["received"] == REQUESTS + ["d-req-4"]  # every request ends, the failed one too (vLLM frees it)
     assert got["failed"] == ["d-req-4"] and got["invalid_blocks"] == got["ghost_blocks"] != []

@@ -67,7 +67,8 @@ def step(scheduler, worker, finished: set[str]):
 
 
 def prefill(args: argparse.Namespace) -> dict:
-    extra = {"host": "127.0.0.1", "port": args.port, "engine": args.engine, "timeout_s": args.timeout}
+    extra = {"host": "127.0.0.1", "port": args.port, "engine": args.engine, "timeout_s": args.timeout,
+             "mode": args.mode}
     scheduler, worker, caches = connectors("prefill", extra, 64, KVCacheLayout[args.layout], "prefill-engine")
     rng = random.Random(1)
     free = list(range(64))
@@ -162,6 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--params", required=True)
     parser.add_argument("--layout", default="LBNHC")
     parser.add_argument("--engine", default="nixl")
+    parser.add_argument("--mode", default="auto")
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--lengths", type=int, nargs="*", default=[100, 37, 64, 5])
     parser.add_argument("--ghost", action="store_true")

@@ -12,6 +12,11 @@ timeout_s       120                          how long a transfer may take from t
                                              past it the decode reports the load failed, and a prefill
                                              frees blocks its decode never asked for
 max_requests    vLLM's ``max_num_seqs``      requests in flight per worker and direction (planning rows)
+mode            ``"auto"``                   how a prefill writes: ``"direct"`` (one write per run of
+                                             blocks that are neighbours on both sides), ``"prepared"``
+                                             (NIXL prepared lists, one descriptor per layer x block, as
+                                             vLLM's NIXL connector posts), ``"auto"`` (direct: the decode
+                                             has no staging buffer)
 =============== ============================ ======================================================
 
 Example::
@@ -27,12 +32,13 @@ from typing import Any
 
 from .scheduler import ListenAddress, UnsupportedConfig
 
-__all__ = ["DEFAULT_PORT", "ENGINES", "Settings"]
+__all__ = ["DEFAULT_PORT", "ENGINES", "MODES", "Settings"]
 
 DEFAULT_PORT = 17500
 DEFAULT_TIMEOUT_S = 120.0
 ENGINES = ("nixl", "mooncake")
-_KEYS = ("host", "port", "engine", "engine_settings", "timeout_s", "max_requests")
+_KEYS = ("host", "port", "engine", "engine_settings", "timeout_s", "max_requests", "mode")
+MODES = ("auto", "direct", "prepared")
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,7 @@ class Settings:
     engine_settings: dict[str, Any] = field(default_factory=dict)
     timeout_s: float = DEFAULT_TIMEOUT_S
     max_requests: int = 256
+    mode: str = "auto"
 
     @classmethod
     def parse(cls, extra: dict[str, Any] | None, tp_size: int, max_num_seqs: int = 256) -> "Settings":
@@ -76,7 +83,11 @@ class Settings:
         rows = extra.get("max_requests", max_num_seqs)
         if not _is_int(rows) or rows < 1:
             raise UnsupportedConfig(f"kv_connector_extra_config: max_requests {rows!r} is not a positive count")
-        return cls(ListenAddress(host, port), engine, dict(engine_settings), float(timeout), rows)
+        mode = extra.get("mode", "auto")
+        if mode not in MODES or (mode == "prepared" and engine != "nixl"):
+            raise UnsupportedConfig(f"kv_connector_extra_config: mode {mode!r}; kvplan's connector writes {list(MODES)} "
+                                    "('prepared' through NIXL only)")
+        return cls(ListenAddress(host, port), engine, dict(engine_settings), float(timeout), rows, mode)
 
 
 def _is_int(value: Any) -> bool:

@@ -254,7 +254,7 @@ class ConnectorWorker:
         if not chunks:
             return
         try:
-            results = endpoint.send(chunks, timeout=self.settings.timeout_s)
+            results = endpoint.send(chunks, mode=self.settings.mode, timeout=self.settings.timeout_s)
         except KvplanError as err:
             results = {t.request: f"{type(err).__name__}: {err}" for t in chunks}
         for chunk in chunks:
