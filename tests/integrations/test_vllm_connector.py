@@ -108,7 +108,8 @@ def test_a_worker_of_a_model_with_several_kv_cache_groups_is_refused():
                                           ({"engine": "rdma"}, "engine 'rdma'"), ({"engine_settings": [1]}, "not a map"),
                                           ({"timeout_s": 0}, "timeout_s 0"), ({"max_requests": 0}, "max_requests 0"),
                                           ({"mode": "prepared", "engine": "mooncake"}, "mode 'prepared'"),
-                                          ({"mode": "staged"}, "mode 'staged'")])
+                                          ({"mode": "pipelined"}, "mode .pipelined."),
+                                          ({"staging_mib": -1}, "staging_mib -1")])
 def test_settings_that_cannot_work_are_refused_naming_them(extra, named):
     with pytest.raises(UnsupportedConfig, match=named):
         KVConnectorFactory.create_connector(vllm_config(extra), KVConnectorRole.SCHEDULER, full_attention(["l0"]))

@@ -15,8 +15,12 @@ max_requests    vLLM's ``max_num_seqs``      requests in flight per worker and d
 mode            ``"auto"``                   how a prefill writes: ``"direct"`` (one write per run of
                                              blocks that are neighbours on both sides), ``"prepared"``
                                              (NIXL prepared lists, one descriptor per layer x block, as
-                                             vLLM's NIXL connector posts), ``"auto"`` (direct: the decode
-                                             has no staging buffer)
+                                             vLLM's NIXL connector posts), ``"staged"`` (gathered into a
+                                             staging buffer, written in a few large writes, scattered on
+                                             the decode's GPU), ``"auto"`` (staged where both sides have
+                                             staging buffers on a GPU and the blocks are small, else direct)
+staging_mib     256                          each staging buffer (a prefill's; a decode's per prefill rank
+                                             it receives from), on the KV's GPU; 0: none (writes go direct)
 =============== ============================ ======================================================
 
 Example::
@@ -37,8 +41,9 @@ __all__ = ["DEFAULT_PORT", "ENGINES", "MODES", "Settings"]
 DEFAULT_PORT = 17500
 DEFAULT_TIMEOUT_S = 120.0
 ENGINES = ("nixl", "mooncake")
-_KEYS = ("host", "port", "engine", "engine_settings", "timeout_s", "max_requests", "mode")
-MODES = ("auto", "direct", "prepared")
+_KEYS = ("host", "port", "engine", "engine_settings", "timeout_s", "max_requests", "mode", "staging_mib")
+MODES = ("auto", "direct", "prepared", "staged")
+DEFAULT_STAGING_MIB = 256
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,7 @@ class Settings:
     timeout_s: float = DEFAULT_TIMEOUT_S
     max_requests: int = 256
     mode: str = "auto"
+    staging_mib: int = DEFAULT_STAGING_MIB
 
     @classmethod
     def parse(cls, extra: dict[str, Any] | None, tp_size: int, max_num_seqs: int = 256) -> "Settings":
@@ -87,7 +93,10 @@ class Settings:
         if mode not in MODES or (mode == "prepared" and engine != "nixl"):
             raise UnsupportedConfig(f"kv_connector_extra_config: mode {mode!r}; kvplan's connector writes {list(MODES)} "
                                     "('prepared' through NIXL only)")
-        return cls(ListenAddress(host, port), engine, dict(engine_settings), float(timeout), rows, mode)
+        staging = extra.get("staging_mib", DEFAULT_STAGING_MIB)
+        if not _is_int(staging) or not 0 <= staging <= 1 << 16:
+            raise UnsupportedConfig(f"kv_connector_extra_config: staging_mib {staging!r} is not a size in MiB (0: none)")
+        return cls(ListenAddress(host, port), engine, dict(engine_settings), float(timeout), rows, mode, staging)
 
 
 def _is_int(value: Any) -> bool:

@@ -11,18 +11,19 @@ Each TP rank of an engine runs one :class:`ConnectorWorker`. It sees vLLM's KV t
   (:meth:`get_finished`). A request is reported finished sending, so that vLLM frees its blocks, once
   its writes have ended (sent or failed), once its decode gave it up, or once ``timeout_s`` passed
   with no decode asking for it;
-* **receiving** (a decode): a kvplan :class:`~kvplan.transport.decode.DecodeEndpoint`, connected to
-  each prefill rank it receives from (the same rank of an engine of the same TP size), publishes the
-  blocks vLLM allocated, under the prefill's request id. A request is reported finished receiving
-  once every byte landed; a failed one (its prefill failed it, died, or missed ``timeout_s``) is
-  aborted, reported once no write into its blocks can still land (:meth:`DecodeEndpoint.fenced`), in
-  ``failed_recving`` and, where the model has one KV cache group, with its blocks in
-  :meth:`get_block_ids_with_load_errors`: never as a success.
+* **receiving** (a decode): one kvplan :class:`~kvplan.transport.decode.DecodeEndpoint` per prefill
+  rank it receives from (the same rank of an engine of the same TP size), each with its engine and
+  staging buffer, publishes the blocks vLLM allocated, under the prefill's request id. A request is
+  reported finished receiving once every byte landed; a failed one (its prefill failed it, died, or
+  missed ``timeout_s``) is aborted, reported once no write into its blocks can still land
+  (:meth:`DecodeEndpoint.fenced`), in ``failed_recving`` and, where the model has one KV cache group,
+  with its blocks in :meth:`get_block_ids_with_load_errors`: never as a success.
 
 Both sides lay blocks out alike or do not pair: the endpoints compare :attr:`BlockView.word`
 (dtype, block shape and byte order, block size). Planning runs on the KV tensors' device (the
-GPU in a deployment); writes go direct (one per run of blocks): the decode takes prefills as they
-come, which a staging buffer split at construction cannot.
+GPU in a deployment). How a prefill writes is the ``mode`` setting: on GPUs ``auto`` gathers small
+blocks into a staging buffer and writes a few large pieces (``staged``), else one write per run of
+blocks that are neighbours on both sides (``direct``).
 
 Example (what vLLM's model runner does each step)::
 
@@ -100,6 +101,7 @@ class _Receiving:
     local_id: str
     row: int
     block_ids: list[int]
+    endpoint: DecodeEndpoint  # the one paired with its prefill rank
     failed: str | None = None  # why, once it failed (it is reported once fenced)
 
 
@@ -115,13 +117,12 @@ class ConnectorWorker:
         self.view: BlockView | None = None
         self.prefill: PrefillEndpoint | None = None
         self.listener: ChannelListener | None = None
-        self.decode: DecodeEndpoint | None = None
+        self.decodes: dict[tuple[str, int], DecodeEndpoint] = {}  # per prefill rank (host, port) received from
         self._engines: list[Any] = []
         self._sending: dict[str, _Sending] = {}
         self._sent: set[str] = set()  # written (or given up), waiting for vLLM to name them finished
         self._finished: set[str] = set()  # requests vLLM said finished (finished_req_ids) not yet reported sent
         self._receiving: dict[str, _Receiving] = {}  # by the prefill's request id
-        self._prefills: dict[tuple[str, int], int] = {}  # (host, port) -> the decode endpoint's sender index
         self._unreachable: dict[tuple[str, int], tuple[float, str]] = {}  # a prefill that did not answer: until, why
         self._load_errors: set[int] = set()
         self._unpublished: list[tuple[str, list[int]]] = []  # requests refused before publication, and their blocks
@@ -136,7 +137,7 @@ class ConnectorWorker:
                                            device=self.device)
             self._send_rows = _Rows(self.settings.max_requests + 1)
             self.prefill = PrefillEndpoint(self.view.side(self._send_table), self._engine("send"), [],
-                                           refuse="request", compat=self.view.word)
+                                           staging=self._staging(), refuse="request", compat=self.view.word)
             listen = self.settings.listen
             self.listener = ChannelListener(listen.port + self.tp_rank, host=listen.host, handshake_s=HANDSHAKE_S)
             log.info("kvplan's vLLM connector, rank %d: %d blocks of %d layers; decodes connect at %s:%d", self.tp_rank,
@@ -174,7 +175,7 @@ class ConnectorWorker:
         self._finished |= set(finished_req_ids)
         if self.prefill is not None:
             self._progress_sends()
-        received, failed = self._progress_receives() if self.decode is not None else (set(), set())
+        received, failed = self._progress_receives()
         for request_id, blocks in self._unpublished:
             failed.add(request_id)
             self._load_errors.update(blocks)
@@ -197,9 +198,10 @@ class ConnectorWorker:
         """Close every channel, the listener and the engines (idempotent)."""
         closers = [self.listener.close] if self.listener is not None else []
         closers += [p.channel.close for p in self.prefill.peers] if self.prefill is not None else []
-        closers += [c.close for c in self.decode.channels] if self.decode is not None else []
+        closers += [c.close for d in self.decodes.values() for c in d.channels]
         closers += [e.close for e in self._engines]
-        self.listener = self.prefill = self.decode = None
+        self.listener = self.prefill = None
+        self.decodes = {}
         self._engines = []
         for close in closers:
             try:
@@ -274,9 +276,8 @@ class ConnectorWorker:
         if not receive.block_ids or not receive.block_ids[0]:  # nothing to load: its prefill frees its blocks
             if self.receives and remote is not None and receive.remote_host is not None \
                     and receive.remote_port is not None:
-                peer = self._connect(receive.remote_host, receive.remote_port)
-                self.decode.channels[peer].send("abort", {"request": remote, "reason": "the decode needs none of it"},
-                                                timeout=HANDSHAKE_S)
+                self._connect(receive.remote_host, receive.remote_port).channel.send(
+                    "abort", {"request": remote, "reason": "the decode needs none of it"}, timeout=HANDSHAKE_S)
             return
         if not self.receives:
             raise KvplanError("this worker does not receive (kv_role kv_producer)")
@@ -296,21 +297,22 @@ class ConnectorWorker:
         if row is None:
             raise KvplanError(f"more than {self.settings.max_requests} requests in flight (max_requests)")
         try:
-            peer = self._connect(receive.remote_host, receive.remote_port)
+            decode = self._connect(receive.remote_host, receive.remote_port)
             self._write_row(self._recv_table, row, receive.prefix_len, blocks)
             prompt_len = receive.prefix_len + receive.num_tokens
-            self.decode.publish([PreallocatedRequest(remote, row, prompt_len, receive.prefix_len)],
-                                timeout=self.settings.timeout_s, peer=peer)
+            decode.publish([PreallocatedRequest(remote, row, prompt_len, receive.prefix_len)],
+                           timeout=self.settings.timeout_s)
         except BaseException:
             self._recv_rows.give(row)
             raise
-        self._receiving[remote] = _Receiving(request_id, row, blocks)
+        self._receiving[remote] = _Receiving(request_id, row, blocks, decode)
 
-    def _connect(self, host: str, port: int) -> int:
-        """The decode endpoint's sender index of this rank's peer at the prefill listening at ``host:port``."""
+    def _connect(self, host: str, port: int) -> DecodeEndpoint:
+        """The decode endpoint paired with this rank's peer of the prefill listening at ``host:port``: one per
+        prefill rank, each with its engine and its staging buffer (a staged run lands in its own)."""
         address = (host, int(port) + self.tp_rank)
-        if address in self._prefills:
-            return self._prefills[address]
+        if address in self.decodes:
+            return self.decodes[address]
         until, reason = self._unreachable.get(address, (0.0, ""))
         if time.monotonic() < until:  # (its other requests of the moment fail at once, not one wait each)
             raise PeerError(reason)
@@ -320,21 +322,18 @@ class ConnectorWorker:
             self._unreachable[address] = (time.monotonic() + HANDSHAKE_S, f"the prefill at {address[0]}:{address[1]} "
                                                                          f"did not answer: {err}")
             raise PeerError(self._unreachable[address][1]) from None
-        if self.decode is None:
-            side = self.view.side(self._recv_table)
-            self.decode = DecodeEndpoint(side, self._engine("receive"), channel, compat=self.view.word)
-            self.decode.register(timeout=HANDSHAKE_S)
-            peer = 0
-        else:
-            peer = self.decode.add_sender(channel, HANDSHAKE_S)
-        self._prefills[address] = peer
-        return peer
+        decode = DecodeEndpoint(self.view.side(self._recv_table), self._engine("receive"), channel,
+                                staging=self._staging(), compat=self.view.word)
+        decode.register(timeout=HANDSHAKE_S)
+        self.decodes[address] = decode
+        return decode
 
     def _progress_receives(self) -> tuple[set[str], set[str]]:
-        decode = self.decode
-        decode.poll()
+        for decode in self.decodes.values():
+            decode.poll()
         received, failed = set(), set()
         for remote, receiving in list(self._receiving.items()):
+            decode = receiving.endpoint
             if receiving.failed is None:
                 state = decode.tracker.state(remote) if remote in decode.tracker else "failed"
                 if state == "pending":
@@ -356,7 +355,7 @@ class ConnectorWorker:
     def _end_receive(self, remote: str) -> None:
         receiving = self._receiving.pop(remote)
         self._recv_rows.give(receiving.row)
-        self.decode.forget(remote)
+        receiving.endpoint.forget(remote)
 
     def _fail_unpublished(self, request_id: str, receive: ReceiveRequest, reason: str) -> None:
         """A request whose blocks could not be published: nothing was written into them; reported failed
@@ -366,6 +365,11 @@ class ConnectorWorker:
         self._unpublished.append((request_id, blocks))
 
     # -- helpers --------------------------------------------------------------------------------------
+    def _staging(self) -> torch.Tensor | None:
+        """A staging buffer of ``staging_mib`` on the KV's GPU (none on a CPU, or with 0: writes go direct)."""
+        size = self.settings.staging_mib << 20
+        return torch.empty(size, dtype=torch.uint8, device=self.device) if size and self.device.type == "cuda" else None
+
     def _write_row(self, table: torch.Tensor, row: int, prefix: int, blocks: list[int]) -> None:
         """Tokens ``[prefix, prefix + len(blocks) * block_size)`` of planning row ``row``: the blocks' slots."""
         if not blocks:
