@@ -219,3 +219,24 @@ def test_a_prefill_keeps_the_same_blocks_and_returns_the_same_parameters_as_vllm
     if keep_a:  # freed once the workers report the write done
         ours.update_connector_output(SimpleNamespace(finished_sending={name}, finished_recving=None))
         assert not ours.has_pending_push_work()
+
+
+# -- the GPU benchmark's baseline is vLLM's own code ------------------------------------------------
+def test_the_benchmark_s_vllm_baseline_computes_vllm_s_own_descriptor_ids():
+    """benchmarks/vllm_shapes.py times vLLM's descriptor-id computation with its own NumPy formula (the
+    device machine has no vLLM); here it must equal vLLM 0.33's ``_compute_desc_ids`` for full attention."""
+    import numpy as np
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
+
+    from benchmarks.vllm_shapes import vllm_desc_ids
+
+    layers, num_blocks = 5, 40
+    worker = SimpleNamespace(_has_mamba=False, _transfer_layer_group_ids=[], num_regions=layers,
+                             block_len_per_layer=[1024] * layers, region_group_ids=[0] * layers,
+                             _uses_region_group_mapping=False)
+    rng = np.random.default_rng(3)
+    for _ in range(5):
+        blocks = rng.permutation(np.arange(1, num_blocks))[: rng.integers(1, 20)].tolist()
+        theirs = NixlBaseConnectorWorker._compute_desc_ids(worker, block_ids=[blocks], dst_num_blocks=num_blocks,
+                                                           block_size_ratio=None, physical_blocks_per_logical=1)
+        assert np.array_equal(vllm_desc_ids(blocks, num_blocks, layers), theirs)

@@ -71,7 +71,7 @@ def prefill(args: argparse.Namespace) -> dict:
              "mode": args.mode}
     scheduler, worker, caches = connectors("prefill", extra, 64, KVCacheLayout[args.layout], "prefill-engine")
     rng = random.Random(1)
-    free = list(range(64))
+    free = list(range(1, 64))  # (block 0 is vLLM's null block)
     rng.shuffle(free)
     params, names = [], []
     for i, prompt_len in enumerate(args.lengths):
@@ -121,7 +121,7 @@ def decode(args: argparse.Namespace) -> dict:
     if args.ghost:  # a request its prefill never had: it must be reported failed, never complete
         params.append({**params[0], "remote_request_id": "p-req-ghost"})
     rng = random.Random(2)
-    free = list(range(96))
+    free = list(range(1, 96))
     rng.shuffle(free)
     mine = {}  # local id -> (prefill's name, blocks)
     for i, p in enumerate(params):

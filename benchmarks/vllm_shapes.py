@@ -1,0 +1,377 @@
+"""vLLM-shaped batches through kvplan's vLLM connector (issue 39, item 4).
+
+The KV of one TP rank of Llama-70B as vLLM 0.33 lays it out for the connector: 80 layers, blocks of 16
+tokens, K and V packed in a block, bf16. TP 1 holds 8 KV heads (64 KiB per layer x block), TP 8 one
+(8 KiB: vllm#50913's "8 KB descriptors"). Batches: 16 requests of 5,120 tokens and 4 of 32,768, their
+blocks either scattered over the pool (``fragmented``: a long-running engine) or consecutive on both
+sides (``contiguous``: a fresh one).
+
+**Planning** (one process; each output checked equal to the baseline's before anything is timed):
+
+* ``vllm-host``: what vLLM's NIXL connector computes per request from the scheduler's block lists, in
+  NumPy: one descriptor id per layer x block on each side (``layer * num_blocks + block``), the formula
+  of vLLM 0.33's ``NixlBaseConnectorWorker._compute_desc_ids`` for full attention
+  (``tests/integrations/test_vllm_connector.py`` checks this function against vLLM's own);
+* ``kvplan-prepared``: the same ids from the same block lists, as the connector's worker makes them: the
+  blocks written into its planning table on the GPU, one batch planned there, the indices read back;
+* the descriptor counts of that form and of kvplan's direct form (runs of blocks that are neighbours on
+  both sides merged into one descriptor per layer).
+
+**Moving** (two processes on one GPU, NIXL): the connector's worker side, prefill to decode, each batch
+from the decode's publication of its blocks until vLLM would hear it finished receiving, every byte of
+every block of every layer checked, in three modes: ``prepared`` (one descriptor per layer x block into
+prepared lists: vLLM's NIXL connector's form), ``direct`` (kvplan's merged runs) and ``staged``
+(gathered into a staging buffer, a few large writes, scattered on arrival).
+
+``python -m benchmarks.vllm_shapes [--out DIR] [--scale S] [--no-transfer]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvplan.integrations.vllm.kv_caches import BlockView
+from kvplan.planner.block_tables import token_table_from_blocks
+from kvplan.planner.columns import BatchColumns
+from kvplan.planner.device import Planner
+from kvplan.planner.model import Batch, Transfer
+
+BLOCK, LAYERS, HEAD_DIM = 16, 80, 128
+SHAPES = {"llama70b-tp1": 8, "llama70b-tp8": 1}  # KV heads per rank
+BATCHES = {"16x5k": (16, 5120), "4x32k": (4, 32768)}
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def vllm_desc_ids(block_ids: list[int], num_blocks: int, layers: int) -> np.ndarray:
+    """One request's descriptor ids on one side as vLLM's NIXL connector computes them for full attention:
+    every layer's region (``num_blocks`` descriptors each, regions back to back) at each block."""
+    region_offsets = np.arange(layers, dtype=np.int64) * num_blocks
+    return (region_offsets[:, None] + np.asarray(block_ids, dtype=np.int32)[None, :]).ravel()
+
+
+def allocate(requests: int, blocks_each: int, pool: int, fragmented: bool, rng: np.random.Generator) -> list[list[int]]:
+    """Each request's blocks in a pool of ``pool``: scattered, or consecutive from a random start (block 0 is
+    vLLM's null block: never a request's)."""
+    if fragmented:
+        order = rng.permutation(pool - 1) + 1
+        return [order[r * blocks_each:(r + 1) * blocks_each].tolist() for r in range(requests)]
+    starts = rng.permutation((pool - 1) // blocks_each)[:requests] * blocks_each + 1
+    return [list(range(int(s), int(s) + blocks_each)) for s in starts]
+
+
+def fake_view(heads: int, num_blocks: int, base: int, layers: int = LAYERS) -> BlockView:
+    """A per-layer block view at made-up addresses (planning reads no memory)."""
+    item = heads * BLOCK * 2 * HEAD_DIM * 2
+    return BlockView.of({f"model.layers.{i}.attn": _Strided(base + i * item * num_blocks, num_blocks, item)
+                         for i in range(layers)}, BLOCK)
+
+
+class _Strided:
+    """What :meth:`BlockView.of` reads of a per-layer KV view, without the memory."""
+
+    def __init__(self, ptr: int, blocks: int, item: int):
+        self.ptr, self.shape, self.dtype, self.device = ptr, (blocks, item // 2), torch.bfloat16, torch.device("cpu")
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+    def dim(self) -> int:
+        return 2
+
+    def stride(self, d: int | None = None):
+        strides = (self.shape[1], 1)
+        return strides if d is None else strides[d]
+
+    def element_size(self) -> int:
+        return 2
+
+
+def median_ms(fn, runs: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+@dataclass
+class PlanRow:
+    shape: str
+    batch: str
+    placement: str
+    descriptors_vllm: int
+    descriptors_direct: int
+    vllm_host_ms: float
+    kvplan_prepared_ms: float
+    kvplan_direct_ms: float
+
+    @property
+    def speedup(self) -> float:
+        return self.vllm_host_ms / self.kvplan_prepared_ms
+
+
+def plan_rows(scale: float, runs: int, device: torch.device) -> list[PlanRow]:
+    rows = []
+    layers = max(2, int(LAYERS * scale))
+    for shape, heads in SHAPES.items():
+        for batch_name, (requests, tokens) in BATCHES.items():
+            requests, tokens = max(1, int(requests * scale)), max(BLOCK, int(tokens * scale) // BLOCK * BLOCK)
+            blocks_each = tokens // BLOCK
+            src_pool, dst_pool = requests * blocks_each * 2, requests * blocks_each * 3
+            for fragmented in (True, False):
+                rng = np.random.default_rng(7)
+                src_blocks = allocate(requests, blocks_each, src_pool, fragmented, rng)
+                dst_blocks = allocate(requests, blocks_each, dst_pool, fragmented, rng)
+                table = torch.zeros((requests + 1, blocks_each * BLOCK), dtype=torch.int32, device=device)
+                src = fake_view(heads, src_pool, 1 << 40, layers).side(table)
+                dst = fake_view(heads, dst_pool, 1 << 44, layers).side()
+
+                def baseline():
+                    local = [vllm_desc_ids(b, src_pool, layers) for b in src_blocks]
+                    remote = [vllm_desc_ids(b, dst_pool, layers) for b in dst_blocks]
+                    return np.concatenate(local), np.concatenate(remote)
+
+                def batch() -> Batch:
+                    ids = torch.from_numpy(np.asarray(src_blocks, dtype=np.int64)).to(device)
+                    token_table_from_blocks(ids, BLOCK, out=table[1:])
+                    return Batch(src, (dst,), [Transfer(f"r{r}", r + 1, 0, tokens, tokens, True,
+                                                        np.asarray(dst_blocks[r], dtype=np.int64))
+                                               for r in range(requests)])
+
+                prepared = Planner(src, (dst,), outputs=("prepared",))
+                direct = Planner(src, (dst,))
+                ours = lambda: prepared.plan(BatchColumns.from_batch(batch())).prepared_indices()  # noqa: E731
+                want, got = baseline(), ours()
+                if not (np.array_equal(want[0], got.src) and np.array_equal(want[1], got.dst)):
+                    raise AssertionError(f"{shape} {batch_name}: kvplan's prepared indices are not vLLM's descriptor ids")
+                runs_direct = lambda: direct.plan(BatchColumns.from_batch(batch())).descriptors()[0]  # noqa: E731
+                descs = runs_direct()
+                if int(descs[:, 2].sum()) != len(want[0]) * src.kv.entries[0].item_len:
+                    raise AssertionError(f"{shape} {batch_name}: the direct descriptors do not cover every block once")
+                rows.append(PlanRow(shape, batch_name, "fragmented" if fragmented else "contiguous", len(want[0]),
+                                    len(descs), median_ms(baseline, runs), median_ms(ours, runs),
+                                    median_ms(runs_direct, runs)))
+    return rows
+
+
+# -- moving: two processes ---------------------------------------------------------------------------
+def _settings(port: int, mode: str):
+    from kvplan.integrations.vllm.settings import Settings
+
+    return Settings.parse({"host": "127.0.0.1", "port": port, "engine": "nixl", "mode": mode, "timeout_s": 120,
+                           "max_requests": 64}, tp_size=1)
+
+
+def _caches(heads: int, num_blocks: int, layers: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Per-layer views ``[blocks, heads, block_size, 2 * head_dim]`` over one allocation, layer outermost
+    (vLLM's LBHNC)."""
+    buf = torch.zeros(layers, num_blocks, heads, BLOCK, 2 * HEAD_DIM, dtype=torch.bfloat16, device=device)
+    return {f"model.layers.{i}.self_attn.attn": buf[i] for i in range(layers)}
+
+
+def _content(layer: int, num_blocks: int, heads: int, device: torch.device) -> torch.Tensor:
+    gen = torch.Generator(device=device).manual_seed(1000 + layer)
+    return torch.randn((num_blocks, heads, BLOCK, 2 * HEAD_DIM), generator=gen, device=device).to(torch.bfloat16)
+
+
+def role_main(args: argparse.Namespace) -> None:
+    """One side of the transfer benchmark (``--role``), driven through files in ``--dir``."""
+    from kvplan.integrations.vllm.scheduler import ReceiveRequest, SchedulerStep, SendRequest
+    from kvplan.integrations.vllm.worker import ConnectorWorker
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    heads, layers, pool = args.heads, args.layers, args.pool
+    worker = ConnectorWorker(_settings(args.port, args.mode), args.role, 0, 1, BLOCK, max_model_len=1 << 16,
+                             sends=args.role == "prefill", receives=args.role == "decode")
+    caches = _caches(heads, pool, layers, device)
+    worker.register_kv_caches(caches)
+    rounds = json.load(open(os.path.join(args.dir, "rounds.json")))
+    out = []
+    if args.role == "prefill":
+        for layer, name in enumerate(caches):
+            caches[name].copy_(_content(layer, pool, heads, device))
+        _sync(device)
+        for k, spec in enumerate(rounds):
+            names = [f"k{k}-r{r}" for r in range(len(spec["src"]))]
+            worker.start_load_kv(SchedulerStep(send={n: SendRequest((b,), spec["tokens"]) for n, b in
+                                                     zip(names, spec["src"])}))
+            _touch(args.dir, f"sending-{k}")
+            sent, finished, deadline = set(), set(names), time.monotonic() + 300
+            while sent != set(names) and time.monotonic() < deadline:
+                sent |= worker.get_transfer_results(finished).finished_sending
+                finished = set()
+            _wait(args.dir, f"done-{k}", worker)
+            out.append({"round": k, "sent": len(sent)})
+    else:
+        for k, spec in enumerate(rounds):
+            _wait(args.dir, f"sending-{k}", None)
+            names = [f"k{k}-r{r}" for r in range(len(spec["dst"]))]
+            step = SchedulerStep(receive={f"d-{n}": ReceiveRequest((b,), spec["tokens"], "prefill", n, "127.0.0.1",
+                                                                    args.peer_port, 1)
+                                          for n, b in zip(names, spec["dst"])})
+            _sync(device)
+            start = time.perf_counter()
+            worker.start_load_kv(step)
+            published = time.perf_counter()
+            got, failed, deadline = set(), set(), time.monotonic() + 300
+            while len(got) < len(names) and time.monotonic() < deadline:
+                results = worker.get_transfer_results(set())
+                got |= results.finished_recving
+                failed |= results.failed_recving
+            took = time.perf_counter() - start
+            wrong = 0
+            for layer, name in enumerate(caches):  # every byte of every block of every layer
+                expected = _content(layer, pool, heads, device)
+                src = torch.tensor([b for blocks in spec["src"] for b in blocks], device=device)
+                dst = torch.tensor([b for blocks in spec["dst"] for b in blocks], device=device)
+                wrong += int((caches[name][dst] != expected[src]).any(dim=(1, 2, 3)).sum())
+            caches_zero = [c.zero_() for c in caches.values()]  # (the next round must land again)
+            del caches_zero
+            _sync(device)
+            _touch(args.dir, f"done-{k}")
+            out.append({"round": k, "ms": took * 1e3, "publish_ms": (published - start) * 1e3, "received": len(got),
+                        "failed": len(failed), "wrong_blocks": wrong})
+    worker.shutdown()
+    print(json.dumps(out), flush=True)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _touch(folder: str, name: str) -> None:
+    open(os.path.join(folder, name), "w").close()
+
+
+def _wait(folder: str, name: str, worker, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(os.path.join(folder, name)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name} never came")
+        if worker is not None:
+            worker.get_transfer_results(set())  # (keeps answering its decode)
+        time.sleep(0.001)
+
+
+def transfer_rows(heads: int, requests: int, tokens: int, fragmented: bool, mode: str, repeats: int,
+                  layers: int, limit_s: float = 240.0) -> dict:
+    blocks_each = tokens // BLOCK
+    pool = requests * blocks_each * 2
+    rng = np.random.default_rng(11)
+    rounds = []
+    for _ in range(repeats):
+        src = allocate(requests, blocks_each, pool, fragmented, rng)
+        dst = allocate(requests, blocks_each, pool, fragmented, rng)
+        rounds.append({"src": src, "dst": dst, "tokens": tokens})
+    with tempfile.TemporaryDirectory() as folder:
+        json.dump(rounds, open(os.path.join(folder, "rounds.json"), "w"))
+        ports = _free_ports(2)
+        base = [sys.executable, "-m", "benchmarks.vllm_shapes", "--dir", folder, "--heads", str(heads), "--layers",
+                str(layers), "--pool", str(pool), "--mode", mode]
+        prefill = subprocess.Popen(base + ["--role", "prefill", "--port", str(ports[0])], stdout=subprocess.PIPE,
+                                   text=True, cwd=ROOT)
+        try:
+            decode = subprocess.run(base + ["--role", "decode", "--port", str(ports[1]), "--peer-port", str(ports[0])],
+                                    capture_output=True, text=True, cwd=ROOT, timeout=limit_s)
+            prefill.communicate(timeout=60)
+        except subprocess.TimeoutExpired:  # (a mode that cannot move the batch in time: reported with its bound)
+            return {"heads": heads, "requests": requests, "tokens": tokens, "layers": layers, "mode": mode,
+                    "placement": "fragmented" if fragmented else "contiguous", "timed_out_s": limit_s}
+        finally:
+            if prefill.poll() is None:
+                prefill.kill()
+                prefill.wait(timeout=10)
+    if decode.returncode != 0:
+        raise RuntimeError(decode.stderr[-2000:])
+    per_round = json.loads(decode.stdout.strip().splitlines()[-1])
+    steady = [r["ms"] for r in per_round[1:]] or [per_round[0]["ms"]]
+    nbytes = requests * blocks_each * layers * heads * BLOCK * 2 * HEAD_DIM * 2
+    return {"heads": heads, "requests": requests, "tokens": tokens, "layers": layers,
+            "placement": "fragmented" if fragmented else "contiguous", "mode": mode, "first_ms": per_round[0]["ms"],
+            "steady_ms": statistics.median(steady), "gib_s": nbytes / statistics.median(steady) / 1e6 / 1.073741824,
+            "bytes": nbytes, "wrong_blocks": sum(r["wrong_blocks"] for r in per_round),
+            "failed": sum(r["failed"] for r in per_round), "rounds": per_round}
+
+
+def _free_ports(count: int) -> list[int]:
+    import socket
+
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--scale", type=float, default=1.0)
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--no-transfer", action="store_true")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batches", nargs="*", default=list(BATCHES), help=f"of {list(BATCHES)}")
+    parser.add_argument("--no-plan", action="store_true")
+    # (one side of the transfer benchmark)
+    parser.add_argument("--role", choices=("prefill", "decode"))
+    parser.add_argument("--dir")
+    parser.add_argument("--heads", type=int, default=1)
+    parser.add_argument("--layers", type=int, default=LAYERS)
+    parser.add_argument("--pool", type=int)
+    parser.add_argument("--mode", default="auto")
+    parser.add_argument("--port", type=int)
+    parser.add_argument("--peer-port", type=int)
+    args = parser.parse_args()
+    if args.role:
+        role_main(args)
+        return
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    card = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (Triton interpreter: no speed measured)"
+    result = {"card": card, "plan": [], "transfer": []}
+    for row in ([] if args.no_plan else plan_rows(args.scale, args.runs, device)):
+        result["plan"].append({**row.__dict__, "speedup": row.speedup})
+        print(f"plan {row.shape:13s} {row.batch:6s} {row.placement:10s} descs vllm {row.descriptors_vllm:>8d} direct "
+              f"{row.descriptors_direct:>8d}  vllm-host {row.vllm_host_ms:8.3f} ms  kvplan-prepared "
+              f"{row.kvplan_prepared_ms:7.3f} ms ({row.speedup:5.1f}x)  kvplan-direct {row.kvplan_direct_ms:7.3f} ms",
+              flush=True)
+    if not args.no_transfer:
+        batches = [BATCHES[b] for b in args.batches] if device.type == "cuda" else [(2, 64)]  # (a CPU: a smoke run)
+        layers = LAYERS if device.type == "cuda" else 2
+        for requests, tokens in batches:
+            for fragmented in (True, False):
+                for mode in ("prepared", "direct", "staged") if device.type == "cuda" else ("prepared", "direct"):
+                    row = transfer_rows(1, requests, tokens, fragmented, mode, args.repeats, layers)
+                    result["transfer"].append(row)
+                    if "timed_out_s" in row:
+                        print(f"move {requests}x{tokens} {row['placement']:10s} {mode:8s} did not end within "
+                              f"{row['timed_out_s']:.0f} s", flush=True)
+                        continue
+                    print(f"move {requests}x{tokens} {row['placement']:10s} {mode:8s} first {row['first_ms']:9.1f} ms "
+                          f"steady {row['steady_ms']:9.1f} ms  {row['gib_s']:7.2f} GiB/s  wrong {row['wrong_blocks']} "
+                          f"failed {row['failed']}", flush=True)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"vllm_shapes{'-' + '-'.join(args.batches) if args.no_plan else ''}.json"),
+                  "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
