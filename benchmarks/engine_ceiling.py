@@ -33,7 +33,7 @@ def _device() -> str:
 
 
 def _loopback(kind: str) -> dict:
-    """This tool measures on one host: Mooncake is told 127.0.0.1 (NIXL's UCX: UCX_NET_DEVICES=lo, gpu_env.sh)."""
+    """This tool measures on one host: Mooncake is told 127.0.0.1 (NIXL's UCX: UCX_NET_DEVICES=lo, set by python -m benchmarks)."""
     return {"local_hostname": "127.0.0.1"} if kind == "mooncake" else {}
 
 

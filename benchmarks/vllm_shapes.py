@@ -169,11 +169,11 @@ def plan_rows(scale: float, runs: int, device: torch.device) -> list[PlanRow]:
 
 
 # -- moving: two processes ---------------------------------------------------------------------------
-def _settings(port: int, mode: str):
-    from kvplan.integrations.vllm.settings import Settings
+def _settings(port: int, mode: str, warm_up: bool):
+    from kvplan.integrations.vllm.settings import WARM_UP, Settings
 
     return Settings.parse({"host": "127.0.0.1", "port": port, "engine": "nixl", "mode": mode, "timeout_s": 120,
-                           "max_requests": 64}, tp_size=1)
+                           "max_requests": 64, "warm_up": WARM_UP if warm_up else {}}, tp_size=1)
 
 
 def _caches(heads: int, num_blocks: int, layers: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -195,7 +195,7 @@ def role_main(args: argparse.Namespace) -> None:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     heads, layers, pool = args.heads, args.layers, args.pool
-    worker = ConnectorWorker(_settings(args.port, args.mode), args.role, 0, 1, BLOCK, max_model_len=1 << 16,
+    worker = ConnectorWorker(_settings(args.port, args.mode, args.warm_up == "on"), args.role, 0, 1, BLOCK, max_model_len=1 << 16,
                              sends=args.role == "prefill", receives=args.role == "decode")
     caches = _caches(heads, pool, layers, device)
     worker.register_kv_caches(caches)
@@ -269,7 +269,7 @@ def _wait(folder: str, name: str, worker, timeout: float = 300.0) -> None:
 
 
 def transfer_rows(heads: int, requests: int, tokens: int, fragmented: bool, mode: str, repeats: int,
-                  layers: int, limit_s: float = 240.0) -> dict:
+                  layers: int, limit_s: float = 240.0, warm_up: str = "on") -> dict:
     blocks_each = tokens // BLOCK
     pool = requests * blocks_each * 2
     rng = np.random.default_rng(11)
@@ -282,7 +282,7 @@ def transfer_rows(heads: int, requests: int, tokens: int, fragmented: bool, mode
         json.dump(rounds, open(os.path.join(folder, "rounds.json"), "w"))
         ports = _free_ports(2)
         base = [sys.executable, "-m", "benchmarks.vllm_shapes", "--dir", folder, "--heads", str(heads), "--layers",
-                str(layers), "--pool", str(pool), "--mode", mode]
+                str(layers), "--pool", str(pool), "--mode", mode, "--warm-up", warm_up]
         prefill = subprocess.Popen(base + ["--role", "prefill", "--port", str(ports[0])], stdout=subprocess.PIPE,
                                    text=True, cwd=ROOT)
         try:
@@ -302,7 +302,8 @@ def transfer_rows(heads: int, requests: int, tokens: int, fragmented: bool, mode
     steady = [r["ms"] for r in per_round[1:]] or [per_round[0]["ms"]]
     nbytes = requests * blocks_each * layers * heads * BLOCK * 2 * HEAD_DIM * 2
     return {"heads": heads, "requests": requests, "tokens": tokens, "layers": layers,
-            "placement": "fragmented" if fragmented else "contiguous", "mode": mode, "first_ms": per_round[0]["ms"],
+            "placement": "fragmented" if fragmented else "contiguous", "mode": mode, "warm_up": warm_up,
+            "first_ms": per_round[0]["ms"], "first_pairing_ms": per_round[0]["publish_ms"],
             "steady_ms": statistics.median(steady), "gib_s": nbytes / statistics.median(steady) / 1e6 / 1.073741824,
             "bytes": nbytes, "wrong_blocks": sum(r["wrong_blocks"] for r in per_round),
             "failed": sum(r["failed"] for r in per_round), "rounds": per_round}
@@ -336,6 +337,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=LAYERS)
     parser.add_argument("--pool", type=int)
     parser.add_argument("--mode", default="auto")
+    parser.add_argument("--modes", nargs="*", default=["prepared", "direct", "staged"])
+    parser.add_argument("--placements", nargs="*", default=["fragmented", "contiguous"])
+    parser.add_argument("--warm-up", choices=("on", "off"), default="on",
+                        help="the connector's warm_up setting (default on: its default)")
     parser.add_argument("--port", type=int)
     parser.add_argument("--peer-port", type=int)
     args = parser.parse_args()
@@ -355,21 +360,23 @@ def main() -> None:
         batches = [BATCHES[b] for b in args.batches] if device.type == "cuda" else [(2, 64)]  # (a CPU: a smoke run)
         layers = LAYERS if device.type == "cuda" else 2
         for requests, tokens in batches:
-            for fragmented in (True, False):
-                for mode in ("prepared", "direct", "staged") if device.type == "cuda" else ("prepared", "direct"):
-                    row = transfer_rows(1, requests, tokens, fragmented, mode, args.repeats, layers)
+            for fragmented in [p == "fragmented" for p in args.placements]:
+                for mode in args.modes if device.type == "cuda" else ("prepared", "direct"):
+                    row = transfer_rows(1, requests, tokens, fragmented, mode, args.repeats, layers,
+                                        warm_up=args.warm_up)
                     result["transfer"].append(row)
                     if "timed_out_s" in row:
                         print(f"move {requests}x{tokens} {row['placement']:10s} {mode:8s} did not end within "
                               f"{row['timed_out_s']:.0f} s", flush=True)
                         continue
-                    print(f"move {requests}x{tokens} {row['placement']:10s} {mode:8s} first {row['first_ms']:9.1f} ms "
+                    print(f"move {requests}x{tokens} {row['placement']:10s} {mode:8s} warm-up {args.warm_up:3s} first "
+                          f"{row['first_ms']:9.1f} ms (pairing {row['first_pairing_ms']:7.1f}) "
                           f"steady {row['steady_ms']:9.1f} ms  {row['gib_s']:7.2f} GiB/s  wrong {row['wrong_blocks']} "
                           f"failed {row['failed']}", flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"vllm_shapes{'-' + '-'.join(args.batches) if args.no_plan else ''}.json"),
-                  "w") as f:
+        tag = f"-{'-'.join(args.batches)}-warm-{args.warm_up}" if args.no_plan else ""
+        with open(os.path.join(args.out, f"vllm_shapes{tag}.json"), "w") as f:
             json.dump(result, f, indent=1)
 
 

@@ -109,7 +109,9 @@ def test_a_worker_of_a_model_with_several_kv_cache_groups_is_refused():
                                           ({"timeout_s": 0}, "timeout_s 0"), ({"max_requests": 0}, "max_requests 0"),
                                           ({"mode": "prepared", "engine": "mooncake"}, "mode 'prepared'"),
                                           ({"mode": "pipelined"}, "mode .pipelined."),
-                                          ({"staging_mib": -1}, "staging_mib -1")])
+                                          ({"staging_mib": -1}, "staging_mib -1"),
+                                          ({"warm_up": {"max_transfers": 4}}, "warm_up"),
+                                          ({"warm_up": {"max_transfers": 0, "max_prompt_len": 8}}, "warm_up")])
 def test_settings_that_cannot_work_are_refused_naming_them(extra, named):
     with pytest.raises(UnsupportedConfig, match=named):
         KVConnectorFactory.create_connector(vllm_config(extra), KVConnectorRole.SCHEDULER, full_attention(["l0"]))

@@ -21,6 +21,9 @@ mode            ``"auto"``                   how a prefill writes: ``"direct"`` 
                                              staging buffers on a GPU and the blocks are small, else direct)
 staging_mib     256                          each staging buffer (a prefill's; a decode's per prefill rank
                                              it receives from), on the KV's GPU; 0: none (writes go direct)
+warm_up         ``{"max_transfers": 16,      the batches each pairing is made ready for before its first
+                "max_prompt_len": 8192}``    (planners captured, copy kernels compiled, connection opened:
+                                             the endpoints' ``warm_up``); ``{}``: none
 =============== ============================ ======================================================
 
 Example::
@@ -41,7 +44,8 @@ __all__ = ["DEFAULT_PORT", "ENGINES", "MODES", "Settings"]
 DEFAULT_PORT = 17500
 DEFAULT_TIMEOUT_S = 120.0
 ENGINES = ("nixl", "mooncake")
-_KEYS = ("host", "port", "engine", "engine_settings", "timeout_s", "max_requests", "mode", "staging_mib")
+_KEYS = ("host", "port", "engine", "engine_settings", "timeout_s", "max_requests", "mode", "staging_mib", "warm_up")
+WARM_UP = {"max_transfers": 16, "max_prompt_len": 8192}
 MODES = ("auto", "direct", "prepared", "staged")
 DEFAULT_STAGING_MIB = 256
 
@@ -57,6 +61,7 @@ class Settings:
     max_requests: int = 256
     mode: str = "auto"
     staging_mib: int = DEFAULT_STAGING_MIB
+    warm_up: dict[str, int] = field(default_factory=lambda: dict(WARM_UP))
 
     @classmethod
     def parse(cls, extra: dict[str, Any] | None, tp_size: int, max_num_seqs: int = 256) -> "Settings":
@@ -96,7 +101,13 @@ class Settings:
         staging = extra.get("staging_mib", DEFAULT_STAGING_MIB)
         if not _is_int(staging) or not 0 <= staging <= 1 << 16:
             raise UnsupportedConfig(f"kv_connector_extra_config: staging_mib {staging!r} is not a size in MiB (0: none)")
-        return cls(ListenAddress(host, port), engine, dict(engine_settings), float(timeout), rows, mode, staging)
+        warm = extra.get("warm_up", WARM_UP)
+        if not isinstance(warm, dict) or (warm and (set(warm) != set(WARM_UP)
+                                                    or not all(_is_int(v) and v > 0 for v in warm.values()))):
+            raise UnsupportedConfig(f"kv_connector_extra_config: warm_up {warm!r} is not {{}} or "
+                                    f"{{'max_transfers': N, 'max_prompt_len': N}} with positive counts")
+        return cls(ListenAddress(host, port), engine, dict(engine_settings), float(timeout), rows, mode, staging,
+                   dict(warm))
 
 
 def _is_int(value: Any) -> bool:

@@ -138,6 +138,8 @@ class ConnectorWorker:
             self._send_rows = _Rows(self.settings.max_requests + 1)
             self.prefill = PrefillEndpoint(self.view.side(self._send_table), self._engine("send"), [],
                                            staging=self._staging(), refuse="request", compat=self.view.word)
+            if self.settings.warm_up:  # (each decode that pairs is warmed as it pairs)
+                self.prefill.warm_up(**self.settings.warm_up, timeout=HANDSHAKE_S)
             listen = self.settings.listen
             self.listener = ChannelListener(listen.port + self.tp_rank, host=listen.host, handshake_s=HANDSHAKE_S)
             log.info("kvplan's vLLM connector, rank %d: %d blocks of %d layers; decodes connect at %s:%d", self.tp_rank,
@@ -322,10 +324,16 @@ class ConnectorWorker:
             self._unreachable[address] = (time.monotonic() + HANDSHAKE_S, f"the prefill at {address[0]}:{address[1]} "
                                                                          f"did not answer: {err}")
             raise PeerError(self._unreachable[address][1]) from None
+        start = time.perf_counter()
         decode = DecodeEndpoint(self.view.side(self._recv_table), self._engine("receive"), channel,
                                 staging=self._staging(), compat=self.view.word)
         decode.register(timeout=HANDSHAKE_S)
+        made = time.perf_counter()
+        if self.settings.warm_up:  # (waits for the pairing: the prefill is stepping, it has this request to send)
+            decode.warm_up(**self.settings.warm_up, timeout=HANDSHAKE_S)
         self.decodes[address] = decode
+        log.info("rank %d paired with the prefill at %s:%d: endpoint %.1f ms, warm-up %.1f ms", self.tp_rank,
+                 *address, (made - start) * 1e3, (time.perf_counter() - made) * 1e3)
         return decode
 
     def _progress_receives(self) -> tuple[set[str], set[str]]:

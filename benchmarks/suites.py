@@ -1,0 +1,293 @@
+"""The GPU benchmark suites behind benchmarks/RESULTS.md, as data: what each runs, on how many cards,
+with which engine wheels (``python -m benchmarks SUITE``, :mod:`benchmarks.__main__`).
+
+A suite is a list of steps; a step is one command (its argv, or a function of the output folder that
+makes it), its deadline and its extra environment. Every step runs whatever the previous ones did.
+
+Example::
+
+    for step in SUITES["e2e-nixl"].steps:
+        print(step.name, " ".join(step.command("/tmp/out")))
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+__all__ = ["SUITES", "Step", "Suite"]
+
+PY = "python3"
+BATCH = ("--preset", "llama70b-tp8-p64", "--layers", "8", "--requests", "8", "--prompt-len", "8192")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One command of a suite: ``argv`` (or a function of the output folder that returns it)."""
+
+    name: str
+    argv: Sequence[str] | Callable[[str], Sequence[str]]
+    timeout_s: float = 300.0
+    env: dict[str, str] = field(default_factory=dict)
+
+    def command(self, out: str) -> list[str]:
+        return list(self.argv(out) if callable(self.argv) else self.argv)
+
+
+@dataclass(frozen=True)
+class Suite:
+    """What a suite measures (RESULTS.md quotes it), the wheels it needs carried, its cards, its steps."""
+
+    about: str
+    wheels: str
+    steps: tuple[Step, ...]
+    gpus: int = 1
+
+
+def demo(name: str, *args: str, timeout_s: float = 300.0, env: dict[str, str] | None = None) -> Step:
+    return Step(name, (PY, "-m", "kvplan", "demo", "--no-progress", *args), timeout_s, env or {})
+
+
+def module(name: str, target: str, *args: str, timeout_s: float = 300.0, env: dict[str, str] | None = None) -> Step:
+    return Step(name, (PY, "-m", target, *args), timeout_s, env or {})
+
+
+def pytest(name: str, *args: str, timeout_s: float = 420.0, env: dict[str, str] | None = None) -> Step:
+    return Step(name, (PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *args), timeout_s, env or {})
+
+
+def _load_rate(out: str) -> list[str]:
+    """The 10,000-request load run at 80% of the probe's sustained rate (the probe ran just before)."""
+    probe = json.load(open(os.path.join(out, "load-nixl-probe.json")))["throughput"]
+    rate = max(20, round(0.8 * probe["requests_per_s"] / 0.875))
+    return [PY, "-m", "kvplan", "load", "--rate", str(rate), "--duration", str(round(10000 / rate)), "--rows", "64",
+            "--json", os.path.join(out, "load-nixl-10k.json")]
+
+
+def _e2e(engine: str) -> tuple[Step, ...]:
+    batch = ("--engine", engine, *BATCH, "--repeat", "12")
+    steps = [module("ceiling", "benchmarks.engine_ceiling", engine, "256"),
+             demo("direct", "--mode", "direct", *batch)]
+    if engine == "nixl":
+        steps.append(demo("direct-4-threads", "--mode", "direct", "--engine-threads", "4", *batch))
+    steps += [demo("staged-512x1", "--mode", "staged", "--staging-mib", "512", "--staging-slots", "1", *batch),
+              demo("staged-256x2", "--mode", "staged", "--staging-mib", "256", "--staging-slots", "2", *batch),
+              demo("auto-512x1", "--mode", "auto", "--staging-mib", "512", "--staging-slots", "1", *batch),
+              demo("staged-to-p16", "--mode", "staged", "--staging-mib", "512", "--staging-slots", "1",
+                   "--dst-page-size", "16", *batch)]
+    return tuple(steps)
+
+
+def _staged() -> tuple[Step, ...]:
+    steps = []
+    for mib, slots in ((512, 1), (256, 2), (64, 4)):
+        staging = ("--mode", "staged", "--staging-mib", str(mib), "--staging-slots", str(slots), "--repeat", "12")
+        steps += [demo(f"planned-{mib}x{slots}", "--engine", "nixl", *BATCH, *staging),
+                  demo(f"tables-{mib}x{slots}", "--engine", "nixl", *BATCH, *staging, "--scatter-tables"),
+                  demo(f"traced-{mib}x{slots}", "--engine", "nixl", *BATCH, *staging, env={"KVPLAN_TRACE": "1"})]
+    steps.append(demo("auto-512x1", "--engine", "nixl", *BATCH, "--mode", "auto", "--staging-mib", "512",
+                      "--staging-slots", "1", "--repeat", "12"))
+    for preset in ("gptoss-swa-p16", "qwen3next-mamba-p64", "dsv32-mla-dsa-p64"):
+        steps.append(demo(preset, "--engine", "nixl", "--preset", preset, "--layers", "8", "--requests", "8",
+                          "--prompt-len", "4096", "--mode", "staged", "--staging-mib", "256", "--staging-slots", "2",
+                          "--repeat", "6"))
+    return tuple(steps)
+
+
+def _tp_state() -> tuple[Step, ...]:
+    scenarios = ("qwen3next-mamba-p64", "qwen3next-mamba-tp4to8-p64", "gptoss-swa-p16", "gptoss-swa-tp4to8-p16",
+                 "llama70b-tp4to8-p64")
+    mamba = ("--preset", "qwen3next-mamba-p64", "--layers", "12", "--requests", "8", "--prompt-len", "4096")
+    return (pytest("tests", "tests/planner", "tests/kernels", "tests/transport/test_local.py",
+                   "tests/tools/test_baseline.py"),
+            Step("bench", lambda out: [PY, "-m", "kvplan", "bench", "--no-progress", "--json",
+                                       os.path.join(out, "bench.json"),
+                                       *[a for s in scenarios for a in ("--scenario", s)]]),
+            demo("mamba-4to8", "--engine", "nixl", *mamba, "--src-tp", "4", "--dst-tp", "8"),
+            demo("mamba-4to8-staged", "--engine", "nixl", *mamba, "--src-tp", "4", "--dst-tp", "8", "--mode", "staged"),
+            demo("mamba-8to4", "--engine", "nixl", *mamba, "--src-tp", "8", "--dst-tp", "4"),
+            demo("gptoss-4to8", "--engine", "nixl", "--preset", "gptoss-swa-p16", "--src-tp", "4", "--dst-tp", "8"),
+            demo("dsv32-4to8", "--engine", "nixl", "--preset", "dsv32-mla-dsa-p64", "--src-tp", "4", "--dst-tp", "8"))
+
+
+def _warm_start() -> tuple[Step, ...]:
+    common = ("--engine", "nixl", "--layers", "8", "--requests", "8", "--prompt-len", "8192", "--repeat", "8",
+              "--staging-mib", "256", "--staging-slots", "2")
+    steps = [pytest("tests", "tests/planner/test_graphs.py", "tests/planner/test_device_planner.py",
+                    "tests/transport/test_copy_graphs.py", "tests/transport/test_local.py", "tests/kernels"),
+             demo("empty-cache", *common, "--preset", "llama70b-tp8-p64", "--mode", "auto",
+                  env={"TRITON_CACHE_DIR": "/tmp/kvplan-empty-triton-cache"})]
+    for preset in ("llama70b-tp8-p64", "llama70b-tp4to8-p64"):
+        steps += [demo(f"fill-cache-{preset}", *common, "--preset", preset, "--mode", "auto"),
+                  demo(f"fill-cache-{preset}-cold", *common, "--preset", preset, "--mode", "auto", "--no-warm-up")]
+    for preset in ("llama70b-tp8-p64", "llama70b-tp4to8-p64"):
+        for mode in ("staged", "auto", "direct"):
+            if preset == "llama70b-tp4to8-p64" and mode == "direct":
+                continue  # (a million descriptors direct: minutes)
+            steps += [demo(f"{preset}-{mode}", *common, "--preset", preset, "--mode", mode),
+                      demo(f"{preset}-{mode}-cold", *common, "--preset", preset, "--mode", mode, "--no-warm-up")]
+    for mode in ("staged", "direct"):
+        for fault in ("dead-decode", "dead-prefill", "dead-decode-mid", "dead-prefill-mid", "bad-registration",
+                      "deadline"):
+            steps.append(demo(f"drill-{mode}-{fault}", "--engine", "nixl", "--preset", "llama70b-tp8-p64", "--layers",
+                              "4", "--requests", "4", "--prompt-len", "4096", "--mode", mode, "--fault", fault,
+                              timeout_s=120))
+    return tuple(steps)
+
+
+def _layerwise(extra: Sequence[str] = (), tests: bool = True) -> tuple[Step, ...]:
+    steps = [pytest("tests", "tests/planner/test_layer_groups.py", "tests/transport/test_handoff.py", "-k", "layer",
+                    env={"KVPLAN_TEST_ENGINES": "nixl"}),
+             pytest("event-test", "tests/transport/test_layerwise.py::"
+                    "test_a_groups_event_is_offered_only_once_this_pass_has_queued_its_mark", timeout_s=60)] if tests else []
+    steps.append(Step("layerwise", lambda out: [PY, "benchmarks/layerwise.py", "--out", out, "--engine", "nixl",
+                                                *extra], 420))
+    if tests:
+        one = ("--engine", "nixl", "--requests", "1", "--prompt-len", "8192", "--chunks", "1", "--timeout", "30",
+               "--mode", "staged")
+        trace = {"KVPLAN_TRACE": "1"}
+        steps += [demo("trace-llama70b", *one, "--preset", "llama70b-tp8-p64", "--layers", "80", "--forward-dim",
+                       "10240", "--layerwise", "8", env=trace, timeout_s=100),
+                  demo("trace-gptoss", *one, "--preset", "gptoss-swa-p16", "--layers", "18", env=trace, timeout_s=100),
+                  demo("trace-gptoss-tables", *one, "--preset", "gptoss-swa-p16", "--layers", "18", "--scatter-tables",
+                       env=trace, timeout_s=100)]
+    return tuple(steps)
+
+
+def _two_cards() -> tuple[Step, ...]:
+    batch = ("--engine", "nixl", "--decode-gpu", "1", *BATCH, "--repeat", "12")
+    return (Step("topology", ("nvidia-smi", "topo", "-m"), 30),
+            module("ceiling", "benchmarks.engine_ceiling", "nixl", "256", "1"),
+            demo("staged-512x1", *batch, "--mode", "staged", "--staging-mib", "512", "--staging-slots", "1"),
+            demo("staged-256x4", *batch, "--mode", "staged", "--staging-mib", "256", "--staging-slots", "4"),
+            demo("auto-512x2", *batch, "--mode", "auto", "--staging-mib", "512", "--staging-slots", "2"),
+            demo("direct", *batch, "--mode", "direct"),
+            *_layerwise(("--skip-signal", "--decode-gpu", "1", "--staging", "256:2", "--staging", "512:1", "--modes",
+                         "staged", "--largest-only", "--repeat", "8"), tests=False))
+
+
+def _last_group() -> tuple[Step, ...]:
+    steps = [module("post-cost-across", "benchmarks.post_cost", "1", timeout_s=120),
+             module("post-cost-within", "benchmarks.post_cost", "0", timeout_s=120),
+             module("graph-launch", "benchmarks.graph_launch", timeout_s=120)]
+    for staging in ("256:2", "512:1"):
+        mib, slots = staging.split(":")
+        for split in ("even", "tapered"):
+            steps.append(demo(f"trace-{mib}x{slots}-{split}", "--engine", "nixl", "--preset", "llama70b-tp8-p64",
+                              "--layers", "80", "--forward-dim", "10240", "--layerwise", "8", "--layer-split", split,
+                              "--mode", "staged", "--decode-gpu", "1", "--staging-mib", mib, "--staging-slots", slots,
+                              "--requests", "1", "--prompt-len", "8192", "--chunks", "1", "--repeat", "4", "--timeout",
+                              "30", env={"KVPLAN_TRACE": "1"}, timeout_s=100))
+    steps += _layerwise(("--skip-signal", "--decode-gpu", "1", "--staging", "256:2", "--staging", "512:1", "--modes",
+                         "staged", "--largest-only", "--repeat", "6", "--split", "even", "--split", "tapered"),
+                        tests=False)
+    return tuple(steps)
+
+
+def _gather() -> tuple[Step, ...]:
+    common = ("--engine", "nixl", "--requests", "8", "--prompt-len", "4096", "--src-tp", "8", "--dst-tp", "4",
+              "--gather", "--decode-gpu", "1", "--repeat", "4", "--timeout", "60")
+    mamba = ("--preset", "qwen3next-mamba-p64", "--layers", "12")
+    return (demo("mamba-auto", *common, *mamba, "--mode", "auto", timeout_s=120),
+            demo("mamba-staged", *common, *mamba, "--mode", "staged", timeout_s=120),
+            demo("mamba-direct", *common, *mamba, "--mode", "direct", timeout_s=120),
+            demo("llama70b-staged", *common, "--preset", "llama70b-tp8-p64", "--layers", "8", "--mode", "staged",
+                 timeout_s=120))
+
+
+def _mooncake_nvlink() -> tuple[Step, ...]:
+    to = lambda: "1" if _gpus() > 1 else "0"  # noqa: E731 - between two cards where there are two
+    steps = [module("peer-copy", "benchmarks.peer_copy", "256", timeout_s=120)]
+    for pieces in ("1", "64", "6832"):
+        steps.append(Step(f"ceiling-{pieces}", lambda out, p=pieces: [PY, "-m", "benchmarks.engine_ceiling", "mooncake",
+                                                                       "256", to(), p, "protocol=nvlink_intra"], 120))
+    for name, staging in (("staged-512x1", ("--mode", "staged", "--staging-mib", "512", "--staging-slots", "1")),
+                          ("staged-256x4", ("--mode", "staged", "--staging-mib", "256", "--staging-slots", "4")),
+                          ("auto-512x2", ("--mode", "auto", "--staging-mib", "512", "--staging-slots", "2")),
+                          ("direct", ("--mode", "direct"))):
+        steps.append(Step(name, lambda out, s=staging: [PY, "-m", "kvplan", "demo", "--no-progress", "--engine",
+                                                         "mooncake", "--engine-setting", "protocol=nvlink_intra",
+                                                         "--decode-gpu", to(), *s, *BATCH, "--repeat", "12"], 200))
+    steps.append(Step("load", lambda out: [PY, "-m", "kvplan", "load", "--engine", "mooncake", "--engine-setting",
+                                           "protocol=nvlink_intra", "--rate", "200", "--duration", "10", "--rows", "64",
+                                           "--json", os.path.join(out, "load-mooncake-nvlink.json")], 150))
+    return tuple(steps)
+
+
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def _vllm() -> tuple[Step, ...]:
+    return (Step("plan-16x5k", lambda out: [PY, "-m", "benchmarks.vllm_shapes", "--batches", "16x5k", "--out", out],
+                 580),
+            Step("move-4x32k", lambda out: [PY, "-m", "benchmarks.vllm_shapes", "--batches", "4x32k", "--no-plan",
+                                            "--out", out], 580),
+            Step("move-cold", lambda out: [PY, "-m", "benchmarks.vllm_shapes", "--batches", "16x5k", "--no-plan",
+                                           "--modes", "staged", "direct", "--warm-up", "off", "--out", out], 400))
+
+
+SUITES: dict[str, Suite] = {
+    "gpu-tests": Suite("the kernel, planner and transport tests, kernels compiled for the card", ".whl", (
+        pytest("planner-kernels", "tests/planner", "tests/compat", "tests/kernels", "tests/tools/test_baseline.py"),
+        pytest("transport", "tests/transport/test_copy_graphs.py", "tests/transport/test_local.py",
+               "tests/planner/test_device_planner.py", "tests/planner/test_gpu_sync.py", "tests/transport/test_handoff.py",
+               "-k", "not mooncake and (staged or Copy or copy or local or device or sync or ahead)"))),
+    "transport-nixl": Suite("every transport test through NIXL with GPU pools", ".whl", (
+        pytest("transport", "tests/transport", env={"KVPLAN_TEST_ENGINES": "nixl"}, timeout_s=900),)),
+    "transport-mooncake": Suite("every transport test through Mooncake with GPU pools", ".whl-mc", (
+        pytest("transport", "tests/transport", env={"KVPLAN_TEST_ENGINES": "mooncake"}, timeout_s=900),)),
+    "plan": Suite("planning against the strongest host planners (issue 10), publication, pytest-benchmark gates",
+                  ".whl", (
+        Step("bench", lambda out: [PY, "-m", "kvplan", "bench", "--staging", "--no-progress", "--json",
+                                   os.path.join(out, "bench.json")], 420),
+        module("host-steps", "benchmarks.plan_host_steps", timeout_s=90),
+        Step("publish-latency", lambda out: [PY, "-m", "benchmarks.publish_latency", "--json",
+                                             os.path.join(out, "publish_latency.json")], 300),
+        pytest("gates", "benchmarks", "--benchmark-columns=median,ops", "--benchmark-sort=name",
+               env={"KVPLAN_BENCH_SCALE": "1", "KVPLAN_BENCH_GATES": "1"}))),
+    "e2e-nixl": Suite("the issue-11 batch through NIXL on one card: the engine's ceiling, direct, staged, auto",
+                      ".whl", _e2e("nixl")),
+    "e2e-mooncake": Suite("the same through Mooncake (TCP)", ".whl-mc", _e2e("mooncake")),
+    "demo": Suite("kvplan demo over every preset through NIXL", ".whl", tuple(
+        demo(name, "--engine", "nixl", *args) for name, args in (
+            ("default", ()), ("staged", ("--mode", "staged")), ("prepared", ("--mode", "prepared")),
+            ("llama70b", BATCH), ("llama70b-staged", (*BATCH, "--mode", "staged")),
+            ("tp4to8-staged", ("--preset", "llama70b-tp4to8-p64", "--layers", "8", "--requests", "4", "--prompt-len",
+                               "4096", "--mode", "staged")),
+            ("dsv32", ("--preset", "dsv32-mla-dsa-p64", "--layers", "8", "--requests", "8", "--prompt-len", "4096")),
+            ("mamba", ("--preset", "qwen3next-mamba-p64", "--layers", "12", "--requests", "8", "--prompt-len",
+                       "4096"))))),
+    "staged": Suite("staged mode: the receiver-planned scatter against destination tables, traced, every preset",
+                    ".whl", _staged()),
+    "tp-state": Suite("state between TP sizes (issue 16): tests, bench rows, demos 4 <-> 8", ".whl", _tp_state()),
+    "layerwise": Suite("streaming in layer groups on one card (issue 15)", ".whl", _layerwise()),
+    "load": Suite("kvplan load: a profiled probe, a decode killed mid-run, 10,000 requests", ".whl", (
+        Step("probe", lambda out: [PY, "-m", "kvplan", "load", "--rate", "400", "--duration", "5", "--rows", "64",
+                                   "--json", os.path.join(out, "load-nixl-probe.json")], 100),
+        Step("kill", lambda out: [PY, "-m", "kvplan", "load", "--rate", "100", "--duration", "10", "--decodes", "3",
+                                  "--kill-at", "5", "--json", os.path.join(out, "load-nixl-kill.json")], 100),
+        Step("10k", _load_rate, 400))),
+    "integrity": Suite("per-request checksums: the kernel, its speed, demos with and without, a load run", ".whl", (
+        pytest("tests", "tests/kernels/test_checksum.py"),
+        module("bandwidth", "benchmarks.checksum_bandwidth"),
+        *(demo(f"{name}{'-integrity' if flag else ''}", *mode, *flag, *BATCH, "--repeat", "12", timeout_s=120)
+          for name, mode in (("staged", ("--mode", "staged", "--staging-mib", "512", "--staging-slots", "1")),
+                             ("direct", ("--mode", "direct")))
+          for flag in ((), ("--integrity",))),
+        Step("load", lambda out: [PY, "-m", "kvplan", "load", "--rate", "50", "--duration", "20", "--integrity",
+                                  "--json", os.path.join(out, "load-integrity.json")], 120))),
+    "warm-start": Suite("issue 37's warm start: first batch against steady, with and without warm_up(); fault drills",
+                        ".whl", _warm_start()),
+    "vllm": Suite("vLLM-shaped batches through the vLLM connector (issue 39)", ".whl", _vllm()),
+    "mooncake-nvlink": Suite("Mooncake's NVLink transport with the physical ceiling in the same run", ".whl-mc",
+                             _mooncake_nvlink()),
+    "two-cards": Suite("NIXL between two cards: the ceiling, demos, layer-wise streaming", ".whl", _two_cards(), 2),
+    "last-group": Suite("where a streamed last layer group's time goes, on two cards", ".whl", _last_group(), 2),
+    "gather": Suite("TP gather: one prefill process per source rank, the decode on the second card", ".whl",
+                    _gather(), 2),
+}
