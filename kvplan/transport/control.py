@@ -105,7 +105,9 @@ class ControlChannel:
                 raise ControlTimeout(f"the peer of the channel on {self.host} port {self.port} is gone: a {kind!r} "
                                      "message cannot leave")
             if time.monotonic() >= deadline:
-                raise ControlTimeout(f"the peer did not take a {kind!r} message within {round(wait_s * 1000)} ms")
+                state = "connected" if self._connected else "was connected" if self._ever else "never connected"
+                raise ControlTimeout(f"the peer did not take a {kind!r} message within {round(wait_s * 1000)} ms "
+                                     f"(channel on {self.host} port {self.port}; its peer {state})")
         self.socket.send_multipart([kind.encode(), json.dumps(header or {}).encode(), *frames], self._zmq.NOBLOCK)
 
     def recv(self, deadline: float) -> tuple[str, dict[str, Any], list[bytes]]:

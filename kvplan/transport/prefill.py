@@ -78,6 +78,7 @@ log = logging.getLogger("kvplan")
 MODES = ("auto", "direct", "prepared", "staged")
 ACK_S = 0.5  # how long an abort's acknowledgement may wait on a full control socket
 AUTO_MIN_DESCS, AUTO_MAX_AVG_BYTES = 64, 256 << 10
+MAX_PUBLISHERS = 1024  # decode endpoints one request may be spread over (a larger count in a message is ignored)
 
 
 @dataclass(frozen=True)
@@ -172,6 +173,9 @@ class PrefillEndpoint:
         # (peer, request) of aborts of requests it holds no lists of; the last 4096 (a caller that never
         # drains it keeps no more)
         self.given_up: deque[tuple[int, Any]] = deque(maxlen=4096)
+        # per request, how many decode endpoints publish it here, where they said (a decode of a larger TP
+        # size spreads each request over several ranks this one serves: it may go only once all have published)
+        self.publishers: dict[Any, int] = {}
         # requests with a write that could not be ended (wait_all's "unsafe"): their aborts are not fenced
         self.unsafe: set[Any] = set()
         self.last_mode: str | None = None  # the mode the last send used (what ``auto`` chose)
@@ -284,6 +288,11 @@ class PrefillEndpoint:
         for handle, reason in wait_all(self.engine, list(handles), deadline).items():
             if reason is not None:
                 log.warning("warm-up: the write to decode endpoint %d's staging buffer failed: %s", handles[handle], reason)
+
+    def published_by_all(self, request: Any) -> bool:
+        """Whether every decode endpoint that publishes ``request`` here has (:attr:`publishers`; one where
+        none said otherwise)."""
+        return sum(request in p.lists for p in self.peers) >= self.publishers.get(request, 1)
 
     def receive_requests(self, count: int, timeout: float, peer: int = 0) -> None:
         """Receive ``count`` requests' destination lists (wire messages) from decode endpoint ``peer``."""
@@ -407,6 +416,9 @@ class PrefillEndpoint:
                 log.warning("decode endpoint %d sent destination lists this side cannot use: %s", k, why)
             return None
         p.lists[request] = (lists, aux, prefix_len)
+        publishers = header.get("publishers")
+        if isinstance(publishers, int) and not isinstance(publishers, bool) and 1 < publishers <= MAX_PUBLISHERS:
+            self.publishers[request] = publishers  # (a peer that overstates it only delays its own request)
         if header.get("plans"):
             p.planning.add(request)
         return request
@@ -416,7 +428,7 @@ class PrefillEndpoint:
         load`` watches for growth)."""
         return {"lists": sum(len(p.lists) for p in self.peers), "planning": sum(len(p.planning) for p in self.peers),
                 "backlog": sum(len(p.backlog) for p in self.peers), "unsafe": len(self.unsafe),
-                "aborted": len(self.aborted), "checksums": len(self._sums)}
+                "aborted": len(self.aborted), "checksums": len(self._sums), "publishers": len(self.publishers)}
 
     def transfer(self, chunk: Chunk, peer: int = 0) -> Transfer:
         """The :class:`Transfer` of a chunk to decode endpoint ``peer``, with the lists it published."""
@@ -433,6 +445,9 @@ class PrefillEndpoint:
                 p.lists.pop(r, None)
                 p.planning.discard(r)
                 self._sums.drop([(k, r)])
+        for r in requests:
+            if r in self.publishers and not any(r in p.lists for p in self.peers):
+                del self.publishers[r]
 
     def send(self, transfers: Sequence[Transfer], mode: str = "auto", timeout: float = 30.0,
              layers: LayerStreaming | None = None) -> dict[Any, str | None]:

@@ -236,8 +236,33 @@ def test_an_abort_is_acknowledged_as_fenced_at_once_and_its_lists_dropped():
     theirs.send("abort", {"request": "r9", "reason": "gone"})
     prefill.progress()
     assert "r1" not in prefill.lists and prefill.aborted == [(0, "r1", "gone")]
+    assert list(prefill.given_up) == [(0, "r9")]  # (one it never had: its decode gave it up before publishing)
     assert _sent(theirs) == [("abort-ack", {"request": "r1", "fenced": True}),
                              ("abort-ack", {"request": "r9", "fenced": True})]
+
+
+def test_a_request_spread_over_several_decode_endpoints_may_go_only_once_each_has_published():
+    """A decode of a larger TP size publishes each request from every rank this sender serves; with one
+    rank's lists in, the request must wait for the other's (sending it to one alone lost the other's part)."""
+    src_pool, dst_pool = torch.zeros(16 * PAGE_BYTES, dtype=torch.uint8), torch.zeros(16 * PAGE_BYTES, dtype=torch.uint8)
+    decode_side = side(dst_pool, {1: [3, 4]})
+    (mine0, theirs0), (mine1, theirs1) = FakeChannel.pair(), FakeChannel.pair()
+    prefill = PrefillEndpoint(side(src_pool, {1: [5, 9]}), FakeEngine(), [mine0, mine1])
+    for theirs in (theirs0, theirs1):
+        theirs.send("register", {"side": describe_side(decode_side), "staging": None}, b"meta")
+    prefill.accept(timeout=1)
+    message = plan_destinations(decode_side, [PreallocatedRequest("r1", 1, 8)]).messages()[0]
+    for bad in ("2", True, 0, 1 << 20):  # (malformed counts are ignored: one publisher)
+        theirs0.send("request", {"request": f"bad-{bad}", "prompt_len": 8, "prefix_len": 0, "publishers": bad}, message)
+    theirs0.send("request", {"request": "r1", "prompt_len": 8, "prefix_len": 0, "publishers": 2}, message)
+    prefill.progress()
+    assert all(prefill.published_by_all(f"bad-{bad}") for bad in ("2", True, 0, 1 << 20))
+    assert not prefill.published_by_all("r1")
+    theirs1.send("request", {"request": "r1", "prompt_len": 8, "prefix_len": 0, "publishers": 2}, message)
+    prefill.progress()
+    assert prefill.published_by_all("r1")
+    prefill.forget(["r1"])
+    assert "r1" not in prefill.publishers
 
 
 def test_an_abort_of_a_request_with_a_write_that_could_not_be_ended_is_not_acknowledged_as_fenced(monkeypatch):

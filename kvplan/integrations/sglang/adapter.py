@@ -260,6 +260,8 @@ class KVManager(BaseKVManager):
             # SGLang's decode reads it: per bootstrap address, the prefill's parallel layout (try_ensure_parallel_info)
             self.prefill_info_table: dict[str, Any] = {}
             self._senders: dict[tuple[str, int], int] = {}  # a prefill rank's (ip, port) -> its peer index here
+            # per peer index: how many decode ranks publish each room to that prefill rank (this one among them)
+            self._publishers: dict[int, int] = {}
             self._room_peer: dict[int, int] = {}  # each published room's sender (peer index)
             self.link: DecodeRankLink | None = None  # served by SGLang's own prefill (kvplan_protocol "sglang")
             self._asked: dict[int, float] = {}  # with SGLang's protocol: each room's deadline for its status
@@ -348,7 +350,9 @@ class KVManager(BaseKVManager):
         return self.prefill is not None and any(p.side is not None for p in self.prefill.peers)
 
     def has_lists(self, room: int) -> bool:
-        return bool(self._peers_of(room)) or self._dummy(room)
+        """Whether ``room`` may go: every decode rank it is spread over here has published its lists (a
+        decode of a larger attention TP publishes each room from several ranks this one serves)."""
+        return (bool(self._peers_of(room)) and self.prefill.published_by_all(room)) or self._dummy(room)
 
     def _dummy(self, room: int) -> bool:
         """Whether only SGLang's dummy decode ranks asked for ``room``: nothing of it goes from here."""
@@ -663,6 +667,10 @@ class KVManager(BaseKVManager):
                                      dp_rank=int(prefill_dp_rank), timeout=min(5.0, self.timeout))
         if rank_addr in self._senders:
             return self._senders[rank_addr]
+        publishers = 1
+        if self.settings.bootstrap != "direct":  # a larger decode TP: each prefill rank serves mine / its ranks
+            prefill_tp, mine = int(self.prefill_info_table[bootstrap_addr].attn_tp_size), self.attn_tp_size
+            publishers = mine // prefill_tp if mine > prefill_tp and mine % prefill_tp == 0 else 1
         channel = channel_via(*rank_addr, timeout=self.timeout)
         if self.decode is None:
             self.decode = DecodeEndpoint(self.side, self.engine, channel)
@@ -671,6 +679,7 @@ class KVManager(BaseKVManager):
         else:
             peer = self.decode.add_sender(channel, self.timeout)
         self._senders[rank_addr] = peer
+        self._publishers[peer] = publishers
         self.bootstrap_addr = self.bootstrap_addr or bootstrap_addr
         return peer
 
@@ -714,7 +723,8 @@ class KVManager(BaseKVManager):
         self.decode.track([published], time.monotonic() + self.timeout, peer=peer)
         self._room_peer[room] = peer
         self.decode.channels[peer].send("request", {"request": room, "prompt_len": prefix_len + len(pages) *
-                                                    self.page_size, "prefix_len": prefix_len}, published.message(),
+                                                    self.page_size, "prefix_len": prefix_len,
+                                                    "publishers": self._publishers.get(peer, 1)}, published.message(),
                                         timeout=self.timeout)
 
     def decode_state(self, room: int) -> int:

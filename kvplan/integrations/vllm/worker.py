@@ -193,9 +193,6 @@ class ConnectorWorker:
         errors, self._load_errors = self._load_errors, set()
         return errors if self.groups == 1 else set()
 
-    def has_work(self) -> bool:
-        return bool(self._sending or self._sent or self._receiving)
-
     def shutdown(self) -> None:
         """Close every channel, the listener and the engines (idempotent)."""
         closers = [self.listener.close] if self.listener is not None else []
