@@ -98,9 +98,16 @@ class ControlChannel:
         """
         wait_s = self.send_timeout if timeout is None else timeout
         deadline = time.monotonic() + wait_s
-        # in slices: a peer that is gone (dead, or silent past its heartbeats) ends the wait at once
-        while not self.socket.poll(max(0, min(self.SLICE_MS, round(1000 * (deadline - time.monotonic())))),
-                                   self._zmq.POLLOUT):
+        parts = [kind.encode(), json.dumps(header or {}).encode(), *frames]
+        while True:
+            # in slices: a peer that is gone (dead, or silent past its heartbeats) ends the wait at once
+            if self.socket.poll(max(0, min(self.SLICE_MS, round(1000 * (deadline - time.monotonic())))),
+                                self._zmq.POLLOUT):
+                try:
+                    self.socket.send_multipart(parts, self._zmq.NOBLOCK)
+                    return
+                except self._zmq.Again:  # writable a moment ago: the peer's pipe went away in between
+                    time.sleep(0.001)
             if self.peer_gone():
                 raise ControlTimeout(f"the peer of the channel on {self.host} port {self.port} is gone: a {kind!r} "
                                      "message cannot leave")
@@ -108,7 +115,6 @@ class ControlChannel:
                 state = "connected" if self._connected else "was connected" if self._ever else "never connected"
                 raise ControlTimeout(f"the peer did not take a {kind!r} message within {round(wait_s * 1000)} ms "
                                      f"(channel on {self.host} port {self.port}; its peer {state})")
-        self.socket.send_multipart([kind.encode(), json.dumps(header or {}).encode(), *frames], self._zmq.NOBLOCK)
 
     def recv(self, deadline: float) -> tuple[str, dict[str, Any], list[bytes]]:
         timeout_ms = max(0, int((deadline - time.monotonic()) * 1000))

@@ -53,3 +53,29 @@ def test_a_send_to_a_peer_that_is_gone_gives_up_at_once_not_at_its_timeout():
         assert time.monotonic() - started < 10  # not the 20 s of the send's timeout
     finally:
         bound.close()
+
+
+def test_a_peer_s_pipe_that_goes_away_between_the_poll_and_the_send_is_a_wait_not_a_crash():
+    """The poll can say writable and the send then find no pipe (zmq's ``Again``: the peer died in between,
+    as in the test above, or reconnected): the send waits on as if the poll had said no."""
+    import zmq
+
+    bound = ControlChannel(host="127.0.0.1")
+    peer = ControlChannel(bound.port, host="127.0.0.1")
+    try:
+        peer.send("hello", {}, timeout=5)
+        assert bound.recv(time.monotonic() + 5)[0] == "hello"
+        real, refused = bound.socket.send_multipart, []
+
+        def send_multipart(parts, flags=0):
+            if not refused:  # the first try finds the pipe gone
+                refused.append(1)
+                raise zmq.Again()
+            return real(parts, flags)
+
+        bound.socket.send_multipart = send_multipart
+        bound.send("request", {"n": 1}, timeout=5)
+        assert refused and peer.recv(time.monotonic() + 5)[1] == {"n": 1}
+    finally:
+        bound.close()
+        peer.close()

@@ -12,6 +12,7 @@ from kvplan.transport.control import ControlChannel
 from kvplan.transport.decode import DecodeEndpoint
 from kvplan.transport.prefill import Chunk, PrefillEndpoint
 from tests.planner.builders import table_with
+from tests.isolated import run_isolated
 from tests.transport.fakes import FakeEngine
 
 PAGE, PAGE_BYTES = 4, 256
@@ -57,6 +58,12 @@ def test_a_restarted_prefill_endpoint_is_registered_again_and_its_requests_compl
 
 
 def test_malformed_control_messages_from_a_peer_are_ignored_not_a_crash():
+    # in a child process: in pytest's, after the rest of a full run, its bound channel once never saw its
+    # in-process peer connect (as test_warm_up's did twice); the cause is not located
+    run_isolated(_malformed_messages, timeout=60)
+
+
+def _malformed_messages() -> None:
     dst_pool = torch.zeros(16 * PAGE_BYTES, dtype=torch.uint8)
     decode = DecodeEndpoint(side(dst_pool, {1: [3, 4]}), FakeEngine(), ControlChannel(host="127.0.0.1"))
     peer = ControlChannel(decode.channel.port, host="127.0.0.1")

@@ -3,7 +3,8 @@
 else of the decode's touched), and that a batch after it still lands. Its GPU side (planners
 captured, kernels compiled: the first batch within 2x of a steady one) is measured in
 benchmarks/RESULTS.md and tests/planner/test_graphs.py. Real Mooncake (TCP), both endpoints in
-this process (NIXL's progress threads would spin the rest of the run's cores)."""
+a child process of its own (tests.isolated: in pytest's process, after the rest of a full run, its bound
+control channel twice never saw its in-process peer connect; the cause is not located)."""
 
 import uuid
 
@@ -15,6 +16,7 @@ from kvplan.tools.load import Arrival, LoadConfig, _Pools
 from kvplan.transport.control import ControlChannel
 from kvplan.transport.endpoints import Chunk, DecodeEndpoint, PrefillEndpoint
 from kvplan.transport.engines import make_engine
+from tests.isolated import run_isolated
 
 pytestmark = pytest.mark.engines
 
@@ -23,6 +25,10 @@ CONFIG = LoadConfig(layers=2, token_bytes=32, prompt_max=256, rows=4, device="cp
 
 def test_warm_up_opens_each_new_connection_once_and_a_batch_after_it_lands():
     pytest.importorskip("mooncake.engine")
+    run_isolated(_warm_up_then_a_batch, timeout=120)
+
+
+def _warm_up_then_a_batch() -> None:
     src, dst = _Pools(CONFIG, "cpu", CONFIG.rows), _Pools(CONFIG, "cpu", CONFIG.rows)
     name = uuid.uuid4().hex[:8]
     channel = ControlChannel(host="127.0.0.1")
