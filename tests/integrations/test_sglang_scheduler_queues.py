@@ -93,16 +93,9 @@ def _run_nodes(tmp_path: Path, backend: str, prefill_tp: int, decode_tp: int, hy
 
 # (NIXL, a plain model: decode prefix hits), (Mooncake, a hybrid model: a full-attention layer, a
 # sliding-window layer in SGLang's SWA pool, a Mamba layer in its hybrid request pools); both with attention
-# TP 2 on the prefill and 4 on the decode
-# nixl-False: a known, open defect. In full `make test` runs (2 of 4 in session 23, 1 in session 22) one
-# second-wave request (req-1-1, decode rank 2) never got its sections and failed on its deadline, also with
-# the deadline at 150 s and nothing else running; alone the test passes. Not located yet: reported, not hidden
-# (it still runs; an XPASS shows when it passes).
-FLAKY_NIXL = pytest.mark.xfail(strict=False, reason="open defect: a second-wave request to decode rank 2 sometimes "
-                               "never gets its sections (full runs only; session 23's note)")
-
-
-@pytest.mark.parametrize("backend,hybrid", [pytest.param("nixl", False, marks=FLAKY_NIXL), ("mooncake", True)])
+# TP 2 on the prefill and 4 on the decode: each prefill rank serves two decode ranks per request, and sends
+# it only once both have published (sessions 22-23 lost a request on decode rank 2 when it went after one)
+@pytest.mark.parametrize("backend,hybrid", [("nixl", False), ("mooncake", True)])
 def test_sglang_s_schedulers_move_every_request_and_fail_the_aborted_ones_on_both_sides(tmp_path, backend, hybrid):
     sglang_module("srt.disaggregation.decode")  # skips where SGLang is not installed
     ranks = _run_nodes(tmp_path, backend, 2, 4, hybrid)
