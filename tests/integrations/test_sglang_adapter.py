@@ -5,13 +5,12 @@ Mooncake, driven through SGLang's interfaces, every byte checked, SGLang's KVPol
 import gc
 import multiprocessing as mp
 import os
-import random
-import socket
 import types
 
 import numpy as np
 import pytest
 
+from tests.ports import free_port  # noqa: F401 (other test modules import it from here)
 from tests.integrations import sglang_sides
 from tests.sglang_real import sglang_module
 
@@ -47,17 +46,6 @@ def _manager(args, mode: str, **settings):
     return mgr
 
 
-def free_port() -> int:
-    """A free port below the kernel's ephemeral range (32768 and up by default): a port found free in
-    that range can be taken by an outgoing connection before the adapter binds it."""
-    for port in random.Random().sample(range(20000, 32768), 200):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port between 20000 and 32767")
 
 
 def _run_sides(engine: str, state, decodes: list[tuple]) -> dict:

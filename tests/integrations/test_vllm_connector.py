@@ -30,6 +30,7 @@ from kvplan.errors import LayoutError  # noqa: E402
 from kvplan.integrations.vllm import KvplanConnector  # noqa: E402
 from kvplan.integrations.vllm.kv_caches import BlockView  # noqa: E402
 from kvplan.integrations.vllm.scheduler import UnsupportedConfig  # noqa: E402
+from tests.ports import free_port  # noqa: E402
 from tests.integrations.vllm_fakes import BLOCK, ENGINE, Blocks, full_attention, kv_caches, request, vllm_config  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -48,7 +49,7 @@ def test_vllm_s_factory_builds_the_scheduler_side_from_a_kv_transfer_config():
 
 
 def test_vllm_s_factory_builds_the_worker_side_and_it_takes_vllm_s_kv_caches():
-    config = vllm_config(role="kv_producer", extra={"host": "127.0.0.1", "port": _free_port()})
+    config = vllm_config(role="kv_producer", extra={"host": "127.0.0.1", "port": free_port()})
     kv_cache = full_attention(["model.layers.0.attn", "model.layers.1.attn"], num_blocks=8, heads=2, head_size=16,
                               layout=KVCacheLayout.LBNHC)
     connector = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache)
@@ -60,14 +61,6 @@ def test_vllm_s_factory_builds_the_worker_side_and_it_takes_vllm_s_kv_caches():
         assert connector.get_block_ids_with_load_errors() == set()
     finally:
         connector.shutdown()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("layout, cross, items", [(KVCacheLayout.LBHNC, False, 3), (KVCacheLayout.LBNHC, False, 3),

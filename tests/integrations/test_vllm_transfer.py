@@ -10,11 +10,12 @@ blocks in ``get_block_ids_with_load_errors``: never as a success.
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from tests.ports import free_port
 
 pytest.importorskip("vllm", reason="vLLM 0.33.0 is not installed (make setup-vllm)")
 
@@ -24,12 +25,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 REQUESTS = ["d-req-0", "d-req-1", "d-req-2", "d-req-3"]  # (the node's lengths: 100, 37, 64, 5 tokens)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_pair(tmp_path, engine: str, prefill_layout: str, decode_layout: str, *decode_args: str,
              prefill_args: tuple[str, ...] = ()) -> tuple[dict, dict]:
     """Both processes, to their end (each has its own deadline); what each printed."""
@@ -37,11 +32,11 @@ def run_pair(tmp_path, engine: str, prefill_layout: str, decode_layout: str, *de
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), ROOT) if p),
            "VLLM_TARGET_DEVICE": "cpu", "UCX_NET_DEVICES": "lo"}  # (loopback: the test's choice)
     base = [sys.executable, "-m", "tests.integrations.vllm_node"]
-    prefill = subprocess.Popen([*base, "prefill", "--port", str(_free_port()), "--params", params, "--engine", engine,
+    prefill = subprocess.Popen([*base, "prefill", "--port", str(free_port()), "--params", params, "--engine", engine,
                                 "--layout", prefill_layout, *prefill_args], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
     try:
-        decode = subprocess.run([*base, "decode", "--port", str(_free_port()), "--params", params, "--engine", engine,
+        decode = subprocess.run([*base, "decode", "--port", str(free_port()), "--params", params, "--engine", engine,
                                  "--layout", decode_layout, *decode_args], capture_output=True, text=True,
                                 cwd=ROOT, env=env, timeout=150)
         out, err = prefill.communicate(timeout=60)

@@ -163,12 +163,25 @@ class ConnectorWorker:
     def start_load_kv(self, step: SchedulerStep) -> None:
         """Take the step's decisions: finished prefill requests to send, decode requests to publish."""
         now = time.monotonic()
-        for request_id, send in step.send.items():
-            self._take_send(request_id, send, now)
+        sends = [(r, send, row) for r, send in step.send.items() if (row := self._take_send(r, send)) is not None]
+        if sends:  # (the step's rows written at once: one copy to the device and one expansion)
+            self._write_rows(self._send_table, [(row, 0, send.block_ids[0]) for _, send, row in sends])
+        for request_id, send, row in sends:
+            self._sending[request_id] = _Sending(send, row, now + self.settings.timeout_s)
+        admitted = []
         for request_id, receive in step.receive.items():
             try:
-                self._publish(request_id, receive)
+                if (row := self._admit(request_id, receive)) is not None:
+                    admitted.append((request_id, receive, row))
             except KvplanError as err:
+                self._fail_unpublished(request_id, receive, f"{type(err).__name__}: {err}")
+        if admitted:
+            self._write_rows(self._recv_table, [(row, r.prefix_len, r.block_ids[0]) for _, r, row in admitted])
+        for request_id, receive, row in admitted:
+            try:
+                self._publish(request_id, receive, row)
+            except KvplanError as err:
+                self._recv_rows.give(row)
                 self._fail_unpublished(request_id, receive, f"{type(err).__name__}: {err}")
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> TransferResults:
@@ -209,20 +222,19 @@ class ConnectorWorker:
                 log.warning("closing kvplan's vLLM connector: %s: %s", type(err).__name__, err)
 
     # -- sending --------------------------------------------------------------------------------------
-    def _take_send(self, request_id: str, send: SendRequest, now: float) -> None:
-        if self.prefill is None:
-            log.error("request %s: a prefill request on a worker that does not send (kv_role); freed", request_id)
-            self._sent.add(request_id)
-            return
-        row = self._send_rows.take()
+    def _take_send(self, request_id: str, send: SendRequest) -> int | None:
+        """The planning row of a finished prefill request, or ``None`` (its blocks are freed unsent, logged)."""
+        why = ("a prefill request on a worker that does not send (kv_role)" if self.prefill is None else
+               None if send.block_ids and send.block_ids[0] else "it has no blocks")
+        if why is None and len(send.block_ids[0]) * self.block_size > self.width:
+            why = f"{len(send.block_ids[0]) * self.block_size} tokens exceed the planning table's {self.width} (max_model_len)"
+        row = self._send_rows.take() if why is None else None
+        if why is None and row is None:
+            why = f"more than {self.settings.max_requests} requests in flight (max_requests)"
         if row is None:
-            log.error("request %s: more than %d requests in flight (max_requests); its blocks are freed unsent",
-                      request_id, self.settings.max_requests)
+            log.error("request %s: %s; its blocks are freed unsent", request_id, why)
             self._sent.add(request_id)
-            return
-        blocks = send.block_ids[0] if send.block_ids else []
-        self._write_row(self._send_table, row, 0, blocks)
-        self._sending[request_id] = _Sending(send, row, now + self.settings.timeout_s)
+        return row
 
     def _progress_sends(self) -> None:
         endpoint = self.prefill
@@ -270,14 +282,17 @@ class ConnectorWorker:
             log.warning("request %s was not sent: %s", request_id, reason)
 
     # -- receiving ------------------------------------------------------------------------------------
-    def _publish(self, request_id: str, receive: ReceiveRequest) -> None:
+    def _admit(self, request_id: str, receive: ReceiveRequest) -> int | None:
+        """The planning row of a decode request to publish, after checking what it says (raises
+        ``KvplanError`` naming what is wrong); ``None`` for one with nothing to load, whose prefill is told
+        to free its blocks."""
         remote = receive.remote_request_id
         if not receive.block_ids or not receive.block_ids[0]:  # nothing to load: its prefill frees its blocks
             if self.receives and remote is not None and receive.remote_host is not None \
                     and receive.remote_port is not None:
                 self._connect(receive.remote_host, receive.remote_port).channel.send(
                     "abort", {"request": remote, "reason": "the decode needs none of it"}, timeout=HANDSHAKE_S)
-            return
+            return None
         if not self.receives:
             raise KvplanError("this worker does not receive (kv_role kv_producer)")
         if remote is None or receive.remote_host is None or receive.remote_port is None:
@@ -285,26 +300,27 @@ class ConnectorWorker:
         if receive.remote_tp_size is not None and int(receive.remote_tp_size) != self.tp_size:
             raise KvplanError(f"its prefill runs TP {receive.remote_tp_size}, this decode TP {self.tp_size}: kvplan's "
                               "vLLM connector moves between equal TP sizes only")
-        blocks = list(receive.block_ids[0])
+        blocks = receive.block_ids[0]
         needed = -(-receive.num_tokens // self.block_size)
         if len(blocks) != needed or receive.prefix_len % self.block_size:
             raise KvplanError(f"{len(blocks)} blocks after a prefix of {receive.prefix_len} tokens for "
                               f"{receive.num_tokens} tokens of blocks of {self.block_size}")
+        if receive.prefix_len + len(blocks) * self.block_size > self.width:
+            raise KvplanError(f"{receive.prefix_len + len(blocks) * self.block_size} tokens exceed the planning "
+                              f"table's {self.width} (max_model_len)")
         if remote in self._receiving:
             raise KvplanError(f"its prefill's request id {remote!r} is already being received here")
         row = self._recv_rows.take()
         if row is None:
             raise KvplanError(f"more than {self.settings.max_requests} requests in flight (max_requests)")
-        try:
-            decode = self._connect(receive.remote_host, receive.remote_port)
-            self._write_row(self._recv_table, row, receive.prefix_len, blocks)
-            prompt_len = receive.prefix_len + receive.num_tokens
-            decode.publish([PreallocatedRequest(remote, row, prompt_len, receive.prefix_len)],
-                           timeout=self.settings.timeout_s)
-        except BaseException:
-            self._recv_rows.give(row)
-            raise
-        self._receiving[remote] = _Receiving(request_id, row, blocks, decode)
+        return row
+
+    def _publish(self, request_id: str, receive: ReceiveRequest, row: int) -> None:
+        """Publish an admitted request's blocks (its row written) to its prefill rank's decode endpoint."""
+        decode = self._connect(receive.remote_host, receive.remote_port)
+        decode.publish([PreallocatedRequest(receive.remote_request_id, row, receive.prefix_len + receive.num_tokens,
+                                            receive.prefix_len)], timeout=self.settings.timeout_s)
+        self._receiving[receive.remote_request_id] = _Receiving(request_id, row, list(receive.block_ids[0]), decode)
 
     def _connect(self, host: str, port: int) -> DecodeEndpoint:
         """The decode endpoint paired with this rank's peer of the prefill listening at ``host:port``: one per
@@ -375,13 +391,21 @@ class ConnectorWorker:
         size = self.settings.staging_mib << 20
         return torch.empty(size, dtype=torch.uint8, device=self.device) if size and self.device.type == "cuda" else None
 
-    def _write_row(self, table: torch.Tensor, row: int, prefix: int, blocks: list[int]) -> None:
-        """Tokens ``[prefix, prefix + len(blocks) * block_size)`` of planning row ``row``: the blocks' slots."""
-        if not blocks:
-            return
-        ids = torch.from_numpy(np.asarray(blocks, dtype=np.int64)[None, :]).to(table.device)
-        slots = token_table_from_blocks(ids, self.block_size)
-        end = prefix + slots.shape[1]
-        if end > table.shape[1]:
-            raise KvplanError(f"{end} tokens exceed the planning table's {table.shape[1]} (max_model_len)")
-        table[row, prefix:end].copy_(slots[0])
+    def _write_rows(self, table: torch.Tensor, rows: list[tuple[int, int, list[int]]]) -> None:
+        """Write each ``(row, prefix, blocks)``: tokens ``[prefix, prefix + len(blocks) * block_size)`` of
+        planning row ``row`` become the blocks' slots. One copy of block ids to the device, one expansion and
+        one write per distinct prefix (a row's columns past its own blocks get its last block's slots again:
+        no plan reads past a request's length). The callers checked every row fits the table."""
+        by_prefix: dict[int, list[tuple[int, list[int]]]] = {}
+        for row, prefix, blocks in rows:
+            by_prefix.setdefault(prefix, []).append((row, blocks))
+        for prefix, group in by_prefix.items():
+            width = max(len(blocks) for _, blocks in group)
+            ids = np.empty((len(group), width), dtype=np.int64)
+            for k, (_, blocks) in enumerate(group):
+                ids[k, : len(blocks)] = blocks
+                ids[k, len(blocks):] = blocks[-1]
+            row_ids = np.array([row for row, _ in group], dtype=np.int64)
+            both = torch.from_numpy(np.concatenate([row_ids, ids.reshape(-1)])).to(table.device)
+            slots = token_table_from_blocks(both[len(group):].view(len(group), width), self.block_size)
+            table[both[: len(group)], prefix : prefix + width * self.block_size] = slots
