@@ -15,6 +15,9 @@ export MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER := 65535
 export MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER := 65535
 export PYTHONUNBUFFERED := 1
 
+# test processes (pytest-xdist): one per core, at most 8 (each test starts engine processes of its own)
+WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n > 8 ? 8 : n )))
+
 .PHONY: setup setup-sglang setup-vllm test test-sglang test-vllm demo bench clean
 
 setup: $(STAMP)
@@ -28,10 +31,10 @@ $(STAMP): pyproject.toml Makefile
 	@if $(PYTHON) -c 'import torch, sys; sys.exit(0 if torch.version.cuda else 1)' 2>/dev/null; then \
 	  echo "using the system's CUDA build of torch"; \
 	  [ -x $(PY) ] || $(PYTHON) -m venv --system-site-packages $(VENV); \
-	  $(PIP) install -q numpy pytest pytest-benchmark hypothesis pyzmq; \
+	  $(PIP) install -q numpy pytest pytest-benchmark pytest-xdist hypothesis pyzmq; \
 	else \
 	  [ -x $(PY) ] || $(PYTHON) -m venv $(VENV); \
-	  $(PIP) install -q "torch==2.13.0+cpu" "triton==3.7.1" "numpy>=2,<3" pytest pytest-benchmark hypothesis pyzmq; \
+	  $(PIP) install -q "torch==2.13.0+cpu" "triton==3.7.1" "numpy>=2,<3" pytest pytest-benchmark pytest-xdist hypothesis pyzmq; \
 	fi
 	$(PIP) install -q --no-deps nixl-cu12==1.5.1
 	$(PIP) install -q --no-deps mooncake-transfer-engine-non-cuda==0.3.13.post1
@@ -61,18 +64,19 @@ $(VLLM_STAMP): $(STAMP)
 # among them), then a compile check of every kernel for sm_90 in a process of its own (the two
 # cannot share a process), then the vLLM connector's tests with vLLM's folder on the path.
 test: setup setup-sglang setup-vllm
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not compile_check and not vllm" --benchmark-disable -p no:cacheprovider
-	TRITON_INTERPRET=0 $(PY) -m pytest -q -m compile_check -p no:cacheprovider tests/kernels
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(WORKERS) -m "not compile_check and not vllm" --benchmark-disable \
+	  -p no:cacheprovider
+	TRITON_INTERPRET=0 $(PY) -m pytest -q -n $(WORKERS) -m compile_check -p no:cacheprovider tests/kernels
 	$(MAKE) --no-print-directory test-vllm
 
 # only the vLLM connector's tests, against vLLM's own code
 test-vllm: setup-vllm
-	PYTHONPATH=$(VLLM_SITE) VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 $(PY) -m pytest -q -m vllm -p no:cacheprovider \
+	PYTHONPATH=$(VLLM_SITE) VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(WORKERS) -m vllm -p no:cacheprovider \
 	  tests/integrations/test_vllm_connector.py tests/integrations/test_vllm_transfer.py
 
 # only the differential tests against SGLang's own code
 test-sglang: setup setup-sglang
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -m sglang --benchmark-disable -p no:cacheprovider
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(WORKERS) -m sglang --benchmark-disable -p no:cacheprovider
 
 demo: setup
 	$(VENV)/bin/kvplan demo

@@ -12,6 +12,11 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from kvplan.tools import target_process  # noqa: E402
+
+# the tests' child processes are forked from a server that has imported SGLang too (tests/preload.py)
+target_process.PRELOAD.append("tests.preload")
+
 
 @pytest.fixture(scope="session")
 def device() -> torch.device:

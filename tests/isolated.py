@@ -9,6 +9,8 @@ import traceback
 from multiprocessing.connection import wait
 from typing import Callable
 
+from kvplan.tools.target_process import start_child
+
 
 def _child(target: Callable[..., None], args: tuple, report) -> None:
     try:
@@ -22,13 +24,11 @@ def _child(target: Callable[..., None], args: tuple, report) -> None:
 
 
 def run_isolated(target: Callable[..., None], *args, timeout: float) -> None:
-    """Run ``target(*args)`` (a module-level function, importable by a spawned interpreter) in a spawned
-    child; raise ``AssertionError`` with the child's traceback if it failed, or if it neither ended nor
+    """Run ``target(*args)`` (a module-level function, importable by a fresh interpreter) in a child of
+    its own (:func:`kvplan.tools.target_process.start_child`); raise ``AssertionError`` with the child's traceback if it failed, or if it neither ended nor
     reported within ``timeout`` seconds (the child is then killed by its handle)."""
-    ctx = mp.get_context("spawn")
-    reports, report = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_child, args=(target, args, report), daemon=True)
-    child.start()
+    reports, report = mp.Pipe(duplex=False)
+    child = start_child(_child, target, args, report)
     report.close()
     try:
         wait([reports, child.sentinel], timeout)  # a report, the child's end, or the deadline

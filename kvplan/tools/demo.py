@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -55,7 +54,7 @@ from ..transport.control import ControlChannel
 from ..transport.endpoints import Chunk, DecodeEndpoint, PrefillEndpoint
 from ..transport.engines import make_engine
 from .forward import StandInForward
-from .target_process import child_message
+from .target_process import child_message, child_pipe, start_child
 from .verify import AddressSpace, execute
 
 __all__ = ["DemoConfig", "DemoReport", "FAULTS", "run_demo"]
@@ -445,12 +444,17 @@ def prefill_process(config: DemoConfig, port: int, conn, src_rank: int | None = 
         transfers = [endpoint.transfer(Chunk(f"{t.request}{tag}", t.src_row, t.start, t.fill_len, t.prompt_len,
                                              t.last, t.aux_src)) for t in batch.transfers]
         planned = Batch(side, (endpoint.peer_side,), tuple(transfers))
+        started = time.perf_counter()
         descs = gpu.plan(planned).descriptors()[0]
-        runs = 5 if device == "cuda" else 1
-        kvplan_ms = median_ms(lambda: gpu.plan(planned).descriptors(), runs)
+        # on a GPU, the median of timed runs after a warm-up; on the CPU, where the kernels run
+        # interpreted and the figure says little, the one plan made anyway (planning again only costs)
+        cuda = device == "cuda"
+        kvplan_ms = median_ms(lambda: gpu.plan(planned).descriptors(), 5) if cuda else \
+            (time.perf_counter() - started) * 1e3
         direct = pair_sides(side, endpoint.peer_side).mode is Mode.DIRECT
         same_pages = endpoint.peer_side.kv.page_size == side.kv.page_size  # SGLang refuses a mismatch
-        baseline_ms = median_ms(lambda: sglang_style_descs(planned), runs) if direct and same_pages else None
+        baseline_ms = median_ms(lambda: sglang_style_descs(planned), 5 if cuda else 1, warmup=2 if cuda else 0) \
+            if direct and same_pages else None
         conn.send(("planned", len(transfers), len(descs), int(descs[:, 2].sum()) if len(descs) else 0,
                    "direct" if direct else "head-sliced", kvplan_ms, baseline_ms, warm_s))
         if not conn.poll(config.timeout * 2) or conn.recv() != "go":
@@ -546,18 +550,14 @@ class Processes:
     killed by its own handle."""
 
     def __init__(self, config: DemoConfig):
-        ctx = mp.get_context("spawn")
-        self.decode_conn, there = ctx.Pipe()
-        self.decode = ctx.Process(target=decode_process, args=(config, there), daemon=True)
-        self.decode.start()
+        self.decode_conn, there = child_pipe()
+        self.decode = start_child(decode_process, config, there)
         kind, ports = self.recv(self.decode_conn, "decode", config.timeout + 60)
         self.prefill_conns, self.prefills = [], []
         for rank, port in zip(config.sources(), ports):
-            conn, there = ctx.Pipe()
+            conn, there = child_pipe()
             self.prefill_conns.append(conn)
-            self.prefills.append(ctx.Process(target=prefill_process,
-                                             args=(config, port, there, rank if config.gather else None), daemon=True))
-            self.prefills[-1].start()
+            self.prefills.append(start_child(prefill_process, config, port, there, rank if config.gather else None))
 
     @property
     def prefill_conn(self):

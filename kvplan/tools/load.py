@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import math
-import multiprocessing as mp
 import os
 import time
 import traceback
@@ -44,7 +43,7 @@ from ..transport.control import ControlChannel
 from ..transport.endpoints import Chunk, DecodeEndpoint, PrefillEndpoint
 from ..transport.engines import make_engine
 from .demo import Profile
-from .target_process import child_message
+from .target_process import child_message, child_pipe, start_child
 
 __all__ = ["Arrival", "LoadConfig", "LoadReport", "run_load", "schedule"]
 
@@ -458,18 +457,15 @@ def run_load(config: LoadConfig) -> LoadReport:
         raise ValueError("kill_at needs at least two decodes: the killed one's peers must go on")
     if config.chunk_tokens % config.page_size or config.chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be a positive multiple of the page size {config.page_size}")
-    ctx = mp.get_context("spawn")
     wait = config.duration + config.timeout + 120
     procs: list[tuple[Any, Any, str]] = []  # (process, pipe, who)
     try:
         for k in range(config.decodes):
-            mine, there = ctx.Pipe()
-            procs.append((ctx.Process(target=decode_process, args=(config, k, there), daemon=True), mine, f"decode {k}"))
-            procs[-1][0].start()
+            mine, there = child_pipe()
+            procs.append((start_child(decode_process, config, k, there), mine, f"decode {k}"))
         ports = [child_message(conn, who, wait)[1] for _, conn, who in procs]
-        mine, there = ctx.Pipe()
-        procs.append((ctx.Process(target=prefill_process, args=(config, ports, there), daemon=True), mine, "prefill"))
-        procs[-1][0].start()
+        mine, there = child_pipe()
+        procs.append((start_child(prefill_process, config, ports, there), mine, "prefill"))
         for _, conn, who in procs:
             child_message(conn, who, wait)  # ready: registered and paired
         started = time.monotonic() + 0.1

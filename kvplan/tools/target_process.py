@@ -11,10 +11,56 @@ Example::
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-__all__ = ["child_message", "target_process"]
+__all__ = ["child_context", "child_message", "child_pipe", "child_process", "start_child", "target_process"]
+
+# what a tool's child imports anyway: the fork server imports it once (see start_child)
+PRELOAD = ["kvplan.tools.demo", "kvplan.tools.load"]
+
+
+def child_context() -> Any:
+    """The ``multiprocessing`` context of kvplan's tool processes (:func:`child_process`)."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def child_process(target: Callable[..., None], *args: Any) -> Any:
+    """A child process that will run ``target(*args)``, not started yet (a daemon, to be joined or
+    killed by the caller through this handle).
+
+    Where the platform has a fork server, the child is forked from it: that server, started on first
+    use and ended by ``multiprocessing`` with this process, has imported torch and kvplan once, so a
+    child is running in tens of milliseconds instead of the two seconds a fresh interpreter takes to
+    import them (the tests and the demo start hundreds). It never touches a GPU, so a child
+    initialises CUDA afresh, as a spawned one would. Elsewhere the child is spawned. Either way the
+    child runs with this process's environment as it is at this call (a fork server's own is the one
+    it started with); variables read at import (``TRITON_INTERPRET``) must not change in between.
+    """
+    return child_context().Process(target=_with_environment, args=(dict(os.environ), target, *args), daemon=True)
+
+
+def start_child(target: Callable[..., None], *args: Any) -> Any:
+    """:func:`child_process`, started."""
+    proc = child_process(target, *args)
+    proc.start()
+    return proc
+
+
+def child_pipe() -> tuple[Any, Any]:
+    """A pipe to a child of :func:`start_child`: ``(this end, the child's end)``."""
+    return mp.Pipe()
+
+
+def _with_environment(environment: dict[str, str], target: Callable[..., None], *args: Any) -> None:
+    os.environ.clear()
+    os.environ.update(environment)
+    target(*args)
 
 
 def child_message(conn: Any, who: str, timeout: float) -> Any:
@@ -30,12 +76,10 @@ def child_message(conn: Any, who: str, timeout: float) -> Any:
 
 @contextmanager
 def target_process(target: Callable[..., None], *args: Any, start_s: float = 60.0) -> Iterator[tuple[Any, Any]]:
-    """Run ``target(*args, conn)`` in a spawned process; yields ``(conn, its first message)``, which
+    """Run ``target(*args, conn)`` in a child process (:func:`start_child`); yields ``(conn, its first message)``, which
     must come within ``start_s`` seconds (else ``TimeoutError``)."""
-    ctx = mp.get_context("spawn")
-    here, there = ctx.Pipe()
-    proc = ctx.Process(target=target, args=(*args, there), daemon=True)
-    proc.start()
+    here, there = child_pipe()
+    proc = start_child(target, *args, there)
     try:
         if not here.poll(start_s):
             raise TimeoutError("the target process did not start")

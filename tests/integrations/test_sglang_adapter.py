@@ -3,13 +3,13 @@ three requests (one chunked, one with a decode prefix) over loopback through NIX
 Mooncake, driven through SGLang's interfaces, every byte checked, SGLang's KVPoll states seen."""
 
 import gc
-import multiprocessing as mp
 import os
 import types
 
 import numpy as np
 import pytest
 
+from kvplan.tools.target_process import child_context, child_process
 from tests.ports import free_port  # noqa: F401 (other test modules import it from here)
 from tests.integrations import sglang_sides
 from tests.sglang_real import sglang_module
@@ -52,11 +52,10 @@ def _run_sides(engine: str, state, decodes: list[tuple]) -> dict:
     """One prefill process and a decode process per entry of ``decodes`` (the extra arguments of
     ``run_decode``: its rooms and its name), each joined or killed by its own handle; what each
     reported, by name."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    results = child_context().Queue()
     port = free_port()
-    procs = [ctx.Process(target=sglang_sides.run_prefill, args=(engine, port, 11, results, 60.0, state))]
-    procs += [ctx.Process(target=sglang_sides.run_decode, args=(engine, port, 11, results, 60.0, state, *extra))
+    procs = [child_process(sglang_sides.run_prefill, engine, port, 11, results, 60.0, state)]
+    procs += [child_process(sglang_sides.run_decode, engine, port, 11, results, 60.0, state, *extra)
               for extra in decodes]
     return sglang_sides.gather(procs, results)
 

@@ -5,12 +5,12 @@ round, SGLang's own prefill serving a kvplan decode. Three requests (one
 chunked, one after a decode prefix), every byte checked on the decode side, the ``KVPoll`` states each
 side's caller sees."""
 
-import multiprocessing as mp
 
 import pytest
 
 from tests.integrations import sglang_sides
-from tests.integrations.test_sglang_adapter import free_port
+from kvplan.tools.target_process import child_context, child_process
+from tests.ports import free_port
 from tests.sglang_real import sglang_module
 
 pytestmark = [pytest.mark.sglang, pytest.mark.engines]
@@ -20,17 +20,14 @@ def _run_pair(state, decode_kv_pages: int = sglang_sides.PAGES, sglang_side: str
               backend: str = "mooncake") -> dict:
     """kvplan's side and SGLang's own (``sglang_side``), each joined or killed by its own handle; what
     each reported, by name."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    results = child_context().Queue()
     port = free_port()
     if sglang_side == "decode":
-        procs = [ctx.Process(target=sglang_sides.run_prefill,
-                             args=(backend, port, 11, results, 60.0, state, "sglang", decode_kv_pages)),
-                 ctx.Process(target=sglang_sides.run_sglang_decode, args=(port, 11, results, 60.0, state, backend))]
+        procs = [child_process(sglang_sides.run_prefill, backend, port, 11, results, 60.0, state, "sglang", decode_kv_pages),
+                 child_process(sglang_sides.run_sglang_decode, port, 11, results, 60.0, state, backend)]
     else:
-        procs = [ctx.Process(target=sglang_sides.run_sglang_prefill, args=(port, 11, results, 60.0, state, backend)),
-                 ctx.Process(target=sglang_sides.run_decode,
-                             args=(backend, port, 11, results, 60.0, state, None, "decode", "sglang"))]
+        procs = [child_process(sglang_sides.run_sglang_prefill, port, 11, results, 60.0, state, backend),
+                 child_process(sglang_sides.run_decode, backend, port, 11, results, 60.0, state, None, "decode", "sglang")]
     return sglang_sides.gather(procs, results)
 
 
@@ -101,12 +98,10 @@ def test_a_kvplan_prefill_spreads_each_request_over_sglang_s_decode_ranks():
     (both heads): each request is asked for by both decode ranks, planned once for both, and each rank
     receives its head of every token, and the aux row."""
     base = sglang_module("srt.disaggregation.base.conn")
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    results = child_context().Queue()
     port = free_port()
-    procs = [ctx.Process(target=sglang_sides.run_prefill,
-                         args=("mooncake", port, 11, results, 60.0, False, "sglang", sglang_sides.PAGES, 2))]
-    procs += [ctx.Process(target=sglang_sides.run_sglang_decode, args=(port, 11, results, 60.0, False, "mooncake", r, 2))
+    procs = [child_process(sglang_sides.run_prefill, "mooncake", port, 11, results, 60.0, False, "sglang", sglang_sides.PAGES, 2)]
+    procs += [child_process(sglang_sides.run_sglang_decode, port, 11, results, 60.0, False, "mooncake", r, 2)
               for r in (0, 1)]
     got = sglang_sides.gather(procs, results)
     prefill_states, failures = got["prefill"]

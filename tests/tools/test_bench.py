@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from kvplan.tools.bench import render, run_bench
+from tests.tools.cli import run_cli
 
 
 def test_bench_rows_render_and_agree_with_the_baseline():
@@ -48,7 +49,6 @@ def test_bench_picks_a_small_scale_by_itself_without_a_gpu(tmp_path):
     (["--scale", "1000"], "must be in (0, 1]"),
     (["--json", "/missing/dir/x.json"], "is not a folder this process can write to"),
 ])
-def test_bench_options_that_cannot_run_are_refused_before_it_runs(args, message):
-    done = subprocess.run([sys.executable, "-m", "kvplan", "bench", "--no-progress", *args], capture_output=True,
-                          text=True, timeout=60)
-    assert done.returncode == 2 and message in done.stderr, done.stderr
+def test_bench_options_that_cannot_run_are_refused_before_it_runs(args, message, capsys, monkeypatch):
+    code, _, err = run_cli(["bench", "--no-progress", *args], capsys, monkeypatch)
+    assert code == 2 and message in err, err

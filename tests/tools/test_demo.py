@@ -5,6 +5,8 @@ import sys
 
 import pytest
 
+from tests.tools.cli import run_cli
+
 
 @pytest.mark.engines
 def test_demo_command_moves_and_verifies_the_default_batch():
@@ -49,19 +51,23 @@ def test_a_drill_report_with_another_failure_is_not_observed():
     (["--engine-setting", "protocol"], "expected KEY=VALUE"),
     (["--engine", "mooncake", "--engine-setting", "num_threads=2"], "mooncake has no such setting"),
 ])
-def test_numbers_that_cannot_run_are_refused_before_any_process_starts(args, message):
-    done = subprocess.run([sys.executable, "-m", "kvplan", "demo", "--no-progress", *args],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and message in done.stderr, done.stderr  # (1: a failed transfer)
+def test_numbers_that_cannot_run_are_refused_before_any_process_starts(args, message, capsys, monkeypatch):
+    code, _, err = run_cli(["demo", "--no-progress", *args], capsys, monkeypatch)
+    assert code == 2 and message in err, err  # (1: a failed transfer)
 
 
-def test_bad_options_get_a_clear_message():
-    done = subprocess.run([sys.executable, "-m", "kvplan", "demo", "--mode", "prepared", "--engine", "mooncake"],
+def test_bad_options_get_a_clear_message(capsys, monkeypatch):
+    code, _, err = run_cli(["demo", "--mode", "prepared", "--engine", "mooncake"], capsys, monkeypatch)
+    assert code == 2 and "prepared lists are NIXL's" in err
+    code, _, err = run_cli(["demo", "--requests", "0"], capsys, monkeypatch)
+    assert code == 2 and "must be >= 1" in err
+
+
+def test_a_refusal_from_the_command_line_exits_2_in_a_process_of_its_own():
+    """The refusals above run in this process; one as a user meets it, through the installed entry point."""
+    done = subprocess.run([sys.executable, "-m", "kvplan", "demo", "--no-progress", "--src-tp", "3", "--dst-tp", "8"],
                           capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and "prepared lists are NIXL's" in done.stderr
-    done = subprocess.run([sys.executable, "-m", "kvplan", "demo", "--requests", "0"],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and "must be >= 1" in done.stderr
+    assert done.returncode == 2 and "8 KV heads do not split over 3 ranks" in done.stderr, done.stderr
 
 
 @pytest.mark.engines

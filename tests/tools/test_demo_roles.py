@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.tools.cli import run_cli
+
 pytestmark = pytest.mark.engines
 ROOT = Path(__file__).resolve().parents[2]
 SCENARIO = ["--requests", "2", "--prompt-len", "64", "--layers", "2", "--no-progress"]
@@ -61,10 +63,9 @@ def test_the_two_sides_run_as_two_commands_bound_to_the_host_s_address(engine):
     assert f"{host}, prefill side" in prefill.stdout and "completed     2 of 2" in prefill.stdout
 
 
-def test_a_role_needs_its_address_and_refuses_the_other():
-    run = lambda *a: subprocess.run([sys.executable, "-m", "kvplan", "demo", *a], capture_output=True, text=True,
-                                    timeout=120, cwd=ROOT)
-    assert "needs --listen" in run("--role", "decode").stderr
-    assert "needs --peer" in run("--role", "prefill", "--listen", "127.0.0.1:5000").stderr
-    assert "expected HOST:PORT" in run("--role", "decode", "--listen", "localhost").stderr
-    assert "go with --role" in run("--peer", "127.0.0.1:5000").stderr
+def test_a_role_needs_its_address_and_refuses_the_other(capsys, monkeypatch):
+    run = lambda *a: run_cli(["demo", *a], capsys, monkeypatch)  # noqa: E731
+    assert "needs --listen" in run("--role", "decode")[2]
+    assert "needs --peer" in run("--role", "prefill", "--listen", "127.0.0.1:5000")[2]
+    assert "expected HOST:PORT" in run("--role", "decode", "--listen", "localhost")[2]
+    assert "go with --role" in run("--peer", "127.0.0.1:5000")[2]
