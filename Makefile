@@ -64,7 +64,7 @@ $(VLLM_STAMP): $(STAMP)
 # among them), then a compile check of every kernel for sm_90 in a process of its own (the two
 # cannot share a process), then the vLLM connector's tests with vLLM's folder on the path.
 test: setup setup-sglang setup-vllm
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(WORKERS) --dist worksteal -m "not compile_check and not vllm" --benchmark-disable \
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(WORKERS) -m "not compile_check and not vllm" --benchmark-disable \
 	  -p no:cacheprovider
 	TRITON_INTERPRET=0 $(PY) -m pytest -q -n $(WORKERS) -m compile_check -p no:cacheprovider tests/kernels
 	$(MAKE) --no-print-directory test-vllm

@@ -24,17 +24,3 @@ def device() -> torch.device:
     if os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_available():
         return torch.device("cuda")
     return torch.device("cpu")
-
-
-# The longest tests first (each starts processes that import SGLang, or runs whole demos), so that with
-# several workers (make test: pytest-xdist) none of them is left running alone at the end.
-_FIRST = ("tests/integrations/test_sglang_scheduler_queues.py", "tests/tools/test_demo.py::test_demo_command",
-          "tests/transport/test_handoff.py::test_staged_mode_completes_twenty", "tests/tools/test_load.py",
-          "tests/integrations/test_sglang_queues.py", "tests/integrations/test_sglang_plugin.py",
-          "tests/test_examples.py", "tests/transport/test_hostile_peer.py", "tests/planner/test_gpu_planner.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {item: next((k for k, prefix in enumerate(_FIRST) if item.nodeid.startswith(prefix)), len(_FIRST))
-            for item in items}
-    items.sort(key=rank.__getitem__)  # (stable: the rest keep their order)
