@@ -13,7 +13,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 __all__ = ["child_context", "child_message", "child_pipe", "child_process", "start_child", "target_process"]
 
@@ -30,7 +30,7 @@ def child_context() -> Any:
     return ctx
 
 
-def child_process(target: Callable[..., None], *args: Any) -> Any:
+def child_process(target: Callable[..., None], *args: Any, env: Mapping[str, str] | None = None) -> Any:
     """A child process that will run ``target(*args)``, not started yet (a daemon, to be joined or
     killed by the caller through this handle).
 
@@ -39,15 +39,17 @@ def child_process(target: Callable[..., None], *args: Any) -> Any:
     child is running in tens of milliseconds instead of the two seconds a fresh interpreter takes to
     import them (the tests and the demo start hundreds). It never touches a GPU, so a child
     initialises CUDA afresh, as a spawned one would. Elsewhere the child is spawned. Either way the
-    child runs with this process's environment as it is at this call (a fork server's own is the one
-    it started with); variables read at import (``TRITON_INTERPRET``) must not change in between.
+    child runs with this process's environment as it is at this call, or with ``env`` (a fork server's
+    own is the one it started with); variables read at import (``TRITON_INTERPRET``) must not change in
+    between.
     """
-    return child_context().Process(target=_with_environment, args=(dict(os.environ), target, *args), daemon=True)
+    environment = dict(os.environ if env is None else env)
+    return child_context().Process(target=_with_environment, args=(environment, target, *args), daemon=True)
 
 
-def start_child(target: Callable[..., None], *args: Any) -> Any:
+def start_child(target: Callable[..., None], *args: Any, env: Mapping[str, str] | None = None) -> Any:
     """:func:`child_process`, started."""
-    proc = child_process(target, *args)
+    proc = child_process(target, *args, env=env)
     proc.start()
     return proc
 

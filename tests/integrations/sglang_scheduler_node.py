@@ -534,5 +534,25 @@ def main(argv=None) -> None:
     print(json.dumps(result if args.role == "decode" else {"outcome": result}), flush=True)
 
 
+def run_child(argv: list[str], out_path: str, err_path: str) -> None:
+    """:func:`main` in a child process of the tests (:func:`kvplan.tools.target_process.child_process`),
+    its standard output and error written to the two files; it exits 0 when ``main`` returned, else 1."""
+    import traceback
+
+    code = 1
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        try:
+            main(argv)
+            code = 0
+        except BaseException:  # noqa: BLE001 - its traceback is the test's message
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)  # an engine's threads may still run: leave without waiting for them
+
+
 if __name__ == "__main__":
     main()

@@ -23,18 +23,17 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from kvplan.tools.target_process import start_child
+from tests.integrations import sglang_scheduler_node
 from tests.integrations.sglang_scheduler_node import WINDOW
 from tests.sglang_real import sglang_module
 
 pytestmark = [pytest.mark.sglang, pytest.mark.engines]
-ROOT = Path(__file__).resolve().parents[2]
 ABORTED = {"req-1-3", "req-1-7", "req-1-11"}
 DEADLINE_S = 240.0  # (a run takes about 60 s on a 2-core machine; the margin is for a busy one)
 
@@ -67,26 +66,26 @@ def _run_nodes(tmp_path: Path, backend: str, prefill_tp: int, decode_tp: int, hy
         for rank in range(tp):
             name = f"{role}{rank}"
             peer_tp = decode_tp if role == "prefill" else prefill_tp
-            cmd = [sys.executable, "-m", "tests.integrations.sglang_scheduler_node", role, "--backend", backend,
-                   "--bootstrap-port", str(bootstrap), "--dist-port", str(dist), "--tp", str(tp), "--rank",
-                   str(rank), "--peer-tp", str(peer_tp), "--done-dir", str(tmp_path), "--aborts", str(len(ABORTED)),
-                   "--deadline-s", str(DEADLINE_S - 40)] + (["--swa", "--mamba"] if hybrid else [])
-            out, err = open(tmp_path / f"{name}.out", "w"), open(tmp_path / f"{name}.err", "w")
-            procs[name] = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=ROOT)
+            argv = [role, "--backend", backend, "--bootstrap-port", str(bootstrap), "--dist-port", str(dist), "--tp",
+                    str(tp), "--rank", str(rank), "--peer-tp", str(peer_tp), "--done-dir", str(tmp_path), "--aborts",
+                    str(len(ABORTED)), "--deadline-s", str(DEADLINE_S - 40)] + (["--swa", "--mamba"] if hybrid else [])
+            # forked from the tests' fork server, which has imported SGLang (tests/preload.py)
+            procs[name] = start_child(sglang_scheduler_node.run_child, argv, str(tmp_path / f"{name}.out"),
+                                      str(tmp_path / f"{name}.err"), env=env)
     deadline = time.monotonic() + DEADLINE_S
     try:
-        while any(p.poll() is None for p in procs.values()):
-            failed = [n for n, p in procs.items() if p.returncode not in (None, 0)]
+        while any(p.exitcode is None for p in procs.values()):
+            failed = [n for n, p in procs.items() if p.exitcode not in (None, 0)]
             assert not failed and time.monotonic() < deadline, (
                 f"ranks {failed or 'still running at the deadline'}: "
                 + "".join(f"\n--- {n}\n{(tmp_path / f'{n}.err').read_text()[-3000:]}" for n in failed or procs))
             time.sleep(0.2)
     finally:
         for p in procs.values():
-            if p.poll() is None:
+            if p.exitcode is None:
                 p.kill()
-            p.wait(timeout=30)
-    bad = [n for n, p in procs.items() if p.returncode != 0]
+            p.join(timeout=30)
+    bad = [n for n, p in procs.items() if p.exitcode != 0]
     assert not bad, "".join(f"\n--- {n}\n{(tmp_path / f'{n}.err').read_text()[-3000:]}" for n in bad)
     return {n: json.loads((tmp_path / f"{n}.out").read_text().strip().splitlines()[-1]) for n in procs}
 

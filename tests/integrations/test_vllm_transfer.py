@@ -8,45 +8,43 @@ block of every layer equal, and every request it could not load reported in ``fa
 blocks in ``get_block_ids_with_load_errors``: never as a success.
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
+from kvplan.tools.target_process import child_message, child_pipe, start_child
 from tests.ports import free_port
 
 pytest.importorskip("vllm", reason="vLLM 0.33.0 is not installed (make setup-vllm)")
 
+from tests.integrations import vllm_node  # noqa: E402
+
 pytestmark = pytest.mark.vllm
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 REQUESTS = ["d-req-0", "d-req-1", "d-req-2", "d-req-3"]  # (the node's lengths: 100, 37, 64, 5 tokens)
 
 
 def run_pair(tmp_path, engine: str, prefill_layout: str, decode_layout: str, *decode_args: str,
              prefill_args: tuple[str, ...] = ()) -> tuple[dict, dict]:
-    """Both processes, to their end (each has its own deadline); what each printed."""
+    """Both processes, to their end (each has its own deadline), each joined or killed by its own
+    handle; what each saw. They are forked from the tests' fork server, which has imported vLLM
+    (tests/preload.py), with loopback for UCX (conftest.py: the test's choice)."""
     params = str(tmp_path / "params.json")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), ROOT) if p),
-           "VLLM_TARGET_DEVICE": "cpu", "UCX_NET_DEVICES": "lo"}  # (loopback: the test's choice)
-    base = [sys.executable, "-m", "tests.integrations.vllm_node"]
-    prefill = subprocess.Popen([*base, "prefill", "--port", str(free_port()), "--params", params, "--engine", engine,
-                                "--layout", prefill_layout, *prefill_args], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    argv = lambda role, layout: [role, "--port", str(free_port()), "--params", params, "--engine", engine,  # noqa: E731
+                                 "--layout", layout]
+    procs, results = [], []
     try:
-        decode = subprocess.run([*base, "decode", "--port", str(free_port()), "--params", params, "--engine", engine,
-                                 "--layout", decode_layout, *decode_args], capture_output=True, text=True,
-                                cwd=ROOT, env=env, timeout=150)
-        out, err = prefill.communicate(timeout=60)
+        for role, layout, extra in (("prefill", prefill_layout, prefill_args), ("decode", decode_layout, decode_args)):
+            here, there = child_pipe()
+            procs.append(start_child(vllm_node.run_child, [*argv(role, layout), *extra], there))
+            results.append(here)
+        decode = child_message(results[1], "decode", 150)[1]
+        prefill = child_message(results[0], "prefill", 60)[1]
     finally:
-        if prefill.poll() is None:
-            prefill.kill()
-            prefill.wait(timeout=10)
-    assert decode.returncode == 0, decode.stderr[-3000:]
-    assert prefill.returncode == 0, err[-3000:]
-    return json.loads(out.strip().splitlines()[-1]), json.loads(decode.stdout.strip().splitlines()[-1])
+        for proc in procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+    return prefill, decode
 
 
 @pytest.mark.parametrize("engine, layout, mode", [("nixl", "LBNHC", "auto"), ("nixl", "BLHNC", "prepared"),

@@ -8,7 +8,8 @@ The prefill fills each request's blocks with bytes drawn from the request's name
 requests, writes the parameters it returns (what vLLM's proxy hands the decode) to ``--params``, and
 steps until every request is reported finished sending. The decode reads them, allocates its own
 (scattered) blocks, steps until every request is reported finished receiving, and checks every byte
-of every block it received. Each prints one JSON line of what it saw.
+of every block it received. Each prints one JSON line of what it saw, or, started by the tests as
+a child process (:func:`run_child`), sends it back.
 
     python -m tests.integrations.vllm_node prefill --port 17500 --params /tmp/p.json --layout LBNHC
     python -m tests.integrations.vllm_node decode --params /tmp/p.json --layout LBNHC
@@ -156,7 +157,8 @@ def decode(args: argparse.Namespace) -> dict:
             "blocks_checked": sum(len(b) for n, (_, b) in mine.items() if n in received - failed)}
 
 
-def main(argv: list[str] | None = None) -> None:
+def run(argv: list[str]) -> dict:
+    """One side, to its end: what it saw (the JSON line :func:`main` prints)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("role", choices=("prefill", "decode"))
     parser.add_argument("--port", type=int, default=17500)
@@ -169,8 +171,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ghost", action="store_true")
     parser.add_argument("--exit-early", action="store_true")
     args = parser.parse_args(argv)
-    result = prefill(args) if args.role == "prefill" else decode(args)
-    print(json.dumps(result), flush=True)
+    return prefill(args) if args.role == "prefill" else decode(args)
+
+
+def run_child(argv: list[str], conn) -> None:
+    """:func:`run` in a child process of the tests (:func:`kvplan.tools.target_process.child_process`):
+    its result, or ``("error", traceback)``, through ``conn``."""
+    import traceback
+
+    try:
+        conn.send(("result", run(argv)))
+    except BaseException:  # noqa: BLE001 - reported to the test, which fails with it
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        os._exit(0)  # an engine's threads may still run: leave without waiting for them (sent before)
+
+
+def main(argv: list[str] | None = None) -> None:
+    print(json.dumps(run(sys.argv[1:] if argv is None else argv)), flush=True)
     sys.exit(0)
 
 
