@@ -104,3 +104,33 @@ def test_the_walker_sees_a_lazy_cycle_and_ignores_type_only_imports():
     assert sorted(n.module for n in _runtime_imports(tree) if isinstance(n, ast.ImportFrom)) == ["typing", "z"]
     graph = import_graph()
     assert "kvplan.planner.state_kinds" in graph["kvplan.planner"]  # (the package registers the kinds' rules)
+
+
+# The planner's rooms (kvplan/planner/__init__.py): each may import its own and those before it.
+def test_the_planner_s_rooms_import_only_their_own_and_those_below():
+    from kvplan.planner import ROOMS
+
+    order = list(ROOMS)
+    room_of = {f"kvplan.planner.{m}": r for r, modules in ROOMS.items() for m in modules}
+    graph = import_graph()
+    planner = sorted(n for n in graph if n.startswith("kvplan.planner."))
+    assert sorted(room_of) == planner, "every planner module is in exactly one room"
+    upward = [(m, d) for m in planner for d in graph[m]
+              if d in room_of and order.index(room_of[d]) > order.index(room_of[m])]
+    assert upward == [], f"a room imports one above it: {upward}"
+
+
+# The package's layers (README, Layout): integrations and tools use transport, transport uses the
+# planner, the planner uses kernels; never the other way.
+LAYERS = ("kvplan.errors", "kvplan.kernels", "kvplan.compat", "kvplan.planner", "kvplan.transport",
+          "kvplan.integrations", "kvplan.tools", "kvplan.cli")
+
+
+def test_the_package_s_layers_point_one_way():
+    def layer(name: str) -> int | None:
+        return next((k for k, prefix in enumerate(LAYERS) if name == prefix or name.startswith(prefix + ".")), None)
+
+    graph = import_graph()
+    upward = [(m, d) for m, deps in graph.items() for d in deps
+              if layer(m) is not None and layer(d) is not None and layer(d) > layer(m)]
+    assert upward == [], f"a layer imports one above it: {upward}"
