@@ -51,9 +51,10 @@ def install() -> None:
     from kvplan.planner import columns, device
     from kvplan.transport import completion, control, decode, prefill, receiver_plan
     from kvplan.transport.engines import nixl
+    from kvplan.transport.senders import staged
 
     steps = {
-        prefill._StagedRun: ("_pump", "_wait", "_gather", "_post", "announce", "move", "__init__"),
+        staged.StagedRun: ("_pump", "_wait", "_gather", "_post", "announce", "move", "__init__"),
         prefill.PrefillEndpoint: ("_peer_gone", "_gather_ahead", "_announce_chunks", "_alignment", "_move"),
         decode.DecodeEndpoint: ("poll", "_advance_runs", "_scatter_landed", "_finish_scatters", "_scatter",
                                 "_announce_planned", "_on_run_waves", "_start_waves", "publish", "track", "_credit"),

@@ -7,20 +7,17 @@ kvplan and moves it:
   write with its notification, all of them before waiting for any;
 * ``prepared``: the same through NIXL prepared descriptor lists, made once per peer, with the
   planner's int32 indices;
-* ``staged``: waves of descriptors gathered into a ring of staging slots. The gather of one wave,
-  the engine write of another and the receiver's scatter of a third overlap: the sender needs a
-  slot's credit (returned by the receiver after its scatter) and the end of its own last write from
-  that slot, nothing else. The run is announced on the control channel ahead of its bytes: by its
-  chunks alone where the receiver can plan its own scatter (:mod:`.receiver_plan`; the chunks as soon
-  as this side's plan is launched, the waves once it is seen), else with every wave's destination
-  table; the engine's notification, carrying the wave id, says a wave has landed. The first wave's
-  gather is queued right behind the plan (:mod:`.ahead`).
+* ``staged``: waves of descriptors gathered into a ring of staging slots, one engine write each,
+  announced to the receiver ahead of the bytes;
 * ``auto`` (the default): staged when both sides have staging buffers on a GPU and the batch has at least
   64 descriptors of at most 256 KiB on average, else direct. (TensorRT-LLM gates at 1024 and 16 KiB;
   on an H200 through CUDA IPC a direct write costs ~10 us per descriptor, so staging wins far
   beyond 16 KiB: see benchmarks/RESULTS.md.)
 
-A write that misses its deadline is aborted, and reported failed only once it has ended.
+A send with ``layers`` streams the batch in layer groups while the forward pass writes it. Each mode
+is a sender of its own (:mod:`.senders`); all of them end through this endpoint's one completion
+and fencing path: a write that misses its deadline is aborted, and reported failed only once it
+has ended.
 
 Example::
 
@@ -34,28 +31,24 @@ Example::
 from __future__ import annotations
 
 import logging
-import os
 import time
 import uuid
 from collections import deque
 from contextlib import nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
 from ..errors import KvplanError, LayoutError, PlanError
-from ..planner import gpu
 from ..planner.destinations import decode_message, list_entries
 from ..kernels.copy import GATHER
 from ..planner.model import Batch, Policy, SideMemory, Transfer
 from ..planner.pairing import pair_sides
 from ..planner.device import Planner
 from ..planner.isolate import plan_each
-from ..planner.layer_groups import group_sections
-from ..planner.plan import AUX_ROLE, KV_ROLE, DestinationLists, Section
-from ..planner.prepared import PreparedIndices, prepared_slots
+from ..planner.plan import DestinationLists
 from .ahead import AheadGatherer, GatherAhead
 from .completion import encode_notification
 from .control import ControlChannel, ControlTimeout, named_request
@@ -63,13 +56,14 @@ from .copy_graphs import CopyGraphs, copy_graphs_enabled
 from .decode import engine_regions
 from .engines import Engine, Handle, is_unsafe, wait_all
 from .integrity import RunningSums, transfer_sums
-from .local import gather, plan_alignment, typical_sizes, warm_up
-from .pause import Pause
+from .local import plan_alignment, typical_sizes, warm_up
 from .readiness import LayerStreaming
+from .senders import SENDERS, streamed
+from .senders.planned import PlannedBatch
 from .streams import transport_stream
-from .receiver_plan import planned_run_chunks, planned_run_message, planned_run_waves, receiver_can_plan
+from .receiver_plan import planned_run_chunks, receiver_can_plan
 from .registration import describe_side, side_from_description, with_model_heads
-from .waves import Wave, decode_credit, one_wave, plan_waves, run_message, staging_ring, wave_note
+from .waves import staging_ring
 
 __all__ = ["Chunk", "MODES", "Peer", "PrefillEndpoint"]
 
@@ -517,7 +511,7 @@ class PrefillEndpoint:
                     self._times.append(("queued", time.perf_counter()))
             if chunks_run is not None and "byte_offsets" in pending.planner.outputs:
                 # a receiver-planned run: its byte counts come with the plan's report; its descriptors
-                # stay on the device, and its sections unread, unless the run needs them after all (_Batch)
+                # stay on the device, and its sections unread, unless the run needs them after all (PlannedBatch)
                 descs, per_transfer, sections = None, pending.transfer_rows(), None
                 nbytes = int(pending.section_byte_ends()[-1])
             else:
@@ -534,12 +528,12 @@ class PrefillEndpoint:
         sums = self._checksums(transfers, pending, per_transfer, nbytes)
         if layers is not None:
             staged = mode == "staged" or mode == "auto" and self._auto_mode(len(descs), nbytes) == "staged"
-            moved = self._send_layerwise(transfers, descs, sections, layers, time.monotonic() + timeout,
-                                         (pending.device_descriptors(), self._alignment(batch)) if staged else None)
+            moved = streamed.send(self, transfers, descs, sections, layers, time.monotonic() + timeout,
+                                  (pending.device_descriptors(), self._alignment(batch)) if staged else None)
             return {**moved, **refused}
         if sums is not None:  # before the bytes: the decode checks a request as soon as it has landed
             self._send_checksums(transfers, sums)
-        return {**self._move(transfers, mode, pending, _Batch(transfers, descs, per_transfer, sections, None, ahead=ahead,
+        return {**self._move(transfers, mode, pending, PlannedBatch(transfers, descs, per_transfer, sections, None, ahead=ahead,
                                                               chunks_run=chunks_run, nbytes=nbytes, pending=pending),
                              batch, timeout), **refused}
 
@@ -568,7 +562,7 @@ class PrefillEndpoint:
             except KvplanError as err:  # its decode side is gone or stuck: it cannot complete the request anyway
                 log.warning("request %r: its checksum could not be sent: %s", t.request, err)
 
-    def _move(self, transfers: tuple[Transfer, ...], mode: str, pending, planned: "_Batch", batch: Batch,
+    def _move(self, transfers: tuple[Transfer, ...], mode: str, pending, planned: PlannedBatch, batch: Batch,
               timeout: float) -> dict[Any, str | None]:
         deadline = time.monotonic() + timeout
         count = int(planned.per_transfer[-1])
@@ -578,22 +572,7 @@ class PrefillEndpoint:
         if mode != "staged":
             self._cancel_chunks(planned.chunks_run, f"sent {mode}")
         log.info("sending %d transfers (%d descriptors) %s", len(transfers), count, mode)
-        sections = planned.host_sections() if mode != "staged" else planned.sections
-        if mode == "direct":
-            return self._send_direct(transfers, planned.host_descs(), sections, deadline)
-        if mode == "prepared":
-            return self._send_prepared(transfers, sections, pending.prepared_indices(), deadline)
-        result: dict[Any, str | None] = {}
-        for dest in sorted({t.dest for t in transfers}):  # each peer's share through its own staging ring
-            if len(self.peers) == 1:
-                one = replace(planned, device_descs=pending.device_descriptors())
-            else:
-                share = tuple(replace(t, dest=0) for t in transfers if t.dest == dest)
-                sub = gpu.plan(Batch(self.side, (self.peers[dest].side,), share, self.policy))
-                one = _Batch(share, *sub.descriptors(), sub.sections(), sub.device_descriptors())
-            for request, reason in self._send_staged(dest, one, self._alignment(batch), deadline).items():
-                result[request] = result.get(request) or reason
-        return result
+        return SENDERS[mode](self, transfers, planned, pending, batch, deadline)
 
     def _planner(self, prepared: bool) -> Planner:
         """This endpoint's device planner (graph replay on a GPU), made on the first send of its kind."""
@@ -643,73 +622,7 @@ class PrefillEndpoint:
                 result[request] = reason
                 self._report(peer, request, reason)
 
-    # -- direct and prepared ----------------------------------------------------------------------
-    def _send_direct(self, transfers: Sequence[Transfer], descs: np.ndarray, sections: Sequence[Section],
-                     deadline: float) -> dict[Any, str | None]:
-        posted = []
-        for s in sections:
-            dest = transfers[s.transfer].dest
-            peer = self.peers[dest]
-            posted.append((self.engine.post(peer.name, descs[s.lo : s.hi], peer.notification(s)), s))
-            log.debug("posted %s of %r: %d descriptors to peer %d", s.name, s.request, s.hi - s.lo, dest)
-        return self._settle(transfers, posted, deadline)
-
-    def _send_layerwise(self, transfers: Sequence[Transfer], descs: np.ndarray, sections: Sequence[Section],
-                        layers: LayerStreaming, deadline: float,
-                        staged: tuple[torch.Tensor, int] | None) -> dict[Any, str | None]:
-        """Move each layer group's sections once the forward pass has written the group: posted as
-        direct writes (waited for together at the end), or, with ``staged`` (the batch's device
-        descriptors and alignment), as one staged run per group and peer."""
-        pairings = [pair_sides(self.side, p.side) for p in self.peers]
-        per_group = group_sections(sections, pairings, self.side, [t.dest for t in transfers], layers.groups)
-        self.last_mode, self.last_announcement = ("staged", "table") if staged else ("direct", None)
-        send = _GroupedSend(self, transfers, descs, per_group, layers, deadline, staged)
-        send.run()
-        result = self._settle(transfers, send.posted, deadline)
-        if send.trace is not None:
-            send.trace.append((len(per_group), "settled", time.perf_counter()))
-            log.warning("layer groups (group, step, clock ms): %s",
-                        [(g, k, round(t * 1e3, 3)) for g, k, t in send.trace])
-        for request, reason in send.failed.items():
-            result[request] = result.get(request) or reason
-        return result
-
-    @staticmethod
-    def _group_run(transfers: Sequence[Transfer], dest: int, parts: Sequence[Any], descs: np.ndarray,
-                   device_descs: torch.Tensor, alignment: int) -> "_Batch":
-        """One layer group's share for peer ``dest`` as a staged batch: its parts' descriptors back to
-        back (transfer by transfer), each part one section over them, announced with tables."""
-        mine = [k for k, t in enumerate(transfers) if t.dest == dest]
-        local = {k: i for i, k in enumerate(mine)}
-        rows = np.concatenate([p.rows() for p in parts])
-        counts = np.zeros(len(mine), np.int64)
-        group_sections_, at = [], 0
-        for p in parts:
-            group_sections_.append(Section(local[p.transfer], p.request, p.role, p.name, at, at + p.num_descs, p.count,
-                                           p.layers))
-            counts[local[p.transfer]] += p.num_descs
-            at += p.num_descs
-        per_transfer = np.concatenate([[0], np.cumsum(counts)])
-        index = torch.from_numpy(rows).to(device_descs.device, non_blocking=True)
-        return _Batch([transfers[k] for k in mine], descs[rows], per_transfer, group_sections_,
-                      device_descs.index_select(0, index), plannable=False)
-
-    def _until_ready(self, readiness, group: int, posted: list[tuple[Handle, Any]], dests: Sequence[int],
-                     deadline: float) -> str | None:
-        """Wait (progressing what is posted; :mod:`.pause` between looks) until layer group ``group`` is written;
-        the reason it never was, else ``None``."""
-        pause = Pause(longest_s=1e-4)  # a group is written within milliseconds: short slices once quiet
-        while readiness.ready() <= group:
-            if time.monotonic() > deadline:
-                return f"layer group {group} was not written before the deadline"
-            if (gone := self._any_peer_gone(dests)) is not None:
-                return gone
-            for handle, _ in posted:
-                if handle.state == "PROC" and self.engine.progress(handle) != "PROC":
-                    pause.busy()
-            pause()
-        return None
-
+    # -- the senders' one completion and fencing path (.senders) ----------------------------------
     def _settle(self, transfers: Sequence[Transfer], posted: list[tuple[Handle, Any]],
                 deadline: float) -> dict[Any, str | None]:
         result: dict[Any, str | None] = {t.request: None for t in transfers}
@@ -722,42 +635,7 @@ class PrefillEndpoint:
                 self._fail(dest, result, [section.request], self._peer_gone(dest) or outcome[handle])
         return result
 
-    def _prepare(self, dest: int) -> None:
-        """NIXL prepared lists for every role, made once per peer (entry x slot descriptors)."""
-        if not self.engine.capabilities.prepared:
-            raise LayoutError(f"the {type(self.engine).__name__} has no prepared descriptor lists; use direct mode")
-        peer = self.peers[dest]
-        pairing = pair_sides(self.side, peer.side)
-        tables = {KV_ROLE: (pairing.kv_src, pairing.kv_dst), AUX_ROLE: (pairing.aux_src, pairing.aux_dst)}
-        tables.update({c: t for c, t in enumerate(zip(pairing.state_src, pairing.state_dst))})
-        for role, (entries, src_slots, dst_slots) in prepared_slots(self.side, peer.side).items():
-            src_t, dst_t = tables[role]
-            items = lambda t, slots: np.concatenate([t, np.full((len(t), 1), slots, np.uint64)], axis=1)  # noqa: E731
-            self.engine.prepare(peer.name, role, items(src_t, src_slots), items(dst_t, dst_slots))
-        peer.prepared = True
-
-    def _send_prepared(self, transfers: Sequence[Transfer], sections: Sequence[Section], indices: PreparedIndices,
-                       deadline: float) -> dict[Any, str | None]:
-        counted = {(s.transfer, s.role): s for s in sections}
-        posted = []
-        for s, (role, owner) in enumerate(zip(indices.section_role.tolist(), indices.section_transfer.tolist())):
-            lo, hi = int(indices.section_offsets[s]), int(indices.section_offsets[s + 1])
-            section = counted.get((owner, role))
-            if lo == hi or section is None:
-                continue
-            dest = transfers[owner].dest
-            if not self.peers[dest].prepared:
-                self._prepare(dest)
-            posted.append((self.engine.post_prepared(self.peers[dest].name, role, indices.src[lo:hi],
-                                                     indices.dst[lo:hi],
-                                                     self.peers[dest].notification(section)),
-                             section))
-        return self._settle(transfers, posted, deadline)
-
-    # -- staged -----------------------------------------------------------------------------------
-    def _send_staged(self, dest: int, batch: "_Batch", alignment: int, deadline: float) -> dict[Any, str | None]:
-        return self._staged_run(dest, batch, alignment, deadline).go()
-
+    # -- what staged runs ask of the endpoint --------------------------------------------------------
     def _alignment(self, batch: Batch) -> int:
         """:func:`~.local.plan_alignment` of the batch's sides (it depends on nothing else), kept per
         pairing: a send asks for it up to three times, and it walks every entry of both sides."""
@@ -811,451 +689,3 @@ class PrefillEndpoint:
                 self.peers[0].channel.send("staged-waves", {"from": self.id, "run": run, "cancel": why}, timeout=1.0)
             except ControlTimeout:
                 log.warning("could not withdraw staged run %d from the decode side", run)
-
-    def _staged_run(self, dest: int, batch: "_Batch", alignment: int, deadline: float) -> "_StagedRun":
-        if self.staging is None or self.peers[dest].staging is None:
-            raise LayoutError("staged mode needs a registered staging buffer on both sides")
-        return _StagedRun(self, dest, batch, alignment, deadline)
-
-
-@dataclass
-class _Batch:
-    """What staged mode needs of one peer's share of a planned batch."""
-
-    transfers: Sequence[Transfer]
-    descs: np.ndarray | None  # [n, 3] uint64 on the host (destination tables, wave cuts); None: not copied yet
-    per_transfer: np.ndarray  # [T + 1] descriptor offsets
-    sections: list[Section] | None  # None: not read from the plan yet
-    device_descs: torch.Tensor  # the same descriptors on the device (what the gathers read)
-    plannable: bool = True  # False: a part of a plan (a layer group) the receiver cannot plan itself
-    ahead: GatherAhead | None = None  # its first wave, gathered behind the plan (.ahead)
-    chunks_run: int | None = None  # the id under which its chunks were announced ahead of the plan
-    nbytes: int | None = None  # the descriptors' bytes (None: summed from descs)
-    pending: Any = None  # the plan, where descs were not copied to the host
-
-    def __post_init__(self) -> None:
-        if self.nbytes is None:
-            self.nbytes = int(self.descs[:, 2].sum(dtype=np.uint64))
-
-    def host_descs(self) -> np.ndarray:
-        """The descriptors in host memory, copied from the plan the first time they are needed."""
-        if self.descs is None:
-            self.descs = self.pending.descriptors()[0]
-        return self.descs
-
-    def host_sections(self) -> list[Section]:
-        """The sections, read from the plan's report the first time they are needed."""
-        if self.sections is None:
-            self.sections = self.pending.sections()
-        return self.sections
-
-
-def split_descriptors(descs: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray | None]:
-    """Descriptors of at most ``limit`` bytes: ``(pieces, first)``; descriptor ``i`` became pieces
-    ``first[i]:first[i + 1]`` (``limit`` keeps the alignment when it is a multiple of it). When none
-    is larger than ``limit``: ``(descs, None)``, with nothing copied."""
-    if not len(descs) or int(descs[:, 2].max()) <= limit:  # the usual case
-        return descs, None
-    sizes = descs[:, 2].astype(np.int64)
-    count = np.maximum(1, -(-sizes // limit))
-    first = np.concatenate([[0], np.cumsum(count)])
-    if int(first[-1]) == len(descs):
-        return descs, first
-    owner = np.repeat(np.arange(len(descs)), count)
-    k = (np.arange(int(first[-1])) - first[owner]).astype(np.uint64)
-    step = np.uint64(limit)
-    pieces = np.empty((int(first[-1]), 3), np.uint64)
-    pieces[:, 0] = descs[owner, 0] + k * step
-    pieces[:, 1] = descs[owner, 1] + k * step
-    pieces[:, 2] = np.minimum(descs[owner, 2] - k * step, step)
-    return pieces, first
-
-
-class _GroupedSend:
-    """One streamed send (:meth:`PrefillEndpoint.send` with ``layers``): each layer group once the
-    forward pass has marked it. A group's staged runs are announced while the forward pass still
-    writes it (destination tables, byte offsets on the device): once it is marked, its bytes need
-    only gathering and writing."""
-
-    def __init__(self, ep: PrefillEndpoint, transfers: Sequence[Transfer], descs: np.ndarray, per_group: list,
-                 layers: LayerStreaming, deadline: float, staged: tuple[torch.Tensor, int] | None):
-        self.ep, self.transfers, self.descs, self.per_group = ep, transfers, descs, per_group
-        self.layers, self.deadline, self.staged = layers, deadline, staged
-        self.dests = sorted({t.dest for t in transfers})
-        self.posted: list[tuple[Handle, Any]] = []  # direct writes, waited for together at the end
-        self.failed: dict[Any, str | None] = {}
-        self.announced: dict[int, list[_StagedRun]] = {}
-        self.runs: list[_StagedRun] = []  # every group's, in order: their traces are logged at the end, not
-        # while the next group's mark may come (logging takes long)
-        self.trace: list | None = [] if os.environ.get("KVPLAN_TRACE") else None
-
-    def merge(self, result: dict[Any, str | None]) -> None:
-        for request, reason in result.items():
-            self.failed[request] = self.failed.get(request) or reason
-
-    def announce(self, g: int) -> None:
-        """Announce group ``g``'s staged runs (one per peer) ahead of its mark."""
-        if self.staged is None or g >= len(self.per_group) or g in self.announced:
-            return
-        ep, runs = self.ep, []
-        for dest in self.dests:
-            mine = [s for s in self.per_group[g] if self.transfers[s.transfer].dest == dest]
-            if mine:
-                share = ep._group_run(self.transfers, dest, mine, self.descs, *self.staged)
-                run = ep._staged_run(dest, share, self.staged[1], self.deadline)
-                self.runs.append(run)
-                if run.announce():
-                    runs.append(run)
-                else:
-                    self.merge(run.result)
-        self.announced[g] = runs
-
-    def queue_ahead(self, g: int) -> None:
-        """Queue the gathers of group ``g``'s first waves behind its mark, into the slots that are
-        free: only once the group before it has moved, whose waves used them."""
-        written = getattr(self.layers.readiness, "written", None)
-        runs = self.announced.get(g)
-        if runs and written is not None:  # the runs share the staging slots: only the first goes ahead
-            runs[0].gather_ahead(written(g))
-
-    def run(self) -> None:
-        try:
-            self._run()
-        finally:
-            for run in self.runs:
-                run.log_trace()
-
-    def _run(self) -> None:
-        ep = self.ep
-        self.announce(0)
-        self.queue_ahead(0)
-        for g, parts in enumerate(self.per_group):
-            why = ep._until_ready(self.layers.readiness, g, self.posted, self.dests, self.deadline)
-            self._mark(g, "ready")
-            if why is not None:  # nothing of this group or later ones goes out
-                for s in (s for later in self.per_group[g:] for s in later):
-                    ep._fail(self.transfers[s.transfer].dest, self.failed, [s.request], why)
-                return
-            if self.staged is not None:
-                # the next group's tables go out first: the receiver checks them while this group moves
-                self.announce(g + 1)
-                for run in self.announced.pop(g):
-                    self.merge(run.move())
-                self.queue_ahead(g + 1)
-            else:
-                for s in parts:
-                    rows = self.descs[s.spans[0][0]:s.spans[0][1]] if len(s.spans) == 1 else self.descs[s.rows()]
-                    peer = ep.peers[self.transfers[s.transfer].dest]
-                    self.posted.append((ep.engine.post(peer.name, rows, peer.notification(s)), s))
-            self._mark(g, "sent")
-
-    def _mark(self, group: int, step: str) -> None:
-        if self.trace is not None:
-            self.trace.append((group, step, time.perf_counter()))
-
-
-class _StagedRun:
-    """One batch through the staging ring (see :class:`PrefillEndpoint`)."""
-
-    def __init__(self, ep: PrefillEndpoint, dest: int, batch: _Batch, alignment: int, deadline: float):
-        self.ep, self.dest, self.peer = ep, dest, ep.peers[dest]
-        self.alignment, self.deadline = alignment, deadline
-        self.result: dict[Any, str | None] = {t.request: None for t in batch.transfers}
-        self.slots, self.slot_bytes = ep._ring(dest, alignment)
-        self.transfers, self.plannable, self.chunks_run = batch.transfers, batch.plannable, batch.chunks_run
-        self.batch, self.nbytes = batch, batch.nbytes
-        if batch.descs is None and batch.nbytes <= self.slot_bytes:  # one wave, no descriptor to split:
-            self.descs, first = None, None  # its sizes are not needed (announce)
-        else:
-            self.descs, first = split_descriptors(batch.host_descs(), self.slot_bytes)
-        self.count = int(batch.per_transfer[-1]) if first is None else len(self.descs)
-        device_descs = batch.device_descs
-        if first is not None:  # a descriptor larger than a slot goes in pieces
-            device_descs = torch.from_numpy(self.descs.view(np.int64)).to(device_descs.device)
-            self.sections = [replace(s, lo=int(first[s.lo]), hi=int(first[s.hi])) for s in batch.host_sections()]
-            self.rows = first[batch.per_transfer]  # each transfer's rows
-        else:  # (a run the receiver plans needs no sections: it counts its own)
-            self.sections = batch.host_sections() if self.descs is not None else batch.sections
-            self.rows = batch.per_transfer
-        self.device_descs = device_descs
-        # the first wave, gathered behind the plan (.ahead): usable unless the descriptors were re-split
-        self.ahead = batch.ahead if first is None and batch.ahead is not None and \
-            batch.ahead.serves(device_descs, self.slot_bytes) else None
-        self._owners: np.ndarray | None = None
-        self.host_starts: np.ndarray | None = None  # each descriptor's byte offset, where descs are on the host
-        if self.descs is not None:
-            self.host_starts = np.zeros(len(self.descs) + 1, np.int64)
-            np.cumsum(self.descs[:, 2].view(np.int64), out=self.host_starts[1:])
-        if ep._ahead is not None and self.count:  # what the next run's gather ahead expects
-            ep._ahead.typical = max(1, self.nbytes // self.count)
-        self.dev_starts: torch.Tensor | None = None  # made after the announcement has left
-        self.remote_free = [True] * self.slots
-        self.local_write: list[Handle | None] = [None] * self.slots
-        self.gathered: list[tuple[Wave, Any]] = []  # waves gathered, not yet posted, in order
-        self.writes: dict[int, tuple[np.ndarray, bytes]] = {}  # a gathered wave's region and note, made ahead
-        self.next_wave = 0  # waves [0, next_wave) are gathered (or queued to be)
-        self.posted: dict[int, tuple[Wave, Handle]] = {}
-        self.acked: set[int] = set()
-        self.gone: str | None = None  # why the receiver is known to be gone
-        self.base_id = 0  # the id of its first wave: taken from the endpoint when announced
-        self.waves: list[Wave] = []  # planned when announced
-        self.deferred: dict[str, Any] | None = None  # a staged-waves header sent once the first wave is posted
-        self.trace: list[tuple[int, str, float]] | None = None
-        if os.environ.get("KVPLAN_TRACE"):
-            self.trace = [(0, step, t) for step, t in ep._times]
-            self._mark(0, "init")
-
-    @property
-    def owners(self) -> np.ndarray:
-        """Each descriptor's request (made when first asked: only failures need it)."""
-        if self._owners is None:
-            requests = np.array([t.request for t in self.transfers] + [None], dtype=object)[:-1]
-            self._owners = np.repeat(requests, np.diff(self.rows))
-        return self._owners
-
-    def go(self) -> dict[Any, str | None]:
-        """Announce the run, then move it (see :meth:`announce` and :meth:`move`)."""
-        if not self.announce():
-            return self.result
-        result = self.move()
-        self.log_trace()
-        return result
-
-    def announce(self) -> bool:
-        """Send the run's announcement (its waves, with destination tables or chunk bounds) and make
-        its byte offsets on the device; ``False`` when it could not be sent (its requests have then
-        failed). A layer-group run is announced while the forward pass still writes the group, so
-        that its bytes only need gathering and writing once the group is ready."""
-        ep = self.ep
-        if self.descs is None:
-            waves = self.waves = one_wave(self.count, self.nbytes, self.sections or [])
-        else:
-            waves = self.waves = plan_waves(self.descs[:, 2], self.sections, self.slot_bytes, self.slots,
-                                            ends=self.host_starts[1:])
-        self.base_id = ep._next_wave
-        ep._next_wave += len(waves)
-        frames: tuple[bytes, ...] = ()
-        # a connection made again before this run (or since its chunks went ahead) loses nothing of it
-        replaced = self.peer.channel.replaced()
-        if self.chunks_run is not None and not replaced:  # its chunks went ahead: its waves complete it
-            kind, header = "staged-waves", planned_run_waves(ep.id, self.base_id, waves, self.slot_bytes,
-                                                             run=self.chunks_run)
-            ep.last_announcement = "planned"
-        elif ep.receiver_plans and self.peer.plannable and self.plannable and \
-                all(t.request in self.peer.planning for t in self.transfers):
-            kind, header = "staged-plan", planned_run_message(ep.id, self.base_id, waves, self.slot_bytes,
-                                                              self.alignment, self.transfers)
-            ep.last_announcement = "planned"
-        else:
-            spans = [(t.request, int(self.rows[k]), int(self.rows[k + 1])) for k, t in enumerate(self.transfers)]
-            if self.descs is None:  # a light run announced with tables after all (_Batch)
-                waves[0].sections = self.batch.host_sections()
-            header, table = run_message(ep.id, self.base_id, waves, self.slot_bytes, self.alignment, spans,
-                                        self.batch.host_descs() if self.descs is None else self.descs)
-            kind, frames = "staged", (table,)
-            ep.last_announcement = "table"
-        if kind == "staged-waves":
-            # the receiver plans from the chunks already: the first wave is posted first, its waves
-            # right after (a landing before them waits on the receiver, decode._early)
-            self.deferred = header
-        else:
-            try:  # announced first: the receiver plans or checks the run while this side gathers and writes
-                self.peer.channel.send(kind, header, *frames, timeout=max(0.0, self.deadline - time.monotonic()))
-            except ControlTimeout as err:
-                ep._fail(self.dest, self.result, list(self.result), str(err))
-                return False
-            self._mark(0, "tables")
-        device_descs = self.device_descs
-        if self.ahead is not None:  # the offsets and the first wave's gather are queued already
-            self.dev_starts = self.ahead.offsets[: self.count]
-            self.remote_free[waves[0].slot] = False
-            self.gathered.append((waves[0], self.ahead.event))
-            self.next_wave = 1
-            ep.first_waves_ahead += 1
-            self._mark(0, "ahead")
-        elif ep._stream is not None:  # the descriptors were made on the current stream
-            ep._stream.wait_stream(torch.cuda.current_stream(ep.staging.device))
-            with torch.cuda.stream(ep._stream):  # each descriptor's offset in the whole batch's byte stream
-                self.dev_starts = torch.cumsum(device_descs[:, 2], 0).sub_(device_descs[:, 2])
-        else:
-            self.dev_starts = torch.cumsum(device_descs[:, 2], 0) - device_descs[:, 2]
-        return True
-
-    def gather_ahead(self, written: Any) -> int:
-        """Queue the gathers of the first waves whose slots are free behind ``written`` (a CUDA event
-        the forward pass records once the run's layer group is written): they run the moment the
-        group is written, and :meth:`move` posts them once done. How many were queued."""
-        if self.ep._stream is None or written is None:
-            return 0
-        self.ep._stream.wait_event(written)
-        start = self.next_wave
-        while self.next_wave < len(self.waves) and self._slot_free(self.waves[self.next_wave].slot):
-            self._gather(self.waves[self.next_wave])
-        self._mark(0, "ahead")
-        self.ep.waves_ahead += self.next_wave - start
-        return self.next_wave - start
-
-    def move(self) -> dict[Any, str | None]:
-        """Gather, write and wait for the credits of every wave of an announced run; the result per request."""
-        ep, waves = self.ep, self.waves
-        while self.next_wave < len(waves):
-            wave = waves[self.next_wave]
-            if not self._wait(lambda: self._slot_free(wave.slot)):
-                break
-            self._mark(wave.index, "gather0")
-            self._gather(wave)
-            self._pump()
-        self._wait(lambda: not self.gathered and all(i in self.acked for i in self.posted))
-        live = [h for _, h in self.posted.values() if h.state == "PROC"]
-        outcome = wait_all(ep.engine, live, time.monotonic()) if live else {}  # aborts what is still in flight
-        for index, (wave, handle) in self.posted.items():
-            reason = outcome.get(handle) or handle.error
-            if index not in self.acked:  # a dead receiver is the cause, whatever the engine says
-                reason = self.gone or reason or "the receiver did not acknowledge its staged wave before the deadline"
-            if reason is not None:
-                ep._fail(self.dest, self.result, wave.requests(self.owners), reason)
-        for wave in [w for w, _ in self.gathered] + waves[self.next_wave:]:
-            ep._fail(self.dest, self.result, wave.requests(self.owners), self.gone or "deadline passed before the wave was sent")
-        return self.result
-
-    def log_trace(self) -> None:
-        """Log what ``KVPLAN_TRACE`` recorded of this run's waves (each step on the clock)."""
-        if self.trace is not None:
-            log.warning("staged waves (wave, step, clock ms): %s", [(self.base_id + w, k, round(t * 1e3, 3))
-                                                                    for w, k, t in self.trace])
-
-    def _mark(self, wave: int, step: str) -> None:
-        if self.trace is not None:
-            self.trace.append((wave, step, time.perf_counter()))
-
-    def _slot_free(self, slot: int) -> bool:
-        """Whether the receiver has returned the slot's credit and this side's last write from it has ended."""
-        handle = self.local_write[slot]
-        return self.remote_free[slot] and (handle is None or handle.state != "PROC")
-
-    def _wait(self, ready) -> bool:
-        """Pump until ``ready()`` or the deadline; never sleeps (yields the core between looks)."""
-        pause = Pause()
-        while True:
-            if self._pump():
-                pause.busy()
-            if ready():
-                return True
-            if time.monotonic() > self.deadline:
-                return False
-            if self.gone is None and (gone := self.ep._peer_gone(self.dest)) is not None:
-                self.gone = gone
-            if self.gone is None and self.peer.channel.replaced():  # what was in flight on the old one is lost
-                self.gone = ("the control connection to the decode side was lost and made again during the staged "
-                             "run: credits in flight on it may be lost")
-            if self.gone is not None:
-                return False
-            pause([self.peer.channel])  # yields while waves move; once quiet a credit on the channel wakes it
-
-    def _gather(self, wave: Wave) -> None:
-        """Gather a wave into its slot: the batch-wide offsets, shifted onto the slot (no per-wave tensors)."""
-        ep = self.ep
-        slot_lo = wave.slot * self.slot_bytes
-        shift = slot_lo - wave.byte_lo
-        descs, offsets = self.device_descs[wave.lo : wave.hi], self.dev_starts[wave.lo : wave.hi]
-        typical = max(1, wave.nbytes // max(1, wave.hi - wave.lo))
-        self.remote_free[wave.slot] = False
-        if ep._stream is not None:
-            with torch.cuda.stream(ep._stream):
-                gather(descs, offsets, ep.staging, self.alignment, typical_bytes=typical, need=slot_lo + wave.nbytes,
-                       shift=shift)
-                event = torch.cuda.Event()
-                event.record(ep._stream)
-        else:
-            gather(descs, offsets, ep.staging, self.alignment, typical_bytes=typical, need=slot_lo + wave.nbytes,
-                   shift=shift)
-            event = None
-        self.gathered.append((wave, event))
-        self.next_wave += 1
-        self.writes[wave.index] = self._write_args(wave)
-        self._mark(wave.index, "gather")
-
-    def _write_args(self, wave: Wave) -> tuple[np.ndarray, bytes]:
-        """A wave's region (from its slot here to the same slot there) and notification. Made when it
-        is gathered: a gather queued ahead of its mark then leaves only the engine's post on the path."""
-        slot_lo = wave.slot * self.slot_bytes
-        return (np.array([[self.ep.staging.data_ptr() + slot_lo, self.peer.staging[0] + slot_lo, wave.nbytes]],
-                         np.uint64), wave_note(self.base_id + wave.index, self.ep.id))
-
-    def _pump(self) -> bool:
-        """Post gathered waves whose gather has finished; take in credits; progress writes. Whether
-        anything moved (or a gather is still running on the device, which ends within microseconds)."""
-        ep = self.ep
-        before = (len(self.posted), len(self.acked), len(self.gathered))
-        while self.gathered and (self.gathered[0][1] is None or self.gathered[0][1].query()):
-            wave, _ = self.gathered.pop(0)
-            self._mark(wave.index, "gathered")  # seen done: what follows is the engine's post
-            self._post(wave)
-        while (msg := self.peer.channel.try_recv()) is not None:
-            kind, header, _ = msg
-            if kind != "wave-done":  # e.g. the next requests' lists: kept for receive_requests
-                self.peer.backlog.append(msg)
-                continue
-            try:
-                self._credit(int(header["wave"]), header.get("error"))
-            except (KeyError, TypeError, ValueError, OverflowError):
-                log.warning("ignored a malformed credit from the decode side: %r", header)
-        # credits through the engine are looked for only while some are due: a loop that asks the engine
-        # for notifications while it waits for a gather contends for the UCX worker with NIXL's progress
-        # thread, and the next post waits for it (benchmarks/post_cost.py)
-        if self.peer.credits_by_engine and len(self.acked) < len(self.posted):
-            for _, raw in ep.engine.notifications():
-                wave_id = decode_credit(raw)
-                if wave_id is None:
-                    log.warning("ignored an engine notification that is no credit: %r", raw[:80])
-                else:
-                    self._credit(wave_id, None)
-        for wave, handle in self.posted.values():
-            if handle.state == "PROC":
-                ep.engine.progress(handle)
-        return bool(self.gathered) or before != (len(self.posted), len(self.acked), len(self.gathered))
-
-    def _credit(self, wave_id: int, error: Any) -> None:
-        """Wave ``wave_id``'s slot is free again (the receiver scattered it, or refused it with ``error``)."""
-        index = wave_id - self.base_id
-        if index not in self.posted:
-            if error and 0 <= index < len(self.waves):  # refused before it was posted: it never will be
-                self.ep._fail(self.dest, self.result, self.waves[index].requests(self.owners),
-                              f"the receiver refused the wave: {error}")
-            return
-        wave, _ = self.posted[index]
-        self.acked.add(index)
-        self._mark(index, "ack")
-        self.remote_free[wave.slot] = True
-        if error:
-            self.ep._fail(self.dest, self.result, wave.requests(self.owners), f"the receiver refused the wave: {error}")
-
-    def _post(self, wave: Wave) -> None:
-        try:
-            self._write(wave)
-        finally:
-            if self.deferred is not None:
-                self._send_deferred()
-
-    def _send_deferred(self) -> None:
-        """Send the waves held back until the first wave was posted (see :meth:`announce`)."""
-        header, self.deferred = self.deferred, None
-        try:
-            self.peer.channel.send("staged-waves", header, timeout=max(0.0, self.deadline - time.monotonic()))
-        except ControlTimeout as err:
-            self.gone = self.gone or str(err)
-            self.ep._fail(self.dest, self.result, list(self.result), str(err))
-            return
-        self._mark(0, "tables")
-
-    def _write(self, wave: Wave) -> None:
-        ep = self.ep
-        if any(v is not None for v in self.result.values()) and \
-                all(self.result[r] is not None for r in wave.requests(self.owners)):
-            self.remote_free[wave.slot] = True  # every request of it has failed already: nothing to write
-            return
-        region, note = self.writes.pop(wave.index, None) or self._write_args(wave)
-        handle = ep.engine.post(self.peer.name, region, note, reuse=("slot", wave.slot, wave.nbytes))
-        self._mark(wave.index, "post")
-        self.posted[wave.index] = (wave, handle)
-        self.local_write[wave.slot] = handle

@@ -1,0 +1,369 @@
+"""Staged mode: a batch through a ring of staging slots (:class:`StagedRun`).
+
+Waves of descriptors are gathered into the slots; the gather of one wave, the engine write of
+another and the receiver's scatter of a third overlap: the sender needs a slot's credit (returned by
+the receiver after its scatter) and the end of its own last write from that slot, nothing else. The
+run is announced on the control channel ahead of its bytes: by its chunks alone where the receiver
+can plan its own scatter (:mod:`..receiver_plan`), else with every wave's destination table; the
+engine's notification, carrying the wave id, says a wave has landed. The first wave's gather may be
+queued right behind the plan (:mod:`..ahead`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+import torch
+
+from ...errors import LayoutError
+from ...planner import gpu
+from ...planner.model import Batch, Transfer
+from ..control import ControlTimeout
+from ..engines import Handle, wait_all
+from ..local import gather
+from ..pause import Pause
+from ..receiver_plan import planned_run_message, planned_run_waves
+from ..waves import Wave, decode_credit, one_wave, plan_waves, run_message, wave_note
+from .planned import PlannedBatch, split_descriptors
+
+if TYPE_CHECKING:
+    from ..prefill import PrefillEndpoint
+
+__all__ = ["StagedRun", "send", "staged_run"]
+
+log = logging.getLogger("kvplan")
+
+
+def send(ep: PrefillEndpoint, transfers: Sequence[Transfer], planned: PlannedBatch, pending: Any, batch: Batch,
+         deadline: float) -> dict[Any, str | None]:
+    """Each peer's share of the batch through its own staging ring."""
+    result: dict[Any, str | None] = {}
+    for dest in sorted({t.dest for t in transfers}):
+        if len(ep.peers) == 1:
+            one = replace(planned, device_descs=pending.device_descriptors())
+        else:
+            share = tuple(replace(t, dest=0) for t in transfers if t.dest == dest)
+            sub = gpu.plan(Batch(ep.side, (ep.peers[dest].side,), share, ep.policy))
+            one = PlannedBatch(share, *sub.descriptors(), sub.sections(), sub.device_descriptors())
+        for request, reason in staged_run(ep, dest, one, ep._alignment(batch), deadline).go().items():
+            result[request] = result.get(request) or reason
+    return result
+
+
+def staged_run(ep: PrefillEndpoint, dest: int, batch: PlannedBatch, alignment: int, deadline: float) -> StagedRun:
+    """A run of ``batch`` to peer ``dest`` (not announced yet)."""
+    if ep.staging is None or ep.peers[dest].staging is None:
+        raise LayoutError("staged mode needs a registered staging buffer on both sides")
+    return StagedRun(ep, dest, batch, alignment, deadline)
+
+
+class StagedRun:
+    """One batch through the staging ring (see :class:`PrefillEndpoint`)."""
+
+    def __init__(self, ep: PrefillEndpoint, dest: int, batch: PlannedBatch, alignment: int, deadline: float):
+        self.ep, self.dest, self.peer = ep, dest, ep.peers[dest]
+        self.alignment, self.deadline = alignment, deadline
+        self.result: dict[Any, str | None] = {t.request: None for t in batch.transfers}
+        self.slots, self.slot_bytes = ep._ring(dest, alignment)
+        self.transfers, self.plannable, self.chunks_run = batch.transfers, batch.plannable, batch.chunks_run
+        self.batch, self.nbytes = batch, batch.nbytes
+        if batch.descs is None and batch.nbytes <= self.slot_bytes:  # one wave, no descriptor to split:
+            self.descs, first = None, None  # its sizes are not needed (announce)
+        else:
+            self.descs, first = split_descriptors(batch.host_descs(), self.slot_bytes)
+        self.count = int(batch.per_transfer[-1]) if first is None else len(self.descs)
+        device_descs = batch.device_descs
+        if first is not None:  # a descriptor larger than a slot goes in pieces
+            device_descs = torch.from_numpy(self.descs.view(np.int64)).to(device_descs.device)
+            self.sections = [replace(s, lo=int(first[s.lo]), hi=int(first[s.hi])) for s in batch.host_sections()]
+            self.rows = first[batch.per_transfer]  # each transfer's rows
+        else:  # (a run the receiver plans needs no sections: it counts its own)
+            self.sections = batch.host_sections() if self.descs is not None else batch.sections
+            self.rows = batch.per_transfer
+        self.device_descs = device_descs
+        # the first wave, gathered behind the plan (.ahead): usable unless the descriptors were re-split
+        self.ahead = batch.ahead if first is None and batch.ahead is not None and \
+            batch.ahead.serves(device_descs, self.slot_bytes) else None
+        self._owners: np.ndarray | None = None
+        self.host_starts: np.ndarray | None = None  # each descriptor's byte offset, where descs are on the host
+        if self.descs is not None:
+            self.host_starts = np.zeros(len(self.descs) + 1, np.int64)
+            np.cumsum(self.descs[:, 2].view(np.int64), out=self.host_starts[1:])
+        if ep._ahead is not None and self.count:  # what the next run's gather ahead expects
+            ep._ahead.typical = max(1, self.nbytes // self.count)
+        self.dev_starts: torch.Tensor | None = None  # made after the announcement has left
+        self.remote_free = [True] * self.slots
+        self.local_write: list[Handle | None] = [None] * self.slots
+        self.gathered: list[tuple[Wave, Any]] = []  # waves gathered, not yet posted, in order
+        self.writes: dict[int, tuple[np.ndarray, bytes]] = {}  # a gathered wave's region and note, made ahead
+        self.next_wave = 0  # waves [0, next_wave) are gathered (or queued to be)
+        self.posted: dict[int, tuple[Wave, Handle]] = {}
+        self.acked: set[int] = set()
+        self.gone: str | None = None  # why the receiver is known to be gone
+        self.base_id = 0  # the id of its first wave: taken from the endpoint when announced
+        self.waves: list[Wave] = []  # planned when announced
+        self.deferred: dict[str, Any] | None = None  # a staged-waves header sent once the first wave is posted
+        self.trace: list[tuple[int, str, float]] | None = None
+        if os.environ.get("KVPLAN_TRACE"):
+            self.trace = [(0, step, t) for step, t in ep._times]
+            self._mark(0, "init")
+
+    @property
+    def owners(self) -> np.ndarray:
+        """Each descriptor's request (made when first asked: only failures need it)."""
+        if self._owners is None:
+            requests = np.array([t.request for t in self.transfers] + [None], dtype=object)[:-1]
+            self._owners = np.repeat(requests, np.diff(self.rows))
+        return self._owners
+
+    def go(self) -> dict[Any, str | None]:
+        """Announce the run, then move it (see :meth:`announce` and :meth:`move`)."""
+        if not self.announce():
+            return self.result
+        result = self.move()
+        self.log_trace()
+        return result
+
+    def announce(self) -> bool:
+        """Send the run's announcement (its waves, with destination tables or chunk bounds) and make
+        its byte offsets on the device; ``False`` when it could not be sent (its requests have then
+        failed). A layer-group run is announced while the forward pass still writes the group, so
+        that its bytes only need gathering and writing once the group is ready."""
+        ep = self.ep
+        if self.descs is None:
+            waves = self.waves = one_wave(self.count, self.nbytes, self.sections or [])
+        else:
+            waves = self.waves = plan_waves(self.descs[:, 2], self.sections, self.slot_bytes, self.slots,
+                                            ends=self.host_starts[1:])
+        self.base_id = ep._next_wave
+        ep._next_wave += len(waves)
+        frames: tuple[bytes, ...] = ()
+        # a connection made again before this run (or since its chunks went ahead) loses nothing of it
+        replaced = self.peer.channel.replaced()
+        if self.chunks_run is not None and not replaced:  # its chunks went ahead: its waves complete it
+            kind, header = "staged-waves", planned_run_waves(ep.id, self.base_id, waves, self.slot_bytes,
+                                                             run=self.chunks_run)
+            ep.last_announcement = "planned"
+        elif ep.receiver_plans and self.peer.plannable and self.plannable and \
+                all(t.request in self.peer.planning for t in self.transfers):
+            kind, header = "staged-plan", planned_run_message(ep.id, self.base_id, waves, self.slot_bytes,
+                                                              self.alignment, self.transfers)
+            ep.last_announcement = "planned"
+        else:
+            spans = [(t.request, int(self.rows[k]), int(self.rows[k + 1])) for k, t in enumerate(self.transfers)]
+            if self.descs is None:  # a light run announced with tables after all (_Batch)
+                waves[0].sections = self.batch.host_sections()
+            header, table = run_message(ep.id, self.base_id, waves, self.slot_bytes, self.alignment, spans,
+                                        self.batch.host_descs() if self.descs is None else self.descs)
+            kind, frames = "staged", (table,)
+            ep.last_announcement = "table"
+        if kind == "staged-waves":
+            # the receiver plans from the chunks already: the first wave is posted first, its waves
+            # right after (a landing before them waits on the receiver, decode._early)
+            self.deferred = header
+        else:
+            try:  # announced first: the receiver plans or checks the run while this side gathers and writes
+                self.peer.channel.send(kind, header, *frames, timeout=max(0.0, self.deadline - time.monotonic()))
+            except ControlTimeout as err:
+                ep._fail(self.dest, self.result, list(self.result), str(err))
+                return False
+            self._mark(0, "tables")
+        device_descs = self.device_descs
+        if self.ahead is not None:  # the offsets and the first wave's gather are queued already
+            self.dev_starts = self.ahead.offsets[: self.count]
+            self.remote_free[waves[0].slot] = False
+            self.gathered.append((waves[0], self.ahead.event))
+            self.next_wave = 1
+            ep.first_waves_ahead += 1
+            self._mark(0, "ahead")
+        elif ep._stream is not None:  # the descriptors were made on the current stream
+            ep._stream.wait_stream(torch.cuda.current_stream(ep.staging.device))
+            with torch.cuda.stream(ep._stream):  # each descriptor's offset in the whole batch's byte stream
+                self.dev_starts = torch.cumsum(device_descs[:, 2], 0).sub_(device_descs[:, 2])
+        else:
+            self.dev_starts = torch.cumsum(device_descs[:, 2], 0) - device_descs[:, 2]
+        return True
+
+    def gather_ahead(self, written: Any) -> int:
+        """Queue the gathers of the first waves whose slots are free behind ``written`` (a CUDA event
+        the forward pass records once the run's layer group is written): they run the moment the
+        group is written, and :meth:`move` posts them once done. How many were queued."""
+        if self.ep._stream is None or written is None:
+            return 0
+        self.ep._stream.wait_event(written)
+        start = self.next_wave
+        while self.next_wave < len(self.waves) and self._slot_free(self.waves[self.next_wave].slot):
+            self._gather(self.waves[self.next_wave])
+        self._mark(0, "ahead")
+        self.ep.waves_ahead += self.next_wave - start
+        return self.next_wave - start
+
+    def move(self) -> dict[Any, str | None]:
+        """Gather, write and wait for the credits of every wave of an announced run; the result per request."""
+        ep, waves = self.ep, self.waves
+        while self.next_wave < len(waves):
+            wave = waves[self.next_wave]
+            if not self._wait(lambda: self._slot_free(wave.slot)):
+                break
+            self._mark(wave.index, "gather0")
+            self._gather(wave)
+            self._pump()
+        self._wait(lambda: not self.gathered and all(i in self.acked for i in self.posted))
+        live = [h for _, h in self.posted.values() if h.state == "PROC"]
+        outcome = wait_all(ep.engine, live, time.monotonic()) if live else {}  # aborts what is still in flight
+        for index, (wave, handle) in self.posted.items():
+            reason = outcome.get(handle) or handle.error
+            if index not in self.acked:  # a dead receiver is the cause, whatever the engine says
+                reason = self.gone or reason or "the receiver did not acknowledge its staged wave before the deadline"
+            if reason is not None:
+                ep._fail(self.dest, self.result, wave.requests(self.owners), reason)
+        for wave in [w for w, _ in self.gathered] + waves[self.next_wave:]:
+            ep._fail(self.dest, self.result, wave.requests(self.owners), self.gone or "deadline passed before the wave was sent")
+        return self.result
+
+    def log_trace(self) -> None:
+        """Log what ``KVPLAN_TRACE`` recorded of this run's waves (each step on the clock)."""
+        if self.trace is not None:
+            log.warning("staged waves (wave, step, clock ms): %s", [(self.base_id + w, k, round(t * 1e3, 3))
+                                                                    for w, k, t in self.trace])
+
+    def _mark(self, wave: int, step: str) -> None:
+        if self.trace is not None:
+            self.trace.append((wave, step, time.perf_counter()))
+
+    def _slot_free(self, slot: int) -> bool:
+        """Whether the receiver has returned the slot's credit and this side's last write from it has ended."""
+        handle = self.local_write[slot]
+        return self.remote_free[slot] and (handle is None or handle.state != "PROC")
+
+    def _wait(self, ready) -> bool:
+        """Pump until ``ready()`` or the deadline; never sleeps (yields the core between looks)."""
+        pause = Pause()
+        while True:
+            if self._pump():
+                pause.busy()
+            if ready():
+                return True
+            if time.monotonic() > self.deadline:
+                return False
+            if self.gone is None and (gone := self.ep._peer_gone(self.dest)) is not None:
+                self.gone = gone
+            if self.gone is None and self.peer.channel.replaced():  # what was in flight on the old one is lost
+                self.gone = ("the control connection to the decode side was lost and made again during the staged "
+                             "run: credits in flight on it may be lost")
+            if self.gone is not None:
+                return False
+            pause([self.peer.channel])  # yields while waves move; once quiet a credit on the channel wakes it
+
+    def _gather(self, wave: Wave) -> None:
+        """Gather a wave into its slot: the batch-wide offsets, shifted onto the slot (no per-wave tensors)."""
+        ep = self.ep
+        slot_lo = wave.slot * self.slot_bytes
+        shift = slot_lo - wave.byte_lo
+        descs, offsets = self.device_descs[wave.lo : wave.hi], self.dev_starts[wave.lo : wave.hi]
+        typical = max(1, wave.nbytes // max(1, wave.hi - wave.lo))
+        self.remote_free[wave.slot] = False
+        if ep._stream is not None:
+            with torch.cuda.stream(ep._stream):
+                gather(descs, offsets, ep.staging, self.alignment, typical_bytes=typical, need=slot_lo + wave.nbytes,
+                       shift=shift)
+                event = torch.cuda.Event()
+                event.record(ep._stream)
+        else:
+            gather(descs, offsets, ep.staging, self.alignment, typical_bytes=typical, need=slot_lo + wave.nbytes,
+                   shift=shift)
+            event = None
+        self.gathered.append((wave, event))
+        self.next_wave += 1
+        self.writes[wave.index] = self._write_args(wave)
+        self._mark(wave.index, "gather")
+
+    def _write_args(self, wave: Wave) -> tuple[np.ndarray, bytes]:
+        """A wave's region (from its slot here to the same slot there) and notification. Made when it
+        is gathered: a gather queued ahead of its mark then leaves only the engine's post on the path."""
+        slot_lo = wave.slot * self.slot_bytes
+        return (np.array([[self.ep.staging.data_ptr() + slot_lo, self.peer.staging[0] + slot_lo, wave.nbytes]],
+                         np.uint64), wave_note(self.base_id + wave.index, self.ep.id))
+
+    def _pump(self) -> bool:
+        """Post gathered waves whose gather has finished; take in credits; progress writes. Whether
+        anything moved (or a gather is still running on the device, which ends within microseconds)."""
+        ep = self.ep
+        before = (len(self.posted), len(self.acked), len(self.gathered))
+        while self.gathered and (self.gathered[0][1] is None or self.gathered[0][1].query()):
+            wave, _ = self.gathered.pop(0)
+            self._mark(wave.index, "gathered")  # seen done: what follows is the engine's post
+            self._post(wave)
+        while (msg := self.peer.channel.try_recv()) is not None:
+            kind, header, _ = msg
+            if kind != "wave-done":  # e.g. the next requests' lists: kept for receive_requests
+                self.peer.backlog.append(msg)
+                continue
+            try:
+                self._credit(int(header["wave"]), header.get("error"))
+            except (KeyError, TypeError, ValueError, OverflowError):
+                log.warning("ignored a malformed credit from the decode side: %r", header)
+        # credits through the engine are looked for only while some are due: a loop that asks the engine
+        # for notifications while it waits for a gather contends for the UCX worker with NIXL's progress
+        # thread, and the next post waits for it (benchmarks/post_cost.py)
+        if self.peer.credits_by_engine and len(self.acked) < len(self.posted):
+            for _, raw in ep.engine.notifications():
+                wave_id = decode_credit(raw)
+                if wave_id is None:
+                    log.warning("ignored an engine notification that is no credit: %r", raw[:80])
+                else:
+                    self._credit(wave_id, None)
+        for wave, handle in self.posted.values():
+            if handle.state == "PROC":
+                ep.engine.progress(handle)
+        return bool(self.gathered) or before != (len(self.posted), len(self.acked), len(self.gathered))
+
+    def _credit(self, wave_id: int, error: Any) -> None:
+        """Wave ``wave_id``'s slot is free again (the receiver scattered it, or refused it with ``error``)."""
+        index = wave_id - self.base_id
+        if index not in self.posted:
+            if error and 0 <= index < len(self.waves):  # refused before it was posted: it never will be
+                self.ep._fail(self.dest, self.result, self.waves[index].requests(self.owners),
+                              f"the receiver refused the wave: {error}")
+            return
+        wave, _ = self.posted[index]
+        self.acked.add(index)
+        self._mark(index, "ack")
+        self.remote_free[wave.slot] = True
+        if error:
+            self.ep._fail(self.dest, self.result, wave.requests(self.owners), f"the receiver refused the wave: {error}")
+
+    def _post(self, wave: Wave) -> None:
+        try:
+            self._write(wave)
+        finally:
+            if self.deferred is not None:
+                self._send_deferred()
+
+    def _send_deferred(self) -> None:
+        """Send the waves held back until the first wave was posted (see :meth:`announce`)."""
+        header, self.deferred = self.deferred, None
+        try:
+            self.peer.channel.send("staged-waves", header, timeout=max(0.0, self.deadline - time.monotonic()))
+        except ControlTimeout as err:
+            self.gone = self.gone or str(err)
+            self.ep._fail(self.dest, self.result, list(self.result), str(err))
+            return
+        self._mark(0, "tables")
+
+    def _write(self, wave: Wave) -> None:
+        ep = self.ep
+        if any(v is not None for v in self.result.values()) and \
+                all(self.result[r] is not None for r in wave.requests(self.owners)):
+            self.remote_free[wave.slot] = True  # every request of it has failed already: nothing to write
+            return
+        region, note = self.writes.pop(wave.index, None) or self._write_args(wave)
+        handle = ep.engine.post(self.peer.name, region, note, reuse=("slot", wave.slot, wave.nbytes))
+        self._mark(wave.index, "post")
+        self.posted[wave.index] = (wave, handle)
+        self.local_write[wave.slot] = handle
