@@ -1,5 +1,7 @@
-"""A target process for two-process engine runs (``benchmarks/engine_ceiling.py``,
-``benchmarks/post_cost.py``, the engine smoke tests): spawned, asked for its first message (its
+"""The child processes of kvplan's tools (the demo's sides, ``kvplan load``'s processes) and of its
+tests: :func:`child_process` starts them from a fork server that has imported torch and kvplan once.
+And a target process for two-process engine runs (``benchmarks/engine_ceiling.py``,
+``benchmarks/post_cost.py``, the engine smoke tests): started so, asked for its first message (its
 engine metadata and buffer address), told ``"bye"`` at the end, and joined or killed by its own handle.
 
 Example::
@@ -17,7 +19,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 __all__ = ["child_context", "child_message", "child_pipe", "child_process", "start_child", "target_process"]
 
-# what a tool's child imports anyway: the fork server imports it once (see start_child)
+# what a tool's child imports anyway: the fork server imports it once (see child_process)
 PRELOAD = ["kvplan.tools.demo", "kvplan.tools.load"]
 
 
