@@ -12,12 +12,13 @@ from typing import Callable
 from kvplan.tools.target_process import start_child
 
 
-def _child(target: Callable[..., None], args: tuple, report) -> None:
+def report_and_exit(report, target: Callable[..., object], *args) -> None:
+    """A child's body: ``target(*args)``, then ``("result", its value)`` or ``("error", traceback)``
+    sent through ``report``, and the process ends at once."""
     try:
-        target(*args)
-        report.send(None)  # a pipe's send is written before it returns: safe before os._exit
+        report.send(("result", target(*args)))  # a pipe's send is written before it returns: safe before os._exit
     except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test with it
-        report.send(traceback.format_exc())
+        report.send(("error", traceback.format_exc()))
     finally:
         # an engine's threads may still run: leave without waiting for them or their finalizers
         os._exit(0)
@@ -25,17 +26,19 @@ def _child(target: Callable[..., None], args: tuple, report) -> None:
 
 def run_isolated(target: Callable[..., None], *args, timeout: float) -> None:
     """Run ``target(*args)`` (a module-level function, importable by a fresh interpreter) in a child of
-    its own (:func:`kvplan.tools.target_process.start_child`); raise ``AssertionError`` with the child's traceback if it failed, or if it neither ended nor
-    reported within ``timeout`` seconds (the child is then killed by its handle)."""
+    its own (:func:`kvplan.tools.target_process.start_child`); raise ``AssertionError`` with the
+    child's traceback if it failed, or if it neither ended nor reported within ``timeout`` seconds
+    (the child is then killed by its handle)."""
     reports, report = mp.Pipe(duplex=False)
-    child = start_child(_child, target, args, report)
+    child = start_child(report_and_exit, report, target, *args)
     report.close()
     try:
         wait([reports, child.sentinel], timeout)  # a report, the child's end, or the deadline
         if not reports.poll():
             raise AssertionError(f"{target.__name__} reported nothing: its child ended with code "
                                  f"{child.exitcode} (None: still running at the {timeout} s deadline)")
-        failure = reports.recv()
+        kind, payload = reports.recv()
+        failure = payload if kind == "error" else None
     finally:
         reports.close()
         child.join(timeout=10)

@@ -444,13 +444,13 @@ def prefill_process(config: DemoConfig, port: int, conn, src_rank: int | None = 
         transfers = [endpoint.transfer(Chunk(f"{t.request}{tag}", t.src_row, t.start, t.fill_len, t.prompt_len,
                                              t.last, t.aux_src)) for t in batch.transfers]
         planned = Batch(side, (endpoint.peer_side,), tuple(transfers))
-        started = time.perf_counter()
+        plan_started = time.perf_counter()
         descs = gpu.plan(planned).descriptors()[0]
         # on a GPU, the median of timed runs after a warm-up; on the CPU, where the kernels run
         # interpreted and the figure says little, the one plan made anyway (planning again only costs)
         cuda = device == "cuda"
         kvplan_ms = median_ms(lambda: gpu.plan(planned).descriptors(), 5) if cuda else \
-            (time.perf_counter() - started) * 1e3
+            (time.perf_counter() - plan_started) * 1e3
         direct = pair_sides(side, endpoint.peer_side).mode is Mode.DIRECT
         same_pages = endpoint.peer_side.kv.page_size == side.kv.page_size  # SGLang refuses a mismatch
         baseline_ms = median_ms(lambda: sglang_style_descs(planned), 5 if cuda else 1, warmup=2 if cuda else 0) \

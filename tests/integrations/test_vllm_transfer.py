@@ -11,6 +11,7 @@ blocks in ``get_block_ids_with_load_errors``: never as a success.
 import pytest
 
 from kvplan.tools.target_process import child_message, child_pipe, start_child
+from tests.isolated import report_and_exit
 from tests.ports import free_port
 
 pytest.importorskip("vllm", reason="vLLM 0.33.0 is not installed (make setup-vllm)")
@@ -34,7 +35,7 @@ def run_pair(tmp_path, engine: str, prefill_layout: str, decode_layout: str, *de
     try:
         for role, layout, extra in (("prefill", prefill_layout, prefill_args), ("decode", decode_layout, decode_args)):
             here, there = child_pipe()
-            procs.append(start_child(vllm_node.run_child, [*argv(role, layout), *extra], there))
+            procs.append(start_child(report_and_exit, there, vllm_node.run, [*argv(role, layout), *extra]))
             results.append(here)
         decode = child_message(results[1], "decode", 150)[1]
         prefill = child_message(results[0], "prefill", 60)[1]

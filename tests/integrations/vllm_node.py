@@ -9,7 +9,7 @@ requests, writes the parameters it returns (what vLLM's proxy hands the decode) 
 steps until every request is reported finished sending. The decode reads them, allocates its own
 (scattered) blocks, steps until every request is reported finished receiving, and checks every byte
 of every block it received. Each prints one JSON line of what it saw, or, started by the tests as
-a child process (:func:`run_child`), sends it back.
+a child process (:func:`run` under :func:`tests.isolated.report_and_exit`), sends it back.
 
     python -m tests.integrations.vllm_node prefill --port 17500 --params /tmp/p.json --layout LBNHC
     python -m tests.integrations.vllm_node decode --params /tmp/p.json --layout LBNHC
@@ -172,19 +172,6 @@ def run(argv: list[str]) -> dict:
     parser.add_argument("--exit-early", action="store_true")
     args = parser.parse_args(argv)
     return prefill(args) if args.role == "prefill" else decode(args)
-
-
-def run_child(argv: list[str], conn) -> None:
-    """:func:`run` in a child process of the tests (:func:`kvplan.tools.target_process.child_process`):
-    its result, or ``("error", traceback)``, through ``conn``."""
-    import traceback
-
-    try:
-        conn.send(("result", run(argv)))
-    except BaseException:  # noqa: BLE001 - reported to the test, which fails with it
-        conn.send(("error", traceback.format_exc()))
-    finally:
-        os._exit(0)  # an engine's threads may still run: leave without waiting for them (sent before)
 
 
 def main(argv: list[str] | None = None) -> None:
