@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 
@@ -54,4 +55,51 @@ def _serialize_interpreted_launches() -> None:
     InterpretedFunction.run = serialized
 
 
+def _patch_language_once_per_launch() -> None:
+    """Triton's interpreter re-patches ``triton.language`` (walking its members) on every call of a
+    ``@triton.jit`` helper from inside a kernel, although the launch around it has already patched
+    the same modules; in kernels that call small helpers per field, that walk is most of the
+    interpreted time. Under the interpreter, a helper's call skips the patch when the launch around
+    it already holds it for every language module the helper sees; launches still patch and restore
+    as before. Compiled kernels are untouched."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    from triton.runtime import interpreter
+
+    if getattr(interpreter._patch_lang, "kvplan_once", False):
+        return
+    patch_lang = interpreter._patch_lang
+    patched: list[set] = []  # the language modules the current launch has patched (launches are serialized)
+
+    seen: dict[object, frozenset] = {}  # each function's language modules, by function
+
+    def language_modules(fn) -> frozenset:
+        if fn not in seen:
+            seen[fn] = frozenset(id(value) for value in fn.__globals__.values()
+                                 if inspect.ismodule(value) and value in (interpreter.tl, interpreter.tl.core))
+        return seen[fn]
+
+    def patch_once(fn):
+        langs = language_modules(fn)
+        if patched:  # a helper called inside a launch, which ignores the scope (Triton never restores it)
+            if langs <= patched[-1]:
+                return None
+            patched[-1] |= langs
+            return patch_lang(fn)
+        scope = patch_lang(fn)  # a launch: it restores the scope when it ends
+        restore = scope.restore
+        patched.append(set(langs))
+
+        def restore_and_forget():
+            patched.pop()
+            restore()
+
+        scope.restore = restore_and_forget
+        return scope
+
+    patch_once.kvplan_once = True
+    interpreter._patch_lang = patch_once
+
+
 _serialize_interpreted_launches()
+_patch_language_once_per_launch()

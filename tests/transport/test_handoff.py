@@ -5,6 +5,11 @@ All four state types, aux, chunking and a decode prefix (``hybrid``), head-slice
 ``mamba_tp4to8``), a decode rank gathering from two source ranks (``mamba_tp8to4``), direct,
 prepared (NIXL) and staged mode; then the failure paths: a dead peer on either side, a bad
 registration, a deadline. Nothing here may hang: every wait has a deadline.
+
+NIXL runs without its progress thread here (``progress_thread=False``, which the library supports):
+that thread spins a whole core for as long as its agent lives, and ``make test`` runs two tests at
+once on two cores. ``test_batch_arrives_byte_for_byte`` and the fault drills run NIXL as deployed,
+with the thread.
 """
 
 import os
@@ -23,9 +28,11 @@ DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_a
 
 
 def config(engine: str, shape: str = "hybrid", mode: str = "direct", **kw) -> DemoConfig:
+    """The demo's run of ``shape``; NIXL without its progress thread unless ``deployed`` (module docstring)."""
+    deployed = kw.pop("deployed", False) or "fault" in kw
     return DemoConfig(shape=SHAPES[shape], requests=len(LENGTHS), prompt_len=LENGTHS, chunks=2, prefix_len=8, seed=3,
                       engine=engine, mode=mode, device=DEVICE, staging_bytes=1 << 22, timeout=kw.pop("timeout", 30.0),
-                      **kw)
+                      progress_thread=deployed, **kw)
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -34,7 +41,7 @@ def config(engine: str, shape: str = "hybrid", mode: str = "direct", **kw) -> De
                                          ("swa_tp4to8", "staged"), ("mamba_tp4to8", "direct"),
                                          ("mamba_tp4to8", "staged")])
 def test_batch_arrives_byte_for_byte(engine, shape, mode):
-    report = run_demo(config(engine, shape, mode))
+    report = run_demo(config(engine, shape, mode, deployed=True))
     assert all(reason is None for reason in report.send_failures.values()), report.send_failures
     assert set(report.states.values()) == {"complete"}, report.failures
     assert report.verified is True, "the destination pools differ from the reference execution"
