@@ -24,13 +24,13 @@ def report_and_exit(report, target: Callable[..., object], *args) -> None:
         os._exit(0)
 
 
-def run_isolated(target: Callable[..., None], *args, timeout: float) -> None:
+def run_isolated(target: Callable[..., object], *args, timeout: float, env: dict[str, str] | None = None) -> object:
     """Run ``target(*args)`` (a module-level function, importable by a fresh interpreter) in a child of
-    its own (:func:`kvplan.tools.target_process.start_child`); raise ``AssertionError`` with the
-    child's traceback if it failed, or if it neither ended nor reported within ``timeout`` seconds
-    (the child is then killed by its handle)."""
+    its own (:func:`kvplan.tools.target_process.start_child`, with ``env`` if given) and return what
+    it returned; raise ``AssertionError`` with the child's traceback if it failed, or if it neither
+    ended nor reported within ``timeout`` seconds (the child is then killed by its handle)."""
     reports, report = mp.Pipe(duplex=False)
-    child = start_child(report_and_exit, report, target, *args)
+    child = start_child(report_and_exit, report, target, *args, env=env)
     report.close()
     try:
         wait([reports, child.sentinel], timeout)  # a report, the child's end, or the deadline
@@ -47,3 +47,4 @@ def run_isolated(target: Callable[..., None], *args, timeout: float) -> None:
             child.join(timeout=5)
     if failure is not None:
         raise AssertionError(f"{target.__name__} failed in its child process:\n{failure}")
+    return payload

@@ -15,3 +15,13 @@ def free_port() -> int:
                 continue
             return port
     raise RuntimeError("no free port between 20000 and 32767")
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free ports (:func:`free_port`)."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports

@@ -1,41 +1,41 @@
 """kvplan as an SGLang plugin (issue 36): SGLang's own ``load_plugins()`` finds kvplan's entry point;
 with ``KVPLAN_SGLANG=1`` SGLang's ``get_kv_class`` hands its prefill and decode schedulers kvplan's
 manager, sender and receiver for NIXL and Mooncake and keeps its own bootstrap server; without it,
-SGLang's classes. Each case runs in a fresh process: SGLang loads plugins once per process and its
-hooks patch the modules of that process."""
+SGLang's classes. Each case runs in a child process of its own (forked from the tests' fork server,
+which imports SGLang's modules but never loads plugins): SGLang loads plugins once per process and
+its hooks patch the modules of that process."""
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from kvplan.integrations.sglang.settings import Settings, SettingsError
+from tests.isolated import run_isolated
 from tests.sglang_real import sglang_module
 
 pytestmark = pytest.mark.sglang
-ROOT = Path(__file__).resolve().parents[2]
 
-# what SGLang's schedulers ask for, through the very function objects its modules imported
-_PROBE = """
-import json, sys
-sys.path.insert(0, {root!r})
-from tests.sglang_real import _torchvision_or_stand_in
-_torchvision_or_stand_in()
-from sglang.srt.plugins import load_plugins
-load_plugins()
-from sglang.srt.disaggregation import decode, prefill, utils
-from sglang.srt.managers import disagg_service
-out = {{}}
-for backend in (utils.TransferBackend.NIXL, utils.TransferBackend.MOONCAKE):
-    for role in utils.KVClassType:
-        for where, module in (("prefill", prefill), ("decode", decode), ("utils", utils), ("service", disagg_service)):
-            cls = module.get_kv_class(backend, role)
-            out[f"{{backend.value}}/{{role.value}}/{{where}}"] = f"{{cls.__module__}}.{{cls.__qualname__}}"
-print(json.dumps(out))
-"""
+
+def _probe() -> dict:
+    """What SGLang's schedulers ask for, through the very function objects its modules imported,
+    once SGLang has loaded its plugins in this process."""
+    from tests.sglang_real import _torchvision_or_stand_in
+
+    _torchvision_or_stand_in()
+    from sglang.srt.disaggregation import decode, prefill, utils
+    from sglang.srt.managers import disagg_service
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    out = {}
+    for backend in (utils.TransferBackend.NIXL, utils.TransferBackend.MOONCAKE):
+        for role in utils.KVClassType:
+            for where, module in (("prefill", prefill), ("decode", decode), ("utils", utils),
+                                  ("service", disagg_service)):
+                cls = module.get_kv_class(backend, role)
+                out[f"{backend.value}/{role.value}/{where}"] = f"{cls.__module__}.{cls.__qualname__}"
+    return out
 
 
 def _classes(switch: str | None) -> dict:
@@ -43,10 +43,7 @@ def _classes(switch: str | None) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "KVPLAN_SGLANG"}
     if switch is not None:
         env["KVPLAN_SGLANG"] = switch
-    done = subprocess.run([sys.executable, "-c", _PROBE.format(root=str(ROOT))], capture_output=True, text=True,
-                          timeout=240, env=env, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_isolated(_probe, timeout=240, env=env)
 
 
 def test_the_entry_point_is_in_sglang_s_plugin_group():

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -31,6 +30,7 @@ import pytest
 from kvplan.tools.target_process import start_child
 from tests.integrations import sglang_scheduler_node
 from tests.integrations.sglang_scheduler_node import WINDOW
+from tests.ports import free_ports
 from tests.sglang_real import sglang_module
 
 pytestmark = [pytest.mark.sglang, pytest.mark.engines]
@@ -38,21 +38,10 @@ ABORTED = {"req-1-3", "req-1-7", "req-1-11"}
 DEADLINE_S = 240.0  # (a run takes about 60 s on a 2-core machine; the margin is for a busy one)
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def _run_nodes(tmp_path: Path, backend: str, prefill_tp: int, decode_tp: int, hybrid: bool) -> dict[str, dict]:
     """Start every rank, wait for all (killing all by their handles at the deadline or once one fails);
     each rank's JSON line, by name (``prefill0``, ``decode3``...)."""
-    bootstrap, prefill_dist, decode_dist = _free_ports(3)
+    bootstrap, prefill_dist, decode_dist = free_ports(3)
     env = {**os.environ, "KVPLAN_SGLANG": "1", "KVPLAN_HOST": "127.0.0.1", "SGLANG_HOST_IP": "127.0.0.1",
            "UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN", "PYTHONWARNINGS": "ignore",
            # the prefill takes every request at once; the second wave's wait for its lists spans the first
@@ -60,7 +49,10 @@ def _run_nodes(tmp_path: Path, backend: str, prefill_tp: int, decode_tp: int, hy
            # session 23; the ranks' own deadline, DEADLINE_S - 40, stays above it)
            "KVPLAN_TIMEOUT_S": "150",
            # the SWA component's window, which SGLang's KVArgs do not carry (docs/sglang.md)
-           "KVPLAN_STATE_PARAMS": json.dumps([{"window": WINDOW}, {}] if hybrid else [])}
+           "KVPLAN_STATE_PARAMS": json.dumps([{"window": WINDOW}, {}] if hybrid else []),
+           # six ranks on a 2-core machine: NIXL's progress thread spins a core per rank, so the ranks
+           # run without it (the adapter's setting, docs/sglang.md); kvplan's loops progress the worker
+           "KVPLAN_ENGINE_SETTINGS": json.dumps({"progress_thread": False} if backend == "nixl" else {})}
     procs = {}
     for role, tp, dist in (("prefill", prefill_tp, prefill_dist), ("decode", decode_tp, decode_dist)):
         for rank in range(tp):

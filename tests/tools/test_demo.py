@@ -1,4 +1,6 @@
-"""``kvplan demo`` as a user runs it: the command line, end to end, on this machine."""
+"""``kvplan demo`` as a user runs it: the command line, end to end, on this machine. The default
+batch runs as the command's defaults have it; the other end-to-end runs turn NIXL's progress thread
+off (it spins a core while its agent lives, and ``make test`` runs two tests at once on two cores)."""
 
 import subprocess
 import sys
@@ -19,7 +21,7 @@ def test_demo_command_moves_and_verifies_the_default_batch():
 @pytest.mark.engines
 def test_a_fault_drill_that_observes_its_failure_exits_zero_and_says_which():
     done = subprocess.run([sys.executable, "-m", "kvplan", "demo", "--requests", "2", "--fault", "deadline",
-                           "--no-progress"], capture_output=True, text=True, timeout=300)
+                           "--no-progress", "--progress-thread", "off"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "deadline passed" in done.stdout and "drill         observed deadline: 2 of 2 requests failed" in done.stdout
 
@@ -72,7 +74,8 @@ def test_a_refusal_from_the_command_line_exits_2_in_a_process_of_its_own():
 
 @pytest.mark.engines
 def test_verbose_after_the_subcommand_logs_each_batch():
-    done = subprocess.run([sys.executable, "-m", "kvplan", "demo", "-v", "--requests", "2", "--no-progress"],
+    done = subprocess.run([sys.executable, "-m", "kvplan", "demo", "-v", "--requests", "2", "--no-progress",
+                           "--progress-thread", "off"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "INFO" in done.stderr and "sending 4 transfers" in done.stderr
@@ -92,7 +95,8 @@ def test_staged_mode_on_the_cpu_gets_a_deadline_scaled_to_its_interpreted_copies
 def test_tp_sizes_of_the_two_sides_are_options():
     """gpt-oss's KV and SWA state head-sliced from TP 4 to TP 8 (docs/tp_state.md)."""
     done = subprocess.run([sys.executable, "-m", "kvplan", "demo", "--preset", "gptoss-swa-p16", "--src-tp", "4",
-                           "--dst-tp", "8", "--requests", "2", "--prompt-len", "300", "--layers", "2", "--no-progress"],
+                           "--dst-tp", "8", "--requests", "2", "--prompt-len", "300", "--layers", "2", "--no-progress",
+                           "--progress-thread", "off"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "head-sliced descriptors" in done.stdout and "every byte matches" in done.stdout

@@ -61,3 +61,53 @@ def test_a_stopped_mooncake_target_fails_the_write_at_its_deadline_not_at_moonca
         conn.send("check")
         assert conn.poll(DEADLINE_S) and conn.recv() is True
         engine.close()
+
+
+class _SlowPeer:
+    """Mooncake's calls as a peer that took the batches but has stopped before the notifying tail:
+    every batch has ended, and the synchronous notifying write waits until ``release`` is set."""
+
+    def __init__(self):
+        import threading
+
+        self.release, self.sync_calls = threading.Event(), 0
+
+    def batch_transfer_async_write(self, peer, src, dst, lengths):
+        return 7
+
+    def transfer_check_status(self, batch_id):
+        return 1
+
+    def batch_transfer_sync(self, peer, src, dst, lengths, opcode, notify):
+        self.sync_calls += 1
+        return 0 if self.release.wait(30) else -1
+
+
+def test_the_notifying_tail_to_a_stopped_peer_never_holds_the_wait_past_its_deadline(monkeypatch):
+    """The batches have ended (a stopped peer's sockets took their bytes) and the last descriptor goes
+    with the notification, through Mooncake's only notifying call, which waits for the peer: the wait
+    ends at its deadline, ``unsafe``, and the handle ends once the peer answers."""
+    from types import SimpleNamespace
+
+    from kvplan.transport.engines import wait_all
+    from kvplan.transport.engines.mooncake import MooncakeEngine
+
+    monkeypatch.setenv("KVPLAN_DRAIN_S", "0.2")
+    engine = object.__new__(MooncakeEngine)  # Mooncake's own engine replaced by the stopped peer
+    peer = _SlowPeer()
+    engine.engine, engine.name, engine._tails, engine._regions = peer, "initiator", set(), []
+    engine._opcode, engine._notify = SimpleNamespace(Write=1), lambda name, msg: (name, msg)
+    engine.capabilities = SimpleNamespace(arrays=False)
+    descs = np.array([[0x1000, 0x2000, 64], [0x1040, 0x2040, 64]], dtype=np.uint64)
+    handle = engine.post("peer", descs, b"done")
+    started = time.monotonic()
+    reason = wait_all(engine, [handle], time.monotonic() + 0.5)[handle]
+    assert time.monotonic() - started < 5.0
+    assert reason is not None and reason.startswith("unsafe"), reason
+    assert peer.sync_calls == 1 and engine.progress(handle) == "PROC"
+    peer.release.set()
+    ends = time.monotonic() + 10
+    while engine.progress(handle) == "PROC" and time.monotonic() < ends:
+        time.sleep(0.01)
+    assert handle.state == "DONE" and not engine._tails
+    engine.close()
