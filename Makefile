@@ -4,6 +4,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
+# no byte-compiling at install: it took half of the set-up (torch, SGLang, vLLM), and Python compiles
+# the modules a process imports the first time it imports them
+PIP_INSTALL := $(PIP) install -q --no-compile
 STAMP := $(VENV)/.kvplan-installed
 SGLANG_STAMP := $(VENV)/.sglang-installed
 VLLM_SITE := .vllm-site
@@ -31,14 +34,14 @@ $(STAMP): pyproject.toml Makefile
 	@if $(PYTHON) -c 'import torch, sys; sys.exit(0 if torch.version.cuda else 1)' 2>/dev/null; then \
 	  echo "using the system's CUDA build of torch"; \
 	  [ -x $(PY) ] || $(PYTHON) -m venv --system-site-packages $(VENV); \
-	  $(PIP) install -q numpy pytest pytest-benchmark pytest-xdist hypothesis pyzmq; \
+	  $(PIP_INSTALL) numpy pytest pytest-benchmark pytest-xdist hypothesis pyzmq; \
 	else \
 	  [ -x $(PY) ] || $(PYTHON) -m venv $(VENV); \
-	  $(PIP) install -q "torch==2.13.0+cpu" "triton==3.7.1" "numpy>=2,<3" pytest pytest-benchmark pytest-xdist hypothesis pyzmq; \
+	  $(PIP_INSTALL) "torch==2.13.0+cpu" "triton==3.7.1" "numpy>=2,<3" pytest pytest-benchmark pytest-xdist hypothesis pyzmq; \
 	fi
-	$(PIP) install -q --no-deps nixl-cu12==1.5.1
-	$(PIP) install -q --no-deps mooncake-transfer-engine-non-cuda==0.3.13.post1
-	$(PIP) install -q --no-deps --no-build-isolation -e .
+	$(PIP_INSTALL) --no-deps nixl-cu12==1.5.1
+	$(PIP_INSTALL) --no-deps mooncake-transfer-engine-non-cuda==0.3.13.post1
+	$(PIP_INSTALL) --no-deps --no-build-isolation -e .
 	@touch $(STAMP)
 
 # SGLang 0.5.23's own code for the differential tests (tests/sglang_real.py): sglang without its
@@ -46,8 +49,8 @@ $(STAMP): pyproject.toml Makefile
 setup-sglang: $(SGLANG_STAMP)
 
 $(SGLANG_STAMP): $(STAMP)
-	$(PIP) install -q --no-deps sglang==0.5.23
-	$(PIP) install -q --no-build-isolation -e ".[sglang-test]"
+	$(PIP_INSTALL) --no-deps sglang==0.5.23
+	$(PIP_INSTALL) --no-build-isolation -e ".[sglang-test]"
 	@touch $(SGLANG_STAMP)
 
 # vLLM 0.33.0's own code for the connector tests (tests/integrations/test_vllm_connector.py), in a
@@ -56,7 +59,7 @@ $(SGLANG_STAMP): $(STAMP)
 setup-vllm: $(VLLM_STAMP)
 
 $(VLLM_STAMP): $(STAMP)
-	$(PIP) install -q --no-deps --target $(VLLM_SITE) vllm==0.33.0 openai==3.57.0 openai-harmony==0.0.8 \
+	$(PIP_INSTALL) --no-deps --target $(VLLM_SITE) vllm==0.33.0 openai==3.57.0 openai-harmony==0.0.8 \
 	  cbor2==6.3.0 cachetools==8.0.2 cloudpickle==3.1.3 uvloop==0.23.0 xgrammar==0.2.9 fastapi==0.136.3 llguidance==1.9.1
 	@touch $(VLLM_STAMP)
 
