@@ -4,9 +4,11 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
-# no byte-compiling at install: it took half of the set-up (torch, SGLang, vLLM), and Python compiles
-# the modules a process imports the first time it imports them
+# no byte-compiling at install: it took half of the set-up (torch, SGLang, vLLM, mostly modules no test
+# imports); Python compiles what a process imports and keeps it, for the next process, in __pycache__
+# (even where the environment says not to: the tests start hundreds of processes)
 PIP_INSTALL := $(PIP) install -q --no-compile
+unexport PYTHONDONTWRITEBYTECODE
 STAMP := $(VENV)/.kvplan-installed
 SGLANG_STAMP := $(VENV)/.sglang-installed
 VLLM_SITE := .vllm-site
