@@ -80,9 +80,12 @@ class _SlowPeer:
 
     def batch_transfer_sync(self, peer, src, dst, lengths, opcode, notify):
         self.sync_calls += 1
-        return 0 if self.release.wait(30) else -1
+        return 0 if self.release.wait(8) else -1
 
 
+@pytest.mark.xfail(strict=True, reason="open defect (docs/failures.md §3): Mooncake's notifying write is synchronous "
+                   "and runs on the caller's thread; sending it from a thread of the engine's own broke staged "
+                   "runs on an H200 (4 of 7 runs of twenty batches lost a batch's notification, session 26)")
 def test_the_notifying_tail_to_a_stopped_peer_never_holds_the_wait_past_its_deadline(monkeypatch):
     """The batches have ended (a stopped peer's sockets took their bytes) and the last descriptor goes
     with the notification, through Mooncake's only notifying call, which waits for the peer: the wait
@@ -95,7 +98,7 @@ def test_the_notifying_tail_to_a_stopped_peer_never_holds_the_wait_past_its_dead
     monkeypatch.setenv("KVPLAN_DRAIN_S", "0.2")
     engine = object.__new__(MooncakeEngine)  # Mooncake's own engine replaced by the stopped peer
     peer = _SlowPeer()
-    engine.engine, engine.name, engine._tails, engine._regions = peer, "initiator", set(), []
+    engine.engine, engine.name, engine._regions = peer, "initiator", []
     engine._opcode, engine._notify = SimpleNamespace(Write=1), lambda name, msg: (name, msg)
     engine.capabilities = SimpleNamespace(arrays=False)
     descs = np.array([[0x1000, 0x2000, 64], [0x1040, 0x2040, 64]], dtype=np.uint64)
@@ -109,5 +112,5 @@ def test_the_notifying_tail_to_a_stopped_peer_never_holds_the_wait_past_its_dead
     ends = time.monotonic() + 10
     while engine.progress(handle) == "PROC" and time.monotonic() < ends:
         time.sleep(0.01)
-    assert handle.state == "DONE" and not engine._tails
+    assert handle.state == "DONE"
     engine.close()

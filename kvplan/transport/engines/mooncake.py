@@ -9,8 +9,7 @@ NICs for RDMA, ``""``: Mooncake's choice).
 A write is posted as asynchronous batches (of at most ``batch_limit`` descriptors each) but its
 last descriptor: once every batch has ended, the last one goes with the notification, so the
 receiver is told only after all of the write's bytes have landed (a write without a notification
-goes whole in the batches). Mooncake notifies only through a synchronous call, which waits for the
-peer: it runs on a thread of its own, so a stopped peer never holds the caller past its deadline. The wheel's array calls are
+goes whole in the batches). The wheel's array calls are
 used where it has them (the CUDA 13 wheel 0.3.14); the CPU wheel 0.3.13 takes Python lists.
 
 Mooncake's TCP transport reads its settings from the environment once, when the process's first
@@ -38,8 +37,6 @@ import json
 import logging
 import os
 import socket
-import threading
-import time
 
 import numpy as np
 
@@ -85,28 +82,6 @@ def apply_tcp_settings(**asked: int | None) -> dict[str, str]:
     return settings
 
 
-class _NotifyingTail:
-    """A write's last descriptor, sent with its notification on a thread of its own: Mooncake's
-    ``batch_transfer_sync`` (the only call that notifies) blocks until the peer answers, with the GIL
-    released, so the engine's ``progress`` can keep every wait on its deadline."""
-
-    def __init__(self, engine, peer: str, tail: np.ndarray, opcode, notify):
-        self.rc: int | None = None
-        self.thread = threading.Thread(target=self._write, args=(engine, peer, tail, opcode, notify), daemon=True,
-                                       name="kvplan-mooncake-notify")
-        self.thread.start()
-
-    def _write(self, engine, peer: str, tail: np.ndarray, opcode, notify) -> None:
-        try:
-            self.rc = engine.batch_transfer_sync(peer, [int(tail[0])], [int(tail[1])], [int(tail[2])], opcode, notify)
-        except Exception as err:  # noqa: BLE001 - reported through the handle as a failed write
-            log.warning("Mooncake's notifying write to %s raised: %s", peer, err)
-            self.rc = -1
-
-    def running(self) -> bool:
-        return self.thread.is_alive()
-
-
 @register_engine("mooncake")
 class MooncakeEngine:
     """Mooncake. ``memory`` is informational: Mooncake addresses host and device memory alike.
@@ -118,7 +93,6 @@ class MooncakeEngine:
     """
 
     batch_limit = 16384  # descriptors per batch, under the per-peer queue limits raised below
-    CLOSE_WAIT_S = 5.0  # how long close() waits for notifying writes in flight
 
     def __init__(self, name: str = "", memory: str = "DRAM", device_id: int = 0, *, lanes: int | None = None,
                  io_threads: int | None = None, slice_bytes: int | None = None, local_hostname: str | None = None,
@@ -142,7 +116,6 @@ class MooncakeEngine:
         self._regions: list[int] = []
         self._peers: set[str] = set()  # segments connected to (stats)
         self._protocol = protocol
-        self._tails: set[_NotifyingTail] = set()  # notifying last descriptors in flight
         # what this wheel offers, decided once here (0.3.14 has array calls, 0.3.13 only lists)
         self.capabilities = Capabilities(arrays=hasattr(self.engine, "batch_transfer_async_write_arrays"))
 
@@ -212,24 +185,11 @@ class MooncakeEngine:
         if tail is None:  # nothing to notify: every descriptor went in the batches
             handle.state = "DONE"
             return handle.state
-        return self._progress_tail(handle, tail, notification)
-
-    def _progress_tail(self, handle: Handle, tail: "np.ndarray | _NotifyingTail", notification: bytes) -> str:
-        """The notifying last descriptor: started on a thread of its own once every batch has ended
-        (Mooncake's only call that notifies waits for the peer, up to ``MC_TRANSFER_TIMEOUT`` for one
-        that has stopped), then looked at without blocking until it ends."""
-        if not isinstance(tail, _NotifyingTail):
-            tail = _NotifyingTail(self.engine, handle.peer, tail, self._opcode.Write,
-                                  self._notify(self.name, notification.decode()))
-            self._tails.add(tail)
-        if tail.running():
-            handle.native = ([], tail, notification)
-            return handle.state
-        self._tails.discard(tail)
-        handle.native = None
-        handle.state = "DONE" if tail.rc == 0 else "ERR"
-        if tail.rc != 0:
-            handle.error = f"Mooncake write to {handle.peer} failed (rc {tail.rc}) on its last descriptor"
+        rc = self.engine.batch_transfer_sync(handle.peer, [int(tail[0])], [int(tail[1])], [int(tail[2])],
+                                             self._opcode.Write, self._notify(self.name, notification.decode()))
+        handle.state = "DONE" if rc == 0 else "ERR"
+        if rc != 0:
+            handle.error = f"Mooncake write to {handle.peer} failed (rc {rc}) on its last descriptor"
         return handle.state
 
     def abort(self, handle: Handle) -> bool:
@@ -255,12 +215,6 @@ class MooncakeEngine:
         self._peers.discard(peer)
 
     def close(self) -> None:
-        ends = time.monotonic() + self.CLOSE_WAIT_S
-        for tail in list(self._tails):  # a notifying write still in flight reads a registered region
-            tail.thread.join(max(0.0, ends - time.monotonic()))
-        if any(tail.running() for tail in self._tails):
-            log.warning("Mooncake engine %s closes with %d notifying writes still in flight (a stopped peer)",
-                        self.name, sum(tail.running() for tail in self._tails))
         for addr in self._regions:
             self.engine.unregister_memory(addr)
         self._regions.clear()
