@@ -1,5 +1,7 @@
-"""The README's usage runs as printed: its first two snippets (plan a batch; a serving loop's
-``Planner``) run here, on the CPU with the kernels interpreted, and print what the README says."""
+"""The README's usage runs as printed: its first three snippets (plan a batch; a serving loop's
+``Planner``; the decode side's published lists) run here, on the CPU with the kernels interpreted,
+and print what the README says. The transport, layer-wise and SGLang snippets are outlines that name
+the runnable files (examples/, tests/) that hold them whole."""
 
 import re
 from pathlib import Path
@@ -9,7 +11,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 def test_the_readme_s_planning_snippets_run_as_printed(capsys):
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
-    plan_a_batch, serving_loop = blocks[0], blocks[1]
+    plan_a_batch, serving_loop, decode_side = blocks[0], blocks[1], blocks[2]
     assert "gpu.plan(batch)" in plan_a_batch and "Planner(src, [dst]" in serving_loop, "the snippets moved"
     names: dict = {}
     exec(compile(plan_a_batch, "README.md (plan a batch)", "exec"), names)  # noqa: S102 - our own README
@@ -17,3 +19,16 @@ def test_the_readme_s_planning_snippets_run_as_printed(capsys):
     assert printed.split() == "[[16 3 2] [18 9 2]]".split(), printed  # (s0, d0, len) as its comment says
     exec(compile(serving_loop, "README.md (a serving loop)", "exec"), names)  # noqa: S102
     assert names["descs"].tolist() == names["pending"].descriptors()[0].tolist()
+    exec(compile(decode_side, "README.md (the decode side)", "exec"), names)  # noqa: S102
+    printed = capsys.readouterr().out
+    assert printed.split() == "[ 3 4 9 10]".split() or printed.split() == "[3 4 9 10]".split(), printed
+    assert names["pending"].result()[0].lists.pages.tolist() == names["batch"].transfers[0].dst_pages.tolist()
+
+
+def test_the_readme_s_outlines_name_a_runnable_whole():
+    text = README.read_text()
+    for outline, whole in (("The two nodes' code, in outline", "examples/handoff_in_process.py"),
+                           ("as in the transport outline above", "tests/transport/test_handoff.py"),
+                           ("what SGLang's scheduler holds", "examples/sglang_integration.py")):
+        start = text.index(outline)
+        assert whole in text[start:start + 300] and (README.parent / whole).exists(), outline
