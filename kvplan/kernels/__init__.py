@@ -69,29 +69,24 @@ def _patch_language_once_per_launch() -> None:
     if getattr(interpreter._patch_lang, "kvplan_once", False):
         return
     patch_lang = interpreter._patch_lang
-    patched: list[set] = []  # the language modules the current launch has patched (launches are serialized)
-
+    launch: list[set] = []  # the language modules the launch in progress has patched (launches never nest)
     seen: dict[object, frozenset] = {}  # each function's language modules, by function
 
-    def language_modules(fn) -> frozenset:
+    def patch_once(fn):
         if fn not in seen:
             seen[fn] = frozenset(id(value) for value in fn.__globals__.values()
                                  if inspect.ismodule(value) and value in (interpreter.tl, interpreter.tl.core))
-        return seen[fn]
-
-    def patch_once(fn):
-        langs = language_modules(fn)
-        if patched:  # a helper called inside a launch, which ignores the scope (Triton never restores it)
-            if langs <= patched[-1]:
+        if launch:  # a helper called inside the launch, which ignores the scope (Triton never restores it)
+            if seen[fn] <= launch[0]:
                 return None
-            patched[-1] |= langs
+            launch[0] |= seen[fn]
             return patch_lang(fn)
         scope = patch_lang(fn)  # a launch: it restores the scope when it ends
         restore = scope.restore
-        patched.append(set(langs))
+        launch.append(set(seen[fn]))
 
         def restore_and_forget():
-            patched.pop()
+            launch.clear()
             restore()
 
         scope.restore = restore_and_forget
