@@ -216,6 +216,29 @@ def _mooncake_nvlink() -> tuple[Step, ...]:
     return tuple(steps)
 
 
+def _engines_two_cards() -> tuple[Step, ...]:
+    """Issue 37's table in one run: the peer copy, both engines' ceilings and kvplan through each, GPU 0 -> 1."""
+    nixl = ("--engine", "nixl", "--decode-gpu", "1", *BATCH)
+    mooncake = ("--engine", "mooncake", "--engine-setting", "protocol=nvlink_intra", "--decode-gpu", "1", *BATCH)
+    staging = {"staged-512x1": ("--mode", "staged", "--staging-mib", "512", "--staging-slots", "1"),
+               "staged-256x4": ("--mode", "staged", "--staging-mib", "256", "--staging-slots", "4"),
+               "auto-512x2": ("--mode", "auto", "--staging-mib", "512", "--staging-slots", "2"),
+               "direct": ("--mode", "direct")}
+    steps = [Step("topology", ("nvidia-smi", "topo", "-m"), 30),
+             module("peer-copy", "benchmarks.peer_copy", "256", timeout_s=60),
+             module("nixl-ceiling", "benchmarks.engine_ceiling", "nixl", "256", "1", timeout_s=90)]
+    steps += [module(f"mooncake-ceiling-{pieces}", "benchmarks.engine_ceiling", "mooncake", "256", "1", pieces,
+                     "protocol=nvlink_intra", timeout_s=90) for pieces in ("1", "64", "6832")]
+    engines = (("nixl", nixl), ("mooncake", mooncake))
+    steps += [demo(f"{engine}-{name}", *batch, *args, "--repeat", "12", timeout_s=150)
+              for engine, batch in engines for name, args in staging.items()]
+    steps += [demo(f"{engine}-staged-512x1-cold", *batch, *staging["staged-512x1"], "--repeat", "6", "--no-warm-up",
+                   timeout_s=150) for engine, batch in engines]
+    steps += [demo(f"{engine}-staged-512x1-traced", *batch, *staging["staged-512x1"], "--repeat", "4",
+                   env={"KVPLAN_TRACE": "1"}, timeout_s=150) for engine, batch in engines]
+    return tuple(steps)
+
+
 def _gpus() -> int:
     import torch
 
@@ -286,6 +309,9 @@ SUITES: dict[str, Suite] = {
     "vllm": Suite("vLLM-shaped batches through the vLLM connector (issue 39)", ".whl", _vllm()),
     "mooncake-nvlink": Suite("Mooncake's NVLink transport with the physical ceiling in the same run", ".whl-mc",
                              _mooncake_nvlink()),
+    "engines-two-cards": Suite("issue 37's table in one run: the peer copy, NIXL's and Mooncake nvlink_intra's "
+                               "ceilings, kvplan through each, first batch against steady (python -m "
+                               "benchmarks.trim_wheels makes .whl-both)", ".whl-both", _engines_two_cards(), 2),
     "two-cards": Suite("NIXL between two cards: the ceiling, demos, layer-wise streaming", ".whl", _two_cards(), 2),
     "last-group": Suite("where a streamed last layer group's time goes, on two cards", ".whl", _last_group(), 2),
     "gather": Suite("TP gather: one prefill process per source rank, the decode on the second card", ".whl",
