@@ -92,15 +92,34 @@ _ALL = (None,)  # the one unit of a component that declares no layers
 
 @dataclass
 class _Part:
-    """What one sender of a request must land, and what it has."""
+    """What one sender of a request must land, and what it has.
 
-    kv_pages: np.ndarray  # pages landed, per KV layer of this side
+    KV pages are counted in two parts: ``kv_all``, the pages of notes that cover every KV layer (a
+    plain send's, counted in Python: no array work on the receive loop's critical path), and
+    ``kv_layered``, per KV layer, the pages of notes that name some layers (a streamed send's groups)."""
+
+    kv_layers: int  # this side's KV layers
     components: dict[str, tuple] = field(default_factory=dict)  # name -> the layers it must land
     landed: dict[str, set] = field(default_factory=dict)  # name -> the layers that have landed
     aux: bool = False
+    kv_all: int = 0
+    kv_layered: np.ndarray | None = None
+
+    def kv_most(self) -> int:
+        """The most pages any KV layer has landed."""
+        if not self.kv_layers:
+            return 0
+        return self.kv_all + (int(self.kv_layered.max()) if self.kv_layered is not None else 0)
+
+    def kv_complete(self, pages: int) -> bool:
+        if not self.kv_layers:
+            return True
+        if self.kv_layered is None:
+            return self.kv_all == pages
+        return bool((self.kv_layered == pages - self.kv_all).all())
 
     def complete(self, e: Expectation) -> bool:
-        return (bool((self.kv_pages == e.kv_pages).all()) and self.aux == e.aux
+        return (self.kv_complete(e.kv_pages) and self.aux == e.aux
                 and all(len(self.landed.get(n, ())) == len(layers) for n, layers in self.components.items()))
 
 
@@ -146,7 +165,7 @@ class CompletionTracker:
         def part(names: frozenset[str] | None) -> _Part:
             components = {n: self._component_layers.get(n, _ALL) for n in expectation.components
                           if names is None or n in names}
-            return _Part(np.zeros(len(self._kv_layers), np.int64), components)
+            return _Part(len(self._kv_layers), components)
 
         parts = {None: part(None)} if senders is None else {int(k): part(names) for k, names in senders.items()}
         status = self._status[expectation.request] = _Status(expectation, deadline, parts, verified=not verify)
@@ -160,29 +179,43 @@ class CompletionTracker:
         return (ids >= note.layers[0]) & (ids < note.layers[1])
 
     def on_section(self, note: SectionNote) -> None:
-        status = self._status.get(note.request)
-        if status is None:
-            log.warning("a section of unknown request %r arrived (%s); ignored", note.request, note.name)
-            return
-        if status.failure is not None:
-            return
-        self._land(status, note)
-        status.refresh()
+        self.on_sections((note,))
 
-    def _land(self, status: _Status, note: SectionNote) -> None:
-        part = status.parts.get(None) or status.parts.get(note.sender)  # type: ignore[arg-type]
+    def on_sections(self, notes: Sequence[SectionNote], sender: int | None = None) -> None:
+        """Land several notes (a staged wave's), each request's completion looked at once after all of
+        them. ``sender``: the sender that wrote them all, for notes that name none."""
+        touched: dict[int, _Status] = {}
+        for note in notes:
+            status = self._status.get(note.request)
+            if status is None:
+                log.warning("a section of unknown request %r arrived (%s); ignored", note.request, note.name)
+                continue
+            if status.failure is not None:
+                continue
+            self._land(status, note, note.sender if note.sender is not None else sender)
+            touched[id(status)] = status
+        for status in touched.values():
+            status.refresh()
+
+    def _land(self, status: _Status, note: SectionNote, sender: int | None) -> None:
+        part = status.parts.get(None) or status.parts.get(sender)  # type: ignore[arg-type]
         if part is None:
-            self.fail(note.request, f"received a section from sender {note.sender}, which the request was not "
+            self.fail(note.request, f"received a section from sender {sender}, which the request was not "
                                     f"published to (its senders: {sorted(status.parts)})")
             return
         if note.role == KV_ROLE:
-            covered = self._covered(self._kv_layers, note)
-            if not covered.any():
-                self.fail(note.request, f"received KV of layers {note.layers}, which this side does not hold")
-                return
-            part.kv_pages[covered] += note.count
-            if (part.kv_pages > status.expected.kv_pages).any():
-                self.fail(note.request, f"received {int(part.kv_pages.max())} KV pages of a layer, expected "
+            if note.layers is None and part.kv_layers:
+                part.kv_all += note.count
+            else:
+                covered = self._covered(self._kv_layers, note)
+                if not covered.any():
+                    self.fail(note.request, f"received KV of layers {note.layers}, which this side does not hold")
+                    return
+                if part.kv_layered is None:
+                    part.kv_layered = np.zeros(part.kv_layers, np.int64)
+                part.kv_layered[covered] += note.count
+            if part.kv_most() > status.expected.kv_pages:
+                self.fail(note.request, f"received {part.kv_most()} KV pages of a layer, expected "
                                         f"{status.expected.kv_pages}")
         elif note.role == AUX_ROLE:
             part.aux = True

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -877,8 +877,7 @@ class DecodeEndpoint:
             self._mark(key, "done")
             self._credit(wave)  # before completion shows
             self._mark(key, "credit")
-            for note in wave.sections:
-                self.tracker.on_section(replace(note, sender=wave.peer))
+            self.tracker.on_sections(wave.sections, sender=wave.peer)
             self._mark(key, "noted")
             del self._waves[key]
         return bool(done)
