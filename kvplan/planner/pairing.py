@@ -17,7 +17,7 @@ from .model import Attention, Entry, KVLayout, SideMemory
 from .state_kinds import rules_of
 from .tensor_slices import sliced_entries
 
-__all__ = ["HeadSlice", "Mode", "SidePairing", "head_slice", "pair_sides"]
+__all__ = ["HeadSlice", "Mode", "SidePairing", "head_slice", "pair_sides", "smallest_descriptor"]
 
 
 class Mode(str, enum.Enum):
@@ -276,3 +276,15 @@ def _one_slice(what: str, src: Sequence[Entry], dst: Sequence[Entry], sk: KVLayo
     if len(slices) != 1:
         raise LayoutError(f"head-sliced mode needs the same item length on every {what} entry of a side")
     return slices.pop()
+
+
+def smallest_descriptor(src: SideMemory, dsts: Sequence[SideMemory]) -> int:
+    """The bytes of the smallest KV descriptor a batch from ``src`` to any of ``dsts`` makes: a page of one
+    layer (one item), or one token's head slice where the two sides' TP sizes differ. A staged send's
+    first gather is shaped for it before a batch has said otherwise."""
+    sizes = []
+    for dst in dsts:
+        pairing = pair_sides(src, dst)
+        sizes.append(pairing.heads.nbytes if pairing.heads is not None
+                     else int(pairing.kv_src[:, 1].min()) if len(pairing.kv_src) else 4096)
+    return max(1, min(sizes, default=4096))

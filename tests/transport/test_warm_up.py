@@ -1,6 +1,6 @@
 """The warm start (issue 37, item 6) on the CPU: what ``warm_up`` does that can be seen without a GPU
-(the connection opened by a 16-byte write into each new decode's staging share, once, and nothing
-else of the decode's touched), and that a batch after it still lands. Its GPU side (planners
+(the connection opened by a write into each new decode's staging share, once, of as much as both
+staging buffers hold, and nothing else of the decode's touched), and that a batch after it still lands. Its GPU side (planners
 captured, kernels compiled: the first batch within 2x of a steady one) is measured in
 benchmarks/RESULTS.md and tests/planner/test_graphs.py. Real Mooncake (TCP), both endpoints in
 a child process of its own (tests.isolated: in pytest's process, after the rest of a full run, its bound
@@ -32,7 +32,7 @@ def _warm_up_then_a_batch() -> None:
     src, dst = _Pools(CONFIG, "cpu", CONFIG.rows), _Pools(CONFIG, "cpu", CONFIG.rows)
     name = uuid.uuid4().hex[:8]
     channel = ControlChannel(host="127.0.0.1")
-    decode_staging, prefill_staging = torch.zeros(4096, dtype=torch.uint8), torch.zeros(4096, dtype=torch.uint8)
+    decode_staging, prefill_staging = torch.zeros(8192, dtype=torch.uint8), torch.zeros(4096, dtype=torch.uint8)
     decode = DecodeEndpoint(dst.side, make_engine("mooncake", f"decode-{name}", local_hostname="127.0.0.1"), channel,
                             decode_staging)
     prefill = PrefillEndpoint(src.side, make_engine("mooncake", f"prefill-{name}", local_hostname="127.0.0.1"),
@@ -43,14 +43,15 @@ def _warm_up_then_a_batch() -> None:
         assert set(decode.warm_up(timeout=10)) == {"pairing"}  # (a CPU staging buffer: nothing compiled or captured)
         with pytest.raises(ValueError, match="at least one transfer"):
             prefill.warm_up(max_transfers=0)
-        prefill_staging[:32] = torch.arange(1, 33, dtype=torch.uint8)
+        pattern = torch.arange(4096, dtype=torch.int64).remainder(251).add(1).to(torch.uint8)
+        prefill_staging.copy_(pattern)
         took = prefill.warm_up(max_transfers=8, max_prompt_len=256, timeout=10)
         assert set(took) == {"kernels", "planners", "connections"}
-        assert decode_staging[:16].tolist() == list(range(1, 17))  # the 16 bytes that opened the connection
-        assert not decode_staging[16:].any()  # and nothing else
-        prefill_staging[:16] = 0xEE
+        assert torch.equal(decode_staging[:4096], pattern)  # the write that opened the connection: all the prefill holds
+        assert not decode_staging[4096:].any()  # and nothing else
+        prefill_staging.fill_(0xEE)
         prefill.warm_up(max_transfers=8, max_prompt_len=256, timeout=10)  # again: a run may be in that share now
-        assert decode_staging[:16].tolist() == list(range(1, 17))
+        assert torch.equal(decode_staging[:4096], pattern)
 
         a = Arrival(0, "after-warm-up", 0.0, 200, 0, 0, None)
         s_row, d_row = src.take(a.prompt_len)[0], dst.take(a.prompt_len)[0]
