@@ -262,8 +262,9 @@ class PrefillEndpoint:
         start = time.perf_counter()
         self._planner(prepared=False).warm_up(max_transfers, max(list_entries(side, max_prompt_len) for side in sides))
         took["planners"] = time.perf_counter() - start
-        if self._ahead is not None and self._ahead.typical is None:  # the first run's first wave behind its plan
-            self._ahead.typical = smallest_descriptor(self.side, sides)
+        if self._ahead is not None and self._ahead.typical is None:  # the first run's first wave behind its plan,
+            compiled = typical_sizes(self.side)  # in a launch shape the kernels' warm-up above compiled
+            self._ahead.typical = min(max(smallest_descriptor(self.side, sides), compiled[0]), compiled[-1])
         start = time.perf_counter()
         self._touch_peers(time.monotonic() + timeout)
         took["connections"] = time.perf_counter() - start
