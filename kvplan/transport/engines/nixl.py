@@ -18,7 +18,7 @@ import numpy as np
 from .base import Capabilities, Handle, TransferError
 from .registry import register_engine
 
-__all__ = ["NixlEngine", "pack_metadata", "unpack_metadata"]
+__all__ = ["NixlEngine", "expanded_rows", "pack_metadata", "strided_rows", "takes_strided_lists", "unpack_metadata"]
 
 log = logging.getLogger("kvplan")
 
@@ -44,6 +44,34 @@ def unpack_metadata(metadata: bytes) -> tuple[int, bytes]:
     return int.from_bytes(metadata[:4], "little"), metadata[4:]
 
 
+def expanded_rows(items: np.ndarray, device: int) -> np.ndarray:
+    """``[entries, 3]`` ``(base, item_len, slots)`` as NIXL's ``[n, 3]`` descriptors, one per entry x slot:
+    descriptor ``e * slots + s`` is ``(base_e + s * item_len_e, item_len_e, device)``."""
+    base, item, slots = (items[:, i].astype(np.uint64) for i in range(3))
+    counts = slots.astype(np.int64)
+    slot = np.concatenate([np.arange(n, dtype=np.uint64) for n in counts]) if len(counts) else base
+    addr = np.repeat(base, counts) + slot * np.repeat(item, counts)
+    size = np.repeat(item, counts)
+    return np.stack([addr, size, np.full(len(addr), device, dtype=np.uint64)], axis=1)
+
+
+def strided_rows(items: np.ndarray, device: int) -> np.ndarray:
+    """The same list in NIXL's strided form (NIXL 1.5's ``prep_xfer_dlist``): one ``[n, 5]`` row
+    ``(base, item_len, device, stride = item_len, count = slots)`` per entry. NIXL numbers its
+    descriptors as :func:`expanded_rows` does; it keeps the list compressed (on the CPU machine 160 x
+    20,000 descriptors prepared in 1.8 ms against 672 ms and 245 MiB expanded, session 27), and still
+    moves each descriptor as one UCX operation."""
+    items = np.asarray(items, dtype=np.uint64).reshape(-1, 3)
+    return np.stack([items[:, 0], items[:, 1], np.full(len(items), device, dtype=np.uint64), items[:, 1],
+                     items[:, 2]], axis=1)
+
+
+def takes_strided_lists(agent_class) -> bool:
+    """Whether this NIXL's ``prep_xfer_dlist`` takes the strided ``[n, 5]`` form (it says so in its
+    documentation from 1.5 on; an older one would read such an array as something else)."""
+    return "Nx5" in (getattr(agent_class.prep_xfer_dlist, "__doc__", None) or "")
+
+
 @register_engine("nixl")
 class NixlEngine:
     """NIXL (UCX). See the module docstring for the settings."""
@@ -60,6 +88,7 @@ class NixlEngine:
         except TypeError:  # older bindings without the thread setting
             config = nixl_agent_config(progress_thread, backends=["UCX"])
         self.agent = nixl_agent(name, config)
+        self.strided_lists = takes_strided_lists(nixl_agent)  # prepared lists one row per entry (prepare)
         self._registrations = []
         self._peer_device: dict[str, int] = {}  # each connected peer's GPU index
         self._prepared: dict[tuple[str, object], tuple[object, object]] = {}
@@ -137,14 +166,7 @@ class NixlEngine:
         descriptor ``e * slots + s`` is ``(base_e + s * item_len_e, item_len_e)``, matching the
         index arrays of :mod:`kvplan.planner.prepared`.
         """
-        def rows(items: np.ndarray, device: int) -> np.ndarray:
-            base, item, slots = (items[:, i].astype(np.uint64) for i in range(3))
-            counts = slots.astype(np.int64)
-            slot = np.concatenate([np.arange(n, dtype=np.uint64) for n in counts]) if len(counts) else base
-            addr = np.repeat(base, counts) + slot * np.repeat(item, counts)
-            size = np.repeat(item, counts)
-            return np.stack([addr, size, np.full(len(addr), device, dtype=np.uint64)], axis=1)
-
+        rows = strided_rows if self.strided_lists else expanded_rows
         local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows(local_items, self.device_id), self.memory)
         remote = self.agent.prep_xfer_dlist(peer, rows(remote_items, self._peer_device.get(peer, self.device_id)),
                                             self.memory)
