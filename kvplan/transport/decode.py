@@ -47,7 +47,7 @@ from .pause import Pause
 from .receiver_plan import OwnLists, PlannedRun, PlannedWave, scatter_source
 from .streams import transport_stream
 from .registration import describe_side, side_from_description, with_model_heads
-from .waves import check_run, credit_note, decode_wave_note, wave_key
+from .waves import check_run, credit_note, decode_wave_note, is_touch, wave_key
 
 __all__ = ["DecodeEndpoint", "engine_regions"]
 
@@ -408,6 +408,8 @@ class DecodeEndpoint:
         took = False  # whether anything arrived or moved this turn (then the wait loop stays hot)
         for origin, raw in self.engine.notifications():
             took = True
+            if is_touch(raw):  # a sender's warm-up write (PrefillEndpoint.warm_up): nothing of a request
+                continue
             try:
                 wave = decode_wave_note(raw)
                 note = decode_notification(raw) if wave is None else None

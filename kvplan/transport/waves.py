@@ -127,6 +127,17 @@ def decode_credit(raw: bytes) -> int | None:
         return None
 
 
+def touch_note(sender: str) -> bytes:
+    """The notification of a warm-up's write into a decode's staging share: nothing to land (the
+    receiver drops it); it makes the engine's first notification to that decode before any batch."""
+    return json.dumps({"touch": sender}).encode()
+
+
+def is_touch(raw: bytes) -> bool:
+    """Whether an engine notification is a :func:`touch_note`."""
+    return raw.startswith(b'{"touch": ')
+
+
 def wave_key(wave: int, sender: str) -> str:
     """A wave's name on the receiver: wave ids are unique per sender."""
     return f"{sender}:{wave}"
