@@ -84,3 +84,18 @@ class _Warnings(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.messages.append(record.getMessage())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the destination-list kernels load on a GPU")
+def test_a_decode_warm_up_loads_the_list_kernels_and_publishes_or_tracks_nothing():
+    from kvplan.planner.model import Attention, Entry, KVLayout, SideMemory
+    from tests.planner.builders import table_with
+    from tests.transport.fakes import FakeChannel, FakeEngine
+
+    pool = torch.zeros(16 * 256, dtype=torch.uint8, device="cuda")
+    table = torch.from_numpy(table_with({0: [3, 4]}, 4, max_ctx=16)).cuda()
+    side = SideMemory(KVLayout(Attention.MLA, 4, (Entry(pool.data_ptr(), 256, 16),)), req_to_token=table)
+    mine, theirs = FakeChannel.pair()
+    decode = DecodeEndpoint(side, FakeEngine(), mine)
+    assert set(decode.warm_up(timeout=1)) == {"lists"}
+    assert len(decode.tracker) == 0 and theirs.try_recv() is None
