@@ -82,6 +82,21 @@ def test_vllm_s_kv_caches_become_blocks_per_layer_or_across_layers(layout, cross
     assert layout.name not in view.word and ("cross-layer" in view.word) is cross  # (the byte order, not the name)
 
 
+@pytest.mark.parametrize("layout, pairs", [(KVCacheLayout.LBNHC, True), (KVCacheLayout.LBHNC, False),
+                                           (KVCacheLayout.BLNHC, False), (KVCacheLayout.BLHNC, False)])
+def test_sides_of_other_block_sizes_share_a_word_only_where_each_layers_blocks_hold_their_tokens_in_order(layout,
+                                                                                                         pairs):
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+    words = {}
+    for block in (16, 32):
+        kv_cache = full_attention(names, num_blocks=20, heads=2, head_size=8, layout=layout, block_size=block)
+        words[block] = BlockView.of(kv_caches(kv_cache, layout), block).word
+    assert (words[16] == words[32]) is pairs, words
+    other_heads = BlockView.of(kv_caches(full_attention(names, num_blocks=20, heads=4, head_size=8, layout=layout),
+                                         layout), BLOCK).word
+    assert other_heads != words[16]  # (what else a block holds must match)
+
+
 def test_kv_caches_whose_blocks_are_not_one_span_are_refused_naming_the_layer():
     heads_outside = torch.zeros(2, 20, 16, 16, dtype=torch.bfloat16).permute(1, 0, 2, 3)  # [B, H, N, C], H outermost
     with pytest.raises(LayoutError, match="layer model.layers.0.attn .*heads outside the blocks"):

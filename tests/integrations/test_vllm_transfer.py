@@ -73,3 +73,21 @@ def test_a_prefill_gone_before_its_decode_came_fails_every_load(tmp_path):
     sent, got = run_pair(tmp_path, "nixl", "LBNHC", "LBNHC", "--timeout", "6", prefill_args=("--exit-early",))
     assert got["failed"] == got["received"] == REQUESTS
     assert len(got["invalid_blocks"]) == 7 + 3 + 4 + 1
+
+
+@pytest.mark.parametrize("prefill_block, decode_block, mode", [(16, 32, "direct"), (32, 16, "auto")])
+def test_sides_of_other_block_sizes_move_every_token_where_blocks_hold_their_tokens_in_order(tmp_path, prefill_block,
+                                                                                            decode_block, mode):
+    by_token = ("--by-token", "--timeout", "6")
+    sent, got = run_pair(tmp_path, "nixl", "LBNHC", "LBNHC", *by_token, "--block-size", str(decode_block),
+                         prefill_args=(*by_token, "--mode", mode, "--block-size", str(prefill_block)))
+    assert sent == {"sent": ["p-req-0", "p-req-1", "p-req-2", "p-req-3"], "freed": True}
+    assert got["received"] == REQUESTS and got["failed"] == [] and got["invalid_blocks"] == []
+    assert got["wrong"] == [] and got["tokens_checked"] == (100 + 37 + 64 + 5) * len(vllm_node.LAYERS)
+
+
+def test_sides_of_other_block_sizes_do_not_pair_where_the_heads_come_before_the_tokens(tmp_path):
+    sent, got = run_pair(tmp_path, "nixl", "LBHNC", "LBHNC", "--timeout", "6", "--block-size", "32",
+                         prefill_args=("--timeout", "6"))
+    assert got["failed"] == got["received"] == REQUESTS  # reported, none as a success
+    assert sent["sent"] == ["p-req-0", "p-req-1", "p-req-2", "p-req-3"]

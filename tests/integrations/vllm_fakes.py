@@ -19,10 +19,10 @@ ENGINE = "prefill-engine-0"
 
 
 def full_attention(*groups_of_layers, num_blocks=64, heads=8, head_size=128, dtype=torch.bfloat16,
-                   layout=None) -> KVCacheConfig:
+                   layout=None, block_size=BLOCK) -> KVCacheConfig:
     """A KV cache config of full-attention groups; with ``layout``, one backing allocation of one group
     placed as that layout places it (what vLLM's ``allocate_kv_cache`` reads)."""
-    groups = [KVCacheGroupSpec(list(layers), FullAttentionSpec(block_size=BLOCK, num_kv_heads=heads,
+    groups = [KVCacheGroupSpec(list(layers), FullAttentionSpec(block_size=block_size, num_kv_heads=heads,
                                                                 head_size=head_size, dtype=dtype))
               for layers in groups_of_layers]
     tensors = []
@@ -40,7 +40,8 @@ def kv_caches(kv_cache_config: KVCacheConfig, layout: KVCacheLayout) -> dict[str
     return allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout)
 
 
-def vllm_config(extra=None, role="kv_both", lookahead=1, engine_id=ENGINE, max_model_len=4096) -> SimpleNamespace:
+def vllm_config(extra=None, role="kv_both", lookahead=1, engine_id=ENGINE, max_model_len=4096,
+                block_size=BLOCK) -> SimpleNamespace:
     """The parts of a ``VllmConfig`` the factory, both schedulers and the worker read."""
     transfer = KVTransferConfig(kv_connector="KvplanConnector", kv_connector_module_path="kvplan.integrations.vllm",
                                 kv_role=role, engine_id=engine_id,
@@ -49,7 +50,7 @@ def vllm_config(extra=None, role="kv_both", lookahead=1, engine_id=ENGINE, max_m
     return SimpleNamespace(
         kv_transfer_config=transfer, num_prefill_lookahead_tokens=lookahead,
         scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False, max_num_seqs=32),
-        cache_config=SimpleNamespace(block_size=BLOCK), model_config=SimpleNamespace(max_model_len=max_model_len),
+        cache_config=SimpleNamespace(block_size=block_size), model_config=SimpleNamespace(max_model_len=max_model_len),
         parallel_config=SimpleNamespace(tensor_parallel_size=1, decode_context_parallel_size=1, data_parallel_index=0,
                                         pipeline_parallel_size=1))
 

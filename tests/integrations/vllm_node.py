@@ -44,9 +44,21 @@ def block_bytes(request_name: str, index: int, layer: int, shape: tuple[int, ...
     return torch.randn(shape, generator=gen).to(torch.bfloat16)
 
 
-def connectors(role: str, extra: dict, num_blocks: int, layout: KVCacheLayout, engine_id: str):
-    kv_cache = full_attention(LAYERS, num_blocks=num_blocks, heads=HEADS, head_size=HEAD_SIZE, layout=layout)
-    config = vllm_config(extra, role="kv_both", engine_id=engine_id)
+def token_bytes(request_name: str, token: int, layer: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """The bytes of one token (every head) of a request in ``layer``, where the two sides' blocks differ in size."""
+    return block_bytes(request_name, -1 - token, layer, shape)
+
+
+def tokens_of(cache: torch.Tensor, blocks: list[int], count: int, block: int):
+    """``(token, its view)`` of a request's first ``count`` tokens in one layer's cache (logically
+    ``[blocks, heads, block_size, content]``)."""
+    return ((t, cache[blocks[t // block], :, t % block, :]) for t in range(count))
+
+
+def connectors(role: str, extra: dict, num_blocks: int, layout: KVCacheLayout, engine_id: str, block: int):
+    kv_cache = full_attention(LAYERS, num_blocks=num_blocks, heads=HEADS, head_size=HEAD_SIZE, layout=layout,
+                              block_size=block)
+    config = vllm_config(extra, role="kv_both", engine_id=engine_id, block_size=block)
     scheduler = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kv_cache)
     worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache)
     caches = kv_caches(kv_cache, layout)
@@ -70,16 +82,21 @@ def step(scheduler, worker, finished: set[str]):
 def prefill(args: argparse.Namespace) -> dict:
     extra = {"host": "127.0.0.1", "port": args.port, "engine": args.engine, "timeout_s": args.timeout,
              "mode": args.mode}
-    scheduler, worker, caches = connectors("prefill", extra, 64, KVCacheLayout[args.layout], "prefill-engine")
+    scheduler, worker, caches = connectors("prefill", extra, 64, KVCacheLayout[args.layout], "prefill-engine",
+                                           args.block_size)
     rng = random.Random(1)
     free = list(range(1, 64))  # (block 0 is vLLM's null block)
     rng.shuffle(free)
     params, names = [], []
     for i, prompt_len in enumerate(args.lengths):
         name = f"p-req-{i}"
-        blocks = [free.pop() for _ in range(-(-prompt_len // BLOCK))]
-        for j, b in enumerate(blocks):
-            for layer, layer_name in enumerate(LAYERS):
+        blocks = [free.pop() for _ in range(-(-prompt_len // args.block_size))]
+        for layer, layer_name in enumerate(LAYERS):
+            if args.by_token:
+                for t, view in tokens_of(caches[layer_name], blocks, prompt_len, args.block_size):
+                    view.copy_(token_bytes(name, t, layer, tuple(view.shape)))
+                continue
+            for j, b in enumerate(blocks):
                 caches[layer_name][b].copy_(block_bytes(name, j, layer, tuple(caches[layer_name][b].shape)))
         finished = request(name, prompt_len, {"do_remote_decode": True}, computed=prompt_len,
                            status=RequestStatus.FINISHED_LENGTH_CAPPED)
@@ -111,7 +128,8 @@ def prefill(args: argparse.Namespace) -> dict:
 
 def decode(args: argparse.Namespace) -> dict:
     extra = {"host": "127.0.0.1", "port": args.port, "engine": args.engine, "timeout_s": args.timeout}
-    scheduler, worker, caches = connectors("decode", extra, 96, KVCacheLayout[args.layout], "decode-engine")
+    scheduler, worker, caches = connectors("decode", extra, 96, KVCacheLayout[args.layout], "decode-engine",
+                                           args.block_size)
     deadline = time.monotonic() + 60
     while not os.path.exists(args.params):
         if time.monotonic() > deadline:
@@ -131,7 +149,7 @@ def decode(args: argparse.Namespace) -> dict:
         r = request(local, prompt_len, p)
         count, is_async = scheduler.get_num_new_matched_tokens(r, 0)
         assert is_async and count == prompt_len, (count, is_async)
-        blocks = [free.pop() for _ in range(-(-count // BLOCK))]
+        blocks = [free.pop() for _ in range(-(-count // args.block_size))]
         scheduler.update_state_after_alloc(r, Blocks(blocks), count)
         mine[local] = (p["remote_request_id"], blocks)
     received, failed, invalid = set(), set(), set()
@@ -142,11 +160,18 @@ def decode(args: argparse.Namespace) -> dict:
         failed |= results.failed_recving
         invalid |= bad
         time.sleep(0.002)
-    wrong = []
+    wrong, tokens_checked = [], 0
     for local in sorted(received - failed):
         name, blocks = mine[local]
-        for j, b in enumerate(blocks):
-            for layer, layer_name in enumerate(LAYERS):
+        for layer, layer_name in enumerate(LAYERS):
+            if args.by_token:  # every token of the prompt, wherever this side's blocks put it
+                count = next(p["remote_num_tokens"] for p in params if p["remote_request_id"] == name)
+                for t, view in tokens_of(caches[layer_name], blocks, count, args.block_size):
+                    tokens_checked += 1
+                    if not torch.equal(view, token_bytes(name, t, layer, tuple(view.shape))):
+                        wrong.append([local, t, layer])
+                continue
+            for j, b in enumerate(blocks):
                 if not torch.equal(caches[layer_name][b], block_bytes(name, j, layer, tuple(caches[layer_name][b].shape))):
                     wrong.append([local, j, layer])
     open(args.params + ".done", "w").close()
@@ -154,7 +179,8 @@ def decode(args: argparse.Namespace) -> dict:
     ghost_blocks = sorted(mine[f"d-req-{len(params) - 1}"][1]) if args.ghost else []
     return {"received": sorted(received), "failed": sorted(failed), "invalid_blocks": sorted(invalid),
             "ghost_blocks": ghost_blocks, "wrong": wrong, "requests": sorted(mine),
-            "blocks_checked": sum(len(b) for n, (_, b) in mine.items() if n in received - failed)}
+            "blocks_checked": sum(len(b) for n, (_, b) in mine.items() if n in received - failed),
+            "tokens_checked": tokens_checked}
 
 
 def run(argv: list[str]) -> dict:
@@ -170,6 +196,8 @@ def run(argv: list[str]) -> dict:
     parser.add_argument("--lengths", type=int, nargs="*", default=[100, 37, 64, 5])
     parser.add_argument("--ghost", action="store_true")
     parser.add_argument("--exit-early", action="store_true")
+    parser.add_argument("--block-size", type=int, default=BLOCK)
+    parser.add_argument("--by-token", action="store_true", help="fill and check each token (the sides' blocks differ)")
     args = parser.parse_args(argv)
     return prefill(args) if args.role == "prefill" else decode(args)
 

@@ -14,7 +14,9 @@ lies and how long it is:
 A view whose blocks are not contiguous (the heads outermost, ``LHBNC``) is refused. The side is an
 MLA-like layout (one entry per layer, no K/V split): kvplan copies a block as it is, so both sides
 must lay blocks out alike; :attr:`BlockView.word` names what must match, and the endpoints refuse to
-pair where it differs.
+pair where it differs. Where each layer's blocks hold their tokens one after another (``LBNHC``), a
+block is a page of tokens and the sides may differ in block size: kvplan moves such KV in units of
+the tokens the two block sizes share (docs/page_sizes.md). Elsewhere the block size is part of the word.
 
 Example::
 
@@ -50,6 +52,12 @@ def _block_bytes(view: Any) -> int | None:
             return None
         expected *= size
     return expected * view.element_size()
+
+
+def _tokens_dim(view: Any, block_size: int) -> int | None:
+    """The dimension of ``view`` that counts a block's tokens (logically ``[blocks, heads, block_size,
+    content]``: the third), or ``None`` where the shape does not say."""
+    return 2 if view.dim() == 4 and int(view.shape[2]) == block_size else None
 
 
 @dataclass(frozen=True)
@@ -93,10 +101,19 @@ class BlockView:
         block_bytes = [_block_bytes(v) for _, v in views]
         strides = {v.stride(0) * unit for _, v in views}
         order = tuple(sorted(range(1, first.dim()), key=lambda d: -first.stride(d)))
-        base = f"vllm-kv/{str(first.dtype).removeprefix('torch.')}/{tuple(first.shape[1:])}/order{order}/bs{block_size}"
+        # what both sides must share: the dtype, each block's shape but its token count, the byte order
+        shape = [int(x) for x in first.shape[1:]]
+        tokens_dim = _tokens_dim(first, block_size)
+        if tokens_dim is not None:
+            shape[tokens_dim - 1] = -1
+        base = f"vllm-kv/{str(first.dtype).removeprefix('torch.')}/{tuple(shape)}/order{order}"
         if strides == set(block_bytes[:1]) and len(set(block_bytes)) == 1:  # each layer's blocks follow each other
             entries = tuple(Entry(v.data_ptr(), block_bytes[0], blocks) for _, v in views)
-            return cls(entries, blocks, block_size, tuple(n for n, _ in views), False, f"{base}/per-layer")
+            # a block whose tokens follow each other, whole (NHD), is pages of tokens: sides of other block
+            # sizes pair, kvplan moving it in units of their common tokens (docs/page_sizes.md)
+            tokens_outermost = tokens_dim is not None and order[0] == tokens_dim
+            word = f"{base}/per-layer" + ("" if tokens_outermost else f"/bs{block_size}")
+            return cls(entries, blocks, block_size, tuple(n for n, _ in views), False, word)
         stride = strides.pop() if len(strides) == 1 else None
         starts = sorted((v.data_ptr(), b) for (_, v), b in zip(views, block_bytes))
         tiled = stride is not None and all(a + b == c for (a, b), (c, _) in zip(starts, starts[1:])) \
@@ -106,7 +123,7 @@ class BlockView:
                               f"blocks of {sorted(set(block_bytes))}: neither one layer's blocks after another nor "
                               "every layer's part of a block side by side")
         return cls((Entry(starts[0][0], stride, blocks),), blocks, block_size, tuple(n for n, _ in views), True,
-                   f"{base}/cross-layer{len(views)}")
+                   f"{base}/cross-layer{len(views)}/bs{block_size}")
 
     def side(self, req_to_token: Any = None) -> SideMemory:
         """This view as a kvplan side over ``req_to_token`` (its planning table: token slots, block
