@@ -284,11 +284,22 @@ def _child_setup(config: DemoConfig) -> None:
     """Engine settings and the parent's log level in a spawned process (UCX kept on the loopback
     device only where the demo runs on loopback)."""
     for key, value in ENGINE_ENV:
-        if key != "UCX_NET_DEVICES" or ipaddress.ip_address(config.host).is_loopback:
+        if key != "UCX_NET_DEVICES" or is_loopback(config.host):
             os.environ.setdefault(key, value)
     level = os.environ.get("KVPLAN_LOG_LEVEL")
     if level:
         logging.basicConfig(level=level, format="%(levelname)s %(processName)s %(message)s")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) is this machine's loopback: the tools choose UCX's
+    loopback device only then (a run bound to a real address leaves UCX its own choice)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: UCX chooses
+        return False
 
 
 class Profile:

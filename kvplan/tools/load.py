@@ -42,7 +42,7 @@ from ..planner.model import Attention, Entry, KVLayout, SideMemory
 from ..transport.control import ControlChannel
 from ..transport.endpoints import Chunk, DecodeEndpoint, PrefillEndpoint
 from ..transport.engines import make_engine
-from .demo import Profile
+from .demo import Profile, is_loopback
 from .target_process import child_message, child_pipe, start_child
 
 __all__ = ["Arrival", "LoadConfig", "LoadReport", "run_load", "schedule"]
@@ -212,7 +212,7 @@ def _resources(engine: Any, endpoint: Any, started: float) -> dict[str, Any]:
 
 
 def _setup(config: LoadConfig) -> None:
-    if config.host == "127.0.0.1" or config.host == "::1":
+    if is_loopback(config.host):
         os.environ.setdefault("UCX_NET_DEVICES", "lo")  # the run's own choice of loopback (see the demo)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     for var in ("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER"):

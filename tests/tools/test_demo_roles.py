@@ -69,3 +69,12 @@ def test_a_role_needs_its_address_and_refuses_the_other(capsys, monkeypatch):
     assert "needs --peer" in run("--role", "prefill", "--listen", "127.0.0.1:5000")[2]
     assert "expected HOST:PORT" in run("--role", "decode", "--listen", "localhost")[2]
     assert "go with --role" in run("--peer", "127.0.0.1:5000")[2]
+
+
+@pytest.mark.parametrize("host, loopback", [("127.0.0.1", True), ("127.0.0.2", True), ("::1", True),
+                                            ("localhost", True), ("10.0.0.2", False), ("fd00::2", False),
+                                            ("decode-7.cluster", False)])
+def test_the_tools_choose_ucx_s_loopback_device_only_for_a_loopback_host(host, loopback):
+    from kvplan.tools.demo import is_loopback
+
+    assert is_loopback(host) is loopback
