@@ -119,7 +119,7 @@ def _check_demo(config, shape) -> None:
         ts, td = config.tp
         heads = shape.num_kv_heads
         for flag, tp in (("--src-tp", ts), ("--dst-tp", td)):
-            if shape.attention.value == "mha" and heads % tp and tp % heads:  # as SGLang shards KV heads
+            if shape.attention.slices_heads and heads % tp and tp % heads:  # as SGLang shards KV heads
                 fail(f"{flag} {tp}: {config.preset}'s {heads} KV heads do not split over {tp} ranks (a TP size "
                      f"must divide the head count or be a multiple of it)")
         try:
@@ -146,7 +146,7 @@ def _check_demo(config, shape) -> None:
     if config.decode_gpu and (device != "cuda" or not 0 <= config.decode_gpu < torch.cuda.device_count()):
         fail(f"--decode-gpu {config.decode_gpu}: this machine has "
              f"{torch.cuda.device_count() if device == 'cuda' else 'no'} GPUs for the demo")
-    entries = shape.layers * (2 if shape.attention.value == "mha" else 1)
+    entries = shape.layers * shape.attention.parts
     need = 2 * config.requests * longest * shape.token_bytes * entries  # both sides' KV pools, at least
     have = (torch.cuda.mem_get_info()[0] if device == "cuda"
             else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
@@ -167,7 +167,7 @@ def default_timeout(config) -> float:
         return 60.0
     shape = config.model()
     longest = max(config.prompt_len) if isinstance(config.prompt_len, tuple) else config.prompt_len
-    entries = shape.layers * (2 if shape.attention.value == "mha" else 1)
+    entries = shape.layers * shape.attention.parts
     return 60.0 + config.requests * longest * shape.token_bytes * entries / INTERPRETED_BYTES_PER_S
 
 

@@ -82,8 +82,27 @@ class Policy(str, enum.Enum):
 
 
 class Attention(str, enum.Enum):
+    """How a layer's KV lies in a side's pools:
+
+    * ``MHA``: a K and a V entry per layer (SGLang's pools); between TP sizes each rank moves its heads;
+    * ``MHA_PACKED``: one entry per layer whose tokens hold each head's K and V side by side (vLLM's
+      blocks with the tokens outside the heads), moved by head like ``MHA``;
+    * ``MLA``: one latent entry per layer, the same on every rank.
+    """
+
     MHA = "mha"
     MLA = "mla"
+    MHA_PACKED = "mha-packed"
+
+    @property
+    def parts(self) -> int:
+        """Entries per layer (K and V, or one)."""
+        return 2 if self is Attention.MHA else 1
+
+    @property
+    def slices_heads(self) -> bool:
+        """Whether sides of different TP sizes move it head by head (planning.md §5)."""
+        return self is not Attention.MLA
 
 
 class StateKind(str, enum.Enum):
@@ -179,7 +198,7 @@ class KVLayout:
                               f"got {self.layer_ids}")
         if self.page_size < 1:
             raise LayoutError(f"page_size must be >= 1, got {self.page_size}")
-        if self.attention is Attention.MHA and len(self.entries) % 2:
+        if len(self.entries) % self.attention.parts:
             raise LayoutError(f"an MHA layout needs K and V entries, got {len(self.entries)} entries")
         if not 0 <= self.tp_rank < self.tp_size:
             raise LayoutError(f"tp_rank {self.tp_rank} is outside tp_size {self.tp_size}")
@@ -188,7 +207,7 @@ class KVLayout:
 
     @property
     def num_layers(self) -> int:
-        return len(self.entries) // (2 if self.attention is Attention.MHA else 1)
+        return len(self.entries) // self.attention.parts
 
     @property
     def model_layers(self) -> tuple[int, ...]:

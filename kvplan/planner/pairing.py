@@ -177,7 +177,7 @@ def _pair_sides(src: SideMemory, dst: SideMemory) -> SidePairing:
     sk, dk = src.kv, dst.kv
     if sk.attention is not dk.attention:
         raise LayoutError(f"attention kinds differ: source {sk.attention.value}, destination {dk.attention.value}")
-    parts = 2 if sk.attention is Attention.MHA else 1
+    parts = sk.attention.parts
     kv_src, kv_dst = [], []
     for part in range(parts):
         for local in range(sk.num_layers):
@@ -190,7 +190,7 @@ def _pair_sides(src: SideMemory, dst: SideMemory) -> SidePairing:
             raise LayoutError(f"KV layer {sk.first_layer + local}: its model-wide id differs (source {layer_id}, "
                               f"destination {dst_ids[sk.first_layer + local - dk.first_layer]}; KVLayout.layer_ids, "
                               "docs/layerwise.md)")
-    mode = Mode.DIRECT if sk.attention is Attention.MLA or sk.tp_size == dk.tp_size else Mode.HEAD_SLICED
+    mode = Mode.DIRECT if not sk.attention.slices_heads or sk.tp_size == dk.tp_size else Mode.HEAD_SLICED
     heads = None
     if sk.page_size != dk.page_size and mode is Mode.DIRECT:
         _require_equal_token_bytes("KV", tuple(kv_src), tuple(kv_dst), sk.page_size, dk.page_size)

@@ -122,7 +122,7 @@ class ModelShape:
     def with_tp(self, src_tp: int, dst_tp: int) -> "ModelShape":
         """The same model on other attention TP sizes: per-rank KV and SWA bytes follow the heads a
         destination rank holds (MLA's and the other kinds' items are replicated and stay)."""
-        if self.attention is not Attention.MHA:
+        if not self.attention.slices_heads:
             return replace(self, src_tp=src_tp, dst_tp=dst_tp)
         old, new = max(1, self.num_kv_heads // self.dst_tp), max(1, self.num_kv_heads // dst_tp)
         state = tuple(replace(c, item_len=c.item_len // old * new) if c.kind is StateKind.SWA else c
@@ -212,12 +212,12 @@ def _side(
         cursor += n
         slots = (pages[:, None] * ps + np.arange(ps)[None, :]).reshape(-1)[:length]
         table[r, :length] = slots
-    if shape.attention is Attention.MHA:  # token_bytes is the destination rank's; heads split by TP
+    if shape.attention.slices_heads:  # token_bytes is the destination rank's; heads split by TP
         head_bytes = shape.token_bytes // max(1, heads // shape.dst_tp)
         kv_item = head_bytes * max(1, heads // tp) * ps
     else:
         kv_item = shape.token_bytes * ps
-    entries_per_layer = 2 if shape.attention is Attention.MHA else 1
+    entries_per_layer = shape.attention.parts
     kv = KVLayout(
         shape.attention, ps, _fake_entries(rng, entries_per_layer * shape.layers, kv_item, num_pages),
         num_kv_heads=heads, tp_size=tp, tp_rank=tp_rank,
@@ -228,7 +228,7 @@ def _side(
         layers = c.layers(shape.layers)
         if c.kind is StateKind.SWA:
             swa_item = c.item_len
-            if shape.attention is Attention.MHA:  # the destination rank's, heads split by TP as KV's
+            if shape.attention.slices_heads:  # the destination rank's, heads split by TP as KV's
                 swa_item = c.item_len // max(1, heads // shape.dst_tp) * max(1, heads // tp)
             swa_pages = fragmented_free_list(rng, num_pages, shape.mean_run)
             slot_map = np.zeros(num_slots, dtype=np.int64)
