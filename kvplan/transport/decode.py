@@ -269,9 +269,13 @@ class DecodeEndpoint:
         """The first (usually the only) sender's channel."""
         return self.channels[0]
 
-    def publish(self, requests: Sequence[PreallocatedRequest], timeout: float, peer: int | Sequence[int] = 0) -> None:
+    def publish(self, requests: Sequence[PreallocatedRequest], timeout: float, peer: int | Sequence[int] = 0,
+                publishers: int = 1) -> None:
         """Compute, validate and send every request's destination lists to sender ``peer`` (or to
-        each of several senders it is gathered from, see the class docstring); track them."""
+        each of several senders it is gathered from, see the class docstring); track them.
+        ``publishers``: how many decode endpoints publish each of these requests to that sender (the
+        ranks of a decode of a larger TP size that one prefill rank serves); the sender goes on once
+        all have (:meth:`PrefillEndpoint.published_by_all`)."""
         peers = _peers(peer)
         pending = plan_destinations(self.side, requests)
         deadline = time.monotonic() + timeout
@@ -282,8 +286,11 @@ class DecodeEndpoint:
         for r, message in zip(requests, pending.messages()):
             for k in peers:
                 try:
-                    self.channels[k].send("request", {"request": r.request, "prompt_len": r.prompt_len,
-                                                      "prefix_len": r.prefix_len, "plans": True}, message,
+                    header = {"request": r.request, "prompt_len": r.prompt_len, "prefix_len": r.prefix_len,
+                              "plans": True}
+                    if publishers > 1:
+                        header["publishers"] = publishers
+                    self.channels[k].send("request", header, message,
                                           timeout=max(0.0, deadline - time.monotonic()))
                 except ControlTimeout as err:
                     self.tracker.fail(r.request, f"its destination lists could not be published to sender {k}: {err}")

@@ -84,8 +84,8 @@ def test_vllm_s_kv_caches_become_blocks_per_layer_or_across_layers(layout, cross
 
 @pytest.mark.parametrize("layout, pairs", [(KVCacheLayout.LBNHC, True), (KVCacheLayout.LBHNC, False),
                                            (KVCacheLayout.BLNHC, False), (KVCacheLayout.BLHNC, False)])
-def test_sides_of_other_block_sizes_share_a_word_only_where_each_layers_blocks_hold_their_tokens_in_order(layout,
-                                                                                                         pairs):
+def test_sides_of_other_block_or_tp_sizes_share_a_word_only_where_each_layers_blocks_hold_their_tokens_in_order(
+        layout, pairs):
     names = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
     words = {}
     for block in (16, 32):
@@ -93,8 +93,12 @@ def test_sides_of_other_block_sizes_share_a_word_only_where_each_layers_blocks_h
         words[block] = BlockView.of(kv_caches(kv_cache, layout), block).word
     assert (words[16] == words[32]) is pairs, words
     other_heads = BlockView.of(kv_caches(full_attention(names, num_blocks=20, heads=4, head_size=8, layout=layout),
-                                         layout), BLOCK).word
-    assert other_heads != words[16]  # (what else a block holds must match)
+                                         layout), BLOCK)
+    assert (other_heads.word == words[16]) is pairs  # (another TP size: heads counted by the pairing, not the word)
+    assert other_heads.slices_heads is pairs and (other_heads.heads == 4) is pairs
+    other_head_size = BlockView.of(kv_caches(full_attention(names, num_blocks=20, heads=2, head_size=16,
+                                                            layout=layout), layout), BLOCK).word
+    assert other_head_size != words[16]  # (what a head holds must match)
 
 
 def test_kv_caches_whose_blocks_are_not_one_span_are_refused_naming_the_layer():

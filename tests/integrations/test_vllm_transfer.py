@@ -28,16 +28,26 @@ def run_pair(tmp_path, engine: str, prefill_layout: str, decode_layout: str, *de
     """Both processes, to their end (each has its own deadline), each joined or killed by its own
     handle; what each saw. They are forked from the tests' fork server, which has imported vLLM
     (tests/preload.py), with loopback for UCX (conftest.py: the test's choice)."""
+    prefill, decodes = run_group(tmp_path, engine, prefill_layout, decode_layout, decode_args, prefill_args)
+    return prefill, decodes[0]
+
+
+def run_group(tmp_path, engine: str, prefill_layout: str, decode_layout: str, decode_args: tuple[str, ...] = (),
+              prefill_args: tuple[str, ...] = (), decode_tp: int = 1) -> tuple[dict, list[dict]]:
+    """A prefill process and a decode process per rank of a decode of TP ``decode_tp``: what each saw."""
     params = str(tmp_path / "params.json")
     argv = lambda role, layout: [role, "--port", str(free_port()), "--params", params, "--engine", engine,  # noqa: E731
                                  "--layout", layout]
+    sides = [("prefill", prefill_layout, (*prefill_args, "--decode-ranks", str(decode_tp)))]
+    sides += [("decode", decode_layout, (*decode_args, "--tp-size", str(decode_tp), "--tp-rank", str(rank)))
+              for rank in range(decode_tp)]
     procs, results = [], []
     try:
-        for role, layout, extra in (("prefill", prefill_layout, prefill_args), ("decode", decode_layout, decode_args)):
+        for role, layout, extra in sides:
             here, there = child_pipe()
             procs.append(start_child(report_and_exit, there, vllm_node.run, [*argv(role, layout), *extra]))
             results.append(here)
-        decode = child_message(results[1], "decode", 150)[1]
+        decodes = [child_message(here, f"decode {rank}", 150)[1] for rank, here in enumerate(results[1:])]
         prefill = child_message(results[0], "prefill", 60)[1]
     finally:
         for proc in procs:
@@ -45,7 +55,7 @@ def run_pair(tmp_path, engine: str, prefill_layout: str, decode_layout: str, *de
             if proc.is_alive():
                 proc.kill()
                 proc.join(5)
-    return prefill, decode
+    return prefill, decodes
 
 
 @pytest.mark.parametrize("engine, layout, mode", [("nixl", "LBNHC", "auto"), ("nixl", "BLHNC", "prepared"),
@@ -91,3 +101,21 @@ def test_sides_of_other_block_sizes_do_not_pair_where_the_heads_come_before_the_
                          prefill_args=("--timeout", "6"))
     assert got["failed"] == got["received"] == REQUESTS  # reported, none as a success
     assert sent["sent"] == ["p-req-0", "p-req-1", "p-req-2", "p-req-3"]
+
+
+@pytest.mark.parametrize("mode", ["direct", "auto"])
+def test_a_decode_of_a_larger_tp_size_receives_each_rank_s_heads_of_every_token(tmp_path, mode):
+    """Prefill TP 1 (both heads), decode TP 2 (a head per rank): the prefill rank writes each decode rank
+    its head of every token, K and V together, and frees the blocks once both have been written."""
+    by_token = ("--by-token", "--timeout", "6")
+    sent, got = run_group(tmp_path, "nixl", "LBNHC", "LBNHC", by_token, (*by_token, "--mode", mode), decode_tp=2)
+    assert sent == {"sent": ["p-req-0", "p-req-1", "p-req-2", "p-req-3"], "freed": True}
+    for rank in got:
+        assert rank["received"] == REQUESTS and rank["failed"] == [] and rank["wrong"] == []
+        assert rank["tokens_checked"] == (100 + 37 + 64 + 5) * len(vllm_node.LAYERS)
+
+
+def test_a_decode_of_a_larger_tp_size_does_not_pair_where_the_heads_come_before_the_tokens(tmp_path):
+    sent, got = run_group(tmp_path, "nixl", "LBHNC", "LBHNC", ("--timeout", "6"), ("--timeout", "6"), decode_tp=2)
+    for rank in got:
+        assert rank["failed"] == rank["received"] == REQUESTS  # reported, none as a success

@@ -41,7 +41,7 @@ def kv_caches(kv_cache_config: KVCacheConfig, layout: KVCacheLayout) -> dict[str
 
 
 def vllm_config(extra=None, role="kv_both", lookahead=1, engine_id=ENGINE, max_model_len=4096,
-                block_size=BLOCK) -> SimpleNamespace:
+                block_size=BLOCK, tp_size=1) -> SimpleNamespace:
     """The parts of a ``VllmConfig`` the factory, both schedulers and the worker read."""
     transfer = KVTransferConfig(kv_connector="KvplanConnector", kv_connector_module_path="kvplan.integrations.vllm",
                                 kv_role=role, engine_id=engine_id,
@@ -51,7 +51,7 @@ def vllm_config(extra=None, role="kv_both", lookahead=1, engine_id=ENGINE, max_m
         kv_transfer_config=transfer, num_prefill_lookahead_tokens=lookahead,
         scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False, max_num_seqs=32),
         cache_config=SimpleNamespace(block_size=block_size), model_config=SimpleNamespace(max_model_len=max_model_len),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, decode_context_parallel_size=1, data_parallel_index=0,
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp_size, decode_context_parallel_size=1, data_parallel_index=0,
                                         pipeline_parallel_size=1))
 
 

@@ -44,9 +44,26 @@ def block_bytes(request_name: str, index: int, layer: int, shape: tuple[int, ...
     return torch.randn(shape, generator=gen).to(torch.bfloat16)
 
 
-def token_bytes(request_name: str, token: int, layer: int, shape: tuple[int, ...]) -> torch.Tensor:
-    """The bytes of one token (every head) of a request in ``layer``, where the two sides' blocks differ in size."""
-    return block_bytes(request_name, -1 - token, layer, shape)
+def token_bytes(request_name: str, token: int, layer: int, content: int, heads: slice) -> torch.Tensor:
+    """The bytes of one token of a request in ``layer``, of the model's heads ``heads`` (a rank's), where
+    the two sides' blocks or TP sizes differ: drawn for every head of the model, then sliced."""
+    return block_bytes(request_name, -1 - token, layer, (HEADS, content))[heads]
+
+
+def rank_heads(tp_size: int, tp_rank: int) -> slice:
+    """The model's KV heads TP rank ``tp_rank`` of ``tp_size`` holds."""
+    per_rank = HEADS // tp_size
+    return slice(tp_rank * per_rank, (tp_rank + 1) * per_rank)
+
+
+def as_tp_rank(tp_size: int, tp_rank: int) -> None:
+    """Make this process vLLM's TP rank ``tp_rank`` of ``tp_size``, as its parallel state would say."""
+    if tp_size == 1:
+        return
+    from vllm.distributed import parallel_state
+
+    parallel_state.model_parallel_is_initialized = lambda: True
+    parallel_state.get_tensor_model_parallel_rank = lambda: tp_rank
 
 
 def tokens_of(cache: torch.Tensor, blocks: list[int], count: int, block: int):
@@ -55,10 +72,12 @@ def tokens_of(cache: torch.Tensor, blocks: list[int], count: int, block: int):
     return ((t, cache[blocks[t // block], :, t % block, :]) for t in range(count))
 
 
-def connectors(role: str, extra: dict, num_blocks: int, layout: KVCacheLayout, engine_id: str, block: int):
-    kv_cache = full_attention(LAYERS, num_blocks=num_blocks, heads=HEADS, head_size=HEAD_SIZE, layout=layout,
-                              block_size=block)
-    config = vllm_config(extra, role="kv_both", engine_id=engine_id, block_size=block)
+def connectors(role: str, extra: dict, num_blocks: int, layout: KVCacheLayout, engine_id: str, block: int,
+               tp_size: int = 1, tp_rank: int = 0):
+    as_tp_rank(tp_size, tp_rank)
+    kv_cache = full_attention(LAYERS, num_blocks=num_blocks, heads=HEADS // tp_size, head_size=HEAD_SIZE,
+                              layout=layout, block_size=block)
+    config = vllm_config(extra, role="kv_both", engine_id=engine_id, block_size=block, tp_size=tp_size)
     scheduler = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kv_cache)
     worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache)
     caches = kv_caches(kv_cache, layout)
@@ -83,7 +102,8 @@ def prefill(args: argparse.Namespace) -> dict:
     extra = {"host": "127.0.0.1", "port": args.port, "engine": args.engine, "timeout_s": args.timeout,
              "mode": args.mode}
     scheduler, worker, caches = connectors("prefill", extra, 64, KVCacheLayout[args.layout], "prefill-engine",
-                                           args.block_size)
+                                           args.block_size, args.tp_size, args.tp_rank)
+    heads = rank_heads(args.tp_size, args.tp_rank)
     rng = random.Random(1)
     free = list(range(1, 64))  # (block 0 is vLLM's null block)
     rng.shuffle(free)
@@ -94,7 +114,7 @@ def prefill(args: argparse.Namespace) -> dict:
         for layer, layer_name in enumerate(LAYERS):
             if args.by_token:
                 for t, view in tokens_of(caches[layer_name], blocks, prompt_len, args.block_size):
-                    view.copy_(token_bytes(name, t, layer, tuple(view.shape)))
+                    view.copy_(token_bytes(name, t, layer, view.shape[-1], heads))
                 continue
             for j, b in enumerate(blocks):
                 caches[layer_name][b].copy_(block_bytes(name, j, layer, tuple(caches[layer_name][b].shape)))
@@ -119,7 +139,8 @@ def prefill(args: argparse.Namespace) -> dict:
         sent |= results.finished_sending
         time.sleep(0.002)
     freed = not scheduler.has_pending_push_work()
-    while not os.path.exists(args.params + ".done") and time.monotonic() < deadline:
+    done = lambda: sum(os.path.exists(f"{args.params}.done{r}") for r in range(args.decode_ranks))  # noqa: E731
+    while done() < args.decode_ranks and time.monotonic() < deadline:
         step(scheduler, worker, set())  # (answers the decode's aborts while it checks)
         time.sleep(0.01)
     worker.shutdown()
@@ -129,7 +150,8 @@ def prefill(args: argparse.Namespace) -> dict:
 def decode(args: argparse.Namespace) -> dict:
     extra = {"host": "127.0.0.1", "port": args.port, "engine": args.engine, "timeout_s": args.timeout}
     scheduler, worker, caches = connectors("decode", extra, 96, KVCacheLayout[args.layout], "decode-engine",
-                                           args.block_size)
+                                           args.block_size, args.tp_size, args.tp_rank)
+    heads = rank_heads(args.tp_size, args.tp_rank)
     deadline = time.monotonic() + 60
     while not os.path.exists(args.params):
         if time.monotonic() > deadline:
@@ -168,13 +190,13 @@ def decode(args: argparse.Namespace) -> dict:
                 count = next(p["remote_num_tokens"] for p in params if p["remote_request_id"] == name)
                 for t, view in tokens_of(caches[layer_name], blocks, count, args.block_size):
                     tokens_checked += 1
-                    if not torch.equal(view, token_bytes(name, t, layer, tuple(view.shape))):
+                    if not torch.equal(view, token_bytes(name, t, layer, view.shape[-1], heads)):
                         wrong.append([local, t, layer])
                 continue
             for j, b in enumerate(blocks):
                 if not torch.equal(caches[layer_name][b], block_bytes(name, j, layer, tuple(caches[layer_name][b].shape))):
                     wrong.append([local, j, layer])
-    open(args.params + ".done", "w").close()
+    open(f"{args.params}.done{args.tp_rank}", "w").close()
     worker.shutdown()
     ghost_blocks = sorted(mine[f"d-req-{len(params) - 1}"][1]) if args.ghost else []
     return {"received": sorted(received), "failed": sorted(failed), "invalid_blocks": sorted(invalid),
@@ -197,6 +219,9 @@ def run(argv: list[str]) -> dict:
     parser.add_argument("--ghost", action="store_true")
     parser.add_argument("--exit-early", action="store_true")
     parser.add_argument("--block-size", type=int, default=BLOCK)
+    parser.add_argument("--tp-size", type=int, default=1)
+    parser.add_argument("--tp-rank", type=int, default=0)
+    parser.add_argument("--decode-ranks", type=int, default=1, help="(prefill) the decode ranks it serves")
     parser.add_argument("--by-token", action="store_true", help="fill and check each token (the sides' blocks differ)")
     args = parser.parse_args(argv)
     return prefill(args) if args.role == "prefill" else decode(args)

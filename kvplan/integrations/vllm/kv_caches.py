@@ -71,6 +71,7 @@ class BlockView:
     layers: tuple[str, ...]
     cross_layer: bool
     word: str
+    heads: int = 0  # this rank's KV heads, where a block's tokens hold them side by side (else 0: moved whole)
 
     @classmethod
     def of(cls, kv_caches: Mapping[str, Any], block_size: int) -> "BlockView":
@@ -104,16 +105,22 @@ class BlockView:
         # what both sides must share: the dtype, each block's shape but its token count, the byte order
         shape = [int(x) for x in first.shape[1:]]
         tokens_dim = _tokens_dim(first, block_size)
-        if tokens_dim is not None:
-            shape[tokens_dim - 1] = -1
-        base = f"vllm-kv/{str(first.dtype).removeprefix('torch.')}/{tuple(shape)}/order{order}"
-        if strides == set(block_bytes[:1]) and len(set(block_bytes)) == 1:  # each layer's blocks follow each other
+        per_layer = strides == set(block_bytes[:1]) and len(set(block_bytes)) == 1  # each layer's blocks in a row
+        # a layer's block whose tokens follow each other, every head of a token side by side (NHD), is a page
+        # of tokens: sides of other block sizes (kvplan moves units of their common tokens, docs/page_sizes.md)
+        # and other TP sizes (each rank's heads, token by token, docs/tp_state.md) pair
+        # (among the dimensions of more than one element: a rank of one head gives its heads any stride)
+        wide = [d for d in order if first.shape[d] > 1]
+        tokens_outermost = per_layer and tokens_dim is not None and bool(wide) and wide[0] == tokens_dim
+        if tokens_outermost:
+            shape[0] = shape[tokens_dim - 1] = -1
+        base = f"vllm-kv/{str(first.dtype).removeprefix('torch.')}/{tuple(shape)}/" + \
+            ("tokens-outermost" if tokens_outermost else f"order{order}")
+        if per_layer:
             entries = tuple(Entry(v.data_ptr(), block_bytes[0], blocks) for _, v in views)
-            # a block whose tokens follow each other, whole (NHD), is pages of tokens: sides of other block
-            # sizes pair, kvplan moving it in units of their common tokens (docs/page_sizes.md)
-            tokens_outermost = tokens_dim is not None and order[0] == tokens_dim
             word = f"{base}/per-layer" + ("" if tokens_outermost else f"/bs{block_size}")
-            return cls(entries, blocks, block_size, tuple(n for n, _ in views), False, word)
+            return cls(entries, blocks, block_size, tuple(n for n, _ in views), False, word,
+                       int(first.shape[1]) if tokens_outermost else 0)
         stride = strides.pop() if len(strides) == 1 else None
         starts = sorted((v.data_ptr(), b) for (_, v), b in zip(views, block_bytes))
         tiled = stride is not None and all(a + b == c for (a, b), (c, _) in zip(starts, starts[1:])) \
@@ -125,7 +132,17 @@ class BlockView:
         return cls((Entry(starts[0][0], stride, blocks),), blocks, block_size, tuple(n for n, _ in views), True,
                    f"{base}/cross-layer{len(views)}/bs{block_size}")
 
-    def side(self, req_to_token: Any = None) -> SideMemory:
+    @property
+    def slices_heads(self) -> bool:
+        """Whether a side of another TP size pairs with this one (each rank's heads moved token by token)."""
+        return self.heads > 0
+
+    def side(self, req_to_token: Any = None, tp_size: int = 1, tp_rank: int = 0) -> SideMemory:
         """This view as a kvplan side over ``req_to_token`` (its planning table: token slots, block
-        ``b``'s tokens being ``b * block_size ...``)."""
-        return SideMemory(KVLayout(Attention.MLA, self.block_size, self.entries), req_to_token=req_to_token)
+        ``b``'s tokens being ``b * block_size ...``), rank ``tp_rank`` of ``tp_size``: packed heads where
+        its tokens hold them side by side, else blocks moved whole (one entry per layer either way)."""
+        if not self.slices_heads:
+            return SideMemory(KVLayout(Attention.MLA, self.block_size, self.entries), req_to_token=req_to_token)
+        return SideMemory(KVLayout(Attention.MHA_PACKED, self.block_size, self.entries,
+                                   num_kv_heads=self.heads * tp_size, tp_size=tp_size, tp_rank=tp_rank),
+                          req_to_token=req_to_token)

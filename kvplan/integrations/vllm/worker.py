@@ -136,7 +136,7 @@ class ConnectorWorker:
             self._send_table = torch.zeros((self.settings.max_requests + 1, self.width), dtype=torch.int32,
                                            device=self.device)
             self._send_rows = _Rows(self.settings.max_requests + 1)
-            self.prefill = PrefillEndpoint(self.view.side(self._send_table), self._engine("send"), [],
+            self.prefill = PrefillEndpoint(self.view.side(self._send_table, self.tp_size, self.tp_rank), self._engine("send"), [],
                                            staging=self._staging(), refuse="request", compat=self.view.word)
             if self.settings.warm_up:  # (each decode that pairs is warmed as it pairs)
                 self.prefill.warm_up(**self.settings.warm_up, timeout=HANDSHAKE_S)
@@ -256,23 +256,26 @@ class ConnectorWorker:
         now, chunks = time.monotonic(), []
         for request_id, sending in list(self._sending.items()):
             peers = [k for k, p in enumerate(endpoint.peers) if request_id in p.lists]
-            if not peers:
+            if not peers or not endpoint.published_by_all(request_id):  # (a decode of a larger TP: each rank's heads)
                 if now > sending.deadline:
-                    self._done_sending(request_id, f"no decode asked for it within {self.settings.timeout_s} s")
+                    self._done_sending(request_id, f"no decode asked for it within {self.settings.timeout_s} s"
+                                       if not peers else f"{len(peers)} of its {endpoint.publishers[request_id]} "
+                                       f"decode ranks asked for it within {self.settings.timeout_s} s")
+                    endpoint.forget([request_id])
                 continue
-            # its decode's pages must hold tokens [prefix, num_tokens): the planner refuses it alone otherwise
-            prefix, prompt_len = endpoint.peers[peers[0]].lists[request_id][2], sending.request.num_tokens
-            chunks.append(endpoint.transfer(Chunk(request_id, sending.row, prefix, prompt_len, prompt_len, True),
-                                            peer=peers[0]))
+            for k in peers:  # its decode's pages must hold tokens [prefix, num_tokens): refused alone otherwise
+                prefix, prompt_len = endpoint.peers[k].lists[request_id][2], sending.request.num_tokens
+                chunks.append(endpoint.transfer(Chunk(request_id, sending.row, prefix, prompt_len, prompt_len, True),
+                                                peer=k))
         if not chunks:
             return
         try:
             results = endpoint.send(chunks, mode=self.settings.mode, timeout=self.settings.timeout_s)
         except KvplanError as err:
             results = {t.request: f"{type(err).__name__}: {err}" for t in chunks}
-        for chunk in chunks:
-            self._done_sending(chunk.request, results.get(chunk.request))
-            endpoint.forget([chunk.request])
+        for request_id in dict.fromkeys(chunk.request for chunk in chunks):
+            self._done_sending(request_id, results.get(request_id))
+            endpoint.forget([request_id])
 
     def _done_sending(self, request_id: str, reason: str | None) -> None:
         sending = self._sending.pop(request_id)
@@ -297,9 +300,7 @@ class ConnectorWorker:
             raise KvplanError("this worker does not receive (kv_role kv_producer)")
         if remote is None or receive.remote_host is None or receive.remote_port is None:
             raise KvplanError("its kv_transfer_params name no prefill (remote_request_id, remote_host, remote_port)")
-        if receive.remote_tp_size is not None and int(receive.remote_tp_size) != self.tp_size:
-            raise KvplanError(f"its prefill runs TP {receive.remote_tp_size}, this decode TP {self.tp_size}: kvplan's "
-                              "vLLM connector moves between equal TP sizes only")
+        self._prefill_rank(receive)  # (raises where its prefill's TP size cannot serve this rank)
         blocks = receive.block_ids[0]
         needed = -(-receive.num_tokens // self.block_size)
         if len(blocks) != needed or receive.prefix_len % self.block_size:
@@ -315,17 +316,39 @@ class ConnectorWorker:
             raise KvplanError(f"more than {self.settings.max_requests} requests in flight (max_requests)")
         return row
 
+    def _prefill_rank(self, receive: ReceiveRequest) -> int:
+        """The prefill rank that holds this rank's heads of the request (``KvplanError`` where none can):
+        the same rank at equal TP; at a prefill TP ``P`` smaller than this decode's ``D``, rank ``r * P // D``,
+        which serves ``D // P`` decode ranks."""
+        prefill_tp = int(receive.remote_tp_size) if receive.remote_tp_size is not None else self.tp_size
+        if prefill_tp == self.tp_size:
+            return self.tp_rank
+        if not self.view.slices_heads:
+            raise KvplanError(f"its prefill runs TP {prefill_tp}, this decode TP {self.tp_size}: blocks whose tokens "
+                              "do not hold their heads side by side (a layout other than LBNHC) move between equal "
+                              "TP sizes only")
+        if prefill_tp > self.tp_size or self.tp_size % prefill_tp:
+            raise KvplanError(f"its prefill runs TP {prefill_tp}, this decode TP {self.tp_size}: kvplan's vLLM "
+                              "connector moves from a prefill TP size that divides the decode's (a gather from "
+                              "a larger one is not covered yet)")
+        return self.tp_rank * prefill_tp // self.tp_size
+
     def _publish(self, request_id: str, receive: ReceiveRequest, row: int) -> None:
-        """Publish an admitted request's blocks (its row written) to its prefill rank's decode endpoint."""
-        decode = self._connect(receive.remote_host, receive.remote_port)
+        """Publish an admitted request's blocks (its row written) to the decode endpoint paired with the
+        prefill rank that holds this rank's heads; with the number of decode ranks that rank serves."""
+        prefill_rank = self._prefill_rank(receive)
+        decode = self._connect(receive.remote_host, receive.remote_port, prefill_rank)
+        publishers = self.tp_size // int(receive.remote_tp_size or self.tp_size)
         decode.publish([PreallocatedRequest(receive.remote_request_id, row, receive.prefix_len + receive.num_tokens,
-                                            receive.prefix_len)], timeout=self.settings.timeout_s)
+                                            receive.prefix_len)], timeout=self.settings.timeout_s,
+                       publishers=publishers)
         self._receiving[receive.remote_request_id] = _Receiving(request_id, row, list(receive.block_ids[0]), decode)
 
-    def _connect(self, host: str, port: int) -> DecodeEndpoint:
-        """The decode endpoint paired with this rank's peer of the prefill listening at ``host:port``: one per
-        prefill rank, each with its engine and its staging buffer (a staged run lands in its own)."""
-        address = (host, int(port) + self.tp_rank)
+    def _connect(self, host: str, port: int, prefill_rank: int | None = None) -> DecodeEndpoint:
+        """The decode endpoint paired with rank ``prefill_rank`` (this rank's own by default) of the prefill
+        listening at ``host:port``: one per prefill rank, each with its engine and its staging buffer (a
+        staged run lands in its own)."""
+        address = (host, int(port) + (self.tp_rank if prefill_rank is None else prefill_rank))
         if address in self.decodes:
             return self.decodes[address]
         until, reason = self._unreachable.get(address, (0.0, ""))
@@ -338,7 +361,7 @@ class ConnectorWorker:
                                                                          f"did not answer: {err}")
             raise PeerError(self._unreachable[address][1]) from None
         start = time.perf_counter()
-        decode = DecodeEndpoint(self.view.side(self._recv_table), self._engine("receive"), channel,
+        decode = DecodeEndpoint(self.view.side(self._recv_table, self.tp_size, self.tp_rank), self._engine("receive"), channel,
                                 staging=self._staging(), compat=self.view.word)
         decode.register(timeout=HANDSHAKE_S)
         made = time.perf_counter()
