@@ -251,7 +251,10 @@ def _vllm() -> tuple[Step, ...]:
             Step("move-4x32k", lambda out: [PY, "-m", "benchmarks.vllm_shapes", "--batches", "4x32k", "--no-plan",
                                             "--out", out], 580),
             Step("move-cold", lambda out: [PY, "-m", "benchmarks.vllm_shapes", "--batches", "16x5k", "--no-plan",
-                                           "--modes", "staged", "direct", "--warm-up", "off", "--out", out], 400))
+                                           "--modes", "staged", "direct", "--warm-up", "off", "--out", out], 400),
+            Step("move-tp4to8", lambda out: [PY, "-m", "benchmarks.vllm_shapes", "--batches", "16x5k", "4x32k",
+                                             "--no-plan", "--tp", "4", "8", "--modes", "staged",
+                                             "--placements", "fragmented", "--out", out], 500))
 
 
 SUITES: dict[str, Suite] = {

@@ -169,16 +169,21 @@ def plan_rows(scale: float, runs: int, device: torch.device) -> list[PlanRow]:
 
 
 # -- moving: two processes ---------------------------------------------------------------------------
-def _settings(port: int, mode: str, warm_up: bool):
+def _settings(port: int, mode: str, warm_up: bool, tp_size: int = 1):
     from kvplan.integrations.vllm.settings import WARM_UP, Settings
 
     return Settings.parse({"host": "127.0.0.1", "port": port, "engine": "nixl", "mode": mode, "timeout_s": 120,
-                           "max_requests": 64, "warm_up": WARM_UP if warm_up else {}}, tp_size=1)
+                           "max_requests": 64, "warm_up": WARM_UP if warm_up else {}}, tp_size=tp_size)
 
 
-def _caches(heads: int, num_blocks: int, layers: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """Per-layer views ``[blocks, heads, block_size, 2 * head_dim]`` over one allocation, layer outermost
-    (vLLM's LBHNC)."""
+def _caches(heads: int, num_blocks: int, layers: int, device: torch.device,
+            tokens_outermost: bool = False) -> dict[str, torch.Tensor]:
+    """Per-layer views ``[blocks, heads, block_size, 2 * head_dim]`` over one allocation, layer outermost:
+    the heads before the tokens (vLLM's LBHNC), or the tokens before the heads (LBNHC, what a decode of
+    another TP size pairs with)."""
+    if tokens_outermost:
+        buf = torch.zeros(layers, num_blocks, BLOCK, heads, 2 * HEAD_DIM, dtype=torch.bfloat16, device=device)
+        return {f"model.layers.{i}.self_attn.attn": buf[i].permute(0, 2, 1, 3) for i in range(layers)}
     buf = torch.zeros(layers, num_blocks, heads, BLOCK, 2 * HEAD_DIM, dtype=torch.bfloat16, device=device)
     return {f"model.layers.{i}.self_attn.attn": buf[i] for i in range(layers)}
 
@@ -195,10 +200,16 @@ def role_main(args: argparse.Namespace) -> None:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     heads, layers, pool = args.heads, args.layers, args.pool
-    worker = ConnectorWorker(_settings(args.port, args.mode, args.warm_up == "on"), args.role, 0, 1, BLOCK, max_model_len=1 << 16,
-                             sends=args.role == "prefill", receives=args.role == "decode")
-    caches = _caches(heads, pool, layers, device)
+    src_tp, dst_tp = args.tp
+    tp_size = src_tp if args.role == "prefill" else dst_tp
+    rank = 0 if args.role == "prefill" else args.rank  # (prefill rank 0 serves decode ranks 0 .. dst_tp // src_tp - 1)
+    worker = ConnectorWorker(_settings(args.port, args.mode, args.warm_up == "on", tp_size), args.role, rank, tp_size,
+                             BLOCK, max_model_len=1 << 16, sends=args.role == "prefill",
+                             receives=args.role == "decode")
+    my_heads = heads if args.role == "prefill" else heads * src_tp // dst_tp
+    caches = _caches(my_heads, pool, layers, device, tokens_outermost=src_tp != dst_tp)
     worker.register_kv_caches(caches)
+    decodes = dst_tp // src_tp
     rounds = json.load(open(os.path.join(args.dir, "rounds.json")))
     out = []
     if args.role == "prefill":
@@ -214,14 +225,15 @@ def role_main(args: argparse.Namespace) -> None:
             while sent != set(names) and time.monotonic() < deadline:
                 sent |= worker.get_transfer_results(finished).finished_sending
                 finished = set()
-            _wait(args.dir, f"done-{k}", worker)
+            for d in range(decodes):
+                _wait(args.dir, f"done-{k}-{d}", worker)
             out.append({"round": k, "sent": len(sent)})
     else:
         for k, spec in enumerate(rounds):
             _wait(args.dir, f"sending-{k}", None)
             names = [f"k{k}-r{r}" for r in range(len(spec["dst"]))]
             step = SchedulerStep(receive={f"d-{n}": ReceiveRequest((b,), spec["tokens"], "prefill", n, "127.0.0.1",
-                                                                    args.peer_port, 1)
+                                                                    args.peer_port, src_tp)
                                           for n, b in zip(names, spec["dst"])})
             _sync(device)
             start = time.perf_counter()
@@ -234,15 +246,16 @@ def role_main(args: argparse.Namespace) -> None:
                 failed |= results.failed_recving
             took = time.perf_counter() - start
             wrong = 0
-            for layer, name in enumerate(caches):  # every byte of every block of every layer
-                expected = _content(layer, pool, heads, device)
+            part = slice(args.rank * my_heads % heads, args.rank * my_heads % heads + my_heads)  # of the prefill's
+            for layer, name in enumerate(caches):  # every byte of every block of every layer (of this rank's heads)
+                expected = _content(layer, pool, heads, device)[:, part]
                 src = torch.tensor([b for blocks in spec["src"] for b in blocks], device=device)
                 dst = torch.tensor([b for blocks in spec["dst"] for b in blocks], device=device)
                 wrong += int((caches[name][dst] != expected[src]).any(dim=(1, 2, 3)).sum())
             caches_zero = [c.zero_() for c in caches.values()]  # (the next round must land again)
             del caches_zero
             _sync(device)
-            _touch(args.dir, f"done-{k}")
+            _touch(args.dir, f"done-{k}-{args.rank}")
             out.append({"round": k, "ms": took * 1e3, "publish_ms": (published - start) * 1e3, "received": len(got),
                         "failed": len(failed), "wrong_blocks": wrong})
     worker.shutdown()
@@ -269,7 +282,9 @@ def _wait(folder: str, name: str, worker, timeout: float = 300.0) -> None:
 
 
 def transfer_rows(heads: int, requests: int, tokens: int, fragmented: bool, mode: str, repeats: int,
-                  layers: int, limit_s: float = 240.0, warm_up: str = "on") -> dict:
+                  layers: int, limit_s: float = 240.0, warm_up: str = "on", tp: tuple[int, int] = (1, 1)) -> dict:
+    """One batch shape moved ``repeats`` times by prefill rank 0 of TP ``tp[0]`` (``heads`` KV heads) to
+    the ``tp[1] // tp[0]`` decode ranks of TP ``tp[1]`` it serves, each a process of its own."""
     blocks_each = tokens // BLOCK
     pool = requests * blocks_each * 2
     rng = np.random.default_rng(11)
@@ -280,28 +295,38 @@ def transfer_rows(heads: int, requests: int, tokens: int, fragmented: bool, mode
         rounds.append({"src": src, "dst": dst, "tokens": tokens})
     with tempfile.TemporaryDirectory() as folder:
         json.dump(rounds, open(os.path.join(folder, "rounds.json"), "w"))
-        ports = _free_ports(2)
+        decodes = tp[1] // tp[0]
+        ports = _free_ports(1 + decodes)
         base = [sys.executable, "-m", "benchmarks.vllm_shapes", "--dir", folder, "--heads", str(heads), "--layers",
-                str(layers), "--pool", str(pool), "--mode", mode, "--warm-up", warm_up]
+                str(layers), "--pool", str(pool), "--mode", mode, "--warm-up", warm_up, "--tp", str(tp[0]), str(tp[1])]
         prefill = subprocess.Popen(base + ["--role", "prefill", "--port", str(ports[0])], stdout=subprocess.PIPE,
                                    text=True, cwd=ROOT)
+        ranks = []
         try:
-            decode = subprocess.run(base + ["--role", "decode", "--port", str(ports[1]), "--peer-port", str(ports[0])],
-                                    capture_output=True, text=True, cwd=ROOT, timeout=limit_s)
+            ranks = [subprocess.Popen(base + ["--role", "decode", "--rank", str(d), "--port", str(ports[1 + d]),
+                                              "--peer-port", str(ports[0])], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, cwd=ROOT) for d in range(decodes)]
+            outputs = [rank.communicate(timeout=limit_s) for rank in ranks]
             prefill.communicate(timeout=60)
         except subprocess.TimeoutExpired:  # (a mode that cannot move the batch in time: reported with its bound)
-            return {"heads": heads, "requests": requests, "tokens": tokens, "layers": layers, "mode": mode,
+            return {"heads": heads, "requests": requests, "tokens": tokens, "layers": layers, "mode": mode, "tp": tp,
                     "placement": "fragmented" if fragmented else "contiguous", "timed_out_s": limit_s}
         finally:
-            if prefill.poll() is None:
-                prefill.kill()
-                prefill.wait(timeout=10)
-    if decode.returncode != 0:
-        raise RuntimeError(decode.stderr[-2000:])
-    per_round = json.loads(decode.stdout.strip().splitlines()[-1])
+            for proc in [prefill, *ranks]:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait(timeout=10)
+    for rank, (_, err) in zip(ranks, outputs):
+        if rank.returncode != 0:
+            raise RuntimeError(err[-2000:])
+    by_rank = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+    # a round ends once every decode rank has its part: the slowest rank's time
+    per_round = [{**rows[0], "ms": max(r["ms"] for r in rows), "publish_ms": max(r["publish_ms"] for r in rows),
+                  "wrong_blocks": sum(r["wrong_blocks"] for r in rows), "failed": sum(r["failed"] for r in rows)}
+                 for rows in zip(*by_rank)]
     steady = [r["ms"] for r in per_round[1:]] or [per_round[0]["ms"]]
     nbytes = requests * blocks_each * layers * heads * BLOCK * 2 * HEAD_DIM * 2
-    return {"heads": heads, "requests": requests, "tokens": tokens, "layers": layers,
+    return {"heads": heads, "tp": tp, "requests": requests, "tokens": tokens, "layers": layers,
             "placement": "fragmented" if fragmented else "contiguous", "mode": mode, "warm_up": warm_up,
             "first_ms": per_round[0]["ms"], "first_pairing_ms": per_round[0]["publish_ms"],
             "steady_ms": statistics.median(steady), "gib_s": nbytes / statistics.median(steady) / 1e6 / 1.073741824,
@@ -343,6 +368,9 @@ def main() -> None:
                         help="the connector's warm_up setting (default on: its default)")
     parser.add_argument("--port", type=int)
     parser.add_argument("--peer-port", type=int)
+    parser.add_argument("--tp", type=int, nargs=2, default=(1, 1), metavar=("PREFILL", "DECODE"),
+                        help="TP sizes: 4 8 moves prefill rank 0's two heads of 8 to decode ranks 0 and 1")
+    parser.add_argument("--rank", type=int, default=0, help="(a decode side) its TP rank")
     args = parser.parse_args()
     if args.role:
         role_main(args)
@@ -359,23 +387,31 @@ def main() -> None:
     if not args.no_transfer:
         batches = [BATCHES[b] for b in args.batches] if device.type == "cuda" else [(2, 64)]  # (a CPU: a smoke run)
         layers = LAYERS if device.type == "cuda" else 2
+        src_tp, dst_tp = args.tp
+        heads = 8 // src_tp  # (Llama-70B's 8 KV heads over the prefill's ranks)
+        if src_tp == dst_tp:
+            heads = 1  # (as before: TP 8's one head per rank)
+        modes = args.modes if device.type == "cuda" else ("direct",) if src_tp != dst_tp else ("prepared", "direct")
         for requests, tokens in batches:
             for fragmented in [p == "fragmented" for p in args.placements]:
-                for mode in args.modes if device.type == "cuda" else ("prepared", "direct"):
-                    row = transfer_rows(1, requests, tokens, fragmented, mode, args.repeats, layers,
-                                        warm_up=args.warm_up)
+                for mode in modes:
+                    if mode == "prepared" and src_tp != dst_tp:
+                        continue  # (prepared lists are per page: head slices have none)
+                    row = transfer_rows(heads, requests, tokens, fragmented, mode, args.repeats, layers,
+                                        warm_up=args.warm_up, tp=(src_tp, dst_tp))
                     result["transfer"].append(row)
                     if "timed_out_s" in row:
                         print(f"move {requests}x{tokens} {row['placement']:10s} {mode:8s} did not end within "
                               f"{row['timed_out_s']:.0f} s", flush=True)
                         continue
-                    print(f"move {requests}x{tokens} {row['placement']:10s} {mode:8s} warm-up {args.warm_up:3s} first "
+                    print(f"move tp{src_tp}to{dst_tp} {requests}x{tokens} {row['placement']:10s} {mode:8s} warm-up {args.warm_up:3s} first "
                           f"{row['first_ms']:9.1f} ms (pairing {row['first_pairing_ms']:7.1f}) "
                           f"steady {row['steady_ms']:9.1f} ms  {row['gib_s']:7.2f} GiB/s  wrong {row['wrong_blocks']} "
                           f"failed {row['failed']}", flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         tag = f"-{'-'.join(args.batches)}-warm-{args.warm_up}" if args.no_plan else ""
+        tag += f"-tp{args.tp[0]}to{args.tp[1]}" if args.tp[0] != args.tp[1] else ""
         with open(os.path.join(args.out, f"vllm_shapes{tag}.json"), "w") as f:
             json.dump(result, f, indent=1)
 
