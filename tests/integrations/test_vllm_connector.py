@@ -254,3 +254,16 @@ def test_the_benchmark_s_vllm_baseline_computes_vllm_s_own_descriptor_ids():
         theirs = NixlBaseConnectorWorker._compute_desc_ids(worker, block_ids=[blocks], dst_num_blocks=num_blocks,
                                                            block_size_ratio=None, physical_blocks_per_logical=1)
         assert np.array_equal(vllm_desc_ids(blocks, num_blocks, layers), theirs)
+
+
+def test_the_connector_asks_vllm_for_the_layout_that_takes_other_block_and_tp_sizes():
+    """vLLM asks the connector's class for its KV cache layout (as NixlConnector asks for LBHNC); kvplan's
+    asks for LBNHC where the model has KV heads, nothing for MLA."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_kv_connector_cache_layout
+
+    config = vllm_config()
+    config.model_config.use_mla = False
+    assert get_kv_connector_cache_layout(config) == "LBNHC"
+    assert KVCacheLayout[get_kv_connector_cache_layout(config)] is KVCacheLayout.LBNHC
+    config.model_config.use_mla = True
+    assert get_kv_connector_cache_layout(config) is None

@@ -64,6 +64,17 @@ class KvplanConnector(KVConnectorBase_V1, SupportsHMA):
                 sends=transfer.kv_role != "kv_consumer", receives=transfer.kv_role != "kv_producer")
             self.scheduler = None
 
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        """``LBNHC`` (each layer's blocks in a row, a token's heads side by side), where the model has KV
+        heads: the layout in which the two sides may differ in block size and in TP size (docs/vllm.md).
+        vLLM takes it where the attention backend supports it, else its own choice; the connector moves
+        whatever it gets between sides laid out alike. ``None`` for MLA models (no heads to slice)."""
+        model_config = getattr(vllm_config, "model_config", None)
+        if model_config is None or getattr(model_config, "use_mla", False):
+            return None
+        return "LBNHC"
+
     # -- scheduler side ---------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
