@@ -25,3 +25,23 @@ def free_ports(count: int) -> list[int]:
         if port not in ports:
             ports.append(port)
     return ports
+
+
+def free_span(count: int) -> int:
+    """A port ``p`` with ``p .. p + count - 1`` all free (each TP rank of one engine listens at its base port
+    plus its rank)."""
+    for _ in range(200):
+        base = free_port()
+        sockets = []
+        try:
+            for port in range(base, base + count):
+                s = socket.socket()
+                sockets.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise RuntimeError(f"no {count} free ports in a row between 20000 and 32767")

@@ -12,7 +12,7 @@ import pytest
 
 from kvplan.tools.target_process import child_message, child_pipe, start_child
 from tests.isolated import report_and_exit
-from tests.ports import free_port
+from tests.ports import free_port, free_span
 
 pytest.importorskip("vllm", reason="vLLM 0.33.0 is not installed (make setup-vllm)")
 
@@ -33,22 +33,28 @@ def run_pair(tmp_path, engine: str, prefill_layout: str, decode_layout: str, *de
 
 
 def run_group(tmp_path, engine: str, prefill_layout: str, decode_layout: str, decode_args: tuple[str, ...] = (),
-              prefill_args: tuple[str, ...] = (), decode_tp: int = 1) -> tuple[dict, list[dict]]:
-    """A prefill process and a decode process per rank of a decode of TP ``decode_tp``: what each saw."""
+              prefill_args: tuple[str, ...] = (), decode_tp: int = 1, prefill_tp: int = 1) -> tuple[dict, list[dict]]:
+    """A process per rank of a prefill of TP ``prefill_tp`` and of a decode of TP ``decode_tp``: what the
+    prefill's rank 0 and each decode rank saw."""
     params = str(tmp_path / "params.json")
-    argv = lambda role, layout: [role, "--port", str(free_port()), "--params", params, "--engine", engine,  # noqa: E731
-                                 "--layout", layout]
-    sides = [("prefill", prefill_layout, (*prefill_args, "--decode-ranks", str(decode_tp)))]
-    sides += [("decode", decode_layout, (*decode_args, "--tp-size", str(decode_tp), "--tp-rank", str(rank)))
+    prefill_port = free_span(prefill_tp)  # (prefill rank r listens at its engine's port + r)
+    argv = lambda role, layout, port: [role, "--port", str(port), "--params", params, "--engine", engine,  # noqa: E731
+                                       "--layout", layout]
+    served = max(1, decode_tp // prefill_tp)  # the decode ranks each prefill rank serves
+    sides = [("prefill", prefill_layout, prefill_port, (*prefill_args, "--decode-ranks", str(served), "--tp-size",
+                                                        str(prefill_tp), "--tp-rank", str(rank)))
+             for rank in range(prefill_tp)]
+    sides += [("decode", decode_layout, free_port(), (*decode_args, "--tp-size", str(decode_tp), "--tp-rank", str(rank)))
               for rank in range(decode_tp)]
     procs, results = [], []
     try:
-        for role, layout, extra in sides:
+        for role, layout, port, extra in sides:
             here, there = child_pipe()
-            procs.append(start_child(report_and_exit, there, vllm_node.run, [*argv(role, layout), *extra]))
+            procs.append(start_child(report_and_exit, there, vllm_node.run, [*argv(role, layout, port), *extra]))
             results.append(here)
-        decodes = [child_message(here, f"decode {rank}", 150)[1] for rank, here in enumerate(results[1:])]
-        prefill = child_message(results[0], "prefill", 60)[1]
+        decodes = [child_message(here, f"decode {rank}", 150)[1] for rank, here in enumerate(results[prefill_tp:])]
+        prefills = [child_message(here, f"prefill {rank}", 60)[1] for rank, here in enumerate(results[:prefill_tp])]
+        prefill = prefills[0]
     finally:
         for proc in procs:
             proc.join(10)
@@ -119,3 +125,13 @@ def test_a_decode_of_a_larger_tp_size_does_not_pair_where_the_heads_come_before_
     sent, got = run_group(tmp_path, "nixl", "LBHNC", "LBHNC", ("--timeout", "6"), ("--timeout", "6"), decode_tp=2)
     for rank in got:
         assert rank["failed"] == rank["received"] == REQUESTS  # reported, none as a success
+
+
+def test_a_decode_of_a_smaller_tp_size_gathers_each_prefill_rank_s_heads_of_every_token(tmp_path):
+    """Prefill TP 2 (a head per rank), decode TP 1 (both heads): the decode publishes its blocks to both
+    prefill ranks, and each writes its head of every token into them (a gather)."""
+    by_token = ("--by-token", "--timeout", "6")
+    sent, got = run_group(tmp_path, "nixl", "LBNHC", "LBNHC", by_token, (*by_token, "--mode", "direct"), prefill_tp=2)
+    assert sent == {"sent": ["p-req-0", "p-req-1", "p-req-2", "p-req-3"], "freed": True}
+    assert got[0]["received"] == REQUESTS and got[0]["failed"] == [] and got[0]["wrong"] == []
+    assert got[0]["tokens_checked"] == (100 + 37 + 64 + 5) * len(vllm_node.LAYERS)

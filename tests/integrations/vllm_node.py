@@ -124,9 +124,10 @@ def prefill(args: argparse.Namespace) -> dict:
         assert keep, name
         params.append(returned)
         names.append(name)
-    with open(args.params + ".tmp", "w") as f:
-        json.dump(params, f)
-    os.replace(args.params + ".tmp", args.params)
+    if args.tp_rank == 0:  # (what vLLM's proxy hands the decode comes from one prefill rank)
+        with open(args.params + ".tmp", "w") as f:
+            json.dump(params, f)
+        os.replace(args.params + ".tmp", args.params)
     if args.exit_early:  # gone before any decode reached it
         worker.shutdown()
         return {"sent": [], "freed": False}

@@ -117,7 +117,7 @@ class ConnectorWorker:
         self.view: BlockView | None = None
         self.prefill: PrefillEndpoint | None = None
         self.listener: ChannelListener | None = None
-        self.decodes: dict[tuple[str, int], DecodeEndpoint] = {}  # per prefill rank (host, port) received from
+        self.decodes: dict[tuple, DecodeEndpoint] = {}  # per prefill rank (host, port), or group gathered from
         self._engines: list[Any] = []
         self._sending: dict[str, _Sending] = {}
         self._sent: set[str] = set()  # written (or given up), waiting for vLLM to name them finished
@@ -293,14 +293,16 @@ class ConnectorWorker:
         if not receive.block_ids or not receive.block_ids[0]:  # nothing to load: its prefill frees its blocks
             if self.receives and remote is not None and receive.remote_host is not None \
                     and receive.remote_port is not None:
-                self._connect(receive.remote_host, receive.remote_port).channel.send(
-                    "abort", {"request": remote, "reason": "the decode needs none of it"}, timeout=HANDSHAKE_S)
+                decode = self._connect(receive.remote_host, receive.remote_port, self._prefill_ranks(receive))
+                for channel in decode.channels:
+                    channel.send("abort", {"request": remote, "reason": "the decode needs none of it"},
+                                 timeout=HANDSHAKE_S)
             return None
         if not self.receives:
             raise KvplanError("this worker does not receive (kv_role kv_producer)")
         if remote is None or receive.remote_host is None or receive.remote_port is None:
             raise KvplanError("its kv_transfer_params name no prefill (remote_request_id, remote_host, remote_port)")
-        self._prefill_rank(receive)  # (raises where its prefill's TP size cannot serve this rank)
+        self._prefill_ranks(receive)  # (raises where its prefill's TP size cannot serve this rank)
         blocks = receive.block_ids[0]
         needed = -(-receive.num_tokens // self.block_size)
         if len(blocks) != needed or receive.prefix_len % self.block_size:
@@ -316,60 +318,68 @@ class ConnectorWorker:
             raise KvplanError(f"more than {self.settings.max_requests} requests in flight (max_requests)")
         return row
 
-    def _prefill_rank(self, receive: ReceiveRequest) -> int:
-        """The prefill rank that holds this rank's heads of the request (``KvplanError`` where none can):
-        the same rank at equal TP; at a prefill TP ``P`` smaller than this decode's ``D``, rank ``r * P // D``,
-        which serves ``D // P`` decode ranks."""
+    def _prefill_ranks(self, receive: ReceiveRequest) -> tuple[int, ...]:
+        """The prefill ranks that hold this rank's heads of the request (``KvplanError`` where none can): the
+        same rank at equal TP; at a prefill TP ``P`` smaller than this decode's ``D``, rank ``r * P // D``,
+        which serves ``D // P`` decode ranks; at a larger one, ranks ``r * k .. r * k + k - 1`` with
+        ``k = P // D``, each writing its heads (a gather)."""
         prefill_tp = int(receive.remote_tp_size) if receive.remote_tp_size is not None else self.tp_size
         if prefill_tp == self.tp_size:
-            return self.tp_rank
+            return (self.tp_rank,)
         if not self.view.slices_heads:
             raise KvplanError(f"its prefill runs TP {prefill_tp}, this decode TP {self.tp_size}: blocks whose tokens "
                               "do not hold their heads side by side (a layout other than LBNHC) move between equal "
                               "TP sizes only")
-        if prefill_tp > self.tp_size or self.tp_size % prefill_tp:
-            raise KvplanError(f"its prefill runs TP {prefill_tp}, this decode TP {self.tp_size}: kvplan's vLLM "
-                              "connector moves from a prefill TP size that divides the decode's (a gather from "
-                              "a larger one is not covered yet)")
-        return self.tp_rank * prefill_tp // self.tp_size
+        if prefill_tp < self.tp_size and self.tp_size % prefill_tp == 0:
+            return (self.tp_rank * prefill_tp // self.tp_size,)
+        if prefill_tp > self.tp_size and prefill_tp % self.tp_size == 0:
+            k = prefill_tp // self.tp_size
+            return tuple(range(self.tp_rank * k, self.tp_rank * k + k))
+        raise KvplanError(f"its prefill runs TP {prefill_tp}, this decode TP {self.tp_size}: one must divide the other")
 
     def _publish(self, request_id: str, receive: ReceiveRequest, row: int) -> None:
         """Publish an admitted request's blocks (its row written) to the decode endpoint paired with the
-        prefill rank that holds this rank's heads; with the number of decode ranks that rank serves."""
-        prefill_rank = self._prefill_rank(receive)
-        decode = self._connect(receive.remote_host, receive.remote_port, prefill_rank)
-        publishers = self.tp_size // int(receive.remote_tp_size or self.tp_size)
+        prefill ranks that hold this rank's heads, with the number of decode ranks each serves."""
+        ranks = self._prefill_ranks(receive)
+        decode = self._connect(receive.remote_host, receive.remote_port, ranks)
+        publishers = max(1, self.tp_size // int(receive.remote_tp_size or self.tp_size))
         decode.publish([PreallocatedRequest(receive.remote_request_id, row, receive.prefix_len + receive.num_tokens,
                                             receive.prefix_len)], timeout=self.settings.timeout_s,
-                       publishers=publishers)
+                       peer=list(range(len(ranks))) if len(ranks) > 1 else 0, publishers=publishers)
         self._receiving[receive.remote_request_id] = _Receiving(request_id, row, list(receive.block_ids[0]), decode)
 
-    def _connect(self, host: str, port: int, prefill_rank: int | None = None) -> DecodeEndpoint:
-        """The decode endpoint paired with rank ``prefill_rank`` (this rank's own by default) of the prefill
-        listening at ``host:port``: one per prefill rank, each with its engine and its staging buffer (a
-        staged run lands in its own)."""
-        address = (host, int(port) + (self.tp_rank if prefill_rank is None else prefill_rank))
-        if address in self.decodes:
-            return self.decodes[address]
-        until, reason = self._unreachable.get(address, (0.0, ""))
+    def _connect(self, host: str, port: int, prefill_ranks: tuple[int, ...] | None = None) -> DecodeEndpoint:
+        """The decode endpoint paired with ranks ``prefill_ranks`` (this rank's own by default) of the
+        prefill listening at ``host:port``: one per prefill rank, or per group of ranks gathered from, each
+        with its engine and its staging buffer (a staged run lands in its own)."""
+        ranks = (self.tp_rank,) if prefill_ranks is None else tuple(prefill_ranks)
+        key = (host, int(port) + ranks[0]) if len(ranks) == 1 else (host, int(port), ranks)
+        if key in self.decodes:
+            return self.decodes[key]
+        until, reason = self._unreachable.get(key, (0.0, ""))
         if time.monotonic() < until:  # (its other requests of the moment fail at once, not one wait each)
             raise PeerError(reason)
+        channels = []
         try:
-            channel = channel_via(*address, timeout=HANDSHAKE_S)
+            for rank in ranks:
+                channels.append(channel_via(host, int(port) + rank, timeout=HANDSHAKE_S))
         except KvplanError as err:
-            self._unreachable[address] = (time.monotonic() + HANDSHAKE_S, f"the prefill at {address[0]}:{address[1]} "
-                                                                         f"did not answer: {err}")
-            raise PeerError(self._unreachable[address][1]) from None
+            for channel in channels:
+                channel.close()
+            self._unreachable[key] = (time.monotonic() + HANDSHAKE_S, f"the prefill at {host}:{int(port) + rank} "
+                                                                      f"did not answer: {err}")
+            raise PeerError(self._unreachable[key][1]) from None
         start = time.perf_counter()
-        decode = DecodeEndpoint(self.view.side(self._recv_table, self.tp_size, self.tp_rank), self._engine("receive"), channel,
-                                staging=self._staging(), compat=self.view.word)
+        decode = DecodeEndpoint(self.view.side(self._recv_table, self.tp_size, self.tp_rank), self._engine("receive"),
+                                channels if len(channels) > 1 else channels[0], staging=self._staging(),
+                                compat=self.view.word)
         decode.register(timeout=HANDSHAKE_S)
         made = time.perf_counter()
         if self.settings.warm_up:  # (waits for the pairing: the prefill is stepping, it has this request to send)
             decode.warm_up(**self.settings.warm_up, timeout=HANDSHAKE_S)
-        self.decodes[address] = decode
-        log.info("rank %d paired with the prefill at %s:%d: endpoint %.1f ms, warm-up %.1f ms", self.tp_rank,
-                 *address, (made - start) * 1e3, (time.perf_counter() - made) * 1e3)
+        self.decodes[key] = decode
+        log.info("rank %d paired with prefill ranks %s at %s:%d: endpoint %.1f ms, warm-up %.1f ms", self.tp_rank,
+                 list(ranks), host, int(port), (made - start) * 1e3, (time.perf_counter() - made) * 1e3)
         return decode
 
     def _progress_receives(self) -> tuple[set[str], set[str]]:
