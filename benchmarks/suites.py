@@ -254,6 +254,9 @@ def _vllm() -> tuple[Step, ...]:
                                            "--modes", "staged", "direct", "--warm-up", "off", "--out", out], 400),
             Step("move-tp4to8", lambda out: [PY, "-m", "benchmarks.vllm_shapes", "--batches", "16x5k", "4x32k",
                                              "--no-plan", "--tp", "4", "8", "--modes", "staged",
+                                             "--placements", "fragmented", "--out", out], 500),
+            Step("move-tp8to4", lambda out: [PY, "-m", "benchmarks.vllm_shapes", "--batches", "16x5k", "4x32k",
+                                             "--no-plan", "--tp", "8", "4", "--modes", "staged",
                                              "--placements", "fragmented", "--out", out], 500))
 
 

@@ -46,6 +46,7 @@ from kvplan.planner.block_tables import token_table_from_blocks
 from kvplan.planner.columns import BatchColumns
 from kvplan.planner.device import Planner
 from kvplan.planner.model import Batch, Transfer
+from tests.ports import free_ports, free_span
 
 BLOCK, LAYERS, HEAD_DIM = 16, 80, 128
 SHAPES = {"llama70b-tp1": 8, "llama70b-tp8": 1}  # KV heads per rank
@@ -188,8 +189,9 @@ def _caches(heads: int, num_blocks: int, layers: int, device: torch.device,
     return {f"model.layers.{i}.self_attn.attn": buf[i] for i in range(layers)}
 
 
-def _content(layer: int, num_blocks: int, heads: int, device: torch.device) -> torch.Tensor:
-    gen = torch.Generator(device=device).manual_seed(1000 + layer)
+def _content(layer: int, num_blocks: int, heads: int, device: torch.device, rank: int = 0) -> torch.Tensor:
+    """What prefill rank ``rank`` holds in ``layer``: ``[blocks, heads, block_size, 2 * head_dim]``."""
+    gen = torch.Generator(device=device).manual_seed(1000 + layer + 7919 * rank)
     return torch.randn((num_blocks, heads, BLOCK, 2 * HEAD_DIM), generator=gen, device=device).to(torch.bfloat16)
 
 
@@ -202,19 +204,19 @@ def role_main(args: argparse.Namespace) -> None:
     heads, layers, pool = args.heads, args.layers, args.pool
     src_tp, dst_tp = args.tp
     tp_size = src_tp if args.role == "prefill" else dst_tp
-    rank = 0 if args.role == "prefill" else args.rank  # (prefill rank 0 serves decode ranks 0 .. dst_tp // src_tp - 1)
+    rank = args.rank
     worker = ConnectorWorker(_settings(args.port, args.mode, args.warm_up == "on", tp_size), args.role, rank, tp_size,
                              BLOCK, max_model_len=1 << 16, sends=args.role == "prefill",
                              receives=args.role == "decode")
     my_heads = heads if args.role == "prefill" else heads * src_tp // dst_tp
     caches = _caches(my_heads, pool, layers, device, tokens_outermost=src_tp != dst_tp)
     worker.register_kv_caches(caches)
-    decodes = dst_tp // src_tp
+    served = range(rank * dst_tp // src_tp, rank * dst_tp // src_tp + max(1, dst_tp // src_tp))  # (prefill) its decodes
     rounds = json.load(open(os.path.join(args.dir, "rounds.json")))
     out = []
     if args.role == "prefill":
         for layer, name in enumerate(caches):
-            caches[name].copy_(_content(layer, pool, heads, device))
+            caches[name].copy_(_content(layer, pool, heads, device, rank))
         _sync(device)
         for k, spec in enumerate(rounds):
             names = [f"k{k}-r{r}" for r in range(len(spec["src"]))]
@@ -225,7 +227,7 @@ def role_main(args: argparse.Namespace) -> None:
             while sent != set(names) and time.monotonic() < deadline:
                 sent |= worker.get_transfer_results(finished).finished_sending
                 finished = set()
-            for d in range(decodes):
+            for d in served:
                 _wait(args.dir, f"done-{k}-{d}", worker)
             out.append({"round": k, "sent": len(sent)})
     else:
@@ -246,9 +248,8 @@ def role_main(args: argparse.Namespace) -> None:
                 failed |= results.failed_recving
             took = time.perf_counter() - start
             wrong = 0
-            part = slice(args.rank * my_heads % heads, args.rank * my_heads % heads + my_heads)  # of the prefill's
             for layer, name in enumerate(caches):  # every byte of every block of every layer (of this rank's heads)
-                expected = _content(layer, pool, heads, device)[:, part]
+                expected = _expected(layer, pool, heads, device, args.tp, rank)
                 src = torch.tensor([b for blocks in spec["src"] for b in blocks], device=device)
                 dst = torch.tensor([b for blocks in spec["dst"] for b in blocks], device=device)
                 wrong += int((caches[name][dst] != expected[src]).any(dim=(1, 2, 3)).sum())
@@ -260,6 +261,18 @@ def role_main(args: argparse.Namespace) -> None:
                         "failed": len(failed), "wrong_blocks": wrong})
     worker.shutdown()
     print(json.dumps(out), flush=True)
+
+
+def _expected(layer: int, pool: int, heads: int, device: torch.device, tp: tuple[int, int], rank: int) -> torch.Tensor:
+    """What decode rank ``rank`` must hold in ``layer``: its heads of the prefill rank that holds them, or,
+    gathered from several (a prefill of a larger TP), theirs side by side."""
+    src_tp, dst_tp = tp
+    if src_tp > dst_tp:
+        k = src_tp // dst_tp
+        return torch.cat([_content(layer, pool, heads, device, r) for r in range(rank * k, rank * k + k)], dim=1)
+    mine = heads * src_tp // dst_tp
+    first = rank * mine % heads
+    return _content(layer, pool, heads, device, rank * src_tp // dst_tp)[:, first : first + mine]
 
 
 def _sync(device: torch.device) -> None:
@@ -283,8 +296,9 @@ def _wait(folder: str, name: str, worker, timeout: float = 300.0) -> None:
 
 def transfer_rows(heads: int, requests: int, tokens: int, fragmented: bool, mode: str, repeats: int,
                   layers: int, limit_s: float = 240.0, warm_up: str = "on", tp: tuple[int, int] = (1, 1)) -> dict:
-    """One batch shape moved ``repeats`` times by prefill rank 0 of TP ``tp[0]`` (``heads`` KV heads) to
-    the ``tp[1] // tp[0]`` decode ranks of TP ``tp[1]`` it serves, each a process of its own."""
+    """One batch shape moved ``repeats`` times between the ranks of a prefill of TP ``tp[0]`` (``heads``
+    KV heads each) and of a decode of TP ``tp[1]`` that exchange it: prefill rank 0 and the decode ranks
+    it serves, or decode rank 0 and the prefill ranks it gathers from; each a process of its own."""
     blocks_each = tokens // BLOCK
     pool = requests * blocks_each * 2
     rng = np.random.default_rng(11)
@@ -295,24 +309,26 @@ def transfer_rows(heads: int, requests: int, tokens: int, fragmented: bool, mode
         rounds.append({"src": src, "dst": dst, "tokens": tokens})
     with tempfile.TemporaryDirectory() as folder:
         json.dump(rounds, open(os.path.join(folder, "rounds.json"), "w"))
-        decodes = tp[1] // tp[0]
-        ports = _free_ports(1 + decodes)
+        decodes, prefills = max(1, tp[1] // tp[0]), max(1, tp[0] // tp[1])
+        base_port = free_span(prefills)  # (prefill rank r listens at its engine's port + r)
+        ports = free_ports(decodes)
         base = [sys.executable, "-m", "benchmarks.vllm_shapes", "--dir", folder, "--heads", str(heads), "--layers",
                 str(layers), "--pool", str(pool), "--mode", mode, "--warm-up", warm_up, "--tp", str(tp[0]), str(tp[1])]
-        prefill = subprocess.Popen(base + ["--role", "prefill", "--port", str(ports[0])], stdout=subprocess.PIPE,
-                                   text=True, cwd=ROOT)
+        senders = [subprocess.Popen(base + ["--role", "prefill", "--rank", str(r), "--port", str(base_port)],
+                                    stdout=subprocess.PIPE, text=True, cwd=ROOT) for r in range(prefills)]
         ranks = []
         try:
-            ranks = [subprocess.Popen(base + ["--role", "decode", "--rank", str(d), "--port", str(ports[1 + d]),
-                                              "--peer-port", str(ports[0])], stdout=subprocess.PIPE,
+            ranks = [subprocess.Popen(base + ["--role", "decode", "--rank", str(d), "--port", str(ports[d]),
+                                              "--peer-port", str(base_port)], stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True, cwd=ROOT) for d in range(decodes)]
             outputs = [rank.communicate(timeout=limit_s) for rank in ranks]
-            prefill.communicate(timeout=60)
+            for sender in senders:
+                sender.communicate(timeout=60)
         except subprocess.TimeoutExpired:  # (a mode that cannot move the batch in time: reported with its bound)
             return {"heads": heads, "requests": requests, "tokens": tokens, "layers": layers, "mode": mode, "tp": tp,
                     "placement": "fragmented" if fragmented else "contiguous", "timed_out_s": limit_s}
         finally:
-            for proc in [prefill, *ranks]:
+            for proc in [*senders, *ranks]:
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait(timeout=10)
@@ -325,25 +341,13 @@ def transfer_rows(heads: int, requests: int, tokens: int, fragmented: bool, mode
                   "wrong_blocks": sum(r["wrong_blocks"] for r in rows), "failed": sum(r["failed"] for r in rows)}
                  for rows in zip(*by_rank)]
     steady = [r["ms"] for r in per_round[1:]] or [per_round[0]["ms"]]
-    nbytes = requests * blocks_each * layers * heads * BLOCK * 2 * HEAD_DIM * 2
+    nbytes = requests * blocks_each * layers * heads * prefills * BLOCK * 2 * HEAD_DIM * 2
     return {"heads": heads, "tp": tp, "requests": requests, "tokens": tokens, "layers": layers,
             "placement": "fragmented" if fragmented else "contiguous", "mode": mode, "warm_up": warm_up,
             "first_ms": per_round[0]["ms"], "first_pairing_ms": per_round[0]["publish_ms"],
             "steady_ms": statistics.median(steady), "gib_s": nbytes / statistics.median(steady) / 1e6 / 1.073741824,
             "bytes": nbytes, "wrong_blocks": sum(r["wrong_blocks"] for r in per_round),
             "failed": sum(r["failed"] for r in per_round), "rounds": per_round}
-
-
-def _free_ports(count: int) -> list[int]:
-    import socket
-
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 def main() -> None:
@@ -369,8 +373,9 @@ def main() -> None:
     parser.add_argument("--port", type=int)
     parser.add_argument("--peer-port", type=int)
     parser.add_argument("--tp", type=int, nargs=2, default=(1, 1), metavar=("PREFILL", "DECODE"),
-                        help="TP sizes: 4 8 moves prefill rank 0's two heads of 8 to decode ranks 0 and 1")
-    parser.add_argument("--rank", type=int, default=0, help="(a decode side) its TP rank")
+                        help="TP sizes: 4 8 moves prefill rank 0's two heads of 8 to decode ranks 0 and 1; "
+                             "8 4 gathers prefill ranks 0 and 1's head each into decode rank 0")
+    parser.add_argument("--rank", type=int, default=0, help="(one side) its TP rank")
     args = parser.parse_args()
     if args.role:
         role_main(args)
