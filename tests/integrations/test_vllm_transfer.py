@@ -33,19 +33,22 @@ def run_pair(tmp_path, engine: str, prefill_layout: str, decode_layout: str, *de
 
 
 def run_group(tmp_path, engine: str, prefill_layout: str, decode_layout: str, decode_args: tuple[str, ...] = (),
-              prefill_args: tuple[str, ...] = (), decode_tp: int = 1, prefill_tp: int = 1) -> tuple[dict, list[dict]]:
-    """A process per rank of a prefill of TP ``prefill_tp`` and of a decode of TP ``decode_tp``: what the
-    prefill's rank 0 and each decode rank saw."""
+              prefill_args: tuple[str, ...] = (), decode_tp: int = 1, prefill_tp: int = 1,
+              decode_ranks: int | None = None) -> tuple[dict, list[dict]]:
+    """A process per rank of a prefill of TP ``prefill_tp`` and of a decode of TP ``decode_tp`` (its first
+    ``decode_ranks`` only, where given: the others never came): what the prefill's rank 0 and each decode
+    rank saw."""
     params = str(tmp_path / "params.json")
     prefill_port = free_span(prefill_tp)  # (prefill rank r listens at its engine's port + r)
     argv = lambda role, layout, port: [role, "--port", str(port), "--params", params, "--engine", engine,  # noqa: E731
                                        "--layout", layout]
-    served = max(1, decode_tp // prefill_tp)  # the decode ranks each prefill rank serves
+    running = decode_tp if decode_ranks is None else decode_ranks
+    served = max(1, min(running, decode_tp // prefill_tp))  # the decode ranks each prefill rank serves (that run)
     sides = [("prefill", prefill_layout, prefill_port, (*prefill_args, "--decode-ranks", str(served), "--tp-size",
                                                         str(prefill_tp), "--tp-rank", str(rank)))
              for rank in range(prefill_tp)]
     sides += [("decode", decode_layout, free_port(), (*decode_args, "--tp-size", str(decode_tp), "--tp-rank", str(rank)))
-              for rank in range(decode_tp)]
+              for rank in range(running)]
     procs, results = [], []
     try:
         for role, layout, port, extra in sides:
@@ -135,3 +138,13 @@ def test_a_decode_of_a_smaller_tp_size_gathers_each_prefill_rank_s_heads_of_ever
     assert sent == {"sent": ["p-req-0", "p-req-1", "p-req-2", "p-req-3"], "freed": True}
     assert got[0]["received"] == REQUESTS and got[0]["failed"] == [] and got[0]["wrong"] == []
     assert got[0]["tokens_checked"] == (100 + 37 + 64 + 5) * len(vllm_node.LAYERS)
+
+
+def test_a_request_some_decode_ranks_never_asked_for_fails_on_the_ranks_that_did_never_as_a_success(tmp_path):
+    """Decode TP 2 of prefill TP 1, rank 1 never comes: the prefill rank waits for both ranks' blocks, gives
+    each request up at its deadline and frees its blocks; rank 0 reports every load failed, with its blocks."""
+    args = ("--timeout", "4")
+    sent, got = run_group(tmp_path, "nixl", "LBNHC", "LBNHC", args, args, decode_tp=2, decode_ranks=1)
+    assert sent["sent"] == ["p-req-0", "p-req-1", "p-req-2", "p-req-3"]  # (freed: given up at its deadline)
+    assert got[0]["failed"] == got[0]["received"] == REQUESTS  # reported, none as a success
+    assert len(got[0]["invalid_blocks"]) == 7 + 3 + 4 + 1
