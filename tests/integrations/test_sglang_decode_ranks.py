@@ -4,6 +4,7 @@ registration pairs (or is refused, and its requests fail naming why), a request 
 destination lists, a request spread over two decode ranks goes to both and a dummy's to none, an abort
 drops the room and is acknowledged, and every status goes to the decode as SGLang's own parser reads it."""
 
+import time
 import types
 
 import numpy as np
@@ -128,6 +129,25 @@ def test_a_request_spread_over_two_decode_ranks_goes_to_both_and_a_dummy_s_to_no
     assert not any(10 in p.lists for p in ranks.endpoint.peers)
     ranks.report(10, ok=True)
     assert not pulls[1][0].poll(300) and not ranks.dummies
+    for sock, _ in pulls:
+        sock.close()
+
+
+def test_a_room_whose_second_rank_registered_in_the_same_poll_after_the_first_rank_s_request_goes_to_both(served):
+    """The link reads every message of a poll before it reports them, so a room can be complete (both ranks'
+    requests in) at the first rank's request, before the second rank's registration is reported: the
+    registrations of a poll pair first (a fresh-clone CI run crashed here, session 27)."""
+    ranks, push, pools = served
+    pulls = [_pull() for _ in range(2)]
+    decodes = [_decode(0, pulls[0][1], pools), _decode(0, pulls[1][1], pools)]
+    decodes[1].engine = types.SimpleNamespace(get_session_id=lambda: "127.0.0.1:17298")
+    push.send_multipart(decodes[0].build_receiver_registration_message())
+    _ask(push, decodes[0], 11, [3], aux=1, required=2)
+    push.send_multipart(decodes[1].build_receiver_registration_message())
+    _ask(push, decodes[1], 11, [4], aux=1, required=2)
+    time.sleep(0.3)  # (all four messages in before the one poll that reports them)
+    assert _progress(ranks, 1) == ([11], [])
+    assert [p.lists[11][0].pages.tolist() for p in ranks.endpoint.peers] == [[3], [4]]
     for sock, _ in pulls:
         sock.close()
 

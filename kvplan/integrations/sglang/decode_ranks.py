@@ -89,9 +89,13 @@ class DecodeRanks:
         caller fails them (and reports them with :meth:`report`). An aborted room is acknowledged
         here, once its lists are dropped."""
         published, failed, handled = [], [], set()
-        for kind, key in self.link.poll(timeout):
-            if kind == "registered":
+        events = self.link.poll(timeout)
+        for kind, key in events:  # every registration of the batch first: a room counts as complete once all
+            if kind == "registered":  # its ranks' requests are in, and a later rank's may follow it in the batch
                 self._pair(key)
+        for kind, key in events:
+            if kind == "registered":
+                continue
             elif kind == "request" and self.link.complete(key) and key not in handled:
                 handled.add(key)  # (once: its ranks' requests may all arrive in one poll)
                 reason = self._publish(key)
