@@ -44,19 +44,21 @@ def _linked(path: str, inside: str) -> set[str]:
     return found
 
 
+def _files(tree: str) -> list[str]:
+    """Every file under ``tree``, hidden folders included (NIXL keeps its plugins in ``.nixl_*.libs``)."""
+    return sorted(os.path.join(folder, name) for folder, _, names in os.walk(tree) for name in names)
+
+
 def trim(wheel: str, unused: tuple[str, ...], out_dir: str) -> str:
     """Write ``wheel`` less ``unused`` and the bundled libraries nothing kept links into ``out_dir``."""
     with tempfile.TemporaryDirectory() as tree:
         with zipfile.ZipFile(wheel) as z:
             z.extractall(tree)
-        for path in glob.glob(os.path.join(tree, "**", "*"), recursive=True) + \
-                glob.glob(os.path.join(tree, ".*", "**", "*"), recursive=True):
-            if os.path.isfile(path) and any(fnmatch.fnmatch(os.path.relpath(path, tree), p) for p in unused):
+        for path in _files(tree):
+            if any(fnmatch.fnmatch(os.path.relpath(path, tree), p) for p in unused):
                 os.remove(path)
         bundled = {os.path.realpath(p) for p in glob.glob(os.path.join(tree, "*.libs", "*")) if os.path.isfile(p)}
-        kept = [p for p in glob.glob(os.path.join(tree, "**", "*.so*"), recursive=True)
-                + glob.glob(os.path.join(tree, ".*", "**", "*.so*"), recursive=True)
-                if os.path.isfile(p) and os.path.realpath(p) not in bundled]
+        kept = [p for p in _files(tree) if ".so" in os.path.basename(p) and os.path.realpath(p) not in bundled]
         needed, todo = set(), list(kept)
         while todo:
             for lib in _linked(todo.pop(), os.path.realpath(tree)):
@@ -67,10 +69,8 @@ def trim(wheel: str, unused: tuple[str, ...], out_dir: str) -> str:
             os.remove(lib)
         target = os.path.join(out_dir, os.path.basename(wheel))
         with zipfile.ZipFile(target, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as z:
-            for path in sorted(glob.glob(os.path.join(tree, "**", "*"), recursive=True)
-                               + glob.glob(os.path.join(tree, ".*", "**", "*"), recursive=True)):
-                if os.path.isfile(path):
-                    z.write(path, os.path.relpath(path, tree))
+            for path in _files(tree):
+                z.write(path, os.path.relpath(path, tree))
     return target
 
 

@@ -393,9 +393,7 @@ def main() -> None:
         batches = [BATCHES[b] for b in args.batches] if device.type == "cuda" else [(2, 64)]  # (a CPU: a smoke run)
         layers = LAYERS if device.type == "cuda" else 2
         src_tp, dst_tp = args.tp
-        heads = 8 // src_tp  # (Llama-70B's 8 KV heads over the prefill's ranks)
-        if src_tp == dst_tp:
-            heads = 1  # (as before: TP 8's one head per rank)
+        heads = 1 if src_tp == dst_tp else 8 // src_tp  # (TP 8's one head; else Llama-70B's 8 over the prefill's ranks)
         modes = args.modes if device.type == "cuda" else ("direct",) if src_tp != dst_tp else ("prepared", "direct")
         for requests, tokens in batches:
             for fragmented in [p == "fragmented" for p in args.placements]:

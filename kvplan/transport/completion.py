@@ -107,8 +107,6 @@ class _Part:
 
     def kv_most(self) -> int:
         """The most pages any KV layer has landed."""
-        if not self.kv_layers:
-            return 0
         return self.kv_all + (int(self.kv_layered.max()) if self.kv_layered is not None else 0)
 
     def kv_complete(self, pages: int) -> bool:

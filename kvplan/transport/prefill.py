@@ -256,14 +256,15 @@ class PrefillEndpoint:
         max_transfers, max_prompt_len = self._warm_shape
         sides = tuple(p.side for p in self.peers)
         start = time.perf_counter()
+        compiled = typical_sizes(self.side)  # (a launch shape each)
         if self.staging is not None and self.staging.is_cuda:
-            warm_up(self.staging, plan_alignment(Batch(self.side, sides, ())), typical_sizes(self.side), kinds=(GATHER,))
+            warm_up(self.staging, plan_alignment(Batch(self.side, sides, ())), compiled, kinds=(GATHER,))
         took["kernels"] = time.perf_counter() - start
         start = time.perf_counter()
         self._planner(prepared=False).warm_up(max_transfers, max(list_entries(side, max_prompt_len) for side in sides))
         took["planners"] = time.perf_counter() - start
         if self._ahead is not None and self._ahead.typical is None:  # the first run's first wave behind its plan,
-            compiled = typical_sizes(self.side)  # in a launch shape the kernels' warm-up above compiled
+            # in a launch shape the kernels' warm-up above compiled
             self._ahead.typical = min(max(smallest_descriptor(self.side, sides), compiled[0]), compiled[-1])
         start = time.perf_counter()
         self._touch_peers(time.monotonic() + timeout)
@@ -276,8 +277,9 @@ class PrefillEndpoint:
         """Open the engine's connection to each decode paired since the last warm-up and pay its first
         large write: the start of this side's staging buffer written over the start of its share (up to
         ``TOUCH_BYTES``: 64 MiB take 0.3 ms over NVLink, 30-60 ms over TCP; no run has gone there yet),
-        with a notification the decode drops (:func:`~.waves.touch_note`): the engine's first one to it. On two H200s a first staged batch's write took 2.2 ms against 0.7 ms for the next
-        ones after a 16-byte touch (session 27)."""
+        with a notification the decode drops (:func:`~.waves.touch_note`): the engine's first one to it.
+        On two H200s a first staged batch's write took 2.2 ms against 0.7 ms for the next ones after a
+        16-byte touch (benchmarks/RESULTS.md, "Session 27")."""
         if self.staging is None or self.staging.numel() < 16:
             return
         handles = {}

@@ -117,7 +117,7 @@ class ConnectorWorker:
         self.view: BlockView | None = None
         self.prefill: PrefillEndpoint | None = None
         self.listener: ChannelListener | None = None
-        self.decodes: dict[tuple, DecodeEndpoint] = {}  # per prefill rank (host, port), or group gathered from
+        self.decodes: dict[tuple[str, int, tuple[int, ...]], DecodeEndpoint] = {}  # by prefill (host, port, ranks)
         self._engines: list[Any] = []
         self._sending: dict[str, _Sending] = {}
         self._sent: set[str] = set()  # written (or given up), waiting for vLLM to name them finished
@@ -318,12 +318,16 @@ class ConnectorWorker:
             raise KvplanError(f"more than {self.settings.max_requests} requests in flight (max_requests)")
         return row
 
+    def _prefill_tp(self, receive: ReceiveRequest) -> int:
+        """The TP size of the request's prefill (this decode's own where its parameters name none)."""
+        return int(receive.remote_tp_size) if receive.remote_tp_size is not None else self.tp_size
+
     def _prefill_ranks(self, receive: ReceiveRequest) -> tuple[int, ...]:
         """The prefill ranks that hold this rank's heads of the request (``KvplanError`` where none can): the
         same rank at equal TP; at a prefill TP ``P`` smaller than this decode's ``D``, rank ``r * P // D``,
         which serves ``D // P`` decode ranks; at a larger one, ranks ``r * k .. r * k + k - 1`` with
         ``k = P // D``, each writing its heads (a gather)."""
-        prefill_tp = int(receive.remote_tp_size) if receive.remote_tp_size is not None else self.tp_size
+        prefill_tp = self._prefill_tp(receive)
         if prefill_tp == self.tp_size:
             return (self.tp_rank,)
         if not self.view.slices_heads:
@@ -342,18 +346,16 @@ class ConnectorWorker:
         prefill ranks that hold this rank's heads, with the number of decode ranks each serves."""
         ranks = self._prefill_ranks(receive)
         decode = self._connect(receive.remote_host, receive.remote_port, ranks)
-        publishers = max(1, self.tp_size // int(receive.remote_tp_size or self.tp_size))
         decode.publish([PreallocatedRequest(receive.remote_request_id, row, receive.prefix_len + receive.num_tokens,
                                             receive.prefix_len)], timeout=self.settings.timeout_s,
-                       peer=list(range(len(ranks))) if len(ranks) > 1 else 0, publishers=publishers)
+                       peer=list(range(len(ranks))), publishers=max(1, self.tp_size // self._prefill_tp(receive)))
         self._receiving[receive.remote_request_id] = _Receiving(request_id, row, list(receive.block_ids[0]), decode)
 
-    def _connect(self, host: str, port: int, prefill_ranks: tuple[int, ...] | None = None) -> DecodeEndpoint:
-        """The decode endpoint paired with ranks ``prefill_ranks`` (this rank's own by default) of the
-        prefill listening at ``host:port``: one per prefill rank, or per group of ranks gathered from, each
-        with its engine and its staging buffer (a staged run lands in its own)."""
-        ranks = (self.tp_rank,) if prefill_ranks is None else tuple(prefill_ranks)
-        key = (host, int(port) + ranks[0]) if len(ranks) == 1 else (host, int(port), ranks)
+    def _connect(self, host: str, port: int, ranks: tuple[int, ...]) -> DecodeEndpoint:
+        """The decode endpoint paired with ranks ``ranks`` of the prefill listening at ``host:port`` (rank
+        ``r`` at ``port + r``): one per prefill rank, or per group of ranks gathered from, each with its
+        engine and its staging buffer (a staged run lands in its own)."""
+        key = (host, int(port), ranks)
         if key in self.decodes:
             return self.decodes[key]
         until, reason = self._unreachable.get(key, (0.0, ""))
@@ -371,8 +373,7 @@ class ConnectorWorker:
             raise PeerError(self._unreachable[key][1]) from None
         start = time.perf_counter()
         decode = DecodeEndpoint(self.view.side(self._recv_table, self.tp_size, self.tp_rank), self._engine("receive"),
-                                channels if len(channels) > 1 else channels[0], staging=self._staging(),
-                                compat=self.view.word)
+                                channels, staging=self._staging(), compat=self.view.word)
         decode.register(timeout=HANDSHAKE_S)
         made = time.perf_counter()
         if self.settings.warm_up:  # (waits for the pairing: the prefill is stepping, it has this request to send)
