@@ -158,9 +158,10 @@ class _Static:
     def sliced_tokens(self, dest: int) -> int:
         """Tokens per KV element of a head-sliced destination (one descriptor each; its page, or the
         unit between sides of different page sizes), 0 for a direct one."""
-        if self.pairings[dest].mode is not Mode.HEAD_SLICED:
+        pairing = self.pairings[dest]
+        if pairing.mode is not Mode.HEAD_SLICED:
             return 0
-        return self.unit_sizes[dest]
+        return pairing.heads.spans_per_page(self.unit_sizes[dest])
 
     def __init__(self, src: SideMemory, dsts: Sequence[SideMemory], device: torch.device, prepared: bool):
         self.pairings: list[SidePairing] = [pair_sides(src, d) for d in dsts]

@@ -87,12 +87,16 @@ class Attention(str, enum.Enum):
     * ``MHA``: a K and a V entry per layer (SGLang's pools); between TP sizes each rank moves its heads;
     * ``MHA_PACKED``: one entry per layer whose tokens hold each head's K and V side by side (vLLM's
       blocks with the tokens outside the heads), moved by head like ``MHA``;
+    * ``MHA_HEAD_MAJOR``: one entry per layer whose pages hold each head's tokens, K and V side by side, in a
+      row (vLLM's blocks with the heads outside the tokens, ``LBHNC``): between TP sizes a rank's heads of a
+      page are one span, moved as one descriptor per layer x page;
     * ``MLA``: one latent entry per layer, the same on every rank.
     """
 
     MHA = "mha"
     MLA = "mla"
     MHA_PACKED = "mha-packed"
+    MHA_HEAD_MAJOR = "mha-head-major"
 
     @property
     def parts(self) -> int:
@@ -103,6 +107,12 @@ class Attention(str, enum.Enum):
     def slices_heads(self) -> bool:
         """Whether sides of different TP sizes move it head by head (planning.md §5)."""
         return self is not Attention.MLA
+
+    @property
+    def heads_outside_tokens(self) -> bool:
+        """Whether a page holds each head's tokens in a row (a head slice is one span per page, and a page's
+        tokens are not one span: the two sides' page sizes must be equal)."""
+        return self is Attention.MHA_HEAD_MAJOR
 
 
 class StateKind(str, enum.Enum):

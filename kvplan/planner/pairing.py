@@ -7,7 +7,7 @@ differ in how they compute lists and descriptors, never in what they pair.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import numpy as np
@@ -17,7 +17,7 @@ from .model import Attention, Entry, KVLayout, SideMemory
 from .state_kinds import rules_of
 from .tensor_slices import sliced_entries
 
-__all__ = ["HeadSlice", "Mode", "SidePairing", "head_slice", "pair_sides", "smallest_descriptor"]
+__all__ = ["HeadSlice", "Mode", "SidePairing", "head_slice", "pair_sides", "paired_attention", "smallest_descriptor"]
 
 
 class Mode(str, enum.Enum):
@@ -32,9 +32,15 @@ class HeadSlice:
     src_head: int
     heads_sent: int
     dst_head: int
-    bytes_per_head: int  # per token
-    src_token_bytes: int  # src_item / ps
-    dst_token_bytes: int  # dst_item / ps
+    bytes_per_head: int  # per token (per page where ``per_page``)
+    src_token_bytes: int  # src_item / ps (src_item where ``per_page``)
+    dst_token_bytes: int  # dst_item / ps (dst_item where ``per_page``)
+    per_page: bool = False  # the heads lie outside the tokens: one span of the slice per page
+
+    def spans_per_page(self, tokens: int) -> int:
+        """Descriptors per page (or unit) of ``tokens`` tokens: one per token, or one where the heads lie
+        outside the tokens (``Attention.MHA_HEAD_MAJOR``)."""
+        return 1 if self.per_page else tokens
 
     @property
     def nbytes(self) -> int:
@@ -48,11 +54,12 @@ class HeadSlice:
         return self.dst_head == 0 and self.nbytes == self.dst_token_bytes
 
 
-def head_slice(src: KVLayout, dst: KVLayout, src_item: int, dst_item: int, pages: tuple[int, int] | None = None
-               ) -> HeadSlice:
+def head_slice(src: KVLayout, dst: KVLayout, src_item: int, dst_item: int, pages: tuple[int, int] | None = None,
+               per_page: bool = False) -> HeadSlice:
     """The head slice a source rank sends to a destination rank (planning.md §5); ``pages``: the
     tokens per item on each side when they are not the KV page sizes (a state component's pages;
-    docs/tp_state.md).
+    docs/tp_state.md); ``per_page``: the items hold each head's tokens in a row
+    (``Attention.MHA_HEAD_MAJOR``), so the slice is one span per item.
 
     >>> def lay(ts, rank): return KVLayout(Attention.MHA, 1, (), num_kv_heads=8, tp_size=ts, tp_rank=rank)
     >>> [head_slice(lay(4, r), lay(2, 0), 256, 512).dst_head for r in range(4)]
@@ -73,6 +80,11 @@ def head_slice(src: KVLayout, dst: KVLayout, src_item: int, dst_item: int, pages
     bph = dst_token // dst_heads
     if src_token // src_heads != bph:
         raise LayoutError(f"bytes per head differ: source {src_token // src_heads}, destination {bph}")
+    if per_page:  # a page holds each head's tokens in a row: the slice is one span of each page
+        if src.page_size != dst.page_size:
+            raise LayoutError(f"pages of {src.page_size} and {dst.page_size} tokens with the heads outside the tokens: "
+                              "a page's tokens are not one span, so both sides' page sizes must be equal")
+        return replace(head_slice(src, dst, src_item, dst_item, (1, 1)), per_page=True)
     if ts > td:
         unique = src.tp_rank // max(1, ts // heads)
         src_head, heads_sent, dst_head = 0, src_heads, (unique * src_heads) % dst_heads
@@ -173,11 +185,31 @@ def pair_sides(src: SideMemory, dst: SideMemory) -> SidePairing:
     return pairing
 
 
+_PACKED = (Attention.MHA_PACKED, Attention.MHA_HEAD_MAJOR)
+
+
+def paired_attention(sk: KVLayout, dk: KVLayout) -> Attention:
+    """The attention kind two sides' KV pair under: their own where it is the same. Packed KV of one head
+    per rank is the same bytes with the heads inside or outside the tokens, so such a side pairs with a
+    packed side of either kind under its peer's (a side of several heads decides).
+
+    >>> one = KVLayout(Attention.MHA_PACKED, 16, (), num_kv_heads=8, tp_size=8)
+    >>> paired_attention(one, KVLayout(Attention.MHA_HEAD_MAJOR, 16, (), num_kv_heads=8, tp_size=4)).value
+    'mha-head-major'
+    """
+    if sk.attention is dk.attention:
+        return sk.attention
+    if sk.attention in _PACKED and dk.attention in _PACKED and sk.num_kv_heads and dk.num_kv_heads:
+        src_heads, dst_heads = max(1, sk.num_kv_heads // sk.tp_size), max(1, dk.num_kv_heads // dk.tp_size)
+        if min(src_heads, dst_heads) == 1:
+            return sk.attention if src_heads > dst_heads else dk.attention if dst_heads > 1 else Attention.MHA_PACKED
+    raise LayoutError(f"attention kinds differ: source {sk.attention.value}, destination {dk.attention.value}")
+
+
 def _pair_sides(src: SideMemory, dst: SideMemory) -> SidePairing:
     sk, dk = src.kv, dst.kv
-    if sk.attention is not dk.attention:
-        raise LayoutError(f"attention kinds differ: source {sk.attention.value}, destination {dk.attention.value}")
-    parts = sk.attention.parts
+    kind = paired_attention(sk, dk)
+    parts = kind.parts
     kv_src, kv_dst = [], []
     for part in range(parts):
         for local in range(sk.num_layers):
@@ -190,14 +222,17 @@ def _pair_sides(src: SideMemory, dst: SideMemory) -> SidePairing:
             raise LayoutError(f"KV layer {sk.first_layer + local}: its model-wide id differs (source {layer_id}, "
                               f"destination {dst_ids[sk.first_layer + local - dk.first_layer]}; KVLayout.layer_ids, "
                               "docs/layerwise.md)")
-    mode = Mode.DIRECT if not sk.attention.slices_heads or sk.tp_size == dk.tp_size else Mode.HEAD_SLICED
+    mode = Mode.DIRECT if not kind.slices_heads or sk.tp_size == dk.tp_size else Mode.HEAD_SLICED
     heads = None
+    if sk.page_size != dk.page_size and kind.heads_outside_tokens:
+        raise LayoutError(f"KV pages of {sk.page_size} and {dk.page_size} tokens with the heads outside the tokens "
+                          f"({kind.value}): a page's tokens are not one span, so the page sizes must be equal")
     if sk.page_size != dk.page_size and mode is Mode.DIRECT:
         _require_equal_token_bytes("KV", tuple(kv_src), tuple(kv_dst), sk.page_size, dk.page_size)
     elif mode is Mode.DIRECT:
         _require_equal_items("KV", tuple(kv_src), tuple(kv_dst))
     else:
-        heads = _one_slice("KV", kv_src, kv_dst, sk, dk, None)
+        heads = _one_slice("KV", kv_src, kv_dst, sk, dk, None, kind.heads_outside_tokens)
     if len(src.state) != len(dst.state):
         raise LayoutError(f"state components differ: source has {len(src.state)}, destination {len(dst.state)}")
     state_heads: list[HeadSlice | None] = []
@@ -270,9 +305,9 @@ def _component_slice(i: int, sc, dc, sk: KVLayout, dk: KVLayout, cps_s: int, cps
 
 
 def _one_slice(what: str, src: Sequence[Entry], dst: Sequence[Entry], sk: KVLayout, dk: KVLayout,
-               pages: tuple[int, int] | None) -> HeadSlice:
+               pages: tuple[int, int] | None, per_page: bool = False) -> HeadSlice:
     """The one head slice every entry pair of ``what`` shares (planning.md §5), or LayoutError."""
-    slices = {head_slice(sk, dk, s.item_len, d.item_len, pages) for s, d in zip(src, dst)}
+    slices = {head_slice(sk, dk, s.item_len, d.item_len, pages, per_page) for s, d in zip(src, dst)}
     if len(slices) != 1:
         raise LayoutError(f"head-sliced mode needs the same item length on every {what} entry of a side")
     return slices.pop()

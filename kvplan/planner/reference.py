@@ -72,7 +72,7 @@ def _plan_transfer(batch: Batch, t: Transfer, pairing: SidePairing) -> TransferP
         kv_descs = direct_descriptors(pairing.kv_src, pairing.kv_dst, runs)
     else:
         kv_descs = head_sliced_descriptors(pairing.kv_src, pairing.kv_dst, src_pages, dst_pages, pairing.heads,
-                                           batch.src.kv.page_size)
+                                           pairing.heads.spans_per_page(batch.src.kv.page_size))
     state = component_plans(batch.src, pairing, lists, batch.dsts[t.dest])
     aux_descs = empty_descs()
     if lists.aux:

@@ -30,6 +30,8 @@ from kvplan.errors import LayoutError  # noqa: E402
 from kvplan.integrations.vllm import KvplanConnector  # noqa: E402
 from kvplan.integrations.vllm.kv_caches import BlockView  # noqa: E402
 from kvplan.integrations.vllm.scheduler import UnsupportedConfig  # noqa: E402
+from kvplan.planner.model import Attention  # noqa: E402
+from kvplan.planner.pairing import pair_sides  # noqa: E402
 from tests.ports import free_port  # noqa: E402
 from tests.integrations.vllm_fakes import BLOCK, ENGINE, Blocks, full_attention, kv_caches, request, vllm_config  # noqa: E402
 
@@ -82,23 +84,41 @@ def test_vllm_s_kv_caches_become_blocks_per_layer_or_across_layers(layout, cross
     assert layout.name not in view.word and ("cross-layer" in view.word) is cross  # (the byte order, not the name)
 
 
-@pytest.mark.parametrize("layout, pairs", [(KVCacheLayout.LBNHC, True), (KVCacheLayout.LBHNC, False),
-                                           (KVCacheLayout.BLNHC, False), (KVCacheLayout.BLHNC, False)])
-def test_sides_of_other_block_or_tp_sizes_share_a_word_only_where_each_layers_blocks_hold_their_tokens_in_order(
-        layout, pairs):
+@pytest.mark.parametrize("layout, by_head, kind", [(KVCacheLayout.LBNHC, True, Attention.MHA_PACKED),
+                                                   (KVCacheLayout.LBHNC, True, Attention.MHA_HEAD_MAJOR),
+                                                   (KVCacheLayout.BLNHC, False, Attention.MLA),
+                                                   (KVCacheLayout.BLHNC, False, Attention.MLA)])
+def test_sides_of_other_block_or_tp_sizes_share_a_word_only_where_a_layer_s_blocks_hold_its_heads_and_tokens(
+        layout, by_head, kind):
+    """Where a layer's block holds heads and tokens, the word names neither count (the pairing checks them: TP
+    sizes for both layouts, block sizes where the tokens lie outside the heads); elsewhere blocks move whole and
+    the word names the block size. A rank of one head looks the same in LBNHC and LBHNC."""
     names = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
-    words = {}
+    views = {}
     for block in (16, 32):
         kv_cache = full_attention(names, num_blocks=20, heads=2, head_size=8, layout=layout, block_size=block)
-        words[block] = BlockView.of(kv_caches(kv_cache, layout), block).word
-    assert (words[16] == words[32]) is pairs, words
+        views[block] = BlockView.of(kv_caches(kv_cache, layout), block)
+    assert (views[16].word == views[32].word) is by_head, views
+    assert views[16].side(tp_size=2).kv.attention is kind
     other_heads = BlockView.of(kv_caches(full_attention(names, num_blocks=20, heads=4, head_size=8, layout=layout),
                                          layout), BLOCK)
-    assert (other_heads.word == words[16]) is pairs  # (another TP size: heads counted by the pairing, not the word)
-    assert other_heads.slices_heads is pairs and (other_heads.heads == 4) is pairs
+    assert (other_heads.word == views[16].word) is by_head  # (another TP size: heads counted by the pairing)
+    assert other_heads.slices_heads is by_head and (other_heads.heads == 4) is by_head
+    one_head = BlockView.of(kv_caches(full_attention(names, num_blocks=20, heads=1, head_size=8, layout=layout),
+                                      layout), BLOCK)
+    assert (one_head.word == views[16].word) is by_head
+    if by_head:  # a rank of one head pairs with its peer's kind; another block size only where tokens lie outside
+        assert one_head.side(tp_size=2).kv.attention is Attention.MHA_PACKED
+        pair_sides(views[16].side(tp_size=1), one_head.side(tp_size=2, tp_rank=1))
+        other_block = views[32].side(tp_size=1)
+        if kind is Attention.MHA_HEAD_MAJOR:
+            with pytest.raises(LayoutError, match="page sizes must be equal"):
+                pair_sides(views[16].side(tp_size=1), other_block)
+        else:
+            pair_sides(views[16].side(tp_size=1), other_block)
     other_head_size = BlockView.of(kv_caches(full_attention(names, num_blocks=20, heads=2, head_size=16,
                                                             layout=layout), layout), BLOCK).word
-    assert other_head_size != words[16]  # (what a head holds must match)
+    assert other_head_size != views[16].word  # (what a head holds must match)
 
 
 def test_kv_caches_whose_blocks_are_not_one_span_are_refused_naming_the_layer():

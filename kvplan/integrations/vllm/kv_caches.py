@@ -14,7 +14,8 @@ lies and how long it is:
 A view whose blocks are not contiguous (the heads outermost, ``LHBNC``) is refused. The side is an
 MLA-like layout (one entry per layer, no K/V split): kvplan copies a block as it is, so both sides
 must lay blocks out alike; :attr:`BlockView.word` names what must match, and the endpoints refuse to
-pair where it differs. Where each layer's blocks hold their tokens one after another (``LBNHC``), a
+pair where it differs. Where each layer's block holds heads and tokens (``LBNHC``, ``LBHNC``), the KV
+moves by head and the sides may differ in TP size; where its tokens also follow one another (``LBNHC``), a
 block is a page of tokens and the sides may differ in block size: kvplan moves such KV in units of
 the tokens the two block sizes share (docs/page_sizes.md). Elsewhere the block size is part of the word.
 
@@ -71,7 +72,8 @@ class BlockView:
     layers: tuple[str, ...]
     cross_layer: bool
     word: str
-    heads: int = 0  # this rank's KV heads, where a block's tokens hold them side by side (else 0: moved whole)
+    heads: int = 0  # this rank's KV heads, where a layer's block holds them by head (else 0: moved whole)
+    heads_outside: bool = False  # a block holds each head's tokens in a row (LBHNC), not each token's heads
 
     @classmethod
     def of(cls, kv_caches: Mapping[str, Any], block_size: int) -> "BlockView":
@@ -106,21 +108,24 @@ class BlockView:
         shape = [int(x) for x in first.shape[1:]]
         tokens_dim = _tokens_dim(first, block_size)
         per_layer = strides == set(block_bytes[:1]) and len(set(block_bytes)) == 1  # each layer's blocks in a row
-        # a layer's block whose tokens follow each other, every head of a token side by side (NHD), is a page
-        # of tokens: sides of other block sizes (kvplan moves units of their common tokens, docs/page_sizes.md)
-        # and other TP sizes (each rank's heads, token by token, docs/tp_state.md) pair
-        # (among the dimensions of more than one element: a rank of one head gives its heads any stride)
+        # a layer's block of heads and tokens with each token's content innermost is KV by head: the tokens
+        # outside the heads (NHD) or the heads outside the tokens (HND). Sides of other TP sizes pair (each rank's
+        # heads, docs/tp_state.md), and, with the tokens outside, of other block sizes (kvplan moves units of
+        # their common tokens, docs/page_sizes.md); the pairing checks both, so the word names neither.
+        # (Among the dimensions of more than one element: a rank of one head gives its heads any stride, and
+        # its blocks are the same bytes either way.)
         wide = [d for d in order if first.shape[d] > 1]
-        tokens_outermost = per_layer and tokens_dim is not None and bool(wide) and wide[0] == tokens_dim
-        if tokens_outermost:
+        by_head = per_layer and tokens_dim is not None and bool(wide) and wide[-1] == 3 and tokens_dim in wide
+        heads_outside = by_head and wide[0] == 1
+        if by_head:
             shape[0] = shape[tokens_dim - 1] = -1
         base = f"vllm-kv/{str(first.dtype).removeprefix('torch.')}/{tuple(shape)}/" + \
-            ("tokens-outermost" if tokens_outermost else f"order{order}")
+            ("by-head" if by_head else f"order{order}")
         if per_layer:
             entries = tuple(Entry(v.data_ptr(), block_bytes[0], blocks) for _, v in views)
-            word = f"{base}/per-layer" + ("" if tokens_outermost else f"/bs{block_size}")
+            word = f"{base}/per-layer" + ("" if by_head else f"/bs{block_size}")
             return cls(entries, blocks, block_size, tuple(n for n, _ in views), False, word,
-                       int(first.shape[1]) if tokens_outermost else 0)
+                       int(first.shape[1]) if by_head else 0, heads_outside)
         stride = strides.pop() if len(strides) == 1 else None
         starts = sorted((v.data_ptr(), b) for (_, v), b in zip(views, block_bytes))
         tiled = stride is not None and all(a + b == c for (a, b), (c, _) in zip(starts, starts[1:])) \
@@ -134,15 +139,16 @@ class BlockView:
 
     @property
     def slices_heads(self) -> bool:
-        """Whether a side of another TP size pairs with this one (each rank's heads moved token by token)."""
+        """Whether a side of another TP size pairs with this one (each rank's heads moved)."""
         return self.heads > 0
 
     def side(self, req_to_token: Any = None, tp_size: int = 1, tp_rank: int = 0) -> SideMemory:
         """This view as a kvplan side over ``req_to_token`` (its planning table: token slots, block
-        ``b``'s tokens being ``b * block_size ...``), rank ``tp_rank`` of ``tp_size``: packed heads where
-        its tokens hold them side by side, else blocks moved whole (one entry per layer either way)."""
+        ``b``'s tokens being ``b * block_size ...``), rank ``tp_rank`` of ``tp_size``: KV by head where a
+        layer's block holds heads and tokens (``LBNHC``: packed heads token by token; ``LBHNC``: each head's
+        tokens in a row), else blocks moved whole (one entry per layer either way)."""
         if not self.slices_heads:
             return SideMemory(KVLayout(Attention.MLA, self.block_size, self.entries), req_to_token=req_to_token)
-        return SideMemory(KVLayout(Attention.MHA_PACKED, self.block_size, self.entries,
-                                   num_kv_heads=self.heads * tp_size, tp_size=tp_size, tp_rank=tp_rank),
-                          req_to_token=req_to_token)
+        kind = Attention.MHA_HEAD_MAJOR if self.heads_outside else Attention.MHA_PACKED
+        return SideMemory(KVLayout(kind, self.block_size, self.entries, num_kv_heads=self.heads * tp_size,
+                                   tp_size=tp_size, tp_rank=tp_rank), req_to_token=req_to_token)

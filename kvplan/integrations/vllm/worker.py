@@ -331,9 +331,9 @@ class ConnectorWorker:
         if prefill_tp == self.tp_size:
             return (self.tp_rank,)
         if not self.view.slices_heads:
-            raise KvplanError(f"its prefill runs TP {prefill_tp}, this decode TP {self.tp_size}: blocks whose tokens "
-                              "do not hold their heads side by side (a layout other than LBNHC) move between equal "
-                              "TP sizes only")
+            raise KvplanError(f"its prefill runs TP {prefill_tp}, this decode TP {self.tp_size}: blocks that do not "
+                              "hold one layer's heads and tokens (a layout other than LBNHC or LBHNC) move between "
+                              "equal TP sizes only")
         if prefill_tp < self.tp_size and self.tp_size % prefill_tp == 0:
             return (self.tp_rank * prefill_tp // self.tp_size,)
         if prefill_tp > self.tp_size and prefill_tp % self.tp_size == 0:
