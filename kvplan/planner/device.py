@@ -238,8 +238,8 @@ class _Static:
                             comp.num_items, map_slot, map_len, rules.always_strict, comp.from_prefix)
         slots = np.zeros((max(1, D) * K, 2), np.int64)
         if prepared:
-            if any(p.mode is not Mode.DIRECT or p.slices for p in self.pairings):
-                raise LayoutError("prepared lists are per page: head-sliced transfers and TP-sliced state need "
+            if not all(p.per_item for p in self.pairings):
+                raise LayoutError("prepared lists are per page: head slices of each token and TP-sliced state need "
                                   "descriptors")
             for d, side in enumerate(dsts):
                 for role, (_, s_slots, d_slots) in prepared_slots(src, side).items():

@@ -135,6 +135,13 @@ class SidePairing:
         return self.state_bytes[c] if c < len(self.state_bytes) else None
 
     @property
+    def per_item(self) -> bool:
+        """Whether each descriptor is one per entry x item, as NIXL's prepared lists number them: whole items,
+        or KV head slices of one span per page (``Attention.MHA_HEAD_MAJOR``), with no sliced state."""
+        return ((self.heads is None or self.heads.per_page) and all(h is None for h in self.state_heads)
+                and all(b is None for b in self.state_bytes))
+
+    @property
     def slices(self) -> bool:
         """Whether anything moves in parts of items: head-sliced KV or state, or sliced state entries."""
         return (self.heads is not None or any(h is not None for h in self.state_heads)

@@ -5,7 +5,8 @@ A prepared list registers, once per peer, one descriptor per entry x slot of a p
 building addresses. kvplan produces, per section of each transfer (KV, each state component,
 aux, in plan order), the source and destination index arrays, entry-major: for entry ``e``, every
 element ``k`` of the section's list. NIXL merges neighbouring descriptors itself, so these are
-per page, not per run. Direct mode only.
+per page, not per run. Direct mode, and head slices of one span per page (``Attention.MHA_HEAD_MAJOR``:
+the lists then hold each page's slice, the indices are the same).
 
 The int32 range is checked once per layout: ``entries * num_slots`` must stay below ``2**31``.
 
@@ -25,7 +26,7 @@ import numpy as np
 
 from ..errors import LayoutError
 from .model import Batch, SideMemory
-from .pairing import Mode, pair_sides
+from .pairing import pair_sides
 from .plan import Plan, Role
 
 __all__ = ["AUX", "KV", "PreparedIndices", "prepared_indices_reference", "prepared_slots"]
@@ -72,8 +73,9 @@ def prepared_slots(src: SideMemory, dst: SideMemory) -> dict[int, tuple[int, int
 def prepared_indices_reference(batch: Batch, plan: Plan) -> PreparedIndices:
     """The index arrays of a reference plan (direct mode only)."""
     slots = [prepared_slots(batch.src, d) for d in batch.dsts]
-    if any(pair_sides(batch.src, d).mode is not Mode.DIRECT for d in batch.dsts):
-        raise LayoutError("prepared lists are per page: head-sliced transfers need descriptors")
+    if not all(pair_sides(batch.src, d).per_item for d in batch.dsts):
+        raise LayoutError("prepared lists are per page: head slices of each token and TP-sliced state need "
+                          "descriptors")
     src_parts, dst_parts, sizes, roles, owners = [], [], [], [], []
 
     def section(t: int, role: int, src_list: np.ndarray, dst_list: np.ndarray) -> None:

@@ -112,11 +112,12 @@ def test_sides_of_other_block_sizes_do_not_pair_where_the_heads_come_before_the_
     assert sent["sent"] == ["p-req-0", "p-req-1", "p-req-2", "p-req-3"]
 
 
-@pytest.mark.parametrize("layout, mode", [("LBNHC", "direct"), ("LBNHC", "auto"), ("LBHNC", "direct")])
+@pytest.mark.parametrize("layout, mode", [("LBNHC", "direct"), ("LBNHC", "auto"), ("LBHNC", "prepared")])
 def test_a_decode_of_a_larger_tp_size_receives_each_rank_s_heads_of_every_token(tmp_path, layout, mode):
     """Prefill TP 1 (both heads), decode TP 2 (a head per rank): the prefill rank writes each decode rank
-    its head of every token, K and V together (LBNHC: token by token; LBHNC: the head's span of each block),
-    and frees the blocks once both have been written."""
+    its head of every token, K and V together (LBNHC: token by token; LBHNC: the head's span of each block,
+    through NIXL prepared lists of those spans, as vLLM's NIXL connector moves them), and frees the blocks once
+    both have been written."""
     by_token = ("--by-token", "--timeout", "20")  # (a success ends at once: the deadline is margin on a loaded machine)
     sent, got = run_group(tmp_path, "nixl", layout, layout, by_token, (*by_token, "--mode", mode), decode_tp=2)
     assert sent == {"sent": ["p-req-0", "p-req-1", "p-req-2", "p-req-3"], "freed": True}
@@ -131,12 +132,12 @@ def test_a_decode_of_a_larger_tp_size_does_not_pair_where_blocks_move_whole(tmp_
         assert rank["failed"] == rank["received"] == REQUESTS  # reported, none as a success
 
 
-@pytest.mark.parametrize("layout", ["LBNHC", "LBHNC"])
-def test_a_decode_of_a_smaller_tp_size_gathers_each_prefill_rank_s_heads_of_every_token(tmp_path, layout):
+@pytest.mark.parametrize("layout, mode", [("LBNHC", "direct"), ("LBHNC", "prepared")])
+def test_a_decode_of_a_smaller_tp_size_gathers_each_prefill_rank_s_heads_of_every_token(tmp_path, layout, mode):
     """Prefill TP 2 (a head per rank), decode TP 1 (both heads): the decode publishes its blocks to both
     prefill ranks, and each writes its head of every token into them (a gather)."""
     by_token = ("--by-token", "--timeout", "20")  # (a success ends at once: the deadline is margin on a loaded machine)
-    sent, got = run_group(tmp_path, "nixl", layout, layout, by_token, (*by_token, "--mode", "direct"), prefill_tp=2)
+    sent, got = run_group(tmp_path, "nixl", layout, layout, by_token, (*by_token, "--mode", mode), prefill_tp=2)
     assert sent == {"sent": ["p-req-0", "p-req-1", "p-req-2", "p-req-3"], "freed": True}
     assert got[0]["received"] == REQUESTS and got[0]["failed"] == [] and got[0]["wrong"] == []
     assert got[0]["tokens_checked"] == (100 + 37 + 64 + 5) * len(vllm_node.LAYERS)

@@ -111,3 +111,43 @@ def test_a_side_of_one_head_per_rank_pairs_with_either_packed_kind(src_tp, src_r
             assert np.array_equal(_head_token(dst_space, dst, layer, d_slot, head_in_dst),
                                   _head_token(src_space, src, layer, s_slot, head_in_src))
     assert_device_matches_reference(batch, device)
+
+
+@pytest.mark.parametrize("src_tp, src_rank, dst_tp, dst_rank", [(2, 1, 4, 3), (4, 3, 2, 1)])
+def test_prepared_lists_of_each_page_s_head_slice_name_the_bytes_the_descriptors_move(src_tp, src_rank, dst_tp,
+                                                                                      dst_rank, device):
+    """NIXL prepared lists (vLLM's NIXL connector's form between TP sizes in LBHNC): one descriptor per layer x
+    block, each the page's head slice; the planner's indices into them are the descriptors, in order."""
+    from kvplan.planner.device import Planner
+    from kvplan.planner.columns import BatchColumns
+    from kvplan.planner.prepared import KV, prepared_indices_reference
+    from kvplan.transport.engines.nixl import expanded_rows
+    from kvplan.transport.senders.prepared import prepared_items
+
+    src = _side(src_tp, src_rank, 1 << 32, table_with({1: [5, 9, 2, 7]}, PAGE))
+    dst = _side(dst_tp, dst_rank, 1 << 36, table_with({2: [11, 3, 20, 6]}, PAGE))
+    batch = Batch(src, (dst,), (last_transfer(row=1, length=13, dst_pages=[11, 3, 20, 6]),))
+    plan = plan_reference(batch)
+    indices = prepared_indices_reference(batch, plan)
+    src_items, dst_items = prepared_items(src, dst)[KV]
+    src_list, dst_list = expanded_rows(src_items, 0), expanded_rows(dst_items, 0)
+    named = np.stack([src_list[indices.src, 0], dst_list[indices.dst, 0], src_list[indices.src, 1]], axis=1)
+    assert np.array_equal(dst_list[indices.dst, 1], named[:, 2])
+    assert np.array_equal(named, plan.descriptors()[0].astype(np.uint64))
+    on_device = batch.to(device)
+    planner = Planner(on_device.src, on_device.dsts, outputs=("prepared",))
+    indices.assert_equal(planner.plan(BatchColumns.from_batch(on_device)).prepared_indices())
+
+
+def test_prepared_lists_are_refused_where_a_head_slice_is_one_per_token():
+    from kvplan.planner.prepared import prepared_indices_reference
+
+    def packed(tp, rank, base, table):
+        side = _side(tp, rank, base, table)
+        return SideMemory(KVLayout(Attention.MHA_PACKED, PAGE, side.kv.entries, num_kv_heads=HEADS, tp_size=tp,
+                                   tp_rank=rank), req_to_token=table)
+
+    src, dst = packed(1, 0, 1 << 32, table_with({1: [5]}, PAGE)), packed(2, 1, 1 << 36, None)
+    batch = Batch(src, (dst,), (last_transfer(row=1, length=4, dst_pages=[11]),))
+    with pytest.raises(LayoutError, match="head slices of each token"):
+        prepared_indices_reference(batch, plan_reference(batch))

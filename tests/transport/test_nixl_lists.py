@@ -25,17 +25,25 @@ def _expand(rows: np.ndarray) -> np.ndarray:
     return np.array(out, dtype=np.uint64).reshape(-1, 3)
 
 
-def test_a_strided_list_stands_for_the_expanded_one_row_for_row():
+@pytest.mark.parametrize("sliced", [False, True])
+def test_a_strided_list_stands_for_the_expanded_one_row_for_row(sliced):
+    """Whole items, or a part of each (``nbytes``: a head slice of each page)."""
     rng = np.random.default_rng(5)
     items = np.stack([rng.integers(1, 1 << 40, 7) * 64, rng.integers(1, 64, 7) * 16, rng.integers(1, 50, 7)],
                      axis=1).astype(np.uint64)
+    if sliced:
+        items = np.concatenate([items, items[:, 1:2] // np.uint64(2)], axis=1)
     strided = strided_rows(items, device=3)
     assert strided.shape == (7, 5)
-    assert np.array_equal(_expand(strided), expanded_rows(items, device=3))
+    expanded = expanded_rows(items, device=3)
+    assert np.array_equal(_expand(strided), expanded)
+    assert np.array_equal(np.unique(expanded[:, 1]), np.unique(items[:, 3 if sliced else 1]))
 
 
 @pytest.mark.engines
-def test_a_prepared_write_moves_the_same_bytes_through_either_form():
+@pytest.mark.parametrize("sliced", [False, True])
+def test_a_prepared_write_moves_the_same_bytes_through_either_form(sliced):
+    """Whole items, or the middle half of each (a list of head slices, one per page)."""
     pytest.importorskip("zmq")
     try:
         agent_class = nixl_api()[0]
@@ -54,8 +62,9 @@ def test_a_prepared_write_moves_the_same_bytes_through_either_form():
         sender.register([(src.data_ptr(), src.numel())])
         receiver.register([(dst.data_ptr(), dst.numel())])
         peer = sender.connect(receiver.metadata())
-        bases = lambda t: np.array([[t.data_ptr() + e * slots * item, item, slots] for e in range(entries)],  # noqa: E731
-                                   np.uint64)
+        part = (item // 4, item // 2) if sliced else (0, item)
+        bases = lambda t: np.array([[t.data_ptr() + e * slots * item + part[0], item, slots, part[1]]  # noqa: E731
+                                    for e in range(entries)], np.uint64)
         sender.prepare(peer, "kv", bases(src), bases(dst))
         handle = sender.post_prepared(peer, "kv", picked, picked, b"")
         deadline = time.monotonic() + 30
@@ -64,5 +73,6 @@ def test_a_prepared_write_moves_the_same_bytes_through_either_form():
         assert handle.state == "DONE", handle.error
         landed[strided] = dst.clone()
     expected = torch.zeros_like(src).view(-1, item)
-    expected[torch.from_numpy(picked.astype(np.int64))] = src.view(-1, item)[torch.from_numpy(picked.astype(np.int64))]
+    rows, lo, hi = torch.from_numpy(picked.astype(np.int64)), part[0], part[0] + part[1]
+    expected[rows, lo:hi] = src.view(-1, item)[rows, lo:hi]
     assert torch.equal(landed[True], expected.view(-1)) and torch.equal(landed[False], expected.view(-1))

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from ...errors import LayoutError
-from ...planner.model import Transfer
+from ...planner.model import SideMemory, Transfer
 from ...planner.pairing import pair_sides
 from ...planner.plan import AUX_ROLE, KV_ROLE
 from ...planner.prepared import prepared_slots
@@ -18,18 +18,39 @@ if TYPE_CHECKING:
     from .planned import PlannedBatch
 
 
+def prepared_items(src: SideMemory, dst: SideMemory) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Per role, the ``[entries, 4]`` ``(base, item_len, slots, nbytes)`` items of the prepared lists from
+    ``src`` to ``dst`` (:meth:`Engine.prepare`): whole items, or for KV head slices of one span per page
+    (``Attention.MHA_HEAD_MAJOR``) each page's slice, so that the planner's indices name the bytes its
+    descriptors would."""
+    pairing = pair_sides(src, dst)
+    tables = {KV_ROLE: (pairing.kv_src, pairing.kv_dst), AUX_ROLE: (pairing.aux_src, pairing.aux_dst)}
+    tables.update({c: t for c, t in enumerate(zip(pairing.state_src, pairing.state_dst))})
+    out = {}
+    for role, (entries, src_slots, dst_slots) in prepared_slots(src, dst).items():
+        src_t, dst_t = tables[role]
+        src_items, dst_items = _items(src_t, src_slots), _items(dst_t, dst_slots)
+        if role == KV_ROLE and pairing.heads is not None:
+            h = pairing.heads
+            src_items[:, 0] += np.uint64(h.src_head * h.bytes_per_head)
+            dst_items[:, 0] += np.uint64(h.dst_head * h.bytes_per_head)
+            src_items[:, 3] = dst_items[:, 3] = np.uint64(h.nbytes)
+        out[role] = (src_items, dst_items)
+    return out
+
+
+def _items(table: np.ndarray, slots: int) -> np.ndarray:
+    """``[entries, 4]`` ``(base, item_len, slots, nbytes)`` of a pairing's ``(base, item_len)`` table: whole items."""
+    return np.concatenate([table, np.full((len(table), 1), slots, np.uint64), table[:, 1:2]], axis=1)
+
+
 def prepare(ep: PrefillEndpoint, dest: int) -> None:
     """NIXL prepared lists for every role towards peer ``dest``."""
     if not ep.engine.capabilities.prepared:
         raise LayoutError(f"the {type(ep.engine).__name__} has no prepared descriptor lists; use direct mode")
     peer = ep.peers[dest]
-    pairing = pair_sides(ep.side, peer.side)
-    tables = {KV_ROLE: (pairing.kv_src, pairing.kv_dst), AUX_ROLE: (pairing.aux_src, pairing.aux_dst)}
-    tables.update({c: t for c, t in enumerate(zip(pairing.state_src, pairing.state_dst))})
-    for role, (entries, src_slots, dst_slots) in prepared_slots(ep.side, peer.side).items():
-        src_t, dst_t = tables[role]
-        items = lambda t, slots: np.concatenate([t, np.full((len(t), 1), slots, np.uint64)], axis=1)  # noqa: E731
-        ep.engine.prepare(peer.name, role, items(src_t, src_slots), items(dst_t, dst_slots))
+    for role, (src_items, dst_items) in prepared_items(ep.side, peer.side).items():
+        ep.engine.prepare(peer.name, role, src_items, dst_items)
     peer.prepared = True
 
 
