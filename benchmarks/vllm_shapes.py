@@ -17,6 +17,12 @@ sides (``contiguous``: a fresh one).
 * the descriptor counts of that form and of kvplan's direct form (runs of blocks that are neighbours on
   both sides merged into one descriptor per layer).
 
+Shapes: TP 1 and TP 8 (equal TP on both sides), and TP 4 -> 8 (``llama70b-tp4to8-lbhnc``): a prefill rank's
+two heads, the second decode rank it serves taking one, in ``LBHNC``, the layout vLLM's NIXL connector asks
+for. There vLLM prepares lists of each block's head slice once per peer (``_build_fa_remote``) and computes the
+same ids per request; kvplan's prepared form is the same (``Attention.MHA_HEAD_MAJOR``), and its direct form
+cannot merge (a page's slice is not next to the next page's).
+
 **Moving** (two processes on one GPU, NIXL): the connector's worker side, prefill to decode, each batch
 from the decode's publication of its blocks until vLLM would hear it finished receiving, every byte of
 every block of every layer checked, in three modes: ``prepared`` (one descriptor per layer x block into
@@ -49,7 +55,9 @@ from kvplan.planner.model import Batch, Transfer
 from tests.ports import free_ports, free_span
 
 BLOCK, LAYERS, HEAD_DIM = 16, 80, 128
-SHAPES = {"llama70b-tp1": 8, "llama70b-tp8": 1}  # KV heads per rank
+# KV heads per prefill rank and the TP sizes (prefill, decode): between TP sizes the decode rank is the
+# second of those the prefill rank serves, and both lay blocks out as vLLM's NIXL connector asks (LBHNC)
+SHAPES = {"llama70b-tp1": (8, (1, 1)), "llama70b-tp8": (1, (1, 1)), "llama70b-tp4to8-lbhnc": (2, (4, 8))}
 BATCHES = {"16x5k": (16, 5120), "4x32k": (4, 32768)}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -72,26 +80,28 @@ def allocate(requests: int, blocks_each: int, pool: int, fragmented: bool, rng: 
 
 
 def fake_view(heads: int, num_blocks: int, base: int, layers: int = LAYERS) -> BlockView:
-    """A per-layer block view at made-up addresses (planning reads no memory)."""
+    """A per-layer block view at made-up addresses (planning reads no memory), laid out as vLLM's NIXL
+    connector asks (``LBHNC``: ``[blocks, heads, block_size, 2 * head_dim]`` contiguous)."""
     item = heads * BLOCK * 2 * HEAD_DIM * 2
-    return BlockView.of({f"model.layers.{i}.attn": _Strided(base + i * item * num_blocks, num_blocks, item)
+    return BlockView.of({f"model.layers.{i}.attn": _Strided(base + i * item * num_blocks,
+                                                            (num_blocks, heads, BLOCK, 2 * HEAD_DIM))
                          for i in range(layers)}, BLOCK)
 
 
 class _Strided:
-    """What :meth:`BlockView.of` reads of a per-layer KV view, without the memory."""
+    """What :meth:`BlockView.of` reads of a contiguous per-layer KV view, without the memory."""
 
-    def __init__(self, ptr: int, blocks: int, item: int):
-        self.ptr, self.shape, self.dtype, self.device = ptr, (blocks, item // 2), torch.bfloat16, torch.device("cpu")
+    def __init__(self, ptr: int, shape: tuple[int, ...]):
+        self.ptr, self.shape, self.dtype, self.device = ptr, shape, torch.bfloat16, torch.device("cpu")
 
     def data_ptr(self) -> int:
         return self.ptr
 
     def dim(self) -> int:
-        return 2
+        return len(self.shape)
 
     def stride(self, d: int | None = None):
-        strides = (self.shape[1], 1)
+        strides = tuple(int(np.prod(self.shape[k + 1:])) for k in range(len(self.shape)))
         return strides if d is None else strides[d]
 
     def element_size(self) -> int:
@@ -128,7 +138,7 @@ class PlanRow:
 def plan_rows(scale: float, runs: int, device: torch.device) -> list[PlanRow]:
     rows = []
     layers = max(2, int(LAYERS * scale))
-    for shape, heads in SHAPES.items():
+    for shape, (heads, (src_tp, dst_tp)) in SHAPES.items():
         for batch_name, (requests, tokens) in BATCHES.items():
             requests, tokens = max(1, int(requests * scale)), max(BLOCK, int(tokens * scale) // BLOCK * BLOCK)
             blocks_each = tokens // BLOCK
@@ -138,8 +148,9 @@ def plan_rows(scale: float, runs: int, device: torch.device) -> list[PlanRow]:
                 src_blocks = allocate(requests, blocks_each, src_pool, fragmented, rng)
                 dst_blocks = allocate(requests, blocks_each, dst_pool, fragmented, rng)
                 table = torch.zeros((requests + 1, blocks_each * BLOCK), dtype=torch.int32, device=device)
-                src = fake_view(heads, src_pool, 1 << 40, layers).side(table)
-                dst = fake_view(heads, dst_pool, 1 << 44, layers).side()
+                src = fake_view(heads, src_pool, 1 << 40, layers).side(table, tp_size=src_tp)
+                dst = fake_view(heads * src_tp // dst_tp, dst_pool, 1 << 44, layers).side(
+                    tp_size=dst_tp, tp_rank=min(1, dst_tp // src_tp - 1))  # (between TP sizes: the second decode)
 
                 def baseline():
                     local = [vllm_desc_ids(b, src_pool, layers) for b in src_blocks]
@@ -161,7 +172,7 @@ def plan_rows(scale: float, runs: int, device: torch.device) -> list[PlanRow]:
                     raise AssertionError(f"{shape} {batch_name}: kvplan's prepared indices are not vLLM's descriptor ids")
                 runs_direct = lambda: direct.plan(BatchColumns.from_batch(batch())).descriptors()[0]  # noqa: E731
                 descs = runs_direct()
-                if int(descs[:, 2].sum()) != len(want[0]) * src.kv.entries[0].item_len:
+                if int(descs[:, 2].sum()) != len(want[0]) * min(src.kv.entries[0].item_len, dst.kv.entries[0].item_len):
                     raise AssertionError(f"{shape} {batch_name}: the direct descriptors do not cover every block once")
                 rows.append(PlanRow(shape, batch_name, "fragmented" if fragmented else "contiguous", len(want[0]),
                                     len(descs), median_ms(baseline, runs), median_ms(ours, runs),
@@ -209,7 +220,7 @@ def role_main(args: argparse.Namespace) -> None:
                              BLOCK, max_model_len=1 << 16, sends=args.role == "prefill",
                              receives=args.role == "decode")
     my_heads = heads if args.role == "prefill" else heads * src_tp // dst_tp
-    caches = _caches(my_heads, pool, layers, device, tokens_outermost=src_tp != dst_tp)
+    caches = _caches(my_heads, pool, layers, device, tokens_outermost=args.layout == "LBNHC")
     worker.register_kv_caches(caches)
     served = range(rank * dst_tp // src_tp, rank * dst_tp // src_tp + max(1, dst_tp // src_tp))  # (prefill) its decodes
     rounds = json.load(open(os.path.join(args.dir, "rounds.json")))
@@ -295,7 +306,8 @@ def _wait(folder: str, name: str, worker, timeout: float = 300.0) -> None:
 
 
 def transfer_rows(heads: int, requests: int, tokens: int, fragmented: bool, mode: str, repeats: int,
-                  layers: int, limit_s: float = 240.0, warm_up: str = "on", tp: tuple[int, int] = (1, 1)) -> dict:
+                  layers: int, limit_s: float = 240.0, warm_up: str = "on", tp: tuple[int, int] = (1, 1),
+                  layout: str = "LBHNC") -> dict:
     """One batch shape moved ``repeats`` times between the ranks of a prefill of TP ``tp[0]`` (``heads``
     KV heads each) and of a decode of TP ``tp[1]`` that exchange it: prefill rank 0 and the decode ranks
     it serves, or decode rank 0 and the prefill ranks it gathers from; each a process of its own."""
@@ -313,7 +325,8 @@ def transfer_rows(heads: int, requests: int, tokens: int, fragmented: bool, mode
         base_port = free_span(prefills)  # (prefill rank r listens at its engine's port + r)
         ports = free_ports(decodes)
         base = [sys.executable, "-m", "benchmarks.vllm_shapes", "--dir", folder, "--heads", str(heads), "--layers",
-                str(layers), "--pool", str(pool), "--mode", mode, "--warm-up", warm_up, "--tp", str(tp[0]), str(tp[1])]
+                str(layers), "--pool", str(pool), "--mode", mode, "--warm-up", warm_up, "--tp", str(tp[0]), str(tp[1]),
+                "--layout", layout]
         senders = [subprocess.Popen(base + ["--role", "prefill", "--rank", str(r), "--port", str(base_port)],
                                     stdout=subprocess.PIPE, text=True, cwd=ROOT) for r in range(prefills)]
         ranks = []
@@ -326,6 +339,7 @@ def transfer_rows(heads: int, requests: int, tokens: int, fragmented: bool, mode
                 sender.communicate(timeout=60)
         except subprocess.TimeoutExpired:  # (a mode that cannot move the batch in time: reported with its bound)
             return {"heads": heads, "requests": requests, "tokens": tokens, "layers": layers, "mode": mode, "tp": tp,
+                    "layout": layout,
                     "placement": "fragmented" if fragmented else "contiguous", "timed_out_s": limit_s}
         finally:
             for proc in [*senders, *ranks]:
@@ -342,7 +356,7 @@ def transfer_rows(heads: int, requests: int, tokens: int, fragmented: bool, mode
                  for rows in zip(*by_rank)]
     steady = [r["ms"] for r in per_round[1:]] or [per_round[0]["ms"]]
     nbytes = requests * blocks_each * layers * heads * prefills * BLOCK * 2 * HEAD_DIM * 2
-    return {"heads": heads, "tp": tp, "requests": requests, "tokens": tokens, "layers": layers,
+    return {"heads": heads, "tp": tp, "layout": layout, "requests": requests, "tokens": tokens, "layers": layers,
             "placement": "fragmented" if fragmented else "contiguous", "mode": mode, "warm_up": warm_up,
             "first_ms": per_round[0]["ms"], "first_pairing_ms": per_round[0]["publish_ms"],
             "steady_ms": statistics.median(steady), "gib_s": nbytes / statistics.median(steady) / 1e6 / 1.073741824,
@@ -376,6 +390,9 @@ def main() -> None:
                         help="TP sizes: 4 8 moves prefill rank 0's two heads of 8 to decode ranks 0 and 1; "
                              "8 4 gathers prefill ranks 0 and 1's head each into decode rank 0")
     parser.add_argument("--rank", type=int, default=0, help="(one side) its TP rank")
+    parser.add_argument("--layout", choices=("LBHNC", "LBNHC"), default="LBHNC",
+                        help="how both sides lay a layer's blocks out: the heads outside the tokens (LBHNC, vLLM's "
+                             "NIXL connector's) or inside (LBNHC, kvplan's connector's default)")
     args = parser.parse_args()
     if args.role:
         role_main(args)
@@ -394,27 +411,27 @@ def main() -> None:
         layers = LAYERS if device.type == "cuda" else 2
         src_tp, dst_tp = args.tp
         heads = 1 if src_tp == dst_tp else 8 // src_tp  # (TP 8's one head; else Llama-70B's 8 over the prefill's ranks)
-        modes = args.modes if device.type == "cuda" else ("direct",) if src_tp != dst_tp else ("prepared", "direct")
+        modes = args.modes if device.type == "cuda" else ("prepared", "direct")
         for requests, tokens in batches:
             for fragmented in [p == "fragmented" for p in args.placements]:
                 for mode in modes:
-                    if mode == "prepared" and src_tp != dst_tp:
-                        continue  # (prepared lists are per page: head slices have none)
+                    if mode == "prepared" and src_tp != dst_tp and args.layout == "LBNHC":
+                        continue  # (prepared lists are per page: head slices of each token have none)
                     row = transfer_rows(heads, requests, tokens, fragmented, mode, args.repeats, layers,
-                                        warm_up=args.warm_up, tp=(src_tp, dst_tp))
+                                        warm_up=args.warm_up, tp=(src_tp, dst_tp), layout=args.layout)
                     result["transfer"].append(row)
                     if "timed_out_s" in row:
                         print(f"move {requests}x{tokens} {row['placement']:10s} {mode:8s} did not end within "
                               f"{row['timed_out_s']:.0f} s", flush=True)
                         continue
-                    print(f"move tp{src_tp}to{dst_tp} {requests}x{tokens} {row['placement']:10s} {mode:8s} warm-up {args.warm_up:3s} first "
+                    print(f"move tp{src_tp}to{dst_tp} {args.layout} {requests}x{tokens} {row['placement']:10s} {mode:8s} warm-up {args.warm_up:3s} first "
                           f"{row['first_ms']:9.1f} ms (pairing {row['first_pairing_ms']:7.1f}) "
                           f"steady {row['steady_ms']:9.1f} ms  {row['gib_s']:7.2f} GiB/s  wrong {row['wrong_blocks']} "
                           f"failed {row['failed']}", flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         tag = f"-{'-'.join(args.batches)}-warm-{args.warm_up}" if args.no_plan else ""
-        tag += f"-tp{args.tp[0]}to{args.tp[1]}" if args.tp[0] != args.tp[1] else ""
+        tag += f"-tp{args.tp[0]}to{args.tp[1]}-{args.layout}" if args.tp[0] != args.tp[1] else ""
         with open(os.path.join(args.out, f"vllm_shapes{tag}.json"), "w") as f:
             json.dump(result, f, indent=1)
 

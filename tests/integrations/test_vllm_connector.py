@@ -143,7 +143,8 @@ def test_a_worker_of_a_model_with_several_kv_cache_groups_is_refused():
                                           ({"mode": "pipelined"}, "mode .pipelined."),
                                           ({"staging_mib": -1}, "staging_mib -1"),
                                           ({"warm_up": {"max_transfers": 4}}, "warm_up"),
-                                          ({"warm_up": {"max_transfers": 0, "max_prompt_len": 8}}, "warm_up")])
+                                          ({"warm_up": {"max_transfers": 0, "max_prompt_len": 8}}, "warm_up"),
+                                          ({"layout": "LHBNC"}, "layout 'LHBNC'")])
 def test_settings_that_cannot_work_are_refused_naming_them(extra, named):
     with pytest.raises(UnsupportedConfig, match=named):
         KVConnectorFactory.create_connector(vllm_config(extra), KVConnectorRole.SCHEDULER, full_attention(["l0"]))
@@ -276,14 +277,18 @@ def test_the_benchmark_s_vllm_baseline_computes_vllm_s_own_descriptor_ids():
         assert np.array_equal(vllm_desc_ids(blocks, num_blocks, layers), theirs)
 
 
-def test_the_connector_asks_vllm_for_the_layout_that_takes_other_block_and_tp_sizes():
+def test_the_connector_asks_vllm_for_the_layout_of_its_setting():
     """vLLM asks the connector's class for its KV cache layout (as NixlConnector asks for LBHNC); kvplan's
-    asks for LBNHC where the model has KV heads, nothing for MLA."""
+    asks for its ``layout`` setting where the model has KV heads (LBHNC unless told LBNHC, the layout in which
+    block sizes may also differ), nothing for MLA."""
     from vllm.distributed.kv_transfer.kv_connector.utils import get_kv_connector_cache_layout
 
     config = vllm_config()
     config.model_config.use_mla = False
-    assert get_kv_connector_cache_layout(config) == "LBNHC"
+    assert get_kv_connector_cache_layout(config) == "LBHNC"
+    assert KVCacheLayout[get_kv_connector_cache_layout(config)] is KVCacheLayout.LBHNC
+    config = vllm_config({"host": "127.0.0.1", "layout": "LBNHC"})
+    config.model_config.use_mla = False
     assert KVCacheLayout[get_kv_connector_cache_layout(config)] is KVCacheLayout.LBNHC
     config.model_config.use_mla = True
     assert get_kv_connector_cache_layout(config) is None

@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from .scheduler import ConnectorScheduler, SchedulerStep, UnsupportedConfig
-from .settings import DEFAULT_PORT, Settings
+from .settings import DEFAULT_PORT, Settings, layout_setting
 from .worker import ConnectorWorker
 
 __all__ = ["DEFAULT_PORT", "KvplanConnector", "KvplanConnectorMetadata"]
@@ -66,14 +66,16 @@ class KvplanConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
-        """``LBNHC`` (each layer's blocks in a row, a token's heads side by side), where the model has KV
-        heads: the layout in which the two sides may differ in block size and in TP size (docs/vllm.md).
+        """The ``layout`` setting, where the model has KV heads: ``LBHNC`` by default (each head's tokens of a
+        block in a row, as vLLM's NIXL connector asks; the two sides may differ in TP size, and a rank's heads
+        of a block move as one span), or ``LBNHC`` (the sides may also differ in block size; docs/vllm.md).
         vLLM takes it where the attention backend supports it, else its own choice; the connector moves
         whatever it gets between sides laid out alike. ``None`` for MLA models (no heads to slice)."""
         model_config = getattr(vllm_config, "model_config", None)
         if model_config is None or getattr(model_config, "use_mla", False):
             return None
-        return "LBNHC"
+        transfer = getattr(vllm_config, "kv_transfer_config", None)
+        return layout_setting(getattr(transfer, "kv_connector_extra_config", None))
 
     # -- scheduler side ---------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:

@@ -24,6 +24,11 @@ staging_mib     256                          each staging buffer (a prefill's; a
 warm_up         ``{"max_transfers": 16,      the batches each pairing is made ready for before its first
                 "max_prompt_len": 8192}``    (planners captured, copy kernels compiled, connection opened:
                                              the endpoints' ``warm_up``); ``{}``: none
+layout          ``"LBHNC"``                  the KV cache layout the connector asks vLLM for (models with KV
+                                             heads): ``"LBHNC"`` (each head's tokens of a block in a row, as
+                                             vLLM's NIXL connector asks; the sides may differ in TP size) or
+                                             ``"LBNHC"`` (each token's heads side by side; the sides may also
+                                             differ in block size)
 =============== ============================ ======================================================
 
 Example::
@@ -39,14 +44,16 @@ from typing import Any
 
 from .scheduler import ListenAddress, UnsupportedConfig
 
-__all__ = ["DEFAULT_PORT", "ENGINES", "MODES", "Settings"]
+__all__ = ["DEFAULT_PORT", "ENGINES", "LAYOUTS", "MODES", "Settings", "layout_setting"]
 
 DEFAULT_PORT = 17500
 DEFAULT_TIMEOUT_S = 120.0
 ENGINES = ("nixl", "mooncake")
-_KEYS = ("host", "port", "engine", "engine_settings", "timeout_s", "max_requests", "mode", "staging_mib", "warm_up")
+_KEYS = ("host", "port", "engine", "engine_settings", "timeout_s", "max_requests", "mode", "staging_mib", "warm_up",
+         "layout")
 WARM_UP = {"max_transfers": 16, "max_prompt_len": 8192}
 MODES = ("auto", "direct", "prepared", "staged")
+LAYOUTS = ("LBHNC", "LBNHC")
 DEFAULT_STAGING_MIB = 256
 
 
@@ -62,6 +69,7 @@ class Settings:
     mode: str = "auto"
     staging_mib: int = DEFAULT_STAGING_MIB
     warm_up: dict[str, int] = field(default_factory=lambda: dict(WARM_UP))
+    layout: str = LAYOUTS[0]
 
     @classmethod
     def parse(cls, extra: dict[str, Any] | None, tp_size: int, max_num_seqs: int = 256) -> "Settings":
@@ -107,7 +115,16 @@ class Settings:
             raise UnsupportedConfig(f"kv_connector_extra_config: warm_up {warm!r} is not {{}} or "
                                     f"{{'max_transfers': N, 'max_prompt_len': N}} with positive counts")
         return cls(ListenAddress(host, port), engine, dict(engine_settings), float(timeout), rows, mode, staging,
-                   dict(warm))
+                   dict(warm), layout_setting(extra))
+
+
+def layout_setting(extra: dict[str, Any] | None) -> str:
+    """The ``layout`` of ``kv_connector_extra_config`` (refused, naming it, where it is not one of :data:`LAYOUTS`)."""
+    layout = (extra or {}).get("layout", LAYOUTS[0])
+    if layout not in LAYOUTS:
+        raise UnsupportedConfig(f"kv_connector_extra_config: layout {layout!r}; kvplan's connector asks vLLM for "
+                                f"one of {list(LAYOUTS)}")
+    return layout
 
 
 def _is_int(value: Any) -> bool:
