@@ -151,9 +151,10 @@ class _Static:
     def component_sliced_tokens(self, dest: int, c: int, src: SideMemory) -> int:
         """Tokens per list element of component ``c`` when it is head-sliced to ``dest`` (its page
         size: one descriptor per entry, element and token; docs/tp_state.md), else 0."""
-        if self.pairings[dest].component_heads(c) is None:
+        heads = self.pairings[dest].component_heads(c)
+        if heads is None:
             return 0
-        return src.state[c].pages_of(src.kv.page_size)
+        return heads.spans_per_page(src.state[c].pages_of(src.kv.page_size))
 
     def sliced_tokens(self, dest: int) -> int:
         """Tokens per KV element of a head-sliced destination (one descriptor each; its page, or the

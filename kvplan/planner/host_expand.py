@@ -164,7 +164,7 @@ def component_plans(src: "SideMemory", pairing: "SidePairing", lists: "TransferL
         if heads is not None:  # docs/tp_state.md §3: per entry, list position and token
             runs = contiguous_runs(src_list, dst_list) if merged else empty_runs()
             descs = head_sliced_descriptors(pairing.state_src[c], pairing.state_dst[c], src_list, dst_list, heads,
-                                            cps_s) if merged else empty_descs()
+                                            heads.spans_per_page(cps_s)) if merged else empty_descs()
         elif rules_of(comp.kind).forms_runs:
             runs = contiguous_runs(src_list, dst_list) if merged else empty_runs()
             descs = direct_descriptors(pairing.state_src[c], pairing.state_dst[c], runs)

@@ -137,8 +137,9 @@ class SidePairing:
     @property
     def per_item(self) -> bool:
         """Whether each descriptor is one per entry x item, as NIXL's prepared lists number them: whole items,
-        or KV head slices of one span per page (``Attention.MHA_HEAD_MAJOR``), with no sliced state."""
-        return ((self.heads is None or self.heads.per_page) and all(h is None for h in self.state_heads)
+        or head slices of one span per page (``Attention.MHA_HEAD_MAJOR``: KV's and its head-sliced state's),
+        with no TP-sliced state."""
+        return (all(h is None or h.per_page for h in (self.heads, *self.state_heads))
                 and all(b is None for b in self.state_bytes))
 
     @property
@@ -305,8 +306,9 @@ def _component_slice(i: int, sc, dc, sk: KVLayout, dk: KVLayout, cps_s: int, cps
                           f"as many tokens on both sides (here {cps_s} and {cps_d}); not planned yet")
     if len(sc.entries) != len(dc.entries):
         raise LayoutError(f"{what}: source has {len(sc.entries)} entries, destination {len(dc.entries)}")
+    per_page = paired_attention(sk, dk).heads_outside_tokens  # (its pages hold each head's tokens as KV's do)
     try:
-        return _one_slice("component", sc.entries, dc.entries, sk, dk, (cps_s, cps_d))
+        return _one_slice("component", sc.entries, dc.entries, sk, dk, None if per_page else (cps_s, cps_d), per_page)
     except LayoutError as err:
         raise LayoutError(f"{what}: {err}") from None
 

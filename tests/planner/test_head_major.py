@@ -151,3 +151,69 @@ def test_prepared_lists_are_refused_where_a_head_slice_is_one_per_token():
     batch = Batch(src, (dst,), (last_transfer(row=1, length=4, dst_pages=[11]),))
     with pytest.raises(LayoutError, match="head slices of each token"):
         prepared_indices_reference(batch, plan_reference(batch))
+
+
+@pytest.mark.parametrize("src_tp, src_rank, dst_tp, dst_rank", [(2, 1, 4, 3), (4, 3, 2, 1), (2, 1, 2, 1)])
+def test_a_sliding_window_component_of_head_major_pages_moves_its_window_by_head_one_span_per_page(
+        src_tp, src_rank, dst_tp, dst_rank, device):
+    """vLLM's sliding-window KV cache groups in LBHNC: a SWA component whose pages hold each head's tokens in a
+    row, reached through a map from the KV's slots (a request's sliding-window blocks are its own); between TP
+    sizes each destination rank receives its heads of each window page as one span; the prepared lists name the
+    same bytes."""
+    from kvplan.planner.model import StateComponent, StateKind
+    from kvplan.planner.prepared import prepared_indices_reference
+    from kvplan.transport.engines.nixl import expanded_rows
+    from kvplan.transport.senders.prepared import prepared_items
+
+    window, prompt = 6, 14  # (window pages: tokens 8..13, pages 2 and 3 of the request)
+
+    def side(tp, rank, base, table, kv_pages, swa_pages):
+        kv = _side(tp, rank, base, table)
+        slot_map = np.zeros(PAGES * PAGE, np.int64)
+        for full, swa in zip(kv_pages, swa_pages):
+            slot_map[full * PAGE : full * PAGE + PAGE] = np.arange(swa * PAGE, swa * PAGE + PAGE)
+        item = HEADS // tp * PAGE * HEAD_BYTES
+        swa_entries = tuple(Entry(base + (1 << 24) + layer * (1 << 20), item, PAGES) for layer in range(LAYERS))
+        comp = StateComponent(StateKind.SWA, swa_entries, window=window, slot_map=slot_map, from_prefix=True)
+        return SideMemory(kv.kv, (comp,), req_to_token=table)
+
+    src = side(src_tp, src_rank, 1 << 32, table_with({1: [5, 9, 2, 7]}, PAGE), [5, 9, 2, 7], [0, 0, 12, 30])
+    dst = side(dst_tp, dst_rank, 1 << 36, table_with({2: [11, 3, 20, 6]}, PAGE), [11, 3, 20, 6], [4, 8, 16, 25])
+    batch = Batch(src, (dst,), (last_transfer(row=1, length=prompt, dst_pages=[11, 3, 20, 6],
+                                              dst_state=(np.array([16, 25], np.int64),)),))
+    plan = plan_reference(batch)
+    comp_plan = plan.transfers[0].state[0]
+    assert comp_plan.src_list.tolist() == [12, 30] and comp_plan.dst_list.tolist() == [16, 25]
+    if src_tp != dst_tp:
+        assert len(comp_plan.descs) == LAYERS * 2  # one per layer x window page
+    src_space, dst_space = AddressSpace.of_side(src, np.random.default_rng(11)), AddressSpace.of_side(dst)
+    execute(plan.descriptors()[0], src_space, dst_space)
+    src_heads, dst_heads = HEADS // src_tp, HEADS // dst_tp
+
+    def swa_head_token(space, s, layer, page, token, head):
+        entry = s.state[0].entries[layer]
+        arr, off = space.locate(entry.base_ptr + page * entry.item_len + (head * PAGE + token) * HEAD_BYTES,
+                                HEAD_BYTES)
+        return arr[off : off + HEAD_BYTES]
+
+    checked = 0
+    for layer in range(LAYERS):
+        for pos in range(prompt - window, prompt):
+            s_page, d_page = (12, 30)[pos // PAGE - 2], (16, 25)[pos // PAGE - 2]
+            for model_head in range(HEADS):
+                s_head, d_head = model_head - src_rank * src_heads, model_head - dst_rank * dst_heads
+                if 0 <= s_head < src_heads and 0 <= d_head < dst_heads:
+                    assert np.array_equal(swa_head_token(dst_space, dst, layer, d_page, pos % PAGE, d_head),
+                                          swa_head_token(src_space, src, layer, s_page, pos % PAGE, s_head))
+                    checked += 1
+    assert checked == LAYERS * window * min(src_heads, dst_heads)
+    indices = prepared_indices_reference(batch, plan)
+    lists = prepared_items(src, dst)
+    named = []
+    for s in range(len(indices.section_role)):
+        lo, hi = indices.section_offsets[s], indices.section_offsets[s + 1]
+        src_list, dst_list = (expanded_rows(items, 0) for items in lists[int(indices.section_role[s])])
+        named.append(np.stack([src_list[indices.src[lo:hi], 0], dst_list[indices.dst[lo:hi], 0],
+                               src_list[indices.src[lo:hi], 1]], axis=1))
+    assert np.array_equal(np.concatenate(named), plan.descriptors()[0].astype(np.uint64))
+    assert_device_matches_reference(batch, device)

@@ -20,9 +20,9 @@ if TYPE_CHECKING:
 
 def prepared_items(src: SideMemory, dst: SideMemory) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """Per role, the ``[entries, 4]`` ``(base, item_len, slots, nbytes)`` items of the prepared lists from
-    ``src`` to ``dst`` (:meth:`Engine.prepare`): whole items, or for KV head slices of one span per page
-    (``Attention.MHA_HEAD_MAJOR``) each page's slice, so that the planner's indices name the bytes its
-    descriptors would."""
+    ``src`` to ``dst`` (:meth:`Engine.prepare`): whole items, or for head slices of one span per page
+    (``Attention.MHA_HEAD_MAJOR``: KV's and its head-sliced state's) each page's slice, so that the planner's
+    indices name the bytes its descriptors would."""
     pairing = pair_sides(src, dst)
     tables = {KV_ROLE: (pairing.kv_src, pairing.kv_dst), AUX_ROLE: (pairing.aux_src, pairing.aux_dst)}
     tables.update({c: t for c, t in enumerate(zip(pairing.state_src, pairing.state_dst))})
@@ -30,8 +30,8 @@ def prepared_items(src: SideMemory, dst: SideMemory) -> dict[int, tuple[np.ndarr
     for role, (entries, src_slots, dst_slots) in prepared_slots(src, dst).items():
         src_t, dst_t = tables[role]
         src_items, dst_items = _items(src_t, src_slots), _items(dst_t, dst_slots)
-        if role == KV_ROLE and pairing.heads is not None:
-            h = pairing.heads
+        h = pairing.heads if role == KV_ROLE else None if role == AUX_ROLE else pairing.component_heads(role)
+        if h is not None:
             src_items[:, 0] += np.uint64(h.src_head * h.bytes_per_head)
             dst_items[:, 0] += np.uint64(h.dst_head * h.bytes_per_head)
             src_items[:, 3] = dst_items[:, 3] = np.uint64(h.nbytes)
