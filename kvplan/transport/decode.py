@@ -66,8 +66,18 @@ def _peers(peer: int | Sequence[int]) -> tuple[int, ...]:
 
 
 def engine_regions(side: SideMemory) -> list[tuple[int, int]]:
+    """The ``(address, bytes)`` regions an engine registers for ``side``: its entries' spans, where two overlap
+    (entries over the same memory: vLLM overlays its KV cache groups) one region over both, so that no byte is
+    registered twice."""
     entries = list(side.kv.entries) + [e for c in side.state for e in c.entries] + list(side.aux)
-    return [(e.base_ptr, e.item_len * e.num_items) for e in entries]
+    spans = sorted((e.base_ptr, e.base_ptr + e.item_len * e.num_items) for e in entries if e.num_items)
+    regions: list[list[int]] = []
+    for start, end in spans:
+        if regions and start < regions[-1][1]:
+            regions[-1][1] = max(regions[-1][1], end)
+        else:
+            regions.append([start, end])
+    return [(start, end - start) for start, end in regions]
 
 
 @dataclass

@@ -151,3 +151,33 @@ def test_a_request_some_decode_ranks_never_asked_for_fails_on_the_ranks_that_did
     assert sent["sent"] == ["p-req-0", "p-req-1", "p-req-2", "p-req-3"]  # (freed: given up at its deadline)
     assert got[0]["failed"] == got[0]["received"] == REQUESTS  # reported, none as a success
     assert len(got[0]["invalid_blocks"]) == 7 + 3 + 4 + 1
+
+
+WINDOW = 40  # (tokens: the next token attends to 39 of the prompt's; blocks of 16)
+
+
+def _window_tokens(lengths) -> int:
+    """Tokens checked per request set: every token of the full-attention layers, the window's of the others."""
+    return sum(n * len(vllm_node.LAYERS) + min(n, WINDOW - 1) * len(vllm_node.WINDOW_LAYERS) for n in lengths)
+
+
+def test_a_sliding_window_group_moves_its_window_and_a_request_whose_window_block_was_freed_fails(tmp_path):
+    """A full-attention group and a sliding-window group (vLLM's hybrid KV cache manager), LBHNC: the decode
+    receives every token of the full group and the window's tokens of the other, each into its own blocks. A
+    request whose window lost a block on the prefill (mapped to vLLM's null block) fails, named, never lands."""
+    args = ("--by-token", "--timeout", "20", "--window", str(WINDOW))
+    sent, got = run_pair(tmp_path, "nixl", "LBHNC", "LBHNC", *args,
+                         prefill_args=(*args, "--mode", "direct", "--freed-window-block"))
+    assert sent["sent"] == ["p-req-0", "p-req-1", "p-req-2", "p-req-3"]
+    assert got["received"] == REQUESTS and got["failed"] == ["d-req-0"] and got["wrong"] == []
+    assert got["tokens_checked"] == _window_tokens([37, 64, 5])
+
+
+@pytest.mark.parametrize("mode", ["prepared", "direct"])
+def test_a_sliding_window_group_moves_by_head_to_a_decode_of_a_larger_tp_size(tmp_path, mode):
+    args = ("--by-token", "--timeout", "20", "--window", str(WINDOW))
+    sent, got = run_group(tmp_path, "nixl", "LBHNC", "LBHNC", args, (*args, "--mode", mode), decode_tp=2)
+    assert sent == {"sent": ["p-req-0", "p-req-1", "p-req-2", "p-req-3"], "freed": True}
+    for rank in got:
+        assert rank["received"] == REQUESTS and rank["failed"] == [] and rank["wrong"] == []
+        assert rank["tokens_checked"] == _window_tokens([100, 37, 64, 5])

@@ -9,7 +9,8 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 import torch  # noqa: E402
 from vllm.config import KVTransferConfig  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor  # noqa: E402
+from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor,  # noqa: E402
+                                        SlidingWindowSpec)
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
@@ -32,6 +33,22 @@ def full_attention(*groups_of_layers, num_blocks=64, heads=8, head_size=128, dty
         tensors = [KVCacheTensor(size=page * num_blocks * len(layers), layers=list(layers),
                                  layer_stride=page * num_blocks if compact else page,
                                  block_stride=page if compact else page * len(layers))]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
+
+
+def hybrid_attention(full_layers, window_layers, window: int, num_blocks=64, heads=8, head_size=128,
+                     dtype=torch.bfloat16, layout=KVCacheLayout.LBHNC, block_size=BLOCK) -> KVCacheConfig:
+    """A full-attention group and a sliding-window group of ``window`` tokens, overlaid in one backing
+    allocation from byte 0 as vLLM 0.33's ``get_kv_cache_config_from_groups`` places layer-outermost groups
+    (a block belongs to one group at a time)."""
+    full = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=head_size, dtype=dtype)
+    sliding = SlidingWindowSpec(block_size=block_size, num_kv_heads=heads, head_size=head_size, dtype=dtype,
+                                sliding_window=window)
+    groups = [KVCacheGroupSpec(list(full_layers), full), KVCacheGroupSpec(list(window_layers), sliding)]
+    page = full.page_size_bytes
+    size = page * num_blocks * max(len(full_layers), len(window_layers))
+    tensors = [KVCacheTensor(size=size, layers=list(g.layer_names), layer_stride=page * num_blocks, block_stride=page)
+               for g in groups]
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
 
 

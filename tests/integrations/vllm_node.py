@@ -26,7 +26,8 @@ import time
 import zlib
 from types import SimpleNamespace
 
-from tests.integrations.vllm_fakes import BLOCK, Blocks, full_attention, kv_caches, request, vllm_config
+from tests.integrations.vllm_fakes import (BLOCK, Blocks, full_attention, hybrid_attention, kv_caches, request,
+                                           vllm_config)
 
 import torch  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
@@ -35,6 +36,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
+WINDOW_LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(3, 6)]  # (a sliding-window group, --window)
 HEADS, HEAD_SIZE = 2, 16
 
 
@@ -73,10 +75,14 @@ def tokens_of(cache: torch.Tensor, blocks: list[int], count: int, block: int):
 
 
 def connectors(role: str, extra: dict, num_blocks: int, layout: KVCacheLayout, engine_id: str, block: int,
-               tp_size: int = 1, tp_rank: int = 0):
+               tp_size: int = 1, tp_rank: int = 0, window: int = 0):
     as_tp_rank(tp_size, tp_rank)
-    kv_cache = full_attention(LAYERS, num_blocks=num_blocks, heads=HEADS // tp_size, head_size=HEAD_SIZE,
-                              layout=layout, block_size=block)
+    if window:  # a full-attention group and a sliding-window group, overlaid as vLLM places them
+        kv_cache = hybrid_attention(LAYERS, WINDOW_LAYERS, window, num_blocks=num_blocks, heads=HEADS // tp_size,
+                                    head_size=HEAD_SIZE, layout=layout, block_size=block)
+    else:
+        kv_cache = full_attention(LAYERS, num_blocks=num_blocks, heads=HEADS // tp_size, head_size=HEAD_SIZE,
+                                  layout=layout, block_size=block)
     config = vllm_config(extra, role="kv_both", engine_id=engine_id, block_size=block, tp_size=tp_size)
     scheduler = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kv_cache)
     worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache)
@@ -102,25 +108,36 @@ def prefill(args: argparse.Namespace) -> dict:
     extra = {"host": "127.0.0.1", "port": args.port, "engine": args.engine, "timeout_s": args.timeout,
              "mode": args.mode}
     scheduler, worker, caches = connectors("prefill", extra, 64, KVCacheLayout[args.layout], "prefill-engine",
-                                           args.block_size, args.tp_size, args.tp_rank)
+                                           args.block_size, args.tp_size, args.tp_rank, args.window)
     heads = rank_heads(args.tp_size, args.tp_rank)
     rng = random.Random(1)
-    free = list(range(1, 64))  # (block 0 is vLLM's null block)
+    free = list(range(1, 64))  # (block 0 is vLLM's null block; the groups draw from one pool)
     rng.shuffle(free)
     params, names = [], []
     for i, prompt_len in enumerate(args.lengths):
         name = f"p-req-{i}"
-        blocks = [free.pop() for _ in range(-(-prompt_len // args.block_size))]
-        for layer, layer_name in enumerate(LAYERS):
-            if args.by_token:
-                for t, view in tokens_of(caches[layer_name], blocks, prompt_len, args.block_size):
-                    view.copy_(token_bytes(name, t, layer, view.shape[-1], heads))
-                continue
-            for j, b in enumerate(blocks):
-                caches[layer_name][b].copy_(block_bytes(name, j, layer, tuple(caches[layer_name][b].shape)))
+        count = -(-prompt_len // args.block_size)
+        groups = [(LAYERS, [free.pop() for _ in range(count)])]
+        if args.window:
+            groups.append((WINDOW_LAYERS, [free.pop() for _ in range(count)]))
+        for layer_names, blocks in groups:
+            for layer_name in layer_names:
+                layer = int(layer_name.split(".")[2])
+                if args.by_token:
+                    for t, view in tokens_of(caches[layer_name], blocks, prompt_len, args.block_size):
+                        view.copy_(token_bytes(name, t, layer, view.shape[-1], heads))
+                    continue
+                for j, b in enumerate(blocks):
+                    caches[layer_name][b].copy_(block_bytes(name, j, layer, tuple(caches[layer_name][b].shape)))
+        block_ids = tuple(blocks for _, blocks in groups)
+        if args.window:  # vLLM frees the blocks before the window and hands the connector its null block there
+            skipped = max(0, prompt_len - args.window + 1) // args.block_size
+            block_ids[1][:skipped] = [0] * skipped
+            if i == 0 and args.freed_window_block and skipped < count:  # (one freed inside the window)
+                block_ids[1][skipped] = 0
         finished = request(name, prompt_len, {"do_remote_decode": True}, computed=prompt_len,
                            status=RequestStatus.FINISHED_LENGTH_CAPPED)
-        keep, returned = scheduler.request_finished_all_groups(finished, (blocks,))
+        keep, returned = scheduler.request_finished_all_groups(finished, block_ids)
         assert keep, name
         params.append(returned)
         names.append(name)
@@ -151,7 +168,7 @@ def prefill(args: argparse.Namespace) -> dict:
 def decode(args: argparse.Namespace) -> dict:
     extra = {"host": "127.0.0.1", "port": args.port, "engine": args.engine, "timeout_s": args.timeout}
     scheduler, worker, caches = connectors("decode", extra, 96, KVCacheLayout[args.layout], "decode-engine",
-                                           args.block_size, args.tp_size, args.tp_rank)
+                                           args.block_size, args.tp_size, args.tp_rank, args.window)
     heads = rank_heads(args.tp_size, args.tp_rank)
     deadline = time.monotonic() + 60
     while not os.path.exists(args.params):
@@ -173,8 +190,9 @@ def decode(args: argparse.Namespace) -> dict:
         count, is_async = scheduler.get_num_new_matched_tokens(r, 0)
         assert is_async and count == prompt_len, (count, is_async)
         blocks = [free.pop() for _ in range(-(-count // args.block_size))]
-        scheduler.update_state_after_alloc(r, Blocks(blocks), count)
-        mine[local] = (p["remote_request_id"], blocks)
+        window_blocks = [free.pop() for _ in blocks] if args.window else []  # (vLLM allocates the whole length)
+        scheduler.update_state_after_alloc(r, Blocks(blocks, window_blocks) if args.window else Blocks(blocks), count)
+        mine[local] = (p["remote_request_id"], blocks, window_blocks)
     received, failed, invalid = set(), set(), set()
     deadline = time.monotonic() + args.timeout + 30
     while received != set(mine) and time.monotonic() < deadline:
@@ -185,11 +203,15 @@ def decode(args: argparse.Namespace) -> dict:
         time.sleep(0.002)
     wrong, tokens_checked = [], 0
     for local in sorted(received - failed):
-        name, blocks = mine[local]
-        for layer, layer_name in enumerate(LAYERS):
-            if args.by_token:  # every token of the prompt, wherever this side's blocks put it
+        name, blocks, window_blocks = mine[local]
+        for layer, layer_name in enumerate(LAYERS + (WINDOW_LAYERS if args.window else [])):
+            if args.by_token:  # every token of the prompt (of the window), wherever this side's blocks put it
                 count = next(p["remote_num_tokens"] for p in params if p["remote_request_id"] == name)
-                for t, view in tokens_of(caches[layer_name], blocks, count, args.block_size):
+                own = blocks if layer_name in LAYERS else window_blocks
+                first = 0 if layer_name in LAYERS else max(0, count - args.window + 1)
+                for t, view in tokens_of(caches[layer_name], own, count, args.block_size):
+                    if t < first:
+                        continue
                     tokens_checked += 1
                     if not torch.equal(view, token_bytes(name, t, layer, view.shape[-1], heads)):
                         wrong.append([local, t, layer])
@@ -202,7 +224,7 @@ def decode(args: argparse.Namespace) -> dict:
     ghost_blocks = sorted(mine[f"d-req-{len(params) - 1}"][1]) if args.ghost else []
     return {"received": sorted(received), "failed": sorted(failed), "invalid_blocks": sorted(invalid),
             "ghost_blocks": ghost_blocks, "wrong": wrong, "requests": sorted(mine),
-            "blocks_checked": sum(len(b) for n, (_, b) in mine.items() if n in received - failed),
+            "blocks_checked": sum(len(b) for n, (_, b, _) in mine.items() if n in received - failed),
             "tokens_checked": tokens_checked}
 
 
@@ -224,6 +246,9 @@ def run(argv: list[str]) -> dict:
     parser.add_argument("--tp-rank", type=int, default=0)
     parser.add_argument("--decode-ranks", type=int, default=1, help="(prefill) the decode ranks it serves")
     parser.add_argument("--by-token", action="store_true", help="fill and check each token (the sides' blocks differ)")
+    parser.add_argument("--window", type=int, default=0, help="a sliding-window group of this many tokens too")
+    parser.add_argument("--freed-window-block", action="store_true",
+                        help="(prefill) its first request's first window block freed: it must fail, never land")
     args = parser.parse_args(argv)
     return prefill(args) if args.role == "prefill" else decode(args)
 

@@ -38,8 +38,9 @@ class KvplanConnectorMetadata(KVConnectorMetadata):
 
 
 class KvplanConnector(KVConnectorBase_V1, SupportsHMA):
-    """kvplan's KV connector for vLLM (see the package docstring). Full-attention groups only: with the
-    hybrid KV cache manager on, a model with other groups is refused (:class:`~.scheduler.UnsupportedConfig`)."""
+    """kvplan's KV connector for vLLM (see the package docstring). One full-attention KV cache group, with any
+    sliding-window groups (vLLM's hybrid KV cache manager); a model with other groups is refused
+    (:class:`~.groups.UnsupportedConfig`)."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any):
         super().__init__(vllm_config, role, kv_cache_config)
@@ -53,15 +54,12 @@ class KvplanConnector(KVConnectorBase_V1, SupportsHMA):
                                                                        kv_cache_config, settings.listen)
         self.worker: ConnectorWorker | None = None
         if role == KVConnectorRole.WORKER:
-            groups = list(getattr(kv_cache_config, "transfer_groups", None) or kv_cache_config.kv_cache_groups)
-            if len(groups) > 1:
-                raise UnsupportedConfig(f"{len(groups)} KV cache groups: kvplan's vLLM connector moves one (each group "
-                                        "has its own block table)")
             model_config = getattr(vllm_config, "model_config", None)
             self.worker = ConnectorWorker(
                 settings, str(transfer.engine_id), _tp_rank(tp_size), tp_size,
                 int(vllm_config.cache_config.block_size), int(getattr(model_config, "max_model_len", 0) or 1 << 17),
-                sends=transfer.kv_role != "kv_consumer", receives=transfer.kv_role != "kv_producer")
+                sends=transfer.kv_role != "kv_consumer", receives=transfer.kv_role != "kv_producer",
+                groups=self.scheduler.groups)
             self.scheduler = None
 
     @classmethod

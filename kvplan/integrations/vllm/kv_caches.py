@@ -30,11 +30,12 @@ Example::
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Any, Mapping
+from dataclasses import dataclass, replace
+from typing import Any, Mapping, Sequence
 
 from ...errors import LayoutError
-from ...planner.model import Attention, Entry, KVLayout, SideMemory
+from ...planner.model import Attention, Entry, KVLayout, SideMemory, StateComponent, StateKind
+from .groups import KVGroup
 
 __all__ = ["BlockView", "layer_order"]
 
@@ -74,6 +75,28 @@ class BlockView:
     word: str
     heads: int = 0  # this rank's KV heads, where a layer's block holds them by head (else 0: moved whole)
     heads_outside: bool = False  # a block holds each head's tokens in a row (LBHNC), not each token's heads
+    windows: tuple[tuple[int, "BlockView"], ...] = ()  # the sliding-window groups: (window in tokens, their view)
+
+    @classmethod
+    def of_groups(cls, kv_caches: Mapping[str, Any], groups: Sequence[KVGroup], block_size: int) -> "BlockView":
+        """The view of a model's KV cache groups (:func:`~.groups.transfer_groups`): the full-attention group's
+        blocks as the KV, each sliding-window group's as a view of its own (its layers' tensors may be the
+        full group's: vLLM overlays groups, a block belonging to one group at a time). No groups: every
+        registered layer is one full-attention group."""
+        if not groups:
+            return cls.of(kv_caches, block_size)
+        missing = sorted(n for g in groups for n in g.layers if n not in kv_caches)
+        if missing:
+            raise LayoutError(f"vLLM registered no KV cache for layers {missing[:4]} of its KV cache groups")
+        views = [(g.window, cls.of({n: kv_caches[n] for n in g.layers}, block_size)) for g in groups]
+        kv = next(view for window, view in views if not window)
+        windows = tuple((window, view) for window, view in views if window)
+        for window, view in windows:
+            if view.heads != kv.heads or view.heads_outside != kv.heads_outside or view.cross_layer != kv.cross_layer:
+                raise LayoutError(f"vLLM's sliding-window group of {view.layers[0]} is laid out unlike the "
+                                  f"full-attention group ({view.word} against {kv.word})")
+        word = kv.word + "".join(f"/swa{window}:{len(view.entries)}x{view.word}" for window, view in windows)
+        return replace(kv, windows=windows, word=word)
 
     @classmethod
     def of(cls, kv_caches: Mapping[str, Any], block_size: int) -> "BlockView":
@@ -142,13 +165,24 @@ class BlockView:
         """Whether a side of another TP size pairs with this one (each rank's heads moved)."""
         return self.heads > 0
 
-    def side(self, req_to_token: Any = None, tp_size: int = 1, tp_rank: int = 0) -> SideMemory:
+    def side(self, req_to_token: Any = None, tp_size: int = 1, tp_rank: int = 0,
+             window_maps: Sequence[Any] = ()) -> SideMemory:
         """This view as a kvplan side over ``req_to_token`` (its planning table: token slots, block
         ``b``'s tokens being ``b * block_size ...``), rank ``tp_rank`` of ``tp_size``: KV by head where a
         layer's block holds heads and tokens (``LBNHC``: packed heads token by token; ``LBHNC``: each head's
-        tokens in a row), else blocks moved whole (one entry per layer either way)."""
+        tokens in a row), else blocks moved whole (one entry per layer either way). Each sliding-window group
+        is a SWA component over its own blocks, reached through its map in ``window_maps`` (a full-group slot
+        to its slot, :mod:`.windows`); its window is the tokens the next token attends to besides itself
+        (vLLM keeps their blocks: ``sliding_window - 1``), from the decode's prefix on."""
         if not self.slices_heads:
-            return SideMemory(KVLayout(Attention.MLA, self.block_size, self.entries), req_to_token=req_to_token)
-        kind = Attention.MHA_HEAD_MAJOR if self.heads_outside else Attention.MHA_PACKED
-        return SideMemory(KVLayout(kind, self.block_size, self.entries, num_kv_heads=self.heads * tp_size,
-                                   tp_size=tp_size, tp_rank=tp_rank), req_to_token=req_to_token)
+            kv = KVLayout(Attention.MLA, self.block_size, self.entries)
+        else:
+            kind = Attention.MHA_HEAD_MAJOR if self.heads_outside else Attention.MHA_PACKED
+            kv = KVLayout(kind, self.block_size, self.entries, num_kv_heads=self.heads * tp_size, tp_size=tp_size,
+                          tp_rank=tp_rank)
+        if len(window_maps) != len(self.windows):
+            raise LayoutError(f"{len(self.windows)} sliding-window groups, {len(window_maps)} slot maps")
+        state = tuple(StateComponent(StateKind.SWA, view.entries, window=window - 1, slot_map=slot_map,
+                                     name=f"swa{g}", from_prefix=True)
+                      for g, ((window, view), slot_map) in enumerate(zip(self.windows, window_maps)))
+        return SideMemory(kv, state, req_to_token=req_to_token)

@@ -16,8 +16,8 @@ compare them):
   workers report the write done (``finished_sending``), and returns the parameters the decode needs:
   this engine's id and where its workers listen.
 
-Only full-attention KV cache groups are covered, and no multi-token prefill lookahead (MTP): both are
-refused at construction, naming what is not covered (docs/vllm.md).
+One full-attention KV cache group is covered, with any sliding-window groups (:mod:`.groups`), and no
+multi-token prefill lookahead (MTP): the rest is refused at construction, naming it (docs/vllm.md).
 
 Example::
 
@@ -31,7 +31,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...errors import KvplanError
+from .groups import UnsupportedConfig, transfer_groups
 
 __all__ = ["ConnectorScheduler", "ListenAddress", "ReceiveRequest", "SendRequest", "UnsupportedConfig",
            "TRANSFER_MODE"]
@@ -39,13 +39,7 @@ __all__ = ["ConnectorScheduler", "ListenAddress", "ReceiveRequest", "SendRequest
 log = logging.getLogger("kvplan")
 
 TRANSFER_MODE = "kvplan-push"  # in the parameters a prefill returns (vLLM's own connectors say "push" or "pull")
-# KV cache group kinds whose block tables kvplan maps today: one block per ``block_size`` tokens of every layer
-_COVERED_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
 _DONE = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")  # a prefill request that finished normally
-
-
-class UnsupportedConfig(KvplanError, ValueError):
-    """A vLLM configuration this connector does not cover; names what and why."""
 
 
 @dataclass(frozen=True)
@@ -91,14 +85,7 @@ class ConnectorScheduler:
     """The scheduler side (see the module docstring)."""
 
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any, listen: ListenAddress):
-        groups = list(getattr(kv_cache_config, "transfer_groups", None) or kv_cache_config.kv_cache_groups)
-        uncovered = [f"{type(g.kv_cache_spec).__name__} ({', '.join(g.layer_names[:2])}"
-                     f"{', ...' if len(g.layer_names) > 2 else ''})" for g in groups
-                     if type(g.kv_cache_spec).__name__ not in _COVERED_SPECS
-                     or getattr(g.kv_cache_spec, "sliding_window", None)]
-        if uncovered:
-            raise UnsupportedConfig(f"kvplan's vLLM connector moves full-attention KV cache groups only; not "
-                                    f"{'; '.join(uncovered)} (docs/vllm.md: what is covered)")
+        self.groups = transfer_groups(kv_cache_config)  # (refuses, naming them, the groups it does not cover)
         lookahead = int(getattr(vllm_config, "num_prefill_lookahead_tokens", 1) or 1)
         if lookahead > 1:
             raise UnsupportedConfig(f"a prefill lookahead of {lookahead} tokens (multi-token prediction) is not "

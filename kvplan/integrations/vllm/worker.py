@@ -40,7 +40,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -52,9 +52,11 @@ from ...transport.decode import DecodeEndpoint
 from ...transport.engines import make_engine
 from ...transport.listener import ChannelListener, channel_via
 from ...transport.prefill import Chunk, PrefillEndpoint
+from .groups import KVGroup
 from .kv_caches import BlockView
 from .scheduler import ReceiveRequest, SchedulerStep, SendRequest
 from .settings import Settings
+from .windows import WindowMaps
 
 __all__ = ["ConnectorWorker", "TransferResults"]
 
@@ -109,11 +111,17 @@ class ConnectorWorker:
     """One TP rank's worker side (see the module docstring)."""
 
     def __init__(self, settings: Settings, engine_id: str, tp_rank: int, tp_size: int, block_size: int,
-                 max_model_len: int = 1 << 17, sends: bool = True, receives: bool = True, groups: int = 1):
+                 max_model_len: int = 1 << 17, sends: bool = True, receives: bool = True,
+                 groups: Sequence[KVGroup] = ()):
         self.settings, self.engine_id = settings, engine_id
         self.tp_rank, self.tp_size, self.block_size = tp_rank, tp_size, block_size
         self.width = -(-max_model_len // block_size) * block_size  # planning-table columns (tokens)
-        self.sends, self.receives, self.groups = sends, receives, groups
+        self.sends, self.receives, self.groups = sends, receives, tuple(groups)
+        # (a request's block lists are in vLLM's group order: the full-attention group's plans, the others map)
+        self.full_group = next((i for i, g in enumerate(self.groups) if not g.window), 0)
+        self.window_groups = [i for i, g in enumerate(self.groups) if g.window]
+        self._send_maps: WindowMaps | None = None
+        self._recv_maps: WindowMaps | None = None
         self.view: BlockView | None = None
         self.prefill: PrefillEndpoint | None = None
         self.listener: ChannelListener | None = None
@@ -130,14 +138,17 @@ class ConnectorWorker:
     # -- registration ---------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Take vLLM's KV tensors; a sending worker starts listening for decodes."""
-        self.view = BlockView.of(kv_caches, self.block_size)
+        self.view = BlockView.of_groups(kv_caches, self.groups, self.block_size)
         self.device = next(iter(kv_caches.values())).device
+        windows = [window for window, _ in self.view.windows]
         if self.sends:
             self._send_table = torch.zeros((self.settings.max_requests + 1, self.width), dtype=torch.int32,
                                            device=self.device)
             self._send_rows = _Rows(self.settings.max_requests + 1)
-            self.prefill = PrefillEndpoint(self.view.side(self._send_table, self.tp_size, self.tp_rank), self._engine("send"), [],
-                                           staging=self._staging(), refuse="request", compat=self.view.word)
+            self._send_maps = WindowMaps(windows, self.view.num_blocks, self.block_size, self.device)
+            side = self.view.side(self._send_table, self.tp_size, self.tp_rank, self._send_maps.maps)
+            self.prefill = PrefillEndpoint(side, self._engine("send"), [], staging=self._staging(), refuse="request",
+                                           compat=self.view.word)
             if self.settings.warm_up:  # (each decode that pairs is warmed as it pairs)
                 self.prefill.warm_up(**self.settings.warm_up, timeout=HANDSHAKE_S)
             listen = self.settings.listen
@@ -148,6 +159,7 @@ class ConnectorWorker:
             self._recv_table = torch.zeros((self.settings.max_requests + 1, self.width), dtype=torch.int32,
                                            device=self.device)
             self._recv_rows = _Rows(self.settings.max_requests + 1)
+            self._recv_maps = WindowMaps(windows, self.view.num_blocks, self.block_size, self.device)
 
     def _engine(self, role: str) -> Any:
         memory = "VRAM" if self.device.type == "cuda" else "DRAM"
@@ -165,7 +177,8 @@ class ConnectorWorker:
         now = time.monotonic()
         sends = [(r, send, row) for r, send in step.send.items() if (row := self._take_send(r, send)) is not None]
         if sends:  # (the step's rows written at once: one copy to the device and one expansion)
-            self._write_rows(self._send_table, [(row, 0, send.block_ids[0]) for _, send, row in sends])
+            self._write_rows(self._send_table, [(row, 0, send.block_ids[self.full_group]) for _, send, row in sends])
+            self._send_maps.flush()
         for request_id, send, row in sends:
             self._sending[request_id] = _Sending(send, row, now + self.settings.timeout_s)
         admitted = []
@@ -176,12 +189,15 @@ class ConnectorWorker:
             except KvplanError as err:
                 self._fail_unpublished(request_id, receive, f"{type(err).__name__}: {err}")
         if admitted:
-            self._write_rows(self._recv_table, [(row, r.prefix_len, r.block_ids[0]) for _, r, row in admitted])
+            self._write_rows(self._recv_table, [(row, r.prefix_len, r.block_ids[self.full_group])
+                                                for _, r, row in admitted])
+            self._recv_maps.flush()
         for request_id, receive, row in admitted:
             try:
                 self._publish(request_id, receive, row)
             except KvplanError as err:
                 self._recv_rows.give(row)
+                self._recv_maps.release(receive.remote_request_id)
                 self._fail_unpublished(request_id, receive, f"{type(err).__name__}: {err}")
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> TransferResults:
@@ -204,7 +220,7 @@ class ConnectorWorker:
         """The blocks of requests reported failed since the last call (one KV cache group only: vLLM maps
         block ids back to requests only then; with several, ``failed_recving`` alone says it)."""
         errors, self._load_errors = self._load_errors, set()
-        return errors if self.groups == 1 else set()
+        return errors if len(self.groups) <= 1 else set()
 
     def shutdown(self) -> None:
         """Close every channel, the listener and the engines (idempotent)."""
@@ -224,12 +240,17 @@ class ConnectorWorker:
     # -- sending --------------------------------------------------------------------------------------
     def _take_send(self, request_id: str, send: SendRequest) -> int | None:
         """The planning row of a finished prefill request, or ``None`` (its blocks are freed unsent, logged)."""
+        blocks = send.block_ids[self.full_group] if len(send.block_ids) > self.full_group else []
         why = ("a prefill request on a worker that does not send (kv_role)" if self.prefill is None else
-               None if send.block_ids and send.block_ids[0] else "it has no blocks")
-        if why is None and len(send.block_ids[0]) * self.block_size > self.width:
-            why = f"{len(send.block_ids[0]) * self.block_size} tokens exceed the planning table's {self.width} (max_model_len)"
+               None if blocks else "it has no blocks")
+        if why is None and len(blocks) * self.block_size > self.width:
+            why = f"{len(blocks) * self.block_size} tokens exceed the planning table's {self.width} (max_model_len)"
+        if why is None:
+            why = self._send_maps.claim(request_id, blocks, [send.block_ids[g] for g in self.window_groups], 0,
+                                        send.num_tokens)
         row = self._send_rows.take() if why is None else None
         if why is None and row is None:
+            self._send_maps.release(request_id)
             why = f"more than {self.settings.max_requests} requests in flight (max_requests)"
         if row is None:
             log.error("request %s: %s; its blocks are freed unsent", request_id, why)
@@ -280,6 +301,7 @@ class ConnectorWorker:
     def _done_sending(self, request_id: str, reason: str | None) -> None:
         sending = self._sending.pop(request_id)
         self._send_rows.give(sending.row)
+        self._send_maps.release(request_id)
         self._sent.add(request_id)
         if reason is not None:
             log.warning("request %s was not sent: %s", request_id, reason)
@@ -290,7 +312,8 @@ class ConnectorWorker:
         ``KvplanError`` naming what is wrong); ``None`` for one with nothing to load, whose prefill is told
         to free its blocks."""
         remote = receive.remote_request_id
-        if not receive.block_ids or not receive.block_ids[0]:  # nothing to load: its prefill frees its blocks
+        if len(receive.block_ids) <= self.full_group or not receive.block_ids[self.full_group]:
+            # nothing to load: its prefill frees its blocks
             if self.receives and remote is not None and receive.remote_host is not None \
                     and receive.remote_port is not None:
                 decode = self._connect(receive.remote_host, receive.remote_port, self._prefill_ranks(receive))
@@ -303,7 +326,7 @@ class ConnectorWorker:
         if remote is None or receive.remote_host is None or receive.remote_port is None:
             raise KvplanError("its kv_transfer_params name no prefill (remote_request_id, remote_host, remote_port)")
         self._prefill_ranks(receive)  # (raises where its prefill's TP size cannot serve this rank)
-        blocks = receive.block_ids[0]
+        blocks = receive.block_ids[self.full_group]
         needed = -(-receive.num_tokens // self.block_size)
         if len(blocks) != needed or receive.prefix_len % self.block_size:
             raise KvplanError(f"{len(blocks)} blocks after a prefix of {receive.prefix_len} tokens for "
@@ -313,8 +336,13 @@ class ConnectorWorker:
                               f"table's {self.width} (max_model_len)")
         if remote in self._receiving:
             raise KvplanError(f"its prefill's request id {remote!r} is already being received here")
+        why = self._recv_maps.claim(remote, blocks, [receive.block_ids[g] for g in self.window_groups],
+                                    receive.prefix_len, receive.num_tokens)
+        if why is not None:
+            raise KvplanError(why)
         row = self._recv_rows.take()
         if row is None:
+            self._recv_maps.release(remote)
             raise KvplanError(f"more than {self.settings.max_requests} requests in flight (max_requests)")
         return row
 
@@ -349,7 +377,8 @@ class ConnectorWorker:
         decode.publish([PreallocatedRequest(receive.remote_request_id, row, receive.prefix_len + receive.num_tokens,
                                             receive.prefix_len)], timeout=self.settings.timeout_s,
                        peer=list(range(len(ranks))), publishers=max(1, self.tp_size // self._prefill_tp(receive)))
-        self._receiving[receive.remote_request_id] = _Receiving(request_id, row, list(receive.block_ids[0]), decode)
+        self._receiving[receive.remote_request_id] = _Receiving(request_id, row, list(receive.block_ids[self.full_group]),
+                                                                decode)
 
     def _connect(self, host: str, port: int, ranks: tuple[int, ...]) -> DecodeEndpoint:
         """The decode endpoint paired with ranks ``ranks`` of the prefill listening at ``host:port`` (rank
@@ -372,8 +401,8 @@ class ConnectorWorker:
                                                                       f"did not answer: {err}")
             raise PeerError(self._unreachable[key][1]) from None
         start = time.perf_counter()
-        decode = DecodeEndpoint(self.view.side(self._recv_table, self.tp_size, self.tp_rank), self._engine("receive"),
-                                channels, staging=self._staging(), compat=self.view.word)
+        decode = DecodeEndpoint(self.view.side(self._recv_table, self.tp_size, self.tp_rank, self._recv_maps.maps),
+                                self._engine("receive"), channels, staging=self._staging(), compat=self.view.word)
         decode.register(timeout=HANDSHAKE_S)
         made = time.perf_counter()
         if self.settings.warm_up:  # (waits for the pairing: the prefill is stepping, it has this request to send)
@@ -410,13 +439,14 @@ class ConnectorWorker:
     def _end_receive(self, remote: str) -> None:
         receiving = self._receiving.pop(remote)
         self._recv_rows.give(receiving.row)
+        self._recv_maps.release(remote)
         receiving.endpoint.forget(remote)
 
     def _fail_unpublished(self, request_id: str, receive: ReceiveRequest, reason: str) -> None:
         """A request whose blocks could not be published: nothing was written into them; reported failed
         at the next results, with its blocks."""
         log.warning("request %s cannot load from its prefill: %s", request_id, reason)
-        blocks = list(receive.block_ids[0]) if receive.block_ids else []
+        blocks = [b for group in receive.block_ids for b in group]
         self._unpublished.append((request_id, blocks))
 
     # -- helpers --------------------------------------------------------------------------------------

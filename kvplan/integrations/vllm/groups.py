@@ -1,0 +1,72 @@
+"""vLLM's KV cache groups as kvplan's connector moves them.
+
+vLLM gives each KV cache group its own block table; a request holds a list of blocks per group. kvplan
+covers one full-attention group, its KV (``FullAttentionSpec``, or ``MLAAttentionSpec`` without a sliding
+window), and any number of sliding-window attention groups (``SlidingWindowSpec``), each a SWA state
+component: only the blocks of the window the decode's next token attends to move (planning.md §6), found
+through a map from the full group's slots to the group's own (:mod:`.windows`). Every other kind (Mamba,
+chunked local attention, cross attention, encoder-only, ...) and a model without one full-attention group
+are refused, naming them.
+
+Example::
+
+    groups = transfer_groups(kv_cache_config)     # e.g. (KVGroup(full layers), KVGroup(swa layers, window=128))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ...errors import KvplanError
+
+__all__ = ["KVGroup", "UnsupportedConfig", "transfer_groups"]
+
+_FULL_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+_WINDOW_SPECS = ("SlidingWindowSpec",)
+
+
+class UnsupportedConfig(KvplanError, ValueError):
+    """A vLLM configuration this connector does not cover; names what and why."""
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """One of vLLM's KV cache groups: its layers, and its sliding window in tokens (0: full attention)."""
+
+    layers: tuple[str, ...]
+    window: int = 0
+
+
+def _named(group: Any) -> str:
+    names = list(group.layer_names)
+    return f"{type(group.kv_cache_spec).__name__} ({', '.join(names[:2])}{', ...' if len(names) > 2 else ''})"
+
+
+def transfer_groups(kv_cache_config: Any) -> tuple[KVGroup, ...]:
+    """The groups of ``kv_cache_config`` that transfer, in vLLM's order (its ``transfer_groups`` where it
+    names them), or :class:`UnsupportedConfig` naming what is not covered."""
+    groups = list(getattr(kv_cache_config, "transfer_groups", None) or kv_cache_config.kv_cache_groups)
+    out, uncovered = [], []
+    for group in groups:
+        spec, kind = group.kv_cache_spec, type(group.kv_cache_spec).__name__
+        # (the tokens a sliding window keeps readable, its own included: vLLM's num_retained_tokens + 1)
+        window = int(getattr(spec, "sliding_window", None) or 0) + int(getattr(spec, "extra_retained_tokens", 0) or 0)
+        if kind in _FULL_SPECS and not window:
+            out.append(KVGroup(tuple(group.layer_names)))
+        elif kind in _WINDOW_SPECS and window > 1:
+            out.append(KVGroup(tuple(group.layer_names), window))
+        else:
+            uncovered.append(_named(group))
+    if uncovered:
+        raise UnsupportedConfig(f"kvplan's vLLM connector moves full-attention and sliding-window attention KV cache "
+                                f"groups; not {'; '.join(uncovered)} (docs/vllm.md: what is covered)")
+    full = [g for g in out if not g.window]
+    if len(full) != 1:
+        raise UnsupportedConfig(f"{len(full)} full-attention KV cache groups: kvplan's vLLM connector moves one "
+                                "(its KV), with any sliding-window groups as state (docs/vllm.md)")
+    sizes = {int(g.kv_cache_spec.block_size) for g in groups}
+    if len(sizes) > 1:
+        raise UnsupportedConfig(f"KV cache groups of block sizes {sorted(sizes)}: kvplan's vLLM connector maps a "
+                                "sliding-window group's blocks from the full-attention group's, block for block")
+    return tuple(out)
