@@ -22,7 +22,7 @@ import torch  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import NixlPushConnectorScheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec  # noqa: E402
+from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
@@ -33,7 +33,8 @@ from kvplan.integrations.vllm.scheduler import UnsupportedConfig  # noqa: E402
 from kvplan.planner.model import Attention  # noqa: E402
 from kvplan.planner.pairing import pair_sides  # noqa: E402
 from tests.ports import free_port  # noqa: E402
-from tests.integrations.vllm_fakes import BLOCK, ENGINE, Blocks, full_attention, kv_caches, request, vllm_config  # noqa: E402
+from tests.integrations.vllm_fakes import (BLOCK, ENGINE, Blocks, full_attention, hybrid_attention, kv_caches,  # noqa: E402
+                                           request, vllm_config)
 
 pytestmark = pytest.mark.vllm
 
@@ -130,9 +131,30 @@ def test_kv_caches_whose_blocks_are_not_one_span_are_refused_naming_the_layer():
         BlockView.of(mixed, BLOCK)
 
 
-def test_a_worker_of_a_model_with_several_kv_cache_groups_is_refused():
-    with pytest.raises(UnsupportedConfig, match="2 KV cache groups"):
+def test_a_worker_of_a_model_with_several_full_attention_groups_is_refused():
+    with pytest.raises(UnsupportedConfig, match="2 full-attention KV cache groups"):
         KVConnectorFactory.create_connector(vllm_config(), KVConnectorRole.WORKER, full_attention(["l0"], ["l1"]))
+
+
+def test_a_worker_takes_a_full_attention_group_and_a_sliding_window_group_over_the_same_memory():
+    """vLLM's hybrid KV cache manager overlays the groups in one allocation: the worker's side has the full
+    group's blocks as KV and the sliding-window group's as a SWA component of window ``sliding_window - 1``
+    (the tokens vLLM keeps besides the next), from the decode's prefix on."""
+    names = ["model.layers.0.attn", "model.layers.2.attn"], ["model.layers.1.attn", "model.layers.3.attn"]
+    kv_cache = hybrid_attention(*names, 48, num_blocks=8, heads=2, head_size=16)
+    connector = KVConnectorFactory.create_connector(vllm_config({"host": "127.0.0.1", "port": free_port()}),
+                                                    KVConnectorRole.WORKER, kv_cache)
+    try:
+        caches = kv_caches(kv_cache, KVCacheLayout.LBHNC)
+        connector.register_kv_caches(caches)
+        side = connector.worker.prefill.side
+        (window,) = side.state
+        assert [e.base_ptr for e in side.kv.entries] == [caches[n].data_ptr() for n in names[0]]
+        assert [e.base_ptr for e in window.entries] == [caches[n].data_ptr() for n in names[1]]
+        assert window.kind.value == "swa" and window.window == 47 and window.from_prefix
+        assert connector.get_block_ids_with_load_errors() == set()
+    finally:
+        connector.shutdown()
 
 
 @pytest.mark.parametrize("extra, named", [({"port": 0}, "port 0"), ({"port": "17500"}, "port '17500'"),
@@ -151,13 +173,18 @@ def test_settings_that_cannot_work_are_refused_naming_them(extra, named):
 
 
 def test_groups_and_lookahead_it_does_not_cover_are_refused_naming_them():
-    window = KVCacheGroupSpec(["swa.0", "swa.1", "swa.2"], SlidingWindowSpec(block_size=BLOCK, num_kv_heads=8,
-                                                                               head_size=128, dtype=torch.bfloat16,
-                                                                               sliding_window=128))
+    local = KVCacheGroupSpec(["local.0", "local.1", "local.2"],
+                             ChunkedLocalAttentionSpec(block_size=BLOCK, num_kv_heads=8, head_size=128,
+                                                       dtype=torch.bfloat16, attention_chunk_size=128))
     mixed = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[*full_attention(["l0"]).kv_cache_groups,
-                                                                               window])
-    with pytest.raises(UnsupportedConfig, match=r"SlidingWindowSpec \(swa.0, swa.1, \.\.\.\)"):
+                                                                               local])
+    with pytest.raises(UnsupportedConfig, match=r"ChunkedLocalAttentionSpec \(local.0, local.1, \.\.\.\)"):
         KVConnectorFactory.create_connector(vllm_config(), KVConnectorRole.SCHEDULER, mixed)
+    window_only = hybrid_attention([], ["swa.0"], 64).kv_cache_groups[1:]
+    with pytest.raises(UnsupportedConfig, match="0 full-attention KV cache groups"):
+        KVConnectorFactory.create_connector(vllm_config(), KVConnectorRole.SCHEDULER,
+                                            KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
+                                                          kv_cache_groups=window_only))
     with pytest.raises(UnsupportedConfig, match="lookahead of 3 tokens"):
         KVConnectorFactory.create_connector(vllm_config(lookahead=3), KVConnectorRole.SCHEDULER, full_attention(["l0"]))
 
@@ -165,9 +192,9 @@ def test_groups_and_lookahead_it_does_not_cover_are_refused_naming_them():
 # -- (b) the same decisions as vLLM's NIXL connector in push mode -------------------------------------
 @pytest.fixture
 def both():
-    """vLLM's push scheduler and kvplan's, on the same configuration (two groups: vLLM passes one block
-    list per group)."""
-    config, kv_cache = vllm_config(), full_attention(["l0", "l1"], ["l2", "l3"])
+    """vLLM's push scheduler and kvplan's, on the same configuration (a full-attention group and a
+    sliding-window group: vLLM passes one block list per group)."""
+    config, kv_cache = vllm_config(), hybrid_attention(["l0", "l1"], ["l2", "l3"], 64)
     nixl = NixlPushConnectorScheduler(config, ENGINE, kv_cache)
     ours = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kv_cache)
     yield nixl, ours
