@@ -216,12 +216,18 @@ def role_main(args: argparse.Namespace) -> None:
     src_tp, dst_tp = args.tp
     tp_size = src_tp if args.role == "prefill" else dst_tp
     rank = args.rank
-    worker = ConnectorWorker(_settings(args.port, args.mode, args.warm_up == "on", tp_size), args.role, rank, tp_size,
-                             BLOCK, max_model_len=1 << 16, sends=args.role == "prefill",
-                             receives=args.role == "decode")
+    from kvplan.integrations.vllm.groups import KVGroup
+
     my_heads = heads if args.role == "prefill" else heads * src_tp // dst_tp
     caches = _caches(my_heads, pool, layers, device, tokens_outermost=args.layout == "LBNHC")
-    worker.register_kv_caches(caches)
+    groups = ()
+    if args.window:  # a sliding-window group over the same memory, layer for layer (vLLM overlays groups)
+        window_caches = {name.replace("self_attn", "window_attn"): view for name, view in caches.items()}
+        groups = (KVGroup(tuple(caches)), KVGroup(tuple(window_caches), args.window))
+    worker = ConnectorWorker(_settings(args.port, args.mode, args.warm_up == "on", tp_size), args.role, rank, tp_size,
+                             BLOCK, max_model_len=1 << 16, sends=args.role == "prefill",
+                             receives=args.role == "decode", groups=groups)
+    worker.register_kv_caches({**caches, **window_caches} if args.window else caches)
     served = range(rank * dst_tp // src_tp, rank * dst_tp // src_tp + max(1, dst_tp // src_tp))  # (prefill) its decodes
     rounds = json.load(open(os.path.join(args.dir, "rounds.json")))
     out = []
@@ -231,8 +237,8 @@ def role_main(args: argparse.Namespace) -> None:
         _sync(device)
         for k, spec in enumerate(rounds):
             names = [f"k{k}-r{r}" for r in range(len(spec["src"]))]
-            worker.start_load_kv(SchedulerStep(send={n: SendRequest((b,), spec["tokens"]) for n, b in
-                                                     zip(names, spec["src"])}))
+            worker.start_load_kv(SchedulerStep(send={n: SendRequest(_blocks(spec, "src", r), spec["tokens"])
+                                                     for r, n in enumerate(names)}))
             _touch(args.dir, f"sending-{k}")
             sent, finished, deadline = set(), set(names), time.monotonic() + 300
             while sent != set(names) and time.monotonic() < deadline:
@@ -245,9 +251,9 @@ def role_main(args: argparse.Namespace) -> None:
         for k, spec in enumerate(rounds):
             _wait(args.dir, f"sending-{k}", None)
             names = [f"k{k}-r{r}" for r in range(len(spec["dst"]))]
-            step = SchedulerStep(receive={f"d-{n}": ReceiveRequest((b,), spec["tokens"], "prefill", n, "127.0.0.1",
-                                                                    args.peer_port, src_tp)
-                                          for n, b in zip(names, spec["dst"])})
+            step = SchedulerStep(receive={f"d-{n}": ReceiveRequest(_blocks(spec, "dst", r), spec["tokens"], "prefill",
+                                                                    n, "127.0.0.1", args.peer_port, src_tp)
+                                          for r, n in enumerate(names)})
             _sync(device)
             start = time.perf_counter()
             worker.start_load_kv(step)
@@ -261,9 +267,11 @@ def role_main(args: argparse.Namespace) -> None:
             wrong = 0
             for layer, name in enumerate(caches):  # every byte of every block of every layer (of this rank's heads)
                 expected = _expected(layer, pool, heads, device, args.tp, rank)
-                src = torch.tensor([b for blocks in spec["src"] for b in blocks], device=device)
-                dst = torch.tensor([b for blocks in spec["dst"] for b in blocks], device=device)
-                wrong += int((caches[name][dst] != expected[src]).any(dim=(1, 2, 3)).sum())
+                for key in ("", "_w") if args.window else ("",):  # (and each window's blocks, over the same memory)
+                    src = torch.tensor([b for blocks in spec["src" + key] for b in blocks if b], device=device)
+                    dst = torch.tensor([d for blocks, theirs in zip(spec["dst" + key], spec["src" + key])
+                                        for d, b in zip(blocks, theirs) if b], device=device)
+                    wrong += int((caches[name][dst] != expected[src]).any(dim=(1, 2, 3)).sum())
             caches_zero = [c.zero_() for c in caches.values()]  # (the next round must land again)
             del caches_zero
             _sync(device)
@@ -272,6 +280,12 @@ def role_main(args: argparse.Namespace) -> None:
                         "failed": len(failed), "wrong_blocks": wrong})
     worker.shutdown()
     print(json.dumps(out), flush=True)
+
+
+def _blocks(spec: dict, side: str, r: int) -> tuple[list[int], ...]:
+    """Request ``r``'s block lists on ``side`` (``src`` or ``dst``): the full-attention group's, and the
+    sliding-window group's where the round has one."""
+    return (spec[side][r], spec[side + "_w"][r]) if side + "_w" in spec else (spec[side][r],)
 
 
 def _expected(layer: int, pool: int, heads: int, device: torch.device, tp: tuple[int, int], rank: int) -> torch.Tensor:
@@ -307,18 +321,22 @@ def _wait(folder: str, name: str, worker, timeout: float = 300.0) -> None:
 
 def transfer_rows(heads: int, requests: int, tokens: int, fragmented: bool, mode: str, repeats: int,
                   layers: int, limit_s: float = 240.0, warm_up: str = "on", tp: tuple[int, int] = (1, 1),
-                  layout: str = "LBHNC") -> dict:
+                  layout: str = "LBHNC", window: int = 0) -> dict:
     """One batch shape moved ``repeats`` times between the ranks of a prefill of TP ``tp[0]`` (``heads``
     KV heads each) and of a decode of TP ``tp[1]`` that exchange it: prefill rank 0 and the decode ranks
     it serves, or decode rank 0 and the prefill ranks it gathers from; each a process of its own."""
     blocks_each = tokens // BLOCK
-    pool = requests * blocks_each * 2
+    groups = 2 if window else 1  # (a sliding-window group's blocks come from the same pool)
+    pool = requests * blocks_each * 2 * groups
+    skipped = max(0, tokens - window + 1) // BLOCK if window else 0  # (blocks vLLM frees before the window)
     rng = np.random.default_rng(11)
     rounds = []
     for _ in range(repeats):
-        src = allocate(requests, blocks_each, pool, fragmented, rng)
-        dst = allocate(requests, blocks_each, pool, fragmented, rng)
-        rounds.append({"src": src, "dst": dst, "tokens": tokens})
+        src = allocate(requests * groups, blocks_each, pool, fragmented, rng)
+        dst = allocate(requests * groups, blocks_each, pool, fragmented, rng)
+        rounds.append({"src": src[:requests], "dst": dst[:requests], "tokens": tokens})
+        if window:
+            rounds[-1].update(src_w=[[0] * skipped + b[skipped:] for b in src[requests:]], dst_w=dst[requests:])
     with tempfile.TemporaryDirectory() as folder:
         json.dump(rounds, open(os.path.join(folder, "rounds.json"), "w"))
         decodes, prefills = max(1, tp[1] // tp[0]), max(1, tp[0] // tp[1])
@@ -326,7 +344,7 @@ def transfer_rows(heads: int, requests: int, tokens: int, fragmented: bool, mode
         ports = free_ports(decodes)
         base = [sys.executable, "-m", "benchmarks.vllm_shapes", "--dir", folder, "--heads", str(heads), "--layers",
                 str(layers), "--pool", str(pool), "--mode", mode, "--warm-up", warm_up, "--tp", str(tp[0]), str(tp[1]),
-                "--layout", layout]
+                "--layout", layout, "--window", str(window)]
         senders = [subprocess.Popen(base + ["--role", "prefill", "--rank", str(r), "--port", str(base_port)],
                                     stdout=subprocess.PIPE, text=True, cwd=ROOT) for r in range(prefills)]
         ranks = []
@@ -355,8 +373,10 @@ def transfer_rows(heads: int, requests: int, tokens: int, fragmented: bool, mode
                   "wrong_blocks": sum(r["wrong_blocks"] for r in rows), "failed": sum(r["failed"] for r in rows)}
                  for rows in zip(*by_rank)]
     steady = [r["ms"] for r in per_round[1:]] or [per_round[0]["ms"]]
-    nbytes = requests * blocks_each * layers * heads * prefills * BLOCK * 2 * HEAD_DIM * 2
-    return {"heads": heads, "tp": tp, "layout": layout, "requests": requests, "tokens": tokens, "layers": layers,
+    nbytes = requests * (2 * blocks_each - skipped if window else blocks_each) * layers * heads * prefills * BLOCK \
+        * 2 * HEAD_DIM * 2
+    return {"heads": heads, "tp": tp, "layout": layout, "window": window, "requests": requests, "tokens": tokens,
+            "layers": layers,
             "placement": "fragmented" if fragmented else "contiguous", "mode": mode, "warm_up": warm_up,
             "first_ms": per_round[0]["ms"], "first_pairing_ms": per_round[0]["publish_ms"],
             "steady_ms": statistics.median(steady), "gib_s": nbytes / statistics.median(steady) / 1e6 / 1.073741824,
@@ -390,6 +410,9 @@ def main() -> None:
                         help="TP sizes: 4 8 moves prefill rank 0's two heads of 8 to decode ranks 0 and 1; "
                              "8 4 gathers prefill ranks 0 and 1's head each into decode rank 0")
     parser.add_argument("--rank", type=int, default=0, help="(one side) its TP rank")
+    parser.add_argument("--window", type=int, default=0,
+                        help="a sliding-window group of this many tokens over the same layers' memory (vLLM's hybrid "
+                             "KV cache manager): each request's window blocks move too")
     parser.add_argument("--layout", choices=("LBHNC", "LBNHC"), default="LBHNC",
                         help="how both sides lay a layer's blocks out: the heads outside the tokens (LBHNC, vLLM's "
                              "NIXL connector's) or inside (LBNHC, kvplan's connector's default)")
@@ -418,13 +441,14 @@ def main() -> None:
                     if mode == "prepared" and src_tp != dst_tp and args.layout == "LBNHC":
                         continue  # (prepared lists are per page: head slices of each token have none)
                     row = transfer_rows(heads, requests, tokens, fragmented, mode, args.repeats, layers,
-                                        warm_up=args.warm_up, tp=(src_tp, dst_tp), layout=args.layout)
+                                        warm_up=args.warm_up, tp=(src_tp, dst_tp), layout=args.layout,
+                                        window=args.window)
                     result["transfer"].append(row)
                     if "timed_out_s" in row:
                         print(f"move {requests}x{tokens} {row['placement']:10s} {mode:8s} did not end within "
                               f"{row['timed_out_s']:.0f} s", flush=True)
                         continue
-                    print(f"move tp{src_tp}to{dst_tp} {args.layout} {requests}x{tokens} {row['placement']:10s} {mode:8s} warm-up {args.warm_up:3s} first "
+                    print(f"move tp{src_tp}to{dst_tp} {args.layout} window {args.window} {requests}x{tokens} {row['placement']:10s} {mode:8s} warm-up {args.warm_up:3s} first "
                           f"{row['first_ms']:9.1f} ms (pairing {row['first_pairing_ms']:7.1f}) "
                           f"steady {row['steady_ms']:9.1f} ms  {row['gib_s']:7.2f} GiB/s  wrong {row['wrong_blocks']} "
                           f"failed {row['failed']}", flush=True)
@@ -432,6 +456,7 @@ def main() -> None:
         os.makedirs(args.out, exist_ok=True)
         tag = f"-{'-'.join(args.batches)}-warm-{args.warm_up}" if args.no_plan else ""
         tag += f"-tp{args.tp[0]}to{args.tp[1]}-{args.layout}" if args.tp[0] != args.tp[1] else ""
+        tag += f"-window{args.window}" if args.window else ""
         with open(os.path.join(args.out, f"vllm_shapes{tag}.json"), "w") as f:
             json.dump(result, f, indent=1)
 

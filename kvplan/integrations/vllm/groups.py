@@ -20,10 +20,11 @@ from typing import Any
 
 from ...errors import KvplanError
 
-__all__ = ["KVGroup", "UnsupportedConfig", "transfer_groups"]
+__all__ = ["KVGroup", "UnsupportedConfig", "WINDOW_KIND", "transfer_groups"]
 
 _FULL_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
 _WINDOW_SPECS = ("SlidingWindowSpec",)
+WINDOW_KIND = "swa"  # the kvplan state kind a sliding-window group moves as (planning.md §6)
 
 
 class UnsupportedConfig(KvplanError, ValueError):

@@ -34,8 +34,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
 from ...errors import LayoutError
-from ...planner.model import Attention, Entry, KVLayout, SideMemory, StateComponent, StateKind
-from .groups import KVGroup
+from ...planner.model import Attention, Entry, KVLayout, SideMemory, StateComponent
+from .groups import WINDOW_KIND, KVGroup
 
 __all__ = ["BlockView", "layer_order"]
 
@@ -182,7 +182,7 @@ class BlockView:
                           tp_rank=tp_rank)
         if len(window_maps) != len(self.windows):
             raise LayoutError(f"{len(self.windows)} sliding-window groups, {len(window_maps)} slot maps")
-        state = tuple(StateComponent(StateKind.SWA, view.entries, window=window - 1, slot_map=slot_map,
+        state = tuple(StateComponent(WINDOW_KIND, view.entries, window=window - 1, slot_map=slot_map,
                                      name=f"swa{g}", from_prefix=True)
                       for g, ((window, view), slot_map) in enumerate(zip(self.windows, window_maps)))
         return SideMemory(kv, state, req_to_token=req_to_token)
