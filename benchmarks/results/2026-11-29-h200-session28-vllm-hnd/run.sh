@@ -21,4 +21,9 @@ case "$1" in
 3)  # TP 8 -> 4 (a gather) in LBHNC, and in LBNHC staged, the same run
     shapes 400 --batches 16x5k 4x32k --tp 8 4 --layout LBHNC --modes prepared staged | tee $OUT/r/vllm-tp8to4.txt
     shapes 150 --batches 16x5k 4x32k --tp 8 4 --layout LBNHC --modes staged | tee $OUT/r/vllm-tp8to4-lbnhc.txt ;;
+4)  # the head-major and sliding-window planner tests compiled, the transport's hand-offs, a sliding-window group moved
+    KVPLAN_TEST_ENGINES=nixl timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE tests/planner/test_head_major.py \
+        tests/planner/test_packed_heads.py tests/transport/test_engine_regions.py tests/transport/test_nixl_lists.py \
+        tests/transport/test_handoff.py -k "not mooncake" > $OUT/r/gpu-tests-4.txt 2>&1; tail -3 $OUT/r/gpu-tests-4.txt
+    shapes 330 --batches 16x5k 4x32k --window 128 --modes prepared staged | tee $OUT/r/vllm-window.txt ;;
 esac
