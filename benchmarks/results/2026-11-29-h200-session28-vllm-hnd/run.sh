@@ -26,4 +26,8 @@ case "$1" in
         tests/planner/test_packed_heads.py tests/transport/test_engine_regions.py tests/transport/test_nixl_lists.py \
         tests/transport/test_handoff.py -k "not mooncake" > $OUT/r/gpu-tests-4.txt 2>&1; tail -3 $OUT/r/gpu-tests-4.txt
     shapes 330 --batches 16x5k 4x32k --window 128 --modes prepared staged | tee $OUT/r/vllm-window.txt ;;
+5)  # the final tree: the transport's hand-offs, warm-up and gathers on the GPU (the engines' regions changed)
+    KVPLAN_TEST_ENGINES=nixl timeout 420 python3 -m pytest -q -p no:cacheprovider -rfE tests/transport/test_handoff.py \
+        tests/transport/test_warm_up.py tests/transport/test_gather.py -k "not mooncake" > $OUT/r/gpu-tests-5.txt 2>&1
+    tail -4 $OUT/r/gpu-tests-5.txt ;;
 esac

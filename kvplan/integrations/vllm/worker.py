@@ -19,8 +19,10 @@ Each TP rank of an engine runs one :class:`ConnectorWorker`. It sees vLLM's KV t
   (:meth:`DecodeEndpoint.fenced`), in ``failed_recving`` and, where the model has one KV cache group,
   with its blocks in :meth:`get_block_ids_with_load_errors`: never as a success.
 
-Both sides lay blocks out alike or do not pair: the endpoints compare :attr:`BlockView.word`
-(dtype, block shape and byte order, block size). Planning runs on the KV tensors' device (the
+Both sides lay blocks out alike or do not pair: the endpoints compare :attr:`BlockView.word` (dtype,
+what a head's token holds, the groups), and kvplan's pairing the rest (heads and tokens in order, block and
+TP sizes). A model's sliding-window KV cache groups move as SWA state: each request's window blocks, reached
+through a map from the full-attention group's slots (:mod:`.windows`). Planning runs on the KV tensors' device (the
 GPU in a deployment). How a prefill writes is the ``mode`` setting: on GPUs ``auto`` gathers small
 blocks into a staging buffer and writes a few large pieces (``staged``), else one write per run of
 blocks that are neighbours on both sides (``direct``).
