@@ -11,6 +11,9 @@ lies and how long it is:
   tile one block stride; the whole is one entry whose item is the block of every layer, so a
   request's run of blocks is one descriptor for all layers.
 
+A model's sliding-window KV cache groups (:mod:`.groups`) get views of their own over their layers
+(:meth:`BlockView.of_groups`), each a SWA component of the side; vLLM overlays the groups' memory.
+
 A view whose blocks are not contiguous (the heads outermost, ``LHBNC``) is refused. The side is an
 MLA-like layout (one entry per layer, no K/V split): kvplan copies a block as it is, so both sides
 must lay blocks out alike; :attr:`BlockView.word` names what must match, and the endpoints refuse to

@@ -37,7 +37,7 @@ class WindowMaps:
         self.maps = [torch.zeros(num_blocks * block_size, dtype=torch.int64, device=device) for _ in self.windows]
         self._owners: list[dict[int, tuple[int, str]]] = [{} for _ in self.windows]  # full block -> (its block, who)
         self._claims: dict[str, list[tuple[int, int]]] = {}  # request -> (group, full block) it claimed
-        self._pending: list[list[tuple[int, int]]] = [[] for _ in self.windows]  # (full block, window block) to write
+        self._pending: list[list[tuple[str, int, int]]] = [[] for _ in self.windows]  # (who, full, window block)
 
     def claim(self, request: str, full_blocks: Sequence[int], group_blocks: Sequence[Sequence[int]], prefix: int,
               num_tokens: int) -> str | None:
@@ -61,7 +61,7 @@ class WindowMaps:
                 claims.append((g, int(full), int(own)))
         for g, full, own in claims:
             self._owners[g][full] = (own, request)
-            self._pending[g].append((full, own))
+            self._pending[g].append((request, full, own))
         self._claims.setdefault(request, []).extend((g, full) for g, full, _ in claims)
         return None
 
@@ -70,7 +70,7 @@ class WindowMaps:
         for g, pending in enumerate(self._pending):
             if not pending:
                 continue
-            pairs = np.array(pending, dtype=np.int64)
+            pairs = np.array([(full, own) for _, full, own in pending], dtype=np.int64)
             tokens = np.arange(self.block_size, dtype=np.int64)
             index = (pairs[:, :1] * self.block_size + tokens).reshape(-1)
             value = np.where(pairs[:, 1:] > 0, pairs[:, 1:] * self.block_size + tokens, 0).reshape(-1)  # (null: 0)
@@ -79,7 +79,9 @@ class WindowMaps:
             pending.clear()
 
     def release(self, request: str) -> None:
-        """End a request's claims (its blocks may map elsewhere for the next request)."""
+        """End a request's claims, written or not (its blocks may map elsewhere for the next request)."""
         for g, full in self._claims.pop(request, ()):
             if self._owners[g].get(full, (0, None))[1] == request:
                 del self._owners[g][full]
+        for pending in self._pending:
+            pending[:] = [p for p in pending if p[0] != request]

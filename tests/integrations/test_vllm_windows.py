@@ -1,0 +1,60 @@
+"""The slot maps of vLLM's sliding-window groups (``kvplan/integrations/vllm/windows.py``): a request's window
+blocks map from its full-attention blocks at the same positions, a freed one (vLLM's null block) to 0, and two
+requests in flight may not map one full block to two window blocks."""
+
+import torch
+
+from kvplan.integrations.vllm.windows import WindowMaps
+
+BS = 4
+
+
+def _mapped(maps: WindowMaps, full: int) -> list[int]:
+    return maps.maps[0][full * BS : full * BS + BS].tolist()
+
+
+def test_a_request_maps_the_blocks_of_its_window_only_and_a_freed_one_to_zero():
+    maps = WindowMaps((6,), num_blocks=32, block_size=BS, device=torch.device("cpu"))
+    for full in range(32):  # (stale values from earlier requests)
+        maps.maps[0][full * BS : full * BS + BS] = 99
+    # 14 tokens in blocks of 4: the window (5 tokens besides the next: 9..13) lies in positions 2 and 3
+    assert maps.claim("a", [5, 9, 2, 7], [[0, 0, 0, 30]], prefix=0, num_tokens=14) is None
+    maps.flush()
+    assert _mapped(maps, 5) == _mapped(maps, 9) == [99] * BS  # (before the window: not written)
+    assert _mapped(maps, 2) == [0] * BS  # (freed inside the window: the planner refuses it, naming the token)
+    assert _mapped(maps, 7) == list(range(30 * BS, 31 * BS))
+
+
+def test_after_a_decode_prefix_the_window_starts_no_earlier_than_the_prefix():
+    maps = WindowMaps((100,), num_blocks=32, block_size=BS, device=torch.device("cpu"))
+    assert maps.claim("a", [11, 12], [[21, 22]], prefix=8, num_tokens=8) is None  # (blocks of tokens 8..15)
+    maps.flush()
+    assert _mapped(maps, 11) == list(range(21 * BS, 22 * BS)) and _mapped(maps, 12) == list(range(22 * BS, 23 * BS))
+
+
+def test_two_requests_in_flight_may_not_map_one_full_block_two_ways_until_the_first_ends():
+    maps = WindowMaps((8,), num_blocks=32, block_size=BS, device=torch.device("cpu"))
+    assert maps.claim("a", [3, 4], [[10, 11]], prefix=0, num_tokens=8) is None
+    why = maps.claim("b", [3, 5], [[12, 13]], prefix=0, num_tokens=8)
+    assert "full block 3" in why and "'a'" in why
+    assert maps.claim("c", [3, 6], [[10, 14]], prefix=0, num_tokens=8) is None  # (the same mapping: shared)
+    maps.release("a")
+    maps.release("c")
+    assert maps.claim("b", [3, 5], [[12, 13]], prefix=0, num_tokens=8) is None
+    maps.flush()
+    assert _mapped(maps, 3) == list(range(12 * BS, 13 * BS))
+
+
+def test_a_released_request_s_unwritten_claims_are_not_written():
+    maps = WindowMaps((8,), num_blocks=32, block_size=BS, device=torch.device("cpu"))
+    assert maps.claim("a", [3], [[10]], prefix=0, num_tokens=4) is None
+    maps.release("a")  # (refused after claiming, before the step's write)
+    maps.flush()
+    assert _mapped(maps, 3) == [0] * BS
+
+
+def test_lists_that_do_not_match_the_groups_are_refused_naming_them():
+    maps = WindowMaps((8,), num_blocks=32, block_size=BS, device=torch.device("cpu"))
+    assert "1 sliding-window groups" in maps.claim("a", [3], [], prefix=0, num_tokens=4)
+    assert "has 2 blocks where the full-attention group has 1" in maps.claim("a", [3], [[1, 2]], prefix=0,
+                                                                               num_tokens=4)
