@@ -61,7 +61,7 @@ from .host_expand import direct_descriptors, head_sliced_descriptors, scaled_tab
 from .model import Batch, Policy, SideMemory
 from .pairing import Mode, SidePairing, pair_sides
 from .plan import ComponentPlan, Plan, Role, Section, TransferPlan, empty_descs, empty_runs
-from .prepared import AUX, KV, PreparedIndices, prepared_slots
+from .prepared import AUX, KV, PreparedIndices, prepared_slots, require_prepared_form
 from .rules import check_token_table
 from .state_kinds import rules_of
 from .transfer_lists import transfer_lists
@@ -239,9 +239,7 @@ class _Static:
                             comp.num_items, map_slot, map_len, rules.always_strict, comp.from_prefix)
         slots = np.zeros((max(1, D) * K, 2), np.int64)
         if prepared:
-            if not all(p.per_item for p in self.pairings):
-                raise LayoutError("prepared lists are per page: head slices of each token and TP-sliced state need "
-                                  "descriptors")
+            require_prepared_form(src, dsts)
             for d, side in enumerate(dsts):
                 for role, (_, s_slots, d_slots) in prepared_slots(src, side).items():
                     k = 0 if role == KV else K - 1 if role == AUX else 1 + role

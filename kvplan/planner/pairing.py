@@ -260,7 +260,7 @@ def _pair_sides(src: SideMemory, dst: SideMemory) -> SidePairing:
         rules = rules_of(sc.kind)
         cps_s, cps_d = sc.pages_of(sk.page_size), dc.pages_of(dk.page_size)
         if mode is Mode.HEAD_SLICED and rules.slices_heads:  # docs/tp_state.md
-            state_heads.append(_component_slice(i, sc, dc, sk, dk, cps_s, cps_d))
+            state_heads.append(_component_slice(i, sc, dc, sk, dk, cps_s, cps_d, kind.heads_outside_tokens))
             continue
         state_heads.append(None)
         if rules.shards_tensors and sk.tp_size != dk.tp_size:  # docs/tp_state.md §4
@@ -298,15 +298,16 @@ def _pair_sides(src: SideMemory, dst: SideMemory) -> SidePairing:
     )
 
 
-def _component_slice(i: int, sc, dc, sk: KVLayout, dk: KVLayout, cps_s: int, cps_d: int) -> HeadSlice:
-    """The head slice of a head-sliced component (docs/tp_state.md §2), one for all its entries."""
+def _component_slice(i: int, sc, dc, sk: KVLayout, dk: KVLayout, cps_s: int, cps_d: int, per_page: bool
+                     ) -> HeadSlice:
+    """The head slice of a head-sliced component (docs/tp_state.md §2), one for all its entries; ``per_page``:
+    its pages hold each head's tokens in a row, as the KV's do (``Attention.MHA_HEAD_MAJOR``)."""
     what = f"state component {i} ({sc.name})"
     if cps_s != cps_d:
         raise LayoutError(f"{what}: head-sliced between TP sizes {sk.tp_size} and {dk.tp_size}, its pages must hold "
                           f"as many tokens on both sides (here {cps_s} and {cps_d}); not planned yet")
     if len(sc.entries) != len(dc.entries):
         raise LayoutError(f"{what}: source has {len(sc.entries)} entries, destination {len(dc.entries)}")
-    per_page = paired_attention(sk, dk).heads_outside_tokens  # (its pages hold each head's tokens as KV's do)
     try:
         return _one_slice("component", sc.entries, dc.entries, sk, dk, None if per_page else (cps_s, cps_d), per_page)
     except LayoutError as err:

@@ -21,6 +21,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
@@ -29,7 +30,7 @@ from .model import Batch, SideMemory
 from .pairing import pair_sides
 from .plan import Plan, Role
 
-__all__ = ["AUX", "KV", "PreparedIndices", "prepared_indices_reference", "prepared_slots"]
+__all__ = ["AUX", "KV", "PreparedIndices", "prepared_indices_reference", "prepared_slots", "require_prepared_form"]
 
 KV, AUX = Role.KV, Role.AUX  # section roles besides component indices
 INT32_MAX = (1 << 31) - 1
@@ -70,12 +71,18 @@ def prepared_slots(src: SideMemory, dst: SideMemory) -> dict[int, tuple[int, int
     return roles
 
 
-def prepared_indices_reference(batch: Batch, plan: Plan) -> PreparedIndices:
-    """The index arrays of a reference plan (direct mode only)."""
-    slots = [prepared_slots(batch.src, d) for d in batch.dsts]
-    if not all(pair_sides(batch.src, d).per_item for d in batch.dsts):
+def require_prepared_form(src: SideMemory, dsts: Sequence[SideMemory]) -> None:
+    """Raise :class:`LayoutError` unless every pairing from ``src`` moves one descriptor per entry x item
+    (``SidePairing.per_item``), the form prepared lists index."""
+    if not all(pair_sides(src, d).per_item for d in dsts):
         raise LayoutError("prepared lists are per page: head slices of each token and TP-sliced state need "
                           "descriptors")
+
+
+def prepared_indices_reference(batch: Batch, plan: Plan) -> PreparedIndices:
+    """The index arrays of a reference plan (direct mode, or head slices of one span per page)."""
+    slots = [prepared_slots(batch.src, d) for d in batch.dsts]
+    require_prepared_form(batch.src, batch.dsts)
     src_parts, dst_parts, sizes, roles, owners = [], [], [], [], []
 
     def section(t: int, role: int, src_list: np.ndarray, dst_list: np.ndarray) -> None:
