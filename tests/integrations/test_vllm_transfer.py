@@ -55,7 +55,11 @@ def run_group(tmp_path, engine: str, prefill_layout: str, decode_layout: str, de
             here, there = child_pipe()
             procs.append(start_child(report_and_exit, there, vllm_node.run, [*argv(role, layout, port), *extra]))
             results.append(here)
-        decodes = [child_message(here, f"decode {rank}", 150)[1] for rank, here in enumerate(results[prefill_tp:])]
+        try:
+            decodes = [child_message(here, f"decode {rank}", 150)[1] for rank, here in enumerate(results[prefill_tp:])]
+        except (RuntimeError, TimeoutError) as err:  # (a decode that waited on a prefill: say what the prefill said)
+            said = [here.recv() if here.poll(1) else ("nothing",) for here in results[:prefill_tp]]
+            raise RuntimeError(f"{err}\nthe prefill ranks said: {said}") from None
         prefills = [child_message(here, f"prefill {rank}", 60)[1] for rank, here in enumerate(results[:prefill_tp])]
         prefill = prefills[0]
     finally:
