@@ -20,7 +20,9 @@ must lay blocks out alike; :attr:`BlockView.word` names what must match, and the
 pair where it differs. Where each layer's block holds heads and tokens (``LBNHC``, ``LBHNC``), the KV
 moves by head and the sides may differ in TP size; where its tokens also follow one another (``LBNHC``), a
 block is a page of tokens and the sides may differ in block size: kvplan moves such KV in units of
-the tokens the two block sizes share (docs/page_sizes.md). Elsewhere the block size is part of the word.
+the tokens the two block sizes share (docs/page_sizes.md). With the heads outside the tokens (``LBHNC``) the
+pairing refuses other block sizes; where blocks move whole (the cross-layer layouts) the block size is part
+of the word.
 
 Example::
 
