@@ -25,15 +25,17 @@ export PYTHONUNBUFFERED := 1
 # measured 4:40-5:08 for the first pass against 5:17-6:26 with two (four: 5:09)
 WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n + 1 > 8 ? 8 : n + 1 )))
 
-.PHONY: setup setup-sglang setup-vllm test test-sglang test-vllm demo bench clean
+.PHONY: setup setup-sglang setup-vllm test test-sglang test-vllm demo bench dist clean
 
 setup: $(STAMP)
 
 # A Python that already has a CUDA build of torch keeps it (the venv sees system packages);
-# elsewhere the CPU build and the triton it pairs with are installed.
+# elsewhere the CPU build and the triton it pairs with are installed. Mooncake's wheel links
+# libibverbs (RDMA's user-space library) even for TCP: as root, set-up installs the system package.
 $(STAMP): pyproject.toml Makefile
 	@if ! ldconfig -p | grep -q 'libibverbs.so.1 '; then \
-	  if [ "$$(id -u)" = 0 ]; then apt-get update -q && apt-get install -y -q --no-install-recommends libibverbs1; \
+	  if [ "$$(id -u)" = 0 ]; then echo "installing libibverbs1 (apt-get): Mooncake's wheel needs it to import"; \
+	    apt-get update -q && apt-get install -y -q --no-install-recommends libibverbs1; \
 	  else echo "warning: libibverbs1 is missing and we are not root: Mooncake will not import" >&2; fi; fi
 	@if $(PYTHON) -c 'import torch, sys; sys.exit(0 if torch.version.cuda else 1)' 2>/dev/null; then \
 	  echo "using the system's CUDA build of torch"; \
@@ -70,7 +72,7 @@ $(VLLM_STAMP): $(STAMP)
 # Three passes: every test with the kernels interpreted on the CPU (the SGLang differential tests
 # among them), then a compile check of every kernel for sm_90 in a process of its own (the two
 # cannot share a process), then the vLLM connector's tests with vLLM's folder on the path.
-test: setup setup-sglang setup-vllm
+test: setup setup-sglang setup-vllm dist
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(WORKERS) -m "not compile_check and not vllm" --benchmark-disable \
 	  -p no:cacheprovider
 	TRITON_INTERPRET=0 $(PY) -m pytest -q -n $(WORKERS) -m compile_check -p no:cacheprovider tests/kernels
@@ -88,8 +90,13 @@ test-sglang: setup setup-sglang
 demo: setup
 	$(VENV)/bin/kvplan demo
 
+# kvplan's wheel, in dist/ (pure Python: one wheel serves every platform); README: install
+dist: setup
+	rm -rf dist build
+	$(PIP) wheel -q --no-deps --no-build-isolation -w dist .
+
 bench: setup
 	$(VENV)/bin/kvplan bench
 
 clean:
-	rm -rf $(VENV) $(VLLM_SITE) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_SITE) .pytest_cache .hypothesis dist build

@@ -7,14 +7,28 @@ import logging
 import math
 import os
 import sys
-from typing import Any
 from dataclasses import replace
+from typing import Any
 
-from . import __version__
-from .tools.scenarios import PRESETS
-from .transport.endpoints import MODES
-from .transport.engines import engine_names
-from .transport.engines.registry import engine_settings
+
+def _use_interpreter_without_gpu() -> None:
+    """Without a GPU the kernels run in Triton's interpreter. Triton reads the choice when a kernel is
+    defined, so it is made here, before this module imports anything that defines one (``import
+    kvplan`` alone defines none); an exported ``TRITON_INTERPRET`` is left as it is."""
+    if "TRITON_INTERPRET" not in os.environ:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["TRITON_INTERPRET"] = "1"
+
+
+_use_interpreter_without_gpu()
+
+from . import __version__  # noqa: E402 - after the interpreter's choice
+from .tools.scenarios import PRESETS, SCENARIOS  # noqa: E402
+from .transport.endpoints import MODES  # noqa: E402
+from .transport.engines import engine_names  # noqa: E402
+from .transport.engines.registry import engine_settings  # noqa: E402
 
 log = logging.getLogger("kvplan")
 
@@ -28,6 +42,24 @@ class Refused(Exception):
 
     def __init__(self, command: str, why: str):
         super().__init__(f"kvplan {command}: error: {why}")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line hint in place of the whole usage on a bad option (exit code 2 as before)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n(see '{self.prog} --help')\n")
+
+
+def _check_engine(command: str, engine: str, mode: str) -> None:
+    """Refuse an engine that is not installed, or a mode it does not have, before any process starts."""
+    from .transport.engines.registry import missing_engine
+
+    if mode == "prepared" and engine != "nixl":
+        raise Refused(command, "--mode prepared needs --engine nixl (prepared lists are NIXL's)")
+    missing = missing_engine(engine)
+    if missing:
+        raise Refused(command, f"--engine {missing}")
 
 
 def _positive(text: str) -> int:
@@ -48,6 +80,20 @@ def _scale(text: str) -> float:
     value = float(text)
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1] (a fraction of the full-size scenario), got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def _share(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a share of the requests in [0, 1], got {text}")
     return value
 
 
@@ -136,8 +182,11 @@ def _check_demo(config, shape) -> None:
         fail(f"--timeout must be positive, got {config.timeout}")
     if config.seed < 0:
         fail(f"--seed must be >= 0, got {config.seed}")
-    if config.chunks > -(-longest // shape.page_size):
-        fail(f"--chunks {config.chunks} is more than the prompt's {-(-longest // shape.page_size)} pages")
+    pages = -(-longest // shape.page_size)
+    if config.chunks > pages:
+        fail(f"--chunks {config.chunks} needs a prompt of at least {config.chunks} pages, and --prompt-len {longest} "
+             f"is {pages} page{'s' if pages > 1 else ''} of {shape.page_size} tokens: use a longer --prompt-len or "
+             "fewer --chunks")
     if config.layers > PRESETS[config.preset].layers:
         fail(f"--layers {config.layers} is more than {config.preset}'s {PRESETS[config.preset].layers} layers")
     if config.device == "cuda" and not torch.cuda.is_available():
@@ -175,22 +224,22 @@ def _tp_sizes(args: argparse.Namespace) -> tuple[int, int] | None:
     """``(--src-tp, --dst-tp)`` when either is given (the other defaults to the preset's)."""
     if args.src_tp is None and args.dst_tp is None:
         return None
-    from .tools.scenarios import PRESETS
-
-    shape = PRESETS[args.preset]
+    shape = PRESETS[SCENARIOS[args.preset].preset]
     return (args.src_tp or shape.src_tp, args.dst_tp or shape.dst_tp)
 
 
 def _demo(args: argparse.Namespace) -> int:
     from .tools.demo import DemoConfig, run_demo
 
-    config = DemoConfig(preset=args.preset, layers=args.layers, requests=args.requests, prompt_len=args.prompt_len,
+    scenario = SCENARIOS[args.preset]
+    config = DemoConfig(preset=scenario.preset, layers=args.layers, requests=args.requests, prompt_len=args.prompt_len,
                         chunks=args.chunks, prefix_len=args.prefix_len, mean_run=args.fragmentation,
                         engine=args.engine, mode=args.mode, device=args.device, seed=args.seed,
                         timeout=60.0 if args.timeout is None else args.timeout,
                         fault=args.fault, repeat=args.repeat, engine_threads=args.engine_threads, staging_bytes=args.staging_mib << 20,
                         staging_slots=args.staging_slots, scatter_tables=args.scatter_tables, decode_gpu=args.decode_gpu,
-                        progress_thread=args.progress_thread == "on", dst_page_size=args.dst_page_size,
+                        progress_thread=args.progress_thread == "on",
+                        dst_page_size=args.dst_page_size or scenario.dst_page_size,
                         tp=_tp_sizes(args), layer_groups=args.layerwise, layer_split=args.layer_split,
                         forward_dim=args.forward_dim,
                         gather=args.gather, engine_extra=tuple(args.engine_setting), integrity=args.integrity,
@@ -218,8 +267,7 @@ def _demo(args: argparse.Namespace) -> int:
                              or config.gather):
         raise Refused("demo", "--integrity needs whole destination items and every byte written when planned: not "
                               "with --mode prepared, --layerwise, --dst-page-size or --gather")
-    if config.mode == "prepared" and config.engine != "nixl":
-        raise Refused("demo", "--mode prepared needs --engine nixl (prepared lists are NIXL's)")
+    _check_engine("demo", config.engine, config.mode)
     if args.timeout is None:
         config = replace(config, timeout=default_timeout(config))
     shape = config.model()
@@ -274,6 +322,16 @@ def _load(args: argparse.Namespace) -> int:
         raise Refused("load", f"--chunk-tokens {args.chunk_tokens} is not a multiple of the page size {args.page_size}")
     if args.kill_at and args.decodes < 2:
         raise Refused("load", "--kill-at needs at least two decodes (the others' requests must go on)")
+    if args.kill_at and not 0 < args.kill_at < args.duration:
+        raise Refused("load", f"--kill-at {args.kill_at:g} must fall inside the run's arrivals (0 to --duration "
+                              f"{args.duration:g} s): a decode killed outside them kills no request in flight")
+    if args.prompt_max < args.page_size:
+        raise Refused("load", f"--prompt-max {args.prompt_max} is shorter than a page ({args.page_size} tokens)")
+    unknown = [key for key, _ in args.engine_setting if key not in engine_settings(args.engine)]
+    if unknown:
+        raise Refused("load", f"--engine-setting {unknown[0]}: {args.engine} has no such setting; its settings: "
+                              f"{', '.join(engine_settings(args.engine))}")
+    _check_engine("load", args.engine, args.mode)
     if args.prompt_median > args.prompt_max:
         raise Refused("load", f"--prompt-median {args.prompt_median} is above --prompt-max {args.prompt_max}")
     host = args.host
@@ -284,7 +342,13 @@ def _load(args: argparse.Namespace) -> int:
                         rows=args.rows, timeout=args.timeout, seed=args.seed, host=host,
                         forward_tokens_per_s=args.forward_tokens_per_s, staging_mib=args.staging_mib,
                         engine_extra=tuple(args.engine_setting), integrity=args.integrity)
-    report = run_load(config)
+    if args.metrics_port is not None:
+        try:
+            import prometheus_client  # noqa: F401
+        except ImportError:
+            raise Refused("load", "--metrics-port needs prometheus-client: install kvplan's extra prometheus "
+                                  "(pip install '.[prometheus]' in kvplan's checkout)") from None
+    report = run_load(config, progress=not args.no_progress, metrics_port=args.metrics_port)
     sys.stdout.write("\n".join(report.lines()) + "\n")
     if args.json:
         with open(args.json, "w") as f:
@@ -295,7 +359,7 @@ def _load(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     import json
 
-    from .tools.bench import SCENARIOS, progress_printer, render, rows_as_dicts, run_bench
+    from .tools.bench import progress_printer, render, rows_as_dicts, run_bench
 
     import torch
 
@@ -318,10 +382,10 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvplan", description="GPU-resident KV-cache transfer planning.")
+    parser = _Parser(prog="kvplan", description="GPU-resident KV-cache transfer planning.")
     parser.add_argument("--version", action="version", version=f"kvplan {__version__}")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="-v: INFO lines per batch; -vv: DEBUG")
-    verbosity = argparse.ArgumentParser(add_help=False)  # so that -v also works after the subcommand
+    verbosity = _Parser(add_help=False)  # so that -v also works after the subcommand
     verbosity.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
                            help="-v: INFO lines per batch; -vv: DEBUG lines per section")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -332,8 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Starts a decode and a prefill process on 127.0.0.1 (or runs one side of two hosts: --role) with model-shaped, fragmented paged pools "
                     "(GPU memory when a GPU is present), plans the batch with kvplan, moves it through a real engine "
                     "and checks every byte on the decode side. Exits 1 if any request fails or any byte is wrong.")
-    demo.add_argument("--preset", choices=sorted(PRESETS), default="gptoss-swa-p16",
-                      help="model shape from docs/benchmarks.md, at small scale (default: %(default)s)")
+    demo.add_argument("--preset", choices=list(SCENARIOS), default="gptoss-swa-p16",
+                      help="a scenario of docs/benchmarks.md (the bench's), at small scale (default: %(default)s)")
     demo.add_argument("--layers", type=_positive, default=4, help="layers to keep (default: 4)")
     demo.add_argument("--requests", type=_positive, default=8, help="requests in the batch (default: 8)")
     demo.add_argument("--prompt-len", type=_positive, default=2048, help="tokens per request (default: 2048)")
@@ -412,8 +476,6 @@ def build_parser() -> argparse.ArgumentParser:
                       help="with --role prefill: the decode command's --listen address")
     demo.set_defaults(run=_demo)
 
-    from .tools.bench import SCENARIOS
-
     bench = sub.add_parser(
         "bench", parents=[verbosity], help="plan latency against the strongest host planners for the scenarios of docs/benchmarks.md",
         description="Plans each scenario with kvplan and with the strongest host planners (numpy-batch, "
@@ -442,47 +504,48 @@ def build_parser() -> argparse.ArgumentParser:
                     "ready to decode-ready, failures by cause, and each process's memory, descriptors, sockets and "
                     "engine state over time. Exit code 1 when a byte differs, a failure was not injected, or "
                     "something did not drain or grew.")
-    load.add_argument("--rate", type=float, default=20.0, help="arrivals a second (default: 20)")
-    load.add_argument("--duration", type=float, default=5.0, help="seconds of arrivals (default: 5)")
+    load.add_argument("--rate", type=_positive_float, default=20.0, help="arrivals a second (default: 20)")
+    load.add_argument("--duration", type=_positive_float, default=5.0, help="seconds of arrivals (default: 5)")
     load.add_argument("--decodes", type=_positive, default=2, help="decode processes (default: 2)")
-    load.add_argument("--engine", choices=engine_names(), default="nixl")
-    load.add_argument("--engine-setting", type=_setting, action="append", default=[], metavar="KEY=VALUE")
-    load.add_argument("--mode", choices=list(MODES), default="auto")
-    load.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    load.add_argument("--layers", type=_positive, default=4)
-    load.add_argument("--page-size", type=_positive, default=16)
+    load.add_argument("--engine", choices=engine_names(), default="nixl", help="transfer engine (default: nixl)")
+    load.add_argument("--engine-setting", type=_setting, action="append", default=[], metavar="KEY=VALUE",
+                      help="one of the engine's own settings, repeatable (as for kvplan demo)")
+    load.add_argument("--mode", choices=list(MODES), default="auto",
+                      help="direct, prepared (NIXL), staged or auto, as for kvplan demo (default: auto)")
+    load.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                      help="where the pools live; auto picks the GPU when there is one (default: auto)")
+    load.add_argument("--layers", type=_positive, default=4, help="layers of K and V (default: 4)")
+    load.add_argument("--page-size", type=_positive, default=16, help="tokens a KV page holds (default: 16)")
     load.add_argument("--prompt-median", type=_positive, default=512, help="tokens (log-normal; default: 512)")
-    load.add_argument("--prompt-max", type=_positive, default=2048)
+    load.add_argument("--prompt-max", type=_positive, default=2048,
+                      help="the longest prompt, in tokens; the pools are sized for it (default: 2048)")
     load.add_argument("--chunk-tokens", type=_positive, default=256, help="chunked prefill (default: 256)")
-    load.add_argument("--prefix-share", type=float, default=0.25, help="requests with a cached decode prefix")
+    load.add_argument("--prefix-share", type=_share, default=0.25,
+                      help="the share of requests whose decode holds a cached prefix, in [0, 1] (default: 0.25)")
     load.add_argument("--fault-every", type=_non_negative, default=8,
                       help="every n-th request is aborted or given a deadline it cannot meet (0: none)")
-    load.add_argument("--kill-at", type=float, default=0.0, help="kill the last decode this many seconds in")
+    load.add_argument("--kill-at", type=float, default=0.0,
+                      help="kill the last decode this many seconds in, inside (0, --duration) (default: 0, none)")
     load.add_argument("--rows", type=_positive, default=32, help="requests a side holds at once (default: 32)")
-    load.add_argument("--forward-tokens-per-s", type=float, default=100_000.0,
+    load.add_argument("--forward-tokens-per-s", type=_positive_float, default=100_000.0,
                       help="the stand-in forward pass's speed (default: 100000)")
-    load.add_argument("--staging-mib", type=_positive, default=32)
-    load.add_argument("--timeout", type=float, default=30.0, help="each request's deadline (default: 30 s)")
-    load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--staging-mib", type=_positive, default=32,
+                      help="staging buffer per side, in MiB, on a GPU for staged and auto modes (default: 32)")
+    load.add_argument("--timeout", type=_positive_float, default=30.0, help="each request's deadline (default: 30 s)")
+    load.add_argument("--seed", type=_non_negative, default=0, help="seed of the schedule (default: 0)")
     load.add_argument("--host", type=_ip, default="127.0.0.1",
                       help="the address every process binds and advertises (default: 127.0.0.1)")
     load.add_argument("--integrity", action="store_true", help="per-request checksums compared at decode-ready")
+    load.add_argument("--metrics-port", type=_non_negative, default=None, metavar="PORT",
+                      help="serve the endpoints' counters in Prometheus' text format on --host:PORT while the run "
+                           "lasts (needs the prometheus extra; 0: a free port, named on standard error)")
+    load.add_argument("--no-progress", action="store_true", help="no progress line on standard error")
     load.add_argument("--json", help="write the report as JSON to this file")
     load.set_defaults(run=_load)
     return parser
 
 
-def _use_interpreter_without_gpu() -> None:
-    """Without a GPU the kernels run in Triton's interpreter; the variable must precede their import."""
-    if "TRITON_INTERPRET" not in os.environ:
-        import torch
-
-        if not torch.cuda.is_available():
-            os.environ["TRITON_INTERPRET"] = "1"
-
-
 def main(argv: list[str] | None = None) -> int:
-    _use_interpreter_without_gpu()  # before anything imports the kernels
     args = build_parser().parse_args(argv)
     level = logging.DEBUG if args.verbose >= 2 else logging.INFO if args.verbose else logging.WARNING
     logging.basicConfig(level=level, format="%(levelname)s %(message)s")

@@ -40,6 +40,7 @@ from .lists import (
     host_empty,
     pages_segment,
     raise_list_errors,
+    require_same_device,
 )
 from .model import Policy, SideMemory
 from .plan import DestinationLists
@@ -196,6 +197,7 @@ def plan_destinations(side: SideMemory, requests: Sequence[PreallocatedRequest],
     table = side.req_to_token
     device = table.device if isinstance(table, torch.Tensor) else torch.device("cpu")
     table = as_device_tensor(table, device, "req_to_token")
+    require_same_device(side, device)
     require_runnable(device.type)
     if table.dtype != torch.int32 or table.dim() != 2:
         raise InputError(None, f"req_to_token must be a 2-D int32 tensor, got {table.dtype} {tuple(table.shape)}")

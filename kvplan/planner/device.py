@@ -56,7 +56,7 @@ from ..kernels import summary as ks
 from .claims import Claims, check_claims
 from .columns import COLUMNS, BatchColumns
 from .page_mapping import unit_tables
-from .lists import as_device_tensor, host_empty
+from .lists import as_device_tensor, host_empty, require_same_device
 from .host_expand import direct_descriptors, head_sliced_descriptors, scaled_tables, unit_runs
 from .model import Batch, Policy, SideMemory
 from .pairing import Mode, SidePairing, pair_sides
@@ -359,6 +359,7 @@ class Planner:
         self.outputs = frozenset(outputs)
         self.table = _token_table(src)
         self.device = self.table.device
+        require_same_device(src, self.device)
         require_runnable(self.device.type)
         cuda = self.device.type == "cuda"
         self.graphs = cuda if graphs is None else bool(graphs)

@@ -111,6 +111,16 @@ def host_empty(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor
     return torch.empty(n, dtype=dtype, pin_memory=device.type == "cuda")
 
 
+def require_same_device(side: Any, device: torch.device) -> None:
+    """Raise :class:`InputError` naming the first slot map of ``side``'s state that is a tensor on another
+    device than its token table's (checked before anything asks whether kernels run on ``device``)."""
+    for comp in side.state:
+        values = comp.slot_map
+        if isinstance(values, torch.Tensor) and values.device != device:
+            raise InputError(None, f"slot_map of component {comp.name} is on {values.device}, the token table "
+                                   f"(req_to_token) on {device}: put both on one device")
+
+
 def as_device_tensor(values: Any, device: torch.device, what: str, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``values`` as a tensor on ``device`` (NumPy is accepted on the CPU only), cast to ``dtype``."""
     if isinstance(values, np.ndarray):

@@ -43,23 +43,15 @@ from ..planner.device import Planner
 from ..planner.model import Batch
 from ..planner.pairing import Mode, pair_sides
 from .scenarios import PRESETS, build_batch, materialize
+from .scenarios import SCENARIOS as _SCENARIOS
 from ..transport.local import gather, plan_alignment, scatter, staging_offsets
 
 __all__ = ["SCENARIOS", "BenchRow", "TARGETS", "render", "run_bench", "scenario_batch"]
 
-SCENARIOS: dict[str, tuple[int, int]] = {  # name -> (requests, prompt tokens), benchmarks.md
-    "llama70b-tp8-p64": (32, 8192),
-    "llama70b-tp8-p1": (8, 8192),
-    "llama70b-tp4to8-p64": (8, 8192),
-    "dsv32-mla-dsa-p64": (64, 4096),
-    "gptoss-swa-p16": (32, 16384),
-    "qwen3next-mamba-p64": (64, 4096),
-    "llama70b-tp8-p64-to-p16": (32, 8192),
-    "gptoss-swa-tp4to8-p16": (32, 16384),
-    "qwen3next-mamba-tp4to8-p64": (64, 4096),
-}
+# name -> (requests, prompt tokens), from the one list of scenarios (docs/benchmarks.md)
+SCENARIOS: dict[str, tuple[int, int]] = {s.name: (s.requests, s.prompt_len) for s in _SCENARIOS.values()}
 # scenarios whose decode side has another page size (docs/page_sizes.md): name -> (preset, its page size)
-DST_PAGE_SIZES = {"llama70b-tp8-p64-to-p16": ("llama70b-tp8-p64", 16)}
+DST_PAGE_SIZES = {s.name: (s.preset, s.dst_page_size) for s in _SCENARIOS.values() if s.dst_page_size}
 STAGING_SCENARIOS = ("llama70b-tp8-p64", "llama70b-tp4to8-p64")  # direct and head-sliced; the others' pools are larger
 TARGETS = {"ratio": 10.0, "floor_factor": 1.5, "latency_ms": {"qwen3next-mamba-p64": 0.15, "llama70b-tp8-p64": 0.3},
            "host_cpu_us": 50.0, "busy_return_us": 50.0, "staging_fraction": 0.85}

@@ -240,8 +240,11 @@ class DemoReport:
         if self.role == "decode":  # the prefill side plans and sends: its command reports those
             lines.append(f"  requests      {c.requests} x {c.prompt_len} tokens, from the prefill command")
         else:
-            lines.append(f"  requests      {c.requests} x {c.prompt_len} tokens in {self.transfers} chunks "
-                         f"({self.mode} descriptors)")
+            used = self.mode_used or c.mode
+            form = {"staged": f"{self.mode} descriptors, moved through staging slots",
+                    "prepared": f"{self.mode} descriptors, posted as NIXL prepared lists"}.get(
+                used.split(",")[0], f"{self.mode} descriptors")
+            lines.append(f"  requests      {c.requests} x {c.prompt_len} tokens in {self.transfers} chunks ({form})")
             lines.append(f"  descriptors   {self.descriptors:,}   bytes {self.nbytes:,}")
         if self.kvplan_ms is not None:
             where = "GPU" if self.device == "cuda" else "CPU, Triton interpreter: not a speed measurement"
@@ -621,6 +624,7 @@ def run_demo(config: DemoConfig, progress: bool = False) -> DemoReport:
                 planned = procs.from_prefills(wait)  # each source rank's part: counted together
                 _, report.transfers, _, _, report.mode, report.kvplan_ms, report.baseline_ms, report.warm_up_s = planned[0]
                 report.descriptors, report.nbytes = sum(m[2] for m in planned), sum(m[3] for m in planned)
+                bar.stage("publish lists")  # (the prefill plans once it has the decode's lists)
                 bar.stage("plan")
                 if config.fault == "dead-decode":
                     procs.kill_decode()

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import time
 import traceback
 from collections import deque
@@ -212,6 +213,7 @@ def _resources(engine: Any, endpoint: Any, started: float) -> dict[str, Any]:
 
 
 def _setup(config: LoadConfig) -> None:
+    logging.getLogger("kvplan").addFilter(_InjectedFaults(config))
     if is_loopback(config.host):
         os.environ.setdefault("UCX_NET_DEVICES", "lo")  # the run's own choice of loopback (see the demo)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -228,6 +230,25 @@ def _side(config: LoadConfig, name: str, rows: int) -> tuple[str, _Pools, torch.
         if device == "cuda" and config.mode in ("auto", "staged") else None
     engine = make_engine(config.engine, name, "VRAM" if device == "cuda" else "DRAM", **config.engine_settings())
     return device, _Pools(config, device, rows), staging, engine
+
+
+class _InjectedFaults(logging.Filter):
+    """The endpoints log each failed request as a warning; a failure this run injected is expected, so
+    its records are shown only with ``-v``, labelled as injected."""
+
+    def __init__(self, config: LoadConfig):
+        super().__init__()
+        self.injected = {a.request for a in schedule(config) if a.fault}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if not any(isinstance(a, str) and a in self.injected for a in args):
+            return True
+        if not logging.getLogger("kvplan").isEnabledFor(logging.INFO):
+            return False
+        record.msg = f"(injected fault) {record.msg}"
+        record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
 
 
 def _go(conn, timeout: float) -> float:
@@ -295,9 +316,11 @@ def decode_process(config: LoadConfig, index: int, conn) -> None:
                 del live[request]
             if now >= next_sample:
                 samples.append(_resources(engine, endpoint, started))
+                conn.send(("progress", endpoint.stats()))
                 next_sample = now + config.sample_s
         profile.__exit__(None, None, None)
         samples.append(_resources(engine, endpoint, started))
+        conn.send(("progress", endpoint.stats()))
         conn.send(("result", outcomes, samples, quarantined, len(live) + len(arrivals)))
         conn.poll(60)
         engine.close()
@@ -380,11 +403,13 @@ def prefill_process(config: LoadConfig, ports: list[int], conn) -> None:
                 endpoint.forget([request], peer=r["arrival"].decode)
             if now >= next_sample:
                 samples.append(_resources(engine, endpoint, started))
+                conn.send(("progress", endpoint.stats()))
                 next_sample = now + config.sample_s
             if not chunks:
                 time.sleep(0.0005)  # (the stand-in clock: nothing is ready for a while)
         profile.__exit__(None, None, None)
         samples.append(_resources(engine, endpoint, started))
+        conn.send(("progress", endpoint.stats()))
         conn.send(("result", outcomes, samples, len(live) + len(arrivals) + len(waiting)))
         conn.poll(60)
         engine.close()
@@ -401,7 +426,9 @@ class LoadReport:
     completed: int = 0
     verified: int = 0
     failures: dict[str, int] = field(default_factory=dict)  # by cause
+    unexpected: dict[str, int] = field(default_factory=dict)  # failures that no injected fault explains, by cause
     faults: dict[str, int] = field(default_factory=dict)  # injected, by kind
+    stats: dict[str, dict[str, Any]] = field(default_factory=dict)  # per process, its endpoint's counters at the end
     latency_ms: dict[str, float] = field(default_factory=dict)  # p50, p99: last chunk ready -> decode complete
     throughput: dict[str, float] = field(default_factory=dict)
     quarantined: int = 0
@@ -421,15 +448,26 @@ class LoadReport:
 
     def lines(self) -> list[str]:
         c = self.config
+        failed = sum(self.failures.values())
+        unexpected = sum(self.unexpected.values())
+        if not failed:
+            failures = "none"
+        elif not unexpected:
+            failures = f"{failed}, each an injected fault: " + _counts(self.failures)
+        else:
+            failures = f"{failed}, {unexpected} NOT injected: {_counts(self.unexpected)} (all causes: {_counts(self.failures)})"
+        cpu = c.resolved_device() == "cpu"
         out = [f"load          {self.requests} requests at {c.rate:g}/s for {c.duration:g} s, {c.decodes} decodes, "
                f"{c.engine}, mode {c.mode}, {c.resolved_device()}",
-               f"completed     {self.completed} ({self.verified} byte-equal); failed {sum(self.failures.values())}: "
-               + ", ".join(f"{k} {v}" for k, v in sorted(self.failures.items()))
+               f"completed     {self.completed} ({self.verified} byte-equal)"
                + (f"; {self.with_killed_decode} went to the decode killed mid-run" if self.with_killed_decode else ""),
-               "faults        " + (", ".join(f"{k} {v}" for k, v in sorted(self.faults.items())) or "none"),
+               "injected      " + (_counts(self.faults) + " (faults on the schedule: each must fail its request)"
+                                   if self.faults else "no faults"),
+               f"failed        {failures}",
                f"throughput    {self.throughput.get('requests_per_s', 0):.1f} requests/s completed over "
                f"{self.throughput.get('span_s', 0):.1f} s (offered {self.throughput.get('offered_per_s', 0):.1f}/s), "
-               f"{self.throughput.get('gib_per_s', 0):.3f} GiB/s",
+               f"{self.throughput.get('gib_per_s', 0):.3f} GiB/s"
+               + (" (CPU, Triton interpreter: not a speed measurement)" if cpu else ""),
                f"latency       p50 {self.latency_ms.get('p50', float('nan')):.2f} ms, "
                f"p99 {self.latency_ms.get('p99', float('nan')):.2f} ms (last chunk ready -> decode complete)"]
         for who, samples in self.resources.items():
@@ -442,6 +480,10 @@ class LoadReport:
         return out
 
 
+def _counts(counts: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+
+
 def _cause(reason: str) -> str:
     for key, cause in (("abort on the schedule", "abort"), ("deadline", "deadline"), ("gone", "decode gone"),
                        ("never published", "decode gone")):
@@ -450,9 +492,13 @@ def _cause(reason: str) -> str:
     return "other"
 
 
-def run_load(config: LoadConfig) -> LoadReport:
+def run_load(config: LoadConfig, progress: bool = False, metrics_port: int | None = None) -> LoadReport:
     """Run the processes to the end and report; problems (a byte that differs, a failure that was not
-    injected, a table that did not drain, growth) are listed in ``problems``."""
+    injected, a table that did not drain, growth) are listed in ``problems``.
+
+    ``progress``: a line on standard error, refreshed as the decodes report. ``metrics_port``: serve
+    every endpoint's counters (:meth:`~kvplan.transport.decode.DecodeEndpoint.stats`) in Prometheus'
+    text format on ``config.host`` at that port while the run lasts (:mod:`kvplan.transport.metrics`)."""
     if config.kill_at and config.decodes < 2:
         raise ValueError("kill_at needs at least two decodes: the killed one's peers must go on")
     if config.chunk_tokens % config.page_size or config.chunk_tokens <= 0:
@@ -471,7 +517,7 @@ def run_load(config: LoadConfig) -> LoadReport:
         started = time.monotonic() + 0.1
         for _, conn, _ in procs:
             conn.send(("go", started))
-        return _collect(config, procs, started, wait)
+        return _collect(config, procs, started, wait, _Live(config, progress, metrics_port))
     finally:
         for proc, conn, _ in procs:
             try:
@@ -484,23 +530,72 @@ def run_load(config: LoadConfig) -> LoadReport:
                 proc.join(5)
 
 
-def _collect(config: LoadConfig, procs: list[tuple[Any, Any, str]], started: float, wait: float) -> LoadReport:
+class _Live:
+    """What the processes report while the run goes: each endpoint's latest counters, shown as a
+    progress line and served as metrics where asked."""
+
+    def __init__(self, config: LoadConfig, progress: bool, metrics_port: int | None):
+        self.config, self.progress = config, progress
+        self.stats: dict[str, dict[str, Any]] = {}
+        self.server = None
+        self._shown = 0.0
+        if metrics_port is not None:
+            from ..transport.metrics import serve
+
+            self.server = serve(lambda: [{**snap, "endpoint": who} for who, snap in list(self.stats.items())],
+                                config.host, metrics_port)
+            sys.stderr.write(f"kvplan load: metrics on http://{config.host}:{self.server.port}/metrics\n")
+
+    def update(self, who: str, snap: dict[str, Any], started: float) -> None:
+        self.stats[who] = snap
+        now = time.monotonic()
+        if self.progress and now - self._shown >= 0.25:
+            self._shown = now
+            decodes = [s for w, s in self.stats.items() if w != "prefill"]
+            done = sum(s["requests"].get("complete", 0) for s in decodes)
+            failed = sum(s["requests"].get("failed", 0) for s in decodes)
+            flight = sum(s["in_flight"] for s in decodes)
+            at = now - started
+            when = (f"{max(at, 0.0):4.1f} of {self.config.duration:g} s of arrivals" if at < self.config.duration
+                    else f"arrivals over, draining ({at:.1f} s)")
+            sys.stderr.write(f"\r[load] {when}: {done} completed, {failed} failed (injected faults included), "
+                             f"{flight} in flight   ")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.progress:
+            sys.stderr.write("\n")
+        if self.server is not None:
+            self.server.close()
+
+
+def _collect(config: LoadConfig, procs: list[tuple[Any, Any, str]], started: float, wait: float,
+             live: _Live) -> LoadReport:
     """Every process's results (killing the last decode at ``kill_at``), then the report."""
     arrivals = {a.request: a for a in schedule(config)}
     report = LoadReport(config, requests=len(arrivals))
     killed = procs[config.decodes - 1][2] if config.kill_at else None
     results: dict[str, tuple] = {}
     deadline = time.monotonic() + wait
-    while len(results) < len(procs) and time.monotonic() < deadline:
-        if killed and time.monotonic() >= started + config.kill_at and killed not in results:
-            proc = procs[config.decodes - 1][0]
-            proc.kill()
-            proc.join(5)
-            results[killed] = ("killed",)
-            log.warning("load: killed %s at %.1f s", killed, config.kill_at)
-        for _, conn, who in procs:
-            if who not in results and conn.poll(0.01):
-                results[who] = child_message(conn, who, 1)
+    try:
+        while len(results) < len(procs) and time.monotonic() < deadline:
+            if killed and time.monotonic() >= started + config.kill_at and killed not in results:
+                proc = procs[config.decodes - 1][0]
+                proc.kill()
+                proc.join(5)
+                results[killed] = ("killed",)
+                live.stats.pop(killed, None)
+                log.warning("load: killed %s at %.1f s", killed, config.kill_at)
+            for _, conn, who in procs:
+                if who not in results and conn.poll(0.01):
+                    msg = child_message(conn, who, 1)
+                    if msg[0] == "progress":
+                        live.update(who, msg[1], started)
+                    else:
+                        results[who] = msg
+    finally:
+        live.close()
+    report.stats = dict(live.stats)
     missing = [who for _, _, who in procs if who not in results]
     if missing:
         raise TimeoutError(f"no result from {missing} within {wait:.0f} s")
@@ -540,6 +635,7 @@ def _collect(config: LoadConfig, procs: list[tuple[Any, Any, str]], started: flo
         cause = _cause(reason)
         report.failures[cause] = report.failures.get(cause, 0) + 1
         if cause != a.fault:
+            report.unexpected[cause] = report.unexpected.get(cause, 0) + 1
             report.problems.append(f"request {request} failed without a fault of that kind ({a.fault}): {reason}")
     if latencies:
         report.latency_ms = {"p50": round(float(np.percentile(latencies, 50)), 3),

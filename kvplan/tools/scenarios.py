@@ -38,7 +38,7 @@ from ..planner.tensor_slices import partner_rank
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ComponentShape", "ModelShape", "PRESETS", "ShardedTensor", "build_batch", "fragmented_free_list",
+__all__ = ["ComponentShape", "ModelShape", "PRESETS", "SCENARIOS", "Scenario", "scenarios_table", "ShardedTensor", "build_batch", "fragmented_free_list",
            "materialize", "paired_ranks"]
 
 
@@ -161,6 +161,64 @@ PRESETS: dict[str, ModelShape] = {
 PRESETS["gptoss-swa-tp4to8-p16"] = replace(PRESETS["gptoss-swa-p16"].with_tp(4, 8), name="gptoss-swa-tp4to8-p16")
 PRESETS["qwen3next-mamba-tp4to8-p64"] = replace(PRESETS["qwen3next-mamba-p64"].with_tp(4, 8),
                                                 name="qwen3next-mamba-tp4to8-p64")
+
+
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One scenario of docs/benchmarks.md: a model shape (:data:`PRESETS`), a batch, and for the decode
+    side another page size where it has one. ``kvplan bench`` plans it at full size; ``kvplan demo
+    --preset NAME`` moves it at small scale."""
+
+    name: str
+    preset: str
+    requests: int
+    prompt_len: int
+    shape: str  # the table's words for its shape (per rank)
+    mode: str  # ... and for how it is planned
+    dst_page_size: int | None = None
+
+
+# the one list of scenarios: the bench's, the demo's presets, and docs/benchmarks.md's table (a test renders it)
+SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
+    Scenario("llama70b-tp8-p64", "llama70b-tp8-p64", 32, 8192,
+             "MHA, 80 layers = 160 entries, 1 KV head x 128, bf16: item 16 KiB", "direct"),
+    Scenario("llama70b-tp8-p1", "llama70b-tp8-p1", 8, 8192, "same shape, item 256 B",
+             "direct (descriptor explosion)"),
+    Scenario("llama70b-tp4to8-p64", "llama70b-tp4to8-p64", 8, 8192,
+             "source 2 KV heads/rank (TP4), destination 1 (TP8)", "head-sliced, and staged"),
+    Scenario("dsv32-mla-dsa-p64", "dsv32-mla-dsa-p64", 64, 4096,
+             "MLA, 61 layers, 1152 B/token (item 72 KiB) + `DSA` component: 61 entries of 8448 B per page", "direct"),
+    Scenario("gptoss-swa-p16", "gptoss-swa-p16", 32, 16384,
+             "18 full-attention layers (36 entries) + `SWA` component of 18 layers (36 entries), 8 KV heads x 64, "
+             "bf16: item 16 KiB; window 128", "direct"),
+    Scenario("qwen3next-mamba-p64", "qwen3next-mamba-p64", 64, 4096,
+             "12 full-attention layers (24 entries, 2 KV heads x 256, bf16: item 64 KiB) + `MAMBA` component: 36 "
+             "layers x (conv, temporal) = 72 entries", "direct"),
+    Scenario("llama70b-tp8-p64-to-p16", "llama70b-tp8-p64", 32, 8192,
+             "`llama70b-tp8-p64` with a decode side of page size 16 (docs/page_sizes.md): KV in units of 16 "
+             "tokens, chunks on 64", "direct; `numpy-batch` plans the same mapping, and neither `prepared-ids` nor "
+             "`sglang-loop` exists for it (SGLang refuses the pairing)", dst_page_size=16),
+    Scenario("gptoss-swa-tp4to8-p16", "gptoss-swa-tp4to8-p16", 32, 16384,
+             "`gptoss-swa-p16` from TP 4 to TP 8 (docs/tp_state.md): KV and the SWA state head-sliced, one "
+             "descriptor per entry, page and token", "head-sliced; `numpy-batch` and `sglang-loop` (SGLang's "
+             "`_send_swa_state_slice`) plan the same, `prepared-ids` does not exist for it"),
+    Scenario("qwen3next-mamba-tp4to8-p64", "qwen3next-mamba-tp4to8-p64", 64, 4096,
+             "`qwen3next-mamba-p64` from TP 4 to TP 8 (docs/tp_state.md): KV head-sliced, the Mamba state sliced "
+             "along each tensor's TP dimension (GDN's query, key and value groups each)",
+             "head-sliced; `numpy-batch` and `sglang-loop` plan the same, `prepared-ids` does not exist for it"),
+)}
+
+
+def scenarios_table() -> str:
+    """docs/benchmarks.md's table of :data:`SCENARIOS`, in Markdown."""
+    rows = ["| name | shape (per rank) | ps | batch (requests x tokens) | mode |", "|---|---|---|---|---|"]
+    for s in SCENARIOS.values():
+        ps = PRESETS[s.preset].page_size
+        pages = f"{ps} -> {s.dst_page_size}" if s.dst_page_size else f"{ps}"
+        rows.append(f"| `{s.name}` | {s.shape} | {pages} | {s.requests} x {s.prompt_len} | {s.mode} |")
+    return "\n".join(rows) + "\n"
 
 
 def paired_ranks(src_tp: int, dst_tp: int) -> tuple[int, int]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
@@ -34,6 +35,7 @@ import numpy as np
 from ..planner.destinations import Expectation
 from ..planner.model import SideMemory
 from ..planner.plan import AUX_ROLE, KV_ROLE
+from .stats import EndpointStats
 
 __all__ = ["CompletionTracker", "SectionNote", "decode_notification", "encode_notification", "note_fields", "note_of"]
 
@@ -129,6 +131,9 @@ class _Status:
     failure: str | None = None
     landed_all: bool = False  # every part has landed (kept by :meth:`refresh`: the receive loop asks often)
     verified: bool = True  # False until its checksum was checked, for a request that must be (.integrity)
+    started: float = 0.0  # time.monotonic() when it was expected (the latency counts from there)
+    nbytes: int = 0  # the bytes it was published for (counted once it completes)
+    counted: bool = False  # its end is in the counters (EndpointStats)
 
     def refresh(self) -> None:
         self.landed_all = all(p.complete(self.expected) for p in self.parts.values())
@@ -142,11 +147,14 @@ class CompletionTracker:
 
     ``side``: this side's layout, whose KV layers (``KVLayout.model_layers``) and components'
     declared layers are what a streamed request must land; without it every notification is taken
-    to cover every layer.
+    to cover every layer. ``stats``: the counters a request's end is counted in (once), with its
+    time from :meth:`expect` to complete (decode-ready).
     """
 
-    def __init__(self, side: SideMemory | None = None) -> None:
+    def __init__(self, side: SideMemory | None = None, stats: EndpointStats | None = None) -> None:
         self._status: dict[Any, _Status] = {}
+        self.stats = stats if stats is not None else EndpointStats("decode")
+        self.in_flight = 0  # tracked requests neither complete nor failed (kept at each end: no scan)
         self._kv_layers = np.asarray(side.kv.model_layers if side is not None else (0,), np.int64)
         self._component_layers = {c.name: tuple(sorted(set(c.layers))) or _ALL for c in side.state} \
             if side is not None else {}
@@ -155,19 +163,34 @@ class CompletionTracker:
                            for layers in self._component_layers.values()}
 
     def expect(self, expectation: Expectation, deadline: float,
-               senders: dict[int, frozenset[str] | None] | None = None, verify: bool = False) -> None:
+               senders: dict[int, frozenset[str] | None] | None = None, verify: bool = False, nbytes: int = 0) -> None:
         """Track a request until ``deadline``. ``senders``: for a request gathered from several
         senders, each sender's index and the components it writes (``None``: all of the request's);
         each must land its whole part. ``verify``: it is complete only once :meth:`verify` says its
-        bytes were checked (:mod:`.integrity`)."""
+        bytes were checked (:mod:`.integrity`). ``nbytes``: the bytes it was published for (counted
+        in :attr:`stats` once it completes)."""
         def part(names: frozenset[str] | None) -> _Part:
             components = {n: self._component_layers.get(n, _ALL) for n in expectation.components
                           if names is None or n in names}
             return _Part(len(self._kv_layers), components)
 
         parts = {None: part(None)} if senders is None else {int(k): part(names) for k, names in senders.items()}
-        status = self._status[expectation.request] = _Status(expectation, deadline, parts, verified=not verify)
+        old = self._status.get(expectation.request)
+        if old is not None and not old.counted:  # expected again while in flight: the earlier one is replaced
+            self.in_flight -= 1
+        status = self._status[expectation.request] = _Status(expectation, deadline, parts, verified=not verify,
+                                                             started=time.monotonic(), nbytes=nbytes)
+        self.in_flight += 1
         status.refresh()
+        self._count_complete(status)
+
+    def _count_complete(self, status: _Status) -> None:
+        """Count a request that has just completed (once)."""
+        if not status.counted and status.complete():
+            status.counted = True
+            self.in_flight -= 1
+            self.stats.settled("complete", nbytes=status.nbytes)
+            self.stats.latency(time.monotonic() - status.started)
 
     def _covered(self, layers: tuple[int, ...] | np.ndarray, note: SectionNote) -> np.ndarray:
         """Which of ``layers`` (the KV layers, or a component's) a note covers (all of them when it names none)."""
@@ -194,6 +217,7 @@ class CompletionTracker:
             touched[id(status)] = status
         for status in touched.values():
             status.refresh()
+            self._count_complete(status)
 
     def _land(self, status: _Status, note: SectionNote, sender: int | None) -> None:
         part = status.parts.get(None) or status.parts.get(sender)  # type: ignore[arg-type]
@@ -239,14 +263,20 @@ class CompletionTracker:
         status = self._status.get(request)
         if status is not None:
             status.verified = True
+            self._count_complete(status)
 
     def fail(self, request: Any, reason: str) -> None:
         status = self._status.get(request)
         if status is not None:
             status.refresh()  # (a note being landed may have changed it)
+            self._count_complete(status)
         if status is not None and status.failure is None and not status.complete():
             status.failure = reason
             log.warning("request %r failed: %s", request, reason)
+            if not status.counted:
+                status.counted = True
+                self.in_flight -= 1
+                self.stats.failed(reason)
 
     def fail_pending(self, reason: str) -> None:
         for request in self.pending():
@@ -262,7 +292,9 @@ class CompletionTracker:
 
     def forget(self, request: Any) -> None:
         """Drop a settled request (the scheduler has been told); later notes about it are ignored."""
-        self._status.pop(request, None)
+        status = self._status.pop(request, None)
+        if status is not None and not status.counted:  # dropped in flight: no end to count
+            self.in_flight -= 1
 
     def __len__(self) -> int:
         return len(self._status)

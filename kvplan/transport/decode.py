@@ -250,6 +250,17 @@ class DecodeEndpoint:
                 "own_lists": len(self._own), "fences": len(self._fences), "waves": len(self._waves),
                 "early_waves": len(self._early), "runs": len(self._runs) + len(self._chunked), "checksums": len(self._sums)}
 
+    def stats(self) -> dict[str, Any]:
+        """The operator's counters (:mod:`.stats`): requests by outcome (``complete``, ``failed``), the
+        bytes of completed requests, failures by cause, the latency from publish to decode-ready
+        (p50, p99 in ms, over the latest requests), requests in flight and bounds hit.
+
+        Example::
+
+            decode.stats()["latency_ms"]["p99"]
+        """
+        return self.tracker.stats.snapshot(in_flight=self.tracker.in_flight)
+
     def _foreign(self, origin: str | None, note: Any) -> str | None:
         """Why a section's notification cannot be its sender's, else ``None``: the engine that sent it
         is a paired sender's (by the name it gave when pairing) that the request was not published to,
@@ -314,8 +325,10 @@ class DecodeEndpoint:
         peers = _peers(peer)
         parts = self._gather_parts(peers, deadline) if len(peers) > 1 else None
         for p in published:
-            self.tracker.expect(p.expectation(), deadline, parts, verify=self.integrity)
             self.guard.publish(p.request, p.lists, p.aux_index)
+            starts, ends = self.guard.ranges(p.request)
+            self.tracker.expect(p.expectation(), deadline, parts, verify=self.integrity,
+                                nbytes=int((ends - starts).sum()))
             self._owner[p.request] = peers
             refused = next((self._refused[k] for k in peers if k in self._refused), None)
             if refused is not None:  # (its sender refused the pairing before: nothing of it can come)

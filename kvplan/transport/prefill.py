@@ -60,6 +60,7 @@ from .local import plan_alignment, typical_sizes, warm_up
 from .readiness import LayerStreaming
 from .senders import SENDERS, streamed
 from .senders.planned import PlannedBatch
+from .stats import EndpointStats
 from .streams import transport_stream
 from .receiver_plan import planned_run_chunks, receiver_can_plan
 from .registration import describe_side, side_from_description, with_model_heads
@@ -183,6 +184,8 @@ class PrefillEndpoint:
         self._sums = RunningSums()  # (peer, request) -> its chunks' checksum so far, on the device (.integrity)
         self._warm_shape: tuple[int, int] | None = None  # warm_up's batch bound, applied to peers as they pair
         self._touched: set[int] = set()  # peers whose staging share the warm-up has written (its runs may be there now)
+        self._stats = EndpointStats("prefill")
+        self.last_nbytes = 0  # the bytes the last send planned
 
     # the first peer, for the common one-to-one pairing
     channel = property(lambda self: self.peers[0].channel)
@@ -425,6 +428,8 @@ class PrefillEndpoint:
         publishers = header.get("publishers")
         if isinstance(publishers, int) and not isinstance(publishers, bool) and 1 < publishers <= MAX_PUBLISHERS:
             self.publishers[request] = publishers  # (a peer that overstates it only delays its own request)
+        elif isinstance(publishers, int) and publishers > MAX_PUBLISHERS:
+            self._stats.hit("publishers")
         if header.get("plans"):
             p.planning.add(request)
         return request
@@ -435,6 +440,21 @@ class PrefillEndpoint:
         return {"lists": sum(len(p.lists) for p in self.peers), "planning": sum(len(p.planning) for p in self.peers),
                 "backlog": sum(len(p.backlog) for p in self.peers), "unsafe": len(self.unsafe),
                 "aborted": len(self.aborted), "checksums": len(self._sums), "publishers": len(self.publishers)}
+
+    def stats(self) -> dict[str, Any]:
+        """The operator's counters (:mod:`.stats`): requests by outcome (``sent``: its last chunk went;
+        ``failed``), bytes sent, failures by cause, the time of the sends that ended requests (p50,
+        p99 in ms), requests in flight (published here and not yet forgotten) and bounds hit.
+
+        Example::
+
+            prefill.stats()["failures"]
+        """
+        return self._stats.snapshot(in_flight=sum(len(p.lists) for p in self.peers))
+
+    def stats_hit(self, bound: str) -> None:
+        """Count a bound reached once (for the senders: a staged wave that waits for a free slot)."""
+        self._stats.hit(bound)
 
     def transfer(self, chunk: Chunk, peer: int = 0) -> Transfer:
         """The :class:`Transfer` of a chunk to decode endpoint ``peer``, with the lists it published."""
@@ -481,8 +501,30 @@ class PrefillEndpoint:
             raise ValueError("a decode endpoint asked for checksums (integrity=True), which need a plan's descriptors "
                              "and every byte written when it is planned: send direct, staged or auto, without layer "
                              "streaming (kvplan.transport.integrity)")
-        with self._streaming(layers):
-            return self._send(transfers, mode, timeout, layers)
+        started, transfers = time.monotonic(), tuple(transfers)
+        self.last_nbytes = 0
+        try:
+            with self._streaming(layers):
+                result = self._send(transfers, mode, timeout, layers)
+        except PlanError as err:
+            self._stats.failed(f"batch refused: {err}", len({t.request for t in transfers}))
+            raise
+        self._count(transfers, result, time.monotonic() - started)
+        return result
+
+    def _count(self, transfers: tuple[Transfer, ...], result: dict[Any, str | None], took_s: float) -> None:
+        """A send's requests in the counters: each failure, each request whose last chunk went. Its
+        bytes count in full when nothing of it failed, else in the share of its requests that went
+        (a send plans its bytes for the batch, not per request)."""
+        for request, reason in result.items():
+            if reason is not None:
+                self._stats.failed(reason)
+        ended = {t.request for t in transfers if t.last and result.get(t.request) is None}
+        failed = sum(reason is not None for reason in result.values())
+        sent_share = 1.0 if not failed else (len(result) - failed) / max(len(result), 1)
+        self._stats.settled("sent", len(ended), nbytes=int(self.last_nbytes * sent_share))
+        for _ in ended:
+            self._stats.latency(took_s)
 
     def _streaming(self, layers: LayerStreaming | None):
         """Where a send's device work goes: the caller's current stream, or for a streamed send on a
@@ -529,6 +571,7 @@ class PrefillEndpoint:
             else:
                 descs, per_transfer = pending.descriptors()
                 sections, nbytes = pending.sections(), int(descs[:, 2].sum(dtype=np.uint64))
+            self.last_nbytes = nbytes
             self._times.append(("planned", time.perf_counter()))
         except PlanError as err:
             self._cancel_chunks(chunks_run, f"batch refused: {err}")

@@ -19,3 +19,16 @@ def run_cli(args: list[str], capsys: pytest.CaptureFixture, monkeypatch: pytest.
         code = exit_.code
     out, err = capsys.readouterr()
     return code, out, err
+
+
+# what the Makefile and conftest export for the tests; a new user's shell has none of them
+_EXPORTED = ("TRITON_INTERPRET", "UCX_NET_DEVICES", "NIXL_LOG_LEVEL", "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER",
+             "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER", "KVPLAN_LOG_LEVEL")
+
+
+def plain_env() -> dict[str, str]:
+    """This process's environment without what the tests export: a command run with it chooses the
+    interpreter, the loopback device and the engines' settings itself, as on a user's CPU box."""
+    import os
+
+    return {k: v for k, v in os.environ.items() if k not in _EXPORTED}

@@ -2,20 +2,27 @@
 batch runs as the command's defaults have it; the other end-to-end runs turn NIXL's progress thread
 off (it spins a core while its agent lives, and ``make test`` runs two tests at once on two cores)."""
 
+import re
 import subprocess
 import sys
 
 import pytest
 
-from tests.tools.cli import run_cli
+from tests.tools.cli import plain_env, run_cli
 
 
 @pytest.mark.engines
 def test_demo_command_moves_and_verifies_the_default_batch():
-    done = subprocess.run([sys.executable, "-m", "kvplan", "demo", "--requests", "4", "--no-progress"],
-                          capture_output=True, text=True, timeout=300)
+    """As a user runs it: nothing exported (the command chooses the interpreter itself), its progress
+    bar showing each of its stages in order."""
+    from kvplan.tools.demo import STAGES
+
+    done = subprocess.run([sys.executable, "-m", "kvplan", "demo", "--requests", "4"],
+                          capture_output=True, text=True, timeout=300, env=plain_env())
     assert done.returncode == 0, done.stdout + done.stderr
     assert "every byte matches" in done.stdout and "result        OK" in done.stdout
+    shown = re.findall(r"\] (\d+/\d+) ", done.stderr)
+    assert shown == [f"{k}/{len(STAGES)}" for k in range(1, len(STAGES) + 1)], done.stderr
 
 
 @pytest.mark.engines
@@ -43,7 +50,7 @@ def test_a_drill_report_with_another_failure_is_not_observed():
     (["--timeout", "0"], "--timeout must be positive"),
     (["--timeout", "-1"], "--timeout must be positive"),
     (["--seed", "-3"], "--seed must be >= 0"),
-    (["--chunks", "5000"], "is more than the prompt's"),
+    (["--chunks", "5000"], "--chunks 5000 needs a prompt of at least 5000 pages"),
     (["--layers", "100000"], "is more than gptoss-swa-p16's"),
     (["--requests", "100000"], "the pools need at least"),
     (["--gather", "--src-tp", "4", "--dst-tp", "8"], "--gather needs a larger TP size on the prefill side"),

@@ -8,7 +8,6 @@ verifies every byte; each exits 0. Over NIXL (UCX picks the device for the addre
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tools.cli import run_cli
+from tests.tools.cli import plain_env, run_cli
 
 pytestmark = pytest.mark.engines
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,8 +43,7 @@ def _free_port(host: str) -> int:
 def test_the_two_sides_run_as_two_commands_bound_to_the_host_s_address(engine):
     host = _host_address()
     port = _free_port(host)
-    env = {k: v for k, v in os.environ.items() if k != "UCX_NET_DEVICES"}  # as on a real host: UCX chooses
-    env["TRITON_INTERPRET"] = "1"
+    env = plain_env()  # as on a real host: UCX chooses, and the command chooses the interpreter itself
     cmd = [sys.executable, "-m", "kvplan", "demo", "--engine", engine, *SCENARIO]
     decode = subprocess.Popen(cmd + ["--role", "decode", "--listen", f"{host}:{port}"], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)

@@ -23,6 +23,13 @@ def test_a_short_load_run_with_faults_moves_every_surviving_request_byte_for_byt
         assert report.with_killed_decode and "decode 1" not in report.resources
     for who, samples in report.resources.items():  # the endpoints' tables drained
         assert samples[-1]["tracked" if who != "prefill" else "lists"] == 0
+    # the endpoints' own counters agree with what the load tool saw
+    decodes = [s for who, s in report.stats.items() if who != "prefill"]
+    assert sum(s["requests"].get("complete", 0) for s in decodes) == report.completed
+    assert all(s["in_flight"] == 0 and s["latency_ms"]["count"] == s["requests"].get("complete", 0) for s in decodes)
+    failed = sum(s["failures"].get("aborted", 0) + s["failures"].get("deadline", 0) for s in decodes)
+    assert failed == len(injected)
+    assert report.stats["prefill"]["bytes"] > 0 and report.stats["prefill"]["requests"]["sent"] >= report.completed
 
 
 def test_the_schedule_is_the_same_in_every_process_and_faults_reach_every_decode():
@@ -44,3 +51,25 @@ def test_growth_and_undrained_tables_are_reported():
     assert not report.ok
     assert any("fds grew from 30 to 90" in p for p in report.problems)
     assert any("did not drain" in p and "'tracked': 3" in p for p in report.problems)
+
+
+def test_the_load_command_runs_with_nothing_exported_and_shows_its_progress(tmp_path):
+    """``kvplan load`` as a user on a CPU box runs it: no variable exported (the command chooses the
+    interpreter and, on loopback, UCX's device itself), a progress line, the CPU caveat, the counters."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.tools.cli import plain_env
+
+    out = tmp_path / "load.json"
+    done = subprocess.run([sys.executable, "-m", "kvplan", "load", "--rate", "4", "--duration", "1.5", "--device",
+                           "cpu", "--fault-every", "3", "--engine-setting", "progress_thread=false", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, env=plain_env())
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "[load]" in done.stderr and "not a speed measurement" in done.stdout, done.stderr
+    assert "failed: load: an abort" not in done.stderr  # an injected fault is no warning (shown with -v)
+    report = json.loads(out.read_text())
+    decodes = [s for who, s in report["stats"].items() if who.startswith("decode")]
+    assert sum(s["requests"].get("complete", 0) for s in decodes) == report["completed"] > 0
+    assert report["stats"]["prefill"]["requests"]["sent"] >= report["completed"]

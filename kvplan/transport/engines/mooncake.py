@@ -82,7 +82,14 @@ def apply_tcp_settings(**asked: int | None) -> dict[str, str]:
     return settings
 
 
-@register_engine("mooncake")
+def _import_mooncake() -> None:
+    import mooncake.engine  # noqa: F401
+
+
+@register_engine("mooncake", probe=_import_mooncake,
+                 install="install it with kvplan's extra mooncake (CPU and TCP) or mooncake-cuda (CUDA 13, with "
+                         "NVLink): pip install '.[mooncake]' in kvplan's checkout; the wheel needs libibverbs1 "
+                         "(README: install)")
 class MooncakeEngine:
     """Mooncake. ``memory`` is informational: Mooncake addresses host and device memory alike.
     ``local_hostname``, ``protocol``, ``metadata_server`` and ``device_name``: see the module docstring.

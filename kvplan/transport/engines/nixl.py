@@ -81,7 +81,8 @@ def takes_strided_lists(agent_class) -> bool:
     return "Nx5" in (getattr(agent_class.prep_xfer_dlist, "__doc__", None) or "")
 
 
-@register_engine("nixl")
+@register_engine("nixl", probe=nixl_api, install="install it with kvplan's extra nixl (CUDA 12 build) "
+                 "or nixl-cu13 (CUDA 13): pip install '.[nixl]' in kvplan's checkout (README: install)")
 class NixlEngine:
     """NIXL (UCX). See the module docstring for the settings."""
 

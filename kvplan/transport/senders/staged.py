@@ -208,6 +208,8 @@ class StagedRun:
         ep, waves = self.ep, self.waves
         while self.next_wave < len(waves):
             wave = waves[self.next_wave]
+            if not self._slot_free(wave.slot):
+                ep.stats_hit("staging_slots")  # every slot of the ring is in flight: this wave waits for a credit
             if not self._wait(lambda: self._slot_free(wave.slot)):
                 break
             self._mark(wave.index, "gather0")
