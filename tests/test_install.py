@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 import venv
 from pathlib import Path
 
@@ -39,9 +40,10 @@ def test_the_wheel_installs_into_a_fresh_environment_and_the_first_snippet_runs_
     wheels = sorted((ROOT / "dist").glob("kvplan-*.whl"))
     assert len(wheels) == 1, wheels
     env_dir = tmp_path / "env"
-    venv.EnvBuilder(with_pip=True).create(env_dir)
+    venv.EnvBuilder(with_pip=False).create(env_dir)  # (this pip installs into it: --python)
     python = str(env_dir / "bin" / "python")
-    pip = [python, "-m", "pip", "install", "-q", "--no-compile", "--disable-pip-version-check"]
+    pip = [sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-compile",
+           "--disable-pip-version-check"]
     for line in _readme_install_lines():  # the README's lines, with its index option left to this machine's pip
         words = line.split("#")[0].split()[2:]
         if "--index-url" in words:

@@ -9,27 +9,51 @@ from kvplan.tools.load import LoadConfig, LoadReport, _check_resources, run_load
 SHORT = dict(rate=10.0, duration=3.0, decodes=2, device="cpu", fault_every=6)
 
 
-@pytest.mark.parametrize("engine, kill_at", [("nixl", 0.0), ("mooncake", 1.5)])
-def test_a_short_load_run_with_faults_moves_every_surviving_request_byte_for_byte(engine, kill_at):
-    # three processes on a 2-core machine: NIXL runs without its progress thread, which spins a core each
-    quiet = (("progress_thread", False),) if engine == "nixl" else ()
-    config = LoadConfig(engine=engine, kill_at=kill_at, engine_extra=quiet, **SHORT)
-    report = run_load(config)
-    assert report.ok, report.problems
-    assert report.completed and report.verified == report.completed
+def _check_run(config: LoadConfig, report: dict) -> None:
+    """A finished run's report (``LoadReport.as_dict``): every surviving request byte-equal, every
+    failure an injected one, the tables drained, and the endpoints' own counters agreeing."""
+    assert not report["problems"], report["problems"]
+    assert report["completed"] and report["verified"] == report["completed"]
+    kill_at = config.kill_at
     injected = [a for a in schedule(config) if a.fault and not (kill_at and a.decode == config.decodes - 1)]
-    assert sum(report.failures.values()) == len(injected) and set(report.failures) <= {"abort", "deadline"}
+    assert sum(report["failures"].values()) == len(injected) and set(report["failures"]) <= {"abort", "deadline"}
     if kill_at:
-        assert report.with_killed_decode and "decode 1" not in report.resources
-    for who, samples in report.resources.items():  # the endpoints' tables drained
+        assert report["with_killed_decode"] and "decode 1" not in report["resources"]
+    for who, samples in report["resources"].items():  # the endpoints' tables drained
         assert samples[-1]["tracked" if who != "prefill" else "lists"] == 0
-    # the endpoints' own counters agree with what the load tool saw
-    decodes = [s for who, s in report.stats.items() if who != "prefill"]
-    assert sum(s["requests"].get("complete", 0) for s in decodes) == report.completed
+    decodes = [s for who, s in report["stats"].items() if who != "prefill"]
+    assert sum(s["requests"].get("complete", 0) for s in decodes) == report["completed"]
     assert all(s["in_flight"] == 0 and s["latency_ms"]["count"] == s["requests"].get("complete", 0) for s in decodes)
     failed = sum(s["failures"].get("aborted", 0) + s["failures"].get("deadline", 0) for s in decodes)
     assert failed == len(injected)
-    assert report.stats["prefill"]["bytes"] > 0 and report.stats["prefill"]["requests"]["sent"] >= report.completed
+    assert report["stats"]["prefill"]["bytes"] > 0 and report["stats"]["prefill"]["requests"]["sent"] >= report["completed"]
+
+
+def test_a_short_load_run_with_faults_moves_every_surviving_request_byte_for_byte(tmp_path):
+    """The command as a user on a CPU box runs it: nothing exported (it chooses the interpreter and, on
+    loopback, UCX's device itself), its progress line, the CPU caveat, no injected fault logged as a warning."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.tools.cli import plain_env
+
+    # three processes on a 2-core machine: NIXL runs without its progress thread, which spins a core each
+    config = LoadConfig(engine="nixl", engine_extra=(("progress_thread", False),), **SHORT)
+    out = tmp_path / "load.json"
+    done = subprocess.run([sys.executable, "-m", "kvplan", "load", "--rate", str(config.rate), "--duration",
+                           str(config.duration), "--device", "cpu", "--fault-every", str(config.fault_every),
+                           "--engine-setting", "progress_thread=false", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, env=plain_env())
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "[load]" in done.stderr and "not a speed measurement" in done.stdout, done.stderr
+    assert "failed: load: an abort" not in done.stderr  # an injected fault is no warning (shown with -v)
+    _check_run(config, json.loads(out.read_text()))
+
+
+def test_a_decode_killed_mid_run_leaves_the_others_requests_whole():
+    config = LoadConfig(engine="mooncake", kill_at=1.5, **SHORT)
+    _check_run(config, run_load(config).as_dict())
 
 
 def test_the_schedule_is_the_same_in_every_process_and_faults_reach_every_decode():
@@ -52,24 +76,3 @@ def test_growth_and_undrained_tables_are_reported():
     assert any("fds grew from 30 to 90" in p for p in report.problems)
     assert any("did not drain" in p and "'tracked': 3" in p for p in report.problems)
 
-
-def test_the_load_command_runs_with_nothing_exported_and_shows_its_progress(tmp_path):
-    """``kvplan load`` as a user on a CPU box runs it: no variable exported (the command chooses the
-    interpreter and, on loopback, UCX's device itself), a progress line, the CPU caveat, the counters."""
-    import json
-    import subprocess
-    import sys
-
-    from tests.tools.cli import plain_env
-
-    out = tmp_path / "load.json"
-    done = subprocess.run([sys.executable, "-m", "kvplan", "load", "--rate", "4", "--duration", "1.5", "--device",
-                           "cpu", "--fault-every", "3", "--engine-setting", "progress_thread=false", "--json", str(out)],
-                          capture_output=True, text=True, timeout=300, env=plain_env())
-    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-    assert "[load]" in done.stderr and "not a speed measurement" in done.stdout, done.stderr
-    assert "failed: load: an abort" not in done.stderr  # an injected fault is no warning (shown with -v)
-    report = json.loads(out.read_text())
-    decodes = [s for who, s in report["stats"].items() if who.startswith("decode")]
-    assert sum(s["requests"].get("complete", 0) for s in decodes) == report["completed"] > 0
-    assert report["stats"]["prefill"]["requests"]["sent"] >= report["completed"]
