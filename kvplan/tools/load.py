@@ -43,6 +43,7 @@ from ..planner.model import Attention, Entry, KVLayout, SideMemory
 from ..transport.control import ControlChannel
 from ..transport.endpoints import Chunk, DecodeEndpoint, PrefillEndpoint
 from ..transport.engines import make_engine
+from ..transport.pause import Pause
 from .demo import Profile, is_loopback
 from .target_process import child_message, child_pipe, start_child
 
@@ -122,6 +123,7 @@ def schedule(config: LoadConfig) -> list[Arrival]:
         out.append(Arrival(k, f"q{k}", at, length, prefix, int(rng.integers(config.decodes)), fault))
 
 
+IN_FLIGHT = 2  # the prefill's batches moving at once: what is ready meanwhile goes together in the next
 SLOW = 20  # a faulted request's stand-in forward pass runs this many times slower: its fault lands mid-transfer
 
 
@@ -251,6 +253,20 @@ class _InjectedFaults(logging.Filter):
         return True
 
 
+class _CallerTime:
+    """``with caller: endpoint.call(...)``: the wall time the caller's thread spends inside kvplan's calls."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def __enter__(self) -> "_CallerTime":
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.seconds += time.perf_counter() - self._t0
+
+
 def _go(conn, timeout: float) -> float:
     """Wait for the parent's start (every process counts the schedule from one monotonic instant)."""
     if not conn.poll(timeout):
@@ -271,56 +287,79 @@ def decode_process(config: LoadConfig, index: int, conn) -> None:
         profile = Profile(f"load-decode-{index}").__enter__()  # (KVPLAN_PROFILE names a folder)
         arrivals = deque(a for a in schedule(config) if a.decode == index)
         live: dict[str, tuple[Arrival, int, list[int]]] = {}
-        failed_at: dict[str, float] = {}
+        aborts = {}  # requests with an abort on the schedule, not yet ended: when it is due
+        unfenced: dict[str, float] = {}  # failed requests whose pages wait for their fence: since when
         outcomes: dict[str, dict[str, Any]] = {}
         samples, quarantined, next_sample = [], 0, 0.0
+        caller = _CallerTime()  # the time this thread spends inside kvplan's calls
+        pause = Pause()
         end = started + config.duration + config.timeout + 30
         while (arrivals or live) and time.monotonic() < end:
             now = time.monotonic() - started
+            due: list[tuple[Arrival, int, list[int]]] = []
             while arrivals and arrivals[0].at <= now:
-                a = arrivals[0]
-                got = pools.take(a.prompt_len)
+                got = pools.take(arrivals[0].prompt_len)
                 if got is None:
                     break  # (full: it waits, as a real decode's queue would)
-                arrivals.popleft()
-                row, pages = got
-                deadline = fault_at(config, a) - now if a.fault == "deadline" else config.timeout
-                endpoint.publish([PreallocatedRequest(a.request, row, a.prompt_len, a.prefix_len, aux_index=row)],
-                                 timeout=deadline)
+                due.append((arrivals.popleft(), *got))
+            # every due request in one publish (one launch of the destination-list kernels); a request whose
+            # deadline fault cuts its deadline short is published alone, with that deadline
+            for group in ([d for d in due if d[0].fault != "deadline"], *([d] for d in due if d[0].fault == "deadline")):
+                if group:
+                    a = group[0][0]
+                    deadline = fault_at(config, a) - now if a.fault == "deadline" else config.timeout
+                    with caller:
+                        endpoint.publish([PreallocatedRequest(a.request, row, a.prompt_len, a.prefix_len, aux_index=row)
+                                          for a, row, _ in group], timeout=deadline)
+            for a, row, pages in due:
                 live[a.request] = (a, row, pages)
-            endpoint.poll()
-            for request, (a, row, pages) in list(live.items()):
-                state = endpoint.tracker.state(request) if request in endpoint.tracker else "failed"
-                if a.fault == "abort" and state == "pending" and now > fault_at(config, a):
-                    endpoint.abort(request, "load: an abort on the schedule")
-                    state = "failed"
-                if state == "complete":
-                    outcomes[request] = {"state": "complete", "at": time.monotonic(), "ok": pools.check(a, row)}
-                elif state == "failed":
-                    if request not in failed_at:
-                        failed_at[request] = time.monotonic()
-                        reason = endpoint.tracker.failure(request) if request in endpoint.tracker else "failed"
-                        outcomes[request] = {"state": "failed", "at": failed_at[request], "reason": reason}
-                        endpoint.abort(request, reason or "failed")  # every sender stops and answers: the fence
-                    if not endpoint.fenced(request):
-                        if time.monotonic() - failed_at[request] < FENCE_WAIT_S:
-                            continue
-                        quarantined += 1  # its pages stay out of use
-                        endpoint.forget(request)
-                        del live[request]
-                        continue
-                else:
+                if a.fault == "abort":
+                    aborts[a.request] = fault_at(config, a)
+            for request in [r for r, at in aborts.items() if now > at]:
+                del aborts[request]
+                with caller:
+                    endpoint.abort(request, "load: an abort on the schedule")  # (it ends at once: polled below)
+            with caller:
+                ended = endpoint.poll()
+            for request, reason in ended.items():
+                if request not in live:
                     continue
-                endpoint.forget(request)
-                pools.give(row, pages)
-                del live[request]
+                aborts.pop(request, None)
+                a, row, pages = live[request]
+                if reason is None:
+                    outcomes[request] = {"state": "complete", "at": time.monotonic(), "ok": pools.check(a, row)}
+                    with caller:
+                        endpoint.forget(request)
+                    pools.give(row, pages)
+                    del live[request]
+                else:
+                    outcomes[request] = {"state": "failed", "at": time.monotonic(), "reason": reason}
+                    unfenced[request] = time.monotonic()
+                    with caller:
+                        endpoint.abort(request, reason)  # every sender stops and answers: the fence
+            for request, since in list(unfenced.items()):
+                with caller:
+                    fenced = endpoint.fenced(request)
+                if not fenced and time.monotonic() - since < FENCE_WAIT_S:
+                    continue
+                a, row, pages = live.pop(request)
+                del unfenced[request]
+                with caller:
+                    endpoint.forget(request)
+                if fenced:
+                    pools.give(row, pages)
+                else:
+                    quarantined += 1  # its pages stay out of use
+            if due or ended:
+                pause.busy()
             if now >= next_sample:
                 samples.append(_resources(engine, endpoint, started))
                 conn.send(("progress", endpoint.stats()))
                 next_sample = now + config.sample_s
+            pause(endpoint.channels)  # yields while requests move, blocks on the channels once quiet
         profile.__exit__(None, None, None)
         samples.append(_resources(engine, endpoint, started))
-        conn.send(("progress", endpoint.stats()))
+        conn.send(("progress", {**endpoint.stats(), "caller_s": caller.seconds}))
         conn.send(("result", outcomes, samples, quarantined, len(live) + len(arrivals)))
         conn.poll(60)
         engine.close()
@@ -345,17 +384,20 @@ def prefill_process(config: LoadConfig, ports: list[int], conn) -> None:
         end = started + config.duration + config.timeout + 30
         grain = config.chunk_tokens
         waiting: dict[str, Arrival] = {}  # arrived; admitted (a row, its forward pass) once its decode published it
+        caller = _CallerTime()  # the time this thread spends inside kvplan's calls
+        submitted: dict[Any, tuple[list, dict[str, float]]] = {}  # handle -> its chunks, their requests' ready times
         while (arrivals or waiting or live) and time.monotonic() < end:
             now = time.monotonic() - started
             while arrivals and arrivals[0].at <= now:
                 a = arrivals.popleft()
                 waiting[a.request] = a
-            endpoint.progress()  # (destination lists, aborts)
+            with caller:
+                endpoint.progress()  # (destination lists, aborts)
             for request, a in list(waiting.items()):
                 peer = endpoint.peers[a.decode]
                 if request in peer.lists and (got := pools.take(a.prompt_len)) is not None:
                     del waiting[request]
-                    live[request] = {"arrival": a, "row": got[0], "pages": got[1], "next": a.prefix_len,
+                    live[request] = {"arrival": a, "row": got[0], "pages": got[1], "next": a.prefix_len, "moving": 0,
                                      "ready_at": now + compute_s(config, a, min(grain, a.prompt_len - a.prefix_len))}
                 elif peer.dropped or now > a.at + config.timeout:
                     del waiting[request]
@@ -368,8 +410,9 @@ def prefill_process(config: LoadConfig, ports: list[int], conn) -> None:
             chunks, last_ready = [], {}
             for request, r in live.items():
                 a = r["arrival"]
-                if request in outcomes or r["ready_at"] > now:
-                    continue
+                if request in outcomes or r["next"] >= a.prompt_len or r["ready_at"] > now \
+                        or endpoint.in_flight() >= IN_FLIGHT:
+                    continue  # (with IN_FLIGHT batches moving, what is ready waits for the next: one larger batch)
                 if request not in endpoint.peers[a.decode].lists:  # (dropped: its decode is gone)
                     outcomes[request] = {"state": "failed", "reason": "the decode side is gone: its lists were dropped"}
                     continue
@@ -380,37 +423,46 @@ def prefill_process(config: LoadConfig, ports: list[int], conn) -> None:
                 if last:
                     pools.aux[r["row"]] = a.index % 251 + 1
                     last_ready[request] = started + r["ready_at"]
-                chunks.append(endpoint.transfer(Chunk(request, r["row"], lo, a.prompt_len + 1 if last else hi,
-                                                      a.prompt_len, last, r["row"]), peer=a.decode))
+                with caller:
+                    chunks.append(endpoint.transfer(Chunk(request, r["row"], lo, a.prompt_len + 1 if last else hi,
+                                                          a.prompt_len, last, r["row"]), peer=a.decode))
                 r["next"] = hi
+                r["moving"] += 1
                 r["ready_at"] += compute_s(config, a, min(grain, a.prompt_len - hi))
-            if chunks:
-                if device == "cuda":
-                    torch.cuda.synchronize()  # the stand-in forward pass's writes are in the pools
+            if chunks:  # (the stand-in forward pass's writes are ordered before it: submit waits for this stream)
+                with caller:
+                    submitted[endpoint.submit(chunks, mode=config.mode, timeout=config.timeout)] = (chunks, last_ready)
+            with caller:
+                ended = endpoint.completed()
+            for handle in ended:
+                sent, ready = submitted.pop(handle)
                 try:
-                    results = endpoint.send(chunks, mode=config.mode, timeout=config.timeout)
+                    results = handle.result(timeout=0)
                 except KvplanError as err:  # a batch that does not plan is refused whole (PrefillEndpoint.send)
-                    results = {t.request: f"{type(err).__name__}: {err}" for t in chunks}
-                for t in chunks:
+                    results = {t.request: f"{type(err).__name__}: {err}" for t in sent}
+                for t in sent:
+                    live[t.request]["moving"] -= 1
                     reason = results.get(t.request)
                     if reason is not None and t.request not in outcomes:
                         outcomes[t.request] = {"state": "failed", "reason": reason}
                     elif t.last and reason is None:
-                        outcomes[t.request] = {"state": "sent", "ready": last_ready[t.request]}
-            for request in [r for r in live if r in outcomes]:
+                        outcomes[t.request] = {"state": "sent", "ready": ready[t.request]}
+            for request in [r for r, x in live.items() if r in outcomes and not x["moving"]]:
                 r = live.pop(request)
                 pools.give(r["row"], r["pages"])
-                endpoint.forget([request], peer=r["arrival"].decode)
+                with caller:
+                    endpoint.forget([request], peer=r["arrival"].decode)
             if now >= next_sample:
                 samples.append(_resources(engine, endpoint, started))
                 conn.send(("progress", endpoint.stats()))
                 next_sample = now + config.sample_s
-            if not chunks:
+            if not chunks and not ended:
                 time.sleep(0.0005)  # (the stand-in clock: nothing is ready for a while)
         profile.__exit__(None, None, None)
+        endpoint.close()
         samples.append(_resources(engine, endpoint, started))
-        conn.send(("progress", endpoint.stats()))
-        conn.send(("result", outcomes, samples, len(live) + len(arrivals) + len(waiting)))
+        conn.send(("progress", {**endpoint.stats(), "caller_s": caller.seconds}))
+        conn.send(("result", outcomes, samples, len(live) + len(arrivals) + len(waiting) + len(submitted)))
         conn.poll(60)
         engine.close()
     except Exception:  # noqa: BLE001 - reported to the parent process
@@ -441,9 +493,20 @@ class LoadReport:
     def ok(self) -> bool:
         return not self.problems
 
+    def caller_us_per_request(self) -> dict[str, float]:
+        """Per process, the microseconds its caller's thread spent inside kvplan's calls, per request it
+        handled (the prefill: every request it sent or failed; a decode: every request that ended there)."""
+        out = {}
+        for who, snap in self.stats.items():
+            handled = sum(snap["requests"].values())
+            if "caller_s" in snap and handled:
+                out[who] = round(snap["caller_s"] / handled * 1e6, 1)
+        return out
+
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["config"] = asdict(self.config)
+        out["caller_us_per_request"] = self.caller_us_per_request()
         return out
 
     def lines(self) -> list[str]:
@@ -470,6 +533,11 @@ class LoadReport:
                + (" (CPU, Triton interpreter: not a speed measurement)" if cpu else ""),
                f"latency       p50 {self.latency_ms.get('p50', float('nan')):.2f} ms, "
                f"p99 {self.latency_ms.get('p99', float('nan')):.2f} ms (last chunk ready -> decode complete)"]
+        caller = self.caller_us_per_request()
+        if caller:
+            out.append("caller thread " + ", ".join(f"{who} {us:,.0f} us" for who, us in caller.items())
+                       + " per request (inside kvplan's calls" + (", the send's wait included" if "prefill" in caller
+                                                                   else "") + ")")
         for who, samples in self.resources.items():
             if samples:
                 a, b = samples[min(1, len(samples) - 1)], samples[-1]
@@ -485,7 +553,8 @@ def _counts(counts: dict[str, int]) -> str:
 
 
 def _cause(reason: str) -> str:
-    for key, cause in (("abort on the schedule", "abort"), ("deadline", "deadline"), ("gone", "decode gone"),
+    for key, cause in (("overload", "overload"), ("abort on the schedule", "abort"), ("deadline", "deadline"),
+                       ("gone", "decode gone"),
                        ("never published", "decode gone")):
         if key in (reason or ""):
             return cause

@@ -155,6 +155,7 @@ class CompletionTracker:
         self._status: dict[Any, _Status] = {}
         self.stats = stats if stats is not None else EndpointStats("decode")
         self.in_flight = 0  # tracked requests neither complete nor failed (kept at each end: no scan)
+        self._ended: dict[Any, str | None] = {}  # requests that ended since take_ended(): None or the reason
         self._kv_layers = np.asarray(side.kv.model_layers if side is not None else (0,), np.int64)
         self._component_layers = {c.name: tuple(sorted(set(c.layers))) or _ALL for c in side.state} \
             if side is not None else {}
@@ -189,6 +190,7 @@ class CompletionTracker:
         if not status.counted and status.complete():
             status.counted = True
             self.in_flight -= 1
+            self._ended[status.expected.request] = None
             self.stats.settled("complete", nbytes=status.nbytes)
             self.stats.latency(time.monotonic() - status.started)
 
@@ -276,6 +278,7 @@ class CompletionTracker:
             if not status.counted:
                 status.counted = True
                 self.in_flight -= 1
+                self._ended[request] = reason
                 self.stats.failed(reason)
 
     def fail_pending(self, reason: str) -> None:
@@ -295,6 +298,13 @@ class CompletionTracker:
         status = self._status.pop(request, None)
         if status is not None and not status.counted:  # dropped in flight: no end to count
             self.in_flight -= 1
+        self._ended.pop(request, None)
+
+    def take_ended(self) -> dict[Any, str | None]:
+        """The requests that ended (completed: ``None``; failed: the reason) since the last call, each
+        once, in the order they ended: what a caller needs instead of asking every tracked request."""
+        ended, self._ended = self._ended, {}
+        return ended
 
     def __len__(self) -> int:
         return len(self._status)
@@ -313,7 +323,8 @@ class CompletionTracker:
         return [r for r in self._status if self.state(r) == "pending"]
 
     def settled(self) -> bool:
-        return not self.pending()
+        """Whether no tracked request is pending (kept as requests end: no scan)."""
+        return self.in_flight == 0
 
     def states(self) -> dict[Any, str]:
         return {r: self.state(r) for r in self._status}

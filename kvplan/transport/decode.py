@@ -346,7 +346,7 @@ class DecodeEndpoint:
             if time.monotonic() > deadline:
                 raise ControlTimeout(f"senders {missing} have not paired with this side: a request gathered from "
                                      "them cannot be tracked")
-            self.poll()
+            self._poll()
             self.channels[missing[0]].wait_readable(POLL_S)
         kv, sides = self.side.kv, [self._senders[k] for k in peers]
         sizes = sorted({s.kv.tp_size for s in sides})
@@ -390,7 +390,7 @@ class DecodeEndpoint:
         start = time.perf_counter()
         deadline, pause = time.monotonic() + timeout, Pause()
         while len(self._senders) + len(self._refused) < len(self.channels) and time.monotonic() < deadline:
-            self.poll()
+            self._poll()
             pause()
         if len(self._senders) < len(self.channels):
             log.warning("warm-up: %d of %d senders had not paired after %.1f s (%d refused the pairing); their "
@@ -425,8 +425,16 @@ class DecodeEndpoint:
             log.debug("warm-up: the destination lists of row 0 were refused (%s)", err)
 
     # -- progress ---------------------------------------------------------------------------------
-    def poll(self) -> None:
-        """Take in what has arrived: engine notifications, wave tables, failures; apply deadlines."""
+    def poll(self) -> dict[Any, str | None]:
+        """Take in what has arrived: engine notifications, wave tables, failures; apply deadlines.
+
+        Returns the requests that ended since the last call, each once: ``None`` for one that is
+        complete (decode-ready), else the reason it failed. A caller reads what ended from here, not
+        by asking every tracked request (:attr:`tracker` still answers for one)."""
+        self._poll()
+        return self.tracker.take_ended()
+
+    def _poll(self) -> None:
         for k, channel in enumerate(self.channels):
             while (msg := channel.try_recv()) is not None:
                 self._pause.busy()

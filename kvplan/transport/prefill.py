@@ -60,6 +60,8 @@ from .local import plan_alignment, typical_sizes, warm_up
 from .readiness import LayerStreaming
 from .senders import SENDERS, streamed
 from .senders.planned import PlannedBatch
+from .handles import SendHandle
+from .progress_thread import MAX_IN_FLIGHT, ProgressThread
 from .stats import EndpointStats
 from .streams import transport_stream
 from .receiver_plan import planned_run_chunks, receiver_can_plan
@@ -143,12 +145,15 @@ class PrefillEndpoint:
 
     def __init__(self, side: SideMemory, engine: Engine, channels: ControlChannel | Sequence[ControlChannel],
                  staging: torch.Tensor | None = None, policy: Policy = Policy.STRICT, slots: int = 4,
-                 refuse: str = "batch", receiver_plans: bool = True, compat: str | None = None):
+                 refuse: str = "batch", receiver_plans: bool = True, compat: str | None = None,
+                 max_in_flight: int = MAX_IN_FLIGHT):
         if refuse not in ("batch", "request"):
             raise ValueError(f"refuse must be 'batch' or 'request', got {refuse!r}")
         self.side, self.engine, self.staging, self.policy, self.refuse = side, engine, staging, policy, refuse
         self.receiver_plans = receiver_plans
         self.compat = compat  # a decode endpoint pairs only with the same word (DecodeEndpoint's ``compat``)
+        self.max_in_flight = max_in_flight  # batches queued or moving at once once submitted (.progress_thread)
+        self._thread: ProgressThread | None = None  # started by the first submit()
         self.peers = [Peer(c) for c in (channels if isinstance(channels, (list, tuple)) else [channels])]
         self.slots = slots
         self.engine.register(engine_regions(side) + ([(staging.data_ptr(), staging.numel())] if staging is not None else []))
@@ -166,6 +171,7 @@ class PrefillEndpoint:
         self.id = uuid.uuid4().hex[:12]  # names this sender's waves on receivers that have several senders
         # (peer, request, reason) of requests a decode endpoint aborted (its lists are dropped); the caller drains it
         self.aborted: list[tuple[int, Any, str]] = []
+        self._aborts: deque[tuple[int, Any, str]] = deque()  # as they are read, moved into aborted by progress()
         # (peer, request) of aborts of requests it holds no lists of; the last 4096 (a caller that never
         # drains it keeps no more)
         self.given_up: deque[tuple[int, Any]] = deque(maxlen=4096)
@@ -203,6 +209,7 @@ class PrefillEndpoint:
     def accept(self, timeout: float) -> None:
         """Receive every decode endpoint's registration and pair with it (refusing one that cannot
         pair, with the reason, and raising)."""
+        self._before_thread("accept")
         deadline = time.monotonic() + timeout
         for k, peer in enumerate(self.peers):
             kind, header, frames = peer.recv(deadline)
@@ -212,10 +219,17 @@ class PrefillEndpoint:
                 raise LayoutError(f"expected a registration, got {kind!r}")
             self._on_register(k, header, frames)
 
+    def _before_thread(self, call: str) -> None:
+        """Pairing and warming read the channels on the caller's thread: only before the progress thread."""
+        if self._thread is not None:
+            raise RuntimeError(f"{call}() pairs on the caller's thread: call it before the first submit(), which "
+                               "gives the channels to the progress thread")
+
     def add_peer(self, channel: ControlChannel, timeout: float) -> int:
         """Take one more decode endpoint, on ``channel``: wait for its registration and pair with it
         (as :meth:`accept`); its index. On a timeout or a refused pairing the channel is closed, it
         is not added, and the error is raised."""
+        self._before_thread("add_peer")
         self.peers.append(Peer(channel))
         k = len(self.peers) - 1
         try:
@@ -248,6 +262,7 @@ class PrefillEndpoint:
         """
         if max_transfers < 1 or max_prompt_len < 1:
             raise ValueError(f"warm_up needs at least one transfer of one token, got {max_transfers} x {max_prompt_len}")
+        self._before_thread("warm_up")
         self._warm_shape = (max_transfers, max_prompt_len)
         return self._warm_peers(timeout)
 
@@ -304,8 +319,14 @@ class PrefillEndpoint:
         return sum(request in p.lists for p in self.peers) >= self.publishers.get(request, 1)
 
     def receive_requests(self, count: int, timeout: float, peer: int = 0) -> None:
-        """Receive ``count`` requests' destination lists (wire messages) from decode endpoint ``peer``."""
+        """Receive ``count`` requests' destination lists (wire messages) from decode endpoint ``peer``
+        (a wait, up to ``timeout``: for start-up and tests, not for a scheduler's thread)."""
         deadline = time.monotonic() + timeout
+        if self._thread is not None:
+            if self._thread.take_arrivals(count, peer, deadline) < count:
+                raise ControlTimeout(f"fewer than {count} requests' lists came from decode endpoint {peer} "
+                                     f"within {timeout} s")
+            return
         p = self.peers[peer]
         for _ in range(count):
             kind, header, frames = p.recv(deadline)
@@ -316,7 +337,25 @@ class PrefillEndpoint:
     def progress(self) -> list[tuple[int, Any]]:
         """Take in, without blocking, whatever the decode endpoints have sent: registrations (paired
         as :meth:`accept` pairs them) and destination lists. Returns the ``(peer, request)`` pairs
-        whose lists arrived; a registration that cannot pair is refused and raises ``LayoutError``."""
+        whose lists arrived; a registration that cannot pair is refused and raises ``LayoutError``.
+        Aborts the decode endpoints sent are added to :attr:`aborted`.
+
+        With a progress thread (after the first :meth:`submit`), that thread reads the channels and
+        this returns what it has read since the last call, at once."""
+        if self._thread is None:
+            arrived = self._read_channels()
+        else:
+            if self._thread.errors:
+                raise self._thread.errors.popleft()
+            arrived = []
+            while self._thread.arrived:
+                arrived.append(self._thread.arrived.popleft())
+        while self._aborts:
+            self.aborted.append(self._aborts.popleft())
+        return arrived
+
+    def _read_channels(self) -> list[tuple[int, Any]]:
+        """What :meth:`progress` takes in, read from the channels (the progress thread's, once it runs)."""
         arrived = []
         for k, p in enumerate(self.peers):
             while (msg := (p.backlog.popleft() if p.backlog else p.channel.try_recv())) is not None:
@@ -357,8 +396,8 @@ class PrefillEndpoint:
         pages, or after it was sent (the vLLM connector frees the prefill's blocks of the first at once,
         rather than at its deadline)."""
         if request in self.peers[k].lists:
-            self.forget([request], peer=k)
-            self.aborted.append((k, request, reason))
+            self._forget_now([request], peer=k)
+            self._aborts.append((k, request, reason))
         else:
             self.given_up.append((k, request))
         try:
@@ -463,7 +502,15 @@ class PrefillEndpoint:
                         lists.pages, prefix_len, chunk.aux_src, aux_dst, lists.state, dest=peer)
 
     def forget(self, requests: Sequence[Any], peer: int | None = None) -> None:
-        """Drop the destination lists of finished requests (of one peer, or of all)."""
+        """Drop the destination lists of finished requests (of one peer, or of all). With a progress
+        thread, it drops them between batches (a queued batch then sends nothing of them)."""
+        if self._thread is not None:
+            requests = list(requests)
+            self._thread.call(lambda: self._forget_now(requests, peer))
+            return
+        self._forget_now(requests, peer)
+
+    def _forget_now(self, requests: Sequence[Any], peer: int | None = None) -> None:
         for k, p in enumerate(self.peers):
             if peer is not None and k != peer:
                 continue
@@ -475,9 +522,54 @@ class PrefillEndpoint:
             if r in self.publishers and not any(r in p.lists for p in self.peers):
                 del self.publishers[r]
 
+    def submit(self, transfers: Sequence[Transfer], mode: str = "auto", timeout: float = 30.0,
+               layers: LayerStreaming | None = None) -> SendHandle:
+        """Queue a batch for this endpoint's progress thread and return its :class:`SendHandle` at once:
+        the thread plans it (after the caller's stream as it is now), posts it, waits for its writes
+        and settles it, as :meth:`send` does, while the caller goes on. ``timeout`` counts from now.
+
+        Batches go in the order submitted; at most ``max_in_flight`` are queued or moving at once, and
+        one more is refused whole (each request failed with an ``overload`` reason, nothing sent, its
+        decode told). The first call starts the thread; from then on it owns the channels and the
+        engine (:mod:`.progress_thread`), and :meth:`send` is ``submit(...).result()``.
+
+        Example::
+
+            handle = prefill.submit(transfers, mode="staged", timeout=30)
+            ...
+            for done in prefill.completed():
+                failed = {r: why for r, why in done.result().items() if why}
+        """
+        self._check_send(transfers, mode, layers)
+        transfers = tuple(transfers)
+        handle = SendHandle([t.request for t in transfers])
+        if self._thread is None:
+            self._thread = ProgressThread(self, self.max_in_flight)
+        self._thread.submit(handle, transfers, mode, timeout, layers)
+        return handle
+
+    def completed(self) -> list[SendHandle]:
+        """The submitted batches that ended since the last call (each once), in the order they ended."""
+        done = []
+        while self._thread is not None and self._thread.completed:
+            done.append(self._thread.completed.popleft())
+        return done
+
+    def in_flight(self) -> int:
+        """Submitted batches queued or moving now."""
+        return self._thread.in_flight() if self._thread is not None else 0
+
+    def close(self) -> None:
+        """Stop the progress thread (after the batch it is moving, if any); the endpoint sends no more."""
+        if self._thread is not None:
+            self._thread.close()
+
     def send(self, transfers: Sequence[Transfer], mode: str = "auto", timeout: float = 30.0,
              layers: LayerStreaming | None = None) -> dict[Any, str | None]:
-        """Plan and move a batch; returns, per request, ``None`` when sent or the failure reason.
+        """Plan and move a batch; returns, per request, ``None`` when sent or the failure reason. It
+        waits for the batch: a scheduler's thread submits instead (:meth:`submit`). On an endpoint
+        that has a progress thread it is ``submit(...).result()``; on one that never submitted it runs
+        on the caller's thread.
 
         ``layers``: stream the batch while the forward pass still writes it (docs/layerwise.md). The
         batch is planned at once; each layer group's part of it goes as soon as ``layers.readiness``
@@ -493,6 +585,12 @@ class PrefillEndpoint:
         With ``refuse="request"`` (set on the endpoint) only the bad requests fail, each with its own
         error, and the rest of the batch is sent.
         """
+        if self._thread is not None:
+            return self.submit(transfers, mode, timeout, layers).result()
+        self._check_send(transfers, mode, layers)
+        return self._send_now(tuple(transfers), mode, timeout, layers)
+
+    def _check_send(self, transfers: Sequence[Transfer], mode: str, layers: LayerStreaming | None) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         if layers is not None and mode == "prepared":
@@ -501,7 +599,11 @@ class PrefillEndpoint:
             raise ValueError("a decode endpoint asked for checksums (integrity=True), which need a plan's descriptors "
                              "and every byte written when it is planned: send direct, staged or auto, without layer "
                              "streaming (kvplan.transport.integrity)")
-        started, transfers = time.monotonic(), tuple(transfers)
+
+    def _send_now(self, transfers: tuple[Transfer, ...], mode: str, timeout: float,
+                  layers: LayerStreaming | None) -> dict[Any, str | None]:
+        """The batch planned, moved and settled on this thread (the caller's, or the progress thread's)."""
+        started = time.monotonic()
         self.last_nbytes = 0
         try:
             with self._streaming(layers):
@@ -657,10 +759,18 @@ class PrefillEndpoint:
 
     def fail(self, requests: Sequence[Any], reason: str, peer: int = 0) -> None:
         """Tell decode endpoint ``peer`` that ``requests`` failed here before anything was sent (and
-        drop their lists): its side fails them at once instead of at their deadline."""
+        drop their lists): its side fails them at once instead of at their deadline. With a progress
+        thread, that thread tells it, between batches."""
+        if self._thread is not None:
+            requests = list(requests)
+            self._thread.call(lambda: self._fail_now(requests, reason, peer))
+            return
+        self._fail_now(requests, reason, peer)
+
+    def _fail_now(self, requests: Sequence[Any], reason: str, peer: int = 0) -> None:
         for request in requests:
             self._report(peer, request, reason)
-        self.forget(requests, peer)
+        self._forget_now(requests, peer)
 
     def _report(self, peer: int, request: Any, reason: str) -> None:
         log.warning("request %r failed: %s", request, reason)

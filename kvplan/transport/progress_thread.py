@@ -1,0 +1,260 @@
+"""The prefill endpoint's progress thread: where a submitted batch is planned, posted, waited for
+and settled, off the caller's thread (:meth:`PrefillEndpoint.submit`).
+
+**Who owns what.** Once an endpoint has a progress thread (its first ``submit``), that thread alone
+touches its control channels, its engine and its planners: ZeroMQ sockets are not to be used from two
+threads, and the engine's completions and fences must be read where the writes were posted. The
+caller's thread only enqueues (batches, forgets, failures to report) and reads what the thread
+published: the requests whose lists arrived, aborts, ended handles, counters. Each of those is a
+``deque`` (appends and pops are atomic) or is guarded by one lock held for a few list operations,
+never across a wait.
+
+**Order and bounds.** Batches run one at a time in the order they were submitted, so every peer
+sees its batches in order. At most ``max_in_flight`` batches are queued or moving at once; one
+more is refused at once with an ``overload`` reason for each of its requests, nothing of it planned
+or sent, and each decode endpoint is told (it may release those pages at once: no write of the
+batch exists). A queued batch keeps its deadline from the submit; one that would start past it
+fails whole, sending nothing.
+
+**Between batches** the thread reads the control channels (registrations, destination lists,
+aborts), runs the caller's queued actions, and waits on the channels' sockets and a wake-up pipe
+together (a message or a submit wakes it at once; otherwise it looks again within
+:data:`IDLE_S`): it never spins. An abort read between batches is acknowledged at once, since no
+write is in flight then; a queued batch drops the transfers of a request whose lists are gone (aborted
+or forgotten) before it plans, so an acknowledged request is never written.
+
+**Streams.** ``submit`` records an event on the caller's current CUDA stream; the thread's planning
+waits for it on the device, so the batch sees every write the caller queued before the submit. The
+bytes of a submitted batch, and its requests' token-table rows, must stay as they are until its
+handle is done.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch
+
+from ..errors import KvplanError, PlanError
+from .handles import SendHandle
+
+if TYPE_CHECKING:
+    from .prefill import PrefillEndpoint
+
+__all__ = ["IDLE_S", "MAX_IN_FLIGHT", "ProgressThread"]
+
+log = logging.getLogger("kvplan")
+
+MAX_IN_FLIGHT = 8  # batches queued or moving at once per prefill endpoint (PrefillEndpoint's max_in_flight)
+IDLE_S = 0.02  # the longest an idle progress thread waits before it looks at its channels again
+HOT_S = 0.002  # after something happened, it only yields this long before it blocks
+
+
+class _Job:
+    __slots__ = ("handle", "transfers", "mode", "deadline", "layers", "ready")
+
+    def __init__(self, handle, transfers, mode, deadline, layers, ready):
+        self.handle, self.transfers, self.mode = handle, transfers, mode
+        self.deadline, self.layers, self.ready = deadline, layers, ready
+
+
+class ProgressThread:
+    """The thread of one :class:`~kvplan.transport.prefill.PrefillEndpoint` (see the module docstring)."""
+
+    def __init__(self, endpoint: "PrefillEndpoint", max_in_flight: int = MAX_IN_FLIGHT):
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        self.ep, self.max_in_flight = endpoint, max_in_flight
+        self._lock = threading.Lock()  # guards _jobs and _in_flight (held for a few list operations)
+        self._arrivals = threading.Condition()  # (for receive_requests) notified when lists arrive
+        self._jobs: deque[_Job] = deque()
+        self._in_flight = 0  # batches queued or moving
+        self._actions: deque[Callable[[], None]] = deque()  # the caller's, run here between batches
+        self.arrived: deque[tuple[int, Any]] = deque()  # (peer, request) whose lists arrived
+        self.errors: deque[BaseException] = deque()  # registrations refused (LayoutError), for the caller
+        self.completed: deque[SendHandle] = deque()  # handles that ended, for PrefillEndpoint.completed()
+        self._closing = False
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._thread = threading.Thread(target=self._run, name="kvplan-prefill-progress", daemon=True)
+        self._thread.start()
+
+    # -- the caller's side: enqueue and return --------------------------------------------------------
+    def submit(self, handle: SendHandle, transfers: tuple, mode: str, timeout: float, layers: Any) -> None:
+        ready = None
+        table = self.ep.side.req_to_token
+        if isinstance(table, torch.Tensor) and table.is_cuda:  # what the caller queued before the submit
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(table.device))
+        job = _Job(handle, transfers, mode, handle.submitted + timeout, layers, ready)
+        with self._lock:
+            admitted = self._in_flight < self.max_in_flight
+            if admitted:
+                self._in_flight += 1
+                self._jobs.append(job)
+        if not admitted:
+            self._refuse(job)
+        self._wake()
+
+    def call(self, action: Callable[[], None]) -> None:
+        """Run ``action`` on this thread, between batches, in the order given."""
+        self._actions.append(action)
+        self._wake()
+
+    def take_arrivals(self, count: int, peer: int, deadline: float) -> int:
+        """Wait (until ``deadline``) for ``count`` requests' lists from ``peer``; how many came."""
+        taken = 0
+        with self._arrivals:
+            while taken < count:
+                mine = [x for x in self.arrived if x[0] == peer][: count - taken]
+                for x in mine:
+                    self.arrived.remove(x)
+                taken += len(mine)
+                left = deadline - time.monotonic()
+                if taken >= count or left <= 0:
+                    break
+                self._arrivals.wait(left)
+        return taken
+
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop after the batch being moved (if any): queued actions still run, queued batches fail whole."""
+        self._closing = True
+        self._wake()
+        self._thread.join(timeout)
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):  # (the pipe is full: the thread is woken already)
+            pass
+
+    def _refuse(self, job: _Job) -> None:
+        """More than ``max_in_flight`` batches: this one is refused whole, nothing planned or sent."""
+        reason = (f"overload: {self.max_in_flight} batches are already in flight at this prefill endpoint "
+                  "(max_in_flight); nothing of this one was sent")
+        self.ep._stats.failed(reason, len(job.handle.requests))
+        told = {(t.dest, t.request) for t in job.transfers}
+        self.call(lambda: [self.ep._report(dest, request, reason) for dest, request in told])
+        job.handle._finish({r: reason for r in job.handle.requests})
+        self.completed.append(job.handle)
+
+    # -- the thread ----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        last = time.monotonic()
+        while not self._closing:
+            try:
+                busy = self._run_actions() | self._read_channels()
+                job = self._jobs[0] if self._jobs else None
+                if job is not None:
+                    self._execute(job)
+                    busy = True
+            except Exception:  # noqa: BLE001 - the thread must live on: what failed is logged, the rest goes on
+                log.exception("the prefill endpoint's progress thread caught an error")
+                busy = True
+            now = time.monotonic()
+            if busy:
+                last = now
+            if self._jobs or self._actions:
+                continue
+            if now - last < HOT_S:
+                os.sched_yield()
+            else:
+                self._wait(IDLE_S)
+        self._run_actions()  # what the caller queued before close() (forgets, failures to report)
+        while self._jobs:  # batches that never started: nothing of them was sent
+            job = self._jobs.popleft()
+            reason = "the prefill endpoint was closed before its batch was sent"
+            for t in job.transfers:
+                self.ep._report(t.dest, t.request, reason)
+            job.handle._finish({r: reason for r in job.handle.requests})
+            self.completed.append(job.handle)
+
+    def _run_actions(self) -> bool:
+        ran = False
+        while self._actions:
+            action = self._actions.popleft()
+            ran = True
+            try:
+                action()
+            except Exception:  # noqa: BLE001 - one action's failure must not stop the thread
+                log.exception("a queued prefill action failed")
+        return ran
+
+    def _read_channels(self) -> bool:
+        try:
+            arrived = self.ep._read_channels()
+        except KvplanError as err:  # a registration that cannot pair: the caller's progress() raises it
+            self.errors.append(err)
+            return True
+        if arrived:
+            with self._arrivals:
+                self.arrived.extend(arrived)
+                self._arrivals.notify_all()
+        return bool(arrived)
+
+    def _execute(self, job: _Job) -> None:
+        ep, handle = self.ep, job.handle
+        try:
+            if job.ready is not None:
+                torch.cuda.current_stream(ep.side.req_to_token.device).wait_event(job.ready)
+            # a request aborted (or forgotten) since it was submitted: its decode was told it is fenced
+            gone = {t.request for t in job.transfers if t.request not in ep.peers[t.dest].lists}
+            dropped = {r: "its decode endpoint aborted it before its batch was sent" for r in gone}
+            transfers = tuple(t for t in job.transfers if t.request not in gone)
+            left = job.deadline - time.monotonic()
+            if left <= 0:
+                reason = "deadline passed while its batch waited in the prefill endpoint's queue; nothing was sent"
+                for t in transfers:
+                    ep._report(t.dest, t.request, reason)
+                ep._stats.failed(reason, len({t.request for t in transfers}))
+                result = {t.request: reason for t in transfers}
+            else:
+                result = ep._send_now(transfers, job.mode, left, job.layers) if transfers else {}
+            handle._finish({**result, **dropped})
+        except PlanError as err:
+            handle._finish(error=err)
+        except Exception as err:  # noqa: BLE001 - the caller sees it through result()
+            log.exception("a submitted batch failed")
+            handle._finish(error=err)
+        finally:
+            with self._lock:
+                self._jobs.popleft()
+                self._in_flight -= 1
+            self.completed.append(handle)
+
+    def _wait(self, timeout: float) -> None:
+        """Block up to ``timeout`` until a control channel can be read or the caller wakes this thread."""
+        import zmq
+
+        poller = zmq.Poller()
+        poller.register(self._wake_r, zmq.POLLIN)
+        waits = []
+        for p in self.ep.peers:
+            socket = getattr(p.channel, "socket", None)
+            if socket is not None:
+                poller.register(socket, zmq.POLLIN)
+            else:
+                waits.append(p.channel)
+        if waits:  # (in-memory channels of tests: no socket to poll)
+            timeout = min(timeout, 1e-3)
+        ready = dict(poller.poll(max(1, round(timeout * 1000))))
+        if self._wake_r in ready:
+            try:
+                while os.read(self._wake_r, 4096):
+                    pass
+            except (BlockingIOError, OSError):
+                pass
