@@ -339,7 +339,7 @@ def _load(args: argparse.Namespace) -> int:
                         mode=args.mode, device=args.device, layers=args.layers, prompt_median=args.prompt_median,
                         prompt_max=args.prompt_max, chunk_tokens=args.chunk_tokens, page_size=args.page_size,
                         prefix_share=args.prefix_share, fault_every=args.fault_every, kill_at=args.kill_at,
-                        rows=args.rows, timeout=args.timeout, seed=args.seed, host=host,
+                        rows=args.rows, queue=args.queue, timeout=args.timeout, seed=args.seed, host=host,
                         forward_tokens_per_s=args.forward_tokens_per_s, staging_mib=args.staging_mib,
                         engine_extra=tuple(args.engine_setting), integrity=args.integrity)
     if args.metrics_port is not None:
@@ -527,6 +527,9 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--kill-at", type=float, default=0.0,
                       help="kill the last decode this many seconds in, inside (0, --duration) (default: 0, none)")
     load.add_argument("--rows", type=_positive, default=32, help="requests a side holds at once (default: 32)")
+    load.add_argument("--queue", type=_non_negative, default=0,
+                      help="arrivals a decode lets wait for a row; one more is refused as overload at once "
+                           "(default: 0, as many as --rows)")
     load.add_argument("--forward-tokens-per-s", type=_positive_float, default=100_000.0,
                       help="the stand-in forward pass's speed (default: 100000)")
     load.add_argument("--staging-mib", type=_positive, default=32,

@@ -24,6 +24,7 @@ Example::
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -76,6 +77,7 @@ class LoadConfig:
     kill_at: float = 0.0  # seconds into the run at which the last decode is killed (0: never; needs 2 decodes)
     forward_tokens_per_s: float = 100_000.0  # the stand-in forward pass: when each chunk is ready
     rows: int = 32  # requests a decode holds at once (the prefill: as many as all decodes)
+    queue: int = 0  # arrivals a decode lets wait for a row; one more is refused as overload (0: as many as rows)
     staging_mib: int = 32
     timeout: float = 30.0  # each request's deadline on both sides
     sample_s: float = 0.5
@@ -293,6 +295,7 @@ def decode_process(config: LoadConfig, index: int, conn) -> None:
         samples, quarantined, next_sample = [], 0, 0.0
         caller = _CallerTime()  # the time this thread spends inside kvplan's calls
         pause = Pause()
+        bound = config.queue or config.rows
         end = started + config.duration + config.timeout + 30
         while (arrivals or live) and time.monotonic() < end:
             now = time.monotonic() - started
@@ -302,6 +305,16 @@ def decode_process(config: LoadConfig, index: int, conn) -> None:
                 if got is None:
                     break  # (full: it waits, as a real decode's queue would)
                 due.append((arrivals.popleft(), *got))
+            # admission: at most `queue` arrivals wait for a row; the newest beyond are refused at once, before
+            # any of their pages exist, so that those admitted meet their deadlines
+            waiting = [a for a in itertools.takewhile(lambda a: a.at <= now, arrivals)]
+            for a in waiting[bound:]:
+                arrivals.remove(a)
+                reason = (f"overload: {len(waiting)} requests wait for a row at decode {index} (its queue holds "
+                          f"{bound}); refused before any page was taken")
+                outcomes[a.request] = {"state": "failed", "at": time.monotonic(), "reason": reason}
+                with caller:
+                    endpoint.refuse(a.request, reason)
             # every due request in one publish (one launch of the destination-list kernels); a request whose
             # deadline fault cuts its deadline short is published alone, with that deadline
             for group in ([d for d in due if d[0].fault != "deadline"], *([d] for d in due if d[0].fault == "deadline")):
@@ -402,6 +415,11 @@ def prefill_process(config: LoadConfig, ports: list[int], conn) -> None:
                 elif peer.dropped or now > a.at + config.timeout:
                     del waiting[request]
                     outcomes[request] = {"state": "failed", "reason": "its decode never published it (gone?)"}
+            while endpoint.refused:  # refused by its decode before it was published (its queue was full)
+                _, request, reason = endpoint.refused.popleft()
+                if request in waiting:
+                    del waiting[request]
+                    outcomes[request] = {"state": "failed", "reason": f"its decode refused it: {reason}"}
             for k, request, reason in endpoint.aborted:
                 if request in live or request in waiting:
                     outcomes[request] = {"state": "failed", "reason": f"the decode aborted it: {reason}"}
@@ -513,12 +531,15 @@ class LoadReport:
         c = self.config
         failed = sum(self.failures.values())
         unexpected = sum(self.unexpected.values())
-        if not failed:
-            failures = "none"
-        elif not unexpected:
-            failures = f"{failed}, each an injected fault: " + _counts(self.failures)
-        else:
-            failures = f"{failed}, {unexpected} NOT injected: {_counts(self.unexpected)} (all causes: {_counts(self.failures)})"
+        refused = self.failures.get("overload", 0)
+        injected = {k: v for k, v in self.failures.items() if k != "overload"}
+        for cause, count in self.unexpected.items():
+            injected[cause] -= count
+        parts = ([f"{refused} refused at admission as overload (nothing written)"] if refused else []) \
+            + ([f"{sum(injected.values())} injected ({_counts({k: v for k, v in injected.items() if v})})"]
+               if sum(injected.values()) else []) \
+            + ([f"{unexpected} NOT injected ({_counts(self.unexpected)})"] if unexpected else [])
+        failures = f"{failed}: " + "; ".join(parts) if failed else "none"
         cpu = c.resolved_device() == "cpu"
         out = [f"load          {self.requests} requests at {c.rate:g}/s for {c.duration:g} s, {c.decodes} decodes, "
                f"{c.engine}, mode {c.mode}, {c.resolved_device()}",
@@ -703,6 +724,8 @@ def _collect(config: LoadConfig, procs: list[tuple[Any, Any, str]], started: flo
         reason = (here or {}).get("reason") or there.get("reason") or "no outcome"
         cause = _cause(reason)
         report.failures[cause] = report.failures.get(cause, 0) + 1
+        if cause == "overload":  # refused at admission, before any page was written: the bound at work
+            continue
         if cause != a.fault:
             report.unexpected[cause] = report.unexpected.get(cause, 0) + 1
             report.problems.append(f"request {request} failed without a fault of that kind ({a.fault}): {reason}")

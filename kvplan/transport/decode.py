@@ -214,6 +214,22 @@ class DecodeEndpoint:
         if request in self.tracker:
             self.tracker.fail(request, reason)
 
+    def refuse(self, request: Any, reason: str, peer: int = 0) -> None:
+        """Tell sender ``peer`` that ``request``, which this side never published, will not be: it must
+        not wait for its lists (an admission bound, such as a full queue: ``reason`` says which). The
+        sender keeps it in :attr:`PrefillEndpoint.refused`. Nothing of it is tracked here.
+
+        Example::
+
+            decode.refuse("req-9", "overload: 64 requests wait for a row here")
+        """
+        try:
+            self.channels[peer].send("abort", {"request": request, "reason": reason, "refused": True},
+                                     timeout=POLL_S)
+        except ControlTimeout as err:
+            log.warning("request %r: the refusal could not be sent to sender %d: %s", request, peer, err)
+        self.tracker.stats.failed(reason)
+
     def fenced(self, request: Any) -> bool:
         """Whether no write into ``request``'s pages can still land: every sender it was published to
         acknowledged its abort with nothing in flight, or reported it failed once its writes had

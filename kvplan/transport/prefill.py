@@ -175,6 +175,9 @@ class PrefillEndpoint:
         # (peer, request) of aborts of requests it holds no lists of; the last 4096 (a caller that never
         # drains it keeps no more)
         self.given_up: deque[tuple[int, Any]] = deque(maxlen=4096)
+        # (peer, request, reason) of requests a decode endpoint refused before publishing them (an admission
+        # bound there: DecodeEndpoint.refuse); the last 4096; the caller pops them
+        self.refused: deque[tuple[int, Any, str]] = deque(maxlen=4096)
         # per request, how many decode endpoints publish it here, where they said (a decode of a larger TP
         # size spreads each request over several ranks this one serves: it may go only once all have published)
         self.publishers: dict[Any, int] = {}
@@ -366,7 +369,7 @@ class PrefillEndpoint:
                     if (request := self._on_request(k, header, frames)) is not None:
                         arrived.append((k, request))
                 elif kind == "abort" and (request := named_request(header)) is not None:
-                    self._on_abort(k, request, str(header.get("reason") or "aborted"))
+                    self._on_abort(k, request, str(header.get("reason") or "aborted"), header.get("refused") is True)
             if p.side is not None and not p.dropped and p.channel.peer_gone():
                 self._drop(k)
         return arrived
@@ -386,7 +389,7 @@ class PrefillEndpoint:
         self._sums.drop([key for key in self._sums.keys() if key[0] == k])
         p.name, p.prepared, p.dropped = None, False, True  # (its layout stays: the planner pairs every peer)
 
-    def _on_abort(self, k: int, request: Any, reason: str) -> None:
+    def _on_abort(self, k: int, request: Any, reason: str, refused: bool = False) -> None:
         """A decode endpoint aborted ``request``: nothing more of it goes there, and it is told so at
         once ("abort-ack"). The acknowledgement is its fence: ``send`` returns only once every write it
         posted has ended, so when this runs no write into the request's pages is in flight, unless one
@@ -400,6 +403,8 @@ class PrefillEndpoint:
             self._aborts.append((k, request, reason))
         else:
             self.given_up.append((k, request))
+            if refused:  # never published: its decode will not take it (DecodeEndpoint.refuse), and says why
+                self.refused.append((k, request, reason))
         try:
             self.peers[k].channel.send("abort-ack", {"request": request, "fenced": request not in self.unsafe},
                                        timeout=ACK_S)
@@ -601,9 +606,10 @@ class PrefillEndpoint:
                              "streaming (kvplan.transport.integrity)")
 
     def _send_now(self, transfers: tuple[Transfer, ...], mode: str, timeout: float,
-                  layers: LayerStreaming | None) -> dict[Any, str | None]:
-        """The batch planned, moved and settled on this thread (the caller's, or the progress thread's)."""
-        started = time.monotonic()
+                  layers: LayerStreaming | None, submitted: float | None = None) -> dict[Any, str | None]:
+        """The batch planned, moved and settled on this thread (the caller's, or the progress thread's);
+        its requests' latency counts from ``submitted`` where it waited in the queue first."""
+        started = time.monotonic() if submitted is None else submitted
         self.last_nbytes = 0
         try:
             with self._streaming(layers):

@@ -223,7 +223,7 @@ class ProgressThread:
                 ep._stats.failed(reason, len({t.request for t in transfers}))
                 result = {t.request: reason for t in transfers}
             else:
-                result = ep._send_now(transfers, job.mode, left, job.layers) if transfers else {}
+                result = ep._send_now(transfers, job.mode, left, job.layers, handle.submitted) if transfers else {}
             handle._finish({**result, **dropped})
         except PlanError as err:
             handle._finish(error=err)

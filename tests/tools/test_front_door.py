@@ -80,10 +80,12 @@ def test_the_load_report_labels_injected_faults_and_says_the_cpu_is_no_speed_mea
                         failures={"abort": 2, "deadline": 1}, faults={"abort": 2, "deadline": 1})
     lines = "\n".join(report.lines())
     assert "injected      abort 2, deadline 1 (faults on the schedule" in lines
-    assert "failed        3, each an injected fault: abort 2, deadline 1" in lines
+    assert "failed        3: 3 injected (abort 2, deadline 1)" in lines
     assert "(CPU, Triton interpreter: not a speed measurement)" in lines
     report.failures["decode gone"], report.unexpected["decode gone"] = 2, 2
-    assert "failed        5, 2 NOT injected: decode gone 2" in "\n".join(report.lines())
+    assert "failed        5: 3 injected (abort 2, deadline 1); 2 NOT injected (decode gone 2)" in "\n".join(report.lines())
+    report.failures["overload"] = 4
+    assert "failed        9: 4 refused at admission as overload (nothing written); 3 injected" in "\n".join(report.lines())
 
 
 def test_the_demo_report_says_a_staged_batch_went_through_staging():

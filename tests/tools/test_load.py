@@ -76,3 +76,21 @@ def test_growth_and_undrained_tables_are_reported():
     assert any("fds grew from 30 to 90" in p for p in report.problems)
     assert any("did not drain" in p and "'tracked': 3" in p for p in report.problems)
 
+
+
+def test_an_overloaded_run_refuses_the_excess_as_overload_and_every_table_drains():
+    """Far more offered than this machine moves: each decode lets `queue` arrivals wait for a row and
+    refuses the newest beyond at once (before any page is taken), so every failure is an ``overload``
+    refusal, the requests admitted complete byte for byte, and nothing is left behind."""
+    config = LoadConfig(rate=40.0, duration=2.0, decodes=2, device="cpu", fault_every=0, rows=2, queue=2,
+                        prompt_median=48, prompt_max=96, chunk_tokens=32,
+                        engine_extra=(("progress_thread", False),))
+    report = run_load(config)
+    assert report.ok, report.problems
+    assert report.completed >= 1 and report.verified == report.completed
+    assert set(report.failures) == {"overload"} and report.failures["overload"] >= report.requests // 2, report.failures
+    assert report.completed + report.failures["overload"] == report.requests
+    for who, samples in report.resources.items():  # the endpoints' tables drained
+        assert samples[-1]["tracked" if who != "prefill" else "lists"] == 0
+    decodes = [s for who, s in report.stats.items() if who != "prefill"]
+    assert sum(s["failures"].get("overload", 0) for s in decodes) == report.failures["overload"]

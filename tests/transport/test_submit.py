@@ -195,3 +195,18 @@ def test_send_after_a_submit_goes_through_the_thread_and_a_bad_batch_raises_from
             prefill.accept(timeout=1)
     finally:
         prefill.close()
+
+
+def test_a_request_its_decode_refused_before_publishing_it_reaches_the_caller_with_the_reason():
+    """DecodeEndpoint.refuse: an admission bound on the decode side (a full queue) refuses a request it
+    never published; its sender keeps it in ``refused`` and acknowledges it (nothing of it exists)."""
+    from kvplan.transport.decode import DecodeEndpoint
+
+    prefill, engine, decode, chunks, (src_pool, dst_pool) = _pair(requests=("r1",))
+    endpoint = DecodeEndpoint(side(dst_pool, {1: [1, 2]}), FakeEngine(), decode)
+    endpoint.refuse("r9", "overload: 3 requests wait for a row here")
+    prefill.progress()
+    assert list(prefill.refused) == [(0, "r9", "overload: 3 requests wait for a row here")]
+    assert ("abort-ack", {"request": "r9", "fenced": True}) in [(m[0], m[1]) for m in [decode.try_recv(),
+                                                                                        decode.try_recv()] if m]
+    assert endpoint.stats()["failures"] == {"overload": 1}
