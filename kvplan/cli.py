@@ -348,6 +348,19 @@ def _load(args: argparse.Namespace) -> int:
         except ImportError:
             raise Refused("load", "--metrics-port needs prometheus-client: install kvplan's extra prometheus "
                                   "(pip install '.[prometheus]' in kvplan's checkout)") from None
+    if args.find_capacity is not None:
+        from .tools.capacity import find_capacity
+
+        if args.metrics_port is not None:
+            raise Refused("load", "--find-capacity runs many short loads: not with --metrics-port")
+        show = None if args.no_progress else (lambda p: sys.stderr.write(
+            f"kvplan load: {p.rate:g}/s {'held' if p.held else 'failed: ' + p.why}\n"))
+        found = find_capacity(config, args.find_capacity, steps=args.capacity_steps, progress=show)
+        sys.stdout.write("\n".join(found.lines()) + "\n")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(found.as_dict(), f, indent=1)
+        return 0 if found.capacity > 0 else 1
     report = run_load(config, progress=not args.no_progress, metrics_port=args.metrics_port)
     sys.stdout.write("\n".join(report.lines()) + "\n")
     if args.json:
@@ -542,6 +555,12 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--metrics-port", type=_non_negative, default=None, metavar="PORT",
                       help="serve the endpoints' counters in Prometheus' text format on --host:PORT while the run "
                            "lasts (needs the prometheus extra; 0: a free port, named on standard error)")
+    load.add_argument("--find-capacity", type=_positive_float, default=None, metavar="P99_MS",
+                      help="search the highest rate whose run holds: p99 within P99_MS, at least 90%% of its requests completed, "
+                           "no overload refusal, every byte equal; doubling from --rate, then bisecting "
+                           "(kvplan/tools/capacity.py)")
+    load.add_argument("--capacity-steps", type=_positive, default=3,
+                      help="with --find-capacity: bisection steps after the doubling (default: 3)")
     load.add_argument("--no-progress", action="store_true", help="no progress line on standard error")
     load.add_argument("--json", help="write the report as JSON to this file")
     load.set_defaults(run=_load)
