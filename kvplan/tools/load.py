@@ -125,6 +125,7 @@ def schedule(config: LoadConfig) -> list[Arrival]:
         out.append(Arrival(k, f"q{k}", at, length, prefix, int(rng.integers(config.decodes)), fault))
 
 
+HOST_CHECK_EVERY = 16  # every n-th request's bytes are checked on the host too, one torch call per entry
 IN_FLIGHT = 2  # the prefill's batches moving at once: what is ready meanwhile goes together in the next
 SLOW = 20  # a faulted request's stand-in forward pass runs this many times slower: its fault lands mid-transfer
 
@@ -154,7 +155,9 @@ class _Pools:
         self.config, self.device = config, device
         ps, tb = config.page_size, config.token_bytes
         pages = rows * math.ceil(config.prompt_max / ps) + 1
-        self.kv = [torch.zeros(pages, ps, tb, dtype=torch.uint8, device=device) for _ in range(2 * config.layers)]
+        # every K and V entry in one tensor, so that a turn's stand-in writes and checks are one indexed op each
+        self.kv_all = torch.zeros(2 * config.layers, pages, ps, tb, dtype=torch.uint8, device=device)
+        self.kv = list(self.kv_all.unbind(0))
         self.aux = torch.zeros(rows + 1, 64, dtype=torch.uint8, device=device)
         self.table = torch.zeros(rows + 1, config.prompt_max + 1, dtype=torch.int32, device=device)
         entries = tuple(Entry(t.data_ptr(), ps * tb, pages) for t in self.kv)
@@ -179,13 +182,50 @@ class _Pools:
         self.free_rows.append(row)
         self.free_pages.extend(pages)
 
-    def write(self, arrival: Arrival, row: int, lo: int, hi: int) -> None:
-        """The stand-in forward pass: tokens ``[lo, hi)`` of the request, in every KV entry."""
+    def _slots(self, spans: list[tuple[Arrival, int, int, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For ``(arrival, row, lo, hi)`` spans: each token's slot and token index, and which span it is of."""
+        rows = torch.tensor([row for _, row, _, _ in spans], dtype=torch.int64)
+        lens = torch.tensor([hi - lo for _, _, lo, hi in spans], dtype=torch.int64)
+        span_of = torch.repeat_interleave(torch.arange(len(spans)), lens)
+        starts = torch.tensor([lo for _, _, lo, _ in spans], dtype=torch.int64)
+        tokens = starts[span_of] + torch.arange(int(lens.sum())) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
+        tokens, span_of, rows = tokens.to(self.device), span_of.to(self.device), rows.to(self.device)
+        slots = self.table[rows[span_of], tokens].to(torch.int64)
+        return slots, tokens, span_of
+
+    def _expected(self, spans, tokens: torch.Tensor, span_of: torch.Tensor) -> torch.Tensor:
+        """``[entries, tokens]``: the byte each token's item holds in each entry (as :func:`_pattern`)."""
+        index = torch.tensor([a.index for a, *_ in spans], dtype=torch.int64, device=self.device)[span_of]
+        entry = torch.arange(self.kv_all.shape[0], device=self.device)[:, None]
+        return ((index[None] * 131 + entry * 17 + tokens[None]) % 251 + 1).to(torch.uint8)
+
+    def write_many(self, spans: list[tuple[Arrival, int, int, int]]) -> None:
+        """The stand-in forward pass for a turn: tokens ``[lo, hi)`` of each span, every entry, one write."""
+        if not spans:
+            return
         ps = self.config.page_size
-        tokens = torch.arange(lo, hi, device=self.device)
-        slots = self.table[row, lo:hi].to(torch.int64)
-        for e, pool in enumerate(self.kv):
-            pool[slots // ps, slots % ps] = _pattern(arrival, e, tokens)[:, None]
+        slots, tokens, span_of = self._slots(spans)
+        self.kv_all[:, slots // ps, slots % ps] = self._expected(spans, tokens, span_of)[..., None]
+
+    def write(self, arrival: Arrival, row: int, lo: int, hi: int) -> None:
+        """The stand-in forward pass for tokens ``[lo, hi)`` of one request, in every KV entry."""
+        self.write_many([(arrival, row, lo, hi)])
+
+    def check_many(self, done: list[tuple[Arrival, int]]) -> list[bool]:
+        """Whether every sent byte of each ``(arrival, row)`` is the one its source wrote, compared on the
+        device in one pass over all of them (tokens past the prefix, and the aux row); one copy to the host."""
+        if not done:
+            return []
+        ps = self.config.page_size
+        spans = [(a, row, a.prefix_len, a.prompt_len) for a, row in done]
+        slots, tokens, span_of = self._slots(spans)
+        landed = self.kv_all[:, slots // ps, slots % ps]  # [entries, tokens, token_bytes]
+        good = (landed == self._expected(spans, tokens, span_of)[..., None]).all(-1).all(0)
+        bad = torch.zeros(len(done), dtype=torch.int64, device=self.device).index_add_(0, span_of, (~good).long())
+        rows = torch.tensor([row for _, row in done], dtype=torch.int64, device=self.device)
+        aux = torch.tensor([a.index % 251 + 1 for a, _ in done], dtype=torch.uint8, device=self.device)
+        aux_good = (self.aux[rows] == aux[:, None]).all(-1)
+        return ((bad == 0) & aux_good).tolist()
 
     def check(self, arrival: Arrival, row: int) -> bool:
         """Whether every sent byte of the request is the one its source wrote (tokens past the prefix,
@@ -334,22 +374,29 @@ def decode_process(config: LoadConfig, index: int, conn) -> None:
                     endpoint.abort(request, "load: an abort on the schedule")  # (it ends at once: polled below)
             with caller:
                 ended = endpoint.poll()
+            complete: list[tuple[Arrival, int]] = []
             for request, reason in ended.items():
                 if request not in live:
                     continue
                 aborts.pop(request, None)
                 a, row, pages = live[request]
                 if reason is None:
-                    outcomes[request] = {"state": "complete", "at": time.monotonic(), "ok": pools.check(a, row)}
-                    with caller:
-                        endpoint.forget(request)
-                    pools.give(row, pages)
-                    del live[request]
+                    outcomes[request] = {"state": "complete", "at": time.monotonic()}
+                    complete.append((a, row))
                 else:
                     outcomes[request] = {"state": "failed", "at": time.monotonic(), "reason": reason}
                     unfenced[request] = time.monotonic()
                     with caller:
                         endpoint.abort(request, reason)  # every sender stops and answers: the fence
+            # the turn's completed requests checked on the device together, a sample of them on the host too
+            for (a, row), ok in zip(complete, pools.check_many(complete)):
+                if a.index % HOST_CHECK_EVERY == 0 and pools.check(a, row) != ok:
+                    report_error = f"request {a.request}: the device check and the host check disagree"
+                    outcomes[a.request]["disagree"] = report_error
+                outcomes[a.request]["ok"] = ok
+                with caller:
+                    endpoint.forget(a.request)
+                pools.give(row, live.pop(a.request)[2])
             for request, since in list(unfenced.items()):
                 with caller:
                     fenced = endpoint.fenced(request)
@@ -425,7 +472,7 @@ def prefill_process(config: LoadConfig, ports: list[int], conn) -> None:
                     outcomes[request] = {"state": "failed", "reason": f"the decode aborted it: {reason}"}
                     waiting.pop(request, None)
             endpoint.aborted.clear()
-            chunks, last_ready = [], {}
+            chunks, last_ready, spans = [], {}, []
             for request, r in live.items():
                 a = r["arrival"]
                 if request in outcomes or r["next"] >= a.prompt_len or r["ready_at"] > now \
@@ -437,7 +484,7 @@ def prefill_process(config: LoadConfig, ports: list[int], conn) -> None:
                 lo = r["next"]
                 hi = min(lo + grain, a.prompt_len)
                 last = hi >= a.prompt_len
-                pools.write(a, r["row"], lo, hi)
+                spans.append((a, r["row"], lo, hi))
                 if last:
                     pools.aux[r["row"]] = a.index % 251 + 1
                     last_ready[request] = started + r["ready_at"]
@@ -447,6 +494,7 @@ def prefill_process(config: LoadConfig, ports: list[int], conn) -> None:
                 r["next"] = hi
                 r["moving"] += 1
                 r["ready_at"] += compute_s(config, a, min(grain, a.prompt_len - hi))
+            pools.write_many(spans)  # the stand-in forward pass of the turn's chunks, one write
             if chunks:  # (the stand-in forward pass's writes are ordered before it: submit waits for this stream)
                 with caller:
                     submitted[endpoint.submit(chunks, mode=config.mode, timeout=config.timeout)] = (chunks, last_ready)
@@ -556,7 +604,8 @@ class LoadReport:
                f"p99 {self.latency_ms.get('p99', float('nan')):.2f} ms (last chunk ready -> decode complete)"]
         caller = self.caller_us_per_request()
         if caller:
-            out.append("caller thread " + ", ".join(f"{who} {us:,.0f} us" for who, us in caller.items())
+            order = sorted(caller.items(), key=lambda item: (item[0] != "prefill", item[0]))
+            out.append("caller thread " + ", ".join(f"{who} {us:,.0f} us" for who, us in order)
                        + " per request (inside kvplan's calls" + (", the send's wait included" if "prefill" in caller
                                                                    else "") + ")")
         for who, samples in self.resources.items():
@@ -715,6 +764,8 @@ def _collect(config: LoadConfig, procs: list[tuple[Any, Any, str]], started: flo
             report.verified += bool(here["ok"])
             if not here["ok"]:
                 report.problems.append(f"request {request}: a byte differs from what its source wrote")
+            if here.get("disagree"):
+                report.problems.append(here["disagree"])
             if a.fault:
                 report.problems.append(f"request {request}: its {a.fault} fault was not observed")
             if there.get("state") == "sent":

@@ -94,3 +94,22 @@ def test_an_overloaded_run_refuses_the_excess_as_overload_and_every_table_drains
         assert samples[-1]["tracked" if who != "prefill" else "lists"] == 0
     decodes = [s for who, s in report.stats.items() if who != "prefill"]
     assert sum(s["failures"].get("overload", 0) for s in decodes) == report.failures["overload"]
+
+
+def test_the_stand_in_writes_and_checks_a_turn_at_once_as_the_host_check_does_request_by_request():
+    from kvplan.tools.load import Arrival, _Pools
+
+    config = LoadConfig(layers=2, page_size=4, token_bytes=8, prompt_max=40, rows=3)
+    pools = _Pools(config, "cpu", 3)
+    arrivals = [Arrival(0, "q0", 0.0, 30, 8, 0, None), Arrival(1, "q1", 0.0, 17, 0, 0, None)]
+    held = [(a, *pools.take(a.prompt_len)) for a in arrivals]
+    pools.write_many([(a, row, a.prefix_len, 20) for a, row, _ in held[:1]] +  # in two turns, chunked
+                     [(a, row, 0, a.prompt_len) for a, row, _ in held[1:]])
+    pools.write_many([(a, row, 20, a.prompt_len) for a, row, _ in held[:1]])
+    for a, row, _ in held:
+        pools.aux[row] = a.index % 251 + 1
+    done = [(a, row) for a, row, _ in held]
+    assert pools.check_many(done) == [True, True] == [pools.check(a, row) for a, row in done]
+    slot = int(pools.table[held[1][1], 5])  # one byte of q1's token 5, in the last entry
+    pools.kv[-1][slot // 4, slot % 4, 3] ^= 1
+    assert pools.check_many(done) == [True, False] == [pools.check(a, row) for a, row in done]
