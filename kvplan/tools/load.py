@@ -45,6 +45,7 @@ from ..transport.control import ControlChannel
 from ..transport.endpoints import Chunk, DecodeEndpoint, PrefillEndpoint
 from ..transport.engines import make_engine
 from ..transport.pause import Pause
+from ..transport.stats import cause_of
 from .demo import Profile, is_loopback
 from .target_process import child_message, child_pipe, start_child
 
@@ -622,13 +623,13 @@ def _counts(counts: dict[str, int]) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
 
 
+# the load report's names for kvplan's causes of failure (kvplan.transport.stats.cause_of)
+_CAUSE_NAMES = {"aborted": "abort", "peer gone": "decode gone"}
+
+
 def _cause(reason: str) -> str:
-    for key, cause in (("overload", "overload"), ("abort on the schedule", "abort"), ("deadline", "deadline"),
-                       ("gone", "decode gone"),
-                       ("never published", "decode gone")):
-        if key in (reason or ""):
-            return cause
-    return "other"
+    cause = cause_of(reason)
+    return _CAUSE_NAMES.get(cause, cause)
 
 
 def run_load(config: LoadConfig, progress: bool = False, metrics_port: int | None = None) -> LoadReport:
