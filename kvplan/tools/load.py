@@ -44,7 +44,6 @@ from ..planner.model import Attention, Entry, KVLayout, SideMemory
 from ..transport.control import ControlChannel
 from ..transport.endpoints import Chunk, DecodeEndpoint, PrefillEndpoint
 from ..transport.engines import make_engine
-from ..transport.pause import Pause
 from ..transport.stats import cause_of
 from .demo import Profile, is_loopback
 from .target_process import child_message, child_pipe, start_child
@@ -54,6 +53,8 @@ __all__ = ["Arrival", "LoadConfig", "LoadReport", "run_load", "schedule"]
 log = logging.getLogger("kvplan")
 
 FAULTS = ("abort", "deadline")
+TURN_S = 0.02  # the longest a decode's turn waits for a request to end when nothing else is due
+FENCE_LOOK_S = 0.002  # ... while a failed request's fence is awaited (fenced() is a read: looked at this often)
 FENCE_WAIT_S = 10.0  # a failed request's pages wait this long for their fence, then stay out of use (counted)
 
 
@@ -325,6 +326,7 @@ def decode_process(config: LoadConfig, index: int, conn) -> None:
         endpoint = DecodeEndpoint(pools.side, engine, channel, staging, integrity=config.integrity)
         conn.send(("port", channel.port))
         endpoint.register(timeout=config.timeout + 60)
+        endpoint.start()  # its progress thread owns the channels and the engine from here: the calls below return at once
         conn.send(("ready",))
         started = _go(conn, config.timeout + 120)
         profile = Profile(f"load-decode-{index}").__enter__()  # (KVPLAN_PROFILE names a folder)
@@ -335,7 +337,6 @@ def decode_process(config: LoadConfig, index: int, conn) -> None:
         outcomes: dict[str, dict[str, Any]] = {}
         samples, quarantined, next_sample = [], 0, 0.0
         caller = _CallerTime()  # the time this thread spends inside kvplan's calls
-        pause = Pause()
         bound = config.queue or config.rows
         end = started + config.duration + config.timeout + 30
         while (arrivals or live) and time.monotonic() < end:
@@ -411,14 +412,16 @@ def decode_process(config: LoadConfig, index: int, conn) -> None:
                     pools.give(row, pages)
                 else:
                     quarantined += 1  # its pages stay out of use
-            if due or ended:
-                pause.busy()
             if now >= next_sample:
                 samples.append(_resources(engine, endpoint, started))
                 conn.send(("progress", endpoint.stats()))
                 next_sample = now + config.sample_s
-            pause(endpoint.channels)  # yields while requests move, blocks on the channels once quiet
+            # nothing to do until a request ends, the next one arrives or a fence is due to be looked at
+            # (one due but held back, its rows full, waits for a request to end)
+            until_next = arrivals[0].at - (time.monotonic() - started) if arrivals else TURN_S
+            endpoint.wait_ended(min(until_next if until_next > 0 else TURN_S, FENCE_LOOK_S if unfenced else TURN_S))
         profile.__exit__(None, None, None)
+        endpoint.close()
         samples.append(_resources(engine, endpoint, started))
         conn.send(("progress", {**endpoint.stats(), "caller_s": caller.seconds}))
         conn.send(("result", outcomes, samples, quarantined, len(live) + len(arrivals)))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -36,6 +37,7 @@ from ..planner.device import Planner
 from ..planner.model import Batch, Policy, SideMemory
 from ..planner.pairing import pair_sides
 from ..planner.tensor_slices import partner_rank
+from .decode_thread import DecodeProgress
 from .completion import CompletionTracker, SectionNote, decode_notification, note_of
 from .control import ControlChannel, ControlTimeout, named_request
 from .copy_graphs import CopyGraphs, capture_copy, copy_graphs_enabled, upload_graph
@@ -165,13 +167,56 @@ class DecodeEndpoint:
         self._copy_graphs = CopyGraphs(transport_stream(staging.device)) \
             if self._stream is not None and copy_graphs_enabled() else None
         self._share = (staging.numel() // len(self.channels)) // 256 * 256 if staging is not None else 0
+        self._gone_senders: set[int] = set()  # senders whose control connection was lost (as of the last look)
+        self._progress: DecodeProgress | None = None  # the progress thread, once start()ed
         self.engine.register(engine_regions(side) + ([(staging.data_ptr(), staging.numel())] if staging is not None else []))
         if staging is not None and staging.is_cuda:  # (the interpreter compiles nothing: nothing to warm off a GPU)
             warm_up(staging)
 
+    def start(self) -> None:
+        """Hand the endpoint to its own progress thread (:mod:`.decode_thread`): from now on
+        :meth:`publish`, :meth:`abort`, :meth:`refuse`, :meth:`forget` and :meth:`poll` return in
+        microseconds (they launch, enqueue or read), and engine notifications, staged waves, deadlines
+        and fences progress without any call of the caller's. Call it after :meth:`register` (and
+        :meth:`warm_up`), which talk on the caller's thread; :meth:`close` stops it.
+
+        Example::
+
+            decode.register(); decode.start()
+            decode.publish(requests, timeout=30)        # returns once the kernels are launched
+            ended = decode.poll()                       # {request: None or the reason}
+        """
+        if self._progress is None:
+            self._progress = DecodeProgress(self)
+
+    def close(self) -> None:
+        """Stop the progress thread (queued aborts and forgets run first)."""
+        if self._progress is not None:
+            self._progress.close()
+
+    def wait_ended(self, timeout: float) -> bool:
+        """On a started endpoint, block up to ``timeout`` seconds until a request has ended (what
+        :meth:`poll` would return); whether one has. For a caller that has nothing else to do."""
+        if self._progress is None:
+            raise RuntimeError("wait_ended() needs the progress thread: call start() first")
+        return self._progress.wait_ended(timeout)
+
+    def _before_thread(self, call: str) -> None:
+        if self._progress is not None:
+            raise RuntimeError(f"{call}() talks on the caller's thread: call it before start(), which gives the "
+                               "channels to the progress thread")
+
+    def _threaded(self, action) -> bool:
+        """Enqueue ``action`` for the progress thread if the caller is another thread; whether it was."""
+        if self._progress is None or self._progress.here():
+            return False
+        self._progress.call(action)
+        return True
+
     def register(self, timeout: float = 60.0) -> None:
         """Publish this side's layout, engine metadata and staging buffer; waits up to ``timeout``
         seconds for the prefill side to connect."""
+        self._before_thread("register")
         deadline = time.monotonic() + timeout
         for k in range(len(self.channels)):
             self._register(k, deadline)
@@ -192,6 +237,7 @@ class DecodeEndpoint:
         """Take one more sender (a prefill rank found later, such as another prefill node's) and
         register this side with it; returns its peer index. Refused with a staging buffer, whose shares
         were split over the senders at construction."""
+        self._before_thread("add_sender")
         if self.staging is not None:
             raise LayoutError("a decode endpoint with a staging buffer takes its senders at construction "
                               "(each gets a share of the buffer)")
@@ -205,6 +251,8 @@ class DecodeEndpoint:
         Writes already posted may still land: the request's pages are free for reuse only once
         :meth:`fenced` says so (each sender has acknowledged the abort, reported the request failed
         with its writes ended, or is gone)."""
+        if self._threaded(lambda: self.abort(request, reason)):
+            return
         acks = self._fence_of(request)
         for k in [k for k, ok in acks.items() if ok is None]:  # (aborted again: only those yet to answer)
             try:
@@ -223,6 +271,8 @@ class DecodeEndpoint:
 
             decode.refuse("req-9", "overload: 64 requests wait for a row here")
         """
+        if self._threaded(lambda: self.refuse(request, reason, peer)):
+            return
         try:
             self.channels[peer].send("abort", {"request": request, "reason": reason, "refused": True},
                                      timeout=POLL_S)
@@ -236,7 +286,12 @@ class DecodeEndpoint:
         ended, or is gone (a dead sender writes nothing more). False for a request none of them has
         answered for."""
         acks = self._fences.get(request)
-        return acks is not None and all(ok or self.channels[k].peer_gone() for k, ok in acks.items())
+        if acks is None:
+            return False
+        if self._progress is not None and not self._progress.here():  # (the channels are the thread's)
+            gone = self._progress.gone
+            return all(ok or k in gone for k, ok in list(acks.items()))
+        return all(ok or self.channels[k].peer_gone() for k, ok in acks.items())
 
     def _fence_of(self, request: Any) -> dict[int, bool | None]:
         """Per sender ``request`` was published to, whether it can no longer write into it (None: not
@@ -245,12 +300,16 @@ class DecodeEndpoint:
 
     def forget_fence(self, request: Any) -> None:
         """Drop what :meth:`fenced` keeps of ``request`` (its pages were released)."""
+        if self._threaded(lambda: self.forget_fence(request)):
+            return
         self._fences.pop(request, None)
 
     def forget(self, request: Any) -> None:
         """Drop everything this endpoint keeps of a settled ``request``: its tracking, the lists it
         published, who may write it and its fence. Call it once the request's pages were released
         (for a failed one: once :meth:`fenced`); a long-running endpoint then keeps nothing of it."""
+        if self._threaded(lambda: self.forget(request)):
+            return
         if request in self.tracker:
             self.tracker.forget(request)
         self.guard.forget(request)
@@ -316,6 +375,13 @@ class DecodeEndpoint:
         peers = _peers(peer)
         pending = plan_destinations(self.side, requests)
         deadline = time.monotonic() + timeout
+        if self._progress is not None:  # the thread finishes it once its kernels have run
+            self._progress.publish(pending, requests, deadline, peers, publishers)
+            return
+        self._finish_publish(pending, requests, deadline, peers, publishers)
+
+    def _finish_publish(self, pending: Any, requests: Sequence[PreallocatedRequest], deadline: float,
+                        peers: tuple[int, ...], publishers: int) -> None:
         published = pending.result()
         self.track(published, deadline, peers)
         for r, p in zip(requests, published):
@@ -338,6 +404,8 @@ class DecodeEndpoint:
         is tracked, and those peers may write only inside their lists. A gather waits (until
         ``deadline``) for its senders' layouts, and raises :class:`~kvplan.errors.LayoutError` unless
         they are exactly the source ranks that hold this rank's part."""
+        if self._threaded(lambda: self.track(published, deadline, peer)):
+            return
         peers = _peers(peer)
         parts = self._gather_parts(peers, deadline) if len(peers) > 1 else None
         for p in published:
@@ -395,6 +463,7 @@ class DecodeEndpoint:
             decode.register()
             decode.warm_up(max_transfers=64, max_prompt_len=8192)
         """
+        self._before_thread("warm_up")
         took: dict[str, float] = {}
         table = self.side.req_to_token
         if isinstance(table, torch.Tensor) and table.is_cuda:
@@ -446,7 +515,10 @@ class DecodeEndpoint:
 
         Returns the requests that ended since the last call, each once: ``None`` for one that is
         complete (decode-ready), else the reason it failed. A caller reads what ended from here, not
-        by asking every tracked request (:attr:`tracker` still answers for one)."""
+        by asking every tracked request (:attr:`tracker` still answers for one). On a started
+        endpoint it only reads what the progress thread found."""
+        if self._progress is not None:
+            return self._progress.take_ended()
         self._poll()
         return self.tracker.take_ended()
 
@@ -511,6 +583,7 @@ class DecodeEndpoint:
             if channel.replaced():
                 self._pair_again(k)
             elif channel.peer_gone():
+                self._gone_senders.add(k)
                 self._fail_owned(k, "the prefill side is gone: its control connection was lost")
                 if k in self._credit_to:  # (once) what the engine made to send it credits
                     self.engine.disconnect(self._credit_to.pop(k))
@@ -575,6 +648,7 @@ class DecodeEndpoint:
         waves are dropped, and the new one gets this side's registration (then new requests)."""
         log.warning("a prefill endpoint connected again on channel %d: registering with it", peer)
         self._fail_owned(peer, "the prefill side is gone: it restarted and connected again")
+        self._gone_senders.discard(peer)  # (the new one is alive: what it is published from now on is its own)
         self._senders.pop(peer, None)  # the new one sends its own layout
         self._engine_names.pop(peer, None)
         self._scatter_from.pop(peer, None)
@@ -601,6 +675,8 @@ class DecodeEndpoint:
         Returns the states; the reasons of failures are in :attr:`failures`. Settled requests are
         pruned from the tracker and the landing guard.
         """
+        if self._progress is not None and not self._progress.here():
+            return self._wait_started()
         while True:
             self.poll()
             if self.tracker.settled():
@@ -619,6 +695,24 @@ class DecodeEndpoint:
                 self._mark("-", "settled")
                 return states
             self._pause(self.channels)  # yields while waves move, blocks on the channels once quiet (.pause)
+
+    def _wait_started(self) -> dict[Any, str]:
+        """``wait()`` on a started endpoint: until the thread has finished every publish and settled
+        every tracked request, then the same pruning, run there."""
+        ended: dict[Any, str | None] = {}
+        while self._progress.pending_publishes() or not self.tracker.settled():
+            self._progress.wait_ended(0.05)
+            ended.update(self._progress.take_ended())
+        ended.update(self._progress.take_ended())
+        done = threading.Event()
+        result: dict[str, Any] = {}
+        self._progress.call(lambda: (result.update(states=self.wait()), done.set()))
+        if not done.wait(60.0):
+            raise ControlTimeout("the decode endpoint's progress thread did not answer within 60 s")
+        states = {r: ("complete" if why is None else "failed") for r, why in ended.items()}
+        states.update(result["states"])
+        self.failures = {**{r: why for r, why in ended.items()}, **self.failures}
+        return states
 
     # -- staged waves -----------------------------------------------------------------------------
     def _announce(self, peer: int, header: dict[str, Any], table: bytes) -> None:

@@ -154,6 +154,8 @@ class PrefillEndpoint:
         self.compat = compat  # a decode endpoint pairs only with the same word (DecodeEndpoint's ``compat``)
         self.max_in_flight = max_in_flight  # batches queued or moving at once once submitted (.progress_thread)
         self._thread: ProgressThread | None = None  # started by the first submit()
+        # channels taken by add_peer() on a started endpoint, until their registration comes: (channel, deadline)
+        self._pairing: list[tuple[ControlChannel, float]] = []
         self.peers = [Peer(c) for c in (channels if isinstance(channels, (list, tuple)) else [channels])]
         self.slots = slots
         self.engine.register(engine_regions(side) + ([(staging.data_ptr(), staging.numel())] if staging is not None else []))
@@ -228,11 +230,18 @@ class PrefillEndpoint:
             raise RuntimeError(f"{call}() pairs on the caller's thread: call it before the first submit(), which "
                                "gives the channels to the progress thread")
 
-    def add_peer(self, channel: ControlChannel, timeout: float) -> int:
+    def add_peer(self, channel: ControlChannel, timeout: float) -> int | None:
         """Take one more decode endpoint, on ``channel``: wait for its registration and pair with it
         (as :meth:`accept`); its index. On a timeout or a refused pairing the channel is closed, it
-        is not added, and the error is raised."""
-        self._before_thread("add_peer")
+        is not added, and the error is raised.
+
+        On an endpoint whose progress thread runs (after the first :meth:`submit`) it returns at once
+        (``None``): the thread pairs once the registration comes, within ``timeout`` (else it closes
+        the channel, logged); a refused pairing is raised by the next :meth:`progress`. The new peer
+        is in :attr:`peers` once paired."""
+        if self._thread is not None:
+            self._thread.call(lambda: self._pairing.append((channel, time.monotonic() + timeout)))
+            return None
         self.peers.append(Peer(channel))
         k = len(self.peers) - 1
         try:
@@ -359,6 +368,8 @@ class PrefillEndpoint:
 
     def _read_channels(self) -> list[tuple[int, Any]]:
         """What :meth:`progress` takes in, read from the channels (the progress thread's, once it runs)."""
+        if self._pairing:
+            self._read_pairing()
         arrived = []
         for k, p in enumerate(self.peers):
             while (msg := (p.backlog.popleft() if p.backlog else p.channel.try_recv())) is not None:
@@ -373,6 +384,28 @@ class PrefillEndpoint:
             if p.side is not None and not p.dropped and p.channel.peer_gone():
                 self._drop(k)
         return arrived
+
+    def _read_pairing(self) -> None:
+        """Pair the channels :meth:`add_peer` took on the progress thread whose registration came; close
+        those past their deadline. A refused one is closed and raised (the caller's progress() raises it)."""
+        now, pairing, self._pairing = time.monotonic(), self._pairing, []
+        for i, (channel, deadline) in enumerate(pairing):
+            msg = channel.try_recv()
+            if msg is None and now <= deadline:
+                self._pairing.append((channel, deadline))
+            elif msg is None or msg[0] != "register":
+                log.warning("a decode endpoint that connected sent %s within its pairing time: closed",
+                            "no registration" if msg is None else f"{msg[0]!r} instead of its registration")
+                channel.close()
+            else:
+                self.peers.append(Peer(channel))
+                try:
+                    self._on_register(len(self.peers) - 1, msg[1], msg[2])
+                except BaseException:
+                    self.peers.pop()
+                    channel.close()
+                    self._pairing += pairing[i + 1:]
+                    raise
 
     def _drop(self, k: int) -> None:
         """Decode endpoint ``k`` is gone: forget what it published and what the engine keeps for it
@@ -548,10 +581,16 @@ class PrefillEndpoint:
         self._check_send(transfers, mode, layers)
         transfers = tuple(transfers)
         handle = SendHandle([t.request for t in transfers])
-        if self._thread is None:
-            self._thread = ProgressThread(self, self.max_in_flight)
+        self.start()
         self._thread.submit(handle, transfers, mode, timeout, layers)
         return handle
+
+    def start(self) -> None:
+        """Start the progress thread now rather than at the first :meth:`submit` (for an endpoint that
+        takes its decode endpoints later with :meth:`add_peer`, which then pairs on that thread and
+        returns at once). :meth:`accept` and :meth:`warm_up` must come before."""
+        if self._thread is None:
+            self._thread = ProgressThread(self, self.max_in_flight)
 
     def completed(self) -> list[SendHandle]:
         """The submitted batches that ended since the last call (each once), in the order they ended."""

@@ -243,12 +243,12 @@ class ProgressThread:
         poller = zmq.Poller()
         poller.register(self._wake_r, zmq.POLLIN)
         waits = []
-        for p in self.ep.peers:
-            socket = getattr(p.channel, "socket", None)
+        for channel in [p.channel for p in self.ep.peers] + [c for c, _ in self.ep._pairing]:
+            socket = getattr(channel, "socket", None)
             if socket is not None:
                 poller.register(socket, zmq.POLLIN)
             else:
-                waits.append(p.channel)
+                waits.append(channel)
         if waits:  # (in-memory channels of tests: no socket to poll)
             timeout = min(timeout, 1e-3)
         ready = dict(poller.poll(max(1, round(timeout * 1000))))

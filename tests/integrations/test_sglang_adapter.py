@@ -12,6 +12,7 @@ import pytest
 from kvplan.tools.target_process import child_context, child_process
 from tests.ports import free_port  # noqa: F401 (other test modules import it from here)
 from tests.integrations import sglang_sides
+from tests.integrations.sglang_polls import concluded
 from tests.sglang_real import sglang_module
 
 pytestmark = [pytest.mark.sglang, pytest.mark.engines]
@@ -135,12 +136,12 @@ def test_a_last_chunk_without_its_state_slot_fails_and_nothing_is_sent():
     sender = KVSender(mgr, "127.0.0.1:0", 5)
     sender.init(1, aux_index=0)
     sender.send(np.array([3]))  # the last chunk, no state_indices
-    assert sender.poll() == base.KVPoll.Failed
+    assert concluded(sender, base.KVPoll) == base.KVPoll.Failed
     assert "needs one state list per component ['mamba']" in mgr.failures[5]
     two = KVSender(mgr, "127.0.0.1:0", 6)
     two.init(1, aux_index=0)
     two.send(np.array([4]), state_indices=[[1, 2]])
-    assert two.poll() == base.KVPoll.Failed and "one slot per request, got 2 ids" in mgr.failures[6]
+    assert concluded(two, base.KVPoll) == base.KVPoll.Failed and "one slot per request, got 2 ids" in mgr.failures[6]
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -219,7 +220,7 @@ def test_state_lists_that_do_not_fit_the_request_fail_it_and_nothing_is_sent(swa
     the last W positions of one request-pool row, or of a row past the planning table."""
     base, mgr, sender = _hybrid_sender(7, [7, 8, 9])
     sender.send(np.array([7, 8, 9]), state_indices=[swa, dsa, ring], num_kv_tokens=10)
-    assert sender.poll() == base.KVPoll.Failed and why in mgr.failures[7], mgr.failures[7]
+    assert concluded(sender, base.KVPoll) == base.KVPoll.Failed and why in mgr.failures[7], mgr.failures[7]
     assert mgr.posted == []
 
 
@@ -236,10 +237,10 @@ def test_swa_and_dsa_after_a_decode_prefix_start_at_the_prefix_as_sglang_s():
     dst = np.arange(10, 13)  # the decode's pages of [8, 19), its window's SWA pages, its ring rows
     mgr.prefill.peers[0].lists[8] = (DestinationLists(dst, (np.array([3, 4, 7]), dst, np.arange(16, 22))), 0, 8)
     sent = []
-    mgr.prefill.send = lambda transfers, **_: sent.extend(transfers) or {}  # what the endpoint would move
+    mgr.prefill._send_now = lambda transfers, *_: sent.extend(transfers) or {}  # what its progress thread would move
     sender.send(np.array([9, 10, 11]), state_indices=[[5, 6, 2], [9, 10, 11], [16 * 2 + p % 16 for p in range(13, 19)]],
                 num_kv_tokens=11)
-    assert sender.poll() == base.KVPoll.Success, mgr.failures
+    assert concluded(sender, base.KVPoll) == base.KVPoll.Success, mgr.failures
     plan = plan_reference(Batch(mgr.prefill.side, [mgr.prefill.peers[0].side], sent))
     (only,) = plan.transfers
     swa, dsa, _ = ((c.src_list.tolist(), c.dst_list.tolist()) for c in only.state)
@@ -252,7 +253,7 @@ def test_a_component_declared_from_zero_is_refused_after_a_decode_prefix():
     params = [{**p, "from_prefix": False} if k < 2 else p for k, p in enumerate(sglang_sides.STATE_PARAMS)]
     base, mgr, sender = _hybrid_sender(8, [9], prefix=8, state_params=params)
     sender.send(np.array([9]), state_indices=[[5], [9], [16 * 2 + 10]], num_kv_tokens=3)
-    assert sender.poll() == base.KVPoll.Failed
+    assert concluded(sender, base.KVPoll) == base.KVPoll.Failed
     assert "with a decode prefix (8 tokens)" in mgr.failures[8] and "planning.md §6" in mgr.failures[8]
     assert mgr.posted == []
 
@@ -260,7 +261,7 @@ def test_a_component_declared_from_zero_is_refused_after_a_decode_prefix():
 def test_a_last_chunk_whose_tokens_do_not_end_in_its_last_page_fails():
     base, mgr, sender = _hybrid_sender(9, [7, 8, 9])
     sender.send(np.array([7, 8, 9]), state_indices=[[5, 6, 2], [7, 8, 9], RING], num_kv_tokens=13)
-    assert sender.poll() == base.KVPoll.Failed and "do not end in its last page" in mgr.failures[9]
+    assert concluded(sender, base.KVPoll) == base.KVPoll.Failed and "do not end in its last page" in mgr.failures[9]
     assert mgr.posted == []
 
 
@@ -273,6 +274,6 @@ def test_two_requests_of_one_request_pool_row_in_a_step_fail_and_nothing_is_sent
     two.init(3, aux_index=1)
     one.send(np.array([7, 8, 9]), state_indices=[[5, 6, 2], [7, 8, 9], RING], num_kv_tokens=10)
     two.send(np.array([10, 11, 12]), state_indices=[[3, 4, 1], [10, 11, 12], RING], num_kv_tokens=10)
-    assert one.poll() == base.KVPoll.Failed and two.poll() == base.KVPoll.Failed
+    assert concluded(one, base.KVPoll) == base.KVPoll.Failed and concluded(two, base.KVPoll) == base.KVPoll.Failed
     assert "request-pool row 2, as another request's in this step" in mgr.failures[4]
     assert mgr.posted == []

@@ -29,6 +29,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvplan.integrations.sglang import side_from_kv_args
+from tests.integrations.sglang_polls import poll_until_concluded
 from kvplan.planner.model import Batch, Transfer
 from kvplan.planner.reference import plan_reference
 from tests.sglang_real import sglang_module
@@ -508,7 +509,7 @@ def adapter_posts(sglang, src_args, dst, batch, *, mla: bool, src_tp: int) -> np
             end = t.prompt_len if t.last else t.fill_len // ps * ps
             pages = sglang.pages.kv_to_page_indices(table[t.src_row, t.start:end], ps).astype(np.int32)
             senders[t.request].send(pages, num_kv_tokens=end - t.start)
-        polls = {room: sender.poll() for room, sender in senders.items()}
+        polls = poll_until_concluded(senders, sglang.base.KVPoll)  # (the batch moves on the progress thread)
         assert all(p == sglang.base.KVPoll.Success for p in polls.values()), (polls, mgr.failures)
         return np.concatenate([descs for descs, _ in mgr.engine.posted]) if mgr.engine.posted else np.zeros((0, 3))
     finally:

@@ -55,8 +55,10 @@ class FakeEngine:
 
     def notifications(self) -> list[tuple[str | None, bytes]]:
         """The inbox: bytes (their sender unknown) or ``(sender's engine name, bytes)``."""
-        out = [(None, raw) if isinstance(raw, (bytes, bytearray)) else raw for raw in self.inbox]
-        self.inbox.clear()
+        out = []
+        while self.inbox:  # (popped one by one: a test may append from another thread meanwhile)
+            raw = self.inbox.popleft()
+            out.append((None, raw) if isinstance(raw, (bytes, bytearray)) else raw)
         return out
 
     def stats(self) -> dict[str, int]:

@@ -112,6 +112,9 @@ DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's --disaggregation-bootstrap-port defaul
 DEFAULT_CONTEXT = 1 << 17  # planning-table width without a context_length server arg (tokens)
 # the state kinds whose lists SGLang starts at the decode prefix (StateComponent.from_prefix)
 _FROM_PREFIX_KINDS = frozenset(kind.value for kind, rules in RULES.items() if rules.starts_at_prefix)
+# batches a prefill manager keeps moving at once (below its endpoint's max_in_flight, which would refuse more
+# with "overload"): sends handed over while both move wait for the next flush and go together, one larger batch
+MOVING_MAX = 2
 HANDSHAKE_S = 5.0  # how long a new decode manager may take to register once it has its channel
 RETRY_S = 0.2  # between two tries of a bootstrap server that is not up yet
 
@@ -164,8 +167,13 @@ class KVManager(BaseKVManager):
         """SGLang's decode asks it of a failed request it holds: whether no write into its pages can
         still land (every kvplan sender it was published to acknowledged the abort with nothing in flight,
         or is gone). ``required_acks`` (SGLang's count of its prefill ranks) is not needed: the decode
-        endpoint knows each sender of the request."""
-        return self.decode is not None and self.decode.fenced(int(bootstrap_room))
+        endpoint knows each sender of the request. It reads what came first: SGLang asks it of held
+        requests while it may poll no receiver at all (every other request concluded), and the
+        acknowledgement would sit unread on the channel."""
+        if self.decode is None:
+            return False
+        self.progress()
+        return self.decode.fenced(int(bootstrap_room))
 
     def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
         """SGLang released a held request's pages: forget its fence."""
@@ -243,7 +251,15 @@ class KVManager(BaseKVManager):
             self.prefill: PrefillEndpoint | None = PrefillEndpoint(side, self.engine, [])
             if self.settings.warm_up:  # each decode that pairs gets a planner ready for these batches (no first-batch stall)
                 self.prefill.warm_up(**self.settings.warm_up, timeout=min(5.0, self.timeout))
+            # from here its progress thread pairs, plans and moves: the scheduler's thread only submits and reads.
+            # With SGLang's protocol the decode ranks pair on the scheduler's thread (DecodeRanks connects the
+            # engine there), so its batches are sent there too, as before (docs/sglang.md)
+            if self.protocol != "sglang":
+                self.prefill.start()
             self._pending: list[tuple[KVSender, np.ndarray, tuple[np.ndarray, ...] | None, int]] = []
+            # submitted batches not yet ended: each handle's chunks and the planning rows they hold (a row in
+            # flight is not rewritten: its batch is planned on the progress thread from the table as it is)
+            self._moving: dict[Any, tuple[list, set[int]]] = {}
             if self.protocol == "sglang":  # SGLang's decode ranks find this one through SGLang's bootstrap server
                 link = PrefillRankLink(rank_ip=self.host, backend=engine_kind, prefill_rank=int(args.engine_rank))
                 self.ranks = DecodeRanks(self.prefill, link, self._decode_side)
@@ -288,7 +304,8 @@ class KVManager(BaseKVManager):
         closers = []
         if self.mode is DisaggregationMode.PREFILL:
             closers.append(self.listener.close if self.listener is not None else self.ranks.close)
-            closers += [peer.channel.close for peer in self.prefill.peers] if self.prefill is not None else []
+            if self.prefill is not None:  # its progress thread first: it owns the channels and the engine
+                closers += [self.prefill.close] + [peer.channel.close for peer in self.prefill.peers]
             self.prefill = None
         elif self.decode is not None:
             closers, self.decode = [channel.close for channel in self.decode.channels], None
@@ -379,19 +396,17 @@ class KVManager(BaseKVManager):
                 if self.status.get(room) == KVPoll.Failed:
                     self.ranks.report(room, False, self.failures.get(room))
         elif self.mode is DisaggregationMode.PREFILL:
-            for channel in self.listener.accept_pending():
-                try:  # the decode manager registers as soon as it has its channel
-                    self.prefill.add_peer(channel, min(self.timeout, HANDSHAKE_S))
+            for channel in self.listener.accept_pending():  # (paired on the progress thread once it registers)
+                self.prefill.add_peer(channel, min(self.timeout, HANDSHAKE_S))
+            try:
+                self.prefill.progress()
+                if self.paired():
                     self.broken = None
-                except KvplanError as err:
-                    reason = f"the decode side cannot pair with this one: {err}"
-                    log.warning("%s", reason)
-                    self.broken = None if self.paired() else reason
-            if self.broken is None:
-                try:
-                    self.prefill.progress()
-                except LayoutError as err:
-                    self.broken = f"the decode side cannot pair with this one: {err}"
+            except LayoutError as err:
+                reason = f"the decode side cannot pair with this one: {err}"
+                log.warning("%s", reason)
+                self.broken = None if self.paired() else reason
+            self._take_completed()
             aborted, self.prefill.aborted = self.prefill.aborted, []
             for _, room, reason in aborted:
                 self._settle(room, KVPoll.Failed, f"the decode side aborted it: {reason}")
@@ -401,6 +416,10 @@ class KVManager(BaseKVManager):
     def flush(self) -> None:
         """Plan every ``send`` since the last flush as one kvplan batch and move it. A step that
         cannot be laid out fails every send of it, on both sides; nothing of it is sent."""
+        if self.ranks is None and len(self._moving) >= MOVING_MAX:
+            self._take_completed()
+            if len(self._moving) >= MOVING_MAX:
+                return  # (what was handed over meanwhile goes together in the next batch)
         pending, self._pending = self._pending, []
         pending = [x for x in pending if self.status.get(x[0].room) != KVPoll.Failed]  # aborted or failed: unsent
         for sender, pages, _, _ in [x for x in pending if self._dummy(x[0].room)]:
@@ -428,18 +447,41 @@ class KVManager(BaseKVManager):
             for k, rooms in by_peer.items():
                 self.prefill.fail(rooms, reason, peer=k)
             return
-        endpoint = self.prefill
-        try:
-            results = endpoint.send(chunks, mode=self.transfer_mode, timeout=self.timeout)
-        except KvplanError as err:
-            results = {t.request: f"{type(err).__name__}: {err}" for t in chunks}
+        if not chunks:
+            return
+        if self.ranks is not None:  # (SGLang's protocol: on this thread, see __init__)
+            try:
+                self._settle_sent(chunks, self.prefill.send(chunks, mode=self.transfer_mode, timeout=self.timeout))
+            except KvplanError as err:
+                self._settle_sent(chunks, {t.request: f"{type(err).__name__}: {err}" for t in chunks})
+            return
+        handle = self.prefill.submit(chunks, mode=self.transfer_mode, timeout=self.timeout)
+        self._moving[handle] = (chunks, {t.src_row for t in chunks})
+        self._take_completed()
+
+    def _take_completed(self) -> None:
+        """Settle the requests of every submitted batch that ended (never waits)."""
+        for handle in self.prefill.completed():
+            chunks, _ = self._moving.pop(handle, ([], set()))
+            try:
+                results = handle.result(timeout=0)
+            except KvplanError as err:  # a batch that does not plan is refused whole
+                results = {t.request: f"{type(err).__name__}: {err}" for t in chunks}
+            self._settle_sent(chunks, results)
+
+    def _settle_sent(self, chunks: list, results: dict) -> None:
+        """Settle a batch's requests from its results (per request ``None`` or the reason)."""
         for request in dict.fromkeys(t.request for t in chunks):  # (a request's chunk may go to several ranks)
             reason = results.get(request)
             if reason is not None:
                 self._settle(request, KVPoll.Failed, reason)
             elif any(t.last for t in chunks if t.request == request):
                 self._settle(request, KVPoll.Success)
-                endpoint.forget([request])
+                self.prefill.forget([request])
+
+    def _busy_rows(self) -> set[int]:
+        """The planning rows that submitted batches still hold."""
+        return set().union(*(rows for _, rows in self._moving.values())) if self._moving else set()
 
     def _chunks(self, pending: list[tuple["KVSender", np.ndarray, tuple[np.ndarray, ...] | None, int]]) -> list:
         """The step's transfers, with their requests' pages written into the planning table and, for a
@@ -452,10 +494,17 @@ class KVManager(BaseKVManager):
         # planning device (kvplan.planner.block_tables). A row holds every page of its request so far:
         # an SWA window reaches back into earlier chunks.
         rows = self._rows(pending)
-        chunks, blocks = [], np.zeros((max(rows) + 1, self.table.shape[1] // ps), np.int32)
-        by_row = np.zeros((len(self.maps), max(rows) + 1), np.int64)
+        waiting = {x[0].room for x, row in zip(pending, rows) if row is None}
+        if waiting:  # its row is held by a batch still moving (or none is free): it goes with a later flush
+            self._pending = [x for x in pending if x[0].room in waiting] + self._pending
+            kept = [(r, x) for r, x in zip(rows, pending) if x[0].room not in waiting]
+            if not kept:
+                return []
+            rows, pending = (list(t) for t in zip(*kept))
+        chunks, blocks = [], np.zeros((len(rows), self.table.shape[1] // ps), np.int32)
+        by_row = np.zeros((len(self.maps), len(rows)), np.int64)
         by_slot: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in self.maps]
-        for row, (sender, pages, state, tokens) in zip(rows, pending):
+        for i, (row, (sender, pages, state, tokens)) in enumerate(zip(rows, pending)):
             peers = self._peers_of(sender.room)
             _, _, prefix = endpoint.peers[peers[0]].lists[sender.room]
             first = prefix // ps + sender.pages_sent
@@ -467,7 +516,7 @@ class KVManager(BaseKVManager):
                 raise InputError(sender.room, f"{len(held)} pages handed over so far, {sender.pages_sent + len(pages)} "
                                               "counted: its earlier chunks were not all laid out")
             sender.pages.append(pages)
-            blocks[row, prefix // ps : first + len(pages)] = held
+            blocks[i, prefix // ps : first + len(pages)] = held
             sender.pages_sent += len(pages)
             last = sender.pages_sent >= sender.num_pages
             end = (first + len(pages)) * ps
@@ -478,25 +527,29 @@ class KVManager(BaseKVManager):
                     raise InputError(sender.room, f"{sender.tokens_sent} tokens after a decode prefix of {prefix} do "
                                                   f"not end in its last page ({sender.num_pages} pages of {ps})")
                 if self.maps:  # the components' lists come with the last chunk
-                    self._state_inputs(sender.room, row, prefix, end, held, state, by_row, by_slot)
+                    self._state_inputs(sender.room, row, i, prefix, end, held, state, by_row, by_slot)
             else:
                 sender.tokens_sent += len(pages) * ps
             prompt = end if last else prefix + sender.num_pages * ps
             chunk = Chunk(sender.room, row, first * ps, end, prompt, last, sender.aux_index)
             chunks += [endpoint.transfer(chunk, peer=k) for k in peers]
-        token_table_from_blocks(torch.from_numpy(blocks).to(self.device), ps, out=self.table)
+        # only this step's rows are written (rows of batches still moving are being planned from)
+        at = torch.tensor(list(rows), dtype=torch.int64).to(self.device)
+        tokens = token_table_from_blocks(torch.from_numpy(blocks).to(self.device), ps)
+        self.table[at] = torch.nn.functional.pad(tokens, (0, self.table.shape[1] - tokens.shape[1]))
         for c, slot_map in enumerate(self.maps):
             if slot_map is not None and rules_of(self.prefill.side.state[c].kind).map_by_row:
-                slot_map[: by_row.shape[1]].copy_(torch.from_numpy(by_row[c]))
+                slot_map[at] = torch.from_numpy(by_row[c]).to(self.device)
             elif slot_map is not None and by_slot[c]:
-                at, values = (np.concatenate(x) for x in zip(*by_slot[c]))
-                slot_map[torch.from_numpy(at).to(self.device)] = torch.from_numpy(values).to(self.device)
+                slots_at, values = (np.concatenate(x) for x in zip(*by_slot[c]))
+                slot_map[torch.from_numpy(slots_at).to(self.device)] = torch.from_numpy(values).to(self.device)
         return chunks
 
-    def _rows(self, pending: list[tuple["KVSender", np.ndarray, tuple[np.ndarray, ...] | None, int]]) -> list[int]:
+    def _rows(self, pending: list[tuple["KVSender", np.ndarray, tuple[np.ndarray, ...] | None, int]]) -> list[int | None]:
         """Each send's planning row: a last chunk with ring rows takes the row they are of (SGLang's
         request-pool row, ``ids[0] // R``: kvplan's ring formula reads the planning row); the other
-        sends take the first free rows from 1."""
+        sends take the first free rows from 1. A row that a batch still moving holds is not free:
+        a send that needs it (or finds none free) gets ``None`` and waits for a later flush."""
         comps = self.prefill.side.state
         rings = [c for c, comp in enumerate(comps) if rules_of(comp.kind).needs_ring]
         fixed: dict[int, int] = {}
@@ -512,10 +565,11 @@ class KVManager(BaseKVManager):
                 raise InputError(sender.room, f"its ring rows are of request-pool row {row}, as another request's "
                                               "in this step")
             fixed[k] = row
-        free = (r for r in range(1, self.table.shape[0]) if r not in fixed.values())
-        return [fixed[k] if k in fixed else next(free) for k in range(len(pending))]
+        busy = self._busy_rows()
+        free = (r for r in range(1, self.table.shape[0]) if r not in fixed.values() and r not in busy)
+        return [(None if fixed[k] in busy else fixed[k]) if k in fixed else next(free, None) for k in range(len(pending))]
 
-    def _state_inputs(self, room: int, row: int, prefix: int, end: int, held: np.ndarray,
+    def _state_inputs(self, room: int, row: int, i: int, prefix: int, end: int, held: np.ndarray,
                       state: tuple[np.ndarray, ...] | None, by_row: np.ndarray, by_slot: list) -> None:
         """Map a last chunk's state lists (one per component, as SGLang computed them) onto kvplan's
         planning inputs, or raise InputError naming the request (see the module docstring)."""
@@ -523,7 +577,7 @@ class KVManager(BaseKVManager):
         for c, ids in enumerate(_state_lists_of(room, state, comps)):
             comp, rules = comps[c], rules_of(comps[c].kind)
             if rules.map_by_row:
-                by_row[c, row] = int(ids[0])
+                by_row[c, i] = int(ids[0])
             elif rules.needs_ring:  # kvplan's formula over the request's row (_rows placed it there)
                 rows = row * comp.ring_size + np.arange(max(0, end - comp.window), end) % comp.ring_size
                 if not np.array_equal(ids, rows):

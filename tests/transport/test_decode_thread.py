@@ -1,0 +1,150 @@
+"""The decode endpoint's progress thread (``DecodeEndpoint.start``): once started, the caller's calls
+launch, enqueue or read and return; the thread finishes publishes (lists checked, tracked, sent in
+order), takes engine notes, keeps deadlines and fences; the caller never touches a channel."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from kvplan.planner.destinations import PreallocatedRequest
+from kvplan.planner.model import Attention, Entry, KVLayout, SideMemory
+from kvplan.planner.plan import KV_ROLE, Section
+from kvplan.transport.completion import encode_notification
+from kvplan.transport.decode import DecodeEndpoint
+from tests.planner.builders import table_with
+from tests.transport.fakes import FakeChannel, FakeEngine
+
+PAGE, PAGE_BYTES = 4, 256
+WAIT_S = 30.0  # the most a test waits for the thread (a loaded 2-core machine); a pass ends at once
+
+
+class WatchedChannel(FakeChannel):
+    """An in-memory channel that records which threads used it."""
+
+    def __init__(self):
+        super().__init__()
+        self.users: set[str] = set()
+
+    def send(self, *args, **kwargs):
+        self.users.add(threading.current_thread().name)
+        return super().send(*args, **kwargs)
+
+    def try_recv(self):
+        self.users.add(threading.current_thread().name)
+        return super().try_recv()
+
+    def peer_gone(self):
+        self.users.add(threading.current_thread().name)
+        return False
+
+
+def _started(rows=None):
+    pool = torch.zeros(16 * PAGE_BYTES, dtype=torch.uint8)
+    side = SideMemory(KVLayout(Attention.MLA, PAGE, (Entry(pool.data_ptr(), PAGE_BYTES, 16),)),
+                      req_to_token=table_with(rows or {1: [3, 4], 2: [5, 6]}, PAGE, max_ctx=16))
+    mine, theirs = WatchedChannel(), FakeChannel()
+    mine.other, theirs.other = theirs, mine
+    endpoint = DecodeEndpoint(side, FakeEngine(), mine)
+    endpoint.register(timeout=1)
+    assert theirs.try_recv()[0] == "register"
+    mine.users.clear()  # (registering talks on the caller's thread: before start)
+    endpoint.start()
+    return endpoint, mine, theirs
+
+
+def _until(condition, what):
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"the progress thread never {what}"
+        time.sleep(0.001)
+
+
+def _received(channel, kind, count):
+    got = []
+    def look():
+        while (msg := channel.try_recv()) is not None:
+            if msg[0] == kind:
+                got.append(msg[1])
+        return len(got) >= count
+    _until(look, f"sent {count} {kind!r}")
+    return got
+
+
+def test_publish_returns_and_the_thread_sends_the_lists_and_completes_the_request_from_its_note():
+    endpoint, mine, prefill = _started()
+    try:
+        endpoint.publish([PreallocatedRequest("r1", row=1, prompt_len=8), PreallocatedRequest("r2", row=2, prompt_len=8)],
+                         timeout=WAIT_S)
+        headers = _received(prefill, "request", 2)
+        assert [h["request"] for h in headers] == ["r1", "r2"]  # in the order published, one publish
+        assert endpoint.poll() == {}
+        endpoint.engine.inbox.append(encode_notification(Section(0, "r1", KV_ROLE, "kv", 0, 1, 2)))
+        ended = {}
+        _until(lambda: ended.update(endpoint.poll()) or "r1" in ended, "completed r1")
+        assert ended == {"r1": None}
+        assert endpoint.stats()["requests"]["complete"] == 1
+        assert "MainThread" not in mine.users, "the caller touched a channel of a started endpoint"
+    finally:
+        endpoint.close()
+
+
+def test_an_abort_from_the_caller_is_sent_by_the_thread_and_fences_on_the_sender_s_answer():
+    endpoint, mine, prefill = _started()
+    try:
+        endpoint.publish([PreallocatedRequest("r1", row=1, prompt_len=8)], timeout=WAIT_S)
+        _received(prefill, "request", 1)
+        endpoint.abort("r1", "the client went away")
+        assert _received(prefill, "abort", 1)[0]["request"] == "r1"
+        assert not endpoint.fenced("r1")
+        ended = {}
+        _until(lambda: ended.update(endpoint.poll()) or "r1" in ended, "ended the aborted request")
+        assert ended["r1"] == "the client went away"
+        prefill.send("abort-ack", {"request": "r1", "fenced": True})
+        _until(lambda: endpoint.fenced("r1"), "fenced r1 on its acknowledgement")
+        endpoint.forget("r1")
+        _until(lambda: endpoint.footprint()["fences"] == 0 and endpoint.footprint()["tracked"] == 0, "forgot r1")
+        assert "MainThread" not in mine.users
+    finally:
+        endpoint.close()
+
+
+def test_a_deadline_is_kept_by_the_thread_with_no_call_of_the_caller():
+    endpoint, _, prefill = _started()
+    try:
+        endpoint.publish([PreallocatedRequest("r1", row=1, prompt_len=8)], timeout=0.05)
+        abort = _received(prefill, "abort", 1)[0]  # the thread told the sender, the caller did nothing
+        assert abort["request"] == "r1" and "deadline" in abort["reason"]
+        ended = endpoint.poll()
+        assert "deadline" in ended["r1"]
+    finally:
+        endpoint.close()
+
+
+def test_a_list_the_kernels_refuse_fails_every_request_of_its_publish_naming_it_and_sends_nothing():
+    endpoint, _, prefill = _started(rows={1: [3, 4], 2: [5, 99]})  # row 2's page 99 is outside the 16-page pool
+    try:
+        endpoint.publish([PreallocatedRequest("r1", row=1, prompt_len=8)], timeout=WAIT_S)
+        _received(prefill, "request", 1)
+        endpoint.publish([PreallocatedRequest("r3", row=1, prompt_len=4), PreallocatedRequest("r2", row=2, prompt_len=8)],
+                         timeout=WAIT_S)
+        ended = {}
+        _until(lambda: ended.update(endpoint.poll()) or {"r2", "r3"} <= set(ended), "failed the bad publish")
+        assert all(ended[r] and "refused" in ended[r] and "'r2'" in ended[r] for r in ("r2", "r3")), ended
+        assert prefill.try_recv() is None  # nothing of it was sent
+    finally:
+        endpoint.close()
+
+
+def test_calls_that_talk_on_the_caller_s_thread_are_refused_once_started():
+    endpoint, _, _ = _started()
+    try:
+        with pytest.raises(RuntimeError, match="before start"):
+            endpoint.register(timeout=1)
+        with pytest.raises(RuntimeError, match="before start"):
+            endpoint.warm_up()
+    finally:
+        endpoint.close()
