@@ -64,6 +64,9 @@ __all__ = ["ConnectorWorker", "TransferResults"]
 
 log = logging.getLogger("kvplan")
 
+# batches a prefill worker keeps moving at once (below its endpoint's max_in_flight, which would refuse more with
+# "overload"); requests ready meanwhile go together in the next batch
+MOVING_MAX = 2
 HANDSHAKE_S = 5.0  # how long a decode that asked for a channel may take to register on it
 
 
@@ -96,6 +99,8 @@ class _Sending:
     request: SendRequest
     row: int
     deadline: float
+    moving: bool = False  # in a submitted batch: its row and blocks are read until that batch ends
+    given_up: str | None = None  # its decode gave it up while it moved: settled once the batch ends
 
 
 @dataclass
@@ -153,6 +158,9 @@ class ConnectorWorker:
                                            compat=self.view.word)
             if self.settings.warm_up:  # (each decode that pairs is warmed as it pairs)
                 self.prefill.warm_up(**self.settings.warm_up, timeout=HANDSHAKE_S)
+            # its progress thread pairs, plans and moves; the model runner's thread submits and reads what ended
+            self.prefill.start()
+            self._submitted: dict[Any, list] = {}  # handle -> its chunks
             listen = self.settings.listen
             self.listener = ChannelListener(listen.port + self.tp_rank, host=listen.host, handshake_s=HANDSHAKE_S)
             log.info("kvplan's vLLM connector, rank %d: %d blocks of %d layers; decodes connect at %s:%d", self.tp_rank,
@@ -227,7 +235,8 @@ class ConnectorWorker:
     def shutdown(self) -> None:
         """Close every channel, the listener and the engines (idempotent)."""
         closers = [self.listener.close] if self.listener is not None else []
-        closers += [p.channel.close for p in self.prefill.peers] if self.prefill is not None else []
+        if self.prefill is not None:  # its progress thread first: it owns the channels and the engine
+            closers += [self.prefill.close] + [p.channel.close for p in self.prefill.peers]
         closers += [c.close for d in self.decodes.values() for c in d.channels]
         closers += [e.close for e in self._engines]
         self.listener = self.prefill = None
@@ -261,23 +270,37 @@ class ConnectorWorker:
 
     def _progress_sends(self) -> None:
         endpoint = self.prefill
-        for channel in self.listener.accept_pending():
-            try:
-                endpoint.add_peer(channel, HANDSHAKE_S)
-            except KvplanError as err:
-                log.warning("a decode could not pair with rank %d: %s", self.tp_rank, err)
+        for channel in self.listener.accept_pending():  # (paired on the progress thread once it registers)
+            endpoint.add_peer(channel, HANDSHAKE_S)
         try:
             endpoint.progress()
         except KvplanError as err:
-            log.warning("rank %d: %s", self.tp_rank, err)
+            log.warning("a decode could not pair with rank %d: %s", self.tp_rank, err)
         given_up = [r for _, r, _ in endpoint.aborted] + [r for _, r in endpoint.given_up]
         endpoint.aborted.clear()
         endpoint.given_up.clear()
         for request_id in given_up:
-            if request_id in self._sending:
+            sending = self._sending.get(request_id)
+            if sending is not None and sending.moving:
+                sending.given_up = "its decode gave it up"
+            elif sending is not None:
                 self._done_sending(request_id, "its decode gave it up")
+        for handle in endpoint.completed():
+            sent = self._submitted.pop(handle)
+            try:
+                results = handle.result(timeout=0)
+            except KvplanError as err:
+                results = {t.request: f"{type(err).__name__}: {err}" for t in sent}
+            for request_id in dict.fromkeys(chunk.request for chunk in sent):
+                sending = self._sending[request_id]
+                self._done_sending(request_id, results.get(request_id) or sending.given_up)
+                endpoint.forget([request_id])
+        if len(self._submitted) >= MOVING_MAX:
+            return  # (what is ready meanwhile goes together in the next batch)
         now, chunks = time.monotonic(), []
         for request_id, sending in list(self._sending.items()):
+            if sending.moving:
+                continue
             peers = [k for k, p in enumerate(endpoint.peers) if request_id in p.lists]
             if not peers or not endpoint.published_by_all(request_id):  # (a decode of a larger TP: each rank's heads)
                 if now > sending.deadline:
@@ -292,13 +315,9 @@ class ConnectorWorker:
                                                 peer=k))
         if not chunks:
             return
-        try:
-            results = endpoint.send(chunks, mode=self.settings.mode, timeout=self.settings.timeout_s)
-        except KvplanError as err:
-            results = {t.request: f"{type(err).__name__}: {err}" for t in chunks}
+        self._submitted[endpoint.submit(chunks, mode=self.settings.mode, timeout=self.settings.timeout_s)] = chunks
         for request_id in dict.fromkeys(chunk.request for chunk in chunks):
-            self._done_sending(request_id, results.get(request_id))
-            endpoint.forget([request_id])
+            self._sending[request_id].moving = True
 
     def _done_sending(self, request_id: str, reason: str | None) -> None:
         sending = self._sending.pop(request_id)
