@@ -485,8 +485,14 @@ def prefill_process(config: LoadConfig, ports: list[int], conn) -> None:
                 if request not in endpoint.peers[a.decode].lists:  # (dropped: its decode is gone)
                     outcomes[request] = {"state": "failed", "reason": "the decode side is gone: its lists were dropped"}
                     continue
-                lo = r["next"]
-                hi = min(lo + grain, a.prompt_len)
+                # every chunk whose forward pass has finished goes in this turn's batch, as one span: chunks that
+                # are ready together move together (one chunk a turn made a request wait a batch per chunk)
+                lo = hi = r["next"]
+                while True:
+                    hi = min(hi + grain, a.prompt_len)
+                    if hi >= a.prompt_len or r["ready_at"] + compute_s(config, a, min(grain, a.prompt_len - hi)) > now:
+                        break
+                    r["ready_at"] += compute_s(config, a, min(grain, a.prompt_len - hi))
                 last = hi >= a.prompt_len
                 spans.append((a, r["row"], lo, hi))
                 if last:
