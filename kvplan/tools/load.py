@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import KvplanError
+from ..errors import InputError, KvplanError
 from ..planner.destinations import PreallocatedRequest
 from ..planner.model import Attention, Entry, KVLayout, SideMemory
 from ..transport.control import ControlChannel
@@ -482,25 +482,31 @@ def prefill_process(config: LoadConfig, ports: list[int], conn) -> None:
                 if request in outcomes or r["next"] >= a.prompt_len or r["ready_at"] > now \
                         or endpoint.in_flight() >= IN_FLIGHT:
                     continue  # (with IN_FLIGHT batches moving, what is ready waits for the next: one larger batch)
-                if request not in endpoint.peers[a.decode].lists:  # (dropped: its decode is gone)
-                    outcomes[request] = {"state": "failed", "reason": "the decode side is gone: its lists were dropped"}
+                if request not in endpoint.peers[a.decode].lists:  # aborted (read next turn), or its decode is gone
+                    if endpoint.peers[a.decode].dropped:
+                        outcomes[request] = {"state": "failed", "reason": "the decode side is gone: its lists were dropped"}
                     continue
                 # every chunk whose forward pass has finished goes in this turn's batch, as one span: chunks that
                 # are ready together move together (one chunk a turn made a request wait a batch per chunk)
                 lo = hi = r["next"]
+                ready_at = r["ready_at"]
                 while True:
                     hi = min(hi + grain, a.prompt_len)
-                    if hi >= a.prompt_len or r["ready_at"] + compute_s(config, a, min(grain, a.prompt_len - hi)) > now:
+                    if hi >= a.prompt_len or ready_at + compute_s(config, a, min(grain, a.prompt_len - hi)) > now:
                         break
-                    r["ready_at"] += compute_s(config, a, min(grain, a.prompt_len - hi))
+                    ready_at += compute_s(config, a, min(grain, a.prompt_len - hi))
                 last = hi >= a.prompt_len
+                try:
+                    with caller:
+                        chunks.append(endpoint.transfer(Chunk(request, r["row"], lo, a.prompt_len + 1 if last else hi,
+                                                              a.prompt_len, last, r["row"]), peer=a.decode))
+                except InputError:  # its lists were dropped just now (an abort read on the progress thread): below
+                    continue
+                r["ready_at"] = ready_at
                 spans.append((a, r["row"], lo, hi))
                 if last:
                     pools.aux[r["row"]] = a.index % 251 + 1
                     last_ready[request] = started + r["ready_at"]
-                with caller:
-                    chunks.append(endpoint.transfer(Chunk(request, r["row"], lo, a.prompt_len + 1 if last else hi,
-                                                          a.prompt_len, last, r["row"]), peer=a.decode))
                 r["next"] = hi
                 r["moving"] += 1
                 r["ready_at"] += compute_s(config, a, min(grain, a.prompt_len - hi))

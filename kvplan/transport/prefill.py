@@ -41,7 +41,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..errors import KvplanError, LayoutError, PlanError
+from ..errors import InputError, KvplanError, LayoutError, PlanError
 from ..planner.destinations import decode_message, list_entries
 from ..kernels.copy import GATHER
 from ..planner.model import Batch, Policy, SideMemory, Transfer
@@ -534,8 +534,15 @@ class PrefillEndpoint:
         self._stats.hit(bound)
 
     def transfer(self, chunk: Chunk, peer: int = 0) -> Transfer:
-        """The :class:`Transfer` of a chunk to decode endpoint ``peer``, with the lists it published."""
-        lists, aux_dst, prefix_len = self.peers[peer].lists[chunk.request]
+        """The :class:`Transfer` of a chunk to decode endpoint ``peer``, with the lists it published.
+        Raises :class:`~kvplan.errors.InputError` naming the request when that peer holds none of it: on
+        an endpoint whose progress thread runs, an abort read there drops a request's lists at any
+        moment, so a caller's earlier look at :attr:`Peer.lists` may no longer hold."""
+        published = self.peers[peer].lists.get(chunk.request)
+        if published is None:
+            raise InputError(chunk.request, f"decode endpoint {peer} holds no destination lists of it (aborted, "
+                                            "forgotten or never published)")
+        lists, aux_dst, prefix_len = published
         return Transfer(chunk.request, chunk.src_row, chunk.start, chunk.fill_len, chunk.prompt_len, chunk.last,
                         lists.pages, prefix_len, chunk.aux_src, aux_dst, lists.state, dest=peer)
 

@@ -506,7 +506,10 @@ class KVManager(BaseKVManager):
         by_slot: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in self.maps]
         for i, (row, (sender, pages, state, tokens)) in enumerate(zip(rows, pending)):
             peers = self._peers_of(sender.room)
-            _, _, prefix = endpoint.peers[peers[0]].lists[sender.room]
+            published = endpoint.peers[peers[0]].lists.get(sender.room) if peers else None
+            if published is None:  # aborted on the progress thread a moment ago: nothing of it goes (read next poll)
+                continue
+            prefix = published[2]
             first = prefix // ps + sender.pages_sent
             if first + len(pages) > blocks.shape[1]:
                 raise LayoutError(f"request {sender.room}: {(first + len(pages)) * ps} tokens exceed the planning "

@@ -47,7 +47,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from ...errors import KvplanError, PeerError
+from ...errors import InputError, KvplanError, PeerError
 from ...planner.block_tables import token_table_from_blocks
 from ...planner.destinations import PreallocatedRequest
 from ...transport.decode import DecodeEndpoint
@@ -309,10 +309,15 @@ class ConnectorWorker:
                                        f"decode ranks asked for it within {self.settings.timeout_s} s")
                     endpoint.forget([request_id])
                 continue
-            for k in peers:  # its decode's pages must hold tokens [prefix, num_tokens): refused alone otherwise
-                prefix, prompt_len = endpoint.peers[k].lists[request_id][2], sending.request.num_tokens
-                chunks.append(endpoint.transfer(Chunk(request_id, sending.row, prefix, prompt_len, prompt_len, True),
-                                                peer=k))
+            try:  # (an abort read on the progress thread may drop its lists at any moment: it is read next step)
+                mine = []
+                for k in peers:  # its decode's pages must hold tokens [prefix, num_tokens): refused alone otherwise
+                    prefix, prompt_len = endpoint.peers[k].lists[request_id][2], sending.request.num_tokens
+                    mine.append(endpoint.transfer(Chunk(request_id, sending.row, prefix, prompt_len, prompt_len, True),
+                                                  peer=k))
+            except (KeyError, InputError):
+                continue
+            chunks += mine
         if not chunks:
             return
         self._submitted[endpoint.submit(chunks, mode=self.settings.mode, timeout=self.settings.timeout_s)] = chunks
