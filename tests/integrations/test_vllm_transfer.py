@@ -94,6 +94,7 @@ def test_sides_whose_blocks_are_laid_out_differently_do_not_pair_and_every_load_
 
 def test_a_prefill_gone_before_its_decode_came_fails_every_load(tmp_path):
     sent, got = run_pair(tmp_path, "nixl", "LBNHC", "LBNHC", "--timeout", "6", prefill_args=("--exit-early",))
+    assert got["pairing_after_first_step"] is True  # the step did not wait for the handshake (5 s to nowhere)
     assert got["failed"] == got["received"] == REQUESTS
     assert len(got["invalid_blocks"]) == 7 + 3 + 4 + 1
 

@@ -195,8 +195,11 @@ def decode(args: argparse.Namespace) -> dict:
         mine[local] = (p["remote_request_id"], blocks, window_blocks)
     received, failed, invalid = set(), set(), set()
     deadline = time.monotonic() + args.timeout + 30
+    pairing_after_first_step = None  # whether the first step returned while its handshake still ran
     while received != set(mine) and time.monotonic() < deadline:
         results, bad = step(scheduler, worker, set())
+        if pairing_after_first_step is None:
+            pairing_after_first_step = any(p.thread.is_alive() for p in worker.worker._pairings.values())
         received |= results.finished_recving
         failed |= results.failed_recving
         invalid |= bad
@@ -225,7 +228,7 @@ def decode(args: argparse.Namespace) -> dict:
     return {"received": sorted(received), "failed": sorted(failed), "invalid_blocks": sorted(invalid),
             "ghost_blocks": ghost_blocks, "wrong": wrong, "requests": sorted(mine),
             "blocks_checked": sum(len(b) for n, (_, b, _) in mine.items() if n in received - failed),
-            "tokens_checked": tokens_checked}
+            "tokens_checked": tokens_checked, "pairing_after_first_step": pairing_after_first_step}
 
 
 def run(argv: list[str]) -> dict:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -114,6 +115,29 @@ class _Receiving:
     failed: str | None = None  # why, once it failed (it is reported once fenced)
 
 
+class _Pairing:
+    """A decode endpoint made and paired with a prefill's ranks on a thread of its own, off the step's
+    path: the requests that wait for it (published once it is paired, failed if it cannot be) and the
+    prefill requests to tell that their decode needs none of them."""
+
+    def __init__(self, make: Any):
+        self.waiting: list[tuple[str, ReceiveRequest, int]] = []  # (request id, what vLLM said, its planning row)
+        self.none_needed: list[str] = []  # the prefill's request ids whose decode needs none of their blocks
+        self.endpoint: DecodeEndpoint | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(make,), name="kvplan-vllm-pairing", daemon=True)
+        self.thread.start()
+
+    def _run(self, make: Any) -> None:
+        try:
+            self.endpoint = make()
+        except Exception as err:  # noqa: BLE001 - the step that takes it fails its requests with the reason
+            self.error = err
+
+    def done(self) -> bool:
+        return not self.thread.is_alive()
+
+
 class ConnectorWorker:
     """One TP rank's worker side (see the module docstring)."""
 
@@ -141,6 +165,7 @@ class ConnectorWorker:
         self._unreachable: dict[tuple[str, int], tuple[float, str]] = {}  # a prefill that did not answer: until, why
         self._load_errors: set[int] = set()
         self._unpublished: list[tuple[str, list[int]]] = []  # requests refused before publication, and their blocks
+        self._pairings: dict[tuple[str, int, tuple[int, ...]], _Pairing] = {}  # decode endpoints being paired
 
     # -- registration ---------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -183,7 +208,10 @@ class ConnectorWorker:
 
     # -- each step ------------------------------------------------------------------------------------
     def start_load_kv(self, step: SchedulerStep) -> None:
-        """Take the step's decisions: finished prefill requests to send, decode requests to publish."""
+        """Take the step's decisions: finished prefill requests to send, decode requests to publish.
+        Pairing with a prefill not met before runs on a thread of its own: its requests are published
+        once it is paired, a later step (the step never waits for a handshake)."""
+        self._take_pairings()
         now = time.monotonic()
         sends = [(r, send, row) for r, send in step.send.items() if (row := self._take_send(r, send)) is not None]
         if sends:  # (the step's rows written at once: one copy to the device and one expansion)
@@ -214,6 +242,7 @@ class ConnectorWorker:
         """Move what is ready and report what ended: the requests whose blocks vLLM may free (sent,
         among those it named finished), received, and failed to receive."""
         self._finished |= set(finished_req_ids)
+        self._take_pairings()
         if self.prefill is not None:
             self._progress_sends()
         received, failed = self._progress_receives()
@@ -237,6 +266,11 @@ class ConnectorWorker:
         closers = [self.listener.close] if self.listener is not None else []
         if self.prefill is not None:  # its progress thread first: it owns the channels and the engine
             closers += [self.prefill.close] + [p.channel.close for p in self.prefill.peers]
+        for pairing in self._pairings.values():  # (a handshake in progress ends within HANDSHAKE_S)
+            pairing.thread.join(HANDSHAKE_S)
+            if pairing.endpoint is not None:
+                self.decodes[("pairing", id(pairing), ())] = pairing.endpoint
+        self._pairings = {}
         closers += [c.close for d in self.decodes.values() for c in d.channels]
         closers += [e.close for e in self._engines]
         self.listener = self.prefill = None
@@ -343,9 +377,10 @@ class ConnectorWorker:
             if self.receives and remote is not None and receive.remote_host is not None \
                     and receive.remote_port is not None:
                 decode = self._connect(receive.remote_host, receive.remote_port, self._prefill_ranks(receive))
-                for channel in decode.channels:
-                    channel.send("abort", {"request": remote, "reason": "the decode needs none of it"},
-                                 timeout=HANDSHAKE_S)
+                if decode is None:  # (told once it is paired)
+                    self._pairings[self._key(receive)].none_needed.append(remote)
+                else:
+                    self._none_needed(decode, remote)
             return None
         if not self.receives:
             raise KvplanError("this worker does not receive (kv_role kv_producer)")
@@ -398,24 +433,73 @@ class ConnectorWorker:
     def _publish(self, request_id: str, receive: ReceiveRequest, row: int) -> None:
         """Publish an admitted request's blocks (its row written) to the decode endpoint paired with the
         prefill ranks that hold this rank's heads, with the number of decode ranks each serves."""
+        decode = self._connect(receive.remote_host, receive.remote_port, self._prefill_ranks(receive))
+        if decode is None:  # published once paired (_take_pairings)
+            self._pairings[self._key(receive)].waiting.append((request_id, receive, row))
+            return
+        self._publish_to(decode, request_id, receive, row)
+
+    def _publish_to(self, decode: DecodeEndpoint, request_id: str, receive: ReceiveRequest, row: int) -> None:
         ranks = self._prefill_ranks(receive)
-        decode = self._connect(receive.remote_host, receive.remote_port, ranks)
         decode.publish([PreallocatedRequest(receive.remote_request_id, row, receive.prefix_len + receive.num_tokens,
                                             receive.prefix_len)], timeout=self.settings.timeout_s,
                        peer=list(range(len(ranks))), publishers=max(1, self.tp_size // self._prefill_tp(receive)))
         self._receiving[receive.remote_request_id] = _Receiving(request_id, row, list(receive.block_ids[self.full_group]),
                                                                 decode)
 
-    def _connect(self, host: str, port: int, ranks: tuple[int, ...]) -> DecodeEndpoint:
+    def _key(self, receive: ReceiveRequest) -> tuple[str, int, tuple[int, ...]]:
+        return (receive.remote_host, int(receive.remote_port), self._prefill_ranks(receive))
+
+    @staticmethod
+    def _none_needed(decode: DecodeEndpoint, remote: str) -> None:
+        for channel in decode.channels:
+            try:
+                channel.send("abort", {"request": remote, "reason": "the decode needs none of it"}, timeout=0.1)
+            except KvplanError as err:  # (its prefill frees them at its own deadline)
+                log.warning("request %s: could not tell its prefill that no block of it is needed: %s", remote, err)
+
+    def _connect(self, host: str, port: int, ranks: tuple[int, ...]) -> DecodeEndpoint | None:
         """The decode endpoint paired with ranks ``ranks`` of the prefill listening at ``host:port`` (rank
         ``r`` at ``port + r``): one per prefill rank, or per group of ranks gathered from, each with its
-        engine and its staging buffer (a staged run lands in its own)."""
+        engine and its staging buffer (a staged run lands in its own). ``None`` while it is being paired
+        (on a thread of its own: :class:`_Pairing`); raises :class:`PeerError` for a prefill that did
+        not answer a moment ago."""
         key = (host, int(port), ranks)
         if key in self.decodes:
             return self.decodes[key]
         until, reason = self._unreachable.get(key, (0.0, ""))
         if time.monotonic() < until:  # (its other requests of the moment fail at once, not one wait each)
             raise PeerError(reason)
+        if key not in self._pairings:
+            self._pairings[key] = _Pairing(lambda: self._pair(host, port, ranks))
+        return None
+
+    def _take_pairings(self) -> None:
+        """Take each pairing that ended: publish its waiting requests, or fail them with the reason."""
+        for key, pairing in [(k, p) for k, p in self._pairings.items() if p.done()]:
+            del self._pairings[key]
+            if pairing.endpoint is None:
+                reason = str(pairing.error) if isinstance(pairing.error, KvplanError) else \
+                    f"{type(pairing.error).__name__}: {pairing.error}"
+                self._unreachable[key] = (time.monotonic() + HANDSHAKE_S, reason)
+                for request_id, receive, row in pairing.waiting:
+                    self._recv_rows.give(row)
+                    self._recv_maps.release(receive.remote_request_id)
+                    self._fail_unpublished(request_id, receive, f"PeerError: {reason}")
+                continue
+            self.decodes[key] = pairing.endpoint
+            for remote in pairing.none_needed:
+                self._none_needed(pairing.endpoint, remote)
+            for request_id, receive, row in pairing.waiting:
+                try:
+                    self._publish_to(pairing.endpoint, request_id, receive, row)
+                except KvplanError as err:
+                    self._recv_rows.give(row)
+                    self._recv_maps.release(receive.remote_request_id)
+                    self._fail_unpublished(request_id, receive, f"{type(err).__name__}: {err}")
+
+    def _pair(self, host: str, port: int, ranks: tuple[int, ...]) -> DecodeEndpoint:
+        """Make the decode endpoint of :meth:`_connect` and pair it (on its pairing's thread)."""
         channels = []
         try:
             for rank in ranks:
@@ -423,17 +507,19 @@ class ConnectorWorker:
         except KvplanError as err:
             for channel in channels:
                 channel.close()
-            self._unreachable[key] = (time.monotonic() + HANDSHAKE_S, f"the prefill at {host}:{int(port) + rank} "
-                                                                      f"did not answer: {err}")
-            raise PeerError(self._unreachable[key][1]) from None
+            raise PeerError(f"the prefill at {host}:{int(port) + rank} did not answer: {err}") from None
         start = time.perf_counter()
-        decode = DecodeEndpoint(self.view.side(self._recv_table, self.tp_size, self.tp_rank, self._recv_maps.maps),
-                                self._engine("receive"), channels, staging=self._staging(), compat=self.view.word)
-        decode.register(timeout=HANDSHAKE_S)
-        made = time.perf_counter()
-        if self.settings.warm_up:  # (waits for the pairing: the prefill is stepping, it has this request to send)
-            decode.warm_up(**self.settings.warm_up, timeout=HANDSHAKE_S)
-        self.decodes[key] = decode
+        try:
+            decode = DecodeEndpoint(self.view.side(self._recv_table, self.tp_size, self.tp_rank, self._recv_maps.maps),
+                                    self._engine("receive"), channels, staging=self._staging(), compat=self.view.word)
+            decode.register(timeout=HANDSHAKE_S)
+            made = time.perf_counter()
+            if self.settings.warm_up:  # (waits for the pairing: the prefill is stepping, it has this request to send)
+                decode.warm_up(**self.settings.warm_up, timeout=HANDSHAKE_S)
+        except BaseException:
+            for channel in channels:
+                channel.close()
+            raise
         log.info("rank %d paired with prefill ranks %s at %s:%d: endpoint %.1f ms, warm-up %.1f ms", self.tp_rank,
                  list(ranks), host, int(port), (made - start) * 1e3, (time.perf_counter() - made) * 1e3)
         return decode
