@@ -1,7 +1,7 @@
 #!/bin/bash
 # Session 30's fourth device call: issue 53's item 6 table from one run. The capacity of one prefill process
 # (NIXL auto; p99 within 1,500 ms: at 100/s, far below every bound, p99 was 0.9-1.3 s, call c), then every mode
-# and engine at 0.5x, 1x and 2x that capacity, now and before the change (commit 1266f61, at 1x).
+# and engine at 0.5x, 1x and 2x that capacity, now, and before the change (commit 1266f61) for NIXL auto at 1x (call c has before for every mode).
 ROOT=$(pwd)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-both/*.whl || exit 1
 export PYTHONUNBUFFERED=1
@@ -22,7 +22,7 @@ for m in auto direct staged mc-staged; do
   for x in 0.5 1 2; do
     RATE=$(python3 -c "print(max(1, round($CAP * $x)))")
     timeout 60 $NOW $RUN --rate $RATE $args --json $R/j/now-$m-${x}x.json > /dev/null 2>&1
-    [ $x = 1 ] && timeout 60 $BEFORE $RUN --rate $RATE $args --json $R/j/before-$m-${x}x.json > /dev/null 2>&1
+    [ $x = 1 ] && [ $m = auto ] && timeout 60 $BEFORE $RUN --rate $RATE $args --json $R/j/before-$m-${x}x.json > /dev/null 2>&1
   done
 done
 python3 benchmarks/results/2026-12-02-h200-session30-nonblocking/summary.py $R/j/now-*.json $R/j/before-*.json
