@@ -486,15 +486,8 @@ def prefill_process(config: LoadConfig, ports: list[int], conn) -> None:
                     if endpoint.peers[a.decode].dropped:
                         outcomes[request] = {"state": "failed", "reason": "the decode side is gone: its lists were dropped"}
                     continue
-                # every chunk whose forward pass has finished goes in this turn's batch, as one span: chunks that
-                # are ready together move together (one chunk a turn made a request wait a batch per chunk)
-                lo = hi = r["next"]
-                ready_at = r["ready_at"]
-                while True:
-                    hi = min(hi + grain, a.prompt_len)
-                    if hi >= a.prompt_len or ready_at + compute_s(config, a, min(grain, a.prompt_len - hi)) > now:
-                        break
-                    ready_at += compute_s(config, a, min(grain, a.prompt_len - hi))
+                lo = r["next"]
+                hi = min(lo + grain, a.prompt_len)
                 last = hi >= a.prompt_len
                 try:
                     with caller:
@@ -502,7 +495,6 @@ def prefill_process(config: LoadConfig, ports: list[int], conn) -> None:
                                                               a.prompt_len, last, r["row"]), peer=a.decode))
                 except InputError:  # its lists were dropped just now (an abort read on the progress thread): below
                     continue
-                r["ready_at"] = ready_at
                 spans.append((a, r["row"], lo, hi))
                 if last:
                     pools.aux[r["row"]] = a.index % 251 + 1
