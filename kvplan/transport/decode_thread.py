@@ -22,7 +22,6 @@ only a message can arrive). It never spins, and it leaves Python's lock to the c
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -30,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..errors import KvplanError
 from .pause import FIRST_S, LONGEST_S, hot_seconds
+from .wake import WakePipe
 
 if TYPE_CHECKING:
     from .decode import DecodeEndpoint
@@ -63,9 +63,7 @@ class DecodeProgress:
         self._ended: dict[Any, str | None] = {}
         self.gone: frozenset[int] = frozenset()  # senders whose connection was lost, as of the last look
         self._closing = False
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._wakeup = WakePipe()
         self._hot_s = hot_seconds()
         self._slice = FIRST_S
         self.thread = threading.Thread(target=self._run, name="kvplan-decode-progress", daemon=True)
@@ -107,17 +105,10 @@ class DecodeProgress:
         self._closing = True
         self._wake()
         self.thread.join(timeout)
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        self._wakeup.close()
 
     def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"x")
-        except (BlockingIOError, OSError):  # (full: the thread is woken already)
-            pass
+        self._wakeup.wake()
 
     # -- the thread --------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -194,21 +185,4 @@ class DecodeProgress:
         if self._slice < 1e-3:
             time.sleep(self._slice)
             return
-        import zmq
-
-        poller = zmq.Poller()
-        poller.register(self._wake_r, zmq.POLLIN)
-        slice_s = self._slice
-        for c in ep.channels:
-            socket = getattr(c, "socket", None)
-            if socket is not None:
-                poller.register(socket, zmq.POLLIN)
-            else:  # (tests' in-memory channels: no socket to poll)
-                slice_s = min(slice_s, 1e-3)
-        ready = dict(poller.poll(max(1, round(slice_s * 1000))))
-        if self._wake_r in ready:
-            try:
-                while os.read(self._wake_r, 4096):
-                    pass
-            except (BlockingIOError, OSError):
-                pass
+        self._wakeup.wait(ep.channels, self._slice)

@@ -42,6 +42,7 @@ import torch
 
 from ..errors import KvplanError, PlanError
 from .handles import SendHandle
+from .wake import WakePipe
 
 if TYPE_CHECKING:
     from .prefill import PrefillEndpoint
@@ -79,9 +80,7 @@ class ProgressThread:
         self.errors: deque[BaseException] = deque()  # registrations refused (LayoutError), for the caller
         self.completed: deque[SendHandle] = deque()  # handles that ended, for PrefillEndpoint.completed()
         self._closing = False
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._wakeup = WakePipe()
         self._thread = threading.Thread(target=self._run, name="kvplan-prefill-progress", daemon=True)
         self._thread.start()
 
@@ -130,17 +129,10 @@ class ProgressThread:
         self._closing = True
         self._wake()
         self._thread.join(timeout)
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        self._wakeup.close()
 
     def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"x")
-        except (BlockingIOError, OSError):  # (the pipe is full: the thread is woken already)
-            pass
+        self._wakeup.wake()
 
     def _refuse(self, job: _Job) -> None:
         """More than ``max_in_flight`` batches: this one is refused whole, nothing planned or sent."""
@@ -238,23 +230,4 @@ class ProgressThread:
 
     def _wait(self, timeout: float) -> None:
         """Block up to ``timeout`` until a control channel can be read or the caller wakes this thread."""
-        import zmq
-
-        poller = zmq.Poller()
-        poller.register(self._wake_r, zmq.POLLIN)
-        waits = []
-        for channel in [p.channel for p in self.ep.peers] + [c for c, _ in self.ep._pairing]:
-            socket = getattr(channel, "socket", None)
-            if socket is not None:
-                poller.register(socket, zmq.POLLIN)
-            else:
-                waits.append(channel)
-        if waits:  # (in-memory channels of tests: no socket to poll)
-            timeout = min(timeout, 1e-3)
-        ready = dict(poller.poll(max(1, round(timeout * 1000))))
-        if self._wake_r in ready:
-            try:
-                while os.read(self._wake_r, 4096):
-                    pass
-            except (BlockingIOError, OSError):
-                pass
+        self._wakeup.wait([p.channel for p in self.ep.peers] + [c for c, _ in self.ep._pairing], timeout)

@@ -21,6 +21,14 @@ from tests.integrations.test_sglang_adapter import _free_managers, _manager, fre
 from tests.sglang_real import sglang_module
 
 pytestmark = [pytest.mark.sglang, pytest.mark.engines]
+
+
+@pytest.fixture(autouse=True)
+def _sglang_first():
+    """SGLang imported the tests' way (tests.sglang_real: skipped where it is not installed) before a test
+    imports the adapter: imported first by the adapter, it fails on a module this machine lacks
+    (torchvision), as these tests did when one of them was the first a worker ran."""
+    sglang_module("srt.disaggregation.base.conn")
 DOC = Path(__file__).resolve().parents[2] / "docs" / "sglang.md"
 # the scheduler sources issue 36 names, and the names they give a manager, sender or receiver
 SOURCES = ("disaggregation/prefill.py", "disaggregation/decode.py", "disaggregation/decode_schedule_batch_mixin.py",
