@@ -341,7 +341,8 @@ def _load(args: argparse.Namespace) -> int:
                         prefix_share=args.prefix_share, fault_every=args.fault_every, kill_at=args.kill_at,
                         rows=args.rows, queue=args.queue, timeout=args.timeout, seed=args.seed, host=host,
                         forward_tokens_per_s=args.forward_tokens_per_s, staging_mib=args.staging_mib,
-                        engine_extra=tuple(args.engine_setting), integrity=args.integrity)
+                        engine_extra=tuple(args.engine_setting), integrity=args.integrity,
+                        merge_ready=not args.chunk_per_turn, in_flight=args.in_flight, warm_up=not args.no_warm_up)
     if args.metrics_port is not None:
         try:
             import prometheus_client  # noqa: F401
@@ -543,6 +544,13 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--queue", type=_non_negative, default=0,
                       help="arrivals a decode lets wait for a row; one more is refused as overload at once "
                            "(default: 0, as many as --rows)")
+    load.add_argument("--chunk-per-turn", action="store_true",
+                      help="send one chunk of a request per batch even when more of it is ready (default: every "
+                           "ready chunk of a request as one span)")
+    load.add_argument("--no-warm-up", action="store_true",
+                      help="skip both sides' warm_up() at start (kernels compile and graphs are captured in the run)")
+    load.add_argument("--in-flight", type=_positive, default=2,
+                      help="the prefill's batches submitted and not ended at once (default: 2)")
     load.add_argument("--forward-tokens-per-s", type=_positive_float, default=100_000.0,
                       help="the stand-in forward pass's speed (default: 100000)")
     load.add_argument("--staging-mib", type=_positive, default=32,

@@ -87,6 +87,9 @@ class LoadConfig:
     host: str = "127.0.0.1"
     engine_extra: tuple[tuple[str, Any], ...] = ()
     integrity: bool = False  # per-request checksums compared at decode-ready (kvplan.transport.integrity)
+    merge_ready: bool = True  # a request's chunks that are ready together go as one span (False: one chunk a turn)
+    in_flight: int = 2  # the prefill's batches submitted and not yet ended; what is ready meanwhile waits for the next
+    warm_up: bool = True  # both sides' warm_up() before the run, as a serving engine at start-up (kernels, graphs)
 
     def resolved_device(self) -> str:
         return ("cuda" if torch.cuda.is_available() else "cpu") if self.device == "auto" else self.device
@@ -127,8 +130,8 @@ def schedule(config: LoadConfig) -> list[Arrival]:
         out.append(Arrival(k, f"q{k}", at, length, prefix, int(rng.integers(config.decodes)), fault))
 
 
+WARM_TRANSFERS = 256  # the largest batch both sides' warm-up readies (a turn's batch is rarely larger)
 HOST_CHECK_EVERY = 16  # every n-th request's bytes are checked on the host too, one torch call per entry
-IN_FLIGHT = 2  # the prefill's batches moving at once: what is ready meanwhile goes together in the next
 SLOW = 20  # a faulted request's stand-in forward pass runs this many times slower: its fault lands mid-transfer
 
 
@@ -326,6 +329,8 @@ def decode_process(config: LoadConfig, index: int, conn) -> None:
         endpoint = DecodeEndpoint(pools.side, engine, channel, staging, integrity=config.integrity)
         conn.send(("port", channel.port))
         endpoint.register(timeout=config.timeout + 60)
+        if config.warm_up:
+            endpoint.warm_up(WARM_TRANSFERS, config.prompt_max, timeout=config.timeout + 60)
         endpoint.start()  # its progress thread owns the channels and the engine from here: the calls below return at once
         conn.send(("ready",))
         started = _go(conn, config.timeout + 120)
@@ -333,6 +338,7 @@ def decode_process(config: LoadConfig, index: int, conn) -> None:
         arrivals = deque(a for a in schedule(config) if a.decode == index)
         live: dict[str, tuple[Arrival, int, list[int]]] = {}
         aborts = {}  # requests with an abort on the schedule, not yet ended: when it is due
+        publishes: dict[str, float] = {}  # live requests: when they were published
         unfenced: dict[str, float] = {}  # failed requests whose pages wait for their fence: since when
         outcomes: dict[str, dict[str, Any]] = {}
         samples, quarantined, next_sample = [], 0, 0.0
@@ -366,8 +372,10 @@ def decode_process(config: LoadConfig, index: int, conn) -> None:
                     with caller:
                         endpoint.publish([PreallocatedRequest(a.request, row, a.prompt_len, a.prefix_len, aux_index=row)
                                           for a, row, _ in group], timeout=deadline)
+            published_at = time.monotonic()
             for a, row, pages in due:
                 live[a.request] = (a, row, pages)
+                publishes[a.request] = published_at
                 if a.fault == "abort":
                     aborts[a.request] = fault_at(config, a)
             for request in [r for r, at in aborts.items() if now > at]:
@@ -382,8 +390,9 @@ def decode_process(config: LoadConfig, index: int, conn) -> None:
                     continue
                 aborts.pop(request, None)
                 a, row, pages = live[request]
+                published = publishes.pop(request, None)
                 if reason is None:
-                    outcomes[request] = {"state": "complete", "at": time.monotonic()}
+                    outcomes[request] = {"state": "complete", "at": time.monotonic(), "published": published}
                     complete.append((a, row))
                 else:
                     outcomes[request] = {"state": "failed", "at": time.monotonic(), "reason": reason}
@@ -438,6 +447,8 @@ def prefill_process(config: LoadConfig, ports: list[int], conn) -> None:
         device, pools, staging, engine = _side(config, "load-prefill", config.rows * config.decodes)
         endpoint = PrefillEndpoint(pools.side, engine, [ControlChannel(p, host=config.host) for p in ports], staging)
         endpoint.accept(timeout=config.timeout + 60)
+        if config.warm_up:
+            endpoint.warm_up(WARM_TRANSFERS, config.prompt_max, timeout=config.timeout + 60)
         conn.send(("ready",))
         started = _go(conn, config.timeout + 120)
         profile = Profile("load-prefill").__enter__()
@@ -462,6 +473,7 @@ def prefill_process(config: LoadConfig, ports: list[int], conn) -> None:
                 if request in peer.lists and (got := pools.take(a.prompt_len)) is not None:
                     del waiting[request]
                     live[request] = {"arrival": a, "row": got[0], "pages": got[1], "next": a.prefix_len, "moving": 0,
+                                     "taken": time.monotonic(),
                                      "ready_at": now + compute_s(config, a, min(grain, a.prompt_len - a.prefix_len))}
                 elif peer.dropped or now > a.at + config.timeout:
                     del waiting[request]
@@ -480,14 +492,19 @@ def prefill_process(config: LoadConfig, ports: list[int], conn) -> None:
             for request, r in live.items():
                 a = r["arrival"]
                 if request in outcomes or r["next"] >= a.prompt_len or r["ready_at"] > now \
-                        or endpoint.in_flight() >= IN_FLIGHT:
-                    continue  # (with IN_FLIGHT batches moving, what is ready waits for the next: one larger batch)
+                        or endpoint.in_flight() >= config.in_flight:
+                    continue  # (with in_flight batches moving, what is ready waits for the next: one larger batch)
                 if request not in endpoint.peers[a.decode].lists:  # aborted (read next turn), or its decode is gone
                     if endpoint.peers[a.decode].dropped:
                         outcomes[request] = {"state": "failed", "reason": "the decode side is gone: its lists were dropped"}
                     continue
-                lo = r["next"]
-                hi = min(lo + grain, a.prompt_len)
+                lo, hi, ready = r["next"], r["next"], r["ready_at"]
+                while True:  # the chunks ready by now, as one span (or the first of them alone)
+                    hi = min(hi + grain, a.prompt_len)
+                    span_ready = ready
+                    ready += compute_s(config, a, min(grain, a.prompt_len - hi))  # the next chunk's
+                    if hi >= a.prompt_len or not config.merge_ready or ready > now:
+                        break
                 last = hi >= a.prompt_len
                 try:
                     with caller:
@@ -498,10 +515,11 @@ def prefill_process(config: LoadConfig, ports: list[int], conn) -> None:
                 spans.append((a, r["row"], lo, hi))
                 if last:
                     pools.aux[r["row"]] = a.index % 251 + 1
-                    last_ready[request] = started + r["ready_at"]
+                    last_ready[request] = started + span_ready
+                    r["last_submitted"] = time.monotonic()
                 r["next"] = hi
                 r["moving"] += 1
-                r["ready_at"] += compute_s(config, a, min(grain, a.prompt_len - hi))
+                r["ready_at"] = ready
             pools.write_many(spans)  # the stand-in forward pass of the turn's chunks, one write
             if chunks:  # (the stand-in forward pass's writes are ordered before it: submit waits for this stream)
                 with caller:
@@ -520,7 +538,9 @@ def prefill_process(config: LoadConfig, ports: list[int], conn) -> None:
                     if reason is not None and t.request not in outcomes:
                         outcomes[t.request] = {"state": "failed", "reason": reason}
                     elif t.last and reason is None:
-                        outcomes[t.request] = {"state": "sent", "ready": ready[t.request]}
+                        r = live[t.request]
+                        outcomes[t.request] = {"state": "sent", "ready": ready[t.request], "taken": r["taken"],
+                                               "submitted": r["last_submitted"], "ended": time.monotonic()}
             for request in [r for r, x in live.items() if r in outcomes and not x["moving"]]:
                 r = live.pop(request)
                 pools.give(r["row"], r["pages"])
@@ -556,6 +576,7 @@ class LoadReport:
     faults: dict[str, int] = field(default_factory=dict)  # injected, by kind
     stats: dict[str, dict[str, Any]] = field(default_factory=dict)  # per process, its endpoint's counters at the end
     latency_ms: dict[str, float] = field(default_factory=dict)  # p50, p99: last chunk ready -> decode complete
+    phases_ms: dict[str, dict[str, float]] = field(default_factory=dict)  # where a completed request's time went (PHASES)
     throughput: dict[str, float] = field(default_factory=dict)
     quarantined: int = 0
     unsettled: int = 0
@@ -610,6 +631,9 @@ class LoadReport:
                + (" (CPU, Triton interpreter: not a speed measurement)" if cpu else ""),
                f"latency       p50 {self.latency_ms.get('p50', float('nan')):.2f} ms, "
                f"p99 {self.latency_ms.get('p99', float('nan')):.2f} ms (last chunk ready -> decode complete)"]
+        if self.phases_ms:
+            out.append("phases        " + ", ".join(f"{name} p50 {v['p50']:.1f} p99 {v['p99']:.1f} ms"
+                                                    for name, v in self.phases_ms.items()))
         caller = self.caller_us_per_request()
         if caller:
             order = sorted(caller.items(), key=lambda item: (item[0] != "prefill", item[0]))
@@ -624,6 +648,14 @@ class LoadReport:
                            f"{b.get('engine_regions')}, handles {a.get('engine_handles')}->{b.get('engine_handles')}")
         out.append("result        " + ("OK" if self.ok else "PROBLEMS: " + "; ".join(self.problems)))
         return out
+
+
+PHASES = {  # a completed request's life, each phase (start, end) on the host's one monotonic clock
+    "published->taken": ("published", "taken"),  # the decode's publish until the prefill had its lists and a row
+    "taken->last submitted": ("taken", "submitted"),  # its earlier chunks' batches, and waits for a batch slot
+    "last submitted->sent": ("submitted", "ended"),  # its last chunk's batch, submit to the prefill reading it ended
+    "last submitted->complete": ("submitted", "at"),  # ... to the decode's poll returning it complete
+}
 
 
 def _counts(counts: dict[str, int]) -> str:
@@ -759,7 +791,7 @@ def _collect(config: LoadConfig, procs: list[tuple[Any, Any, str]], started: flo
         report.resources[f"decode {k}"] = samples
         report.quarantined += quarantined
         report.unsettled += unsettled
-    latencies, moved = [], 0
+    latencies, moved, phases = [], 0, {}
     for request, a in arrivals.items():
         if a.fault:
             report.faults[a.fault] = report.faults.get(a.fault, 0) + 1
@@ -778,6 +810,10 @@ def _collect(config: LoadConfig, procs: list[tuple[Any, Any, str]], started: flo
                 report.problems.append(f"request {request}: its {a.fault} fault was not observed")
             if there.get("state") == "sent":
                 latencies.append((here["at"] - there["ready"]) * 1e3)
+                stamps = {**there, **here}
+                for name, (start, end) in PHASES.items():
+                    if stamps.get(start) is not None and stamps.get(end) is not None:
+                        phases.setdefault(name, []).append((stamps[end] - stamps[start]) * 1e3)
             moved += (a.prompt_len - a.prefix_len) * 2 * config.layers * config.token_bytes
             continue
         reason = (here or {}).get("reason") or there.get("reason") or "no outcome"
@@ -791,6 +827,8 @@ def _collect(config: LoadConfig, procs: list[tuple[Any, Any, str]], started: flo
     if latencies:
         report.latency_ms = {"p50": round(float(np.percentile(latencies, 50)), 3),
                              "p99": round(float(np.percentile(latencies, 99)), 3)}
+    report.phases_ms = {name: {"p50": round(float(np.percentile(v, 50)), 3), "p99": round(float(np.percentile(v, 99)), 3)}
+                        for name, v in phases.items()}
     # over the run as it went: from the start to the last completion (a run that cannot keep up takes longer
     # than its arrivals)
     ends = [o["at"] for o in done.values() if o["state"] == "complete"]

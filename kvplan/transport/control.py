@@ -45,7 +45,8 @@ class ControlChannel:
     prefill side connects (either end may bind: the SGLang adapter binds the prefill's bootstrap port).
 
     ZeroMQ's own heartbeats run both ways (every 0.2 s; a peer silent for ``peer_timeout`` seconds
-    is dropped), and a monitor watches the connection: :meth:`peer_gone` turns true within about
+    is dropped; they are answered by ZeroMQ's I/O thread, so a peer whose owner is busy, however many
+    messages wait for it, is not silent: its receive queue has no bound), and a monitor watches the connection: :meth:`peer_gone` turns true within about
     ``peer_timeout`` of the peer dying or hanging, and at once when its process exits. A bound
     channel takes a new peer once the old one is gone (a restarted process connecting to the same
     port); :meth:`replaced` says when that happened, so that the owner can pair again. Messages
@@ -73,6 +74,11 @@ class ControlChannel:
         self.socket.setsockopt(zmq.HEARTBEAT_IVL, min(200, ms))
         self.socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, ms)
         self.socket.setsockopt(zmq.HEARTBEAT_TTL, ms)
+        # no bound on what waits to be read: at ZeroMQ's default (1,000 messages) a connection whose owner
+        # reads late stops reading the wire, its peer's heartbeats go unanswered, and after peer_timeout
+        # both ends drop it with what it held, a busy live peer taken for a dead one. (A bound per peer
+        # against one that floods belongs with the control plane's other bounds: docs/failures.md §10.)
+        self.socket.setsockopt(zmq.RCVHWM, 0)
         self._monitor = self.socket.get_monitor_socket(
             zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self._connected = False

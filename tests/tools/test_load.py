@@ -94,6 +94,11 @@ def test_an_overloaded_run_refuses_the_excess_as_overload_and_every_table_drains
         assert samples[-1]["tracked" if who != "prefill" else "lists"] == 0
     decodes = [s for who, s in report.stats.items() if who != "prefill"]
     assert sum(s["failures"].get("overload", 0) for s in decodes) == report.failures["overload"]
+    # where the completed requests' time went: every phase measured, none negative
+    phases = report.phases_ms
+    assert set(phases) == {"published->taken", "taken->last submitted", "last submitted->sent",
+                           "last submitted->complete"}, phases
+    assert all(0 <= v["p50"] <= v["p99"] for v in phases.values()), phases
 
 
 def test_the_stand_in_writes_and_checks_a_turn_at_once_as_the_host_check_does_request_by_request():

@@ -79,3 +79,31 @@ def test_a_peer_s_pipe_that_goes_away_between_the_poll_and_the_send_is_a_wait_no
     finally:
         bound.close()
         peer.close()
+
+
+def test_a_peer_that_reads_late_is_not_taken_for_gone_and_loses_no_message():
+    """A receiver whose thread is busy (a batch, a kernel compile) while thousands of messages come must
+    not look gone: with ZeroMQ's default receive bound (1,000 messages) its connection stopped reading,
+    its heartbeats went unanswered, and after ``peer_timeout`` both ends dropped the connection and the
+    messages queued in it (seen on an H200 at 1,000 requests/s: every request failed as "the prefill
+    side is gone")."""
+    bound = ControlChannel(host="127.0.0.1")
+    peer = ControlChannel(bound.port, host="127.0.0.1")
+    try:
+        peer.send("hello", {}, timeout=5)
+        assert bound.recv(time.monotonic() + 5)[0] == "hello"
+        body = {"pad": "x" * 400}
+        sent, started = 0, time.monotonic()
+        while time.monotonic() - started < 2.5:  # the bound end reads nothing meanwhile
+            for _ in range(1000):
+                peer.send("lists", {"n": sent, **body}, timeout=5)
+                sent += 1
+            time.sleep(0.01)
+        assert not peer.peer_gone() and not bound.peer_gone()
+        for n in range(sent):
+            kind, header, _ = bound.recv(time.monotonic() + 5)
+            assert (kind, header["n"]) == ("lists", n)
+        assert not peer.peer_gone() and not bound.peer_gone()
+    finally:
+        peer.close()
+        bound.close()
