@@ -41,7 +41,7 @@ import torch
 from ..errors import InputError, KvplanError
 from ..planner.destinations import PreallocatedRequest
 from ..planner.model import Attention, Entry, KVLayout, SideMemory
-from ..transport.control import ControlChannel
+from ..transport.control import MAX_REFUSED, ControlChannel
 from ..transport.endpoints import Chunk, DecodeEndpoint, PrefillEndpoint
 from ..transport.engines import make_engine
 from ..transport.stats import cause_of
@@ -356,13 +356,17 @@ def decode_process(config: LoadConfig, index: int, conn) -> None:
             # admission: at most `queue` arrivals wait for a row; the newest beyond are refused at once, before
             # any of their pages exist, so that those admitted meet their deadlines
             waiting = [a for a in itertools.takewhile(lambda a: a.at <= now, arrivals)]
-            for a in waiting[bound:]:
-                arrivals.remove(a)
+            if len(waiting) > bound:  # (one message for all of a turn's refusals)
                 reason = (f"overload: {len(waiting)} requests wait for a row at decode {index} (its queue holds "
                           f"{bound}); refused before any page was taken")
-                outcomes[a.request] = {"state": "failed", "at": time.monotonic(), "reason": reason}
+                refused = waiting[bound:][:MAX_REFUSED]
+                kept = [arrivals.popleft() for _ in range(bound)]  # (the refused follow the kept in arrivals)
+                for a in refused:
+                    arrivals.popleft()
+                    outcomes[a.request] = {"state": "failed", "at": time.monotonic(), "reason": reason}
+                arrivals.extendleft(reversed(kept))
                 with caller:
-                    endpoint.refuse(a.request, reason)
+                    endpoint.refuse_all([a.request for a in refused], reason)
             # every due request in one publish (one launch of the destination-list kernels); a request whose
             # deadline fault cuts its deadline short is published alone, with that deadline
             for group in ([d for d in due if d[0].fault != "deadline"], *([d] for d in due if d[0].fault == "deadline")):

@@ -13,9 +13,11 @@ from typing import Any
 
 from ..errors import KvplanError
 
-__all__ = ["ControlChannel", "ControlTimeout", "named_request"]
+__all__ = ["ControlChannel", "ControlTimeout", "MAX_REFUSED", "named_request"]
 
 log = logging.getLogger("kvplan")
+
+MAX_REFUSED = 4096  # requests one "refuse" message names at most (a sender keeps the last 4096 refused)
 
 
 class ControlTimeout(KvplanError, TimeoutError):

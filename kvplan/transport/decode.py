@@ -39,7 +39,7 @@ from ..planner.pairing import pair_sides
 from ..planner.tensor_slices import partner_rank
 from .decode_thread import DecodeProgress
 from .completion import CompletionTracker, SectionNote, decode_notification, note_of
-from .control import ControlChannel, ControlTimeout, named_request
+from .control import MAX_REFUSED, ControlChannel, ControlTimeout, named_request
 from .copy_graphs import CopyGraphs, capture_copy, copy_graphs_enabled, upload_graph
 from .engines import Engine, TransferError, is_unsafe
 from .landing import LandingGuard
@@ -265,20 +265,37 @@ class DecodeEndpoint:
     def refuse(self, request: Any, reason: str, peer: int = 0) -> None:
         """Tell sender ``peer`` that ``request``, which this side never published, will not be: it must
         not wait for its lists (an admission bound, such as a full queue: ``reason`` says which). The
-        sender keeps it in :attr:`PrefillEndpoint.refused`. Nothing of it is tracked here.
+        sender keeps it in :attr:`PrefillEndpoint.refused`. Nothing of it is tracked here, and nothing
+        is acknowledged (no page of it exists to fence). Several at once: :meth:`refuse_all`.
 
         Example::
 
             decode.refuse("req-9", "overload: 64 requests wait for a row here")
         """
-        if self._threaded(lambda: self.refuse(request, reason, peer)):
+        self.refuse_all([request], reason, peer)
+
+    def refuse_all(self, requests: Sequence[Any], reason: str, peer: int = 0) -> None:
+        """:meth:`refuse` for every request of ``requests`` in one control message (an overloaded
+        decode refuses thousands a second: one message each, and an acknowledgement each, took the
+        sender's thread from its batches).
+
+        Example::
+
+            decode.refuse_all(["req-9", "req-10"], "overload: 64 requests wait for a row here")
+        """
+        requests = list(requests)
+        if not requests:
+            return
+        if len(requests) > MAX_REFUSED:
+            raise ValueError(f"at most {MAX_REFUSED} requests are refused in one call, got {len(requests)}")
+        if self._threaded(lambda: self.refuse_all(requests, reason, peer)):
             return
         try:
-            self.channels[peer].send("abort", {"request": request, "reason": reason, "refused": True},
-                                     timeout=POLL_S)
+            self.channels[peer].send("refuse", {"requests": requests, "reason": reason}, timeout=POLL_S)
         except ControlTimeout as err:
-            log.warning("request %r: the refusal could not be sent to sender %d: %s", request, peer, err)
-        self.tracker.stats.failed(reason)
+            log.warning("%d requests (%r first): the refusal could not be sent to sender %d: %s", len(requests),
+                        requests[0], peer, err)
+        self.tracker.stats.failed(reason, len(requests))
 
     def fenced(self, request: Any) -> bool:
         """Whether no write into ``request``'s pages can still land: every sender it was published to

@@ -51,7 +51,7 @@ from ..planner.isolate import plan_each
 from ..planner.plan import DestinationLists
 from .ahead import AheadGatherer, GatherAhead
 from .completion import encode_notification
-from .control import ControlChannel, ControlTimeout, named_request
+from .control import MAX_REFUSED, ControlChannel, ControlTimeout, named_request
 from .copy_graphs import CopyGraphs, copy_graphs_enabled
 from .decode import engine_regions
 from .engines import Engine, Handle, is_unsafe, wait_all
@@ -380,7 +380,9 @@ class PrefillEndpoint:
                     if (request := self._on_request(k, header, frames)) is not None:
                         arrived.append((k, request))
                 elif kind == "abort" and (request := named_request(header)) is not None:
-                    self._on_abort(k, request, str(header.get("reason") or "aborted"), header.get("refused") is True)
+                    self._on_abort(k, request, str(header.get("reason") or "aborted"))
+                elif kind == "refuse":
+                    self._on_refuse(k, header)
             if p.side is not None and not p.dropped and p.channel.peer_gone():
                 self._drop(k)
         return arrived
@@ -422,7 +424,7 @@ class PrefillEndpoint:
         self._sums.drop([key for key in self._sums.keys() if key[0] == k])
         p.name, p.prepared, p.dropped = None, False, True  # (its layout stays: the planner pairs every peer)
 
-    def _on_abort(self, k: int, request: Any, reason: str, refused: bool = False) -> None:
+    def _on_abort(self, k: int, request: Any, reason: str) -> None:
         """A decode endpoint aborted ``request``: nothing more of it goes there, and it is told so at
         once ("abort-ack"). The acknowledgement is its fence: ``send`` returns only once every write it
         posted has ended, so when this runs no write into the request's pages is in flight, unless one
@@ -436,13 +438,28 @@ class PrefillEndpoint:
             self._aborts.append((k, request, reason))
         else:
             self.given_up.append((k, request))
-            if refused:  # never published: its decode will not take it (DecodeEndpoint.refuse), and says why
-                self.refused.append((k, request, reason))
         try:
             self.peers[k].channel.send("abort-ack", {"request": request, "fenced": request not in self.unsafe},
                                        timeout=ACK_S)
         except KvplanError as err:  # the decode side is gone or stuck: it cannot be told; its pages are its own
             log.warning("request %r: the abort could not be acknowledged: %s", request, err)
+
+    def _on_refuse(self, k: int, header: dict[str, Any]) -> None:
+        """A decode endpoint refused requests it never published (``DecodeEndpoint.refuse_all``, an
+        admission bound there): each goes to :attr:`refused` and :attr:`given_up`, unacknowledged, since
+        no page of them exists. One it did publish here is taken as aborted (acknowledged, its fence)."""
+        requests, reason = header.get("requests"), str(header.get("reason") or "refused")
+        if not isinstance(requests, list):
+            return
+        for request in requests[:MAX_REFUSED]:
+            request = named_request({"request": request})
+            if request is None:
+                continue
+            if request in self.peers[k].lists:
+                self._on_abort(k, request, reason)
+            else:
+                self.given_up.append((k, request))
+                self.refused.append((k, request, reason))
 
     def _on_register(self, k: int, header: dict[str, Any], frames: list[bytes]) -> None:
         """Pair with decode endpoint ``k`` from its registration; one that is malformed or cannot pair

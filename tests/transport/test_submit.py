@@ -199,7 +199,8 @@ def test_send_after_a_submit_goes_through_the_thread_and_a_bad_batch_raises_from
 
 def test_a_request_its_decode_refused_before_publishing_it_reaches_the_caller_with_the_reason():
     """DecodeEndpoint.refuse: an admission bound on the decode side (a full queue) refuses a request it
-    never published; its sender keeps it in ``refused`` and acknowledges it (nothing of it exists)."""
+    never published; its sender keeps it in ``refused``, unacknowledged (nothing of it exists to fence).
+    Several refused at once travel in one message; one the decode did publish is taken as aborted."""
     from kvplan.transport.decode import DecodeEndpoint
 
     prefill, engine, decode, chunks, (src_pool, dst_pool) = _pair(requests=("r1",))
@@ -207,6 +208,10 @@ def test_a_request_its_decode_refused_before_publishing_it_reaches_the_caller_wi
     endpoint.refuse("r9", "overload: 3 requests wait for a row here")
     prefill.progress()
     assert list(prefill.refused) == [(0, "r9", "overload: 3 requests wait for a row here")]
-    assert ("abort-ack", {"request": "r9", "fenced": True}) in [(m[0], m[1]) for m in [decode.try_recv(),
-                                                                                        decode.try_recv()] if m]
-    assert endpoint.stats()["failures"] == {"overload": 1}
+    assert _messages(decode, "abort-ack") == []  # nothing of r9 exists to fence
+    endpoint.refuse_all(["r10", "r11", "r1"], "overload: full")
+    prefill.progress()
+    assert [r for _, r, _ in prefill.refused] == ["r9", "r10", "r11"]
+    assert _messages(decode, "abort-ack") == [{"request": "r1", "fenced": True}]  # r1 was published: aborted
+    assert not prefill.published_by_all("r1")
+    assert endpoint.stats()["failures"] == {"overload": 4}
