@@ -50,6 +50,7 @@ from ..planner.pairing import Mode, pair_sides
 from ..planner.reference import plan_reference
 from ..planner.tensor_slices import partner_rank
 from .scenarios import PRESETS, ModelShape, build_batch, materialize, paired_ranks
+from ..profiling import Profile
 from ..transport.control import ControlChannel
 from ..transport.endpoints import Chunk, DecodeEndpoint, PrefillEndpoint
 from ..transport.engines import make_engine
@@ -303,37 +304,6 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:  # a host name: UCX chooses
         return False
-
-
-class Profile:
-    """cProfile of a demo process's transfer loop when ``KVPLAN_PROFILE`` names a folder: the
-    functions with the most own time, then the most time under them, go to ``<folder>/<side>.txt``."""
-
-    def __init__(self, side: str):
-        self.folder, self.side = os.environ.get("KVPLAN_PROFILE"), side
-        self.profiler = None
-
-    def __enter__(self) -> "Profile":
-        if self.folder:
-            import cProfile
-
-            self.profiler = cProfile.Profile()
-            self.profiler.enable()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.profiler is None:
-            return
-        import io
-        import pstats
-
-        self.profiler.disable()
-        text = io.StringIO()
-        for order in ("tottime", "cumulative"):
-            pstats.Stats(self.profiler, stream=text).sort_stats(order).print_stats(40)
-        os.makedirs(self.folder, exist_ok=True)
-        with open(os.path.join(self.folder, f"{self.side}.txt"), "w") as out:
-            out.write(text.getvalue())
 
 
 def source_pools(config: DemoConfig, batch: Batch, device: str, rank: int) -> tuple[SideMemory, list[torch.Tensor]]:

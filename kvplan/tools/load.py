@@ -45,7 +45,8 @@ from ..transport.control import MAX_REFUSED, ControlChannel
 from ..transport.endpoints import Chunk, DecodeEndpoint, PrefillEndpoint
 from ..transport.engines import make_engine
 from ..transport.stats import cause_of
-from .demo import Profile, is_loopback
+from ..profiling import Profile
+from .demo import is_loopback
 from .target_process import child_message, child_pipe, start_child
 
 __all__ = ["Arrival", "LoadConfig", "LoadReport", "run_load", "schedule"]

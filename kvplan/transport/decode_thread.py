@@ -22,12 +22,14 @@ only a message can arrive). It never spins, and it leaves Python's lock to the c
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..errors import KvplanError
+from ..profiling import Profile
 from .pause import FIRST_S, LONGEST_S, hot_seconds
 from .wake import WakePipe
 
@@ -112,6 +114,10 @@ class DecodeProgress:
 
     # -- the thread --------------------------------------------------------------------------------
     def _run(self) -> None:
+        with Profile(f"decode-progress-{os.getpid()}"):  # (KVPLAN_PROFILE names a folder)
+            self._loop()
+
+    def _loop(self) -> None:
         ep = self.ep
         while not self._closing:
             try:

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 
 from ..errors import KvplanError, PlanError
+from ..profiling import Profile
 from .handles import SendHandle
 from .wake import WakePipe
 
@@ -146,6 +147,10 @@ class ProgressThread:
 
     # -- the thread ----------------------------------------------------------------------------------
     def _run(self) -> None:
+        with Profile(f"prefill-progress-{os.getpid()}"):  # (KVPLAN_PROFILE names a folder)
+            self._loop()
+
+    def _loop(self) -> None:
         last = time.monotonic()
         while not self._closing:
             try:

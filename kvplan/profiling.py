@@ -1,0 +1,48 @@
+"""cProfile of one thread of a kvplan process when ``KVPLAN_PROFILE`` names a folder (off otherwise).
+
+The demo's and ``kvplan load``'s processes profile their own loops; the endpoints' progress threads
+(where a batch is planned, posted and settled) profile themselves, each to a file of its own, since
+cProfile sees only the thread it was enabled on.
+
+Example::
+
+    with Profile("decode"):  # KVPLAN_PROFILE=/tmp/prof writes /tmp/prof/decode.txt at the end
+        run_loop()
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["Profile"]
+
+
+class Profile:
+    """The functions with the most own time, then the most time under them (waits included), written
+    to ``<KVPLAN_PROFILE>/<name>.txt`` when the block ends."""
+
+    def __init__(self, name: str):
+        self.folder, self.name = os.environ.get("KVPLAN_PROFILE"), name
+        self.profiler = None
+
+    def __enter__(self) -> "Profile":
+        if self.folder:
+            import cProfile
+
+            self.profiler = cProfile.Profile()
+            self.profiler.enable()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.profiler is None:
+            return
+        import io
+        import pstats
+
+        self.profiler.disable()
+        text = io.StringIO()
+        for order in ("tottime", "cumulative"):
+            pstats.Stats(self.profiler, stream=text).sort_stats(order).print_stats(40)
+        os.makedirs(self.folder, exist_ok=True)
+        with open(os.path.join(self.folder, f"{self.name}.txt"), "w") as out:
+            out.write(text.getvalue())
