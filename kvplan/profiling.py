@@ -2,7 +2,9 @@
 
 The demo's and ``kvplan load``'s processes profile their own loops; the endpoints' progress threads
 (where a batch is planned, posted and settled) profile themselves, each to a file of its own, since
-cProfile sees only the thread it was enabled on.
+cProfile sees only the thread it was enabled on. From Python 3.12 on a process may run one profiler at a
+time: ``KVPLAN_PROFILE_ONLY`` (a name's start, such as ``prefill-progress``) picks which blocks profile,
+and a block that finds another profiler running logs so and runs unprofiled.
 
 Example::
 
@@ -12,9 +14,12 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import os
 
 __all__ = ["Profile"]
+
+log = logging.getLogger("kvplan")
 
 
 class Profile:
@@ -23,6 +28,8 @@ class Profile:
 
     def __init__(self, name: str):
         self.folder, self.name = os.environ.get("KVPLAN_PROFILE"), name
+        if not name.startswith(os.environ.get("KVPLAN_PROFILE_ONLY", "")):
+            self.folder = None
         self.profiler = None
 
     def __enter__(self) -> "Profile":
@@ -30,7 +37,11 @@ class Profile:
             import cProfile
 
             self.profiler = cProfile.Profile()
-            self.profiler.enable()
+            try:
+                self.profiler.enable()
+            except ValueError as err:  # (3.12+: another block of this process profiles)
+                log.warning("%s runs unprofiled: %s", self.name, err)
+                self.profiler = None
         return self
 
     def __exit__(self, *exc) -> None:

@@ -436,6 +436,7 @@ def decode_process(config: LoadConfig, index: int, conn) -> None:
             endpoint.wait_ended(min(until_next if until_next > 0 else TURN_S, FENCE_LOOK_S if unfenced else TURN_S))
         profile.__exit__(None, None, None)
         endpoint.close()
+        endpoint.log_trace()  # (KVPLAN_TRACE: each wave's steps here, logged once the run's timing is taken)
         samples.append(_resources(engine, endpoint, started))
         conn.send(("progress", {**endpoint.stats(), "caller_s": caller.seconds}))
         conn.send(("result", outcomes, samples, quarantined, len(live) + len(arrivals)))

@@ -10,13 +10,15 @@ SUM="python3 benchmarks/results/2026-12-02-h200-session31-capacity/summary.py"
 one() { name=$1; shift; timeout 75 $RUN "$@" --json $R/j/$name.json > $R/$name.log 2>&1; echo "rc $? ($SECONDS s)"; $SUM $R/j/$name.json 2>&1 | head -5; }
 {
 nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader; nproc
+if [ -z "$ONLY_PROFILE" ]; then
 timeout 150 $RUN --rows 64 --rate 20 --duration 1 --timeout 60 > $R/warm.log 2>&1; echo "warm-up rc $? ($SECONDS s)"; tail -n 3 $R/warm.log
 one auto-1000 --rows 64 --rate 1000
 one auto-3000-r256 --rows 256 --rate 3000
 one direct-1000 --rows 64 --rate 1000 --mode direct
+fi
 for m in auto direct; do
   echo "== profiled: $m, rows 64, 1,000/s ($SECONDS s)"
-  KVPLAN_PROFILE=$R/prof/$m one prof-$m --rows 64 --rate 1000 --mode $m
+  KVPLAN_PROFILE=$R/prof/$m KVPLAN_PROFILE_ONLY=${PROFILE_ONLY:-prefill-progress} one prof-$m --rows 64 --rate 1000 --mode $m
   for f in $R/prof/$m/*progress*.txt; do echo "-- $(basename $f)"; awk '/Ordered by: cumulative/{c=1} c' $f | sed -n 1,45p | cut -c1-160; done
 done
 echo "== end ($SECONDS s)"
