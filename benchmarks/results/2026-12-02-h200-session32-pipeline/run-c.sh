@@ -7,11 +7,14 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONUNBUFFERED=1 PYTHONPATH=${TREE:-$ROOT}:/tmp/site
 WHO=${WHO:-now}
 R=$OUT/r; mkdir -p $R/j
-RUN="python3 -m kvplan load --forward-tokens-per-s 1e12 --rows 64 --fault-every 0 --duration 4 --timeout 5 --no-progress"
+# run from the tree's own folder: `python3 -m` puts the working directory ahead of PYTHONPATH, so from the
+# repository's root the tree of before would silently be this one (as call d's first try found)
+RUN="env -C ${TREE:-$ROOT} python3 -m kvplan load --forward-tokens-per-s 1e12 --rows 64 --fault-every 0 --duration 4 --timeout 5 --no-progress"
 MC="--engine mooncake --engine-setting protocol=nvlink_intra"
 SUM="python3 benchmarks/results/2026-12-02-h200-session31-capacity/summary.py"
 {
-nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader; nproc; echo "tree: $WHO"
+nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader; nproc
+echo "tree: $WHO: $(cd ${TREE:-$ROOT} && python3 -c 'import kvplan; print(kvplan.__file__)')"
 timeout 150 $RUN --rate 20 --duration 1 --timeout 60 > $R/warm.log 2>&1; echo "warm-up rc $? ($SECONDS s)"; tail -n 1 $R/warm.log
 timeout 150 $RUN --rate 20 --duration 1 --timeout 60 $MC --mode staged > $R/warm-mc.log 2>&1; echo "warm-up mooncake rc $? ($SECONDS s)"; tail -n 1 $R/warm-mc.log
 if [ -z "$CAP" ]; then
