@@ -60,10 +60,12 @@ class ControlChannel:
     """
 
     LOOK_S = 0.001
+    HANDSHAKE_S = 5.0  # a connection that has not shaken hands (ZeroMQ's) within this is closed
+    MAX_MESSAGE_BYTES = 512 << 20  # the largest frame taken from a peer (a staged run's table of ~22M descriptors)
     SLICE_MS = 50  # a blocked send looks whether its peer is gone this often
 
     def __init__(self, connect_port: int | None = None, peer_timeout: float = 1.0, *, host: str,
-                 bind_port: int | None = None):
+                 bind_port: int | None = None, max_message_bytes: int | None = None):
         import zmq
         from zmq.utils.monitor import recv_monitor_message
 
@@ -81,8 +83,17 @@ class ControlChannel:
         # both ends drop it with what it held, a busy live peer taken for a dead one. (A bound per peer
         # against one that floods belongs with the control plane's other bounds: docs/failures.md §10.)
         self.socket.setsockopt(zmq.RCVHWM, 0)
+        # a frame larger than this disconnects its sender (ZeroMQ's MAXMSGSIZE): no peer makes this side
+        # hold an arbitrary amount of memory in one message
+        self.max_message_bytes = self.MAX_MESSAGE_BYTES if max_message_bytes is None else max_message_bytes
+        self.socket.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        self.socket.setsockopt(zmq.HANDSHAKE_IVL, round(self.HANDSHAKE_S * 1000))
         self._monitor = self.socket.get_monitor_socket(
-            zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        self._bound = connect_port is None
+        self._shaking: list[int] = []  # (bound) accepted connections whose handshake has not ended, oldest first
+        self._peer_fd: int | None = None  # (bound) the peer's connection
         self._connected = False
         self._gone = False
         self._ever = False  # a peer has connected at least once
@@ -146,16 +157,52 @@ class ControlChannel:
             return self._gone
         self._looked = now
         while self._monitor.poll(0):
-            event = self._recv_monitor(self._monitor)["event"]
-            if event in (self._zmq.EVENT_ACCEPTED, self._zmq.EVENT_CONNECTED):
-                if self._ever:
-                    log.warning("control connection on %s port %d made again after a loss", self.host, self.port)
-                self._replaced = self._replaced or self._ever
-                self._ever, self._connected, self._gone = True, True, False
+            message = self._recv_monitor(self._monitor)
+            event = message["event"]
+            if self._bound:
+                self._bound_event(message)
+            elif event == self._zmq.EVENT_CONNECTED:
+                self._peer_connected()
             elif event == self._zmq.EVENT_DISCONNECTED and self._connected:
-                log.warning("control connection on %s port %d lost", self.host, self.port)
-                self._gone = True
+                self._peer_lost()
         return self._gone
+
+    def _bound_event(self, message: dict[str, Any]) -> None:
+        """A bound socket's connection event, taken as its peer's only when it is of its peer's connection:
+        anyone who reaches the port can connect and close (a port scan, a stranger), and a PAIR socket
+        keeps one peer and drops the others. Each accepted connection's handshake result is its own (the
+        oldest accepted one still waiting for it: ZeroMQ names no connection in that event); the first
+        that succeeds while the channel has no peer is the peer's, and only its disconnection is the
+        peer's loss. (A connection accepted before the peer's that never shakes hands, held open across
+        the peer's own, can take its place in that order: ZeroMQ closes it within ``HANDSHAKE_S``.)"""
+        zmq, event, fd = self._zmq, message["event"], message["value"]
+        if event == zmq.EVENT_ACCEPTED:
+            self._shaking.append(fd)
+        elif event in (zmq.EVENT_HANDSHAKE_SUCCEEDED, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+                       zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, zmq.EVENT_HANDSHAKE_FAILED_AUTH):
+            fd = self._shaking.pop(0) if self._shaking else None
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED and fd is not None and self._peer_fd is None:
+                self._peer_fd = fd
+                self._peer_connected()
+        elif event == zmq.EVENT_DISCONNECTED:
+            if fd in self._shaking:
+                self._shaking.remove(fd)
+            if fd == self._peer_fd:
+                self._peer_fd = None
+                self._peer_lost()
+            else:
+                log.debug("a connection to the channel on %s port %d that was not its peer's closed", self.host,
+                          self.port)
+
+    def _peer_connected(self) -> None:
+        if self._ever:
+            log.warning("control connection on %s port %d made again after a loss", self.host, self.port)
+        self._replaced = self._replaced or self._ever
+        self._ever, self._connected, self._gone = True, True, False
+
+    def _peer_lost(self) -> None:
+        log.warning("control connection on %s port %d lost", self.host, self.port)
+        self._connected, self._gone = False, True
 
     def replaced(self) -> bool:
         """Whether a new peer has connected in place of a lost one since the last call (a restarted

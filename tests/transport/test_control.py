@@ -112,3 +112,90 @@ def test_a_peer_that_reads_late_is_not_taken_for_gone_and_loses_no_message():
     finally:
         peer.close()
         bound.close()
+
+
+def _settle(channel, seconds=0.5):
+    """Let the monitor's events arrive, looking as the transport's loops do."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        channel.peer_gone()
+        time.sleep(0.01)
+
+
+def test_a_stranger_that_connects_and_closes_is_not_taken_for_the_peer():
+    """Issue 54: one TCP connect and close on a decode's bound channel, no byte sent, failed every pending
+    request ("the prefill side is gone: it restarted and connected again"), since every connection event on
+    the socket was taken as the peer's. Neither a raw connection nor a ZeroMQ one that a PAIR socket drops
+    (it keeps its one peer) changes what the channel says of its peer; the peer's own loss still does."""
+    import socket
+
+    import zmq
+
+    bound = ControlChannel(host="127.0.0.1")
+    peer = ControlChannel(bound.port, host="127.0.0.1")
+    try:
+        peer.send("hello", {}, timeout=5)
+        assert bound.recv(time.monotonic() + 5)[0] == "hello"
+        _settle(bound)
+        assert not bound.peer_gone() and not bound.replaced()
+        for _ in range(3):
+            socket.create_connection(("127.0.0.1", bound.port)).close()  # a port scan
+        stranger = zmq.Context.instance().socket(zmq.PAIR)  # a ZeroMQ peer, dropped by the PAIR socket
+        stranger.connect(f"tcp://127.0.0.1:{bound.port}")
+        _settle(bound)
+        stranger.close(0)
+        _settle(bound)
+        assert not bound.peer_gone() and not bound.replaced()
+        bound.send("request", {"n": 1}, timeout=5)
+        assert peer.recv(time.monotonic() + 5)[:2] == ("request", {"n": 1})
+        peer.socket.close(linger=0)  # the peer's own loss is still seen
+        peer._monitor.close(0)
+        deadline = time.monotonic() + 5
+        while not bound.peer_gone() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert bound.peer_gone()
+    finally:
+        bound.close()
+
+
+def test_a_restarted_peer_on_a_bound_channel_is_seen_as_a_replacement():
+    """A new process that connects once the old peer is gone is the channel's peer from then on."""
+    bound = ControlChannel(host="127.0.0.1")
+    first = ControlChannel(bound.port, host="127.0.0.1")
+    try:
+        first.send("hello", {}, timeout=5)
+        assert bound.recv(time.monotonic() + 5)[0] == "hello"
+        first.close()
+        deadline = time.monotonic() + 5
+        while not bound.peer_gone() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert bound.peer_gone()
+        second = ControlChannel(bound.port, host="127.0.0.1")
+        second.send("hello", {"again": True}, timeout=5)
+        assert bound.recv(time.monotonic() + 5)[1] == {"again": True}
+        _settle(bound)
+        assert not bound.peer_gone() and bound.replaced()
+        second.close()
+    finally:
+        bound.close()
+
+
+def test_a_frame_larger_than_the_bound_is_never_taken_and_disconnects_its_sender():
+    """Issue 54: a 1 GiB control frame was accepted. Above ``max_message_bytes`` ZeroMQ drops the sender's
+    connection before the frame is held (the owner sees the connection replaced, and pairs again)."""
+    bound = ControlChannel(host="127.0.0.1", max_message_bytes=1 << 20)
+    peer = ControlChannel(bound.port, host="127.0.0.1")
+    try:
+        peer.send("hello", {}, timeout=5)
+        assert bound.recv(time.monotonic() + 5)[0] == "hello"
+        peer.send("lists", {}, b"x" * (2 << 20), timeout=5)
+        try:
+            msg = bound.recv(time.monotonic() + 1)
+        except ControlTimeout:
+            msg = None
+        assert msg is None
+        _settle(bound)
+        assert bound.replaced()  # the sender's connection was dropped (ZeroMQ then connects it again)
+    finally:
+        peer.close()
+        bound.close()

@@ -76,3 +76,37 @@ def _malformed_messages() -> None:
         decode.poll()
         time.sleep(0.01)
     assert decode.tracker.state("r1") == "pending"  # nothing named it: nothing failed
+
+
+def test_a_stranger_that_connects_to_a_decode_s_channel_and_closes_fails_nothing():
+    """Issue 54: one TCP connect and close on a decode's bound channel, no byte sent, failed every pending
+    request ("the prefill side is gone: it restarted and connected again"). Now the request waits on and
+    completes from its real sender."""
+    import socket
+
+    import zmq
+
+    src_pool, dst_pool = torch.zeros(16 * PAGE_BYTES, dtype=torch.uint8), torch.zeros(16 * PAGE_BYTES, dtype=torch.uint8)
+    decode = DecodeEndpoint(side(dst_pool, {1: [3, 4]}), FakeEngine(), ControlChannel(host="127.0.0.1"))
+    port = decode.channel.port
+    prefill = PrefillEndpoint(side(src_pool, {1: [5, 9]}), FakeEngine(), ControlChannel(port, host="127.0.0.1"))
+    decode.register(timeout=5)
+    prefill.accept(timeout=5)
+    decode.publish([PreallocatedRequest("r1", 1, 8)], timeout=5)
+    prefill.receive_requests(1, timeout=5)
+    socket.create_connection(("127.0.0.1", port)).close()
+    stranger = zmq.Context.instance().socket(zmq.PAIR)
+    stranger.connect(f"tcp://127.0.0.1:{port}")
+    end = time.monotonic() + 1.0
+    while time.monotonic() < end:
+        decode.poll()
+        time.sleep(0.01)
+    stranger.close(0)
+    end = time.monotonic() + 0.5
+    while time.monotonic() < end:
+        decode.poll()
+        time.sleep(0.01)
+    assert decode.tracker.state("r1") == "pending", decode.tracker.failure("r1")
+    assert prefill.send([prefill.transfer(Chunk("r1", 1, 0, 9, 8, True))], mode="direct", timeout=5) == {"r1": None}
+    decode.engine.inbox.extend(note for _, note in prefill.engine.posted)
+    assert decode.wait()["r1"] == "complete"
