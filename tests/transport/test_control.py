@@ -6,6 +6,16 @@ import time
 from kvplan.transport.control import ControlChannel, ControlTimeout
 
 
+def _dies_and_is_seen_gone(peer, bound):
+    """``peer``'s socket closes at once, as a killed process's does; ``bound`` says so within 5 s."""
+    peer.socket.close(linger=0)
+    peer._monitor.close(0)
+    deadline = time.monotonic() + 5
+    while not bound.peer_gone() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert bound.peer_gone()
+
+
 def test_the_monitor_is_read_at_most_once_a_look_period_and_a_lost_peer_is_still_reported():
     bound = ControlChannel(host="127.0.0.1")
     peer = ControlChannel(bound.port, host="127.0.0.1")
@@ -22,12 +32,7 @@ def test_the_monitor_is_read_at_most_once_a_look_period_and_a_lost_peer_is_still
             assert not bound.peer_gone()
         spent = time.monotonic() - started
         assert 1 <= len(reads) <= spent / ControlChannel.LOOK_S + 2
-        peer.socket.close(linger=0)
-        peer._monitor.close(0)
-        deadline = time.monotonic() + 5
-        while not bound.peer_gone() and time.monotonic() < deadline:
-            time.sleep(0.001)
-        assert bound.peer_gone()
+        _dies_and_is_seen_gone(peer, bound)
     finally:
         bound.close()
 
@@ -148,12 +153,7 @@ def test_a_stranger_that_connects_and_closes_is_not_taken_for_the_peer():
         assert not bound.peer_gone() and not bound.replaced()
         bound.send("request", {"n": 1}, timeout=5)
         assert peer.recv(time.monotonic() + 5)[:2] == ("request", {"n": 1})
-        peer.socket.close(linger=0)  # the peer's own loss is still seen
-        peer._monitor.close(0)
-        deadline = time.monotonic() + 5
-        while not bound.peer_gone() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert bound.peer_gone()
+        _dies_and_is_seen_gone(peer, bound)  # the peer's own loss is still seen
     finally:
         bound.close()
 
