@@ -2,22 +2,44 @@
 
 Messages are multipart: a kind, a JSON header, then binary frames (engine metadata, index-list
 messages in SGLang's wire format, descriptor tables). Every receive has a deadline.
+
+On the wire each message goes in an envelope: a mark, the sender's and the receiver's incarnation and a
+sequence number, and (with a shared secret) an HMAC-SHA256 over all of it. The two ends shake hands
+(:mod:`.auth`): each sends a hello with a fresh nonce (a connecting end when it is made, a bound end once
+a peer is attached and it is used), then a proof over the other's. A side sends a pairing's first
+message once it has the peer's hello, and takes the peer's messages only once the peer's proof has
+verified; a message from any other incarnation, one out of sequence, or one whose code does not verify
+is refused and logged, never returned. The handshake happens inside :meth:`ControlChannel.send` and the
+receiving calls: an owner sees only its own messages.
 """
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
 import json
 import logging
 import time
+from collections import deque
 from typing import Any
 
-from ..errors import KvplanError
+from ..errors import KvplanError, PeerError
+from .auth import INCARNATION, message_code, nonce, pairing_key, proof, secret_from_environment
 
 __all__ = ["ControlChannel", "ControlTimeout", "MAX_REFUSED", "named_request"]
 
 log = logging.getLogger("kvplan")
 
 MAX_REFUSED = 4096  # requests one "refuse" message names at most (a sender keeps the last 4096 refused)
+MARK = b"kvp1"  # the first frame of every message of this protocol
+_warned_open: set[str] = set()  # hosts already warned of as reachable without a secret
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class ControlTimeout(KvplanError, TimeoutError):
@@ -51,46 +73,45 @@ class ControlChannel:
     messages wait for it, is not silent: its receive queue has no bound), and a monitor watches the connection: :meth:`peer_gone` turns true within about
     ``peer_timeout`` of the peer dying or hanging, and at once when its process exits. A bound
     channel takes a new peer once the old one is gone (a restarted process connecting to the same
-    port); :meth:`replaced` says when that happened, so that the owner can pair again. Messages
+    port: it listens on a fresh socket from the moment it sees the loss, see :meth:`_bind_again`);
+    :meth:`replaced` says when that happened, so that the owner can pair again. Messages
     still queued at :meth:`close` get a second to leave (a final ``failed`` must not be lost).
 
     The monitor is read at most every ``LOOK_S`` seconds: the transport's loops ask on every turn,
     and a turn that reads it costs several times one that does not (a streamed send's last group is
     noticed and posted from such a loop; docs/layerwise.md §3).
+
+    ``secret``: the shared secret of the handshake and the message codes (``None``: ``KVPLAN_SECRET`` or
+    ``KVPLAN_SECRET_FILE``, else none; docs/failures.md §10).
+
+    Example::
+
+        bound = ControlChannel(host="127.0.0.1", secret=b"from-the-deployment")
+        peer = ControlChannel(bound.port, host="127.0.0.1", secret=b"from-the-deployment")
+        peer.send("register", {...})          # once the bound end has said hello
+        kind, header, frames = bound.recv(time.monotonic() + 5)
     """
 
     LOOK_S = 0.001
     HANDSHAKE_S = 5.0  # a connection that has not shaken hands (ZeroMQ's) within this is closed
+    RESEND_S = 0.25  # an unanswered hello is sent again this often
     MAX_MESSAGE_BYTES = 512 << 20  # the largest frame taken from a peer (a staged run's table of ~22M descriptors)
     SLICE_MS = 50  # a blocked send looks whether its peer is gone this often
+    REBIND_S = 2.0  # a bound end whose peer was lost listens on its port again within this
 
     def __init__(self, connect_port: int | None = None, peer_timeout: float = 1.0, *, host: str,
-                 bind_port: int | None = None, max_message_bytes: int | None = None):
+                 bind_port: int | None = None, max_message_bytes: int | None = None, secret: bytes | None = None):
         import zmq
         from zmq.utils.monitor import recv_monitor_message
 
         self._zmq, self._recv_monitor = zmq, recv_monitor_message
         self._looked = 0.0  # when the monitor was last read (time.monotonic)
         self.context = zmq.Context.instance()
-        self.socket = self.context.socket(zmq.PAIR)
-        self.socket.setsockopt(zmq.LINGER, 1000)
-        ms = max(1, int(peer_timeout * 1000))
-        self.socket.setsockopt(zmq.HEARTBEAT_IVL, min(200, ms))
-        self.socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, ms)
-        self.socket.setsockopt(zmq.HEARTBEAT_TTL, ms)
-        # no bound on what waits to be read: at ZeroMQ's default (1,000 messages) a connection whose owner
-        # reads late stops reading the wire, its peer's heartbeats go unanswered, and after peer_timeout
-        # both ends drop it with what it held, a busy live peer taken for a dead one. (A bound per peer
-        # against one that floods belongs with the control plane's other bounds: docs/failures.md §10.)
-        self.socket.setsockopt(zmq.RCVHWM, 0)
+        self._peer_timeout_ms = max(1, int(peer_timeout * 1000))
         # a frame larger than this disconnects its sender (ZeroMQ's MAXMSGSIZE): no peer makes this side
         # hold an arbitrary amount of memory in one message
         self.max_message_bytes = self.MAX_MESSAGE_BYTES if max_message_bytes is None else max_message_bytes
-        self.socket.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
-        self.socket.setsockopt(zmq.HANDSHAKE_IVL, round(self.HANDSHAKE_S * 1000))
-        self._monitor = self.socket.get_monitor_socket(
-            zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
-            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        self._open_socket()
         self._bound = connect_port is None
         self._shaking: list[int] = []  # (bound) accepted connections whose handshake has not ended, oldest first
         self._peer_fd: int | None = None  # (bound) the peer's connection
@@ -99,6 +120,24 @@ class ControlChannel:
         self._ever = False  # a peer has connected at least once
         self._replaced = False  # a peer connected after an earlier one was lost (see replaced())
         self.host = host
+        # with a secret every pairing proves it and every message carries a code under it (None: the
+        # environment's, .auth.secret_from_environment)
+        self.secret = secret if secret is not None else secret_from_environment()
+        if self.secret is None and not _loopback(host) and host not in _warned_open:
+            _warned_open.add(host)
+            log.warning("control channels on %s have no shared secret (KVPLAN_SECRET): any process that reaches "
+                        "the port can pair and be sent KV; set a secret, or keep the network closed", host)
+        self.incarnation = INCARNATION
+        # messages read while this side waited (a send's handshake, a lost peer's last ones), with the
+        # pairing they came in: handed out only until the next pairing begins
+        self._inbox: deque[tuple[int, tuple[str, dict[str, Any], list[bytes]]]] = deque()
+        self._draining = False
+        self._peer_inc: str | None = None
+        self._my_nonce, self._hello_sent, self._nonce_used = nonce(), False, False
+        self._pairing_no = 0  # which pairing of this channel's life (messages kept are tagged with it)
+        self._pairing_reset(None)
+        self._reconnected = False  # the connection was made again since the last handshake ended
+        self.refused = 0  # messages refused (not of the paired incarnation, out of sequence, a bad code)
         if connect_port is None and bind_port:  # a known port (an SGLang bootstrap port)
             self.socket.bind(f"tcp://{host}:{bind_port}")
             self.port = bind_port
@@ -107,23 +146,80 @@ class ControlChannel:
         else:
             self.port = connect_port
             self.socket.connect(f"tcp://{host}:{connect_port}")
+            self._greet()  # (queued until the connection is made: the other end has this side's nonce unasked)
+
+    def _open_socket(self) -> None:
+        """This end's PAIR socket and the monitor on its connections (again on a bound end whose peer was lost)."""
+        zmq = self._zmq
+        self.socket = self.context.socket(zmq.PAIR)
+        self.socket.setsockopt(zmq.LINGER, 1000)
+        ms = self._peer_timeout_ms
+        self.socket.setsockopt(zmq.HEARTBEAT_IVL, min(200, ms))
+        self.socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, ms)
+        self.socket.setsockopt(zmq.HEARTBEAT_TTL, ms)
+        # no bound on what waits to be read: at ZeroMQ's default (1,000 messages) a connection whose owner
+        # reads late stops reading the wire, its peer's heartbeats go unanswered, and after peer_timeout
+        # both ends drop it with what it held, a busy live peer taken for a dead one. (A bound per peer
+        # against one that floods belongs with the control plane's other bounds: docs/failures.md §11.)
+        self.socket.setsockopt(zmq.RCVHWM, 0)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        self.socket.setsockopt(zmq.HANDSHAKE_IVL, round(self.HANDSHAKE_S * 1000))
+        self._monitor = self.socket.get_monitor_socket(
+            zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+    def _bind_again(self) -> None:
+        """A fresh socket on this bound end's port, once its peer is lost. ZeroMQ keeps a lost peer's
+        connection on a PAIR socket until the owner has read all that peer sent, and a connection made
+        meanwhile is taken and never read: a restarted peer that connects then would never pair. What the
+        lost peer sent is kept for the owner (:meth:`recv` hands it out until a new pairing begins)."""
+        zmq = self._zmq
+        while self.socket.poll(0):  # (a message of the lost pairing, or a step of its handshake)
+            self._keep(self._take(self.socket.recv_multipart()))
+        self.socket.disable_monitor()
+        self._monitor.close(0)
+        self.socket.close(0)
+        self._open_socket()
+        self._shaking, self._peer_fd = [], None
+        self._pairing_reset(self._peer_inc, next_pairing=False)  # (the next peer pairs anew, whoever it is)
+        deadline = time.monotonic() + self.REBIND_S
+        while True:  # (the old socket's listener closes on ZeroMQ's I/O thread, within a moment)
+            try:
+                self.socket.bind(f"tcp://{self.host}:{self.port}")
+                return
+            except zmq.ZMQError as err:
+                if err.errno != zmq.EADDRINUSE or time.monotonic() >= deadline:
+                    raise PeerError(f"the control channel on {self.host} port {self.port} lost its peer and could "
+                                    f"not listen on its port again: {err}") from err
+                time.sleep(0.005)
 
     send_timeout = 10.0
 
     def send(self, kind: str, header: dict[str, Any] | None = None, *frames: bytes, timeout: float | None = None) -> None:
-        """Send one message; raise :class:`ControlTimeout` if the peer cannot take it in time.
-
-        (A PAIR socket with no connected peer would otherwise block forever.)
+        """Send one message; raise :class:`ControlTimeout` if the peer cannot take it in time (a PAIR
+        socket with no connected peer would otherwise block forever). The first message of a pairing
+        waits for the handshake (:mod:`.auth`) within the same time.
         """
         wait_s = self.send_timeout if timeout is None else timeout
         deadline = time.monotonic() + wait_s
-        parts = [kind.encode(), json.dumps(header or {}).encode(), *frames]
+        if self._stale:  # the connection was made again since the pairing: a new one (its peer may be new)
+            self._pairing_reset(self._peer_inc)
+        if self._key is None:
+            self._shake_hands(deadline, kind, wait_s)
+        self._out(kind, header or {}, frames, deadline, wait_s)
+
+    def _out(self, kind: str, header: dict[str, Any], frames: tuple[bytes, ...] | list[bytes], deadline: float,
+             wait_s: float) -> None:
+        parts = [kind.encode(), json.dumps(header).encode(), *frames]
         while True:
             # in slices: a peer that is gone (dead, or silent past its heartbeats) ends the wait at once
             if self.socket.poll(max(0, min(self.SLICE_MS, round(1000 * (deadline - time.monotonic())))),
                                 self._zmq.POLLOUT):
+                envelope = json.dumps({"f": INCARNATION, "t": self._peer_inc or "", "s": self._send_seq + 1}).encode()
+                code = message_code(self._key, envelope, parts) if self.secret is not None and self._key else b""
                 try:
-                    self.socket.send_multipart(parts, self._zmq.NOBLOCK)
+                    self.socket.send_multipart([MARK, envelope, code, *parts], self._zmq.NOBLOCK)
+                    self._send_seq += 1
                     return
                 except self._zmq.Again:  # writable a moment ago: the peer's pipe went away in between
                     time.sleep(0.001)
@@ -135,20 +231,194 @@ class ControlChannel:
                 raise ControlTimeout(f"the peer did not take a {kind!r} message within {round(wait_s * 1000)} ms "
                                      f"(channel on {self.host} port {self.port}; its peer {state})")
 
+    # -- the handshake (.auth) ---------------------------------------------------------------------
+    def _pairing_reset(self, peer: str | None, *, next_pairing: bool = True) -> None:
+        """Forget the pairing, for one with ``peer`` (or none yet). This side's nonce and hello stay while no
+        pairing has used them. Messages kept from the pairing forgotten are not handed out once the next one
+        begins (``next_pairing``; a lost peer's are, until then)."""
+        self._pairing_no += next_pairing
+        if self._nonce_used:  # (an unused one may still be on its way in a hello, and serves the new pairing)
+            self._my_nonce, self._hello_sent, self._nonce_used = nonce(), False, False
+        self._peer_inc, self._peer_nonce = peer, None
+        self._stale = False
+        self._authed, self._key = False, None
+        self._send_seq, self._recv_seq = 0, 0
+        self._proof_refused = False
+        self._answered = 0.0
+
+    @property
+    def peer_incarnation(self) -> str | None:
+        """The incarnation this channel is paired with (``None`` before its handshake has ended)."""
+        return self._peer_inc if self._authed else None
+
+    def _greet(self) -> None:
+        """Send this side's hello once a peer can take it (never waits)."""
+        if not self._hello_sent and self.socket.poll(0, self._zmq.POLLOUT):
+            try:
+                self._out("_hello", {"nonce": self._my_nonce}, (), time.monotonic(), 0.0)
+                self._hello_sent = True
+            except ControlTimeout:
+                pass
+
+    def _shake_hands(self, deadline: float, kind: str, wait_s: float) -> None:
+        """Send this side's hello and take messages until the peer's hello has come (both nonces make the
+        pairing's key: this side may send from then on; it takes the peer's messages only once the peer
+        has proved the secret), or the deadline."""
+        sent = 0.0
+        while self._key is None:
+            # (again every RESEND_S: a hello sent into a connection that was then dropped, such as one a
+            # PAIR socket refused while its old peer's lingered, is lost; ZeroMQ connects again by itself)
+            if not self._hello_sent or time.monotonic() - sent >= self.RESEND_S:
+                self._out("_hello", {"nonce": self._my_nonce}, (), deadline, wait_s)
+                self._hello_sent, sent = True, time.monotonic()
+                continue
+            left = deadline - time.monotonic()
+            if self.socket.poll(max(0, min(self.SLICE_MS, round(1000 * left)))):
+                self._keep(self._take(self.socket.recv_multipart()))
+                continue
+            self.peer_gone()  # (reads the connection's events; a loss before the pairing is waited out)
+            if left <= 0:
+                why = ("its proof of the shared secret was refused (a secret on one side only, or another one)"
+                       if self._proof_refused else "it did not answer the handshake")
+                raise ControlTimeout(f"the peer of the channel on {self.host} port {self.port} did not pair within "
+                                     f"{round(wait_s * 1000)} ms, so a {kind!r} message cannot leave: {why}")
+
+    def _refuse(self, why: str) -> None:
+        self.refused += 1
+        log.warning("refused a message on the control channel on %s port %d: %s", self.host, self.port, why)
+
+    def _take(self, parts: list[bytes]) -> tuple[str, dict[str, Any], list[bytes]] | None:
+        """A received message opened: its handshake steps done here, an owner's message returned once it
+        is checked; ``None`` for the first and for what is refused."""
+        try:
+            if len(parts) < 5 or parts[0] != MARK:
+                raise ValueError("not a kvplan control message")
+            envelope = json.loads(parts[1])
+            sender, receiver, seq = envelope["f"], envelope["t"], envelope["s"]
+            if not (isinstance(sender, str) and isinstance(receiver, str) and type(seq) is int):
+                raise ValueError("a malformed envelope")
+            kind = parts[3].decode()
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
+            self._refuse(str(err))
+            return None
+        if self._draining and kind in ("_hello", "_proof"):
+            return None  # (a lost peer's handshake: nothing to answer)
+        if kind == "_hello":
+            self._on_hello(sender, parts)
+            return None
+        if kind == "_proof":
+            self._on_proof(sender, receiver, seq, parts)
+            return None
+        if not self._authed or sender != self._peer_inc or receiver != INCARNATION:
+            self._refuse(f"a {kind!r} message from incarnation {sender!r} to {receiver!r}, not of this pairing "
+                         f"({self._peer_inc!r} to {INCARNATION!r}{'' if self._authed else ', not paired yet'})")
+            return None
+        if seq <= self._recv_seq:
+            self._refuse(f"a {kind!r} message out of sequence ({seq} after {self._recv_seq}): a replay")
+            return None
+        if self.secret is not None and not hmac.compare_digest(parts[2], message_code(self._key, parts[1], parts[3:])):
+            self._refuse(f"a {kind!r} message whose code does not verify under the pairing's key")
+            return None
+        self._recv_seq = seq
+        return _parse(parts[3:])
+
+    def _on_hello(self, sender: str, parts: list[bytes]) -> None:
+        kind, header, _ = _parse(parts[3:])
+        challenge = header.get("nonce")
+        if not isinstance(challenge, str) or not challenge:
+            self._refuse("a hello without a nonce")
+            return
+        if challenge == self._peer_nonce and sender == self._peer_inc:
+            # the same hello again: what this side answered was lost (a connection made again), or is on
+            # its way; answered again at most every RESEND_S
+            if time.monotonic() - self._answered >= self.RESEND_S:
+                self._answer(sender, challenge, hello=True)
+            return
+        if self._peer_inc is not None:  # a new pairing in place of one: a restarted process, or a new channel
+            log.warning("control channel on %s port %d: a new pairing (incarnation %s) in place of incarnation %s",
+                        self.host, self.port, sender, self._peer_inc)
+            if not self._reconnected:  # (a connection made again has said so already)
+                self._replaced = True
+        self._pairing_reset(sender)
+        self._peer_nonce = challenge
+        self._key = pairing_key(self.secret or b"", (INCARNATION, self._my_nonce), (sender, challenge))
+        self._answer(sender, challenge, hello=not self._hello_sent)
+
+    def _answer(self, sender: str, challenge: str, hello: bool) -> None:
+        """This side's hello (where asked) and its proof for ``challenge``, waiting at most 0.2 s to send."""
+        self._answered = time.monotonic()
+        deadline, wait_s = self._answered + 0.2, 0.2
+        try:
+            if hello:
+                self._out("_hello", {"nonce": self._my_nonce}, (), deadline, wait_s)
+                self._hello_sent = True
+            self._out("_proof", {"proof": proof(self.secret or b"", INCARNATION, sender, challenge)}, (), deadline,
+                      wait_s)
+        except ControlTimeout as err:
+            log.warning("control channel on %s port %d: the handshake could not be answered: %s", self.host,
+                        self.port, err)
+
+    def _on_proof(self, sender: str, receiver: str, seq: int, parts: list[bytes]) -> None:
+        _, header, _ = _parse(parts[3:])
+        if sender != self._peer_inc or receiver != INCARNATION or self._peer_nonce is None:
+            self._refuse(f"a proof from incarnation {sender!r} to {receiver!r}, not of this handshake")
+            return
+        expected = proof(self.secret or b"", sender, INCARNATION, self._my_nonce)
+        given = header.get("proof")
+        if not isinstance(given, str) or not hmac.compare_digest(given.encode(), expected.encode()):
+            self._proof_refused = True
+            self._refuse(f"incarnation {sender!r} did not prove the shared secret")
+            return
+        self._authed, self._recv_seq, self._nonce_used = True, seq, True
+        self._reconnected = False
+
+    # -- receiving -----------------------------------------------------------------------------------
+    def _keep(self, message: tuple[str, dict[str, Any], list[bytes]] | None) -> None:
+        if message is not None:
+            self._inbox.append((self._pairing_no, message))
+
+    def _pop(self) -> tuple[str, dict[str, Any], list[bytes]] | None:
+        """The oldest message kept of the current pairing; those of an earlier one are refused."""
+        while self._inbox:
+            pairing, message = self._inbox.popleft()
+            if pairing == self._pairing_no:
+                return message
+            self._refuse(f"a {message[0]!r} message of an earlier pairing, read before it ended and not taken then")
+        return None
+
+    def pending(self) -> bool:
+        """Whether a message read while this side waited is kept for :meth:`try_recv` (a wait on the
+        socket alone would not see it)."""
+        return bool(self._inbox)
+
     def recv(self, deadline: float) -> tuple[str, dict[str, Any], list[bytes]]:
-        timeout_ms = max(0, int((deadline - time.monotonic()) * 1000))
-        if not self.socket.poll(timeout_ms):
-            raise ControlTimeout("no control message before the deadline")
-        return _parse(self.socket.recv_multipart())
+        self._greet()
+        while True:
+            kept = self._pop()
+            if kept is not None:
+                return kept
+            timeout_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            if not self.socket.poll(timeout_ms):
+                raise ControlTimeout("no control message before the deadline")
+            message = self._take(self.socket.recv_multipart())
+            if message is not None:
+                return message
 
     def wait_readable(self, timeout: float) -> bool:
-        """Block up to ``timeout`` seconds (ZeroMQ counts whole milliseconds) until a message can be read."""
-        return bool(self.socket.poll(max(0, round(timeout * 1000))))
+        """Block up to ``timeout`` seconds (ZeroMQ counts whole milliseconds) until a message can be read
+        (or a step of the handshake: :meth:`try_recv` may then return ``None``)."""
+        return bool(self._inbox) or bool(self.socket.poll(max(0, round(timeout * 1000))))
 
     def try_recv(self) -> tuple[str, dict[str, Any], list[bytes]] | None:
-        if not self.socket.poll(0):
-            return None
-        return _parse(self.socket.recv_multipart())
+        self._greet()
+        kept = self._pop()
+        if kept is not None:
+            return kept
+        while self.socket.poll(0):
+            message = self._take(self.socket.recv_multipart())
+            if message is not None:
+                return message
+        return None
 
     def peer_gone(self) -> bool:
         """Whether the peer was connected and its connection has since been lost (death or silence)."""
@@ -156,25 +426,35 @@ class ControlChannel:
         if now - self._looked < self.LOOK_S:
             return self._gone
         self._looked = now
+        lost = False
         while self._monitor.poll(0):
             message = self._recv_monitor(self._monitor)
             event = message["event"]
             if self._bound:
-                self._bound_event(message)
+                lost = self._bound_event(message)
+                if lost:  # (the rest are the old socket's, whose connections the new one does not keep)
+                    break
             elif event == self._zmq.EVENT_CONNECTED:
                 self._peer_connected()
             elif event == self._zmq.EVENT_DISCONNECTED and self._connected:
                 self._peer_lost()
+        if lost:
+            self._draining = True
+            try:
+                self._bind_again()
+            finally:
+                self._draining = False
         return self._gone
 
-    def _bound_event(self, message: dict[str, Any]) -> None:
+    def _bound_event(self, message: dict[str, Any]) -> bool:
         """A bound socket's connection event, taken as its peer's only when it is of its peer's connection:
         anyone who reaches the port can connect and close (a port scan, a stranger), and a PAIR socket
         keeps one peer and drops the others. Each accepted connection's handshake result is its own (the
         oldest accepted one still waiting for it: ZeroMQ names no connection in that event); the first
         that succeeds while the channel has no peer is the peer's, and only its disconnection is the
         peer's loss. (A connection accepted before the peer's that never shakes hands, held open across
-        the peer's own, can take its place in that order: ZeroMQ closes it within ``HANDSHAKE_S``.)"""
+        the peer's own, can take its place in that order: ZeroMQ closes it within ``HANDSHAKE_S``.)
+        Whether the event was the peer's loss."""
         zmq, event, fd = self._zmq, message["event"], message["value"]
         if event == zmq.EVENT_ACCEPTED:
             self._shaking.append(fd)
@@ -190,13 +470,17 @@ class ControlChannel:
             if fd == self._peer_fd:
                 self._peer_fd = None
                 self._peer_lost()
+                return True
             else:
                 log.debug("a connection to the channel on %s port %d that was not its peer's closed", self.host,
                           self.port)
+        return False
 
     def _peer_connected(self) -> None:
         if self._ever:
             log.warning("control connection on %s port %d made again after a loss", self.host, self.port)
+            self._reconnected = True
+            self._stale = self._authed
         self._replaced = self._replaced or self._ever
         self._ever, self._connected, self._gone = True, True, False
 

@@ -51,6 +51,8 @@ def wait_any(channels: Sequence[Any], timeout: float) -> None:
         return
     import zmq
 
+    if any(getattr(c, "pending", bool)() for c in channels):
+        return  # (a message already read off its socket, while its channel waited to send)
     poller = zmq.Poller()
     for s in sockets:
         poller.register(s, zmq.POLLIN)

@@ -37,6 +37,8 @@ class WakePipe:
         polled: the wait is then at most 1 ms."""
         import zmq
 
+        if any(getattr(channel, "pending", bool)() for channel in channels):
+            return  # (a message already read off its socket, while its channel waited to send)
         poller = zmq.Poller()
         poller.register(self._read, zmq.POLLIN)
         for channel in channels:

@@ -16,6 +16,7 @@ from kvplan.planner.model import Batch
 from kvplan.planner.reference import plan_reference
 from kvplan.tools.scenarios import build_batch, materialize
 from kvplan.transport.control import ControlChannel
+from tests.transport.pairing import pair
 from kvplan.transport.endpoints import Chunk, DecodeEndpoint, PrefillEndpoint
 from kvplan.transport.engines import make_engine
 from kvplan.tools.verify import AddressSpace, execute
@@ -93,9 +94,7 @@ def _fan_out():
         pools.append((side, tensors))
     prefill = PrefillEndpoint(src, make_engine("nixl", "fan-out-prefill"),
                               [ControlChannel(d.channel.port, host="127.0.0.1") for d in decodes])
-    for d in decodes:
-        d.register(timeout=TIMEOUT)
-    prefill.accept(timeout=TIMEOUT)
+    pair([lambda d=d: d.register(timeout=TIMEOUT) for d in decodes], [lambda: prefill.accept(timeout=TIMEOUT)])
     for k, d in enumerate(decodes):  # req1 to the first decode endpoint, req2 to the second
         d.publish([published(batch, f"req{k + 1}")], timeout=TIMEOUT)
         prefill.receive_requests(1, timeout=TIMEOUT, peer=k)
@@ -119,9 +118,8 @@ def _fan_in(mode):
     decode = DecodeEndpoint(side, make_engine("nixl", "fan-in-decode"), channels, staging())
     prefills = [PrefillEndpoint(src, make_engine("nixl", f"fan-in-prefill-{k}"), ControlChannel(c.port, host="127.0.0.1"), staging())
                 for k, c in enumerate(channels)]
-    decode.register(timeout=TIMEOUT)
+    pair([lambda: decode.register(timeout=TIMEOUT)], [lambda p=p: p.accept(timeout=TIMEOUT) for p in prefills])
     for k, p in enumerate(prefills):  # each sender gets its own request
-        p.accept(timeout=TIMEOUT)
         decode.publish([published(batch, f"req{k + 1}")], timeout=TIMEOUT, peer=k)
         p.receive_requests(1, timeout=TIMEOUT)
     thread, box = waiting(decode)
@@ -145,9 +143,7 @@ def _tp_gather(mode):
     decode = DecodeEndpoint(side, make_engine("nixl", "gather-decode"), channels, staging())
     prefills = [PrefillEndpoint(src, make_engine("nixl", f"gather-prefill-{k}"), ControlChannel(c.port, host="127.0.0.1"), staging())
                 for k, ((src, _), c) in enumerate(zip(sources, channels))]
-    decode.register(timeout=TIMEOUT)
-    for p in prefills:
-        p.accept(timeout=TIMEOUT)
+    pair([lambda: decode.register(timeout=TIMEOUT)], [lambda p=p: p.accept(timeout=TIMEOUT) for p in prefills])
     decode.publish([published(batches[0], r) for r in ("req1", "req2")], timeout=TIMEOUT, peer=[0, 1])
     thread, box = waiting(decode)
     for p, batch in zip(prefills, batches):

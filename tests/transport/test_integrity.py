@@ -11,6 +11,7 @@ import pytest
 from kvplan.planner.destinations import PreallocatedRequest
 from kvplan.tools.load import Arrival, LoadConfig, _Pools
 from kvplan.transport.control import ControlChannel
+from tests.transport.pairing import pair as pair_channels
 from kvplan.transport.endpoints import Chunk, DecodeEndpoint, PrefillEndpoint
 from kvplan.transport.engines import make_engine
 
@@ -32,8 +33,7 @@ def pair():
                             integrity=True)
     prefill = PrefillEndpoint(src.side, make_engine("mooncake", f"prefill-{name}", local_hostname="127.0.0.1"),
                               ControlChannel(channel.port, host="127.0.0.1"))
-    decode.register(timeout=10)
-    prefill.accept(timeout=10)
+    pair_channels([lambda: decode.register(timeout=10)], [lambda: prefill.accept(timeout=10)])
     yield prefill, decode, src, dst
     for closing in (decode.engine, prefill.engine, channel, prefill.channel):
         closing.close()

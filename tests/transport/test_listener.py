@@ -14,6 +14,7 @@ from kvplan.transport.control import ControlTimeout
 from kvplan.transport.listener import ChannelListener, channel_via
 from kvplan.transport.prefill import PrefillEndpoint
 from tests.transport.fakes import FakeChannel, FakeEngine
+from tests.transport.pairing import pair
 
 
 def _listener() -> ChannelListener:
@@ -28,18 +29,19 @@ def test_each_hello_gets_a_channel_of_its_own_and_the_two_ends_talk():
         with ThreadPoolExecutor(2) as pool:  # two decode endpoints ask at once
             asked = [pool.submit(channel_via, "127.0.0.1", listener.port, 5.0) for _ in range(2)]
             deadline = time.monotonic() + 5
+            made = []  # (a channel is ready once its decode has greeted it: the handshake's hello)
             while not all(f.done() for f in asked) and time.monotonic() < deadline:
-                assert listener.accept_pending() == []  # (handed out, but nothing written to them yet)
+                made.extend(listener.accept_pending())
             decodes = [f.result(timeout=5) for f in asked]
-        for k, decode in enumerate(decodes):
-            decode.send("register", {"k": k})
-        made = []
-        while len(made) < 2 and time.monotonic() < deadline:
-            made += listener.accept_pending()
+
+        def take():  # (the decodes' first messages wait for their channels' handshakes, answered as they are read)
+            while len(made) < 2 and time.monotonic() < deadline:
+                made.extend(listener.accept_pending())
+            return {c.port: c.recv(time.monotonic() + 5)[1] for c in made}
+
+        got = pair([lambda k=k, d=d: d.send("register", {"k": k}) for k, d in enumerate(decodes)], [take])[0]
         assert len(made) == 2 and len({c.port for c in made}) == 2
-        by_port = {c.port: c for c in made}
-        for k, decode in enumerate(decodes):
-            assert by_port[decode.port].recv(time.monotonic() + 5)[1] == {"k": k}
+        assert got == {decode.port: {"k": k} for k, decode in enumerate(decodes)}
         for c in made + decodes:
             c.close()
     finally:

@@ -2,6 +2,7 @@
 decode channel is registered again and its requests complete; what the old one left has failed."""
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -9,6 +10,7 @@ import torch
 from kvplan.planner.destinations import PreallocatedRequest
 from kvplan.planner.model import Attention, Entry, KVLayout, SideMemory
 from kvplan.transport.control import ControlChannel
+from tests.transport.pairing import pair
 from kvplan.transport.decode import DecodeEndpoint
 from kvplan.transport.prefill import Chunk, PrefillEndpoint
 from tests.planner.builders import table_with
@@ -37,8 +39,7 @@ def test_a_restarted_prefill_endpoint_is_registered_again_and_its_requests_compl
     port = decode.channel.port
 
     first = PrefillEndpoint(side(src_pool, {1: [5, 9], 2: [10, 11]}), FakeEngine(), ControlChannel(port, host="127.0.0.1"))
-    decode.register(timeout=5)
-    first.accept(timeout=5)
+    pair([lambda: decode.register(timeout=5)], [lambda: first.accept(timeout=5)])
     decode.publish([PreallocatedRequest("r1", 1, 8)], timeout=5)
     first.receive_requests(1, timeout=5)
     first.channel.close()  # the sender dies before sending anything
@@ -46,8 +47,10 @@ def test_a_restarted_prefill_endpoint_is_registered_again_and_its_requests_compl
     assert "the prefill side is gone" in decode.tracker.failure("r1")
 
     second = PrefillEndpoint(side(src_pool, {1: [5, 9], 2: [10, 11]}), FakeEngine(), ControlChannel(port, host="127.0.0.1"))
-    until(lambda: second.channel.wait_readable(0), decode)  # the registration, sent again
-    second.accept(timeout=5)
+    with ThreadPoolExecutor(1) as pool:  # the registration, sent again once the decode sees the new sender
+        accepted = pool.submit(second.accept, timeout=5)
+        until(accepted.done, decode)
+        accepted.result()
     decode.publish([PreallocatedRequest("r2", 2, 8)], timeout=5)
     second.receive_requests(1, timeout=5)
     assert second.send([second.transfer(Chunk("r2", 2, 0, 9, 8, True))], mode="direct", timeout=5) == {"r2": None}
@@ -67,8 +70,7 @@ def _malformed_messages() -> None:
     dst_pool = torch.zeros(16 * PAGE_BYTES, dtype=torch.uint8)
     decode = DecodeEndpoint(side(dst_pool, {1: [3, 4]}), FakeEngine(), ControlChannel(host="127.0.0.1"))
     peer = ControlChannel(decode.channel.port, host="127.0.0.1")
-    decode.register(timeout=5)
-    assert peer.recv(time.monotonic() + 5)[0] == "register"
+    assert pair([lambda: decode.register(timeout=5)], [lambda: peer.recv(time.monotonic() + 5)])[0][0] == "register"
     decode.publish([PreallocatedRequest("r1", 1, 8)], timeout=5)
     for parts in ([b"failed", b"not json"], [b"failed", b"{}"], [b"failed", b"[1, 2]"], [b"\xff\xfe", b"{}"], [b"x"]):
         peer.socket.send_multipart(parts)
@@ -90,8 +92,7 @@ def test_a_stranger_that_connects_to_a_decode_s_channel_and_closes_fails_nothing
     decode = DecodeEndpoint(side(dst_pool, {1: [3, 4]}), FakeEngine(), ControlChannel(host="127.0.0.1"))
     port = decode.channel.port
     prefill = PrefillEndpoint(side(src_pool, {1: [5, 9]}), FakeEngine(), ControlChannel(port, host="127.0.0.1"))
-    decode.register(timeout=5)
-    prefill.accept(timeout=5)
+    pair([lambda: decode.register(timeout=5)], [lambda: prefill.accept(timeout=5)])
     decode.publish([PreallocatedRequest("r1", 1, 8)], timeout=5)
     prefill.receive_requests(1, timeout=5)
     socket.create_connection(("127.0.0.1", port)).close()

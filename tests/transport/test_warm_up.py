@@ -15,6 +15,7 @@ import torch
 from kvplan.planner.destinations import PreallocatedRequest
 from kvplan.tools.load import Arrival, LoadConfig, _Pools
 from kvplan.transport.control import ControlChannel
+from tests.transport.pairing import pair
 from kvplan.transport.endpoints import Chunk, DecodeEndpoint, PrefillEndpoint
 from kvplan.transport.engines import make_engine
 from tests.isolated import run_isolated
@@ -39,8 +40,7 @@ def _warm_up_then_a_batch() -> None:
     prefill = PrefillEndpoint(src.side, make_engine("mooncake", f"prefill-{name}", local_hostname="127.0.0.1"),
                               ControlChannel(channel.port, host="127.0.0.1"), prefill_staging)
     try:
-        decode.register(timeout=10)
-        prefill.accept(timeout=10)
+        pair([lambda: decode.register(timeout=10)], [lambda: prefill.accept(timeout=10)])
         assert set(decode.warm_up(timeout=10)) == {"pairing"}  # (a CPU staging buffer: nothing compiled or captured)
         with pytest.raises(ValueError, match="at least one transfer"):
             prefill.warm_up(max_transfers=0)

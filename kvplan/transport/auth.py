@@ -1,0 +1,77 @@
+"""Who is at the other end of a control channel: this process's incarnation, the shared secret, and the
+proofs and message codes made from them (:class:`~kvplan.transport.control.ControlChannel` uses them).
+
+**Incarnations.** Every process picks a random :data:`INCARNATION` when kvplan is imported. A channel
+is bound to its peer's incarnation when they shake hands; a message that names another sender or
+another receiver is refused. A restarted peer is a new incarnation and pairs anew: nothing addressed
+to the old one is acted on.
+
+**Authentication** (with a secret: ``KVPLAN_SECRET``, or the file ``KVPLAN_SECRET_FILE`` names, or the
+channel's ``secret`` argument). At the handshake each side sends a fresh nonce and proves that it
+holds the secret with an HMAC-SHA256 over the other side's nonce and both incarnations; from then on
+every message carries an HMAC-SHA256, under a key made for that pairing from both nonces, over its
+sequence number, both incarnations and every frame. A message whose code does not verify, or whose
+sequence number is not above the last one taken, is refused. HMAC rather than ZeroMQ's CURVE: one
+shared secret and the standard library, no key pairs to deploy, and a code that binds each message to
+the incarnations it was made for, which transport encryption alone would not. Nothing is encrypted:
+control messages carry page ids and layouts, not KV bytes, which the engines move on their own paths.
+Without a secret the handshake still binds incarnations, but anyone who reaches the port can pair.
+
+Example::
+
+    key = pairing_key(secret, (mine, my_nonce), (theirs, their_nonce))   # the same on both sides
+    code = message_code(key, envelope, parts)                            # on every message
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+from typing import Sequence
+
+__all__ = ["INCARNATION", "message_code", "nonce", "pairing_key", "proof", "secret_from_environment"]
+
+INCARNATION = secrets.token_hex(8)  # this process's, for its whole life
+
+
+def nonce() -> str:
+    """A fresh random challenge for one handshake."""
+    return secrets.token_hex(16)
+
+
+def secret_from_environment() -> bytes | None:
+    """``KVPLAN_SECRET``, else the contents of the file ``KVPLAN_SECRET_FILE`` names (surrounding
+    whitespace dropped), else ``None``. An empty secret is refused: it would authenticate anyone."""
+    value = os.environ.get("KVPLAN_SECRET")
+    if value is None and os.environ.get("KVPLAN_SECRET_FILE"):
+        with open(os.environ["KVPLAN_SECRET_FILE"], "rb") as source:
+            value = source.read().decode().strip()
+    if value is None:
+        return None
+    if not value.strip():
+        raise ValueError("KVPLAN_SECRET (or its file) is empty: an empty secret authenticates anyone")
+    return value.encode()
+
+
+def proof(secret: bytes, prover: str, verifier: str, challenge: str) -> str:
+    """What ``prover`` sends to show ``verifier`` that it holds ``secret``, for ``verifier``'s nonce."""
+    return hmac.new(secret, f"kvplan-proof|{prover}|{verifier}|{challenge}".encode(), hashlib.sha256).hexdigest()
+
+
+def pairing_key(secret: bytes, mine: tuple[str, str], theirs: tuple[str, str]) -> bytes:
+    """The message key of one pairing, from each side's ``(incarnation, nonce)``."""
+    first, second = sorted([mine, theirs])
+    return hmac.new(secret, f"kvplan-key|{first[0]}|{first[1]}|{second[0]}|{second[1]}".encode(),
+                    hashlib.sha256).digest()
+
+
+def message_code(key: bytes, envelope: bytes, parts: Sequence[bytes]) -> bytes:
+    """HMAC-SHA256 over a message's envelope (sender, receiver, sequence number) and every part, each
+    part's length first (no two splits of the same bytes share a code)."""
+    mac = hmac.new(key, envelope, hashlib.sha256)
+    for part in parts:
+        mac.update(len(part).to_bytes(8, "little"))
+        mac.update(part)
+    return mac.digest()

@@ -1,0 +1,127 @@
+"""The control channel's handshake and message codes (kvplan/transport/auth.py, control.py; issue 54): a
+channel pairs with one incarnation, only a peer holding the same secret pairs, and a message from any other
+incarnation, a replayed one or a tampered one is refused, never returned."""
+
+import json
+import time
+
+import pytest
+
+from kvplan.transport.auth import INCARNATION, secret_from_environment
+from kvplan.transport.control import MARK, ControlChannel, ControlTimeout
+from tests.transport.test_control import _first
+
+
+def _channels(bound_secret=b"s3cret", peer_secret=b"s3cret"):
+    bound = ControlChannel(host="127.0.0.1", secret=bound_secret, peer_timeout=30)
+    peer = ControlChannel(bound.port, host="127.0.0.1", secret=peer_secret, peer_timeout=30)
+    return bound, peer
+
+
+def _recorded(channel):
+    """Every message ``channel`` sends, as its wire parts."""
+    real, sent = channel.socket.send_multipart, []
+
+    def send_multipart(parts, flags=0):
+        sent.append(list(parts))
+        return real(parts, flags)
+
+    channel.socket.send_multipart = send_multipart
+    return sent
+
+
+def _nothing(channel, seconds=0.3):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        assert channel.try_recv() is None
+        time.sleep(0.01)
+
+
+def test_two_ends_with_the_same_secret_pair_and_name_each_other_s_incarnation():
+    bound, peer = _channels()
+    try:
+        assert _first(peer, bound, "lists", {"n": 1})[:2] == ("lists", {"n": 1})
+        assert bound.peer_incarnation == INCARNATION  # (the peer has proved the secret)
+        bound.send("request", {"n": 2}, timeout=5)
+        assert peer.recv(time.monotonic() + 5)[:2] == ("request", {"n": 2})
+        assert peer.peer_incarnation == INCARNATION  # (once it has read the other end's proof)
+    finally:
+        bound.close()
+        peer.close()
+
+
+@pytest.mark.parametrize("peer_secret", [b"another", None])
+def test_a_peer_without_the_secret_never_pairs_and_none_of_its_messages_is_returned(peer_secret, monkeypatch):
+    """Its hello gives it the pairing's nonces, so its sends leave; but its proof does not verify, so the
+    other end returns none of its messages, and it takes none of the other end's either."""
+    monkeypatch.delenv("KVPLAN_SECRET", raising=False)
+    bound, peer = _channels(peer_secret=peer_secret)
+    try:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(1) as pool:
+            sent = pool.submit(peer.send, "register", {}, timeout=5)
+            _nothing(bound, 1.0)
+            sent.result(timeout=5)
+        bound.send("request", {"n": 1}, timeout=5)
+        _nothing(peer, 0.5)
+        assert bound.peer_incarnation is None and peer.peer_incarnation is None
+        assert bound.refused >= 2 and peer.refused >= 1  # its proof and its message; the other end's proof
+    finally:
+        bound.close()
+        peer.close()
+
+
+def test_a_replayed_message_and_a_tampered_one_are_refused():
+    bound, peer = _channels()
+    try:
+        _first(peer, bound)
+        sent = _recorded(peer)
+        peer.send("failed", {"request": "r1", "reason": "x"}, timeout=5)
+        assert bound.recv(time.monotonic() + 5)[1]["request"] == "r1"
+        peer.socket.send_multipart(sent[-1])  # the same message again: a replay
+        tampered = list(sent[-1])
+        envelope = json.loads(tampered[1])
+        tampered[1] = json.dumps({**envelope, "s": envelope["s"] + 5}).encode()  # a later number, the old code
+        peer.socket.send_multipart(tampered)
+        changed = list(sent[-1])
+        changed[1] = json.dumps({**envelope, "s": envelope["s"] + 6}).encode()
+        changed[4] = json.dumps({"request": "r2", "reason": "x"}).encode()
+        peer.socket.send_multipart(changed)
+        _nothing(bound)
+        assert bound.refused >= 3
+        peer.send("failed", {"request": "r3"}, timeout=5)  # the pairing goes on
+        assert bound.recv(time.monotonic() + 5)[1]["request"] == "r3"
+    finally:
+        bound.close()
+        peer.close()
+
+
+def test_a_message_from_another_incarnation_is_refused_without_a_secret(monkeypatch):
+    """Without a secret anyone can pair, but a channel stays bound to the incarnation it paired with: a
+    message naming another sender is refused."""
+    monkeypatch.delenv("KVPLAN_SECRET", raising=False)
+    bound, peer = _channels(None, None)
+    try:
+        _first(peer, bound)
+        envelope = json.dumps({"f": "0123456789abcdef", "t": INCARNATION, "s": 10**6}).encode()
+        peer.socket.send_multipart([MARK, envelope, b"", b"failed", json.dumps({"request": "r1"}).encode()])
+        peer.socket.send_multipart([b"failed", b"{}"])  # not this protocol at all
+        _nothing(bound)
+        assert bound.refused == 2
+    finally:
+        bound.close()
+        peer.close()
+
+
+def test_the_secret_comes_from_the_environment_or_a_file_and_is_never_empty(tmp_path, monkeypatch):
+    monkeypatch.delenv("KVPLAN_SECRET", raising=False)
+    monkeypatch.delenv("KVPLAN_SECRET_FILE", raising=False)
+    assert secret_from_environment() is None
+    path = tmp_path / "secret"
+    path.write_text("from-a-file\n")
+    monkeypatch.setenv("KVPLAN_SECRET_FILE", str(path))
+    assert secret_from_environment() == b"from-a-file"
+    monkeypatch.setenv("KVPLAN_SECRET", "  ")
+    with pytest.raises(ValueError, match="empty"):
+        secret_from_environment()
