@@ -44,11 +44,11 @@ from .lists import (
 )
 from .model import Policy, SideMemory
 from .plan import DestinationLists
-from .rules import check_row, check_token_table
+from .rules import check_bounds, check_row, check_token_table
 from .state_kinds import rules_of
 
-__all__ = ["Expectation", "PendingDestinations", "PreallocatedRequest", "PublishedRequest", "decode_message",
-           "list_entries", "plan_destinations"]
+__all__ = ["Expectation", "PendingDestinations", "PreallocatedRequest", "PublishedRequest", "check_published",
+           "decode_message", "list_entries", "plan_destinations"]
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,23 @@ def decode_message(data: bytes, num_components: int) -> tuple[DestinationLists, 
                          "(pages, one per state component, aux index)")
     as64 = [x.astype(np.int64) for x in lists]
     return DestinationLists(as64[0], tuple(as64[1:-1])), int(as64[-1][0])
+
+
+def check_published(request: Any, lists: DestinationLists, aux_index: int, side: SideMemory) -> None:
+    """Every id a decode side published for ``request`` lies in the pools it registered (``side``): checked
+    where the lists arrive, so that a list naming pages outside them fails that request alone rather than
+    the batch it would join. :class:`~kvplan.errors.PoolBoundsError` names the first id outside.
+
+    Example::
+
+        lists, aux = decode_message(frame, len(peer_side.state))
+        check_published("req-7", lists, aux, peer_side)
+    """
+    check_bounds(request, "destination KV page", lists.pages, 1, side.kv.num_pages)  # (page 0: no page, as planning has it)
+    for component, ids in zip(side.state, lists.state):
+        check_bounds(request, f"destination {component.name}", ids, 0, component.num_items)
+    if side.aux:
+        check_bounds(request, "destination aux", np.array([aux_index]), 0, min(e.num_items for e in side.aux))
 
 
 def encode_messages(ids: np.ndarray, list_lengths: np.ndarray, aux_indices: np.ndarray) -> list[bytes]:

@@ -138,12 +138,16 @@ class ControlChannel:
         self._pairing_reset(None)
         self._reconnected = False  # the connection was made again since the last handshake ended
         self.refused = 0  # messages refused (not of the paired incarnation, out of sequence, a bad code)
-        if connect_port is None and bind_port:  # a known port (an SGLang bootstrap port)
-            self.socket.bind(f"tcp://{host}:{bind_port}")
-            self.port = bind_port
-        elif connect_port is None:
-            self.port = self.socket.bind_to_random_port(f"tcp://{host}")
-        else:
+        try:
+            if connect_port is None and bind_port:  # a known port (an SGLang bootstrap port)
+                self.socket.bind(f"tcp://{host}:{bind_port}")
+                self.port = bind_port
+            elif connect_port is None:
+                self.port = self.socket.bind_to_random_port(f"tcp://{host}")
+        except zmq.ZMQError:
+            self.close()  # (nothing of a channel that could not listen stays open)
+            raise
+        if connect_port is not None:
             self.port = connect_port
             self.socket.connect(f"tcp://{host}:{connect_port}")
             self._greet()  # (queued until the connection is made: the other end has this side's nonce unasked)
@@ -246,6 +250,14 @@ class ControlChannel:
         self._proof_refused = False
         self._answered = 0.0
 
+    def pairing_id(self) -> int | None:
+        """Which pairing of this channel's life holds now: ``None`` before a handshake has ended and from the
+        moment the connection is lost on a bound end, or made again on either (a restarted peer, or a
+        connection lost and made again: a new pairing follows). An owner keeps what a peer told it with
+        this number and drops it once the number differs: nothing a peer published goes to its successor."""
+        self.peer_gone()
+        return None if self._stale or not self._authed else self._pairing_no
+
     @property
     def peer_incarnation(self) -> str | None:
         """The incarnation this channel is paired with (``None`` before its handshake has ended)."""
@@ -333,6 +345,12 @@ class ControlChannel:
             # its way; answered again at most every RESEND_S
             if time.monotonic() - self._answered >= self.RESEND_S:
                 self._answer(sender, challenge, hello=True)
+            return
+        # the connection this hello came on was made before it came: its events are read now, so that one read
+        # later is a later connection's (read late, a connection's own event would end the pairing it made)
+        socket, self._looked = self.socket, 0.0
+        self.peer_gone()
+        if self.socket is not socket:  # (the peer was lost meanwhile: a hello of the old socket, answered by none)
             return
         if self._peer_inc is not None:  # a new pairing in place of one: a restarted process, or a new channel
             log.warning("control channel on %s port %d: a new pairing (incarnation %s) in place of incarnation %s",

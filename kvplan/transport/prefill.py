@@ -41,8 +41,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..errors import InputError, KvplanError, LayoutError, PlanError
-from ..planner.destinations import decode_message, list_entries
+from ..errors import InputError, KvplanError, LayoutError, PlanError, PoolBoundsError
+from ..planner.destinations import check_published, decode_message, list_entries
 from ..kernels.copy import GATHER
 from ..planner.model import Batch, Policy, SideMemory, Transfer
 from ..planner.pairing import pair_sides, smallest_descriptor
@@ -92,6 +92,13 @@ class Chunk:
     aux_src: int = 0
 
 
+def _pairing_of(channel: Any) -> int | None:
+    """A channel's current pairing (:meth:`ControlChannel.pairing_id`; 0 for channels without pairings:
+    tests' in-memory ones)."""
+    pairing_id = getattr(channel, "pairing_id", None)
+    return 0 if pairing_id is None else pairing_id()
+
+
 @dataclass
 class Peer:
     """One decode endpoint this prefill endpoint sends to: its channel, engine name, layout,
@@ -111,6 +118,7 @@ class Peer:
     notified: bool = True  # it learns of a write from the write's notification (else from another message)
     dropped: bool = False  # it is gone and what it published was dropped (:meth:`PrefillEndpoint._drop`)
     integrity: bool = False  # it asked for each request's checksum (.integrity)
+    pairing: int | None = None  # the channel's pairing it registered in (ControlChannel.pairing_id; None: paired elsewhere)
 
     def notification(self, section: Any) -> bytes:
         """A direct or prepared write's notification of ``section``, naming this sender where the
@@ -383,7 +391,7 @@ class PrefillEndpoint:
                     self._on_abort(k, request, str(header.get("reason") or "aborted"))
                 elif kind == "refuse":
                     self._on_refuse(k, header)
-            if p.side is not None and not p.dropped and p.channel.peer_gone():
+            if p.side is not None and not p.dropped and self._peer_gone(k) is not None:
                 self._drop(k)
         return arrived
 
@@ -465,6 +473,8 @@ class PrefillEndpoint:
         """Pair with decode endpoint ``k`` from its registration; one that is malformed or cannot pair
         is refused (told so, with the reason) and raises :class:`~kvplan.errors.LayoutError`."""
         peer = self.peers[k]
+        if peer.side is not None and not peer.dropped:  # registered again: a new endpoint, or one paired anew
+            self._drop(k)  # (nothing the one before published is sent to it)
         try:
             if self.compat is not None and header.get("compat") != self.compat:
                 raise LayoutError(f"the decode side's KV bytes are {header.get('compat')!r}, this side's "
@@ -482,6 +492,7 @@ class PrefillEndpoint:
             peer.channel.send("refused", {"reason": why})
             raise LayoutError(f"decode endpoint {k}: {why}") from err
         peer.side, peer.dropped = peer_side, False
+        peer.pairing = _pairing_of(peer.channel)
         self._touched.discard(k)  # (a decode that registers again is a new one: nothing of this side's is there)
         peer.plannable = receiver_can_plan(self.side, peer_side, self.policy)
         peer.staging = staging
@@ -511,22 +522,60 @@ class PrefillEndpoint:
             if not isinstance(prefix_len, int) or prefix_len < 0:
                 raise ValueError(f"its prefix length is {prefix_len!r}")
             lists, aux = decode_message(frames[0], len(p.side.state))
+            check_published(request, lists, aux, p.side)
         except (KvplanError, KeyError, IndexError, TypeError, ValueError, OverflowError) as err:
-            why = f"its destination lists are malformed ({type(err).__name__}: {err})"
+            why = (f"its destination lists name ids outside the pools its decode endpoint registered: {err}"
+                   if isinstance(err, PoolBoundsError) else
+                   f"its destination lists are malformed ({type(err).__name__}: {err})")
             if request is not None:
                 self._report(k, request, why)
             else:
                 log.warning("decode endpoint %d sent destination lists this side cannot use: %s", k, why)
             return None
-        p.lists[request] = (lists, aux, prefix_len)
-        publishers = header.get("publishers")
-        if isinstance(publishers, int) and not isinstance(publishers, bool) and 1 < publishers <= MAX_PUBLISHERS:
-            self.publishers[request] = publishers  # (a peer that overstates it only delays its own request)
-        elif isinstance(publishers, int) and publishers > MAX_PUBLISHERS:
+        publishers = header.get("publishers", 1)
+        if not isinstance(publishers, int) or isinstance(publishers, bool) or not 1 <= publishers <= MAX_PUBLISHERS:
             self._stats.hit("publishers")
+            self._report(k, request, f"it names {publishers!r} publishers (1 to {MAX_PUBLISHERS})")
+            return None
+        clash = self._publication_clash(k, request, publishers)
+        if clash is not None:
+            self._refuse_publication(k, request, clash)
+            return None
+        p.lists[request] = (lists, aux, prefix_len)
+        if publishers > 1:
+            self.publishers[request] = publishers
         if header.get("plans"):
             p.planning.add(request)
         return request
+
+    def _publication_clash(self, k: int, request: Any, publishers: int) -> str | None:
+        """Why decode endpoint ``k``'s publication of ``request`` cannot stand beside the others' (``None``
+        where it can). Every publisher names the same count, no more publish it than that, and where the
+        layouts split the KV by rank no two publish the same rank's part: one that publishes another's
+        request must not receive its bytes, nor hold it back by overstating the count."""
+        others = [j for j, q in enumerate(self.peers) if j != k and request in q.lists]
+        if not others:
+            return None
+        counted = self.publishers.get(request, 1)
+        if publishers != counted:
+            return f"decode endpoints {others} publish it as one of {counted}, endpoint {k} as one of {publishers}"
+        if len(others) + 1 > counted:
+            return f"decode endpoints {others} and {k} publish it: more than the {counted} it is split over"
+        kv = self.peers[k].side.kv
+        same = [j for j in others if kv.tp_size > 1 and (self.peers[j].side.kv.tp_size, self.peers[j].side.kv.tp_rank)
+                == (kv.tp_size, kv.tp_rank)]
+        if same:
+            return f"decode endpoints {same} and {k} publish the same part of it (TP rank {kv.tp_rank} of {kv.tp_size})"
+        return None
+
+    def _refuse_publication(self, k: int, request: Any, clash: str) -> None:
+        """A request published in a way that cannot stand (:meth:`_publication_clash`): nothing of it is
+        sent, and every endpoint that published it here is told it failed."""
+        self._stats.hit("publication clash")
+        involved = [j for j, q in enumerate(self.peers) if request in q.lists] + [k]
+        self._forget_now([request])
+        for j in involved:
+            self._report(j, request, f"refused: {clash}; nothing of it is sent")
 
     def footprint(self) -> dict[str, int]:
         """How many entries this endpoint's per-request tables hold, over every peer (what ``kvplan
@@ -819,8 +868,12 @@ class PrefillEndpoint:
         return "staged" if count >= AUTO_MIN_DESCS and nbytes <= AUTO_MAX_AVG_BYTES * count else "direct"
 
     def _peer_gone(self, peer: int) -> str | None:
-        if self.peers[peer].channel.peer_gone():
+        p = self.peers[peer]
+        if p.channel.peer_gone():
             return "the decode side is gone: its control connection was lost"
+        if p.pairing is not None and _pairing_of(p.channel) != p.pairing:  # (None: a peer not paired here)
+            return ("the decode side is gone: its control connection was made again since it registered (a "
+                    "restarted process, or a connection lost and made again); what it published is dropped")
         return None
 
     def _any_peer_gone(self, peers: Sequence[int]) -> str | None:

@@ -252,11 +252,14 @@ def test_a_request_spread_over_several_decode_endpoints_may_go_only_once_each_ha
         theirs.send("register", {"side": describe_side(decode_side), "staging": None}, b"meta")
     prefill.accept(timeout=1)
     message = plan_destinations(decode_side, [PreallocatedRequest("r1", 1, 8)]).messages()[0]
-    for bad in ("2", True, 0, 1 << 20):  # (malformed counts are ignored: one publisher)
+    for bad in ("2", True, 0, 1 << 20):  # (a malformed count fails its request, named)
         theirs0.send("request", {"request": f"bad-{bad}", "prompt_len": 8, "prefix_len": 0, "publishers": bad}, message)
     theirs0.send("request", {"request": "r1", "prompt_len": 8, "prefix_len": 0, "publishers": 2}, message)
     prefill.progress()
-    assert all(prefill.published_by_all(f"bad-{bad}") for bad in ("2", True, 0, 1 << 20))
+    assert not any(f"bad-{bad}" in prefill.peers[0].lists for bad in ("2", True, 0, 1 << 20))
+    failed = [(header["request"], header["reason"]) for kind, header in _sent(theirs0) if kind == "failed"]
+    assert [r for r, _ in failed] == [f"bad-{bad}" for bad in ("2", True, 0, 1 << 20)]
+    assert all("publishers" in why for _, why in failed)
     assert not prefill.published_by_all("r1")
     theirs1.send("request", {"request": "r1", "prompt_len": 8, "prefix_len": 0, "publishers": 2}, message)
     prefill.progress()

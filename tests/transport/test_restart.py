@@ -9,6 +9,7 @@ import torch
 
 from kvplan.planner.destinations import PreallocatedRequest
 from kvplan.planner.model import Attention, Entry, KVLayout, SideMemory
+from kvplan.errors import InputError
 from kvplan.transport.control import ControlChannel
 from tests.transport.pairing import pair
 from kvplan.transport.decode import DecodeEndpoint
@@ -111,3 +112,52 @@ def test_a_stranger_that_connects_to_a_decode_s_channel_and_closes_fails_nothing
     assert prefill.send([prefill.transfer(Chunk("r1", 1, 0, 9, 8, True))], mode="direct", timeout=5) == {"r1": None}
     decode.engine.inbox.extend(note for _, note in prefill.engine.posted)
     assert decode.wait()["r1"] == "complete"
+
+
+def test_a_decode_restarted_on_the_same_port_is_sent_nothing_its_predecessor_published():
+    """Issue 54: a decode killed and restarted on its port while its prefill was busy was written the old
+    request's bytes into pages of another (Mooncake): the prefill kept the dead one's lists. The new
+    process is a new pairing: what the old one published is dropped before the new one registers, and a
+    send of it fails naming the request, with nothing posted."""
+    src_pool, dst_pool = torch.zeros(16 * PAGE_BYTES, dtype=torch.uint8), torch.zeros(16 * PAGE_BYTES, dtype=torch.uint8)
+    old = DecodeEndpoint(side(dst_pool, {1: [3, 4]}), FakeEngine(), ControlChannel(host="127.0.0.1"))
+    port = old.channel.port
+    prefill = PrefillEndpoint(side(src_pool, {1: [5, 9], 2: [10, 11]}), FakeEngine(), ControlChannel(port, host="127.0.0.1"))
+    pair([lambda: old.register(timeout=5)], [lambda: prefill.accept(timeout=5)])
+    old.publish([PreallocatedRequest("old", 1, 8)], timeout=5)
+    prefill.receive_requests(1, timeout=5)
+    old.channel.socket.close(linger=0)  # killed
+    old.channel._monitor.close(0)
+    new = DecodeEndpoint(side(dst_pool, {2: [6, 7]}), FakeEngine(), _bound_again(port))
+    with ThreadPoolExecutor(1) as pool:
+        registered = pool.submit(new.register, timeout=8)
+        deadline = time.monotonic() + 8
+        while not (registered.done() and prefill.peers[0].side is not None and not prefill.peers[0].dropped
+                   and "old" not in prefill.peers[0].lists):
+            assert time.monotonic() < deadline, "the prefill never paired with the new decode"
+            prefill.progress()
+            time.sleep(0.005)
+        registered.result()
+    try:
+        prefill.transfer(Chunk("old", 1, 0, 9, 8, True))
+        raise AssertionError("a request of the dead decode was planned for the new one")
+    except InputError as err:
+        assert "old" in str(err)
+    new.publish([PreallocatedRequest("r2", 2, 8)], timeout=5)
+    prefill.receive_requests(1, timeout=5)
+    assert prefill.send([prefill.transfer(Chunk("r2", 2, 0, 9, 8, True))], mode="direct", timeout=5) == {"r2": None}
+    assert [note for _, note in prefill.engine.posted] and all(b"old" not in note for _, note in prefill.engine.posted)
+
+
+def _bound_again(port):
+    """A channel bound on ``port`` once the socket closed there has let it go (ZeroMQ closes it on its own
+    thread; a process killed frees it at once)."""
+    import zmq
+
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            return ControlChannel(host="127.0.0.1", bind_port=port)
+        except zmq.ZMQError:
+            assert time.monotonic() < deadline, f"port {port} was never free again"
+            time.sleep(0.01)

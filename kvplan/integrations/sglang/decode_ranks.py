@@ -33,7 +33,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ...errors import KvplanError
+from ...errors import KvplanError, PoolBoundsError
+from ...planner.destinations import check_published
 from ...planner.model import SideMemory
 from ...planner.plan import DestinationLists
 from ...planner.pairing import pair_sides
@@ -149,11 +150,24 @@ class DecodeRanks:
         if len({r.decode_prefix_len for r in live}) != 1:
             return (f"request {room}: its decode ranks give different decode prefixes "
                     f"{sorted({r.decode_prefix_len for r in live})}")
+        parts: dict[tuple[int, int], str] = {}
+        published = []
         for req in live:  # each rank the decode's TP spreads the request over: a peer of its own (head slices)
+            peer = self.endpoint.peers[self.sessions[req.session_id]]
             lists = DestinationLists(np.asarray(req.dst_pages, np.int64),
                                      tuple(np.asarray(ids, np.int64) for ids in req.state_lists))
-            self.endpoint.peers[self.sessions[req.session_id]].lists[room] = (lists, int(req.aux_index or 0),
-                                                                               int(req.decode_prefix_len))
+            try:  # (against the pools that session registered: a bad list fails this request, not a batch)
+                check_published(room, lists, int(req.aux_index or 0), peer.side)
+            except PoolBoundsError as err:
+                return f"request {room}: decode session {req.session_id} published ids outside its pools: {err}"
+            part = (peer.side.kv.tp_size, peer.side.kv.tp_rank)
+            if part[0] > 1 and part in parts:  # one rank's head slice asked for twice: one of them is not its owner
+                return (f"request {room}: decode sessions {parts[part]} and {req.session_id} both ask for the part of "
+                        f"TP rank {part[1]} of {part[0]}; nothing of it is sent")
+            parts[part] = req.session_id
+            published.append((peer, (lists, int(req.aux_index or 0), int(req.decode_prefix_len))))
+        for peer, entry in published:
+            peer.lists[room] = entry
         return None
 
     def report(self, room: int, ok: bool, reason: str | None = None) -> None:
