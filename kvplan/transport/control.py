@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import itertools
 import json
 import logging
 import time
@@ -32,6 +33,7 @@ log = logging.getLogger("kvplan")
 
 MAX_REFUSED = 4096  # requests one "refuse" message names at most (a sender keeps the last 4096 refused)
 MARK = b"kvp1"  # the first frame of every message of this protocol
+_monitor_numbers = itertools.count()  # (one inproc address per monitored socket of the process)
 _warned_open: set[str] = set()  # hosts already warned of as reachable without a secret
 
 
@@ -168,9 +170,18 @@ class ControlChannel:
         self.socket.setsockopt(zmq.RCVHWM, 0)
         self.socket.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         self.socket.setsockopt(zmq.HANDSHAKE_IVL, round(self.HANDSHAKE_S * 1000))
-        self._monitor = self.socket.get_monitor_socket(
-            zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
-            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        # the monitor by hand, its receiving end unbounded: libzmq's I/O thread writes every connection event
+        # into it and blocks when it is full (pyzmq's get_monitor_socket leaves ZeroMQ's 1,000 messages), and
+        # that one thread serves every socket of the process: a port scan of about 1,000 connections to a
+        # channel whose owner reads late stalled every control channel and engine port of the process
+        address = f"inproc://kvplan-monitor-{next(_monitor_numbers)}"
+        self.socket.monitor(address, zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+                            | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        self._monitor = self.context.socket(zmq.PAIR)
+        self._monitor.setsockopt(zmq.RCVHWM, 0)
+        self._monitor.setsockopt(zmq.LINGER, 0)
+        self._monitor.connect(address)
 
     def _bind_again(self) -> None:
         """A fresh socket on this bound end's port, once its peer is lost. ZeroMQ keeps a lost peer's

@@ -6,6 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 import time
 
 from kvplan.transport.control import ControlChannel, ControlTimeout
+from tests.isolated import run_isolated
 
 
 def _dies_and_is_seen_gone(peer, bound):
@@ -231,3 +232,28 @@ def test_a_bound_end_pairs_with_a_restarted_peer_though_the_old_peer_s_last_mess
         bound.close()
         if second is not None:
             second.close()
+
+
+def test_a_port_scan_of_a_channel_whose_owner_reads_nothing_stalls_no_other_channel_of_the_process():
+    """Every connection event goes from ZeroMQ's I/O thread into the channel's monitor; with ZeroMQ's default
+    bound on it (pyzmq's get_monitor_socket) that thread blocked after about 1,000 unread events, and it
+    serves every socket of the process: a scan of one idle channel froze every other. In a child process
+    (the old code's stall would outlive the test)."""
+    run_isolated(_scanned_while_unread, timeout=90)
+
+
+def _scanned_while_unread() -> None:
+    import socket
+
+    idle = ControlChannel(host="127.0.0.1")  # its owner never looks at it
+    for _ in range(3000):
+        socket.create_connection(("127.0.0.1", idle.port), timeout=5).close()
+    bound = ControlChannel(host="127.0.0.1")
+    peer = ControlChannel(bound.port, host="127.0.0.1")
+    with ThreadPoolExecutor(1) as pool:
+        sent = pool.submit(peer.send, "ping", {"n": 1}, timeout=10)
+        kind, header, _ = bound.recv(time.monotonic() + 10)
+        sent.result(timeout=10)
+    assert (kind, header) == ("ping", {"n": 1})
+    for channel in (idle, bound, peer):
+        channel.close()
