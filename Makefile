@@ -20,10 +20,11 @@ export MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER := 65535
 export MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER := 65535
 export PYTHONUNBUFFERED := 1
 
-# test processes (pytest-xdist): one per core and one more, at most 8. Many tests spend their time
-# waiting on processes of their own (engines, the demo's sides), so a third worker on two cores
-# measured 4:40-5:08 for the first pass against 5:17-6:26 with two (four: 5:09)
-WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n + 1 > 8 ? 8 : n + 1 )))
+# test processes (pytest-xdist): one per core and two more, at most 8. Many tests spend their time
+# waiting on processes of their own (engines, the demo's sides): on two cores the first pass used about
+# one core's time with three workers. Measured on two cores: two workers 5:17-6:26, three 4:40-5:08
+# (session 34: 4:39), four 3:39 and 4:03 (session 34; an earlier count had four at 5:09)
+WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n + 2 > 8 ? 8 : n + 2 )))
 
 .PHONY: setup setup-sglang setup-vllm test test-sglang test-vllm demo bench dist clean
 

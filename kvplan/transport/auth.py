@@ -31,7 +31,7 @@ import os
 import secrets
 from typing import Sequence
 
-__all__ = ["INCARNATION", "message_code", "nonce", "pairing_key", "proof", "secret_from_environment"]
+__all__ = ["INCARNATION", "message_code", "nonce", "pairing_key", "proof", "secret_from_environment", "secret_from_file"]
 
 INCARNATION = secrets.token_hex(8)  # this process's, for its whole life
 
@@ -46,13 +46,28 @@ def secret_from_environment() -> bytes | None:
     whitespace dropped), else ``None``. An empty secret is refused: it would authenticate anyone."""
     value = os.environ.get("KVPLAN_SECRET")
     if value is None and os.environ.get("KVPLAN_SECRET_FILE"):
-        with open(os.environ["KVPLAN_SECRET_FILE"], "rb") as source:
-            value = source.read().decode().strip()
+        return secret_from_file(os.environ["KVPLAN_SECRET_FILE"])
     if value is None:
         return None
     if not value.strip():
-        raise ValueError("KVPLAN_SECRET (or its file) is empty: an empty secret authenticates anyone")
+        raise ValueError("KVPLAN_SECRET is empty: an empty secret authenticates anyone")
     return value.encode()
+
+
+def secret_from_file(path: str) -> bytes:
+    """The secret in the file at ``path`` (surrounding whitespace dropped; an empty one is refused). An
+    integration's ``secret_file`` setting names such a file: a secret is never a value of a config that
+    engines log.
+
+    Example::
+
+        ControlChannel(host="10.0.0.3", secret=secret_from_file("/run/secrets/kvplan"))
+    """
+    with open(path, "rb") as source:
+        value = source.read().strip()
+    if not value:
+        raise ValueError(f"the secret file {path} is empty: an empty secret authenticates anyone")
+    return value
 
 
 def proof(secret: bytes, prover: str, verifier: str, challenge: str) -> str:

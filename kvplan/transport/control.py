@@ -140,6 +140,7 @@ class ControlChannel:
         self._pairing_reset(None)
         self._reconnected = False  # the connection was made again since the last handshake ended
         self.refused = 0  # messages refused (not of the paired incarnation, out of sequence, a bad code)
+        self.closed = False  # closed by its owner: it has no peer, reads nothing and sends nothing from then on
         try:
             if connect_port is None and bind_port:  # a known port (an SGLang bootstrap port)
                 self.socket.bind(f"tcp://{host}:{bind_port}")
@@ -216,6 +217,8 @@ class ControlChannel:
         waits for the handshake (:mod:`.auth`) within the same time.
         """
         wait_s = self.send_timeout if timeout is None else timeout
+        if self.closed:
+            raise ControlTimeout(f"the channel on {self.host} port {self.port} is closed: a {kind!r} message cannot leave")
         deadline = time.monotonic() + wait_s
         if self._stale:  # the connection was made again since the pairing: a new one (its peer may be new)
             self._pairing_reset(self._peer_inc)
@@ -266,7 +269,8 @@ class ControlChannel:
         moment the connection is lost on a bound end, or made again on either (a restarted peer, or a
         connection lost and made again: a new pairing follows). An owner keeps what a peer told it with
         this number and drops it once the number differs: nothing a peer published goes to its successor."""
-        self.peer_gone()
+        if self.peer_gone() and self.closed:
+            return None
         return None if self._stale or not self._authed else self._pairing_no
 
     @property
@@ -418,9 +422,11 @@ class ControlChannel:
     def pending(self) -> bool:
         """Whether a message read while this side waited is kept for :meth:`try_recv` (a wait on the
         socket alone would not see it)."""
-        return bool(self._inbox)
+        return bool(self._inbox) and not self.closed
 
     def recv(self, deadline: float) -> tuple[str, dict[str, Any], list[bytes]]:
+        if self.closed:
+            raise ControlTimeout(f"the channel on {self.host} port {self.port} is closed: nothing comes")
         self._greet()
         while True:
             kept = self._pop()
@@ -433,12 +439,27 @@ class ControlChannel:
             if message is not None:
                 return message
 
+    def advance(self) -> bool:
+        """Take what has arrived without handing it out (never waits): the handshake's steps are answered,
+        the peer's messages kept for :meth:`try_recv`; whether one is kept. A listener asks this of the
+        channels it handed out: one is ready when its peer has paired and sent, not when anyone sent a byte."""
+        if self.closed:
+            return False
+        self._greet()
+        while self.socket.poll(0):
+            self._keep(self._take(self.socket.recv_multipart()))
+        return bool(self._inbox)
+
     def wait_readable(self, timeout: float) -> bool:
         """Block up to ``timeout`` seconds (ZeroMQ counts whole milliseconds) until a message can be read
-        (or a step of the handshake: :meth:`try_recv` may then return ``None``)."""
+        (or a step of the handshake: :meth:`try_recv` may then return ``None``). A closed channel: never."""
+        if self.closed:
+            return False
         return bool(self._inbox) or bool(self.socket.poll(max(0, round(timeout * 1000))))
 
     def try_recv(self) -> tuple[str, dict[str, Any], list[bytes]] | None:
+        if self.closed:
+            return None
         self._greet()
         kept = self._pop()
         if kept is not None:
@@ -450,7 +471,10 @@ class ControlChannel:
         return None
 
     def peer_gone(self) -> bool:
-        """Whether the peer was connected and its connection has since been lost (death or silence)."""
+        """Whether the peer was connected and its connection has since been lost (death or silence); true
+        of a closed channel."""
+        if self.closed:
+            return True
         now = time.monotonic()
         if now - self._looked < self.LOOK_S:
             return self._gone
@@ -525,6 +549,10 @@ class ControlChannel:
         return replaced
 
     def close(self) -> None:
+        """Close the sockets (queued messages get a second to leave); calling it again does nothing."""
+        if self.closed:
+            return
+        self.closed, self._gone, self._connected = True, True, False
         self.socket.disable_monitor()
         self._monitor.close(0)
         self.socket.close()

@@ -6,12 +6,14 @@ decode endpoints through one advertised port (an SGLang bootstrap port) binds a
 the listener binds a new channel on an ephemeral port of the same host and answers with that port;
 the decode endpoint connects its own channel to it. Every wait has a deadline.
 
-A channel handed out is *pending* until its decode endpoint's first message (its registration)
-arrives: :meth:`ChannelListener.accept_pending` returns only channels whose first message is
-there, so pairing never blocks the caller's loop on a peer that said hello and nothing more. A
-pending channel whose first message has not come within ``handshake_s`` is closed, and at most
-``max_pending`` are open at once (a hello beyond that is answered "busy"): hellos from a broken or
-hostile peer cost a bounded number of sockets for a bounded time.
+A channel handed out is *pending* until its decode endpoint has paired on it (the control channel's
+handshake, with the shared secret where one is set) and its first message (its registration) has
+arrived: :meth:`ChannelListener.accept_pending` returns only such channels, so pairing never blocks
+the caller's loop on a peer that said hello and nothing more, and a process that cannot prove the
+secret never gets past this. A pending channel not ready within ``handshake_s`` is closed; at most
+``max_pending`` are open at once, and at most ``max_pending_per_source`` for one source address (a
+hello beyond either is answered "busy"): hellos from a broken or hostile peer cost a bounded number
+of sockets for a bounded time, and one source cannot take the slots of the others.
 
 Example::
 
@@ -36,16 +38,18 @@ log = logging.getLogger("kvplan")
 
 class ChannelListener:
     """A ROUTER socket on ``host:bind_port`` (0: an ephemeral port, in ``port``) that answers each
-    ``hello`` with a new channel's port."""
+    ``hello`` with a new channel's port (its channels use ``secret``, or the environment's)."""
 
     def __init__(self, bind_port: int, *, host: str, peer_timeout: float = 1.0, handshake_s: float = 5.0,
-                 max_pending: int = 64):
+                 max_pending: int = 64, max_pending_per_source: int = 8, secret: bytes | None = None):
         import zmq
 
         self._zmq = zmq
-        self.host, self.peer_timeout = host, peer_timeout
-        self.handshake_s, self.max_pending = handshake_s, max_pending
-        self.pending: list[tuple[ControlChannel, float]] = []  # channels handed out, not yet written to: deadline
+        self.host, self.peer_timeout, self.secret = host, peer_timeout, secret
+        self.handshake_s, self.max_pending, self.max_pending_per_source = handshake_s, max_pending, max_pending_per_source
+        # channels handed out, not yet ready: (channel, deadline, the source address whose hello it answered)
+        self.pending: list[tuple[ControlChannel, float, str]] = []
+        self.refused_busy = 0  # hellos answered "busy" (either bound), over the listener's life
         self.socket = zmq.Context.instance().socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 1000)
         if bind_port:
@@ -61,22 +65,26 @@ class ChannelListener:
         message has not come within ``handshake_s``. A malformed message is answered with an error."""
         self._answer_hellos()
         now, ready, waiting = time.monotonic(), [], []
-        for channel, deadline in self.pending:
-            if channel.wait_readable(0):
+        for channel, deadline, source in self.pending:
+            if channel.advance():
                 ready.append(channel)
             elif now > deadline:
-                log.warning("closed the channel on port %d: its decode endpoint said hello, then nothing for %.1f s",
-                            channel.port, self.handshake_s)
+                log.warning("closed the channel on port %d: the decode endpoint at %s that asked for it did not pair "
+                            "and register within %.1f s", channel.port, source, self.handshake_s)
                 channel.close()
             else:
-                waiting.append((channel, deadline))
+                waiting.append((channel, deadline, source))
         self.pending = waiting
         return ready
 
     def _answer_hellos(self) -> None:
         while self.socket.poll(0):
-            parts = self.socket.recv_multipart()
-            who, body = parts[0], parts[-1]
+            frames = self.socket.recv_multipart(copy=False)
+            who, body = frames[0].bytes, frames[-1].bytes
+            try:
+                source = frames[-1].get("Peer-Address")
+            except Exception:  # noqa: BLE001 - a transport without the property (ipc): one source
+                source = "?"
             try:
                 kind = json.loads(body).get("kind")
             except (ValueError, AttributeError):
@@ -85,25 +93,29 @@ class ChannelListener:
                 log.warning("ignored a malformed message on the listening port %d", self.port)
                 self.socket.send_multipart([who, json.dumps({"error": "expected a hello"}).encode()])
                 continue
-            if len(self.pending) >= self.max_pending:
-                log.warning("refused a hello on port %d: %d channels already wait for their first message",
-                            self.port, len(self.pending))
+            from_source = sum(s == source for _, _, s in self.pending)
+            if len(self.pending) >= self.max_pending or from_source >= self.max_pending_per_source:
+                self.refused_busy += 1
+                log.warning("refused a hello from %s on port %d: %d channels wait to pair, %d of them asked from there",
+                            source, self.port, len(self.pending), from_source)
                 self.socket.send_multipart([who, json.dumps({"error": "busy: too many channels wait to pair"}).encode()])
                 continue
-            channel = ControlChannel(peer_timeout=self.peer_timeout, host=self.host)
+            channel = ControlChannel(peer_timeout=self.peer_timeout, host=self.host, secret=self.secret)
             self.socket.send_multipart([who, json.dumps({"port": channel.port}).encode()])
-            self.pending.append((channel, time.monotonic() + self.handshake_s))
+            self.pending.append((channel, time.monotonic() + self.handshake_s, source))
 
     def close(self) -> None:
-        for channel, _ in self.pending:
+        for channel, _, _ in self.pending:
             channel.close()
         self.pending = []
         self.socket.close()
 
 
-def channel_via(host: str, port: int, timeout: float, peer_timeout: float = 1.0) -> ControlChannel:
-    """Ask the :class:`ChannelListener` on ``host:port`` for a channel of its own and connect it;
-    :class:`ControlTimeout` if no answer comes within ``timeout`` seconds."""
+def channel_via(host: str, port: int, timeout: float, peer_timeout: float = 1.0,
+                secret: bytes | None = None) -> ControlChannel:
+    """Ask the :class:`ChannelListener` on ``host:port`` for a channel of its own and connect it (with
+    ``secret``, or the environment's: :class:`ControlChannel`); :class:`ControlTimeout` if no answer
+    comes within ``timeout`` seconds."""
     import zmq
 
     socket = zmq.Context.instance().socket(zmq.DEALER)
@@ -119,6 +131,6 @@ def channel_via(host: str, port: int, timeout: float, peer_timeout: float = 1.0)
         answer = json.loads(socket.recv_multipart()[-1])
         if not isinstance(answer, dict) or not isinstance(answer.get("port"), int):
             raise PeerError(f"the listener on {host}:{port} answered {answer!r}, not a port")
-        return ControlChannel(connect_port=int(answer["port"]), host=host, peer_timeout=peer_timeout)
+        return ControlChannel(connect_port=int(answer["port"]), host=host, peer_timeout=peer_timeout, secret=secret)
     finally:
         socket.close()

@@ -42,6 +42,7 @@ def wait_any(channels: Sequence[Any], timeout: float) -> None:
     """Block up to ``timeout`` seconds, or until one of ``channels`` can be read. Below a millisecond
     (ZeroMQ's unit) it sleeps; control channels are polled together; a channel without a socket
     (tests' in-memory ones) is asked by its own ``wait_readable``."""
+    channels = [c for c in channels if not getattr(c, "closed", False)]  # (closed by their owner: nothing comes)
     if timeout < 1e-3 or not channels:
         time.sleep(timeout)
         return

@@ -41,7 +41,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..errors import InputError, KvplanError, LayoutError, PlanError, PoolBoundsError
+from ..errors import InputError, KvplanError, LayoutError, PeerError, PlanError, PoolBoundsError
 from ..planner.destinations import check_published, decode_message, list_entries
 from ..kernels.copy import GATHER
 from ..planner.model import Batch, Policy, SideMemory, Transfer
@@ -77,6 +77,13 @@ TOUCH_BYTES = 64 << 20  # the warm-up's write into each decode's staging share (
 ACK_S = 0.5  # how long an abort's acknowledgement may wait on a full control socket
 AUTO_MIN_DESCS, AUTO_MAX_AVG_BYTES = 64, 256 << 10
 MAX_PUBLISHERS = 1024  # decode endpoints one request may be spread over (a larger count in a message is ignored)
+# per decode endpoint, the requests whose lists it may have published here and not yet had sent or failed: a
+# decode holds at most its running requests' pages (SGLang's max_running_requests is in the hundreds to
+# low thousands); an endpoint that publishes lists it never has sent cannot make this side hold more
+MAX_PUBLISHED = 16384
+# decode endpoints taken through add_peer() (a listener's) that are paired or pairing at once, gone ones
+# not counted: each holds a control socket and an engine connection
+MAX_PEERS = 256
 
 
 @dataclass(frozen=True)
@@ -119,6 +126,7 @@ class Peer:
     dropped: bool = False  # it is gone and what it published was dropped (:meth:`PrefillEndpoint._drop`)
     integrity: bool = False  # it asked for each request's checksum (.integrity)
     pairing: int | None = None  # the channel's pairing it registered in (ControlChannel.pairing_id; None: paired elsewhere)
+    owned: bool = False  # its channel came through add_peer (a listener's): closed once the peer is gone
 
     def notification(self, section: Any) -> bytes:
         """A direct or prepared write's notification of ``section``, naming this sender where the
@@ -154,13 +162,15 @@ class PrefillEndpoint:
     def __init__(self, side: SideMemory, engine: Engine, channels: ControlChannel | Sequence[ControlChannel],
                  staging: torch.Tensor | None = None, policy: Policy = Policy.STRICT, slots: int = 4,
                  refuse: str = "batch", receiver_plans: bool = True, compat: str | None = None,
-                 max_in_flight: int = MAX_IN_FLIGHT):
+                 max_in_flight: int = MAX_IN_FLIGHT, max_published: int = MAX_PUBLISHED, max_peers: int = MAX_PEERS):
         if refuse not in ("batch", "request"):
             raise ValueError(f"refuse must be 'batch' or 'request', got {refuse!r}")
         self.side, self.engine, self.staging, self.policy, self.refuse = side, engine, staging, policy, refuse
         self.receiver_plans = receiver_plans
         self.compat = compat  # a decode endpoint pairs only with the same word (DecodeEndpoint's ``compat``)
         self.max_in_flight = max_in_flight  # batches queued or moving at once once submitted (.progress_thread)
+        # bounds on what decode endpoints make this side hold (docs/failures.md §11)
+        self.max_published, self.max_peers = max_published, max_peers
         self._thread: ProgressThread | None = None  # started by the first submit()
         # channels taken by add_peer() on a started endpoint, until their registration comes: (channel, deadline)
         self._pairing: list[tuple[ControlChannel, float]] = []
@@ -248,9 +258,14 @@ class PrefillEndpoint:
         the channel, logged); a refused pairing is raised by the next :meth:`progress`. The new peer
         is in :attr:`peers` once paired."""
         if self._thread is not None:
-            self._thread.call(lambda: self._pairing.append((channel, time.monotonic() + timeout)))
+            self._thread.call(lambda: self._take_pairing(channel, time.monotonic() + timeout))
             return None
-        self.peers.append(Peer(channel))
+        if self._live_owned() >= self.max_peers:
+            channel.close()
+            self._stats.hit("peers")
+            raise PeerError(f"refused a decode endpoint: {self.max_peers} taken through add_peer are paired or "
+                            "pairing (max_peers)")
+        self.peers.append(Peer(channel, owned=True))
         k = len(self.peers) - 1
         try:
             kind, header, frames = channel.recv(time.monotonic() + timeout)
@@ -395,6 +410,20 @@ class PrefillEndpoint:
                 self._drop(k)
         return arrived
 
+    def _live_owned(self) -> int:
+        """Decode endpoints taken through add_peer that are paired or pairing (what max_peers bounds)."""
+        return sum(p.owned and not p.dropped for p in self.peers) + len(self._pairing)
+
+    def _take_pairing(self, channel: ControlChannel, deadline: float) -> None:
+        """(On the progress thread) a channel of add_peer to pair once its registration comes, within the bound."""
+        if self._live_owned() >= self.max_peers:
+            log.warning("refused a decode endpoint: %d taken through add_peer are paired or pairing (max_peers)",
+                        self.max_peers)
+            self._stats.hit("peers")
+            channel.close()
+            return
+        self._pairing.append((channel, deadline))
+
     def _read_pairing(self) -> None:
         """Pair the channels :meth:`add_peer` took on the progress thread whose registration came; close
         those past their deadline. A refused one is closed and raised (the caller's progress() raises it)."""
@@ -408,7 +437,7 @@ class PrefillEndpoint:
                             "no registration" if msg is None else f"{msg[0]!r} instead of its registration")
                 channel.close()
             else:
-                self.peers.append(Peer(channel))
+                self.peers.append(Peer(channel, owned=True))
                 try:
                     self._on_register(len(self.peers) - 1, msg[1], msg[2])
                 except BaseException:
@@ -431,6 +460,8 @@ class PrefillEndpoint:
         p.backlog.clear()
         self._sums.drop([key for key in self._sums.keys() if key[0] == k])
         p.name, p.prepared, p.dropped = None, False, True  # (its layout stays: the planner pairs every peer)
+        if p.owned:  # (a listener's channel: a restarted endpoint asks the listener for a new one)
+            p.channel.close()
 
     def _on_abort(self, k: int, request: Any, reason: str) -> None:
         """A decode endpoint aborted ``request``: nothing more of it goes there, and it is told so at
@@ -536,6 +567,11 @@ class PrefillEndpoint:
         if not isinstance(publishers, int) or isinstance(publishers, bool) or not 1 <= publishers <= MAX_PUBLISHERS:
             self._stats.hit("publishers")
             self._report(k, request, f"it names {publishers!r} publishers (1 to {MAX_PUBLISHERS})")
+            return None
+        if request not in p.lists and len(p.lists) >= self.max_published:
+            self._stats.hit("published")
+            self._report(k, request, f"refused: its decode endpoint has {len(p.lists)} requests published here and "
+                                     "not yet sent (max_published); nothing of it is sent")
             return None
         clash = self._publication_clash(k, request, publishers)
         if clash is not None:

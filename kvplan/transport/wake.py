@@ -42,6 +42,8 @@ class WakePipe:
         poller = zmq.Poller()
         poller.register(self._read, zmq.POLLIN)
         for channel in channels:
+            if getattr(channel, "closed", False):
+                continue  # (its owner closed it: nothing comes)
             socket = getattr(channel, "socket", None)
             if socket is not None:
                 poller.register(socket, zmq.POLLIN)

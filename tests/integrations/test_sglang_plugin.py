@@ -107,3 +107,18 @@ def test_an_unknown_key_in_the_config_file_is_refused(tmp_path):
     config.write_text(json.dumps({"mdoe": "staged"}))
     with pytest.raises(SettingsError, match="mdoe"):
         Settings.read(None, {"KVPLAN_CONFIG": str(config)})
+
+
+def test_the_secret_comes_from_the_file_its_setting_names(tmp_path, monkeypatch):
+    """Issue 54: kvplan's SGLang settings pass the control plane's secret (``secret_file``: a server arg,
+    ``KVPLAN_SECRET_FILE`` or the config file's key), else ``KVPLAN_SECRET``, else none."""
+    monkeypatch.delenv("KVPLAN_SECRET", raising=False)
+    monkeypatch.delenv("KVPLAN_SECRET_FILE", raising=False)
+    path = tmp_path / "secret"
+    path.write_text("the deployment's\n")
+    assert Settings.read(None, {"KVPLAN_SECRET_FILE": str(path)}).secret() == b"the deployment's"
+    server_args = type("ServerArgs", (), {"kvplan_secret_file": str(path)})()
+    assert Settings.read(server_args, {}).secret() == b"the deployment's"
+    assert Settings.read(None, {}).secret() is None
+    monkeypatch.setenv("KVPLAN_SECRET", "from the environment")
+    assert Settings.read(None, {}).secret() == b"from the environment"

@@ -166,7 +166,9 @@ def test_a_worker_takes_a_full_attention_group_and_a_sliding_window_group_over_t
                                           ({"staging_mib": -1}, "staging_mib -1"),
                                           ({"warm_up": {"max_transfers": 4}}, "warm_up"),
                                           ({"warm_up": {"max_transfers": 0, "max_prompt_len": 8}}, "warm_up"),
-                                          ({"layout": "LHBNC"}, "layout 'LHBNC'")])
+                                          ({"layout": "LHBNC"}, "layout 'LHBNC'"),
+                                          ({"secret_file": ""}, "secret_file ''"),
+                                          ({"secret": "in the config"}, "unknown keys")])
 def test_settings_that_cannot_work_are_refused_naming_them(extra, named):
     with pytest.raises(UnsupportedConfig, match=named):
         KVConnectorFactory.create_connector(vllm_config(extra), KVConnectorRole.SCHEDULER, full_attention(["l0"]))
@@ -319,3 +321,16 @@ def test_the_connector_asks_vllm_for_the_layout_of_its_setting():
     assert KVCacheLayout[get_kv_connector_cache_layout(config)] is KVCacheLayout.LBNHC
     config.model_config.use_mla = True
     assert get_kv_connector_cache_layout(config) is None
+
+
+def test_the_secret_comes_from_the_file_its_setting_names_never_from_the_config(tmp_path):
+    """Issue 54: the SGLang and vLLM settings pass the control plane's secret; vLLM logs its config, so the
+    setting names a file (``secret_file``), and a key holding the secret itself is refused above."""
+    from kvplan.integrations.vllm.settings import Settings
+
+    path = tmp_path / "secret"
+    path.write_text("  the deployment's\n")
+    assert Settings.parse({"host": "127.0.0.1", "secret_file": str(path)}, tp_size=1).secret() == b"the deployment's"
+    path.write_text("\n")
+    with pytest.raises(ValueError, match="empty"):
+        Settings.parse({"host": "127.0.0.1", "secret_file": str(path)}, tp_size=1).secret()

@@ -136,3 +136,130 @@ def test_a_decode_endpoint_that_cannot_pair_is_refused_and_left_out():
     mine, theirs = FakeChannel.pair()
     theirs.send("register", {"side": describe_side(side(pools(), {1: [3, 4]})), "staging": None}, b"meta")
     assert endpoint.add_peer(mine, timeout=1) == 0 and endpoint.peers[0].side is not None
+
+
+def _hellos_from(source: str, port: int, count: int) -> list:
+    """``count`` DEALER sockets that each say hello to the listener on ``port`` from address ``source``."""
+    sockets = []
+    for _ in range(count):
+        socket = zmq.Context.instance().socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(f"tcp://{source}:0;127.0.0.1:{port}")
+        socket.send_multipart([json.dumps({"kind": "hello"}).encode()])
+        sockets.append(socket)
+    return sockets
+
+
+def _answers(listener, sockets, seconds=5.0) -> list[dict]:
+    got, deadline = {}, time.monotonic() + seconds
+    while len(got) < len(sockets) and time.monotonic() < deadline:
+        listener.accept_pending()
+        for k, s in enumerate(sockets):
+            if k not in got and s.poll(5):
+                got[k] = json.loads(s.recv_multipart()[-1])
+    return [got.get(k) for k in range(len(sockets))]
+
+
+def test_one_source_s_hellos_take_no_slot_of_another_source():
+    """Issue 54: 64 hellos every 4 s from one source made 7 of 10 legitimate pairings fail as "busy"
+    (the listener's 64 slots were all that source's). A source now holds at most
+    ``max_pending_per_source`` of them (other loopback addresses stand for other hosts)."""
+    listener = _listener()
+    flood = _hellos_from("127.0.0.2", listener.port, 64)
+    honest = []
+    try:
+        flooded = _answers(listener, flood)
+        assert sum("port" in a for a in flooded) == listener.max_pending_per_source
+        assert all("busy" in a["error"] for a in flooded if "error" in a)
+        honest = [s for k in range(10) for s in _hellos_from(f"127.0.1.{k + 1}", listener.port, 1)]  # ten hosts
+        assert all("port" in a for a in _answers(listener, honest)), "an honest source was answered busy"
+    finally:
+        for s in flood + honest:
+            s.close()
+        listener.close()
+
+
+def _ask(listener, secret=None):
+    """A decode's channel from ``listener`` (channel_via on a thread while the listener answers here), and
+    what accept_pending handed out meanwhile."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    ready = []
+    with ThreadPoolExecutor(1) as pool:
+        asked = pool.submit(channel_via, "127.0.0.1", listener.port, 5.0, secret=secret)
+        while not asked.done():
+            ready += listener.accept_pending()
+            time.sleep(0.002)
+        return asked.result(), ready
+
+
+def test_a_channel_whose_peer_cannot_prove_the_secret_is_never_handed_out_and_is_closed():
+    """Issue 54: a channel was handed to the prefill as soon as anything arrived on it, so a process without
+    the secret became a pairing peer. Now a channel is ready only once its peer has paired (the secret
+    proved) and sent; the stranger's is closed at the handshake deadline, the honest one is handed out."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    listener = ChannelListener(0, host="127.0.0.1", handshake_s=1.0, secret=b"the deployment's")
+    stranger, _ = _ask(listener, secret=b"a guess")
+    honest, _ = _ask(listener, secret=b"the deployment's")
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            tries = [pool.submit(c.send, "register", {"who": c.port}, timeout=2.0) for c in (stranger, honest)]
+            ready, deadline = [], time.monotonic() + 3
+            while time.monotonic() < deadline and (not ready or listener.pending):
+                ready += listener.accept_pending()
+                time.sleep(0.01)
+            tries[1].result(timeout=5)
+            try:  # (the stranger's send may leave: it is never taken)
+                tries[0].result(timeout=5)
+            except ControlTimeout:
+                pass
+        assert len(ready) == 1 and listener.pending == []
+        assert ready[0].recv(time.monotonic() + 1) == ("register", {"who": honest.port}, [])
+        assert ready[0].peer_incarnation is not None
+    finally:
+        for c in (stranger, honest):
+            c.close()
+        listener.close()
+
+
+def test_a_listener_s_decode_that_goes_has_its_channel_closed_and_the_bound_on_peers_holds():
+    """Issue 54: decodes that registered through the listener and left kept their channels open (+803
+    descriptors per 200) until the process hit ZeroMQ's socket cap and no decode could pair again. A gone
+    peer's channel is now closed with what it published; at most ``max_peers`` are paired or pairing."""
+    from kvplan.errors import PeerError
+    from kvplan.transport.registration import describe_side
+    from tests.transport.test_layerwise import pools, side
+
+    endpoint = PrefillEndpoint(side(pools(), {1: [5, 9]}), FakeEngine(), [], max_peers=1)
+    listener = _listener()
+    layout = {"side": describe_side(side(pools(), {1: [3, 4]})), "staging": None}
+
+    def take(ready):
+        deadline = time.monotonic() + 5
+        while not ready and time.monotonic() < deadline:
+            ready += listener.accept_pending()
+            time.sleep(0.005)
+        assert ready, "no channel became ready"
+        return endpoint.add_peer(ready[0], timeout=5)
+
+    decode, ready = _ask(listener)
+    second = None
+    try:
+        assert pair([lambda: decode.send("register", layout, b"meta")], [lambda: take(ready)]) == [0]
+        second, ready = _ask(listener)
+        with pytest.raises(PeerError, match="max_peers"):
+            pair([lambda: second.send("register", layout, b"meta")], [lambda: take(ready)])
+        channel = endpoint.peers[0].channel
+        decode.close()  # the decode goes
+        deadline = time.monotonic() + 5
+        while not endpoint.peers[0].dropped:
+            assert time.monotonic() < deadline, "the gone decode was never dropped"
+            endpoint.progress()
+            time.sleep(0.01)
+        assert channel.closed and endpoint.progress() == [] and len(endpoint.peers) == 1
+    finally:
+        for c in (decode, second):
+            if c is not None:
+                c.close()
+        listener.close()

@@ -104,3 +104,25 @@ def test_lists_naming_pages_outside_the_publisher_s_pools_fail_that_request_alon
     assert "outside the pools" in _failed(theirs)["bad"] and "bad" not in prefill.peers[0].lists
     batch = [prefill.transfer(Chunk(r, row, 0, 9, 8, True)) for r, row in (("r1", 1), ("r2", 2))]
     assert prefill.send(batch, mode="direct", timeout=5) == {"r1": None, "r2": None}
+
+
+def test_an_endpoint_that_publishes_past_its_bound_has_the_excess_refused_and_named():
+    """Issue 54: 200,000 lists published and never sent grew the prefill by 96 MiB, without a bound. Now
+    each decode endpoint holds at most ``max_published`` here; one more fails by name, nothing of it is
+    kept, and the bound is counted."""
+    dst = torch.zeros(2 * 16 * PAGE_BYTES, dtype=torch.uint8)
+    decode = _mha(dst, {1: [3, 4], 2: [6, 7], 3: [8, 9]})
+    src_pool = torch.zeros(2 * 16 * PAGE_BYTES, dtype=torch.uint8)
+    mine, theirs = FakeChannel.pair()
+    prefill = PrefillEndpoint(_mha(src_pool, {1: [5, 9]}), FakeEngine(), [mine], max_published=2)
+    theirs.send("register", {"side": describe_side(decode), "staging": None}, b"meta")
+    prefill.accept(timeout=1)
+    for request, row in (("r1", 1), ("r2", 2), ("r3", 3)):
+        _publish(theirs, decode, request, row)
+    assert sorted(r for _, r in prefill.progress()) == ["r1", "r2"]
+    assert sorted(prefill.peers[0].lists) == ["r1", "r2"]
+    assert "max_published" in _failed(theirs)["r3"]
+    assert prefill.stats()["bounds_hit"]["published"] == 1
+    _publish(theirs, decode, "r1", 1)  # (published again: not one more)
+    prefill.progress()
+    assert "r1" in prefill.peers[0].lists and _failed(theirs) == {}

@@ -264,9 +264,10 @@ class KVManager(BaseKVManager):
                 link = PrefillRankLink(rank_ip=self.host, backend=engine_kind, prefill_rank=int(args.engine_rank))
                 self.ranks = DecodeRanks(self.prefill, link, self._decode_side)
             elif self.settings.bootstrap == "direct":  # kvplan's listener is the bootstrap port (no SGLang server)
-                self.listener = ChannelListener(self.bootstrap_port, host=self.host, handshake_s=HANDSHAKE_S)
+                self.listener = ChannelListener(self.bootstrap_port, host=self.host, handshake_s=HANDSHAKE_S,
+                                                secret=self.settings.secret())
             else:  # a listener of its own, registered with SGLang's bootstrap server, which keeps its port
-                self.listener = ChannelListener(0, host=self.host, handshake_s=HANDSHAKE_S)
+                self.listener = ChannelListener(0, host=self.host, handshake_s=HANDSHAKE_S, secret=self.settings.secret())
             self.register_to_bootstrap()
         elif disaggregation_mode is DisaggregationMode.DECODE:
             self.side: SideMemory = side_from_kv_args(args, mla=self.is_mla, attn_tp_size=self.attn_tp_size,
@@ -728,7 +729,7 @@ class KVManager(BaseKVManager):
         if self.settings.bootstrap != "direct":  # a larger decode TP: each prefill rank serves mine / its ranks
             prefill_tp, mine = int(self.prefill_info_table[bootstrap_addr].attn_tp_size), self.attn_tp_size
             publishers = mine // prefill_tp if mine > prefill_tp and mine % prefill_tp == 0 else 1
-        channel = channel_via(*rank_addr, timeout=self.timeout)
+        channel = channel_via(*rank_addr, timeout=self.timeout, secret=self.settings.secret())
         if self.decode is None:
             self.decode = DecodeEndpoint(self.side, self.engine, channel)
             self.decode.register(timeout=self.timeout)

@@ -35,6 +35,9 @@ warm_up        ``KVPLAN_WARM_UP``      see meaning JSON object: the batches a pr
                                                    (``PrefillEndpoint.warm_up``): default
                                                    ``{"max_transfers": 16, "max_prompt_len": 8192}``;
                                                    ``{}`` warms nothing
+secret_file    ``KVPLAN_SECRET_FILE``  none        a file holding the control plane's shared secret
+                                                   (docs/failures.md §10); without it,
+                                                   ``KVPLAN_SECRET`` if set, else no secret
 ============== ======================= =========== ==================================================
 
 A value that does not parse is refused with :class:`SettingsError`, naming the setting and where it
@@ -83,6 +86,13 @@ class Settings:
     host: str | None = None
     decode_lens: Any = None
     warm_up: dict = field(default_factory=lambda: dict(WARM_UP))
+    secret_file: str | None = None
+
+    def secret(self) -> bytes | None:
+        """The control plane's shared secret: the ``secret_file``'s, else ``KVPLAN_SECRET``'s, else none."""
+        from ...transport.auth import secret_from_environment, secret_from_file
+
+        return secret_from_file(self.secret_file) if self.secret_file else secret_from_environment()
 
     @classmethod
     def read(cls, server_args: Any = None, environ: Mapping[str, str] | None = None) -> "Settings":

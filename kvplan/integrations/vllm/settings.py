@@ -24,6 +24,9 @@ staging_mib     256                          each staging buffer (a prefill's; a
 warm_up         ``{"max_transfers": 16,      the batches each pairing is made ready for before its first
                 "max_prompt_len": 8192}``    (planners captured, copy kernels compiled, connection opened:
                                              the endpoints' ``warm_up``); ``{}``: none
+secret_file     none                         a file holding the control plane's shared secret (docs/failures.md
+                                             §10; never the secret itself: vLLM logs this config); without it
+                                             ``KVPLAN_SECRET`` or ``KVPLAN_SECRET_FILE``, else no secret
 layout          ``"LBHNC"``                  the KV cache layout the connector asks vLLM for (models with KV
                                              heads): ``"LBHNC"`` (each head's tokens of a block in a row, as
                                              vLLM's NIXL connector asks; the sides may differ in TP size) or
@@ -50,7 +53,7 @@ DEFAULT_PORT = 17500
 DEFAULT_TIMEOUT_S = 120.0
 ENGINES = ("nixl", "mooncake")
 _KEYS = ("host", "port", "engine", "engine_settings", "timeout_s", "max_requests", "mode", "staging_mib", "warm_up",
-         "layout")
+         "layout", "secret_file")
 WARM_UP = {"max_transfers": 16, "max_prompt_len": 8192}
 MODES = ("auto", "direct", "prepared", "staged")
 LAYOUTS = ("LBHNC", "LBNHC")
@@ -70,6 +73,13 @@ class Settings:
     staging_mib: int = DEFAULT_STAGING_MIB
     warm_up: dict[str, int] = field(default_factory=lambda: dict(WARM_UP))
     layout: str = LAYOUTS[0]
+    secret_file: str | None = None
+
+    def secret(self) -> bytes | None:
+        """The control plane's shared secret: the ``secret_file``'s, else the environment's, else none."""
+        from ...transport.auth import secret_from_environment, secret_from_file
+
+        return secret_from_file(self.secret_file) if self.secret_file else secret_from_environment()
 
     @classmethod
     def parse(cls, extra: dict[str, Any] | None, tp_size: int, max_num_seqs: int = 256) -> "Settings":
@@ -114,8 +124,11 @@ class Settings:
                                                     or not all(_is_int(v) and v > 0 for v in warm.values()))):
             raise UnsupportedConfig(f"kv_connector_extra_config: warm_up {warm!r} is not {{}} or "
                                     f"{{'max_transfers': N, 'max_prompt_len': N}} with positive counts")
+        secret_file = extra.get("secret_file")
+        if secret_file is not None and (not isinstance(secret_file, str) or not secret_file):
+            raise UnsupportedConfig(f"kv_connector_extra_config: secret_file {secret_file!r} is not a file's path")
         return cls(ListenAddress(host, port), engine, dict(engine_settings), float(timeout), rows, mode, staging,
-                   dict(warm), layout_setting(extra))
+                   dict(warm), layout_setting(extra), secret_file)
 
 
 def layout_setting(extra: dict[str, Any] | None) -> str:

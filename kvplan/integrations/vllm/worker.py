@@ -187,7 +187,8 @@ class ConnectorWorker:
             self.prefill.start()
             self._submitted: dict[Any, list] = {}  # handle -> its chunks
             listen = self.settings.listen
-            self.listener = ChannelListener(listen.port + self.tp_rank, host=listen.host, handshake_s=HANDSHAKE_S)
+            self.listener = ChannelListener(listen.port + self.tp_rank, host=listen.host, handshake_s=HANDSHAKE_S,
+                                            secret=self.settings.secret())
             log.info("kvplan's vLLM connector, rank %d: %d blocks of %d layers; decodes connect at %s:%d", self.tp_rank,
                      self.view.num_blocks, len(self.view.layers), listen.host, listen.port + self.tp_rank)
         if self.receives:
@@ -503,7 +504,7 @@ class ConnectorWorker:
         channels = []
         try:
             for rank in ranks:
-                channels.append(channel_via(host, int(port) + rank, timeout=HANDSHAKE_S))
+                channels.append(channel_via(host, int(port) + rank, timeout=HANDSHAKE_S, secret=self.settings.secret()))
         except KvplanError as err:
             for channel in channels:
                 channel.close()
