@@ -18,6 +18,8 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import itertools
+import os
+import socket as pysocket
 import json
 import logging
 import time
@@ -33,6 +35,10 @@ log = logging.getLogger("kvplan")
 
 MAX_REFUSED = 4096  # requests one "refuse" message names at most (a sender keeps the last 4096 refused)
 MARK = b"kvp1"  # the first frame of every message of this protocol
+_EVENT_NAMES = {1: "connected", 2: "connect delayed", 4: "connect retried", 32: "accepted", 512: "disconnected",
+                0x0800: "handshake failed", 0x1000: "handshake succeeded", 0x2000: "handshake failed (protocol)",
+                0x4000: "handshake failed (auth)"}
+_TCP_ESTABLISHED = 1  # Linux's tcpi_state of a connection that stands (include/net/tcp_states.h)
 _monitor_numbers = itertools.count()  # (one inproc address per monitored socket of the process)
 _warned_open: set[str] = set()  # hosts already warned of as reachable without a secret
 
@@ -108,6 +114,8 @@ class ControlChannel:
 
         self._zmq, self._recv_monitor = zmq, recv_monitor_message
         self._looked = 0.0  # when the monitor was last read (time.monotonic)
+        self._held: pysocket.socket | None = None  # a duplicate of the peer's connection while it stands (_watch)
+        self._events: deque[tuple[float, str, int]] = deque(maxlen=12)  # the last connection events: (when, what, fd)
         self.context = zmq.Context.instance()
         self._peer_timeout_ms = max(1, int(peer_timeout * 1000))
         # a frame larger than this disconnects its sender (ZeroMQ's MAXMSGSIZE): no peer makes this side
@@ -141,6 +149,9 @@ class ControlChannel:
         self._reconnected = False  # the connection was made again since the last handshake ended
         self.refused = 0  # messages refused (not of the paired incarnation, out of sequence, a bad code)
         self.closed = False  # closed by its owner: it has no peer, reads nothing and sends nothing from then on
+        # how the last peer's connection was lost: "closed" (its end closed: the process ended or closed it) or
+        # "silence" (it stopped answering; its writes may still land); None while none was lost
+        self.lost_by: str | None = None
         try:
             if connect_port is None and bind_port:  # a known port (an SGLang bootstrap port)
                 self.socket.bind(f"tcp://{host}:{bind_port}")
@@ -247,7 +258,8 @@ class ControlChannel:
             if time.monotonic() >= deadline:
                 state = "connected" if self._connected else "was connected" if self._ever else "never connected"
                 raise ControlTimeout(f"the peer did not take a {kind!r} message within {round(wait_s * 1000)} ms "
-                                     f"(channel on {self.host} port {self.port}; its peer {state})")
+                                     f"(channel on {self.host} port {self.port}; its peer {state}; its last "
+                                     f"connection events {list(self._events)})")
 
     # -- the handshake (.auth) ---------------------------------------------------------------------
     def _pairing_reset(self, peer: str | None, *, next_pairing: bool = True) -> None:
@@ -483,12 +495,13 @@ class ControlChannel:
         while self._monitor.poll(0):
             message = self._recv_monitor(self._monitor)
             event = message["event"]
+            self._events.append((round(now, 3), _EVENT_NAMES.get(event, str(event)), message["value"]))
             if self._bound:
                 lost = self._bound_event(message)
                 if lost:  # (the rest are the old socket's, whose connections the new one does not keep)
                     break
             elif event == self._zmq.EVENT_CONNECTED:
-                self._peer_connected()
+                self._peer_connected(message["value"])
             elif event == self._zmq.EVENT_DISCONNECTED and self._connected:
                 self._peer_lost()
         if lost:
@@ -516,7 +529,7 @@ class ControlChannel:
             fd = self._shaking.pop(0) if self._shaking else None
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED and fd is not None and self._peer_fd is None:
                 self._peer_fd = fd
-                self._peer_connected()
+                self._peer_connected(fd)
         elif event == zmq.EVENT_DISCONNECTED:
             if fd in self._shaking:
                 self._shaking.remove(fd)
@@ -529,7 +542,8 @@ class ControlChannel:
                           self.port)
         return False
 
-    def _peer_connected(self) -> None:
+    def _peer_connected(self, fd: int | None = None) -> None:
+        self._watch(fd)
         if self._ever:
             log.warning("control connection on %s port %d made again after a loss", self.host, self.port)
             self._reconnected = True
@@ -537,7 +551,48 @@ class ControlChannel:
         self._replaced = self._replaced or self._ever
         self._ever, self._connected, self._gone = True, True, False
 
+    def _watch(self, fd: int | None) -> None:
+        """Hold a duplicate of the peer's connection (``fd``, ZeroMQ's), to tell at its loss how it was lost.
+        Checked to be this channel's connection (the number may have been reused since the event)."""
+        self._unwatch()
+        if fd is None or fd < 0:
+            return
+        try:
+            held = pysocket.socket(fileno=os.dup(fd))
+        except OSError:
+            return
+        try:
+            ports = (held.getsockname()[1], held.getpeername()[1])
+            if self.port in ports and held.type == pysocket.SOCK_STREAM:
+                self._held = held
+                return
+        except OSError:
+            pass
+        held.close()
+
+    def _unwatch(self) -> None:
+        if self._held is not None:
+            self._held.close()
+            self._held = None
+
+    def _how_lost(self) -> str:
+        """``"closed"`` where the peer's end of the connection was closed (its process ended or closed the
+        channel: the kernel sent its FIN or RST), ``"silence"`` where the connection still stood when ZeroMQ
+        dropped it (no heartbeat within ``peer_timeout``: a stopped, hung or cut-off peer, whose writes may
+        still land), or where that cannot be told (not Linux's TCP)."""
+        held, self._held = self._held, None
+        if held is None:
+            return "silence"
+        try:
+            state = held.getsockopt(pysocket.IPPROTO_TCP, pysocket.TCP_INFO, 8)[0]
+        except (OSError, AttributeError):
+            state = _TCP_ESTABLISHED
+        finally:
+            held.close()
+        return "silence" if state == _TCP_ESTABLISHED else "closed"
+
     def _peer_lost(self) -> None:
+        self.lost_by = self._how_lost()
         log.warning("control connection on %s port %d lost", self.host, self.port)
         self._connected, self._gone = False, True
 
@@ -553,6 +608,7 @@ class ControlChannel:
         if self.closed:
             return
         self.closed, self._gone, self._connected = True, True, False
+        self._unwatch()
         self.socket.disable_monitor()
         self._monitor.close(0)
         self.socket.close()

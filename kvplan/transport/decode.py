@@ -167,7 +167,12 @@ class DecodeEndpoint:
         self._copy_graphs = CopyGraphs(transport_stream(staging.device)) \
             if self._stream is not None and copy_graphs_enabled() else None
         self._share = (staging.numel() // len(self.channels)) // 256 * 256 if staging is not None else 0
-        self._gone_senders: set[int] = set()  # senders whose control connection was lost (as of the last look)
+        # senders whose process ended (their end of the control connection closed), as of the last look: their
+        # fences hold (a sender that went silent is not among them)
+        self._gone_senders: set[int] = set()
+        self._sender_inc: dict[int, str | None] = {}  # each sender's incarnation as it paired
+        # senders paired again after a silence: the incarnation before (a resumed one says its writes ended)
+        self._resuming: dict[int, str | None] = {}
         self._progress: DecodeProgress | None = None  # the progress thread, once start()ed
         self.engine.register(engine_regions(side) + ([(staging.data_ptr(), staging.numel())] if staging is not None else []))
         if staging is not None and staging.is_cuda:  # (the interpreter compiles nothing: nothing to warm off a GPU)
@@ -300,15 +305,22 @@ class DecodeEndpoint:
     def fenced(self, request: Any) -> bool:
         """Whether no write into ``request``'s pages can still land: every sender it was published to
         acknowledged its abort with nothing in flight, or reported it failed once its writes had
-        ended, or is gone (a dead sender writes nothing more). False for a request none of them has
-        answered for."""
+        ended, or closed its end of the control connection (its process ended: a dead sender writes
+        nothing more), or paired again saying that its earlier writes had all ended. A sender that
+        went silent (stopped, hung, cut off) is not fenced by its silence: its writes may still land
+        when it resumes (docs/failures.md §10). False for a request none of them has answered for."""
         acks = self._fences.get(request)
         if acks is None:
             return False
         if self._progress is not None and not self._progress.here():  # (the channels are the thread's)
             gone = self._progress.gone
             return all(ok or k in gone for k, ok in list(acks.items()))
-        return all(ok or self.channels[k].peer_gone() for k, ok in acks.items())
+        return all(ok or self._ended(k) for k, ok in acks.items())
+
+    def _ended(self, k: int) -> bool:
+        """Whether sender ``k`` is gone with its process (its end of the connection closed)."""
+        channel = self.channels[k]
+        return channel.peer_gone() and getattr(channel, "lost_by", "closed") == "closed"
 
     def _fence_of(self, request: Any) -> dict[int, bool | None]:
         """Per sender ``request`` was published to, whether it can no longer write into it (None: not
@@ -600,7 +612,8 @@ class DecodeEndpoint:
             if channel.replaced():
                 self._pair_again(k)
             elif channel.peer_gone():
-                self._gone_senders.add(k)
+                if self._ended(k):  # (a silent one's writes may still land: its fences wait for its word)
+                    self._gone_senders.add(k)
                 self._fail_owned(k, "the prefill side is gone: its control connection was lost")
                 if k in self._credit_to:  # (once) what the engine made to send it credits
                     self.engine.disconnect(self._credit_to.pop(k))
@@ -653,6 +666,12 @@ class DecodeEndpoint:
                 self._scatter_from[peer] = source
         except (KeyError, TypeError, ValueError, OverflowError) as err:
             log.warning("ignored a malformed pairing message from sender %d: %s: %s", peer, type(err).__name__, err)
+        incarnation = getattr(self.channels[peer], "peer_incarnation", None)
+        if peer in self._resuming:  # paired again after a silence: the same process, whose writes all ended?
+            before = self._resuming.pop(peer)
+            if before is not None and before == incarnation and header.get("writes_ended") is True:
+                self._fence_sender(peer)
+        self._sender_inc[peer] = incarnation
         if header.get("credits") == "engine" and frames and self.engine.capabilities.notifies:
             try:
                 self._credit_to[peer] = self.engine.connect(frames[0])
@@ -665,6 +684,10 @@ class DecodeEndpoint:
         waves are dropped, and the new one gets this side's registration (then new requests)."""
         log.warning("a prefill endpoint connected again on channel %d: registering with it", peer)
         self._fail_owned(peer, "the prefill side is gone: it restarted and connected again")
+        if peer in self._gone_senders:  # the one before ended with its process: nothing of it lands any more
+            self._fence_sender(peer)
+        else:  # it went silent, or this is it again: its fences wait for its word ("writes_ended" once paired)
+            self._resuming[peer] = self._sender_inc.get(peer)
         self._gone_senders.discard(peer)  # (the new one is alive: what it is published from now on is its own)
         self._senders.pop(peer, None)  # the new one sends its own layout
         self._engine_names.pop(peer, None)
@@ -685,6 +708,13 @@ class DecodeEndpoint:
         for request in self.tracker.pending():
             if self._writes(request, peer):
                 self.tracker.fail(request, reason)
+                self._fence_of(request)  # (its pages wait for every sender's fence)
+
+    def _fence_sender(self, peer: int) -> None:
+        """Nothing sender ``peer`` wrote before can land any more: every fence waiting on it holds."""
+        for acks in self._fences.values():
+            if acks.get(peer) is None and peer in acks:
+                acks[peer] = True
 
     def wait(self) -> dict[Any, str]:
         """Progress until every published request is complete or failed (each has its deadline).

@@ -532,7 +532,10 @@ class PrefillEndpoint:
         peer.name = self.engine.connect(frames[0])
         # this side's layout: a decode rank that gathers from several source ranks checks their ranks with it
         # (its engine's name: the receiver checks that a section's notification comes from the sender of its request)
-        paired: dict[str, Any] = {"from": self.id, "side": describe_side(self.side), "engine": self.engine.name}
+        # between batches no write is in flight but those that could not be ended: without one, nothing this
+        # side wrote before can still land (a decode that lost this side to its silence fences on this word)
+        paired: dict[str, Any] = {"from": self.id, "side": describe_side(self.side), "engine": self.engine.name,
+                                  "writes_ended": not self.unsafe}
         peer.credits_by_engine = bool(header.get("notifies")) and self.engine.capabilities.notifies
         if peer.credits_by_engine:  # its credits come back through the engine, to this side's metadata
             paired["credits"] = "engine"

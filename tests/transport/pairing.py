@@ -21,3 +21,11 @@ def pair(senders: Sequence[Callable[[], Any]], readers: Sequence[Callable[[], An
             for future in sent:
                 future.result(timeout=30)
     return read
+
+
+def killed(channel) -> None:
+    """End ``channel`` as its process's death would: every descriptor closed at once, nothing queued sent
+    (ControlChannel.close would give queued messages a second to leave)."""
+    channel.socket.close(linger=0)
+    channel._monitor.close(0)
+    channel._unwatch()  # (its duplicate of the connection, ControlChannel._watch)

@@ -7,12 +7,12 @@ import time
 
 from kvplan.transport.control import ControlChannel, ControlTimeout
 from tests.isolated import run_isolated
+from tests.transport.pairing import killed
 
 
 def _dies_and_is_seen_gone(peer, bound):
     """``peer``'s socket closes at once, as a killed process's does; ``bound`` says so within 5 s."""
-    peer.socket.close(linger=0)
-    peer._monitor.close(0)
+    killed(peer)
     deadline = time.monotonic() + 5
     while not bound.peer_gone() and time.monotonic() < deadline:
         time.sleep(0.001)
@@ -57,8 +57,7 @@ def test_a_send_to_a_peer_that_is_gone_gives_up_at_once_not_at_its_timeout():
     peer = ControlChannel(bound.port, host="127.0.0.1")
     try:
         assert _first(peer, bound)[0] == "hello"
-        peer.socket.close(linger=0)  # the sender dies
-        peer._monitor.close(0)
+        killed(peer)  # the sender dies
         started = time.monotonic()
         try:
             for _ in range(100_000):  # until the dead pipe stops taking messages

@@ -11,7 +11,7 @@ from kvplan.planner.destinations import PreallocatedRequest
 from kvplan.planner.model import Attention, Entry, KVLayout, SideMemory
 from kvplan.errors import InputError
 from kvplan.transport.control import ControlChannel
-from tests.transport.pairing import pair
+from tests.transport.pairing import killed, pair
 from kvplan.transport.decode import DecodeEndpoint
 from kvplan.transport.prefill import Chunk, PrefillEndpoint
 from tests.planner.builders import table_with
@@ -126,8 +126,7 @@ def test_a_decode_restarted_on_the_same_port_is_sent_nothing_its_predecessor_pub
     pair([lambda: old.register(timeout=5)], [lambda: prefill.accept(timeout=5)])
     old.publish([PreallocatedRequest("old", 1, 8)], timeout=5)
     prefill.receive_requests(1, timeout=5)
-    old.channel.socket.close(linger=0)  # killed
-    old.channel._monitor.close(0)
+    killed(old.channel)
     new = DecodeEndpoint(side(dst_pool, {2: [6, 7]}), FakeEngine(), _bound_again(port))
     with ThreadPoolExecutor(1) as pool:
         registered = pool.submit(new.register, timeout=8)
