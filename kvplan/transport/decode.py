@@ -566,8 +566,9 @@ class DecodeEndpoint:
                     self._on_paired(k, header, frames)
                 elif kind == "failed" and self._writes(request := named_request(header), k):
                     self.tracker.fail(request, f"the prefill side reports: {header.get('reason')}")
-                    if not is_unsafe(header.get("reason")):  # it reports once its writes have ended
-                        self._fence_of(request)[k] = True
+                    # it reports once its writes have ended; a write it could not end (a later report may say
+                    # so of a request reported before) keeps the pages out of use
+                    self._fence_of(request)[k] = not is_unsafe(header.get("reason"))
                 elif kind == "refused":
                     self._refused[k] = f"the prefill side refused the pairing: {header.get('reason')}"
                     self._fail_owned(k, self._refused[k])

@@ -941,10 +941,13 @@ class PrefillEndpoint:
             log.warning("could not tell the decode side that %r failed: %s", request, err)
 
     def _fail(self, peer: int, result: dict[Any, str | None], requests, reason: str) -> None:
+        """Fail ``requests`` of one send with ``reason``, each reported once, except that a reason saying a
+        write could not be ended (``unsafe``) replaces an earlier one and is reported again: an ``unsafe``
+        reason is never replaced, and the decode side unfences what an earlier report fenced."""
         for request in requests:
             if is_unsafe(reason):  # a write into its pages may still land: never acknowledged as fenced
                 self.unsafe.add(request)
-            if result.get(request) is None:
+            if result.get(request) is None or (is_unsafe(reason) and not is_unsafe(result[request])):
                 result[request] = reason
                 self._report(peer, request, reason)
 
@@ -954,11 +957,21 @@ class PrefillEndpoint:
         result: dict[Any, str | None] = {t.request: None for t in transfers}
         dest_of = {handle: transfers[section.transfer].dest for handle, section in posted}
         outcome = wait_all(self.engine, [h for h, _ in posted], deadline, give_up=lambda h: self._peer_gone(dest_of[h]))
+        # one reason per request, reported once: a write that could not be ended makes it unsafe whatever else
+        # failed (issue 54: "the decode side is gone" replaced it, and the decode fenced pages still written)
+        reasons: dict[Any, tuple[int, str]] = {}
         for handle, section in posted:
-            if outcome[handle] is not None:
+            if (why := outcome[handle]) is not None:
                 dest = transfers[section.transfer].dest
-                # a dead receiver is the cause, whatever the engine says about the write
-                self._fail(dest, result, [section.request], self._peer_gone(dest) or outcome[handle])
+                gone = self._peer_gone(dest)
+                if is_unsafe(why):
+                    why = f"{why} ({gone})" if gone else why
+                elif gone:  # a dead receiver is the cause, whatever the engine says about a write that ended
+                    why = gone
+                if section.request not in reasons or (is_unsafe(why) and not is_unsafe(reasons[section.request][1])):
+                    reasons[section.request] = (dest, why)
+        for request, (dest, why) in reasons.items():
+            self._fail(dest, result, [request], why)
         return result
 
     # -- what staged runs ask of the endpoint --------------------------------------------------------

@@ -35,6 +35,22 @@ def test_a_write_that_cannot_be_ended_is_reported_unsafe(monkeypatch):
     assert reason.startswith("unsafe") and engine.aborts > 1
 
 
+def test_stuck_writes_drain_together_not_one_after_another(monkeypatch):
+    """Issue 54: eight stuck writes drained one after another, 40.5 s against a bound of 5.5 s (each got its
+    own drain after the one before had ended). They now drain together: every one is asked to end in the
+    first turn after the deadline, and each is reported unsafe after one drain (the order of the engine's
+    abort calls shows it, not a clock)."""
+    monkeypatch.setenv("KVPLAN_DRAIN_S", "0.2")
+    engine = FakeEngine(stuck=True, abort_after=None)
+    asked = []
+    abort = engine.abort
+    engine.abort = lambda handle: asked.append(handle) or abort(handle)
+    handles = [engine.post("peer", DESC, b"n") for _ in range(8)]
+    outcome = wait_all(engine, handles, time.monotonic() + 0.01)
+    assert all(reason.startswith("unsafe: deadline passed") for reason in outcome.values()), outcome
+    assert asked[:8] == handles, "the stuck writes were not all asked to end at once"
+
+
 def test_write_raises_with_the_reason():
     engine = FakeEngine(stuck=True, abort_after=0)
     with pytest.raises(TransferError, match="deadline passed"):

@@ -126,3 +126,25 @@ def test_an_endpoint_that_publishes_past_its_bound_has_the_excess_refused_and_na
     _publish(theirs, decode, "r1", 1)  # (published again: not one more)
     prefill.progress()
     assert "r1" in prefill.peers[0].lists and _failed(theirs) == {}
+
+
+def test_a_write_that_cannot_be_ended_to_a_decode_that_is_gone_stays_unsafe(monkeypatch):
+    """Issue 54: a write that could not be ended to a peer that was gone was reported "the decode side is
+    gone" (the ``unsafe`` reason replaced) and later acknowledged ``fenced: true``. The reason now starts
+    ``unsafe`` and names the loss, the decode is told so, and the request is never acknowledged fenced."""
+    monkeypatch.setenv("KVPLAN_DRAIN_S", "0.05")
+    dst = torch.zeros(2 * 16 * PAGE_BYTES, dtype=torch.uint8)
+    decode = _mha(dst, {1: [3, 4]})
+    src_pool = torch.zeros(2 * 16 * PAGE_BYTES, dtype=torch.uint8)
+    mine, theirs = FakeChannel.pair()
+    prefill = PrefillEndpoint(_mha(src_pool, {1: [5, 9]}), FakeEngine(stuck=True, abort_after=None), [mine])
+    theirs.send("register", {"side": describe_side(decode), "staging": None}, b"meta")
+    prefill.accept(timeout=1)
+    _publish(theirs, decode, "r1", 1)
+    prefill.progress()
+    posted = []
+    prefill.engine.on_post = lambda *_: posted.append(1) or setattr(mine, "peer_gone", lambda: True)  # it dies
+    result = prefill.send([prefill.transfer(Chunk("r1", 1, 0, 9, 8, True))], mode="direct", timeout=0.05)
+    assert posted and result["r1"].startswith("unsafe") and "the decode side is gone" in result["r1"], result
+    assert _failed(theirs)["r1"].startswith("unsafe")
+    assert "r1" in prefill.unsafe

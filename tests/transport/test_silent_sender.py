@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvplan.planner.destinations import PreallocatedRequest
-from kvplan.transport.control import ControlChannel
+from kvplan.transport.control import ControlChannel, ControlTimeout
 from kvplan.transport.decode import DecodeEndpoint
 from kvplan.tools.target_process import child_process
 from tests.transport.fakes import FakeEngine
@@ -42,7 +42,14 @@ def _paired_decode(seconds: float):
     decode = DecodeEndpoint(side(pool, {1: [3, 4]}), FakeEngine(), ControlChannel(host="127.0.0.1"))
     sender = child_process(_sender, decode.channel.port, seconds)
     sender.start()
-    decode.register(timeout=20)
+    deadline = time.monotonic() + 90  # (a worker's first child waits for its fork server to import)
+    while True:
+        try:
+            decode.register(timeout=2)
+            break
+        except ControlTimeout:  # (nothing of the registration left: its handshake had not ended)
+            assert sender.is_alive(), f"the sender process ended with code {sender.exitcode} before it paired"
+            assert time.monotonic() < deadline, "the sender never paired"
     decode.publish([PreallocatedRequest("r1", 1, 8)], timeout=5)
     return decode, sender
 

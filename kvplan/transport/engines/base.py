@@ -146,8 +146,9 @@ def wait_all(engine: Engine, handles: list[Handle], deadline: float,
 
     Handles still in flight at the deadline are aborted, and so is each handle for which
     ``give_up(handle)`` returns a reason (its peer is dead), while the others go on; each is
-    reported only once it has ended, or after :func:`drain_seconds` as ``unsafe`` (its pages may
-    still be written).
+    reported only once it has ended, or :func:`drain_seconds` after its abort as ``unsafe`` (its pages
+    may still be written). Aborted writes drain together: eight stuck writes take one drain, not
+    eight (issue 54 measured 40.5 s against a bound of 5.5 s when they drained one after another).
     """
     outcome: dict[Handle, str | None] = {}
     live = []
@@ -156,8 +157,10 @@ def wait_all(engine: Engine, handles: list[Handle], deadline: float,
             outcome[h] = h.error or "the engine refused the write"
         else:
             live.append(h)
+    aborting: dict[Handle, tuple[str, float]] = {}  # handle -> (why, when its drain ends)
     pause = Pause()  # yields while writes end, then sleeps in slices (the engine's progress thread moves them)
-    while live:
+    while live or aborting:
+        before = len(live) + len(aborting)
         still = []
         for h in live:
             state = engine.progress(h)
@@ -167,38 +170,33 @@ def wait_all(engine: Engine, handles: list[Handle], deadline: float,
                 outcome[h] = h.error or "the engine reported an error"
             else:
                 still.append(h)
-        if len(still) < len(live):
-            pause.busy()
         live = still
-        if live and time.monotonic() > deadline:
-            break
+        now = time.monotonic()
+        if live and now > deadline:
+            aborting.update((h, ("deadline passed", now + drain_seconds())) for h in live)
+            live = []
         if live and give_up is not None:  # (a write to a dead peer is given up; the others' go on)
             going = []
             for h in live:
                 if (lost := give_up(h)) is None:
                     going.append(h)
                 else:
-                    outcome[h] = _abort(engine, h, lost)
+                    aborting[h] = (lost, now + drain_seconds())
             live = going
-        if live:
+        for h, (why, drain_end) in list(aborting.items()):
+            if engine.abort(h):
+                outcome[h] = f"{why}; the write had ended (cancelled or completed) when this was reported"
+                del aborting[h]
+            elif time.monotonic() > drain_end:
+                log.error("a write to %s could not be ended %.1f s after its abort; its destination pages must stay "
+                          "quarantined", h.peer, drain_seconds())
+                outcome[h] = f"{UNSAFE}: {why} and the engine could not end the write; its pages may still be written"
+                del aborting[h]
+        if len(live) + len(aborting) < before:
+            pause.busy()
+        if live or aborting:
             pause()
-    for h in live:
-        outcome[h] = _abort(engine, h, "deadline passed")
     return outcome
-
-
-def _abort(engine: Engine, handle: Handle, why: str) -> str:
-    """Abort ``handle`` and wait (bounded) until the engine says it has ended."""
-    drain_end = time.monotonic() + drain_seconds()
-    pause = Pause(hot_s=0.0)
-    while True:
-        if engine.abort(handle):
-            return f"{why}; the write had ended (cancelled or completed) when this was reported"
-        if time.monotonic() > drain_end:
-            log.error("a write to %s could not be ended %.1f s after its deadline; its destination pages must stay "
-                      "quarantined", handle.peer, drain_seconds())
-            return f"{UNSAFE}: {why} and the engine could not end the write; its pages may still be written"
-        pause()
 
 
 def write(engine: Engine, peer: str, descs: np.ndarray, notification: bytes, deadline: float) -> None:

@@ -24,7 +24,7 @@ from ...errors import LayoutError
 from ...planner import gpu
 from ...planner.model import Batch, Transfer
 from ..control import ControlTimeout
-from ..engines import Handle, wait_all
+from ..engines import Handle, is_unsafe, wait_all
 from ..local import gather
 from ..pause import Pause
 from ..receiver_plan import planned_run_message, planned_run_waves
@@ -220,7 +220,9 @@ class StagedRun:
         outcome = wait_all(ep.engine, live, time.monotonic()) if live else {}  # aborts what is still in flight
         for index, (wave, handle) in self.posted.items():
             reason = outcome.get(handle) or handle.error
-            if index not in self.acked:  # a dead receiver is the cause, whatever the engine says
+            if is_unsafe(reason):  # (never replaced: a write into the pages may still land)
+                reason = f"{reason} ({self.gone})" if self.gone else reason
+            elif index not in self.acked:  # a dead receiver is the cause, whatever the engine says
                 reason = self.gone or reason or "the receiver did not acknowledge its staged wave before the deadline"
             if reason is not None:
                 ep._fail(self.dest, self.result, wave.requests(self.owners), reason)
