@@ -25,6 +25,9 @@ export PYTHONUNBUFFERED := 1
 # one core's time with three workers. Measured on two cores: two workers 5:17-6:26, three 4:40-5:08
 # (session 34: 4:39), four 3:39 and 4:03 (session 34; an earlier count had four at 5:09)
 WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n + 2 > 8 ? 8 : n + 2 )))
+# the vLLM pass: one per core. Each of its workers imports vLLM twice (itself and its fork server), which
+# outweighs what a third or fourth worker overlaps: on two cores 59 s with two, 64 with three, 69-72 with four
+VLLM_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 2 ? 2 : n > 8 ? 8 : n )))
 
 .PHONY: setup setup-sglang setup-vllm test test-sglang test-vllm demo bench dist clean
 
@@ -81,7 +84,7 @@ test: setup setup-sglang setup-vllm dist
 
 # only the vLLM connector's tests, against vLLM's own code
 test-vllm: setup-vllm
-	PYTHONPATH=$(VLLM_SITE) VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(WORKERS) -m vllm -p no:cacheprovider \
+	PYTHONPATH=$(VLLM_SITE) VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(VLLM_WORKERS) -m vllm -p no:cacheprovider \
 	  tests/integrations/test_vllm_connector.py tests/integrations/test_vllm_transfer.py
 
 # only the differential tests against SGLang's own code
