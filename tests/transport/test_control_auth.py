@@ -125,3 +125,58 @@ def test_the_secret_comes_from_the_environment_or_a_file_and_is_never_empty(tmp_
     monkeypatch.setenv("KVPLAN_SECRET", "  ")
     with pytest.raises(ValueError, match="empty"):
         secret_from_environment()
+
+
+def test_fuzzed_envelopes_and_codes_on_a_paired_channel_are_refused_never_returned_never_raised():
+    """Issue 54, item 7: the hostile-peer fuzzer over incarnations and codes. On a channel paired with a
+    secret, a real message of the peer is altered in one place (any byte of any frame, the sequence
+    number, either incarnation, the code) or replaced by random frames; each such message is refused
+    (counted, never returned, never raised from the reading loop), and the unaltered message still
+    comes through afterwards (the refusals changed nothing of the pairing)."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    bound, peer = _channels()
+    try:
+        _first(peer, bound)
+        sent = _recorded(peer)
+        peer.send("failed", {"request": "r1", "reason": "x"}, b"\x00\x01frame", timeout=5)
+        original = sent[-1]
+        bound.socket.recv_multipart()  # (read off the socket: the fuzzed copies go to _take, one by one)
+
+        def altered(parts, frame, at, value):
+            parts = [bytes(p) for p in parts]
+            frame %= len(parts)
+            if not parts[frame]:
+                parts[frame] = bytes([value])
+            else:
+                body = bytearray(parts[frame])
+                at %= len(body)
+                body[at] = (body[at] + 1 + value % 255) % 256  # (a different byte, always)
+                parts[frame] = bytes(body)
+            return parts
+
+        envelope = json.loads(original[1])
+        mutations = st.one_of(
+            st.builds(altered, st.just(original), st.integers(0, 10), st.integers(0, 1 << 16), st.integers(0, 255)),
+            st.builds(lambda seq: [original[0], json.dumps({**envelope, "s": seq}).encode(), *original[2:]],
+                      st.one_of(st.integers(-5, envelope["s"] - 1), st.integers(envelope["s"] + 1, 1 << 70),
+                                st.text(max_size=3), st.none(), st.floats())),
+            st.builds(lambda key, who: [original[0], json.dumps({**envelope, key: who}).encode(), *original[2:]],
+                      st.sampled_from(["f", "t"]), st.one_of(st.text(max_size=16), st.integers(), st.none())),
+            st.lists(st.binary(max_size=40), max_size=7))
+
+        @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+        @given(mutations)
+        def refused(parts):
+            if parts == original:
+                return
+            before = bound.refused
+            assert bound._take(parts) is None, parts
+            assert bound.refused == before + 1 or parts[3:4] in ([b"_hello"], [b"_proof"]), parts
+
+        refused()
+        assert bound._take(original)[:2] == ("failed", {"request": "r1", "reason": "x"})  # (its sequence number is next)
+    finally:
+        bound.close()
+        peer.close()
