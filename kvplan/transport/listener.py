@@ -100,7 +100,13 @@ class ChannelListener:
                             source, self.port, len(self.pending), from_source)
                 self.socket.send_multipart([who, json.dumps({"error": "busy: too many channels wait to pair"}).encode()])
                 continue
-            channel = ControlChannel(peer_timeout=self.peer_timeout, host=self.host, secret=self.secret)
+            try:
+                channel = ControlChannel(peer_timeout=self.peer_timeout, host=self.host, secret=self.secret)
+            except self._zmq.ZMQError as err:  # (out of sockets or ports: this hello waits, the listener lives on)
+                self.refused_busy += 1
+                log.error("could not open a channel for a hello from %s on port %d: %s", source, self.port, err)
+                self.socket.send_multipart([who, json.dumps({"error": f"busy: no channel could be opened ({err})"}).encode()])
+                continue
             self.socket.send_multipart([who, json.dumps({"port": channel.port}).encode()])
             self.pending.append((channel, time.monotonic() + self.handshake_s, source))
 

@@ -263,3 +263,26 @@ def test_a_listener_s_decode_that_goes_has_its_channel_closed_and_the_bound_on_p
             if c is not None:
                 c.close()
         listener.close()
+
+
+def test_a_channel_that_cannot_be_opened_answers_busy_and_the_listener_lives_on(monkeypatch):
+    """Issue 54: at ZeroMQ's socket cap the listener raised ZMQError from accept_pending, and no decode could
+    pair again. A hello that cannot get a channel is answered "busy"; the next one, once sockets are
+    free, gets its channel."""
+    import kvplan.transport.listener as listener_module
+
+    listener = _listener()
+    real = listener_module.ControlChannel
+    monkeypatch.setattr(listener_module, "ControlChannel",
+                        lambda *a, **k: (_ for _ in ()).throw(zmq.ZMQError(24, "Too many open files")))
+    sockets = _hellos_from("127.0.0.1", listener.port, 1)
+    try:
+        (answer,) = _answers(listener, sockets)
+        assert "busy" in answer["error"] and "no channel could be opened" in answer["error"], answer
+        monkeypatch.setattr(listener_module, "ControlChannel", real)
+        sockets += _hellos_from("127.0.0.1", listener.port, 1)
+        assert "port" in _answers(listener, sockets[1:])[0]
+    finally:
+        for s in sockets:
+            s.close()
+        listener.close()
