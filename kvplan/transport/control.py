@@ -281,8 +281,9 @@ class ControlChannel:
         moment the connection is lost on a bound end, or made again on either (a restarted peer, or a
         connection lost and made again: a new pairing follows). An owner keeps what a peer told it with
         this number and drops it once the number differs: nothing a peer published goes to its successor."""
-        if self.peer_gone() and self.closed:
+        if self.closed:
             return None
+        self.peer_gone()  # (reads the connection's events: a loss or a new connection ends the pairing)
         return None if self._stale or not self._authed else self._pairing_no
 
     @property
@@ -558,8 +559,13 @@ class ControlChannel:
         if fd is None or fd < 0:
             return
         try:
-            held = pysocket.socket(fileno=os.dup(fd))
+            copy = os.dup(fd)
         except OSError:
+            return
+        try:
+            held = pysocket.socket(fileno=copy)
+        except OSError:  # (the number is no socket any more: its copy is closed here, not leaked)
+            os.close(copy)
             return
         try:
             ports = (held.getsockname()[1], held.getpeername()[1])

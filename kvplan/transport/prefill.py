@@ -260,11 +260,8 @@ class PrefillEndpoint:
         if self._thread is not None:
             self._thread.call(lambda: self._take_pairing(channel, time.monotonic() + timeout))
             return None
-        if self._live_owned() >= self.max_peers:
-            channel.close()
-            self._stats.hit("peers")
-            raise PeerError(f"refused a decode endpoint: {self.max_peers} taken through add_peer are paired or "
-                            "pairing (max_peers)")
+        if (refused := self._refused_by_bound(channel)) is not None:
+            raise PeerError(refused)
         self.peers.append(Peer(channel, owned=True))
         k = len(self.peers) - 1
         try:
@@ -410,17 +407,19 @@ class PrefillEndpoint:
                 self._drop(k)
         return arrived
 
-    def _live_owned(self) -> int:
-        """Decode endpoints taken through add_peer that are paired or pairing (what max_peers bounds)."""
-        return sum(p.owned and not p.dropped for p in self.peers) + len(self._pairing)
+    def _refused_by_bound(self, channel: ControlChannel) -> str | None:
+        """Why ``channel`` of add_peer is refused (closed, counted): ``max_peers`` taken through add_peer are
+        paired or pairing; ``None`` where it may pair."""
+        if sum(p.owned and not p.dropped for p in self.peers) + len(self._pairing) < self.max_peers:
+            return None
+        channel.close()
+        self._stats.hit("peers")
+        return f"refused a decode endpoint: {self.max_peers} taken through add_peer are paired or pairing (max_peers)"
 
     def _take_pairing(self, channel: ControlChannel, deadline: float) -> None:
         """(On the progress thread) a channel of add_peer to pair once its registration comes, within the bound."""
-        if self._live_owned() >= self.max_peers:
-            log.warning("refused a decode endpoint: %d taken through add_peer are paired or pairing (max_peers)",
-                        self.max_peers)
-            self._stats.hit("peers")
-            channel.close()
+        if (refused := self._refused_by_bound(channel)) is not None:
+            log.warning("%s", refused)
             return
         self._pairing.append((channel, deadline))
 
