@@ -632,6 +632,16 @@ class ControlChannel:
         replaced, self._replaced = self._replaced, False
         return replaced
 
+    def __del__(self) -> None:
+        # a channel dropped unclosed: its sockets close in any order, and one that closes after its monitor's
+        # reading end would leave libzmq's I/O thread waiting for ever to send it an event (every socket of
+        # the process with it): the monitor is stopped first
+        try:
+            if not self.closed:
+                self.socket.disable_monitor()
+        except Exception:  # (half made, or the interpreter shutting down)
+            pass
+
     def close(self) -> None:
         """Close the sockets (queued messages get a second to leave); calling it again does nothing."""
         if self.closed:

@@ -26,6 +26,10 @@ def pair(senders: Sequence[Callable[[], Any]], readers: Sequence[Callable[[], An
 def killed(channel) -> None:
     """End ``channel`` as its process's death would: every descriptor closed at once, nothing queued sent
     (ControlChannel.close would give queued messages a second to leave)."""
+    # (the monitor stopped first: a socket that closes emits a disconnection into its monitor, and libzmq's
+    # I/O thread, which sends it, waits for ever on a monitor whose reading end is closed, and with it every
+    # socket of the process)
+    channel.socket.disable_monitor()
     channel.socket.close(linger=0)
     channel._monitor.close(0)
     channel._unwatch()  # (its duplicate of the connection, ControlChannel._watch)
