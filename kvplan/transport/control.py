@@ -1,12 +1,13 @@
-"""The control path between a decode and a prefill endpoint: ZeroMQ PAIR sockets on the caller's address.
+"""The control path between a decode and a prefill endpoint: ZeroMQ ROUTER and DEALER sockets on the caller's address.
 
 Messages are multipart: a kind, a JSON header, then binary frames (engine metadata, index-list
 messages in SGLang's wire format, descriptor tables). Every receive has a deadline.
 
 On the wire each message goes in an envelope: a mark, the sender's and the receiver's incarnation and a
 sequence number, and (with a shared secret) an HMAC-SHA256 over all of it. The two ends shake hands
-(:mod:`.auth`): each sends a hello with a fresh nonce (a connecting end when it is made, a bound end once
-a peer is attached and it is used), then a proof over the other's. A side sends a pairing's first
+(:mod:`.auth`): each sends a hello with a fresh nonce (a connecting end when its connection is made, a
+bound end in answer to a connection's hello), then a proof over the other's; a bound end's peer is the
+first connection whose proof verifies. A side sends a pairing's first
 message once it has the peer's hello, and takes the peer's messages only once the peer's proof has
 verified; a message from any other incarnation, one out of sequence, or one whose code does not verify
 is refused and logged, never returned. The handshake happens inside :meth:`ControlChannel.send` and the
@@ -18,12 +19,13 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import itertools
+import math
 import os
 import socket as pysocket
 import json
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any
 
 from ..errors import KvplanError, PeerError
@@ -73,17 +75,25 @@ def named_request(header: dict[str, Any]) -> str | int | None:
 
 
 class ControlChannel:
-    """One end of a PAIR socket; the decode side binds an ephemeral port (or ``bind_port``), the
+    """One end of a control connection; the decode side binds an ephemeral port (or ``bind_port``), the
     prefill side connects (either end may bind: the SGLang adapter binds the prefill's bootstrap port).
+
+    A bound end is a ROUTER socket and a connecting end a DEALER: anyone who reaches the port can connect,
+    and a bound end tells its connections apart by ZeroMQ's routing ids. Its peer is the one connection
+    that has proved the shared secret in the handshake (:mod:`.auth`; without a secret, the first to shake
+    hands); while that connection stands no other is answered, and what the others send is refused. Once
+    it is lost, the next connection to shake hands is the peer (a restarted process connecting to the same
+    port): :meth:`replaced` says when that happened, so that the owner can pair again. (Not a PAIR socket:
+    libzmq 4.3.5 aborts the process when a second ZeroMQ peer connects to a PAIR socket that holds one,
+    sends and closes, "Assertion failed: !_io_error (src/stream_engine_base.cpp:310)"; a ROUTER keeps
+    every connection and has no such path.)
 
     ZeroMQ's own heartbeats run both ways (every 0.2 s; a peer silent for ``peer_timeout`` seconds
     is dropped; they are answered by ZeroMQ's I/O thread, so a peer whose owner is busy, however many
-    messages wait for it, is not silent: its receive queue has no bound), and a monitor watches the connection: :meth:`peer_gone` turns true within about
-    ``peer_timeout`` of the peer dying or hanging, and at once when its process exits. A bound
-    channel takes a new peer once the old one is gone (a restarted process connecting to the same
-    port: it listens on a fresh socket from the moment it sees the loss, see :meth:`_bind_again`);
-    :meth:`replaced` says when that happened, so that the owner can pair again. Messages
-    still queued at :meth:`close` get a second to leave (a final ``failed`` must not be lost).
+    messages wait for it, is not silent: its receive queue has no bound), and a monitor watches the
+    connections: :meth:`peer_gone` turns true within about ``peer_timeout`` of the peer dying or hanging,
+    and at once when its process exits. Messages still queued at :meth:`close` get a second to leave (a
+    final ``failed`` must not be lost).
 
     The monitor is read at most every ``LOOK_S`` seconds: the transport's loops ask on every turn,
     and a turn that reads it costs several times one that does not (a streamed send's last group is
@@ -104,8 +114,8 @@ class ControlChannel:
     HANDSHAKE_S = 5.0  # a connection that has not shaken hands (ZeroMQ's) within this is closed
     RESEND_S = 0.25  # an unanswered hello is sent again this often
     MAX_MESSAGE_BYTES = 512 << 20  # the largest frame taken from a peer (a staged run's table of ~22M descriptors)
+    MAX_CANDIDATES = 16  # (bound) connections whose hello waits for an answer, at most (the oldest forgotten)
     SLICE_MS = 50  # a blocked send looks whether its peer is gone this often
-    REBIND_S = 2.0  # a bound end whose peer was lost listens on its port again within this
 
     def __init__(self, connect_port: int | None = None, peer_timeout: float = 1.0, *, host: str,
                  bind_port: int | None = None, max_message_bytes: int | None = None, secret: bytes | None = None):
@@ -121,14 +131,19 @@ class ControlChannel:
         # a frame larger than this disconnects its sender (ZeroMQ's MAXMSGSIZE): no peer makes this side
         # hold an arbitrary amount of memory in one message
         self.max_message_bytes = self.MAX_MESSAGE_BYTES if max_message_bytes is None else max_message_bytes
-        self._open_socket()
         self._bound = connect_port is None
+        self._open_socket()
         self._open: set[int] = set()  # (bound) the connections accepted whose loss has not been read
-        self._peer_fd: int | None = None  # (bound) the peer's connection: the one its messages came on
+        self._peer_rid: bytes | None = None  # (bound) the routing id of the peer's connection (kept once lost)
+        self._peer_fd: int | None = None  # (bound) the peer's connection, as its messages name it (SRCFD)
+        # (bound) connections that said hello and wait for an answer: routing id -> (fd, incarnation, nonce, when
+        # answered); answered only while no peer's connection stands, and the first to prove is the peer
+        self._candidates: OrderedDict[bytes, list[Any]] = OrderedDict()
         self._connected = False
         self._gone = False
         self._ever = False  # a peer has connected at least once
         self._replaced = False  # a peer connected after an earlier one was lost (see replaced())
+        self._hello_at = 0.0  # (connecting) when this side's hello last left
         self.host = host
         # with a secret every pairing proves it and every message carries a code under it (None: the
         # environment's, .auth.secret_from_environment)
@@ -141,13 +156,14 @@ class ControlChannel:
         # messages read while this side waited (a send's handshake, a lost peer's last ones), with the
         # pairing they came in: handed out only until the next pairing begins
         self._inbox: deque[tuple[int, tuple[str, dict[str, Any], list[bytes]]]] = deque()
-        self._draining = False
         self._peer_inc: str | None = None
         self._my_nonce, self._hello_sent, self._nonce_used = nonce(), False, False
         self._pairing_no = 0  # which pairing of this channel's life (messages kept are tagged with it)
+        self._send_seq = 0  # (a bound end's runs on over its pairings: its answers to candidates count)
         self._pairing_reset(None)
         self._reconnected = False  # the connection was made again since the last handshake ended
         self.refused = 0  # messages refused (not of the paired incarnation, out of sequence, a bad code)
+        self.strangers = 0  # (bound) messages refused for coming on a connection that is not the peer's
         self.closed = False  # closed by its owner: it has no peer, reads nothing and sends nothing from then on
         # how the last peer's connection was lost: "closed" (its end closed: the process ended or closed it) or
         # "silence" (it stopped answering; its writes may still land); None while none was lost
@@ -164,12 +180,12 @@ class ControlChannel:
         if connect_port is not None:
             self.port = connect_port
             self.socket.connect(f"tcp://{host}:{connect_port}")
-            self._greet()  # (queued until the connection is made: the other end has this side's nonce unasked)
+            self._greet()  # (once the connection is made: the other end has this side's nonce unasked)
 
     def _open_socket(self) -> None:
-        """This end's PAIR socket and the monitor on its connections (again on a bound end whose peer was lost)."""
+        """This end's socket (a bound end's ROUTER, a connecting end's DEALER) and the monitor on its connections."""
         zmq = self._zmq
-        self.socket = self.context.socket(zmq.PAIR)
+        self.socket = self.context.socket(zmq.ROUTER if self._bound else zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 1000)
         ms = self._peer_timeout_ms
         self.socket.setsockopt(zmq.HEARTBEAT_IVL, min(200, ms))
@@ -182,14 +198,16 @@ class ControlChannel:
         self.socket.setsockopt(zmq.RCVHWM, 0)
         self.socket.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         self.socket.setsockopt(zmq.HANDSHAKE_IVL, round(self.HANDSHAKE_S * 1000))
+        if self._bound:
+            # a message for a connection that is gone raises (EHOSTUNREACH) instead of vanishing, and what this
+            # side sends is never dropped at a bound: its owner's own messages, a few per request
+            self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            self.socket.setsockopt(zmq.SNDHWM, 0)
         # the monitor by hand, its receiving end unbounded: libzmq's I/O thread writes every connection event
         # into it and blocks when it is full (pyzmq's get_monitor_socket leaves ZeroMQ's 1,000 messages), and
         # that one thread serves every socket of the process: a port scan of about 1,000 connections to a
-        # channel whose owner reads late stalled every control channel and engine port of the process
-        # No handshake events: with them watched, a second ZeroMQ peer that connects to a PAIR socket holding
-        # one, sends and closes aborts the process in libzmq 4.3.5 (its I/O thread: "Assertion failed:
-        # !_io_error (src/stream_engine_base.cpp:310)"; reproduced in 9 of 30 runs of the scan test, in none
-        # without them). A bound end learns its peer's connection from the messages instead (_read).
+        # channel whose owner reads late stalled every control channel and engine port of the process.
+        # No handshake events: a bound end learns a connection from its messages (_read).
         address = f"inproc://kvplan-monitor-{next(_monitor_numbers)}"
         self.socket.monitor(address, zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self._monitor = self.context.socket(zmq.PAIR)
@@ -197,56 +215,35 @@ class ControlChannel:
         self._monitor.setsockopt(zmq.LINGER, 0)
         self._monitor.connect(address)
 
-    def _bind_again(self) -> None:
-        """A fresh socket on this bound end's port, once its peer is lost. ZeroMQ keeps a lost peer's
-        connection on a PAIR socket until the owner has read all that peer sent, and a connection made
-        meanwhile is taken and never read: a restarted peer that connects then would never pair. What the
-        lost peer sent is kept for the owner (:meth:`recv` hands it out until a new pairing begins)."""
-        zmq = self._zmq
-        while self.socket.poll(0):  # (a message of the lost pairing, or a step of its handshake)
-            self._keep(self._take(self._read()))
-        self.socket.disable_monitor()
-        self._monitor.close(0)
-        self.socket.close(0)
-        self._open_socket()
-        self._open, self._peer_fd = set(), None
-        self._pairing_reset(self._peer_inc, next_pairing=False)  # (the next peer pairs anew, whoever it is)
-        deadline = time.monotonic() + self.REBIND_S
-        while True:  # (the old socket's listener closes on ZeroMQ's I/O thread, within a moment)
-            try:
-                self.socket.bind(f"tcp://{self.host}:{self.port}")
-                return
-            except zmq.ZMQError as err:
-                if err.errno != zmq.EADDRINUSE or time.monotonic() >= deadline:
-                    raise PeerError(f"the control channel on {self.host} port {self.port} lost its peer and could "
-                                    f"not listen on its port again: {err}") from err
-                time.sleep(0.005)
-
     send_timeout = 10.0
 
     def send(self, kind: str, header: dict[str, Any] | None = None, *frames: bytes, timeout: float | None = None) -> None:
-        """Send one message; raise :class:`ControlTimeout` if the peer cannot take it in time (a PAIR
-        socket with no connected peer would otherwise block forever). The first message of a pairing
-        waits for the handshake (:mod:`.auth`) within the same time.
+        """Send one message; raise :class:`ControlTimeout` if the peer cannot take it in time (a
+        connecting end with no connection would otherwise block forever; a bound end whose peer is lost
+        waits for the next one to pair). The first message of a pairing waits for the handshake
+        (:mod:`.auth`) within the same time.
         """
         wait_s = self.send_timeout if timeout is None else timeout
         if self.closed:
             raise ControlTimeout(f"the channel on {self.host} port {self.port} is closed: a {kind!r} message cannot leave")
         deadline = time.monotonic() + wait_s
-        if self._stale:  # the connection was made again since the pairing: a new one (its peer may be new)
-            self._pairing_reset(self._peer_inc)
-        if self._key is None:
+        if self._key is None or (self._bound and (self._gone or not self._authed)):
             self._shake_hands(deadline, kind, wait_s)
         self._out(kind, header or {}, frames, deadline, wait_s)
 
     def _out(self, kind: str, header: dict[str, Any], frames: tuple[bytes, ...] | list[bytes], deadline: float,
-             wait_s: float) -> None:
+             wait_s: float, to: tuple[bytes, str] | None = None) -> None:
+        """One message out within the deadline: to the peer, or on a bound end to ``to`` (a candidate's
+        routing id and incarnation: its handshake's steps, which carry no code)."""
         parts = [kind.encode(), json.dumps(header).encode(), *frames]
+        if self._bound:
+            self._out_bound(kind, parts, deadline, wait_s, to)
+            return
         while True:
             # in slices: a peer that is gone (dead, or silent past its heartbeats) ends the wait at once
             if self.socket.poll(max(0, min(self.SLICE_MS, round(1000 * (deadline - time.monotonic())))),
                                 self._zmq.POLLOUT):
-                envelope = json.dumps({"f": INCARNATION, "t": self._peer_inc or "", "s": self._send_seq + 1}).encode()
+                envelope = self._envelope(self._peer_inc or "")
                 code = message_code(self._key, envelope, parts) if self.secret is not None and self._key else b""
                 try:
                     self.socket.send_multipart([MARK, envelope, code, *parts], self._zmq.NOBLOCK)
@@ -263,6 +260,39 @@ class ControlChannel:
                                      f"(channel on {self.host} port {self.port}; its peer {state}; its last "
                                      f"connection events {list(self._events)})")
 
+    def _envelope(self, receiver: str) -> bytes:
+        return json.dumps({"f": INCARNATION, "t": receiver, "s": self._send_seq + 1}).encode()
+
+    def _out_bound(self, kind: str, parts: list[bytes], deadline: float, wait_s: float,
+                   to: tuple[bytes, str] | None) -> None:
+        """A bound end's send: never waits (no bound on what it queues); a connection that is gone raises."""
+        zmq = self._zmq
+        rid, receiver = to if to is not None else (self._peer_rid, self._peer_inc or "")
+        if rid is None or (to is None and self._gone):
+            raise ControlTimeout(f"the channel on {self.host} port {self.port} has no peer: a {kind!r} message "
+                                 "cannot leave")
+        envelope = self._envelope(receiver)
+        code = message_code(self._key, envelope, parts) if self.secret is not None and self._key and to is None else b""
+        pause = 0.001
+        while True:
+            try:
+                self.socket.send_multipart([rid, MARK, envelope, code, *parts], zmq.NOBLOCK)
+                self._send_seq += 1
+                return
+            except zmq.Again as err:  # (a queue at a bound: none is set, but a wait is what it would ask)
+                left = deadline - time.monotonic()
+                if left <= 0 or (to is None and self.peer_gone()):
+                    raise ControlTimeout(f"the peer did not take a {kind!r} message within {round(wait_s * 1000)} ms "
+                                         f"(channel on {self.host} port {self.port})") from err
+                time.sleep(min(pause, left))
+                pause = min(2 * pause, self.SLICE_MS / 1000)
+            except zmq.ZMQError as err:
+                if err.errno != zmq.EHOSTUNREACH:
+                    raise
+                # (its connection went away: the monitor says so within a moment)
+                raise ControlTimeout(f"the peer of the channel on {self.host} port {self.port} is gone: a {kind!r} "
+                                     "message cannot leave") from err
+
     # -- the handshake (.auth) ---------------------------------------------------------------------
     def _pairing_reset(self, peer: str | None, *, next_pairing: bool = True) -> None:
         """Forget the pairing, for one with ``peer`` (or none yet). This side's nonce and hello stay while no
@@ -272,9 +302,10 @@ class ControlChannel:
         if self._nonce_used:  # (an unused one may still be on its way in a hello, and serves the new pairing)
             self._my_nonce, self._hello_sent, self._nonce_used = nonce(), False, False
         self._peer_inc, self._peer_nonce = peer, None
-        self._stale = False
         self._authed, self._key = False, None
-        self._send_seq, self._recv_seq = 0, 0
+        if not self._bound:
+            self._send_seq = 0
+        self._recv_seq = 0
         self._proof_refused = False
         self._answered = 0.0
 
@@ -286,7 +317,9 @@ class ControlChannel:
         if self.closed:
             return None
         self.peer_gone()  # (reads the connection's events: a loss or a new connection ends the pairing)
-        return None if self._stale or not self._authed else self._pairing_no
+        if not self._authed or (self._bound and self._gone):
+            return None
+        return self._pairing_no
 
     @property
     def peer_incarnation(self) -> str | None:
@@ -294,29 +327,35 @@ class ControlChannel:
         return self._peer_inc if self._authed else None
 
     def _greet(self) -> None:
-        """Send this side's hello once a peer can take it (never waits)."""
-        if not self._hello_sent and self.socket.poll(0, self._zmq.POLLOUT):
+        """(connecting) Send this side's hello once a peer can take it, and again every ``RESEND_S`` until the
+        peer's proof has verified (a bound end answers only once no other peer's connection stands; never waits)."""
+        if self._bound:
+            return
+        if self._gone:
+            self.peer_gone()  # (after a loss: the connection made again is read here, and greeted at once)
+        if self._authed:
+            return
+        if self._hello_sent and time.monotonic() - self._hello_at < self.RESEND_S:
+            return
+        if self.socket.poll(0, self._zmq.POLLOUT):
             try:
                 self._out("_hello", {"nonce": self._my_nonce}, (), time.monotonic(), 0.0)
-                self._hello_sent = True
+                self._hello_sent, self._hello_at = True, time.monotonic()
             except ControlTimeout:
                 pass
 
     def _shake_hands(self, deadline: float, kind: str, wait_s: float) -> None:
-        """Send this side's hello and take messages until the peer's hello has come (both nonces make the
-        pairing's key: this side may send from then on; it takes the peer's messages only once the peer
-        has proved the secret), or the deadline."""
-        sent = 0.0
-        while self._key is None:
-            # (again every RESEND_S: a hello sent into a connection that was then dropped, such as one a
-            # PAIR socket refused while its old peer's lingered, is lost; ZeroMQ connects again by itself)
-            if not self._hello_sent or time.monotonic() - sent >= self.RESEND_S:
-                self._out("_hello", {"nonce": self._my_nonce}, (), deadline, wait_s)
-                self._hello_sent, sent = True, time.monotonic()
-                continue
+        """Take messages until this side may send: a connecting end sends its hello and waits for the peer's
+        (both nonces make the pairing's key; it takes the peer's messages only once the peer has proved the
+        secret); a bound end waits for a connection that has proved it. Or the deadline."""
+        while self._key is None if not self._bound else (self._gone or not self._authed):
+            if not self._bound:
+                # (again every RESEND_S: a hello sent into a connection that was then dropped is lost; ZeroMQ
+                # connects again by itself)
+                self._greet()
             left = deadline - time.monotonic()
             if self.socket.poll(max(0, min(self.SLICE_MS, round(1000 * left)))):
-                self._keep(self._take(self._read()))
+                self._keep(self._take(*self._read()))
                 continue
             self.peer_gone()  # (reads the connection's events; a loss before the pairing is waited out)
             if left <= 0:
@@ -325,33 +364,25 @@ class ControlChannel:
                 raise ControlTimeout(f"the peer of the channel on {self.host} port {self.port} did not pair within "
                                      f"{round(wait_s * 1000)} ms, so a {kind!r} message cannot leave: {why}")
 
-    def _read(self) -> list[bytes]:
-        """One message off the socket. On a bound end the connection it came on is the peer's (a PAIR socket
-        hands out one connection's messages): the first message of a connection makes it the peer's, once the
-        connection events up to it are read (a lost connection's number may be a new one's)."""
+    def _read(self) -> tuple[bytes | None, int | None, list[bytes]]:
+        """One message off the socket: on a bound end, with the routing id and descriptor of the connection it
+        came on (``None`` on a connecting end, which has one)."""
         frames = self.socket.recv_multipart(copy=False)
-        parts = [frame.bytes for frame in frames]
-        if self._bound and not self._draining:
+        if not self._bound:
+            return None, None, [frame.bytes for frame in frames]
+        fd = None
+        if len(frames) > 1:
             try:
-                fd = frames[0].get(self._zmq.SRCFD)
+                fd = frames[1].get(self._zmq.SRCFD)
             except self._zmq.ZMQError:
                 fd = None
-            if fd is not None and fd >= 0 and fd != self._peer_fd:
-                socket, self._looked = self.socket, 0.0
-                self.peer_gone()  # (its connection's acceptance, and an earlier one's loss, are read first)
-                if self.socket is socket and fd in self._open and self._peer_fd is None:
-                    self._peer_fd = fd
-                    if self._connected:  # (its connection was seen attached: now it is known which it is)
-                        self._watch(fd)
-                    else:
-                        self._peer_connected(fd)
-        return parts
+        return frames[0].bytes, fd, [frame.bytes for frame in frames[1:]]
 
     def _refuse(self, why: str) -> None:
         self.refused += 1
         log.warning("refused a message on the control channel on %s port %d: %s", self.host, self.port, why)
 
-    def _take(self, parts: list[bytes]) -> tuple[str, dict[str, Any], list[bytes]] | None:
+    def _take(self, rid: bytes | None, fd: int | None, parts: list[bytes]) -> tuple[str, dict[str, Any], list[bytes]] | None:
         """A received message opened: its handshake steps done here, an owner's message returned once it
         is checked; ``None`` for the first and for what is refused."""
         try:
@@ -363,16 +394,23 @@ class ControlChannel:
                 raise ValueError("a malformed envelope")
             kind = parts[3].decode()
         except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
-            self._refuse(str(err))
+            if self._bound and rid != self._peer_rid:  # (a stranger's: quietly, see _from_candidate)
+                self.strangers += 1
+                log.debug("refused a message on the control channel on %s port %d from a connection that is not "
+                          "its peer's: %s", self.host, self.port, err)
+            else:
+                self._refuse(str(err))
             return None
-        if self._draining and kind in ("_hello", "_proof"):
-            return None  # (a lost peer's handshake: nothing to answer)
+        if self._bound and rid != self._peer_rid:
+            self._from_candidate(rid, fd, kind, sender, receiver, seq, parts)
+            return None
         if kind == "_hello":
-            self._on_hello(sender, parts)
+            self._on_hello(rid, fd, sender, parts)
             return None
         if kind == "_proof":
-            self._on_proof(sender, receiver, seq, parts)
-            return None
+            if not self._bound:
+                self._on_proof(sender, receiver, seq, parts)
+            return None  # (a bound end's peer has proved already: the same proof again)
         if not self._authed or sender != self._peer_inc or receiver != INCARNATION:
             self._refuse(f"a {kind!r} message from incarnation {sender!r} to {receiver!r}, not of this pairing "
                          f"({self._peer_inc!r} to {INCARNATION!r}{'' if self._authed else ', not paired yet'})")
@@ -386,7 +424,9 @@ class ControlChannel:
         self._recv_seq = seq
         return _parse(parts[3:])
 
-    def _on_hello(self, sender: str, parts: list[bytes]) -> None:
+    def _on_hello(self, rid: bytes | None, fd: int | None, sender: str, parts: list[bytes]) -> None:
+        """A hello on the peer's connection: the other end's (a connecting end's), or the bound end's peer
+        starting a new pairing on the same connection."""
         kind, header, _ = _parse(parts[3:])
         challenge = header.get("nonce")
         if not isinstance(challenge, str) or not challenge:
@@ -396,14 +436,15 @@ class ControlChannel:
             # the same hello again: what this side answered was lost (a connection made again), or is on
             # its way; answered again at most every RESEND_S
             if time.monotonic() - self._answered >= self.RESEND_S:
-                self._answer(sender, challenge, hello=True)
+                self._answer(sender, challenge, hello=True, to=None if rid is None else (rid, sender))
+            return
+        if self._bound:  # (a new pairing on the peer's connection: it is made as any connection's is)
+            self._from_candidate(rid, fd, "_hello", sender, INCARNATION, 0, parts, renewed=True)
             return
         # the connection this hello came on was made before it came: its events are read now, so that one read
         # later is a later connection's (read late, a connection's own event would end the pairing it made)
-        socket, self._looked = self.socket, 0.0
+        self._looked = 0.0
         self.peer_gone()
-        if self.socket is not socket:  # (the peer was lost meanwhile: a hello of the old socket, answered by none)
-            return
         if self._peer_inc is not None:  # a new pairing in place of one: a restarted process, or a new channel
             log.warning("control channel on %s port %d: a new pairing (incarnation %s) in place of incarnation %s",
                         self.host, self.port, sender, self._peer_inc)
@@ -414,16 +455,16 @@ class ControlChannel:
         self._key = pairing_key(self.secret or b"", (INCARNATION, self._my_nonce), (sender, challenge))
         self._answer(sender, challenge, hello=not self._hello_sent)
 
-    def _answer(self, sender: str, challenge: str, hello: bool) -> None:
+    def _answer(self, sender: str, challenge: str, hello: bool, to: tuple[bytes, str] | None = None) -> None:
         """This side's hello (where asked) and its proof for ``challenge``, waiting at most 0.2 s to send."""
         self._answered = time.monotonic()
         deadline, wait_s = self._answered + 0.2, 0.2
         try:
             if hello:
-                self._out("_hello", {"nonce": self._my_nonce}, (), deadline, wait_s)
+                self._out("_hello", {"nonce": self._my_nonce}, (), deadline, wait_s, to)
                 self._hello_sent = True
             self._out("_proof", {"proof": proof(self.secret or b"", INCARNATION, sender, challenge)}, (), deadline,
-                      wait_s)
+                      wait_s, to)
         except ControlTimeout as err:
             log.warning("control channel on %s port %d: the handshake could not be answered: %s", self.host,
                         self.port, err)
@@ -433,14 +474,111 @@ class ControlChannel:
         if sender != self._peer_inc or receiver != INCARNATION or self._peer_nonce is None:
             self._refuse(f"a proof from incarnation {sender!r} to {receiver!r}, not of this handshake")
             return
-        expected = proof(self.secret or b"", sender, INCARNATION, self._my_nonce)
-        given = header.get("proof")
-        if not isinstance(given, str) or not hmac.compare_digest(given.encode(), expected.encode()):
+        if not self._proved(sender, header):
             self._proof_refused = True
             self._refuse(f"incarnation {sender!r} did not prove the shared secret")
             return
         self._authed, self._recv_seq, self._nonce_used = True, seq, True
         self._reconnected = False
+
+    def _proved(self, sender: str, header: dict[str, Any]) -> bool:
+        expected = proof(self.secret or b"", sender, INCARNATION, self._my_nonce)
+        given = header.get("proof")
+        return isinstance(given, str) and hmac.compare_digest(given.encode(), expected.encode())
+
+    # -- a bound end's connections -------------------------------------------------------------------
+    def _peer_stands(self) -> bool:
+        return self._peer_rid is not None and self._authed and not self._gone
+
+    def _from_candidate(self, rid: bytes, fd: int | None, kind: str, sender: str, receiver: str, seq: int,
+                        parts: list[bytes], renewed: bool = False) -> None:
+        """(bound) A message on a connection that is not the peer's: a hello makes it a candidate (answered
+        once no peer's connection stands), a candidate's valid proof makes it the peer; anything else is a
+        stranger's, refused. Quietly: anyone who reaches the port can send."""
+        if kind == "_hello":
+            _, header, _ = _parse(parts[3:])
+            challenge = header.get("nonce")
+            if isinstance(challenge, str) and challenge:
+                self._looked = 0.0
+                self.peer_gone()  # (earlier connections' events first: one closed may have had this one's number)
+                known = self._candidates.pop(rid, None)
+                answered = known[3] if known is not None and known[1:3] == [sender, challenge] else 0.0
+                self._candidates[rid] = [fd, sender, challenge, answered]
+                while len(self._candidates) > self.MAX_CANDIDATES:
+                    self._candidates.popitem(last=False)
+                if renewed:  # (the peer's own connection begins a new pairing: the old one is over)
+                    self._peer_rid, self._authed = None, False
+                self._answer_candidates()
+                return
+        elif kind == "_proof" and rid in self._candidates:
+            fd, candidate, challenge, answered = self._candidates[rid]
+            _, header, _ = _parse(parts[3:])
+            if 0 < answered < math.inf and sender == candidate and receiver == INCARNATION and not self._peer_stands():
+                if self._proved(sender, header):
+                    self._adopt(rid, fd, sender, challenge, seq)
+                    return
+                self._proof_refused = True
+                # (kept, never answered again: the same hello again, as its sender repeats it, costs nothing)
+                self._candidates[rid][3] = math.inf
+                self._refuse(f"incarnation {sender!r} did not prove the shared secret")
+                return
+        self.strangers += 1
+        log.debug("refused a %r message on the control channel on %s port %d: not from its peer's connection",
+                  kind, self.host, self.port)
+
+    def _answer_candidates(self) -> None:
+        """(bound) Answer every candidate's hello while no peer's connection stands (again at most every
+        ``RESEND_S``): the first whose proof verifies is the peer. A fresh nonce once a pairing has used one."""
+        if self._peer_stands() or not self._candidates:
+            return
+        if self._nonce_used:
+            self._my_nonce, self._nonce_used = nonce(), False
+        now = time.monotonic()
+        for rid, candidate in list(self._candidates.items()):
+            fd, sender, challenge, answered = candidate
+            if now - answered < self.RESEND_S:
+                continue
+            candidate[3] = now
+            try:
+                self._out("_hello", {"nonce": self._my_nonce}, (), now, 0.0, (rid, sender))
+                self._out("_proof", {"proof": proof(self.secret or b"", INCARNATION, sender, challenge)}, (), now, 0.0,
+                          (rid, sender))
+            except ControlTimeout:  # (its connection is gone)
+                self._candidates.pop(rid, None)
+
+    def _adopt(self, rid: bytes, fd: int | None, sender: str, challenge: str, seq: int) -> None:
+        """(bound) The candidate on ``rid`` proved the secret: its connection is the peer's from now on."""
+        if self._peer_inc is not None and self._peer_inc != sender:
+            log.warning("control channel on %s port %d: a new pairing (incarnation %s) in place of incarnation %s",
+                        self.host, self.port, sender, self._peer_inc)
+        mine = self._my_nonce
+        self._pairing_reset(sender)
+        self._my_nonce, self._hello_sent, self._nonce_used = mine, True, True
+        self._peer_nonce = challenge
+        self._key = pairing_key(self.secret or b"", (INCARNATION, mine), (sender, challenge))
+        self._authed, self._recv_seq, self._answered = True, seq, time.monotonic()
+        self._candidates.clear()  # (they said hello to a pairing that is over: they say it again if they are peers)
+        self._peer_rid, self._peer_fd = rid, fd if fd is not None and fd in self._open else None
+        self._replaced = self._replaced or self._ever
+        self._ever, self._connected, self._gone = True, True, False
+        self._watch(self._peer_fd)
+
+    def _bound_event(self, message: dict[str, Any]) -> None:
+        """A bound socket's connection event, taken as its peer's only when it is of its peer's connection:
+        anyone who reaches the port can connect and close (a port scan, a stranger)."""
+        zmq, event, fd = self._zmq, message["event"], message["value"]
+        if event == zmq.EVENT_ACCEPTED:
+            self._open.add(fd)
+        elif event == zmq.EVENT_DISCONNECTED:
+            self._open.discard(fd)
+            for rid in [rid for rid, candidate in self._candidates.items() if candidate[0] == fd]:
+                del self._candidates[rid]
+            if fd == self._peer_fd and self._connected:
+                self._peer_fd = None
+                self._peer_lost()
+            else:
+                log.debug("a connection to the channel on %s port %d that was not its peer's closed", self.host,
+                          self.port)
 
     # -- receiving -----------------------------------------------------------------------------------
     def _keep(self, message: tuple[str, dict[str, Any], list[bytes]] | None) -> None:
@@ -470,9 +608,13 @@ class ControlChannel:
             if kept is not None:
                 return kept
             timeout_ms = max(0, int((deadline - time.monotonic()) * 1000))
-            if not self.socket.poll(timeout_ms):
-                raise ControlTimeout("no control message before the deadline")
-            message = self._take(self._read())
+            if not self.socket.poll(min(timeout_ms, round(self.RESEND_S * 1000)) if not self._authed else timeout_ms):
+                if time.monotonic() >= deadline:
+                    raise ControlTimeout("no control message before the deadline")
+                self._greet()
+                self.peer_gone()
+                continue
+            message = self._take(*self._read())
             if message is not None:
                 return message
 
@@ -484,12 +626,13 @@ class ControlChannel:
             return False
         self._greet()
         while self.socket.poll(0):
-            self._keep(self._take(self._read()))
+            self._keep(self._take(*self._read()))
         return bool(self._inbox)
 
     def wait_readable(self, timeout: float) -> bool:
         """Block up to ``timeout`` seconds (ZeroMQ counts whole milliseconds) until a message can be read
-        (or a step of the handshake: :meth:`try_recv` may then return ``None``). A closed channel: never."""
+        (or a step of the handshake, or a stranger's message: :meth:`try_recv` may then return ``None``). A
+        closed channel: never."""
         if self.closed:
             return False
         return bool(self._inbox) or bool(self.socket.poll(max(0, round(timeout * 1000))))
@@ -502,7 +645,7 @@ class ControlChannel:
         if kept is not None:
             return kept
         while self.socket.poll(0):
-            message = self._take(self._read())
+            message = self._take(*self._read())
             if message is not None:
                 return message
         return None
@@ -516,64 +659,32 @@ class ControlChannel:
         if now - self._looked < self.LOOK_S:
             return self._gone
         self._looked = now
-        lost = False
         while self._monitor.poll(0):
             message = self._recv_monitor(self._monitor)
             event = message["event"]
             self._events.append((round(now, 3), _EVENT_NAMES.get(event, str(event)), message["value"]))
             if self._bound:
-                lost = self._bound_event(message)
-                if lost:  # (the rest are the old socket's, whose connections the new one does not keep)
-                    break
+                self._bound_event(message)
             elif event == self._zmq.EVENT_CONNECTED:
                 self._peer_connected(message["value"])
             elif event == self._zmq.EVENT_DISCONNECTED and self._connected:
                 self._peer_lost()
-        if not lost and self._bound and not self._connected and self._open and self._attached():
-            self._peer_connected(None)  # (which connection it is, its first message says: _read)
-        if lost:
-            self._draining = True
-            try:
-                self._bind_again()
-            finally:
-                self._draining = False
+        if self._bound:
+            self._answer_candidates()  # (a loss read just now lets the waiting ones in)
         return self._gone
 
-    def _bound_event(self, message: dict[str, Any]) -> bool:
-        """A bound socket's connection event, taken as its peer's only when it is of its peer's connection:
-        anyone who reaches the port can connect and close (a port scan, a stranger), and a PAIR socket
-        keeps one peer and drops the others. A peer is there once the socket holds a connection (it can
-        send), and its connection is the one its messages come on (:meth:`_read`); only that connection's
-        loss is the peer's (before its first message: a loss that leaves the socket holding none). Whether
-        the event was the peer's loss."""
-        zmq, event, fd = self._zmq, message["event"], message["value"]
-        if event == zmq.EVENT_ACCEPTED:
-            self._open.add(fd)
-        elif event == zmq.EVENT_DISCONNECTED:
-            self._open.discard(fd)
-            # (a peer attached that has not sent yet is told by its pipe: gone with it, the socket cannot send)
-            if fd == self._peer_fd or (self._peer_fd is None and self._connected and not self._attached()):
-                self._peer_fd = None
-                self._peer_lost()
-                return True
-            else:
-                log.debug("a connection to the channel on %s port %d that was not its peer's closed", self.host,
-                          self.port)
-        return False
-
-    def _attached(self) -> bool:
-        """Whether a bound end's PAIR socket holds a peer's connection (ZeroMQ attaches one once its own
-        handshake is done; the socket can send only then)."""
-        return bool(self.socket.poll(0, self._zmq.POLLOUT))
-
     def _peer_connected(self, fd: int | None = None) -> None:
+        """(connecting) The connection is made: after a loss, a new pairing, whose hello leaves at once."""
         self._watch(fd)
         if self._ever:
             log.warning("control connection on %s port %d made again after a loss", self.host, self.port)
             self._reconnected = True
-            self._stale = self._authed
+            # (the other end takes a new connection for a new peer: a new pairing, whose hello leaves on the next
+            # call that greets)
+            self._pairing_reset(self._peer_inc)
         self._replaced = self._replaced or self._ever
         self._ever, self._connected, self._gone = True, True, False
+        self._hello_at = 0.0
 
     def _watch(self, fd: int | None) -> None:
         """Hold a duplicate of the peer's connection (``fd``, ZeroMQ's), to tell at its loss how it was lost.

@@ -1,6 +1,6 @@
 """A known port where decode endpoints ask for a control channel of their own.
 
-A :class:`ControlChannel` is one PAIR socket: one peer. A prefill endpoint that serves several
+A :class:`ControlChannel` has one peer. A prefill endpoint that serves several
 decode endpoints through one advertised port (an SGLang bootstrap port) binds a
 :class:`ChannelListener` there. Each decode endpoint sends it one ``hello`` (:func:`channel_via`);
 the listener binds a new channel on an ephemeral port of the same host and answers with that port;

@@ -128,11 +128,15 @@ def test_a_peer_that_reads_late_is_not_taken_for_gone_and_loses_no_message():
         bound.close()
 
 
-def _settle(channel, seconds=0.5):
-    """Let the monitor's events arrive, looking as the transport's loops do."""
+def _settle(channel, seconds=0.5, also=None):
+    """Let the monitor's events arrive, looking as the transport's loops do (and reading ``also``, the other
+    end, as its owner's loop would: a connecting end greets on a new connection)."""
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         channel.peer_gone()
+        if also is not None:
+            channel.advance()
+            also.advance()
         time.sleep(0.01)
 
 
@@ -199,7 +203,7 @@ def test_a_frame_larger_than_the_bound_is_never_taken_and_disconnects_its_sender
         except ControlTimeout:
             msg = None
         assert msg is None
-        _settle(bound)
+        _settle(bound, also=peer)  # (the sender's loop, as a transport's: it greets on its new connection)
         assert bound.replaced()  # the sender's connection was dropped (ZeroMQ then connects it again)
     finally:
         peer.close()
@@ -255,4 +259,49 @@ def _scanned_while_unread() -> None:
         sent.result(timeout=10)
     assert (kind, header) == ("ping", {"n": 1})
     for channel in (idle, bound, peer):
+        channel.close()
+
+
+def test_zeromq_strangers_that_connect_send_and_close_abort_nothing_and_never_take_the_peer_s_place():
+    """Issue 54: on a PAIR socket holding its peer, a second ZeroMQ peer that connects, sends and closes made
+    libzmq 4.3.5 abort the process ("Assertion failed: !_io_error (src/stream_engine_base.cpp:310)"; a
+    standalone loop of this test's strangers against a bare PAIR socket aborted in 7 runs of 7, with or
+    without a monitor). A bound channel is a ROUTER socket now. Strangers of every ZeroMQ kind, one of them
+    claiming the peer's routing id, connect, say a hello (or anything) and close, while the pairing carries
+    messages both ways: none is lost, none of theirs is returned, the peer stays the peer. In a child process
+    (an abort must fail this test, not the worker)."""
+    run_isolated(_zeromq_strangers, timeout=120)
+
+
+def _zeromq_strangers() -> None:
+    import zmq
+
+    from kvplan.transport.control import MARK
+
+    bound = ControlChannel(host="127.0.0.1", peer_timeout=5, secret=b"s3cret")
+    peer = ControlChannel(bound.port, host="127.0.0.1", peer_timeout=5, secret=b"s3cret")
+    assert _first(peer, bound)[0] == "hello"
+    context, rid = zmq.Context.instance(), bound._peer_rid
+    for n in range(1500):
+        kind = (zmq.PAIR, zmq.DEALER, zmq.DEALER, zmq.REQ)[n % 4]
+        stranger = context.socket(kind)
+        stranger.setsockopt(zmq.LINGER, 0)
+        if n % 4 == 2:
+            stranger.setsockopt(zmq.ROUTING_ID, rid)  # (the peer's own routing id: refused by the ROUTER)
+        stranger.connect(f"tcp://127.0.0.1:{bound.port}")
+        hello = [MARK, b'{"f": "0123456789abcdef", "t": "", "s": 1}', b"", b"_hello", b'{"nonce": "%d"}' % n]
+        try:
+            stranger.send_multipart(hello if n % 3 else [b"garbage"], zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+        time.sleep(0.001 * (n % 3))
+        stranger.close()
+        if n % 50 == 0:
+            peer.send("ping", {"n": n}, timeout=5)
+            assert bound.recv(time.monotonic() + 5)[:2] == ("ping", {"n": n})
+            bound.send("pong", {"n": n}, timeout=5)
+            assert peer.recv(time.monotonic() + 5)[:2] == ("pong", {"n": n})
+            assert bound._peer_rid == rid and not bound.peer_gone() and not bound.replaced()
+    assert bound.strangers > 0 and bound.refused == 0
+    for channel in (bound, peer):
         channel.close()

@@ -63,10 +63,12 @@ def test_a_peer_without_the_secret_never_pairs_and_none_of_its_messages_is_retur
             sent = pool.submit(peer.send, "register", {}, timeout=5)
             _nothing(bound, 1.0)
             sent.result(timeout=5)
-        bound.send("request", {"n": 1}, timeout=5)
+        with pytest.raises(ControlTimeout, match="proof of the shared secret was refused"):
+            bound.send("request", {"n": 1}, timeout=1)  # (a bound end sends only to a peer that proved it)
         _nothing(peer, 0.5)
         assert bound.peer_incarnation is None and peer.peer_incarnation is None
-        assert bound.refused >= 2 and peer.refused >= 1  # its proof and its message; the other end's proof
+        assert bound.refused == 1 and bound.strangers >= 1  # its proof, once; its message
+        assert peer.refused >= 1  # the other end's proof
     finally:
         bound.close()
         peer.close()
@@ -142,7 +144,7 @@ def test_fuzzed_envelopes_and_codes_on_a_paired_channel_are_refused_never_return
         sent = _recorded(peer)
         peer.send("failed", {"request": "r1", "reason": "x"}, b"\x00\x01frame", timeout=5)
         original = sent[-1]
-        bound.socket.recv_multipart()  # (read off the socket: the fuzzed copies go to _take, one by one)
+        bound.socket.recv_multipart()  # (read off the socket: the fuzzed copies go to _take, one by one, as the peer's)
 
         def altered(parts, frame, at, value):
             parts = [bytes(p) for p in parts]
@@ -172,11 +174,11 @@ def test_fuzzed_envelopes_and_codes_on_a_paired_channel_are_refused_never_return
             if parts == original:
                 return
             before = bound.refused
-            assert bound._take(parts) is None, parts
+            assert bound._take(bound._peer_rid, bound._peer_fd, parts) is None, parts
             assert bound.refused == before + 1 or parts[3:4] in ([b"_hello"], [b"_proof"]), parts
 
         refused()
-        assert bound._take(original)[:2] == ("failed", {"request": "r1", "reason": "x"})  # (its sequence number is next)
+        assert bound._take(bound._peer_rid, bound._peer_fd, original)[:2] == ("failed", {"request": "r1", "reason": "x"})  # (its sequence number is next)
     finally:
         bound.close()
         peer.close()
