@@ -1,5 +1,6 @@
 """The checksum kernel's speed (kvplan.kernels.checksum) on a GPU, against a device-to-device copy of
-the same bytes (what the card's memory moves), for descriptors of several sizes over 256 MiB.
+the same bytes (what the card's memory moves), for descriptors of several sizes over 256 MiB, unkeyed
+and keyed (every slot under a key, as with a shared secret).
 
 ``python -m benchmarks.checksum_bandwidth`` (GPU; kernels compiled: TRITON_INTERPRET=0).
 """
@@ -39,9 +40,12 @@ def main() -> None:
         descs = torch.stack([data.data_ptr() + at, (1 << 44) + at, torch.full_like(at, piece)], dim=1).contiguous()
         owners = (torch.arange(n, device="cuda") % 64).to(torch.int64)
         out = torch.zeros(64, dtype=torch.int64, device="cuda")
-        ms = _ms(lambda: checksum_descriptors(descs, owners, out.zero_(), typical_bytes=piece))
-        print(f"checksum of 256 MiB in {n} descriptors of {piece} B: {ms:.3f} ms, {n * piece / ms / 1e6:.0f} GB/s "
-              f"({copy_ms / ms:.2f}x the copy's time reciprocal: {100 * copy_ms / ms:.0f}% of its byte rate)")
+        keys = torch.stack([torch.randint(0, 1 << 32, (64,), device="cuda"), torch.randint(0, 1 << 32, (64,), device="cuda"),
+                            torch.ones(64, dtype=torch.int64, device="cuda")], dim=1).contiguous()
+        for name, table in (("unkeyed", None), ("keyed", keys)):
+            ms = _ms(lambda: checksum_descriptors(descs, owners, out.zero_(), typical_bytes=piece, keys=table))
+            print(f"checksum ({name}) of 256 MiB in {n} descriptors of {piece} B: {ms:.3f} ms, "
+                  f"{n * piece / ms / 1e6:.0f} GB/s ({100 * copy_ms / ms:.0f}% of the copy's byte rate)")
 
 
 if __name__ == "__main__":

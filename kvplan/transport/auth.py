@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import os
 import secrets
 from typing import Sequence
 
-__all__ = ["INCARNATION", "message_code", "nonce", "pairing_key", "proof", "secret_from_environment", "secret_from_file"]
+__all__ = ["INCARNATION", "checksum_key", "message_code", "nonce", "pairing_key", "proof", "secret_from_environment", "secret_from_file"]
 
 INCARNATION = secrets.token_hex(8)  # this process's, for its whole life
 
@@ -80,6 +81,14 @@ def pairing_key(secret: bytes, mine: tuple[str, str], theirs: tuple[str, str]) -
     first, second = sorted([mine, theirs])
     return hmac.new(secret, f"kvplan-key|{first[0]}|{first[1]}|{second[0]}|{second[1]}".encode(),
                     hashlib.sha256).digest()
+
+
+def checksum_key(secret: bytes, receiver: str, request: str | int) -> tuple[int, int]:
+    """The integrity checksum's key ``(ka, kb)`` (32 bits each, :mod:`kvplan.kernels.checksum`) for
+    ``request`` published by the decode incarnation ``receiver``: every sender of the request derives
+    the same one from the secret (a TP gather's sums still add up), and no one without it can."""
+    digest = hmac.new(secret, f"kvplan-checksum|{receiver}|{json.dumps(request)}".encode(), hashlib.sha256).digest()
+    return int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:8], "little")
 
 
 def message_code(key: bytes, envelope: bytes, parts: Sequence[bytes]) -> bytes:

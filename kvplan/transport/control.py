@@ -509,6 +509,11 @@ class ControlChannel:
                 if renewed:  # (the peer's own connection begins a new pairing: the old one is over)
                     self._peer_rid, self._authed = None, False
                 self._answer_candidates()
+                if self.secret is None and not self._peer_stands() and self._candidates.get(rid, [0, 0, 0, 0])[3]:
+                    # without a secret anyone can prove, and a proof adds nothing: the first hello answered is the
+                    # peer at once, and this side may send before the other end has read a thing (one thread
+                    # that registers a decode before it lets its prefill accept, examples/handoff_in_process.py)
+                    self._adopt(rid, fd, sender, challenge, seq)
                 return
         elif kind == "_proof" and rid in self._candidates:
             fd, candidate, challenge, answered = self._candidates[rid]

@@ -43,6 +43,7 @@ from .control import MAX_REFUSED, ControlChannel, ControlTimeout, named_request
 from .copy_graphs import CopyGraphs, capture_copy, copy_graphs_enabled, upload_graph
 from .engines import Engine, TransferError, is_unsafe
 from .landing import LandingGuard
+from .auth import INCARNATION, checksum_key
 from .integrity import MASK, published_sums
 from .local import plan_alignment, scatter, typical_sizes, warm_up
 from .pause import Pause
@@ -644,7 +645,8 @@ class DecodeEndpoint:
                                                "whole (different page sizes?): its checksum cannot be checked here")
                 else:
                     ready.append((request, sum(sums.values()) & MASK))
-        mine = published_sums([self.guard.ranges(r) for r, _ in ready], self._device)
+        mine = published_sums([self.guard.ranges(r) for r, _ in ready], self._device,
+                              keys=[self._checksum_key(r) for r, _ in ready])
         for (request, theirs), here in zip(ready, mine):
             if here == theirs:
                 self.tracker.verify(request)
@@ -652,6 +654,13 @@ class DecodeEndpoint:
                 self.tracker.fail(request, f"integrity: the bytes that landed differ from those sent (checksum "
                                            f"{here:#010x} here, {theirs:#010x} at the sender)")
         return bool(ready)
+
+    def _checksum_key(self, request: Any) -> tuple[int, int] | None:
+        """The key of ``request``'s checksum (:func:`.auth.checksum_key`): from the secret its senders paired
+        with, for this process's incarnation; ``None`` (unkeyed) without a secret."""
+        senders = self._owner.get(request, ())
+        secret = getattr(self.channels[senders[0]], "secret", None) if senders else None
+        return None if secret is None else checksum_key(secret, INCARNATION, request)
 
     def _on_paired(self, peer: int, header: dict[str, Any], frames: Sequence[bytes] = ()) -> None:
         """A sender's layout, sent once it has paired with this side (a gather needs its rank), and

@@ -10,6 +10,11 @@ landed: a request is complete only when the two agree, and fails with the reason
 not. A byte flipped by a NIC, a bounce buffer or a stray write then fails its request instead of
 decoding from corrupted KV.
 
+With a shared secret (the control channels', :mod:`.auth`) the checksum is keyed, per request
+(:func:`~kvplan.transport.auth.checksum_key`): bytes that anyone without the secret wrote fail their
+request, however they were chosen. Without one it is unkeyed, and guards against accidents only: its
+hash is public, so a writer can pick changes that leave it as it was.
+
 What it covers: layouts where the sender's bytes fill the decode's items whole (equal page sizes,
 strict lists, TP scatter; a TP gather adds its senders' sums), through direct and staged writes.
 Not covered, and refused: NIXL prepared lists (no descriptors to sum), layer-wise streaming (the
@@ -30,24 +35,40 @@ import torch
 
 from ..kernels.checksum import MASK, checksum_descriptors
 
-__all__ = ["MASK", "RunningSums", "published_sums", "transfer_sums"]
+__all__ = ["MASK", "RunningSums", "key_table", "published_sums", "transfer_sums"]
+
+Key = tuple[int, int] | None  # a slot's checksum key (auth.checksum_key), or None: unkeyed
 
 
-def transfer_sums(device_descs: torch.Tensor, per_transfer: np.ndarray, nbytes: int = 0) -> torch.Tensor:
+def key_table(keys: list[Key] | None, device: torch.device | str) -> torch.Tensor | None:
+    """The kernel's ``[m, 3]`` key table for one key (or ``None``) per slot; ``None`` when none is keyed
+    (the launch without a table)."""
+    if keys is None or all(k is None for k in keys):
+        return None
+    rows = np.array([[k[0], k[1], 1] if k is not None else [0, 0, 0] for k in keys], dtype=np.int64)
+    return torch.from_numpy(rows).to(device, non_blocking=True)
+
+
+def transfer_sums(device_descs: torch.Tensor, per_transfer: np.ndarray, nbytes: int = 0,
+                  keys: list[Key] | None = None) -> torch.Tensor:
     """Each transfer's checksum (int64 ``[T]`` on the descriptors' device, mod 2**32 once read), from
     a plan's descriptors ``(src, dst, nbytes)`` and its per-transfer offsets ``[T + 1]``; launched on
-    the current stream, behind the plan. ``nbytes``: the plan's bytes, which shape the launch."""
+    the current stream, behind the plan. ``nbytes``: the plan's bytes, which shape the launch;
+    ``keys``: each transfer's key (its request's), or none."""
     counts = torch.from_numpy(np.diff(np.asarray(per_transfer, np.int64)))
     owners = torch.repeat_interleave(torch.arange(len(counts)), counts).to(device_descs.device, non_blocking=True)
     out = torch.zeros(len(counts), dtype=torch.int64, device=device_descs.device)
     n = int(per_transfer[-1])
-    checksum_descriptors(device_descs[:n], owners, out, typical_bytes=max(1, nbytes // max(1, n)) if nbytes else 4096)
+    checksum_descriptors(device_descs[:n], owners, out, typical_bytes=max(1, nbytes // max(1, n)) if nbytes else 4096,
+                         keys=key_table(keys, device_descs.device))
     return out
 
 
-def published_sums(ranges: list[tuple[np.ndarray, np.ndarray]], device: torch.device | str) -> list[int]:
+def published_sums(ranges: list[tuple[np.ndarray, np.ndarray]], device: torch.device | str,
+                   keys: list[Key] | None = None) -> list[int]:
     """The checksum of the bytes in each ``(starts, ends)`` set of ranges on ``device`` (the decode's own
-    published ranges, one set per request): one launch for all of them, read back at once."""
+    published ranges, one set per request, under its key in ``keys`` or unkeyed): one launch for all of
+    them, read back at once."""
     if not ranges:
         return []
     starts = np.concatenate([np.asarray(a, np.uint64) for a, _ in ranges])
@@ -57,7 +78,8 @@ def published_sums(ranges: list[tuple[np.ndarray, np.ndarray]], device: torch.de
     descs = torch.from_numpy(np.ascontiguousarray(rows)).to(device)
     out = torch.zeros(len(ranges), dtype=torch.int64, device=device)
     typical = int((ends - starts).mean()) if len(starts) else 1
-    checksum_descriptors(descs, torch.from_numpy(owners).to(device), out, typical_bytes=typical)
+    checksum_descriptors(descs, torch.from_numpy(owners).to(device), out, typical_bytes=typical,
+                         keys=key_table(keys, device))
     return [int(x) & MASK for x in out.cpu()]
 
 

@@ -55,6 +55,7 @@ from .control import MAX_REFUSED, ControlChannel, ControlTimeout, named_request
 from .copy_graphs import CopyGraphs, copy_graphs_enabled
 from .decode import engine_regions
 from .engines import Engine, Handle, is_unsafe, wait_all
+from .auth import checksum_key
 from .integrity import RunningSums, transfer_sums
 from .local import plan_alignment, typical_sizes, warm_up
 from .readiness import LayerStreaming
@@ -856,7 +857,17 @@ class PrefillEndpoint:
         (:mod:`.integrity`); ``None`` where none did."""
         if not any(self.peers[t.dest].integrity for t in transfers):
             return None
-        return transfer_sums(pending.device_descriptors(), per_transfer, nbytes)
+        return transfer_sums(pending.device_descriptors(), per_transfer, nbytes,
+                             keys=[self._checksum_key(t) for t in transfers])
+
+    def _checksum_key(self, t: Transfer) -> tuple[int, int] | None:
+        """The key of ``t``'s request's checksum: from the secret its decode paired with, for that decode's
+        incarnation (:func:`.auth.checksum_key`); ``None`` (unkeyed) without a secret."""
+        channel = self.peers[t.dest].channel
+        secret, receiver = getattr(channel, "secret", None), getattr(channel, "peer_incarnation", None)
+        if not self.peers[t.dest].integrity or secret is None or receiver is None:
+            return None
+        return checksum_key(secret, receiver, t.request)
 
     def _send_checksums(self, transfers: tuple[Transfer, ...], sums: torch.Tensor) -> None:
         """Add each chunk's checksum to its request's (on the device), and send a request's with its last

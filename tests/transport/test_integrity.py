@@ -23,16 +23,26 @@ SHAPES = [(200, 0), (137, 16), (64, 0)]  # (prompt, decode prefix) of each round
 
 @pytest.fixture(scope="module")
 def pair():
+    yield from _pair(secret=None)
+
+
+@pytest.fixture(scope="module")
+def keyed_pair():
+    """The same with a shared secret: the checksums are keyed (kvplan.transport.auth.checksum_key)."""
+    yield from _pair(secret=b"the deployment's secret")
+
+
+def _pair(secret):
     pytest.importorskip("mooncake.engine")
     src, dst = _Pools(CONFIG, "cpu", CONFIG.rows), _Pools(CONFIG, "cpu", CONFIG.rows)
-    channel = ControlChannel(host="127.0.0.1")
+    channel = ControlChannel(host="127.0.0.1", secret=secret)
     name = uuid.uuid4().hex[:8]
     # Mooncake, not NIXL: NIXL's progress threads each spin a core for as long as their agent lives, which is
     # the rest of this pytest process (on a 2-core machine they starved every later test's sockets)
     decode = DecodeEndpoint(dst.side, make_engine("mooncake", f"decode-{name}", local_hostname="127.0.0.1"), channel,
                             integrity=True)
     prefill = PrefillEndpoint(src.side, make_engine("mooncake", f"prefill-{name}", local_hostname="127.0.0.1"),
-                              ControlChannel(channel.port, host="127.0.0.1"))
+                              ControlChannel(channel.port, host="127.0.0.1", secret=secret))
     pair_channels([lambda: decode.register(timeout=10)], [lambda: prefill.accept(timeout=10)])
     yield prefill, decode, src, dst
     for closing in (decode.engine, prefill.engine, channel, prefill.channel):
@@ -40,7 +50,7 @@ def pair():
 
 
 def _round(pair, tag: str, checks: bool = True, sends: bool = True, flip: str | None = None,
-           deadline_after_send: float | None = None):
+           deadline_after_send: float | None = None, forge: str | None = None):
     """Publish three requests (checked by the decode or not), send each in up to two chunks (with its
     checksum or not), flip one landed byte of ``flip``'s, wait; the states, the failures and whether
     each request's bytes are the ones written."""
@@ -69,6 +79,15 @@ def _round(pair, tag: str, checks: bool = True, sends: bool = True, flip: str | 
     if flip is not None:  # every byte has landed (the sends returned); one is flipped before the decode looks
         slot = int(dst.table[rows[flip][1][0], 100])
         dst.kv[1][slot // CONFIG.page_size, slot % CONFIG.page_size, 5] ^= 0x40
+    if forge is not None:  # changes the unkeyed sum cannot see: +1, -1, -1, +1 (or its negation) on 4 aligned bytes
+        slot = int(dst.table[rows[forge][1][0], 100])
+        group = dst.kv[1][slot // CONFIG.page_size, slot % CONFIG.page_size, 4:8]
+        assert group.data_ptr() % 4 == 0
+        values = [int(v) for v in group]
+        step = [1, -1, -1, 1] if values[0] < 255 and values[1] > 0 and values[2] > 0 and values[3] < 255 else [-1, 1, 1, -1]
+        assert all(0 <= v + d <= 255 for v, d in zip(values, step)), values
+        for k, d in enumerate(step):
+            group[k] = values[k] + d
     states = decode.wait()
     checked = {a.request: dst.check(a, rows[a.request][1][0]) for a in arrivals}
     for a in arrivals:
@@ -96,7 +115,24 @@ def test_without_integrity_the_same_flip_goes_unseen(pair):
     assert states["plain1"] == "complete" and not checked["plain1"]
 
 
+def test_changes_chosen_to_cancel_pass_the_unkeyed_checksum(pair):
+    """Issue 54: without a secret the checksum guards against accidents only. Its hash is public, so bytes
+    changed to cancel (+1, -1, -1, +1 on an aligned group of four) pass it: the request completes with
+    wrong bytes. (Before the deadline test, whose abort the next round would read.)"""
+    states, _, checked = _round(pair, "forged", forge="forged1")
+    assert states["forged1"] == "complete" and not checked["forged1"]
+
+
 def test_a_checksum_that_never_comes_fails_the_request_at_its_deadline(pair):
     states, failures, _ = _round(pair, "late", sends=False, deadline_after_send=0.3)
     assert set(states.values()) == {"failed"}
     assert set(failures.values()) == {"deadline passed before its checksum was checked"}
+
+
+def test_with_a_secret_the_keyed_checksum_fails_bytes_changed_to_cancel(keyed_pair):
+    """The same change under a shared secret: the checksum is keyed per request, and the request fails with
+    the reason; the others complete, their keyed sums agreeing on both sides."""
+    states, failures, checked = _round(keyed_pair, "keyed", forge="keyed1")
+    assert states == {"keyed0": "complete", "keyed1": "failed", "keyed2": "complete"}
+    assert failures["keyed1"].startswith("integrity: the bytes that landed differ from those sent")
+    assert checked["keyed0"] and checked["keyed2"]
