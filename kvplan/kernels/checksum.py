@@ -48,6 +48,36 @@ MAX_SPLIT = 64
 
 
 @triton.jit
+def _weights(a, ka, kb, KEYED: tl.constexpr):
+    """``H`` (or ``H_k``) of the addresses ``a`` (int64), in 32-bit lanes: every product wraps mod 2**32 as
+    the definition asks, and no 64-bit multiply is emulated."""
+    lo = (a & 0xFFFFFFFF).to(tl.uint32)
+    hi = ((a >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    if KEYED:
+        x = lo ^ ka ^ (hi * 0x9E3779B1)
+        x = x ^ (x >> 16)
+        x = x * 0x85EBCA6B
+        x = x ^ (x >> 13)
+        x = x * 0xC2B2AE35
+        x = x ^ (x >> 16)
+        h = (x ^ kb) | 1
+    else:
+        h = ((lo ^ (hi * 0x9E3779B1)) * 0x85EBCA77) | 1
+    return h
+
+
+@triton.jit
+def _sum_range(ptr, key, nbytes, part, ka, kb, BLOCK: tl.constexpr, SPLIT: tl.constexpr, KEYED: tl.constexpr):
+    acc = tl.zeros([BLOCK], dtype=tl.uint32)
+    for start in range(part * BLOCK, nbytes, SPLIT * BLOCK):
+        o = start + tl.arange(0, BLOCK).to(tl.int64)
+        m = o < nbytes
+        b = tl.load(ptr + o, mask=m, other=0).to(tl.uint32)
+        acc += tl.where(m, (b + 1) * _weights(key + o, ka, kb, KEYED), 0)
+    return tl.sum(acc, axis=0)  # (mod 2**32: the lanes wrap, and so does their sum)
+
+
+@triton.jit
 def _checksum_kernel(desc_ptr, owner_ptr, key_ptr, out_ptr, BLOCK: tl.constexpr, SPLIT: tl.constexpr,
                      HAS_KEYS: tl.constexpr):
     i = tl.program_id(0).to(tl.int64)
@@ -57,39 +87,16 @@ def _checksum_kernel(desc_ptr, owner_ptr, key_ptr, out_ptr, BLOCK: tl.constexpr,
     nbytes = tl.load(desc_ptr + i * 3 + 2)
     owner = tl.load(owner_ptr + i)
     ptr = read.to(tl.pointer_type(tl.uint8))
-    acc = tl.zeros([BLOCK], dtype=tl.int64)
-    keyed = 0
-    ka = 0
-    kb = 0
     if HAS_KEYS:
-        ka = tl.load(key_ptr + owner * 3) & 0xFFFFFFFF
-        kb = tl.load(key_ptr + owner * 3 + 1) & 0xFFFFFFFF
-        keyed = tl.load(key_ptr + owner * 3 + 2)
-    if keyed != 0:
-        for start in range(part * BLOCK, nbytes, SPLIT * BLOCK):
-            o = start + tl.arange(0, BLOCK).to(tl.int64)
-            m = o < nbytes
-            b = tl.load(ptr + o, mask=m, other=0).to(tl.int64)
-            a = key + o
-            x = (a & 0xFFFFFFFF) ^ ka ^ ((((a >> 32) & 0xFFFFFFFF) * 0x9E3779B1) & 0xFFFFFFFF)
-            x = x ^ (x >> 16)
-            x = (x * 0x85EBCA6B) & 0xFFFFFFFF
-            x = x ^ (x >> 13)
-            x = (x * 0xC2B2AE35) & 0xFFFFFFFF
-            x = x ^ (x >> 16)
-            h = (x ^ kb) | 1
-            acc += tl.where(m, ((b + 1) * h) & 0xFFFFFFFF, 0)
+        ka = (tl.load(key_ptr + owner * 3) & 0xFFFFFFFF).to(tl.uint32)
+        kb = (tl.load(key_ptr + owner * 3 + 1) & 0xFFFFFFFF).to(tl.uint32)
+        if tl.load(key_ptr + owner * 3 + 2) != 0:
+            total = _sum_range(ptr, key, nbytes, part, ka, kb, BLOCK, SPLIT, True)
+        else:
+            total = _sum_range(ptr, key, nbytes, part, ka, kb, BLOCK, SPLIT, False)
     else:
-        for start in range(part * BLOCK, nbytes, SPLIT * BLOCK):
-            o = start + tl.arange(0, BLOCK).to(tl.int64)
-            m = o < nbytes
-            b = tl.load(ptr + o, mask=m, other=0).to(tl.int64)
-            a = key + o
-            lo = a & 0xFFFFFFFF
-            hi = (a >> 32) & 0xFFFFFFFF
-            h = ((((lo ^ ((hi * 0x9E3779B1) & 0xFFFFFFFF)) * 0x85EBCA77) & 0xFFFFFFFF) | 1)
-            acc += tl.where(m, ((b + 1) * h) & 0xFFFFFFFF, 0)
-    tl.atomic_add(out_ptr + owner, tl.sum(acc, axis=0))
+        total = _sum_range(ptr, key, nbytes, part, 0, 0, BLOCK, SPLIT, False)
+    tl.atomic_add(out_ptr + owner, total.to(tl.int64))
 
 
 def checksum_descriptors(descs: torch.Tensor, owners: torch.Tensor, out: torch.Tensor,
