@@ -30,6 +30,7 @@ from typing import Any
 
 from ..errors import KvplanError, PeerError
 from .auth import INCARNATION, message_code, nonce, pairing_key, proof, secret_from_environment
+from .note_seal import NoteSeal
 
 __all__ = ["ControlChannel", "ControlTimeout", "MAX_REFUSED", "named_request"]
 
@@ -160,6 +161,7 @@ class ControlChannel:
         self._my_nonce, self._hello_sent, self._nonce_used = nonce(), False, False
         self._pairing_no = 0  # which pairing of this channel's life (messages kept are tagged with it)
         self._send_seq = 0  # (a bound end's runs on over its pairings: its answers to candidates count)
+        self._seal: NoteSeal | None = None  # (note_seal) the engine notifications' seal of the pairing it was made in
         self._pairing_reset(None)
         self._reconnected = False  # the connection was made again since the last handshake ended
         self.refused = 0  # messages refused (not of the paired incarnation, out of sequence, a bad code)
@@ -320,6 +322,17 @@ class ControlChannel:
         if not self._authed or (self._bound and self._gone):
             return None
         return self._pairing_no
+
+    def note_seal(self) -> NoteSeal | None:
+        """The seal of this pairing's engine notifications (:mod:`.note_seal`): ``None`` without a secret or
+        before the handshake has ended. A new pairing has a new seal: notes sealed for the last one do not
+        open under it."""
+        if self.secret is None or not self._authed or self._key is None or self._peer_inc is None:
+            return None
+        seal = self._seal
+        if seal is None or seal.pairing_key is not self._key:
+            seal = self._seal = NoteSeal(self._key, INCARNATION, self._peer_inc)
+        return seal
 
     @property
     def peer_incarnation(self) -> str | None:

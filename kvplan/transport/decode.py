@@ -50,6 +50,7 @@ from .pause import Pause
 from .receiver_plan import OwnLists, PlannedRun, PlannedWave, scatter_source
 from .streams import transport_stream
 from .registration import describe_side, side_from_description, with_model_heads
+from .note_seal import key_id_of, seal_of
 from .waves import check_run, credit_note, decode_wave_note, is_touch, wave_key
 
 __all__ = ["DecodeEndpoint", "engine_regions"]
@@ -136,6 +137,7 @@ class DecodeEndpoint:
         self._senders: dict[int, SideMemory] = {}  # each paired sender's layout (its "paired" message)
         self._refused: dict[int, str] = {}  # senders that refused the pairing: why (requests published to them fail)
         self._engine_names: dict[int, str] = {}  # each paired sender's engine name (whence its notifications)
+        self.notes_refused = 0  # engine notifications refused: unsealed, sealed by no pairing held, or replayed (_opened)
         # per paired sender whose staged runs this side plans itself: the side it plans them from
         # (receiver_plan.scatter_source: this side, or the sender's mirror), and for a mirror its
         # planner and copy word (made on the sender's first run)
@@ -366,13 +368,34 @@ class DecodeEndpoint:
         """
         return self.tracker.stats.snapshot(in_flight=self.tracker.in_flight)
 
-    def _foreign(self, origin: str | None, note: Any) -> str | None:
-        """Why a section's notification cannot be its sender's, else ``None``: the engine that sent it
-        is a paired sender's (by the name it gave when pairing) that the request was not published to,
-        or not the sender the note names. Where the engine cannot say who sent it, or two senders
-        share a name, nothing can be checked."""
-        senders = [k for k, name in self._engine_names.items() if name == origin]
-        if origin is None or len(senders) != 1 or note.request not in self._owner:
+    def _opened(self, raw: bytes) -> tuple[int | None, bytes] | None:
+        """An engine notification as ``(sender, note)``: with a secret, the note inside a seal of sender
+        ``sender``'s pairing (:mod:`.note_seal`); without one, ``(None, raw)``. ``None``: refused (not
+        sealed, sealed by no pairing this side holds, altered or taken before), counted in
+        ``notes_refused`` and logged, never acted on."""
+        if getattr(self.channels[0], "secret", None) is None:
+            return None, raw
+        key_id = key_id_of(raw)
+        for k, channel in enumerate(self.channels):
+            seal = seal_of(channel)
+            if seal is not None and key_id == seal.in_id:
+                note = seal.open(raw)
+                if note is not None:
+                    return k, note
+                break
+        self.notes_refused += 1
+        if self.notes_refused & (self.notes_refused - 1) == 0:  # (1, 2, 4, ...: a flood does not flood the log)
+            log.error("refused an engine notification that no paired sender sealed, or that was taken before "
+                      "(%d so far): %r", self.notes_refused, bytes(raw[:80]))
+        return None
+
+    def _foreign(self, origin: str | None, note: Any, sealer: int | None = None) -> str | None:
+        """Why a section's notification cannot be its sender's, else ``None``: the sender that sealed it
+        (``sealer``), else the engine that sent it as a paired sender's (by the name it gave when
+        pairing), is not the sender the note names or one the request was not published to. Unsealed,
+        where the engine cannot say who sent it, or two senders share a name, nothing can be checked."""
+        senders = [sealer] if sealer is not None else [k for k, name in self._engine_names.items() if name == origin]
+        if (origin is None and sealer is None) or len(senders) != 1 or note.request not in self._owner:
             return None
         k = senders[0]
         if note.sender is not None and note.sender != k:
@@ -581,6 +604,9 @@ class DecodeEndpoint:
         took = False  # whether anything arrived or moved this turn (then the wait loop stays hot)
         for origin, raw in self.engine.notifications():
             took = True
+            if (opened := self._opened(raw)) is None:
+                continue
+            sealer, raw = opened
             if is_touch(raw):  # a sender's warm-up write (PrefillEndpoint.warm_up): nothing of a request
                 continue
             try:
@@ -591,10 +617,13 @@ class DecodeEndpoint:
                             bytes(raw[:80]))
                 continue
             if wave is None:
-                if (why := self._foreign(origin, note)) is not None:
+                if (why := self._foreign(origin, note, sealer)) is not None:
                     log.error("dropped a section notification from engine %r: %s", origin, why)
                     continue
                 self.tracker.on_section(note)
+            elif sealer is not None and wave in self._waves and self._waves[wave].peer != sealer:
+                log.error("dropped a wave notification sealed by sender %d for sender %d's wave %s", sealer,
+                          self._waves[wave].peer, wave)
             elif wave in self._waves:
                 self._waves[wave].landed = True
                 self._mark(wave, "landed")
@@ -1062,11 +1091,16 @@ class DecodeEndpoint:
         last = not any(w.peer == wave.peer and not w.scattered for w in self._waves.values() if w is not wave)
         if name is not None and not last:
             try:
-                self.engine.notify(name, credit_note(wave.index))
+                self.engine.notify(name, self._sealed(wave.peer, credit_note(wave.index)))
                 return
             except TransferError as err:
                 log.warning("a credit went through the control channel: the engine could not send it (%s)", err)
         self._tell(wave.peer, {"wave": wave.index})
+
+    def _sealed(self, peer: int, note: bytes) -> bytes:
+        """``note`` as sender ``peer``'s engine takes it: sealed under its pairing where there is a secret."""
+        seal = seal_of(self.channels[peer])
+        return note if seal is None else seal.seal(note)
 
     def _tell(self, peer: int, header: dict[str, Any]) -> None:
         """Send sender ``peer`` a wave's credit or refusal without blocking the poll loop: a sender that

@@ -51,6 +51,7 @@ from ..planner.isolate import plan_each
 from ..planner.plan import DestinationLists
 from .ahead import AheadGatherer, GatherAhead
 from .completion import encode_notification
+from .note_seal import seal_of
 from .control import MAX_REFUSED, ControlChannel, ControlTimeout, named_request
 from .copy_graphs import CopyGraphs, copy_graphs_enabled
 from .decode import engine_regions
@@ -132,7 +133,19 @@ class Peer:
     def notification(self, section: Any) -> bytes:
         """A direct or prepared write's notification of ``section``, naming this sender where the
         endpoint has several; empty for a peer that takes none (the engine then notifies nothing)."""
-        return encode_notification(section, self.index_there) if self.notified else b""
+        return self.sealed(encode_notification(section, self.index_there)) if self.notified else b""
+
+    def sealed(self, note: bytes) -> bytes:
+        """``note`` as this peer's engine takes it: sealed under the pairing's key where there is a secret
+        (:mod:`.note_seal`), else as it is."""
+        seal = seal_of(self.channel)
+        return note if seal is None else seal.seal(note)
+
+    def opened(self, raw: bytes) -> bytes | None:
+        """An engine notification from this peer, opened: ``None`` if it is sealed by no one else but should
+        be (a secret is set) and does not open under the pairing's key, or was taken before."""
+        seal = seal_of(self.channel)
+        return raw if seal is None else seal.open(raw)
 
     def recv(self, deadline: float) -> tuple[str, dict[str, Any], list[bytes]]:
         return self.backlog.popleft() if self.backlog else self.channel.recv(deadline)
@@ -340,7 +353,7 @@ class PrefillEndpoint:
                 self._touched.add(k)
                 nbytes = min(self.staging.numel(), p.staging[1], TOUCH_BYTES)
                 descs = np.array([[self.staging.data_ptr(), p.staging[0], nbytes]], dtype=np.uint64)
-                note = touch_note(self.id) if p.notified else b""
+                note = p.sealed(touch_note(self.id)) if p.notified else b""
                 handles[self.engine.post(p.name, descs, note)] = k
         for handle, reason in wait_all(self.engine, list(handles), deadline).items():
             if reason is not None:

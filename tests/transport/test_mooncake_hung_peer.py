@@ -89,6 +89,54 @@ class _SlowPeer:
         return 0 if self.release.wait(8) else -1
 
 
+def _engine_over(peer):
+    """A kvplan MooncakeEngine whose Mooncake is ``peer`` (calls as the wheel takes them)."""
+    from types import SimpleNamespace
+
+    from kvplan.transport.engines.mooncake import MooncakeEngine
+
+    engine = object.__new__(MooncakeEngine)
+    engine.engine, engine.name, engine._regions = peer, "initiator", []
+    engine._opcode, engine._notify = SimpleNamespace(Write=1), lambda name, msg: (name, msg)
+    engine.capabilities = SimpleNamespace(arrays=False)
+    return engine
+
+
+class _EarlyStatus:
+    """Mooncake's batch status as issue 54 measured it after an abort: running, then 'completed' 0.2 s
+    later while the bytes still land (0.3.13 said completed 56 ms into a batch that took about 5 s)."""
+
+    def __init__(self):
+        self.started, self.asked = time.monotonic(), 0
+
+    def batch_transfer_async_write(self, peer, src, dst, lengths):
+        return 7
+
+    def transfer_check_status(self, batch_id):
+        self.asked += 1
+        return 1 if time.monotonic() - self.started > 0.2 else 0
+
+
+def test_an_aborted_write_without_a_notification_is_unsafe_whatever_mooncake_says_after(monkeypatch):
+    """Nothing but the batch status would say that a write without a notification ended, and after an
+    abort that status is not final: the write is reported ``unsafe`` (its pages stay fenced), at once.
+    Before, the status's 'completed' was taken, and the pages were released while bytes still landed."""
+    from kvplan.transport.engines import wait_all
+
+    monkeypatch.setenv("KVPLAN_DRAIN_S", "2")
+    peer = _EarlyStatus()
+    engine = _engine_over(peer)
+    handle = engine.post("peer", np.array([[0x1000, 0x2000, 64], [0x1040, 0x2040, 64]], dtype=np.uint64), b"")
+    started = time.monotonic()
+    reason = wait_all(engine, [handle], time.monotonic() + 0.05)[handle]
+    assert reason is not None and reason.startswith("unsafe"), reason
+    assert time.monotonic() - started < 0.2  # (told at the abort, not after the drain)
+    ends = time.monotonic() + 5
+    while engine.progress(handle) == "PROC" and time.monotonic() < ends:  # its batch is asked until it ends
+        time.sleep(0.01)
+    assert handle.state == "ERR" and peer.asked >= 2
+
+
 @pytest.mark.xfail(strict=True, reason="open defect (docs/failures.md §3): Mooncake's notifying write is synchronous "
                    "and runs on the caller's thread; sending it from a thread of the engine's own broke staged "
                    "runs on an H200 (4 of 7 runs of twenty batches lost a batch's notification, session 26)")
@@ -96,17 +144,11 @@ def test_the_notifying_tail_to_a_stopped_peer_never_holds_the_wait_past_its_dead
     """The batches have ended (a stopped peer's sockets took their bytes) and the last descriptor goes
     with the notification, through Mooncake's only notifying call, which waits for the peer: the wait
     ends at its deadline, ``unsafe``, and the handle ends once the peer answers."""
-    from types import SimpleNamespace
-
     from kvplan.transport.engines import wait_all
-    from kvplan.transport.engines.mooncake import MooncakeEngine
 
     monkeypatch.setenv("KVPLAN_DRAIN_S", "0.2")
-    engine = object.__new__(MooncakeEngine)  # Mooncake's own engine replaced by the stopped peer
     peer = _SlowPeer()
-    engine.engine, engine.name, engine._regions = peer, "initiator", []
-    engine._opcode, engine._notify = SimpleNamespace(Write=1), lambda name, msg: (name, msg)
-    engine.capabilities = SimpleNamespace(arrays=False)
+    engine = _engine_over(peer)  # Mooncake's own engine replaced by the stopped peer
     descs = np.array([[0x1000, 0x2000, 64], [0x1040, 0x2040, 64]], dtype=np.uint64)
     handle = engine.post("peer", descs, b"done")
     started = time.monotonic()

@@ -104,7 +104,8 @@ class Engine(Protocol):
         ...
 
     def abort(self, handle: Handle) -> bool:
-        """Try to end an in-flight handle; True once it has ended (no more of its bytes will land)."""
+        """Try to end an in-flight handle; True once it has ended (no more of its bytes will land), or
+        once the engine knows it cannot tell: then ``handle.error`` starts with ``unsafe``."""
         ...
 
     def notifications(self) -> list[tuple[str | None, bytes]]:
@@ -185,7 +186,10 @@ def wait_all(engine: Engine, handles: list[Handle], deadline: float,
             live = going
         for h, (why, drain_end) in list(aborting.items()):
             if engine.abort(h):
-                outcome[h] = f"{why}; the write had ended (cancelled or completed) when this was reported"
+                if is_unsafe(h.error):  # ended as far as the engine can tell, which cannot say that nothing will land
+                    outcome[h] = f"{UNSAFE}: {why}; {h.error[len(UNSAFE) + 2:]}"
+                else:
+                    outcome[h] = f"{why}; the write had ended (cancelled or completed) when this was reported"
                 del aborting[h]
             elif time.monotonic() > drain_end:
                 log.error("a write to %s could not be ended %.1f s after its abort; its destination pages must stay "

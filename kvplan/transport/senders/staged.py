@@ -292,7 +292,7 @@ class StagedRun:
         is gathered: a gather queued ahead of its mark then leaves only the engine's post on the path."""
         slot_lo = wave.slot * self.slot_bytes
         return (np.array([[self.ep.staging.data_ptr() + slot_lo, self.peer.staging[0] + slot_lo, wave.nbytes]],
-                         np.uint64), wave_note(self.base_id + wave.index, self.ep.id))
+                         np.uint64), self.peer.sealed(wave_note(self.base_id + wave.index, self.ep.id)))
 
     def _pump(self) -> bool:
         """Post gathered waves whose gather has finished; take in credits; progress writes. Whether
@@ -317,7 +317,11 @@ class StagedRun:
         # thread, and the next post waits for it (benchmarks/post_cost.py)
         if self.peer.credits_by_engine and len(self.acked) < len(self.posted):
             for _, raw in ep.engine.notifications():
-                wave_id = decode_credit(raw)
+                opened = self.peer.opened(raw)
+                if opened is None:  # (not this decode's, forged or replayed: a slot freed early is overwritten)
+                    log.warning("refused an engine notification that is not sealed by this run's decode: %r", raw[:80])
+                    continue
+                wave_id = decode_credit(opened)
                 if wave_id is None:
                     log.warning("ignored an engine notification that is no credit: %r", raw[:80])
                 else:
