@@ -1,8 +1,8 @@
 """Transfer engines: the interface (:mod:`.base`), the registry (:mod:`.registry`) and one module
-per engine (:mod:`.nixl`, :mod:`.mooncake`). Importing this package registers every engine; an
+per engine (:mod:`.nixl`, :mod:`.mooncake`, :mod:`.ipc`). Importing this package registers every engine; an
 engine's own library is imported only when one is made."""
 
-from . import mooncake, nixl  # noqa: F401  (registers the engines)
+from . import ipc, mooncake, nixl  # noqa: F401  (registers the engines)
 from .base import Capabilities, Engine, Handle, TransferError, is_unsafe, wait_all, write
 from .registry import engine_names, make_engine, register_engine
 
