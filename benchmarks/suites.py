@@ -260,6 +260,43 @@ def _vllm() -> tuple[Step, ...]:
                                              "--placements", "fragmented", "--out", out], 500))
 
 
+def _ipc() -> tuple[Step, ...]:
+    """Issue 55 on one card: the ipc engine's tests compiled, its one launch against a device copy, the
+    engines' one-write ceilings, kvplan's batches through ipc next to NIXL's in the same run."""
+    ipc = ("--engine", "ipc", "--mode", "direct")
+    steps = [pytest("tests", "tests/kernels/test_translate.py", "tests/transport/test_ipc_gpu.py",
+                    "tests/transport/test_ipc_engine.py", timeout_s=300),
+             module("ipc-copy", "benchmarks.ipc_copy", timeout_s=300),
+             module("ceiling-nixl", "benchmarks.engine_ceiling", "nixl", "256"),
+             module("ceiling-nixl-6832", "benchmarks.engine_ceiling", "nixl", "256", "0", "6832"),
+             module("ceiling-ipc", "benchmarks.engine_ceiling", "ipc", "256"),
+             demo("llama70b-ipc", *ipc, *BATCH, "--repeat", "12", timeout_s=150),
+             demo("llama70b-ipc-auto", "--engine", "ipc", *BATCH, "--repeat", "12", timeout_s=150),
+             demo("llama70b-nixl-direct", "--engine", "nixl", "--mode", "direct", *BATCH, "--repeat", "12", timeout_s=150),
+             demo("llama70b-nixl-staged", "--engine", "nixl", "--mode", "staged", "--staging-mib", "512",
+                  "--staging-slots", "1", *BATCH, "--repeat", "12", timeout_s=150),
+             demo("llama70b-ipc-to-p16", *ipc, *BATCH, "--dst-page-size", "16", "--repeat", "6", timeout_s=150),
+             demo("tp4to8-ipc", *ipc, "--preset", "llama70b-tp4to8-p64", "--layers", "8", "--requests", "4",
+                  "--prompt-len", "4096", "--repeat", "4", timeout_s=200),
+             ]
+    return tuple(steps)
+
+
+def _ipc_drills() -> tuple[Step, ...]:
+    """Issue 55's second call: layer-wise streaming, every preset and the fault drills through ipc."""
+    ipc = ("--engine", "ipc", "--mode", "direct")
+    steps = [demo("layerwise-ipc", *ipc, *BATCH, "--layerwise", "4", "--forward-dim", "4096", "--repeat", "6",
+                  timeout_s=200),
+             demo("layerwise-nixl-staged", "--engine", "nixl", "--mode", "staged", *BATCH, "--layerwise", "4",
+                  "--forward-dim", "4096", "--repeat", "6", timeout_s=200)]
+    for preset in ("gptoss-swa-p16", "qwen3next-mamba-p64", "dsv32-mla-dsa-p64"):
+        steps.append(demo(f"{preset}-ipc", *ipc, "--preset", preset, "--layers", "8", "--requests", "8",
+                          "--prompt-len", "4096", "--repeat", "3", timeout_s=150))
+    for fault in ("dead-decode", "dead-prefill", "dead-decode-mid", "dead-prefill-mid", "bad-registration", "deadline"):
+        steps.append(demo(f"drill-{fault}", *ipc, "--fault", fault, timeout_s=120))
+    return tuple(steps)
+
+
 SUITES: dict[str, Suite] = {
     "gpu-tests": Suite("the kernel, planner and transport tests, kernels compiled for the card", ".whl", (
         pytest("planner-kernels", "tests/planner", "tests/compat", "tests/kernels", "tests/tools/test_baseline.py"),
@@ -315,6 +352,10 @@ SUITES: dict[str, Suite] = {
     "vllm": Suite("vLLM-shaped batches through the vLLM connector (issue 39)", ".whl", _vllm()),
     "mooncake-nvlink": Suite("Mooncake's NVLink transport with the physical ceiling in the same run", ".whl-mc",
                              _mooncake_nvlink()),
+    "ipc": Suite("issue 55: the same-host ipc engine on one card, against a device copy and NIXL in the same run "
+                 "(python -m benchmarks.trim_wheels makes .whl-both)", ".whl-both", _ipc()),
+    "ipc-drills": Suite("issue 55: layer-wise streaming, every preset and the fault drills through the ipc engine",
+                        ".whl-both", _ipc_drills()),
     "engines-two-cards": Suite("issue 37's table in one run: the peer copy, NIXL's and Mooncake nvlink_intra's "
                                "ceilings, kvplan through each, first batch against steady (python -m "
                                "benchmarks.trim_wheels makes .whl-both)", ".whl-both", _engines_two_cards(), 2),

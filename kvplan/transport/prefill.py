@@ -12,7 +12,8 @@ kvplan and moves it:
 * ``auto`` (the default): staged when both sides have staging buffers on a GPU and the batch has at least
   64 descriptors of at most 256 KiB on average, else direct. (TensorRT-LLM gates at 1024 and 16 KiB;
   on an H200 through CUDA IPC a direct write costs ~10 us per descriptor, so staging wins far
-  beyond 16 KiB: see benchmarks/RESULTS.md.)
+  beyond 16 KiB: see benchmarks/RESULTS.md.) Always direct with an engine that writes from the plan's
+  device descriptors in one launch (the ``ipc`` engine).
 
 A send with ``layers`` streams the batch in layer groups while the forward pass writes it. Each mode
 is a sender of its own (:mod:`.senders`); all of them end through this endpoint's one completion
@@ -924,7 +925,11 @@ class PrefillEndpoint:
         return planner
 
     def _auto_mode(self, count: int, nbytes: int) -> str:
-        """``auto``'s choice for a batch of ``count`` descriptors moving ``nbytes``."""
+        """``auto``'s choice for a batch of ``count`` descriptors moving ``nbytes``: direct where the engine
+        writes from the plan's device descriptors in one launch (the ``ipc`` engine: no host step per
+        descriptor for staging to save)."""
+        if self.engine.capabilities.device:
+            return "direct"
         if self.staging is None or any(p.staging is None for p in self.peers) or not self.staging.is_cuda:
             return "direct"  # (on the CPU the gather and scatter kernels run interpreted: far slower)
         return "staged" if count >= AUTO_MIN_DESCS and nbytes <= AUTO_MAX_AVG_BYTES * count else "direct"
