@@ -324,6 +324,10 @@ class PrefillEndpoint:
         compiled = typical_sizes(self.side)  # (a launch shape each)
         if self.staging is not None and self.staging.is_cuda:
             warm_up(self.staging, plan_alignment(Batch(self.side, sides, ())), compiled, kinds=(GATHER,))
+        if self.engine.capabilities.device:  # its launches' kernels, and each peer's mapping opened
+            for p in self.peers:
+                self.engine.warm_up(p.name, typical_sizes(self.side, largest=4 << 20),
+                                    plan_alignment(Batch(self.side, sides, ())))
         took["kernels"] = time.perf_counter() - start
         start = time.perf_counter()
         self._planner(prepared=False).warm_up(max_transfers, max(list_entries(side, max_prompt_len) for side in sides))

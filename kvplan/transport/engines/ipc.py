@@ -91,13 +91,19 @@ class _Launch:
     ends) or the host copy (its future)."""
 
     def __init__(self, event: Any = None, bad: Any = None, flags: Any = None, keep: tuple = (),
-                 future: Future | None = None, host_flags: np.ndarray | None = None):
+                 future: Future | None = None, host_flags: np.ndarray | None = None, stream: Any = None):
         self.event, self.bad, self.flags, self.keep, self.future = event, bad, flags, keep, future
+        self.stream = stream
         self.host_flags = host_flags
         self._flagged: np.ndarray | None = None
+        self._count: int | None = None  # (device) the flagged count, once the launch has ended
 
     def ended(self) -> bool:
-        return self.future.done() if self.future is not None else bool(self.event.query())
+        if self.future is not None:
+            return self.future.done()
+        if self._count is None and self.event.query():
+            self._count = int(self.bad[0])  # (read at once: its pinned word is reused launches later)
+        return self._count is not None
 
     def error(self) -> str | None:
         if self.future is None or self.future.cancelled():
@@ -110,8 +116,13 @@ class _Launch:
         if self._flagged is None:
             if self.host_flags is not None:
                 self._flagged = self.host_flags
+            elif self._count:  # (rare: read on the launch's own stream, which has ended, not the thread's)
+                import torch
+
+                with torch.cuda.stream(self.stream):
+                    self._flagged = self.flags.cpu().numpy()
             else:
-                self._flagged = self.flags.cpu().numpy() if int(self.bad[0]) else np.zeros(0, np.int8)
+                self._flagged = np.zeros(0, np.int8)
         return int(self._flagged[lo:hi].sum()) if len(self._flagged) else 0
 
 
@@ -119,6 +130,8 @@ class _Launch:
 class IpcEngine:
     """The same-host engine (see the module docstring). ``memory``: ``"VRAM"`` (CUDA IPC, the copy
     kernel on GPU ``device_id``) or ``"DRAM"`` (host memory, ``process_vm_writev``)."""
+
+    READBACK = 1 << 16  # pinned words in the ring of launches' flagged counts
 
     def __init__(self, name: str = "", memory: str = "DRAM", device_id: int = 0):
         if memory not in ("DRAM", "VRAM"):
@@ -135,6 +148,7 @@ class IpcEngine:
         self._stream = None
         self._uuid: str | None = None
         self._copier: ThreadPoolExecutor | None = None
+        self._ring, self._ring_at = None, 0  # (VRAM) pinned words for launches' flagged counts (_readback)
         if memory == "VRAM":
             import torch
 
@@ -260,12 +274,22 @@ class IpcEngine:
             bad = torch.zeros(1, dtype=torch.int32, device=self._device)
             translate_descriptors(descs, table, out, flags, bad)
             copy_descriptors(out, DIRECT, alignment=alignment, typical_bytes=typical_bytes)
-            bad_host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+            bad_host = self._readback()
             bad_host.copy_(bad, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._stream)
         descs.record_stream(self._stream)
-        return _Launch(event=event, bad=bad_host, flags=flags, keep=(descs, out, bad))
+        return _Launch(event=event, bad=bad_host, flags=flags, keep=(descs, out, bad), stream=self._stream)
+
+    def _readback(self) -> Any:
+        """A pinned host word for one launch's flagged count: the next of a ring allocated once (a pinned
+        allocation per launch cost more than the launch's kernels). A word is reused ``READBACK`` launches
+        later; a launch still unread by then (its handles unlooked-at) would read a later launch's count,
+        so the ring is far longer than the launches a send keeps in flight."""
+        if self._ring is None:
+            self._ring = self._torch.zeros(self.READBACK, dtype=self._torch.int32, pin_memory=True)
+        self._ring_at = (self._ring_at + 1) % self.READBACK
+        return self._ring[self._ring_at : self._ring_at + 1]
 
     def _host_launch(self, p: _Peer, descs: Any) -> _Launch:
         from ...kernels.translate import reference_translate
@@ -281,6 +305,28 @@ class IpcEngine:
         if self._copier is None:
             self._copier = ThreadPoolExecutor(1, thread_name_prefix="kvplan-ipc")
         return _Launch(future=self._copier.submit(write_descriptors, p.pid, out.view(np.uint64)), host_flags=flags)
+
+    def warm_up(self, peer: str, sizes: Sequence[int], alignment: int) -> None:
+        """Do now what a first write to ``peer`` would pay for: its allocations opened, the translation
+        compiled for its table and the copy kernel for each launch shape of descriptors of ``sizes`` bytes
+        (each launch copies 16 bytes of scratch onto themselves). At start-up: it waits for the device."""
+        p = self._peers.get(peer)
+        if self.memory != "VRAM" or p is None:
+            return
+        from ...kernels.copy import DIRECT, copy_descriptors, launch_shape
+        from ...kernels.translate import translate_descriptors
+
+        torch = self._torch
+        table = self._table(p)
+        with torch.cuda.stream(self._stream):
+            scratch = torch.zeros(16, dtype=torch.uint8, device=self._device)
+            descs = torch.tensor([[scratch.data_ptr(), scratch.data_ptr(), 16]], dtype=torch.int64, device=self._device)
+            flags = torch.empty(1, dtype=torch.int8, device=self._device)
+            translate_descriptors(descs, table, torch.empty_like(descs), flags,
+                                  torch.zeros(1, dtype=torch.int32, device=self._device))
+            for size in {launch_shape(size, alignment): size for size in sizes}.values():
+                copy_descriptors(descs, DIRECT, alignment=alignment, typical_bytes=size)
+        self._stream.synchronize()
 
     def _refused(self, peer: str, notifications: Sequence[bytes], why: str) -> list[Handle]:
         return [Handle(peer, 0, state="ERR", error=f"ipc write to {peer} refused: {why}") for _ in notifications]
