@@ -334,7 +334,12 @@ class IpcEngine:
     def post(self, peer: str, descs: np.ndarray, notification: bytes, reuse: object = None) -> Handle:
         """One write of host descriptors ``[n, 3]`` (staged waves, warm-up touches), through :meth:`post_device`."""
         descs = np.ascontiguousarray(descs, dtype=np.uint64).reshape(-1, 3)
-        return self.post_device(peer, descs, [notification], [(0, len(descs))])[0]
+        bits = int(np.bitwise_or.reduce(descs, axis=None)) if len(descs) else 16
+        typical = int(descs[:, 2].sum()) // max(1, len(descs))
+        # (the copy kernel's shape from the descriptors themselves: one 256 MiB write shaped as 4 KiB ones
+        # ran in one program, at 6 GiB/s on an H200)
+        return self.post_device(peer, descs, [notification], [(0, len(descs))], alignment=bits & -bits or 16,
+                                typical_bytes=max(1, typical))[0]
 
     def progress(self, handle: Handle) -> str:
         if handle.state != "PROC":
