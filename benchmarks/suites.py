@@ -285,7 +285,8 @@ def _ipc() -> tuple[Step, ...]:
 def _ipc_drills() -> tuple[Step, ...]:
     """Issue 55's second call: layer-wise streaming, every preset and the fault drills through ipc."""
     ipc = ("--engine", "ipc", "--mode", "direct")
-    steps = [demo("layerwise-ipc", *ipc, *BATCH, "--layerwise", "4", "--forward-dim", "4096", "--repeat", "6",
+    steps = [module("ceiling-ipc", "benchmarks.engine_ceiling", "ipc", "256"),
+             demo("layerwise-ipc", *ipc, *BATCH, "--layerwise", "4", "--forward-dim", "4096", "--repeat", "6",
                   timeout_s=200),
              demo("layerwise-nixl-staged", "--engine", "nixl", "--mode", "staged", *BATCH, "--layerwise", "4",
                   "--forward-dim", "4096", "--repeat", "6", timeout_s=200)]
