@@ -21,11 +21,6 @@ Shape contract
 * ``rows``: int64 ``[1]`` on the device: only descriptors ``i < rows[0]`` are copied, the rest of
   ``descs`` is not read. A plan's descriptor count lives on the device until the host waits for it;
   with ``rows`` a copy can be queued behind the plan before that (a gather ahead of the host).
-* ``translate`` (``DIRECT`` only): ``(regions, flags, bad)``, the ``ipc`` engine's one launch. Each
-  destination is in a peer's addresses and is moved into this process's mapping of them by
-  ``regions`` (int64 ``[r, 3]`` ``(peer_lo, peer_hi, mapped_lo)``, sorted, disjoint); a descriptor not
-  inside one region is not written, ``flags[i]`` (int8 ``[n]``) says which, and ``bad`` (int32 ``[1]``,
-  zeroed by the caller) counts them: :mod:`.translate` defines it.
 """
 
 from __future__ import annotations
@@ -41,41 +36,14 @@ MAX_SPLIT = 64  # programs per large descriptor
 
 
 @triton.jit
-def _translated(dst, nbytes, live, region_ptr, regions, STEPS: tl.constexpr):
-    """``(mapped dst, nbytes or 0, inside)`` of destinations in a peer's addresses: the last region whose
-    ``peer_lo <= dst`` by a binary search of ``STEPS`` steps, and whether the bytes lie inside it."""
-    lo = dst * 0
-    hi = lo + regions
-    for _ in tl.static_range(STEPS):
-        active = lo < hi
-        mid = (lo + hi) // 2
-        below = tl.load(region_ptr + mid * 3, mask=live & active, other=0) <= dst
-        lo = tl.where(active & below, mid + 1, lo)
-        hi = tl.where(active & (below == 0), mid, hi)
-    k = lo - 1
-    found = live & (k >= 0)
-    peer_lo = tl.load(region_ptr + k * 3, mask=found, other=0)
-    peer_hi = tl.load(region_ptr + k * 3 + 1, mask=found, other=0)
-    mapped_lo = tl.load(region_ptr + k * 3 + 2, mask=found, other=0)
-    # (dst >= 0 and nbytes >= 0 keep dst + nbytes from wrapping: both are below 2**63)
-    inside = found & (dst >= 0) & (nbytes >= 0) & (dst >= peer_lo) & (dst + nbytes <= peer_hi)
-    return tl.where(inside, dst - peer_lo + mapped_lo, dst), tl.where(inside, nbytes, 0), inside
-
-
-@triton.jit
-def _endpoints(desc_ptr, offsets_ptr, rows_ptr, staging_addr, i, live, win_lo, win_hi, region_ptr, regions,
-               MODE: tl.constexpr, WORD: tl.constexpr, WINDOW: tl.constexpr, COUNTED: tl.constexpr,
-               STEPS: tl.constexpr):
-    """Source and destination word pointers, the size in words of descriptors ``i``, and (``STEPS`` > 0)
-    whether each lay inside the peer's regions."""
+def _endpoints(desc_ptr, offsets_ptr, rows_ptr, staging_addr, i, live, win_lo, win_hi, MODE: tl.constexpr,
+               WORD: tl.constexpr, WINDOW: tl.constexpr, COUNTED: tl.constexpr):
+    """Source and destination word pointers and the size in words of descriptors ``i``."""
     if COUNTED:
         live = live & (i < tl.load(rows_ptr))
     src = tl.load(desc_ptr + i * 3, mask=live, other=0)
     dst = tl.load(desc_ptr + i * 3 + 1, mask=live, other=0)
     nbytes = tl.load(desc_ptr + i * 3 + 2, mask=live, other=0)
-    inside = live
-    if STEPS > 0:
-        dst, nbytes, inside = _translated(dst, nbytes, live, region_ptr, regions, STEPS)
     if MODE != 0:
         offset = tl.load(offsets_ptr + i, mask=live, other=0)
         if WINDOW:  # the descriptor's part inside the window
@@ -92,32 +60,27 @@ def _endpoints(desc_ptr, offsets_ptr, rows_ptr, staging_addr, i, live, win_lo, w
             src = staging_addr + offset
     words = nbytes // WORD
     if WORD == 8:
-        return src.to(tl.pointer_type(tl.int64)), dst.to(tl.pointer_type(tl.int64)), words, inside
+        return src.to(tl.pointer_type(tl.int64)), dst.to(tl.pointer_type(tl.int64)), words
     elif WORD == 4:
-        return src.to(tl.pointer_type(tl.int32)), dst.to(tl.pointer_type(tl.int32)), words, inside
+        return src.to(tl.pointer_type(tl.int32)), dst.to(tl.pointer_type(tl.int32)), words
     else:
-        return src.to(tl.pointer_type(tl.uint8)), dst.to(tl.pointer_type(tl.uint8)), words, inside
+        return src.to(tl.pointer_type(tl.uint8)), dst.to(tl.pointer_type(tl.uint8)), words
 
 
 # the addresses, counts and windows that change from call to call are not specialised on (Triton would compile
 # a variant per value that is 1 or a multiple of 16): one compiled kernel per launch shape, which a warm-up can
 # compile ahead (kvplan.transport.local.warm_up)
-_VARYING = ["staging_addr", "n", "win_lo", "win_hi", "regions"]
+_VARYING = ["staging_addr", "n", "win_lo", "win_hi"]
 
 
 @triton.jit(do_not_specialize=_VARYING[:1] + _VARYING[2:])
-def _copy_kernel(desc_ptr, offsets_ptr, rows_ptr, staging_addr, win_lo, win_hi, region_ptr, regions, flag_ptr,
-                 bad_ptr, MODE: tl.constexpr, WORD: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr,
-                 WINDOW: tl.constexpr, COUNTED: tl.constexpr, STEPS: tl.constexpr):
+def _copy_kernel(desc_ptr, offsets_ptr, rows_ptr, staging_addr, win_lo, win_hi, MODE: tl.constexpr,
+                 WORD: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr, WINDOW: tl.constexpr,
+                 COUNTED: tl.constexpr):
     i = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
-    sp, dp, words, inside = _endpoints(desc_ptr, offsets_ptr, rows_ptr, staging_addr, i, i >= 0, win_lo, win_hi,
-                                       region_ptr, regions, MODE, WORD, WINDOW, COUNTED, STEPS)
-    if STEPS > 0:
-        if part == 0:
-            outside = (inside == 0).to(tl.int32)
-            tl.store(flag_ptr + i, outside.to(tl.int8))
-            tl.atomic_add(bad_ptr, outside)
+    sp, dp, words = _endpoints(desc_ptr, offsets_ptr, rows_ptr, staging_addr, i, i >= 0, win_lo, win_hi, MODE, WORD,
+                               WINDOW, COUNTED)
     for start in range(part * BLOCK, words, SPLIT * BLOCK):
         o = start + tl.arange(0, BLOCK).to(tl.int64)
         m = o < words
@@ -125,19 +88,15 @@ def _copy_kernel(desc_ptr, offsets_ptr, rows_ptr, staging_addr, win_lo, win_hi, 
 
 
 @triton.jit(do_not_specialize=_VARYING)
-def _copy_tile_kernel(desc_ptr, offsets_ptr, rows_ptr, staging_addr, n, win_lo, win_hi, region_ptr, regions, flag_ptr,
-                      bad_ptr, MODE: tl.constexpr, WORD: tl.constexpr, DPP: tl.constexpr, W: tl.constexpr,
-                      WINDOW: tl.constexpr, COUNTED: tl.constexpr, STEPS: tl.constexpr):
+def _copy_tile_kernel(desc_ptr, offsets_ptr, rows_ptr, staging_addr, n, win_lo, win_hi, MODE: tl.constexpr,
+                      WORD: tl.constexpr, DPP: tl.constexpr, W: tl.constexpr, WINDOW: tl.constexpr,
+                      COUNTED: tl.constexpr):
     """Small descriptors: ``DPP`` descriptors per program as a ``[DPP, W]`` tile of words, repeated
     over ``W``-word columns up to the largest descriptor of the tile."""
     i = tl.program_id(0).to(tl.int64) * DPP + tl.arange(0, DPP).to(tl.int64)
     live = i < n
-    sp, dp, words, inside = _endpoints(desc_ptr, offsets_ptr, rows_ptr, staging_addr, i, live, win_lo, win_hi,
-                                       region_ptr, regions, MODE, WORD, WINDOW, COUNTED, STEPS)
-    if STEPS > 0:
-        outside = (live & (inside == 0)).to(tl.int32)
-        tl.store(flag_ptr + i, outside.to(tl.int8), mask=live)
-        tl.atomic_add(bad_ptr + tl.zeros([DPP], dtype=tl.int32), outside, mask=live)
+    sp, dp, words = _endpoints(desc_ptr, offsets_ptr, rows_ptr, staging_addr, i, live, win_lo, win_hi, MODE, WORD,
+                               WINDOW, COUNTED)
     most = tl.max(words, axis=0)
     for start in range(0, most, W):
         o = start + tl.arange(0, W).to(tl.int64)
@@ -152,33 +111,24 @@ def word_size(alignment: int) -> int:
 
 def copy_descriptors(descs: torch.Tensor, mode: int = DIRECT, offsets: torch.Tensor | None = None,
                      staging_addr: int = 0, alignment: int = 1, typical_bytes: int = 4096,
-                     window: tuple[int, int] | None = None, rows: torch.Tensor | None = None,
-                     translate: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
-    """Launch the copy of every descriptor, or of the first ``rows[0]`` (see the module's shape contract);
-    with ``translate``, into a peer's memory through this process's mapping of it."""
+                     window: tuple[int, int] | None = None, rows: torch.Tensor | None = None) -> None:
+    """Launch the copy of every descriptor, or of the first ``rows[0]`` (see the module's shape contract)."""
     n = descs.shape[0]
     if n == 0:
         return
     if window is not None and mode == DIRECT:
         raise ValueError("a byte window applies to gathers and scatters only")
-    if translate is not None and (mode != DIRECT or translate[0].shape[0] == 0):
-        raise ValueError("a translated copy is a direct one, into at least one region")
     win_lo, win_hi = window if window is not None else (0, 0)
     word, tile, width, per_program = launch_shape(typical_bytes, alignment)
     offsets = offsets if offsets is not None else descs
     counted = rows if rows is not None else descs  # (not read unless COUNTED)
-    # (not read unless STEPS > 0)
-    regions, flags, bad = translate if translate is not None else (descs, descs, descs)
-    steps = int(regions.shape[0]).bit_length() if translate is not None else 0
     if tile:  # many small descriptors: several per program
         _copy_tile_kernel[(triton.cdiv(n, per_program),)](descs, offsets, counted, staging_addr, n, win_lo, win_hi,
-                                                          regions, regions.shape[0], flags, bad, MODE=mode, WORD=word,
-                                                          DPP=per_program, W=width, WINDOW=window is not None,
-                                                          COUNTED=rows is not None, STEPS=steps)
+                                                          MODE=mode, WORD=word, DPP=per_program, W=width,
+                                                          WINDOW=window is not None, COUNTED=rows is not None)
         return
-    _copy_kernel[(n, per_program)](descs, offsets, counted, staging_addr, win_lo, win_hi, regions, regions.shape[0],
-                                   flags, bad, MODE=mode, WORD=word, BLOCK=width, SPLIT=per_program,
-                                   WINDOW=window is not None, COUNTED=rows is not None, STEPS=steps)
+    _copy_kernel[(n, per_program)](descs, offsets, counted, staging_addr, win_lo, win_hi, MODE=mode, WORD=word,
+                                   BLOCK=width, SPLIT=per_program, WINDOW=window is not None, COUNTED=rows is not None)
 
 
 def launch_shape(typical_bytes: int, alignment: int) -> tuple[int, bool, int, int]:
@@ -199,20 +149,18 @@ def launch_shape(typical_bytes: int, alignment: int) -> tuple[int, bool, int, in
 
 _GATHER_SCATTER = ((DIRECT, False, False), (GATHER, False, False), (SCATTER, False, False), (SCATTER, True, False),
                    (GATHER, True, True), (SCATTER, False, True))  # (mode, window, counted): what the transport launches
-_TRANSLATED = ((DIRECT, False, False, 4),)  # the ipc engine's launch (STEPS for up to 15 regions)
-_POINTERS = {"region_ptr": "*i64", "regions": "i64", "flag_ptr": "*i8", "bad_ptr": "*i32"}
 COMPILE_SPECS = [
     (_copy_kernel,
      {"desc_ptr": "*i64", "offsets_ptr": "*i64", "rows_ptr": "*i64", "staging_addr": "i64", "win_lo": "i64",
-      "win_hi": "i64", **_POINTERS, "MODE": "constexpr", "WORD": "constexpr", "BLOCK": "constexpr",
-      "SPLIT": "constexpr", "WINDOW": "constexpr", "COUNTED": "constexpr", "STEPS": "constexpr"},
-     {"MODE": mode, "WORD": word, "BLOCK": 1024, "SPLIT": 4, "WINDOW": window, "COUNTED": counted, "STEPS": steps})
-    for mode, window, counted, steps in [(*g, 0) for g in _GATHER_SCATTER] + list(_TRANSLATED) for word in (1, 8)
+      "win_hi": "i64", "MODE": "constexpr", "WORD": "constexpr", "BLOCK": "constexpr", "SPLIT": "constexpr",
+      "WINDOW": "constexpr", "COUNTED": "constexpr"},
+     {"MODE": mode, "WORD": word, "BLOCK": 1024, "SPLIT": 4, "WINDOW": window, "COUNTED": counted})
+    for mode, window, counted in _GATHER_SCATTER for word in (1, 8)
 ] + [
     (_copy_tile_kernel,
      {"desc_ptr": "*i64", "offsets_ptr": "*i64", "rows_ptr": "*i64", "staging_addr": "i64", "n": "i64",
-      "win_lo": "i64", "win_hi": "i64", **_POINTERS, "MODE": "constexpr", "WORD": "constexpr", "DPP": "constexpr",
-      "W": "constexpr", "WINDOW": "constexpr", "COUNTED": "constexpr", "STEPS": "constexpr"},
-     {"MODE": mode, "WORD": 8, "DPP": 64, "W": 32, "WINDOW": window, "COUNTED": counted, "STEPS": steps})
-    for mode, window, counted, steps in [(*g, 0) for g in _GATHER_SCATTER] + list(_TRANSLATED)
+      "win_lo": "i64", "win_hi": "i64", "MODE": "constexpr", "WORD": "constexpr", "DPP": "constexpr",
+      "W": "constexpr", "WINDOW": "constexpr", "COUNTED": "constexpr"},
+     {"MODE": mode, "WORD": 8, "DPP": 64, "W": 32, "WINDOW": window, "COUNTED": counted})
+    for mode, window, counted in _GATHER_SCATTER
 ]

@@ -13,9 +13,10 @@ pytestmark = pytest.mark.compile_check
 
 def _specs():
     from kvplan.kernels import (batch_layout, checksum, copy, elements, expand, index_lists, run_table, slot_check,
-                                summary)
+                                summary, translate)
 
-    for module in (batch_layout, elements, run_table, summary, expand, index_lists, slot_check, copy, checksum):
+    for module in (batch_layout, elements, run_table, summary, expand, index_lists, slot_check, copy, checksum,
+                   translate):
         for kernel, signature, constexprs in module.COMPILE_SPECS:
             yield pytest.param(kernel, signature, constexprs,
                                id=f"{module.__name__.rsplit('.', 1)[-1]}.{kernel.fn.__name__}-{constexprs}")

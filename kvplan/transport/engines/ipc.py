@@ -12,8 +12,8 @@ them when the peer is disconnected, once every write into them has ended.
 are (no copy to the host, no host work per descriptor) and, on the engine's stream behind the
 caller's, launches the translation of their destinations into this process's mapping of the peer's
 memory, with every descriptor checked against the regions the peer registered
-(:mod:`kvplan.kernels.translate` defines it: one outside them is not written and fails its section),
-inside the copy kernel over all of them (:func:`kvplan.kernels.copy.copy_descriptors`, ``translate``). A write has ended when
+(:mod:`kvplan.kernels.translate`: one outside them is not written and fails its section), then one
+copy kernel over all of them (:func:`kvplan.kernels.copy.copy_descriptors`). A write has ended when
 the launch's event has completed; its sections' notifications then go to the peer's socket. A
 notification rather than a flag the kernel writes: the receiver already waits on its engine's
 notifications (and the control channel's seals cover them, :mod:`..note_seal`), and polling device
@@ -259,6 +259,7 @@ class IpcEngine:
 
     def _launch(self, p: _Peer, descs: Any, alignment: int, typical_bytes: int) -> _Launch:
         from ...kernels.copy import DIRECT, copy_descriptors
+        from ...kernels.translate import translate_descriptors
 
         torch = self._torch
         if isinstance(descs, np.ndarray):  # (a post of host descriptors: staged waves, warm-up touches)
@@ -268,16 +269,17 @@ class IpcEngine:
         n = descs.shape[0]
         with torch.cuda.stream(self._stream):
             self._stream.wait_stream(caller)  # (the plan and the source bytes are the caller's stream's)
+            out = torch.empty_like(descs)
             flags = torch.empty(n, dtype=torch.int8, device=self._device)
             bad = torch.zeros(1, dtype=torch.int32, device=self._device)
-            copy_descriptors(descs, DIRECT, alignment=alignment, typical_bytes=typical_bytes,
-                             translate=(table, flags, bad))
+            translate_descriptors(descs, table, out, flags, bad)
+            copy_descriptors(out, DIRECT, alignment=alignment, typical_bytes=typical_bytes)
             bad_host = self._readback()
             bad_host.copy_(bad, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._stream)
         descs.record_stream(self._stream)
-        return _Launch(event=event, bad=bad_host, flags=flags, keep=(descs, bad), stream=self._stream)
+        return _Launch(event=event, bad=bad_host, flags=flags, keep=(descs, out, bad), stream=self._stream)
 
     def _readback(self) -> Any:
         """A pinned host word for one launch's flagged count: the next of a ring allocated once (a pinned
@@ -312,17 +314,18 @@ class IpcEngine:
         if self.memory != "VRAM" or p is None:
             return
         from ...kernels.copy import DIRECT, copy_descriptors, launch_shape
+        from ...kernels.translate import translate_descriptors
 
         torch = self._torch
         table = self._table(p)
         with torch.cuda.stream(self._stream):
             scratch = torch.zeros(16, dtype=torch.uint8, device=self._device)
-            # (a descriptor outside the peer's regions: flagged, nothing written)
             descs = torch.tensor([[scratch.data_ptr(), scratch.data_ptr(), 16]], dtype=torch.int64, device=self._device)
             flags = torch.empty(1, dtype=torch.int8, device=self._device)
-            bad = torch.zeros(1, dtype=torch.int32, device=self._device)
+            translate_descriptors(descs, table, torch.empty_like(descs), flags,
+                                  torch.zeros(1, dtype=torch.int32, device=self._device))
             for size in {launch_shape(size, alignment): size for size in sizes}.values():
-                copy_descriptors(descs, DIRECT, alignment=alignment, typical_bytes=size, translate=(table, flags, bad))
+                copy_descriptors(descs, DIRECT, alignment=alignment, typical_bytes=size)
         self._stream.synchronize()
 
     def _refused(self, peer: str, notifications: Sequence[bytes], why: str) -> list[Handle]:
