@@ -58,8 +58,8 @@ def test_write_raises_with_the_reason():
 
 
 def test_the_registry_names_every_engine_and_refuses_others():
-    assert engine_names() == ["mooncake", "nixl"]
-    with pytest.raises(ValueError, match="choose from mooncake, nixl"):
+    assert engine_names() == ["ipc", "mooncake", "nixl"]
+    with pytest.raises(ValueError, match="choose from ipc, mooncake, nixl"):
         make_engine("rdma-magic", "x")
 
 

@@ -128,8 +128,8 @@ def test_staged_mode_completes_twenty_batches_in_a_row(engine):
     report = run_demo(replace(config(engine, "hybrid", "staged"), staging_bytes=16 << 10, repeat=20))
     assert report.ok, report.render()
     assert len(report.send_failures) == 20 * len(LENGTHS) and not any(report.send_failures.values())
-    # NIXL's notifications carry the credits back; Mooncake has none, so its credits take the channel
-    assert ("credits through the engine" in report.mode_used) == (engine == "nixl"), report.mode_used
+    # NIXL's and ipc's notifications carry the credits back; Mooncake has none, so its credits take the channel
+    assert ("credits through the engine" in report.mode_used) == (engine in ("nixl", "ipc")), report.mode_used
     if DEVICE == "cuda":  # every batch had its first wave gathered behind the plan (.ahead), as a graph: the
         # first one too, whose gather the warm-up shaped (before session 27, batches 2-20)
         assert "20 first waves gathered behind their plans" in report.mode_used, report.mode_used
