@@ -11,11 +11,14 @@ vLLM's connector factory imports this package and builds :class:`KvplanConnector
 * the scheduler side (:mod:`.scheduler`) decides, with the semantics of vLLM's NIXL connector in push
   mode, which requests load remotely, which blocks they land in, and when a prefill's blocks may be
   freed; it needs nothing but vLLM's scheduler objects;
-* the worker side (moving the bytes through kvplan's endpoints) is not built yet: a worker-role
-  connector is refused at construction, with the reason, rather than moving nothing.
+* the worker side (:mod:`.worker`) moves the bytes through kvplan's endpoints: a prefill rank sends a
+  finished request's blocks once its decode has published where they go, a decode rank publishes the
+  blocks vLLM allocated and reports them received once every byte landed (or failed once no write into
+  them can land any more); pairing with a prefill runs on a thread of its own, off the step's path.
 
-Only full-attention KV cache groups are covered; sliding-window, Mamba and other groups, and
-multi-token prefill lookahead, are refused at construction (docs/vllm.md says why).
+One full-attention KV cache group is covered, with any sliding-window groups over it; Mamba groups,
+groups of different block sizes and multi-token prefill lookahead are refused at construction, naming
+what is refused (docs/vllm.md says why).
 
 ``KvplanConnector`` is imported on first use: it needs vLLM installed.
 """

@@ -65,6 +65,8 @@ __all__ = ["ConnectorWorker", "TransferResults"]
 
 log = logging.getLogger("kvplan")
 
+FINISHED_GRACE = 16  # results calls a finished id that is no send here is kept (vLLM names a send's id in its step)
+
 # batches a prefill worker keeps moving at once (below its endpoint's max_in_flight, which would refuse more with
 # "overload"); requests ready meanwhile go together in the next batch
 MOVING_MAX = 2
@@ -160,7 +162,10 @@ class ConnectorWorker:
         self._engines: list[Any] = []
         self._sending: dict[str, _Sending] = {}
         self._sent: set[str] = set()  # written (or given up), waiting for vLLM to name them finished
-        self._finished: set[str] = set()  # requests vLLM said finished (finished_req_ids) not yet reported sent
+        # requests vLLM said finished (finished_req_ids) not yet reported sent, with the results call that said it:
+        # vLLM names every finished request, most of which this worker never sends (kept a few calls, then dropped)
+        self._finished: dict[str, int] = {}
+        self._calls = 0  # get_transfer_results calls so far
         self._receiving: dict[str, _Receiving] = {}  # by the prefill's request id
         self._unreachable: dict[tuple[str, int], tuple[float, str]] = {}  # a prefill that did not answer: until, why
         self._load_errors: set[int] = set()
@@ -242,7 +247,9 @@ class ConnectorWorker:
     def get_transfer_results(self, finished_req_ids: set[str]) -> TransferResults:
         """Move what is ready and report what ended: the requests whose blocks vLLM may free (sent,
         among those it named finished), received, and failed to receive."""
-        self._finished |= set(finished_req_ids)
+        self._calls += 1
+        for request_id in finished_req_ids:
+            self._finished.setdefault(request_id, self._calls)
         self._take_pairings()
         if self.prefill is not None:
             self._progress_sends()
@@ -251,10 +258,21 @@ class ConnectorWorker:
             failed.add(request_id)
             self._load_errors.update(blocks)
         self._unpublished = []
-        sent = self._sent & self._finished
+        sent = self._sent & self._finished.keys()
         self._sent -= sent
-        self._finished -= sent
+        for request_id in sent:
+            del self._finished[request_id]
+        self._forget_finished()
         return TransferResults(sent, received | failed, failed)
+
+    def _forget_finished(self) -> None:
+        """Drop the finished ids that are no send of this worker's once ``FINISHED_GRACE`` calls have passed
+        (one named before its send was taken is kept until then): 100,000 finished requests left 100,000 ids."""
+        if len(self._finished) <= len(self._sending) + len(self._sent):
+            return  # (all of them may be sends: nothing to look at)
+        oldest = self._calls - FINISHED_GRACE
+        self._finished = {r: at for r, at in self._finished.items()
+                          if at > oldest or r in self._sending or r in self._sent}
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """The blocks of requests reported failed since the last call (one KV cache group only: vLLM maps
@@ -374,10 +392,17 @@ class ConnectorWorker:
         to free its blocks."""
         remote = receive.remote_request_id
         if len(receive.block_ids) <= self.full_group or not receive.block_ids[self.full_group]:
-            # nothing to load: its prefill frees its blocks
+            # nothing to load (vLLM aborted it before its blocks came, and has freed it): its prefill frees its
+            # blocks. Never reported, whatever happens: vLLM holds no such request any more, and a report of it
+            # failed its scheduler's assertion and took the decode's engine core down (issue 56)
             if self.receives and remote is not None and receive.remote_host is not None \
                     and receive.remote_port is not None:
-                decode = self._connect(receive.remote_host, receive.remote_port, self._prefill_ranks(receive))
+                try:
+                    decode = self._connect(receive.remote_host, receive.remote_port, self._prefill_ranks(receive))
+                except KvplanError as err:  # (its prefill frees them at its own deadline)
+                    log.warning("request %s: could not tell its prefill that no block of it is needed: %s",
+                                request_id, err)
+                    return None
                 if decode is None:  # (told once it is paired)
                     self._pairings[self._key(receive)].none_needed.append(remote)
                 else:
