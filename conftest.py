@@ -8,6 +8,8 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 # tests move bytes on loopback only, by their own choice (the library picks no network): UCX's devices
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
+# and Mooncake's transport inside SGLang (kvplan's adapter takes SGLang's MOONCAKE_PROTOCOL, rdma when unset)
+os.environ.setdefault("MOONCAKE_PROTOCOL", "tcp")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

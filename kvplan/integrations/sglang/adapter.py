@@ -92,7 +92,8 @@ from ...planner.plan import DestinationLists
 from ...planner.state_kinds import RULES, rules_of
 from ...transport.listener import ChannelListener, channel_via
 from ...transport.decode import DecodeEndpoint, engine_regions
-from ...transport.engines import make_engine
+from ...transport.engines import TransferError, make_engine
+from .mooncake_settings import mooncake_settings
 from ...transport.prefill import Chunk, PrefillEndpoint
 from .decode_link import DecodeRankLink
 from .decode_ranks import DecodeRanks
@@ -221,12 +222,17 @@ class KVManager(BaseKVManager):
         # what this rank binds and advertises, and where SGLang's bootstrap server is (docs/sglang.md)
         self.host = self.settings.host or node_address(server_args)
         self.bootstrap_host = bootstrap_host(server_args)
-        engine_settings = dict(self.settings.engine_settings)
-        if engine_kind == "mooncake":  # peers reach its segment at this rank's address unless told otherwise
-            engine_settings.setdefault("local_hostname", self.host)
+        engine_settings, where = dict(self.settings.engine_settings), "kvplan's engine_settings"
+        if engine_kind == "mooncake":  # the deployment's transport and NICs, as SGLang's own backend takes them
+            engine_settings, where = mooncake_settings(server_args, engine_settings, self.host, self.device.index or 0)
+            log.info("kvplan's Mooncake engine: %s", where)
         self.engine_kind = engine_kind
-        self.engine = make_engine(engine_kind, f"{disaggregation_mode.value}-{os.getpid()}-{id(self):x}", memory,
-                                  self.device.index or 0, **engine_settings)
+        try:
+            self.engine = make_engine(engine_kind, f"{disaggregation_mode.value}-{os.getpid()}-{id(self):x}", memory,
+                                      self.device.index or 0, **engine_settings)
+        except TransferError as err:  # (never a silent fallback to another transport)
+            raise TransferError(f"{err}; {where}: set it to a transport this machine has (or kvplan's "
+                                "engine_settings)") from None
         self.closed = False
         self.bootstrap_port = int(server_arg(server_args, "disaggregation_bootstrap_port", DEFAULT_BOOTSTRAP_PORT))
         self.status: dict[int, int] = {}

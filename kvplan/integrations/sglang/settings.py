@@ -17,7 +17,9 @@ timeout_s      ``KVPLAN_TIMEOUT_S``    ``30``      deadline of every wait of a t
 engine         ``KVPLAN_ENGINE``       (backend)   ``nixl`` or ``mooncake``; default: SGLang's
                                                    ``--disaggregation-transfer-backend``
 engine_settings ``KVPLAN_ENGINE_SETTINGS`` ``{}``  JSON object for the engine (NIXL: ``num_threads``,
-                                                   ``progress_thread``; Mooncake: its TCP settings)
+                                                   ``progress_thread``; Mooncake: ``protocol`` and
+                                                   ``device_name``, else SGLang's own
+                                                   (:mod:`.mooncake_settings`), and its TCP settings)
 state_params   ``KVPLAN_STATE_PARAMS`` ``[]``      JSON list, one object per state component: what
                                                    ``KVArgs`` lacks (``window``, ``ring_size``, ...)
 protocol       ``KVPLAN_PROTOCOL``     ``kvplan``  ``kvplan`` (both sides kvplan) or ``sglang``
