@@ -241,9 +241,9 @@ def run_prefill(engine: str, port: int, seed: int, results, deadline_s: float, s
 
 
 def run_decode(engine: str, port: int, seed: int, results, deadline_s: float, state: bool = False,
-               rooms: tuple | None = None, name: str = "decode", protocol: str = "kvplan") -> None:
+               rooms: tuple | None = None, name: str = "decode", protocol: str = "kvplan", integrity: bool = False) -> None:
     """A decode manager receiving ``rooms`` (all requests by default); reports as ``name``. With
-    ``protocol="sglang"`` it is served by SGLang's own prefill."""
+    ``protocol="sglang"`` it is served by SGLang's own prefill; with ``integrity`` it asks for checksums."""
     from tests.sglang_real import sglang_module
 
     base = sglang_module("srt.disaggregation.base.conn")
@@ -253,7 +253,8 @@ def run_decode(engine: str, port: int, seed: int, results, deadline_s: float, st
     kv, aux = pools(None)
     server_args = types.SimpleNamespace(disaggregation_transfer_backend=engine, kvplan_timeout_s=deadline_s,
                                         kvplan_state_params=STATE_PARAMS if state == "hybrid" else None,
-                                        kvplan_protocol=protocol, host="127.0.0.1", kvplan_host="127.0.0.1")
+                                        kvplan_protocol=protocol, host="127.0.0.1", kvplan_host="127.0.0.1",
+                                        kvplan_integrity=integrity)
     args, state_pools = with_state(kv_args_of(base, kv, aux), state, None)
     mgr = KVManager(args, utils.DisaggregationMode.DECODE, server_args)
     lists = page_lists(seed, state == "hybrid")
@@ -275,6 +276,8 @@ def run_decode(engine: str, port: int, seed: int, results, deadline_s: float, st
     deadline = time.monotonic() + deadline_s
     watch(receivers, seen, deadline)
     wrong = wrong_bytes(state, seed, lists, rooms, kv, aux, state_pools)
+    if integrity and not (mgr.decode is not None and mgr.decode.integrity):  # (its requests completed on sums only)
+        wrong.append("the decode endpoint asked for no checksums")
     mgr.close()
     results.put((name, seen, wrong))
 

@@ -86,6 +86,18 @@ def test_two_processes_hand_off_through_sglang_s_interfaces(engine, state):
     assert prefill_states[chunked][0] == base.KVPoll.Transferring  # its first chunk went, its last not yet
 
 
+def test_a_decode_that_asks_for_checksums_completes_each_request_once_its_bytes_agree():
+    """Issue 56: integrity is a setting (``kvplan_integrity``, ``KVPLAN_INTEGRITY``). The decode asks its
+    prefill for each request's checksum and completes a request only once its own sum over what landed
+    agrees (a sum that never came would fail it at its deadline): every request succeeds, every byte right."""
+    base = sglang_module("srt.disaggregation.base.conn")
+    got = _run_sides(ENGINES[0], False, [(None, "decode", "kvplan", True)])
+    prefill_states, failures = got["prefill"]
+    decode_states, wrong = got["decode"]
+    assert not any(failures.values()) and not wrong, (failures, wrong[:8])
+    assert all(states[-1] == base.KVPoll.Success for states in decode_states.values()), decode_states
+
+
 def test_a_step_that_cannot_be_laid_out_fails_every_send_of_it():
     """More sends in one step than the planning table has rows: nothing is sent, and every sender of
     the step (not only the one that polled) reports Failed with the reason."""

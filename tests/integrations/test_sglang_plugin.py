@@ -85,6 +85,8 @@ def test_settings_come_from_server_args_then_environment_then_file(tmp_path):
     assert Settings.read(None, {"KVPLAN_WARM_UP": "{}"}).warm_up == {}  # (warms nothing)
     server_args = type("ServerArgs", (), {"kvplan_mode": "direct"})()
     assert Settings.read(server_args, environ).mode == "direct"
+    assert got.integrity is False and Settings.read(None, {"KVPLAN_INTEGRITY": "true"}).integrity is True
+    assert Settings.read(type("ServerArgs", (), {"kvplan_integrity": True})(), {}).integrity is True
 
 
 @pytest.mark.parametrize("environ, named", [
@@ -96,6 +98,7 @@ def test_settings_come_from_server_args_then_environment_then_file(tmp_path):
     ({"KVPLAN_CONFIG": "/nonexistent/kvplan.json"}, "KVPLAN_CONFIG"),
     ({"KVPLAN_WARM_UP": '{"max_transfers": 16}'}, "KVPLAN_WARM_UP"),
     ({"KVPLAN_WARM_UP": '{"max_transfers": 0, "max_prompt_len": 8192}'}, "KVPLAN_WARM_UP"),
+    ({"KVPLAN_INTEGRITY": "maybe"}, "KVPLAN_INTEGRITY"),
 ])
 def test_a_setting_that_does_not_parse_is_refused_naming_it(environ, named):
     with pytest.raises(SettingsError, match=named):

@@ -40,6 +40,9 @@ warm_up        ``KVPLAN_WARM_UP``      see meaning JSON object: the batches a pr
 secret_file    ``KVPLAN_SECRET_FILE``  none        a file holding the control plane's shared secret
                                                    (docs/failures.md §10); without it,
                                                    ``KVPLAN_SECRET`` if set, else no secret
+integrity      ``KVPLAN_INTEGRITY``    ``false``   a decode asks its prefills for each request's
+                                                   checksum and completes a request only once its
+                                                   bytes agree (docs/failures.md §7): ``true``/``false``
 ============== ======================= =========== ==================================================
 
 A value that does not parse is refused with :class:`SettingsError`, naming the setting and where it
@@ -89,6 +92,7 @@ class Settings:
     decode_lens: Any = None
     warm_up: dict = field(default_factory=lambda: dict(WARM_UP))
     secret_file: str | None = None
+    integrity: bool = False
 
     def secret(self) -> bytes | None:
         """The control plane's shared secret: the ``secret_file``'s, else ``KVPLAN_SECRET``'s, else none."""
@@ -116,6 +120,8 @@ class Settings:
 
 
 _JSON_SETTINGS = {"engine_settings": dict, "state_params": list, "decode_lens": (dict, list), "warm_up": dict}
+_BOOLS = ("integrity",)
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 _CHOICES = {"mode": MODES, "protocol": PROTOCOLS, "bootstrap": BOOTSTRAPS, "engine": ("nixl", "mooncake")}
 
 
@@ -133,6 +139,13 @@ def _parse(name: str, value: Any, where: str, text: bool) -> Any:
                 isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value.values())):
             raise SettingsError(f"{where}: expected {{}} or positive integers for exactly {sorted(WARM_UP)}, got {value}")
         return dict(value) if isinstance(value, dict) else value
+    if name in _BOOLS:
+        if isinstance(value, bool):
+            return value
+        text_value = str(value).strip().lower()
+        if text_value not in _TRUE + _FALSE:
+            raise SettingsError(f"{where}: expected true or false, got {value!r}")
+        return text_value in _TRUE
     if name == "timeout_s":
         try:
             seconds = float(value)
