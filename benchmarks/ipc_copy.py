@@ -22,7 +22,6 @@ import argparse
 import statistics
 import time
 
-import numpy as np
 import torch
 
 from kvplan.kernels.copy import DIRECT, copy_descriptors

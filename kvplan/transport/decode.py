@@ -50,7 +50,7 @@ from .pause import Pause
 from .receiver_plan import OwnLists, PlannedRun, PlannedWave, scatter_source
 from .streams import transport_stream
 from .registration import describe_side, side_from_description, with_model_heads
-from .note_seal import key_id_of, seal_of
+from .note_seal import key_id_of, seal_of, sealed
 from .waves import check_run, credit_note, decode_wave_note, is_touch, wave_key
 
 __all__ = ["DecodeEndpoint", "engine_regions"]
@@ -1091,16 +1091,11 @@ class DecodeEndpoint:
         last = not any(w.peer == wave.peer and not w.scattered for w in self._waves.values() if w is not wave)
         if name is not None and not last:
             try:
-                self.engine.notify(name, self._sealed(wave.peer, credit_note(wave.index)))
+                self.engine.notify(name, sealed(self.channels[wave.peer], credit_note(wave.index)))
                 return
             except TransferError as err:
                 log.warning("a credit went through the control channel: the engine could not send it (%s)", err)
         self._tell(wave.peer, {"wave": wave.index})
-
-    def _sealed(self, peer: int, note: bytes) -> bytes:
-        """``note`` as sender ``peer``'s engine takes it: sealed under its pairing where there is a secret."""
-        seal = seal_of(self.channels[peer])
-        return note if seal is None else seal.seal(note)
 
     def _tell(self, peer: int, header: dict[str, Any]) -> None:
         """Send sender ``peer`` a wave's credit or refusal without blocking the poll loop: a sender that

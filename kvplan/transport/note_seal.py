@@ -33,7 +33,7 @@ import hmac
 import itertools
 import threading
 
-__all__ = ["NoteSeal", "WINDOW", "key_id_of", "seal_of"]
+__all__ = ["NoteSeal", "WINDOW", "key_id_of", "opened", "seal_of", "sealed"]
 
 PREFIX = b"kvn1 "
 WINDOW = 1 << 16  # counters below the highest taken that may still arrive (notes in flight at once)
@@ -121,3 +121,17 @@ def seal_of(channel: object) -> NoteSeal | None:
     ones)."""
     note_seal = getattr(channel, "note_seal", None)
     return None if note_seal is None else note_seal()
+
+
+def sealed(channel: object, note: bytes) -> bytes:
+    """``note`` as the peer of ``channel`` takes it: sealed under the pairing's key where there is a secret,
+    else as it is."""
+    seal = seal_of(channel)
+    return note if seal is None else seal.seal(note)
+
+
+def opened(channel: object, raw: bytes) -> bytes | None:
+    """A notification from the peer of ``channel``: the note inside its seal where there is a secret
+    (``None`` if it does not open under the pairing's key, or was taken before), else ``raw``."""
+    seal = seal_of(channel)
+    return raw if seal is None else seal.open(raw)

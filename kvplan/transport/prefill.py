@@ -52,7 +52,7 @@ from ..planner.isolate import plan_each
 from ..planner.plan import DestinationLists
 from .ahead import AheadGatherer, GatherAhead
 from .completion import encode_notification
-from .note_seal import seal_of
+from .note_seal import opened, sealed
 from .control import MAX_REFUSED, ControlChannel, ControlTimeout, named_request
 from .copy_graphs import CopyGraphs, copy_graphs_enabled
 from .decode import engine_regions
@@ -137,16 +137,12 @@ class Peer:
         return self.sealed(encode_notification(section, self.index_there)) if self.notified else b""
 
     def sealed(self, note: bytes) -> bytes:
-        """``note`` as this peer's engine takes it: sealed under the pairing's key where there is a secret
-        (:mod:`.note_seal`), else as it is."""
-        seal = seal_of(self.channel)
-        return note if seal is None else seal.seal(note)
+        """``note`` as this peer's engine takes it (:func:`.note_seal.sealed`)."""
+        return sealed(self.channel, note)
 
     def opened(self, raw: bytes) -> bytes | None:
-        """An engine notification from this peer, opened: ``None`` if it is sealed by no one else but should
-        be (a secret is set) and does not open under the pairing's key, or was taken before."""
-        seal = seal_of(self.channel)
-        return raw if seal is None else seal.open(raw)
+        """An engine notification from this peer, opened (:func:`.note_seal.opened`)."""
+        return opened(self.channel, raw)
 
     def recv(self, deadline: float) -> tuple[str, dict[str, Any], list[bytes]]:
         return self.backlog.popleft() if self.backlog else self.channel.recv(deadline)
@@ -322,12 +318,12 @@ class PrefillEndpoint:
         sides = tuple(p.side for p in self.peers)
         start = time.perf_counter()
         compiled = typical_sizes(self.side)  # (a launch shape each)
+        alignment = self._alignment(Batch(self.side, sides, ()))
         if self.staging is not None and self.staging.is_cuda:
-            warm_up(self.staging, plan_alignment(Batch(self.side, sides, ())), compiled, kinds=(GATHER,))
+            warm_up(self.staging, alignment, compiled, kinds=(GATHER,))
         if self.engine.capabilities.device:  # its launches' kernels, and each peer's mapping opened
             for p in self.peers:
-                self.engine.warm_up(p.name, typical_sizes(self.side, largest=4 << 20),
-                                    plan_alignment(Batch(self.side, sides, ())))
+                self.engine.warm_up(p.name, typical_sizes(self.side, largest=4 << 20), alignment)
         took["kernels"] = time.perf_counter() - start
         start = time.perf_counter()
         self._planner(prepared=False).warm_up(max_transfers, max(list_entries(side, max_prompt_len) for side in sides))

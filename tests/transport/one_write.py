@@ -3,6 +3,9 @@ what a deadline does to a write in flight (test_nixl_deadline_fence.py, test_moo
 
 from __future__ import annotations
 
+import time
+from typing import Any, Callable
+
 import numpy as np
 
 
@@ -29,3 +32,22 @@ def descriptors(src: np.ndarray, remote: int, chunk: int = 1 << 20) -> np.ndarra
     offsets = np.arange(0, src.nbytes, chunk, dtype=np.uint64)
     return np.stack([offsets + np.uint64(src.ctypes.data), offsets + np.uint64(remote),
                      np.full(len(offsets), chunk, np.uint64)], axis=1)
+
+
+def serve(conn, engine, snapshot: Callable[[], Any], notes_wanted: int = 1, idle_s: float = 60.0) -> None:
+    """A receiving process's loop: answer "notes" with the engine notifications that have come (waiting up to
+    10 s for ``notes_wanted`` of them) and "bytes" with ``snapshot()``, until "bye" or ``idle_s`` of silence;
+    then close the engine."""
+    while conn.poll(idle_s):
+        asked = conn.recv()
+        if asked == "bye":
+            break
+        if asked == "notes":
+            ends, notes = time.monotonic() + 10, []
+            while len(notes) < notes_wanted and time.monotonic() < ends:
+                notes += engine.notifications()
+                time.sleep(0.01)
+            conn.send(notes)
+        elif asked == "bytes":
+            conn.send(snapshot())
+    engine.close()

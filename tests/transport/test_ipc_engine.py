@@ -6,7 +6,6 @@ launches is held to its reference in tests/kernels/test_translate.py."""
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import replace
 
@@ -15,6 +14,7 @@ import pytest
 
 from kvplan.tools.target_process import target_process
 from kvplan.transport.engines import TransferError, make_engine, wait_all
+from tests.transport.one_write import serve
 
 SIZE = 1 << 20
 
@@ -24,19 +24,7 @@ def _receiver(conn) -> None:
     buf = np.zeros(SIZE, np.uint8)
     engine.register([(buf.ctypes.data, SIZE // 2)])  # (the second half is not registered)
     conn.send((engine.metadata(), buf.ctypes.data))
-    while conn.poll(30):
-        asked = conn.recv()
-        if asked == "bye":
-            break
-        if asked == "notes":
-            ends, notes = time.monotonic() + 10, []
-            while not notes and time.monotonic() < ends:
-                notes = engine.notifications()
-                time.sleep(0.01)
-            conn.send(notes)
-        elif asked == "bytes":
-            conn.send(buf.copy())
-    engine.close()
+    serve(conn, engine, buf.copy, idle_s=30)
 
 
 def _sender():

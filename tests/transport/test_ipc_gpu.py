@@ -13,6 +13,7 @@ import torch
 
 from kvplan.tools.target_process import target_process
 from kvplan.transport.engines import make_engine, wait_all
+from tests.transport.one_write import serve
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
 SIZE = 8 << 20
@@ -25,20 +26,12 @@ def _receiver(conn) -> None:
     # a region inside each allocation, not at its start (the handle names the allocation; the offset travels)
     engine.register([(first.data_ptr() + 4096, SIZE - 8192), (second.data_ptr(), SIZE // 2)])
     conn.send((engine.metadata(), first.data_ptr(), second.data_ptr()))
-    while conn.poll(60):
-        asked = conn.recv()
-        if asked == "bye":
-            break
-        if asked == "notes":
-            ends, notes = time.monotonic() + 10, []
-            while len(notes) < 2 and time.monotonic() < ends:
-                notes += engine.notifications()
-                time.sleep(0.01)
-            conn.send(notes)
-        elif asked == "bytes":
-            torch.cuda.synchronize()
-            conn.send((first.cpu().numpy(), second.cpu().numpy()))
-    engine.close()
+
+    def snapshot():
+        torch.cuda.synchronize()
+        return first.cpu().numpy(), second.cpu().numpy()
+
+    serve(conn, engine, snapshot, notes_wanted=2)
 
 
 def test_one_launch_writes_another_process_s_gpu_memory_byte_for_byte_and_refuses_what_is_outside():

@@ -47,7 +47,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from .base import Capabilities, Handle, TransferError, drain_seconds
+from .cuda_ipc import close_handle, export, open_handle
 from .local_notes import NoteBox
+from .process_memory import can_write, write_descriptors
 from .registry import register_engine
 
 __all__ = ["IpcEngine", "host_identity"]
@@ -161,8 +163,6 @@ class IpcEngine:
 
     # -- the receiver's side ---------------------------------------------------------------------------
     def register(self, regions: list[tuple[int, int]]) -> None:
-        from .cuda_ipc import export
-
         for addr, size in regions:
             addr, size = int(addr), int(size)
             index = -1
@@ -218,7 +218,7 @@ class IpcEngine:
             for lo, hi, a in regions:
                 if not 0 <= a < len(allocations) or lo < allocations[a][1] or hi > allocations[a][1] + allocations[a][2]:
                     raise TransferError(f"the peer's region [{lo:#x}, {hi:#x}) is not inside the allocation it names")
-        elif len(regions) and (why := _can_write(pid, int(regions[0, 0]))) is not None:
+        elif len(regions) and (why := can_write(pid, int(regions[0, 0]))) is not None:
             raise TransferError(why)
         self._notes.probe(address)
         key = f"{name}@{address.hex()}"
@@ -230,8 +230,6 @@ class IpcEngine:
     def _table(self, peer: _Peer) -> Any:
         """The peer's translation table where the copies run, its allocations opened on first use."""
         if peer.table is None:
-            from .cuda_ipc import open_handle
-
             torch = self._torch
             for a, (handle, base, _) in enumerate(peer.allocations):
                 if a not in peer.mapped:  # (a peer in this very process: its addresses are this process's)
@@ -293,7 +291,6 @@ class IpcEngine:
 
     def _host_launch(self, p: _Peer, descs: Any) -> _Launch:
         from ...kernels.translate import reference_translate
-        from .process_memory import write_descriptors
 
         rows = descs.numpy() if hasattr(descs, "numpy") else np.asarray(descs)
         table = np.array([(lo, hi, lo) for lo, hi, _ in p.regions.tolist()], dtype=np.int64).reshape(-1, 3)
@@ -412,8 +409,6 @@ class IpcEngine:
             log.error("ipc: a write into %s had not ended %.1f s after its disconnect: its mappings stay open",
                       peer, drain_seconds())
             return
-        from .cuda_ipc import close_handle
-
         for a, mapped in p.mapped.items():
             if p.pid != os.getpid():
                 try:
@@ -429,8 +424,3 @@ class IpcEngine:
             self._copier.shutdown(wait=True)
         self._notes.close()
 
-
-def _can_write(pid: int, address: int) -> str | None:
-    from .process_memory import can_write
-
-    return can_write(pid, address)
