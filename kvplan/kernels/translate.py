@@ -15,6 +15,9 @@ Shape contract
   descriptor (may be ``descs`` itself: each program reads its rows before it writes them).
 * ``flags``: int8 ``[n]``: 1 where flagged, else 0; ``bad``: int32 ``[1]``, zeroed by the caller:
   the count of flagged descriptors (atomics).
+* ``rows`` (optional): int64 ``[1]`` on the device, how many of the ``n`` rows to translate (a plan's
+  count, queued behind it without the host knowing it); rows past it are neither read nor written,
+  and their ``out`` and ``flags`` stay as they were.
 * Grid: ``cdiv(n, BLOCK)``; each lane one descriptor.
 """
 
@@ -31,9 +34,11 @@ BLOCK = 256
 
 
 @triton.jit(do_not_specialize=["n", "r"])
-def _translate_kernel(desc_ptr, region_ptr, out_ptr, flag_ptr, bad_ptr, n, r, STEPS: tl.constexpr,
-                      BLOCK: tl.constexpr):
+def _translate_kernel(desc_ptr, region_ptr, out_ptr, flag_ptr, bad_ptr, rows_ptr, n, r, STEPS: tl.constexpr,
+                      BLOCK: tl.constexpr, COUNTED: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    if COUNTED:
+        n = tl.minimum(tl.load(rows_ptr).to(tl.int64), n)
     live = i < n
     src = tl.load(desc_ptr + i * 3, mask=live, other=0)
     dst = tl.load(desc_ptr + i * 3 + 1, mask=live, other=0)
@@ -69,15 +74,17 @@ def search_steps(regions: int) -> int:
 
 
 def translate_descriptors(descs: torch.Tensor, regions: torch.Tensor, out: torch.Tensor, flags: torch.Tensor,
-                          bad: torch.Tensor) -> None:
-    """Launch the translation and check of every descriptor (see the module's shape contract)."""
+                          bad: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+    """Launch the translation and check of every descriptor, or of the first ``rows[0]`` (see the
+    module's shape contract)."""
     n, r = descs.shape[0], regions.shape[0]
     if n == 0:
         return
     if r == 0:
         raise ValueError("a peer with no registered regions: nothing can be written")
-    _translate_kernel[(triton.cdiv(n, BLOCK),)](descs, regions, out, flags, bad, n, r, STEPS=search_steps(r),
-                                                BLOCK=BLOCK)
+    counted = rows if rows is not None else bad  # (not read unless COUNTED)
+    _translate_kernel[(triton.cdiv(n, BLOCK),)](descs, regions, out, flags, bad, counted, n, r, STEPS=search_steps(r),
+                                                BLOCK=BLOCK, COUNTED=rows is not None)
 
 
 def reference_translate(descs: np.ndarray, regions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -98,8 +105,9 @@ def reference_translate(descs: np.ndarray, regions: np.ndarray) -> tuple[np.ndar
 
 COMPILE_SPECS = [
     (_translate_kernel,
-     {"desc_ptr": "*i64", "region_ptr": "*i64", "out_ptr": "*i64", "flag_ptr": "*i8", "bad_ptr": "*i32", "n": "i64",
-      "r": "i64", "STEPS": "constexpr", "BLOCK": "constexpr"},
-     {"STEPS": steps, "BLOCK": BLOCK})
-    for steps in (1, 4, 8)
+     {"desc_ptr": "*i64", "region_ptr": "*i64", "out_ptr": "*i64", "flag_ptr": "*i8", "bad_ptr": "*i32",
+      "rows_ptr": "*i64" if counted else "*i32", "n": "i64", "r": "i64", "STEPS": "constexpr", "BLOCK": "constexpr",
+      "COUNTED": "constexpr"},
+     {"STEPS": steps, "BLOCK": BLOCK, "COUNTED": counted})
+    for steps in (1, 4, 8) for counted in (False, True)
 ]

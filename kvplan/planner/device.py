@@ -302,10 +302,10 @@ class _Buffers:
         self.byte_ends = self.byte_starts = self.seg_bytes = self.live_rows = None
         if outputs & {"descriptors", "device_descriptors", "byte_offsets"}:
             self.descs = z(d_cap, 3)
+            self.live_rows = z(1)  # the descriptor count, or 0 when the plan is refused
         if "byte_offsets" in outputs:  # running byte sums of the descriptors; each segment's byte end
             self.byte_ends, self.byte_starts = z(d_cap), z(d_cap)
             self.seg_bytes = self.report[H + 6 * S :]
-            self.live_rows = z(1)  # the descriptor count, or 0 when the plan is refused
         if "prepared" in outputs:
             p_cap = max(1, st.per_element * e_cap * st.units_per_entry + st.aux_entries * t_cap)
             self.prep_src = torch.empty(p_cap, dtype=torch.int32, device=device)
@@ -543,6 +543,7 @@ class Planner:
             last = (seg_end - 1).clamp_(0, b.byte_ends.numel() - 1)
             torch.index_select(b.byte_ends, 0, last, out=b.seg_bytes)
             b.seg_bytes.mul_(seg_end > 0)
+        if b.live_rows is not None:
             torch.mul(b.head[int(ks.TOTAL_DESCS) : int(ks.TOTAL_DESCS) + 1],
                       b.head[int(ks.FIRST_FATAL) : int(ks.FIRST_FATAL) + 1].eq(int(ks.NONE)), out=b.live_rows)
         if b.prep_src is not None:
@@ -714,6 +715,26 @@ class PendingPlan:
         if self.event is not None and self.planner.device.type == "cuda":
             torch.cuda.current_stream(self.planner.device).wait_event(self.event)
         return DeviceAhead(b.descs, b.byte_starts, b.live_rows)
+
+    def device_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Without waiting for the plan: ``(descs, rows)``, its descriptor buffer at full capacity (int64
+        ``[capacity, 3]``) and the count of rows that are this plan's (int64 ``[1]``, 0 when the plan is
+        refused), with the current stream made to wait for the plan. Read the buffer only through
+        ``rows`` (rows past it are stale), as a launch queued behind the plan does (the ``rows`` of
+        :func:`kvplan.kernels.copy.copy_descriptors`); the host learns nothing from it, and
+        :meth:`descriptors` still waits and raises a plan's error.
+
+        Example::
+
+            descs, rows = pending.device_rows()   # launch work over them at once
+            offsets = pending.transfer_rows()     # then wait for the host's view
+        """
+        b = self._b
+        if b.descs is None:
+            raise InputError(None, "this planner makes no descriptors: add 'descriptors' to its outputs")
+        if self.event is not None and self.planner.device.type == "cuda":
+            torch.cuda.current_stream(self.planner.device).wait_event(self.event)
+        return b.descs, b.live_rows
 
     def _byte_buffers(self) -> _Buffers:
         b = self._b

@@ -485,6 +485,8 @@ def prefill_process(config: DemoConfig, port: int, conn, src_rank: int | None = 
                 used += f" ({endpoint.gathers_replayed} as graphs)"
             if all(p.credits_by_engine for p in endpoint.peers):
                 used += ", credits through the engine"
+        elif used == "direct" and endpoint.launches_ahead:
+            used += f", {endpoint.launches_ahead} launched behind their plans"
         conn.send(("sent", result, times, used, spans))
     except Exception:  # noqa: BLE001
         conn.send(("error", traceback.format_exc()))

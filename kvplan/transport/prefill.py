@@ -62,7 +62,7 @@ from .integrity import RunningSums, transfer_sums
 from .local import plan_alignment, typical_sizes, warm_up
 from .readiness import LayerStreaming
 from .senders import SENDERS, streamed
-from .senders.planned import PlannedBatch
+from .senders.planned import LaunchAhead, PlannedBatch
 from .handles import SendHandle
 from .progress_thread import MAX_IN_FLIGHT, ProgressThread
 from .stats import EndpointStats
@@ -218,6 +218,9 @@ class PrefillEndpoint:
         self.last_announcement: str | None = None  # how its last staged run was announced: "planned" or "table"
         self.waves_ahead = 0  # staged waves gathered ahead of their layer group's mark, over this endpoint's life
         self.first_waves_ahead = 0  # staged runs whose first wave was gathered behind the plan (.ahead)
+        self.launches_ahead = 0  # direct sends launched behind their plan (_launch_ahead), over this endpoint's life
+        # (device engines) the last direct send's bytes per descriptor: the next launch ahead's copy shape
+        self._device_typical: int | None = None
         self._planners: dict[bool, Planner] = {}  # by prepared or not
         self._alignments: tuple[tuple[SideMemory, ...], int] | None = None  # the last sides' copy word
         self._times: list[tuple[str, float]] = []
@@ -819,7 +822,7 @@ class PrefillEndpoint:
         transfers = tuple(transfers)
         batch = Batch(self.side, tuple(p.side for p in self.peers), transfers, self.policy)
         refused: dict[Any, str] = {}
-        ahead = chunks_run = None
+        ahead = launched = chunks_run = None
         try:
             if self.refuse == "request":
                 pending, errors = plan_each(batch, self._planner(prepared=mode == "prepared").plan)
@@ -835,6 +838,7 @@ class PrefillEndpoint:
                 self._times.append(("launched", time.perf_counter()))
                 if layers is None:
                     ahead = self._gather_ahead(pending, batch, mode)
+                    launched = self._launch_ahead(pending, batch, mode)
                     self._times.append(("queued", time.perf_counter()))
             if chunks_run is not None and "byte_offsets" in pending.planner.outputs:
                 # a receiver-planned run: its byte counts come with the plan's report; its descriptors
@@ -862,7 +866,8 @@ class PrefillEndpoint:
         if sums is not None:  # before the bytes: the decode checks a request as soon as it has landed
             self._send_checksums(transfers, sums)
         return {**self._move(transfers, mode, pending, PlannedBatch(transfers, descs, per_transfer, sections, None, ahead=ahead,
-                                                              chunks_run=chunks_run, nbytes=nbytes, pending=pending),
+                                                              chunks_run=chunks_run, nbytes=nbytes, pending=pending,
+                                                              launched=launched),
                              batch, timeout), **refused}
 
     def _checksums(self, transfers: tuple[Transfer, ...], pending, per_transfer: np.ndarray,
@@ -1029,6 +1034,24 @@ class PrefillEndpoint:
             return None
         alignment = self._alignment(batch)
         return self._ahead.queue(pending, alignment, self._ring(0, alignment)[1])
+
+    def _launch_ahead(self, pending, batch: Batch, mode: str) -> LaunchAhead | None:
+        """Queue a direct send's one launch behind ``pending``, before the host has read the plan, where
+        the engine writes from device descriptors (:attr:`~.engines.Capabilities.device`) and the batch goes
+        to one decode endpoint: the copy runs the moment the plan ends, while this thread reads the plan's
+        sections, whose handles then attach to it (:mod:`.senders.direct`). A refused plan counts 0 rows:
+        its launch writes nothing. Not for the first such send, whose descriptors' size shapes the next's
+        copy kernel (:attr:`_device_typical`)."""
+        dests = {t.dest for t in batch.transfers}
+        if not self.engine.capabilities.device or mode not in ("direct", "auto") or len(dests) != 1 or \
+                self._device_typical is None:
+            return None
+        dest = dests.pop()
+        descs, rows = pending.device_rows()
+        launch = self.engine.launch_device(self.peers[dest].name, descs, rows=rows, alignment=self._alignment(batch),
+                                           typical_bytes=self._device_typical)
+        self.launches_ahead += 1
+        return LaunchAhead(dest, launch)
 
     def _announce_chunks(self, transfers: Sequence[Transfer], batch: Batch, mode: str, timeout: float) -> int | None:
         """Announce a staged run's chunks to a receiver that plans it (:func:`.receiver_plan.planned_run_chunks`)

@@ -11,13 +11,15 @@ from kvplan.kernels.translate import reference_translate, translate_descriptors
 DEVICE = "cuda" if torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") == "0" else "cpu"
 
 
-def _run(descs: np.ndarray, regions: np.ndarray, in_place: bool = False) -> tuple[np.ndarray, np.ndarray, int]:
+def _run(descs: np.ndarray, regions: np.ndarray, in_place: bool = False,
+         rows: int | None = None) -> tuple[np.ndarray, np.ndarray, int]:
     d = torch.from_numpy(descs.astype(np.int64)).to(DEVICE)
     r = torch.from_numpy(regions.astype(np.int64)).to(DEVICE)
     out = d if in_place else torch.full_like(d, -7)  # (poisoned: every row must be written)
     flags = torch.full((len(descs),), 9, dtype=torch.int8, device=DEVICE)
     bad = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    translate_descriptors(d, r, out, flags, bad)
+    counted = None if rows is None else torch.tensor([rows], dtype=torch.int64, device=DEVICE)
+    translate_descriptors(d, r, out, flags, bad, rows=counted)
     return out.cpu().numpy(), flags.cpu().numpy(), int(bad.item())
 
 
@@ -53,6 +55,23 @@ def test_the_kernel_equals_the_reference_on_random_descriptors(seed):
     np.testing.assert_array_equal(flags, want_flags)
     assert bad == int(want_flags.sum())
     assert 0 < bad < n or n < 20  # (both kinds occur)
+
+
+@pytest.mark.parametrize("share", [0.0, 0.4, 1.0])
+def test_a_count_on_the_device_translates_only_its_rows(share):
+    """A launch queued behind a plan knows only the buffer's capacity: rows past the plan's count (read
+    on the device) are stale and must be neither translated, flagged nor counted."""
+    require_runnable(DEVICE)
+    rng = np.random.default_rng()
+    n = int(rng.integers(300, 3000))
+    descs, regions = _random_case(rng, n, 7)
+    rows = int(n * share)
+    want_out, want_flags = reference_translate(descs[:rows], regions)
+    out, flags, bad = _run(descs, regions, rows=rows)
+    np.testing.assert_array_equal(out[:rows], want_out)
+    np.testing.assert_array_equal(flags[:rows], want_flags)
+    assert (out[rows:] == -7).all() and (flags[rows:] == 9).all()  # untouched past the count
+    assert bad == int(want_flags.sum())
 
 
 def test_golden_vectors():

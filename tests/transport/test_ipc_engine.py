@@ -106,3 +106,15 @@ def test_a_hand_off_through_the_endpoints_arrives_byte_for_byte_with_a_secret(mo
     report = run_demo(replace(config("ipc", "hybrid", "direct"), timeout=60))
     assert set(report.states.values()) == {"complete"}, report.failures
     assert report.verified is True and report.ok
+
+
+def test_a_send_after_the_first_is_launched_behind_its_plan_and_arrives_byte_for_byte():
+    """Once a send has shaped the copy, the next is launched before the host reads its plan (the plan's
+    row count read where the copy runs) and its sections attach after: every batch still lands whole."""
+    from kvplan.tools.demo import run_demo
+    from tests.transport.test_handoff import config
+
+    report = run_demo(replace(config("ipc", "hybrid", "direct"), repeat=3, timeout=60))
+    assert set(report.states.values()) == {"complete"}, report.failures
+    assert report.verified is True and report.ok
+    assert "launched behind their plans" in report.mode_used, report.mode_used

@@ -61,7 +61,10 @@ class Capabilities:
             processes of an H200 host, trips 2 ms apart: ``benchmarks/hops.py``).
         device: a post takes the plan's device descriptors as they are, for several sections at once,
             with one launch (``post_device(peer, descs, notifications, bounds, alignment, typical_bytes)``,
-            one handle per section: the :mod:`.ipc` engine).
+            one handle per section: the :mod:`.ipc` engine); or in two steps, the launch queued behind
+            the plan before the host has read it (``launch_device(peer, descs, rows=..., after=...)``,
+            its row count on the device), its sections' handles once the host knows them
+            (``section_handles(launch, notifications, bounds)``).
     """
 
     prepared: bool = False

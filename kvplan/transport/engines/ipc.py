@@ -88,6 +88,16 @@ class _Peer:
     launches: list[Any] = field(default_factory=list)  # launches into its memory that may not have ended
 
 
+class _Refused:
+    """A launch to a peer that is not connected: its sections fail at once."""
+
+    def __init__(self, peer: str, why: str):
+        self.peer, self.why = peer, why
+
+    def ended(self) -> bool:
+        return True
+
+
 class _Launch:
     """One post's work: the device launch (its event, the flagged count and flags, kept alive until it
     ends) or the host copy (its future)."""
@@ -97,6 +107,7 @@ class _Launch:
         self.event, self.bad, self.flags, self.keep, self.future = event, bad, flags, keep, future
         self.stream = stream
         self.host_flags = host_flags
+        self.peer = ""
         self._flagged: np.ndarray | None = None
         self._count: int | None = None  # (device) the flagged count, once the launch has ended
 
@@ -140,7 +151,7 @@ class IpcEngine:
             raise ValueError(f"the ipc engine moves DRAM or VRAM, not {memory!r}")
         self.name = name or f"ipc-{os.getpid()}"
         self.memory, self.device_id = memory, device_id
-        self.capabilities = Capabilities(arrays=True, notifies=True, device=memory == "VRAM")
+        self.capabilities = Capabilities(arrays=True, notifies=True, device=True)
         self._notes = NoteBox(self.name)
         self._regions: list[tuple[int, int]] = []
         self._exports: list[list[Any]] = []  # per region: [lo, bytes, allocation index]
@@ -245,17 +256,46 @@ class IpcEngine:
         whose ``notifications[k]`` goes once the launch has ended and its rows were all written (an
         empty one notifies nothing). ``alignment``: the largest power of two dividing every address
         and size; ``typical_bytes``: the descriptors' usual size (the copy kernel's shape)."""
+        launch = self.launch_device(peer, descs, alignment=alignment, typical_bytes=typical_bytes)
+        return self.section_handles(launch, notifications, bounds)
+
+    def launch_device(self, peer: str, descs: Any, rows: Any = None, after: Any = None, alignment: int = 1,
+                      typical_bytes: int = 4096) -> Any:
+        """The launch of :meth:`post_device` without its sections: queued at once on the engine's stream
+        behind the caller's stream (and ``after``, a CUDA event, where given), over the first ``rows[0]``
+        rows of ``descs`` where ``rows`` is given (int64 ``[1]`` on the device: a plan's count, which
+        the host need not know yet). Its sections' handles come later from :meth:`section_handles`;
+        a launch given none writes its rows all the same, and notifies nothing.
+
+        Example::
+
+            descs, rows = pending.device_rows()                 # the plan, still running
+            launch = engine.launch_device(peer, descs, rows=rows)
+            handles = engine.section_handles(launch, notes, bounds)  # once its sections are read
+        """
         p = self._peers.get(peer)
         if p is None:
-            return self._refused(peer, notifications, "the ipc engine is not connected to it")
+            return _Refused(peer, "the ipc engine is not connected to it")
         if self.memory == "VRAM":
-            launch = self._launch(p, descs, alignment, typical_bytes)
+            launch = self._launch(p, descs, alignment, typical_bytes, rows, after)
         else:
+            if rows is not None:  # (host memory: the plan is read here, on the sender's thread)
+                descs = descs[: int(rows[0])]
             launch = self._host_launch(p, descs)
         p.launches = [x for x in p.launches if not x.ended()] + [launch]
-        return [Handle(peer, 0, native=(launch, lo, hi, note)) for note, (lo, hi) in zip(notifications, bounds)]
+        launch.peer = peer
+        return launch
 
-    def _launch(self, p: _Peer, descs: Any, alignment: int, typical_bytes: int) -> _Launch:
+    def section_handles(self, launch: Any, notifications: Sequence[bytes],
+                        bounds: Sequence[tuple[int, int]]) -> list[Handle]:
+        """One handle per section of ``launch`` (from :meth:`launch_device`): rows ``bounds[k]``, whose
+        ``notifications[k]`` goes once the launch has ended and those rows were all written."""
+        if isinstance(launch, _Refused):
+            return self._refused(launch.peer, notifications, launch.why)
+        return [Handle(launch.peer, 0, native=(launch, lo, hi, note)) for note, (lo, hi) in zip(notifications, bounds)]
+
+    def _launch(self, p: _Peer, descs: Any, alignment: int, typical_bytes: int, rows: Any = None,
+                after: Any = None) -> _Launch:
         from ...kernels.copy import DIRECT, copy_descriptors
         from ...kernels.translate import translate_descriptors
 
@@ -267,17 +307,20 @@ class IpcEngine:
         n = descs.shape[0]
         with torch.cuda.stream(self._stream):
             self._stream.wait_stream(caller)  # (the plan and the source bytes are the caller's stream's)
+            if after is not None:
+                self._stream.wait_event(after)
             out = torch.empty_like(descs)
             flags = torch.empty(n, dtype=torch.int8, device=self._device)
             bad = torch.zeros(1, dtype=torch.int32, device=self._device)
-            translate_descriptors(descs, table, out, flags, bad)
-            copy_descriptors(out, DIRECT, alignment=alignment, typical_bytes=typical_bytes)
+            translate_descriptors(descs, table, out, flags, bad, rows=rows)
+            copy_descriptors(out, DIRECT, alignment=alignment, typical_bytes=typical_bytes, rows=rows)
             bad_host = self._readback()
             bad_host.copy_(bad, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._stream)
         descs.record_stream(self._stream)
-        return _Launch(event=event, bad=bad_host, flags=flags, keep=(descs, out, bad), stream=self._stream)
+        keep = (descs, out, bad) if rows is None else (descs, out, bad, rows)
+        return _Launch(event=event, bad=bad_host, flags=flags, keep=keep, stream=self._stream)
 
     def _readback(self) -> Any:
         """A pinned host word for one launch's flagged count: the next of a ring allocated once (a pinned
@@ -292,7 +335,7 @@ class IpcEngine:
     def _host_launch(self, p: _Peer, descs: Any) -> _Launch:
         from ...kernels.translate import reference_translate
 
-        rows = descs.numpy() if hasattr(descs, "numpy") else np.asarray(descs)
+        rows = descs.cpu().numpy() if hasattr(descs, "cpu") else np.asarray(descs)  # (a plan made on a GPU)
         table = np.array([(lo, hi, lo) for lo, hi, _ in p.regions.tolist()], dtype=np.int64).reshape(-1, 3)
         if len(table):
             out, flags = reference_translate(rows.view(np.int64) if rows.dtype == np.uint64 else rows, table)

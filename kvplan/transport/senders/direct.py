@@ -36,12 +36,19 @@ def _send_device(ep: PrefillEndpoint, transfers: Sequence[Transfer], planned: Pl
     notification sent once the whole launch has ended."""
     import torch
 
+    count = max(1, int(planned.per_transfer[-1]))
+    typical = ep._device_typical = max(1, planned.nbytes // count)  # (the next send's launch ahead is shaped so)
+    if planned.launched is not None:  # launched behind the plan: its sections, in the plan's rows, attach
+        launched, sections = planned.launched, planned.host_sections()
+        peer = ep.peers[launched.dest]
+        handles = ep.engine.section_handles(launched.launch, [peer.notification(s) for s in sections],
+                                            [(s.lo, s.hi) for s in sections])
+        log.debug("%d sections to peer %d: launched behind their plan", len(sections), launched.dest)
+        return ep._settle(transfers, list(zip(handles, sections)), deadline)
     table = pending.device_descriptors()
     by_peer: dict[int, list[Any]] = {}
     for s in planned.host_sections():
         by_peer.setdefault(transfers[s.transfer].dest, []).append(s)
-    count = max(1, int(planned.per_transfer[-1]))
-    typical = max(1, planned.nbytes // count)
     alignment = ep._alignment(batch)
     posted = []
     for dest, sections in by_peer.items():

@@ -14,7 +14,17 @@ from ...planner.model import Transfer
 from ...planner.plan import Section
 from ..ahead import GatherAhead
 
-__all__ = ["PlannedBatch", "split_descriptors"]
+__all__ = ["LaunchAhead", "PlannedBatch", "split_descriptors"]
+
+
+@dataclass
+class LaunchAhead:
+    """A direct send's one launch, queued behind its plan before the host read it
+    (:meth:`~kvplan.transport.prefill.PrefillEndpoint._launch_ahead`): to decode endpoint ``dest``,
+    over the plan's rows as they lie in its buffer; its sections' handles attach once read."""
+
+    dest: int
+    launch: Any  # the engine's (:meth:`~kvplan.transport.engines.ipc.IpcEngine.launch_device`)
 
 
 @dataclass
@@ -31,6 +41,7 @@ class PlannedBatch:
     chunks_run: int | None = None  # the id under which its chunks were announced ahead of the plan
     nbytes: int | None = None  # the descriptors' bytes (None: summed from descs)
     pending: Any = None  # the plan, where descs were not copied to the host
+    launched: LaunchAhead | None = None  # (direct, device engines) its launch, queued behind the plan
 
     def __post_init__(self) -> None:
         if self.nbytes is None:
