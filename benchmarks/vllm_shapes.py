@@ -181,10 +181,10 @@ def plan_rows(scale: float, runs: int, device: torch.device) -> list[PlanRow]:
 
 
 # -- moving: two processes ---------------------------------------------------------------------------
-def _settings(port: int, mode: str, warm_up: bool, tp_size: int = 1):
+def _settings(port: int, mode: str, warm_up: bool, tp_size: int = 1, engine: str = "nixl"):
     from kvplan.integrations.vllm.settings import WARM_UP, Settings
 
-    return Settings.parse({"host": "127.0.0.1", "port": port, "engine": "nixl", "mode": mode, "timeout_s": 120,
+    return Settings.parse({"host": "127.0.0.1", "port": port, "engine": engine, "mode": mode, "timeout_s": 120,
                            "max_requests": 64, "warm_up": WARM_UP if warm_up else {}}, tp_size=tp_size)
 
 
@@ -224,7 +224,7 @@ def role_main(args: argparse.Namespace) -> None:
     if args.window:  # a sliding-window group over the same memory, layer for layer (vLLM overlays groups)
         window_caches = {name.replace("self_attn", "window_attn"): view for name, view in caches.items()}
         groups = (KVGroup(tuple(caches)), KVGroup(tuple(window_caches), args.window))
-    worker = ConnectorWorker(_settings(args.port, args.mode, args.warm_up == "on", tp_size), args.role, rank, tp_size,
+    worker = ConnectorWorker(_settings(args.port, args.mode, args.warm_up == "on", tp_size, args.engine), args.role, rank, tp_size,
                              BLOCK, max_model_len=1 << 16, sends=args.role == "prefill",
                              receives=args.role == "decode", groups=groups)
     worker.register_kv_caches({**caches, **window_caches} if args.window else caches)
@@ -321,7 +321,7 @@ def _wait(folder: str, name: str, worker, timeout: float = 300.0) -> None:
 
 def transfer_rows(heads: int, requests: int, tokens: int, fragmented: bool, mode: str, repeats: int,
                   layers: int, limit_s: float = 240.0, warm_up: str = "on", tp: tuple[int, int] = (1, 1),
-                  layout: str = "LBHNC", window: int = 0) -> dict:
+                  layout: str = "LBHNC", window: int = 0, engine: str = "nixl") -> dict:
     """One batch shape moved ``repeats`` times between the ranks of a prefill of TP ``tp[0]`` (``heads``
     KV heads each) and of a decode of TP ``tp[1]`` that exchange it: prefill rank 0 and the decode ranks
     it serves, or decode rank 0 and the prefill ranks it gathers from; each a process of its own."""
@@ -344,7 +344,7 @@ def transfer_rows(heads: int, requests: int, tokens: int, fragmented: bool, mode
         ports = free_ports(decodes)
         base = [sys.executable, "-m", "benchmarks.vllm_shapes", "--dir", folder, "--heads", str(heads), "--layers",
                 str(layers), "--pool", str(pool), "--mode", mode, "--warm-up", warm_up, "--tp", str(tp[0]), str(tp[1]),
-                "--layout", layout, "--window", str(window)]
+                "--layout", layout, "--window", str(window), "--engine", engine]
         senders = [subprocess.Popen(base + ["--role", "prefill", "--rank", str(r), "--port", str(base_port)],
                                     stdout=subprocess.PIPE, text=True, cwd=ROOT) for r in range(prefills)]
         ranks = []
@@ -377,8 +377,8 @@ def transfer_rows(heads: int, requests: int, tokens: int, fragmented: bool, mode
         * 2 * HEAD_DIM * 2
     return {"heads": heads, "tp": tp, "layout": layout, "window": window, "requests": requests, "tokens": tokens,
             "layers": layers,
-            "placement": "fragmented" if fragmented else "contiguous", "mode": mode, "warm_up": warm_up,
-            "first_ms": per_round[0]["ms"], "first_pairing_ms": per_round[0]["publish_ms"],
+            "placement": "fragmented" if fragmented else "contiguous", "mode": mode, "engine": engine,
+            "warm_up": warm_up, "first_ms": per_round[0]["ms"], "first_pairing_ms": per_round[0]["publish_ms"],
             "steady_ms": statistics.median(steady), "gib_s": nbytes / statistics.median(steady) / 1e6 / 1.073741824,
             "bytes": nbytes, "wrong_blocks": sum(r["wrong_blocks"] for r in per_round),
             "failed": sum(r["failed"] for r in per_round), "rounds": per_round}
@@ -401,6 +401,7 @@ def main() -> None:
     parser.add_argument("--pool", type=int)
     parser.add_argument("--mode", default="auto")
     parser.add_argument("--modes", nargs="*", default=["prepared", "direct", "staged"])
+    parser.add_argument("--engine", default="nixl", help="the connector's engine (nixl, mooncake, ipc)")
     parser.add_argument("--placements", nargs="*", default=["fragmented", "contiguous"])
     parser.add_argument("--warm-up", choices=("on", "off"), default="on",
                         help="the connector's warm_up setting (default on: its default)")
@@ -442,13 +443,13 @@ def main() -> None:
                         continue  # (prepared lists are per page: head slices of each token have none)
                     row = transfer_rows(heads, requests, tokens, fragmented, mode, args.repeats, layers,
                                         warm_up=args.warm_up, tp=(src_tp, dst_tp), layout=args.layout,
-                                        window=args.window)
+                                        window=args.window, engine=args.engine)
                     result["transfer"].append(row)
                     if "timed_out_s" in row:
                         print(f"move {requests}x{tokens} {row['placement']:10s} {mode:8s} did not end within "
                               f"{row['timed_out_s']:.0f} s", flush=True)
                         continue
-                    print(f"move tp{src_tp}to{dst_tp} {args.layout} window {args.window} {requests}x{tokens} {row['placement']:10s} {mode:8s} warm-up {args.warm_up:3s} first "
+                    print(f"move {args.engine} tp{src_tp}to{dst_tp} {args.layout} window {args.window} {requests}x{tokens} {row['placement']:10s} {mode:8s} warm-up {args.warm_up:3s} first "
                           f"{row['first_ms']:9.1f} ms (pairing {row['first_pairing_ms']:7.1f}) "
                           f"steady {row['steady_ms']:9.1f} ms  {row['gib_s']:7.2f} GiB/s  wrong {row['wrong_blocks']} "
                           f"failed {row['failed']}", flush=True)
@@ -457,6 +458,7 @@ def main() -> None:
         tag = f"-{'-'.join(args.batches)}-warm-{args.warm_up}" if args.no_plan else ""
         tag += f"-tp{args.tp[0]}to{args.tp[1]}-{args.layout}" if args.tp[0] != args.tp[1] else ""
         tag += f"-window{args.window}" if args.window else ""
+        tag += f"-{args.engine}" if args.engine != "nixl" else ""
         with open(os.path.join(args.out, f"vllm_shapes{tag}.json"), "w") as f:
             json.dump(result, f, indent=1)
 

@@ -860,8 +860,10 @@ class PrefillEndpoint:
         sums = self._checksums(transfers, pending, per_transfer, nbytes)
         if layers is not None:
             staged = mode == "staged" or mode == "auto" and self._auto_mode(len(descs), nbytes) == "staged"
+            on_device = (pending.device_descriptors(), self._alignment(batch)) \
+                if staged or self.engine.capabilities.device else None
             moved = streamed.send(self, transfers, descs, sections, layers, time.monotonic() + timeout,
-                                  (pending.device_descriptors(), self._alignment(batch)) if staged else None)
+                                  on_device if staged else None, None if staged else on_device)
             return {**moved, **refused}
         if sums is not None:  # before the bytes: the decode checks a request as soon as it has landed
             self._send_checksums(transfers, sums)

@@ -72,7 +72,7 @@ def run_group(tmp_path, engine: str, prefill_layout: str, decode_layout: str, de
 
 
 @pytest.mark.parametrize("engine, layout, mode", [("nixl", "LBNHC", "auto"), ("nixl", "BLHNC", "prepared"),
-                                                ("mooncake", "LBHNC", "direct")])
+                                                ("mooncake", "LBHNC", "direct"), ("ipc", "LBNHC", "direct")])
 def test_every_byte_of_every_block_lands_and_a_request_its_prefill_never_had_is_reported_failed(tmp_path, engine,
                                                                                                layout, mode):
     if engine == "mooncake":

@@ -71,6 +71,30 @@ class FakeEngine:
         pass
 
 
+class FakeDeviceEngine(FakeEngine):
+    """A :class:`FakeEngine` that takes device descriptors in one launch per post
+    (``Capabilities.device``): each launch is recorded as ``(rows, after)``, and each of its sections is
+    recorded in :attr:`posted` as a post would be, once the launch is given its sections."""
+
+    capabilities = Capabilities(abortable=True, device=True)
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.launches: list[tuple[np.ndarray, object]] = []
+
+    def launch_device(self, peer, descs, rows=None, after=None, alignment=1, typical_bytes=4096):
+        count = len(descs) if rows is None else int(rows[0])
+        self.launches.append((np.asarray(descs[:count]).view(np.uint64), after))
+        return (peer, len(self.launches) - 1)
+
+    def section_handles(self, launch, notifications, bounds):
+        peer, k = launch
+        return [self.post(peer, self.launches[k][0][lo:hi], note) for note, (lo, hi) in zip(notifications, bounds)]
+
+    def post_device(self, peer, descs, notifications, bounds, alignment=1, typical_bytes=4096):
+        return self.section_handles(self.launch_device(peer, descs), notifications, bounds)
+
+
 class NotifyingFakeEngine(FakeEngine):
     """A fake engine that also sends standalone notifications (``notified``: ``(peer, message)``)."""
 

@@ -18,7 +18,7 @@ from kvplan.transport.prefill import Chunk, PrefillEndpoint
 from kvplan.transport.readiness import LayerReadiness, LayerStreaming
 from kvplan.transport.registration import describe_side
 from tests.planner.builders import table_with
-from tests.transport.fakes import FakeChannel, FakeEngine
+from tests.transport.fakes import FakeChannel, FakeDeviceEngine, FakeEngine
 
 PAGE, PAGE_BYTES, LAYERS = 4, 256, 4
 
@@ -50,11 +50,11 @@ class ForwardPass:
         return self.signal.ready()
 
 
-def _pair(staging_bytes: int = 0):
+def _pair(staging_bytes: int = 0, engine=None):
     decode_pools, prefill_pools = pools(), pools()
     decode_side = side(decode_pools, {1: [3, 4], 2: [6, 7]})
     mine, theirs = FakeChannel.pair()
-    engine = FakeEngine()
+    engine = engine or FakeEngine()
     staging = [torch.zeros(staging_bytes, dtype=torch.uint8) for _ in range(2)] if staging_bytes else None
     prefill = PrefillEndpoint(side(prefill_pools, {1: [5, 9], 2: [10, 11]}), engine, mine,
                               staging[0] if staging else None)
@@ -92,6 +92,30 @@ def test_each_group_is_posted_only_after_the_forward_pass_marked_it_and_the_rece
     posted = np.concatenate([d for d, _ in engine.posted])
     planned = prefill._planner(False).plan(prefill_batch(prefill, chunks)).descriptors()[0]
     assert sorted(map(tuple, posted.tolist())) == sorted(map(tuple, planned.tolist()))  # the plan, once
+
+
+def test_an_engine_that_writes_from_device_descriptors_gets_one_launch_per_group_after_its_mark():
+    """With an engine like ``ipc``, a group's sections go as one launch over their rows gathered on the
+    device, never before the group is marked (on a GPU, queued behind the mark's event instead), and
+    the launches together are the plan, once."""
+    prefill, engine, decode, chunks, decode_side, published = _pair(engine=FakeDeviceEngine())
+    groups = LayerGroups((0, 1, 3, 4))
+    forward = ForwardPass(groups.count)
+    marked = []
+    engine.on_post = lambda descs, note: marked.append((len(engine.launches), forward.signal.ready()))
+    result = prefill.send(chunks, mode="auto", timeout=5, layers=LayerStreaming(groups, forward))
+    assert result == {"r1": None, "r2": None} and prefill.last_mode == "direct"
+    assert len(engine.launches) == groups.count  # one per group (one decode endpoint)
+    assert all(ready >= launch for launch, ready in marked), marked  # launch k after group k-1 was marked
+    tracker = CompletionTracker(decode_side)
+    for p in published:
+        tracker.expect(p.expectation(), 1e18)
+    for _, note in engine.posted:
+        tracker.on_section(decode_notification(note))
+    assert tracker.states() == {"r1": "complete", "r2": "complete"}
+    launched = np.concatenate([rows for rows, _ in engine.launches])
+    planned = prefill._planner(False).plan(prefill_batch(prefill, chunks)).descriptors()[0]
+    assert sorted(map(tuple, launched.tolist())) == sorted(map(tuple, planned.tolist()))
 
 
 def prefill_batch(prefill, chunks):

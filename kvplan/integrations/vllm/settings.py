@@ -5,7 +5,7 @@ key             default                      meaning
 =============== ============================ ======================================================
 host            vLLM's ``get_ip()``          the address this engine's workers listen at (decodes connect)
 port            17500                        worker rank ``r`` listens at ``port + r``
-engine          ``"nixl"``                   the transfer engine: ``"nixl"`` or ``"mooncake"``
+engine          ``"nixl"``                   the transfer engine: ``"nixl"``, ``"mooncake"`` or ``"ipc"`` (one host)
 engine_settings ``{}``                       the engine's own settings (docs/engines.md), e.g. Mooncake's
                                              ``{"protocol": "rdma", "device_name": "mlx5_0"}``
 timeout_s       120                          how long a transfer may take from the decode's publication:
@@ -51,7 +51,7 @@ __all__ = ["DEFAULT_PORT", "ENGINES", "LAYOUTS", "MODES", "Settings", "layout_se
 
 DEFAULT_PORT = 17500
 DEFAULT_TIMEOUT_S = 120.0
-ENGINES = ("nixl", "mooncake")
+ENGINES = ("nixl", "mooncake", "ipc")
 _KEYS = ("host", "port", "engine", "engine_settings", "timeout_s", "max_requests", "mode", "staging_mib", "warm_up",
          "layout", "secret_file")
 WARM_UP = {"max_transfers": 16, "max_prompt_len": 8192}

@@ -31,14 +31,18 @@ log = logging.getLogger("kvplan")
 
 
 def send(ep: PrefillEndpoint, transfers: Sequence[Transfer], descs: np.ndarray, sections: Sequence[Section],
-         layers: LayerStreaming, deadline: float, staged: tuple[torch.Tensor, int] | None) -> dict[Any, str | None]:
+         layers: LayerStreaming, deadline: float, staged: tuple[torch.Tensor, int] | None,
+         launched: tuple[torch.Tensor, int] | None = None) -> dict[Any, str | None]:
     """Move each layer group's sections once the forward pass has written the group: posted as
     direct writes (waited for together at the end), or, with ``staged`` (the batch's device
-    descriptors and alignment), as one staged run per group and peer."""
+    descriptors and alignment), as one staged run per group and peer. With ``launched`` (the same,
+    for an engine that writes from device descriptors), each group's direct writes are one launch per
+    peer queued behind the group's mark event where the pass recorded one: on the device, with no
+    host step between the mark and the bytes."""
     pairings = [pair_sides(ep.side, p.side) for p in ep.peers]
     per_group = group_sections(sections, pairings, ep.side, [t.dest for t in transfers], layers.groups)
     ep.last_mode, ep.last_announcement = ("staged", "table") if staged else ("direct", None)
-    grouped = GroupedSend(ep, transfers, descs, per_group, layers, deadline, staged)
+    grouped = GroupedSend(ep, transfers, descs, per_group, layers, deadline, staged, launched)
     grouped.run()
     result = ep._settle(transfers, grouped.posted, deadline)
     if grouped.trace is not None:
@@ -71,11 +75,13 @@ def group_run(transfers: Sequence[Transfer], dest: int, parts: Sequence[Any], de
 
 
 def until_ready(ep: PrefillEndpoint, readiness, group: int, posted: list[tuple[Handle, Any]], dests: Sequence[int],
-                deadline: float) -> str | None:
+                deadline: float, queued: bool = False) -> str | None:
     """Wait (progressing what is posted; :mod:`..pause` between looks) until layer group ``group`` is
-    written; the reason it never was, else ``None``."""
+    written, or with ``queued`` until its mark is at least queued with an event to wait on
+    (``readiness.written``); the reason it never was, else ``None``."""
     pause = Pause(longest_s=1e-4)  # a group is written within milliseconds: short slices once quiet
-    while readiness.ready() <= group:
+    written = getattr(readiness, "written", None) if queued else None
+    while readiness.ready() <= group and (written is None or written(group) is None):
         if time.monotonic() > deadline:
             return f"layer group {group} was not written before the deadline"
         if (gone := ep._any_peer_gone(dests)) is not None:
@@ -94,9 +100,10 @@ class GroupedSend:
     only gathering and writing."""
 
     def __init__(self, ep: PrefillEndpoint, transfers: Sequence[Transfer], descs: np.ndarray, per_group: list,
-                 layers: LayerStreaming, deadline: float, staged: tuple[torch.Tensor, int] | None):
+                 layers: LayerStreaming, deadline: float, staged: tuple[torch.Tensor, int] | None,
+                 launched: tuple[torch.Tensor, int] | None = None):
         self.ep, self.transfers, self.descs, self.per_group = ep, transfers, descs, per_group
-        self.layers, self.deadline, self.staged = layers, deadline, staged
+        self.layers, self.deadline, self.staged, self.launched = layers, deadline, staged, launched
         self.dests = sorted({t.dest for t in transfers})
         self.posted: list[tuple[Handle, Any]] = []  # direct writes, waited for together at the end
         self.failed: dict[Any, str | None] = {}
@@ -146,7 +153,8 @@ class GroupedSend:
         self.announce(0)
         self.queue_ahead(0)
         for g, parts in enumerate(self.per_group):
-            why = until_ready(ep, self.layers.readiness, g, self.posted, self.dests, self.deadline)
+            why = until_ready(ep, self.layers.readiness, g, self.posted, self.dests, self.deadline,
+                              queued=self.launched is not None)
             self._mark(g, "ready")
             if why is not None:  # nothing of this group or later ones goes out
                 for s in (s for later in self.per_group[g:] for s in later):
@@ -158,12 +166,36 @@ class GroupedSend:
                 for run in self.announced.pop(g):
                     self.merge(run.move())
                 self.queue_ahead(g + 1)
+            elif self.launched is not None:
+                self._launch(g, parts)
             else:
                 for s in parts:
                     rows = self.descs[s.spans[0][0]:s.spans[0][1]] if len(s.spans) == 1 else self.descs[s.rows()]
                     peer = ep.peers[self.transfers[s.transfer].dest]
                     self.posted.append((ep.engine.post(peer.name, rows, peer.notification(s)), s))
             self._mark(g, "sent")
+
+    def _launch(self, g: int, parts: Sequence[Any]) -> None:
+        """Group ``g``'s sections as one launch per peer, over their rows gathered on the device, queued
+        behind the group's mark event (where the pass recorded one; else the mark was read here)."""
+        ep, (device_descs, alignment) = self.ep, self.launched
+        written = getattr(self.layers.readiness, "written", None)
+        after = written(g) if written is not None else None
+        for dest in self.dests:
+            mine = [s for s in parts if self.transfers[s.transfer].dest == dest]
+            if not mine:
+                continue
+            rows = [s.rows() for s in mine]
+            bounds = np.cumsum([0] + [len(r) for r in rows])
+            index = torch.from_numpy(np.concatenate(rows)).to(device_descs.device, non_blocking=True)
+            share = device_descs.index_select(0, index)
+            nbytes = int(sum(int(self.descs[r, 2].sum(dtype=np.uint64)) for r in rows))
+            peer = ep.peers[dest]
+            launch = ep.engine.launch_device(peer.name, share, after=after, alignment=alignment,
+                                             typical_bytes=max(1, nbytes // max(1, len(share))))
+            handles = ep.engine.section_handles(launch, [peer.notification(s) for s in mine],
+                                                list(zip(bounds[:-1].tolist(), bounds[1:].tolist())))
+            self.posted += list(zip(handles, mine))
 
     def _mark(self, group: int, step: str) -> None:
         if self.trace is not None:
