@@ -282,6 +282,36 @@ def _ipc() -> tuple[Step, ...]:
     return tuple(steps)
 
 
+def _ipc_ahead() -> tuple[Step, ...]:
+    """The first call after a direct send's launch was queued behind its plan."""
+    ipc = ("--engine", "ipc", "--mode", "direct")
+    return (pytest("tests", "tests/kernels/test_translate.py", "tests/transport/test_ipc_gpu.py",
+                   "tests/transport/test_ipc_engine.py", "tests/transport/test_layerwise.py", timeout_s=240),
+            pytest("compile", "tests/kernels/test_compile.py", "-k", "translate or copy", timeout_s=120),
+            demo("llama70b-ipc", *ipc, *BATCH, "--repeat", "12", timeout_s=120),
+            demo("llama70b-nixl-staged", "--engine", "nixl", "--mode", "staged", "--staging-mib", "512",
+                 "--staging-slots", "1", *BATCH, "--repeat", "12", timeout_s=120),
+            demo("llama70b-ipc-to-p16", *ipc, *BATCH, "--dst-page-size", "16", "--repeat", "6", timeout_s=100),
+            demo("tp4to8-ipc", *ipc, "--preset", "llama70b-tp4to8-p64", "--layers", "8", "--requests", "4",
+                 "--prompt-len", "4096", "--repeat", "4", timeout_s=120),
+            demo("layerwise-ipc", *ipc, *BATCH, "--layerwise", "4", "--forward-dim", "4096", "--repeat", "6",
+                 timeout_s=120))
+
+
+def _ipc_streams() -> tuple[Step, ...]:
+    """The second: streaming's exposed time, the vLLM-shaped batch, two drills."""
+    ipc = ("--engine", "ipc", "--mode", "direct")
+    vllm = ("--batches", "16x5k", "--no-plan", "--placements", "fragmented", "--repeats", "4")
+    return (Step("layerwise", lambda out: [PY, "benchmarks/layerwise.py", "--out", out, "--engine", "ipc", "--modes",
+                                           "direct", "--largest-only", "--repeat", "4"], 240),
+            Step("vllm-16x5k-ipc", lambda out: [PY, "-m", "benchmarks.vllm_shapes", *vllm, "--engine", "ipc",
+                                                "--modes", "direct", "--out", out], 150),
+            Step("vllm-16x5k-nixl", lambda out: [PY, "-m", "benchmarks.vllm_shapes", *vllm, "--modes", "staged",
+                                                 "prepared", "--out", out], 200),
+            demo("drill-dead-decode-mid", *ipc, "--fault", "dead-decode-mid", timeout_s=60),
+            demo("drill-deadline", *ipc, "--fault", "deadline", timeout_s=60))
+
+
 def _ipc_drills() -> tuple[Step, ...]:
     """Issue 55's second call: layer-wise streaming, every preset and the fault drills through ipc."""
     ipc = ("--engine", "ipc", "--mode", "direct")
@@ -355,6 +385,11 @@ SUITES: dict[str, Suite] = {
                              _mooncake_nvlink()),
     "ipc": Suite("issue 55: the same-host ipc engine on one card, against a device copy and NIXL in the same run "
                  "(python -m benchmarks.trim_wheels makes .whl-both)", ".whl-both", _ipc()),
+    "ipc-ahead": Suite("issue 55, launches behind the plan: the ipc tests compiled (the counted translation, the "
+                       "streamed launches), kvplan's batches through ipc and NIXL staged in the same run",
+                       ".whl-both", _ipc_ahead()),
+    "ipc-streams": Suite("issue 55, launches behind the marks: layer-wise streaming through ipc, the vLLM-shaped "
+                         "batch through the connector over ipc against NIXL, two drills", ".whl-both", _ipc_streams()),
     "ipc-drills": Suite("issue 55: layer-wise streaming, every preset and the fault drills through the ipc engine",
                         ".whl-both", _ipc_drills()),
     "engines-two-cards": Suite("issue 37's table in one run: the peer copy, NIXL's and Mooncake nvlink_intra's "
