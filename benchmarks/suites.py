@@ -286,7 +286,7 @@ def _ipc_ahead() -> tuple[Step, ...]:
     """The first call after a direct send's launch was queued behind its plan."""
     ipc = ("--engine", "ipc", "--mode", "direct")
     return (pytest("tests", "tests/kernels/test_translate.py", "tests/transport/test_ipc_gpu.py",
-                   "tests/transport/test_ipc_engine.py", "tests/transport/test_layerwise.py", timeout_s=240),
+                   "tests/transport/test_ipc_engine.py", timeout_s=240),
             pytest("compile", "tests/kernels/test_compile.py", "-k", "translate or copy", timeout_s=120),
             demo("llama70b-ipc", *ipc, *BATCH, "--repeat", "12", timeout_s=120),
             demo("llama70b-nixl-staged", "--engine", "nixl", "--mode", "staged", "--staging-mib", "512",
@@ -302,7 +302,9 @@ def _ipc_streams() -> tuple[Step, ...]:
     """The second: streaming's exposed time, the vLLM-shaped batch, two drills."""
     ipc = ("--engine", "ipc", "--mode", "direct")
     vllm = ("--batches", "16x5k", "--no-plan", "--placements", "fragmented", "--repeats", "4")
-    return (Step("layerwise", lambda out: [PY, "benchmarks/layerwise.py", "--out", out, "--engine", "ipc", "--modes",
+    return (pytest("event-test", "tests/transport/test_layerwise.py::"
+                   "test_a_groups_event_is_offered_only_once_this_pass_has_queued_its_mark", timeout_s=60),
+            Step("layerwise", lambda out: [PY, "benchmarks/layerwise.py", "--out", out, "--engine", "ipc", "--modes",
                                            "direct", "--largest-only", "--repeat", "4"], 240),
             Step("vllm-16x5k-ipc", lambda out: [PY, "-m", "benchmarks.vllm_shapes", *vllm, "--engine", "ipc",
                                                 "--modes", "direct", "--out", out], 150),
