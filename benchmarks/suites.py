@@ -306,12 +306,19 @@ def _ipc_streams() -> tuple[Step, ...]:
                    "test_a_groups_event_is_offered_only_once_this_pass_has_queued_its_mark", timeout_s=60),
             Step("layerwise", lambda out: [PY, "benchmarks/layerwise.py", "--out", out, "--engine", "ipc", "--modes",
                                            "direct", "--largest-only", "--repeat", "4"], 240),
-            Step("vllm-16x5k-ipc", lambda out: [PY, "-m", "benchmarks.vllm_shapes", *vllm, "--engine", "ipc",
-                                                "--modes", "direct", "--out", out], 150),
-            Step("vllm-16x5k-nixl", lambda out: [PY, "-m", "benchmarks.vllm_shapes", *vllm, "--modes", "staged",
-                                                 "prepared", "--out", out], 200),
+            *_vllm_16x5k(vllm),
             demo("drill-dead-decode-mid", *ipc, "--fault", "dead-decode-mid", timeout_s=60),
             demo("drill-deadline", *ipc, "--fault", "deadline", timeout_s=60))
+
+
+def _vllm_16x5k(vllm: Sequence[str]) -> tuple[Step, ...]:
+    """The vLLM-shaped batch through the connector: ipc direct, then NIXL staged (each shape's processes
+    limited to 100 s, inside the step's deadline, so that a stuck run says why)."""
+    limit = ("--limit-s", "100")
+    return (Step("vllm-16x5k-ipc", lambda out: [PY, "-m", "benchmarks.vllm_shapes", *vllm, *limit, "--engine", "ipc",
+                                                "--modes", "direct", "--out", out], 150),
+            Step("vllm-16x5k-nixl", lambda out: [PY, "-m", "benchmarks.vllm_shapes", *vllm, *limit, "--modes",
+                                                 "staged", "--out", out], 150))
 
 
 def _ipc_drills() -> tuple[Step, ...]:
@@ -392,6 +399,9 @@ SUITES: dict[str, Suite] = {
                        ".whl-both", _ipc_ahead()),
     "ipc-streams": Suite("issue 55, launches behind the marks: layer-wise streaming through ipc, the vLLM-shaped "
                          "batch through the connector over ipc against NIXL, two drills", ".whl-both", _ipc_streams()),
+    "ipc-vllm": Suite("issue 55: the vLLM-shaped 16 x 5,120 batch through kvplan's connector over ipc and over NIXL "
+                      "staged", ".whl-both", _vllm_16x5k(("--batches", "16x5k", "--no-plan", "--placements",
+                                                          "fragmented", "--repeats", "4"))),
     "ipc-drills": Suite("issue 55: layer-wise streaming, every preset and the fault drills through the ipc engine",
                         ".whl-both", _ipc_drills()),
     "engines-two-cards": Suite("issue 37's table in one run: the peer copy, NIXL's and Mooncake nvlink_intra's "

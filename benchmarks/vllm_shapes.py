@@ -356,6 +356,10 @@ def transfer_rows(heads: int, requests: int, tokens: int, fragmented: bool, mode
             for sender in senders:
                 sender.communicate(timeout=60)
         except subprocess.TimeoutExpired:  # (a mode that cannot move the batch in time: reported with its bound)
+            for rank in ranks:  # (what the decode ranks said: the reason is theirs to give)
+                rank.kill()
+                print(f"a decode rank did not end within {limit_s:.0f} s; its last words:\n"
+                      f"{rank.communicate(timeout=10)[1][-3000:]}", file=sys.stderr, flush=True)
             return {"heads": heads, "requests": requests, "tokens": tokens, "layers": layers, "mode": mode, "tp": tp,
                     "layout": layout,
                     "placement": "fragmented" if fragmented else "contiguous", "timed_out_s": limit_s}
@@ -402,6 +406,7 @@ def main() -> None:
     parser.add_argument("--mode", default="auto")
     parser.add_argument("--modes", nargs="*", default=["prepared", "direct", "staged"])
     parser.add_argument("--engine", default="nixl", help="the connector's engine (nixl, mooncake, ipc)")
+    parser.add_argument("--limit-s", type=float, default=240.0, help="how long one batch shape's processes may run")
     parser.add_argument("--placements", nargs="*", default=["fragmented", "contiguous"])
     parser.add_argument("--warm-up", choices=("on", "off"), default="on",
                         help="the connector's warm_up setting (default on: its default)")
@@ -435,7 +440,7 @@ def main() -> None:
         layers = LAYERS if device.type == "cuda" else 2
         src_tp, dst_tp = args.tp
         heads = 1 if src_tp == dst_tp else 8 // src_tp  # (TP 8's one head; else Llama-70B's 8 over the prefill's ranks)
-        modes = args.modes if device.type == "cuda" else ("prepared", "direct")
+        modes = args.modes if device.type == "cuda" else [m for m in ("prepared", "direct") if m in args.modes]
         for requests, tokens in batches:
             for fragmented in [p == "fragmented" for p in args.placements]:
                 for mode in modes:
@@ -443,7 +448,7 @@ def main() -> None:
                         continue  # (prepared lists are per page: head slices of each token have none)
                     row = transfer_rows(heads, requests, tokens, fragmented, mode, args.repeats, layers,
                                         warm_up=args.warm_up, tp=(src_tp, dst_tp), layout=args.layout,
-                                        window=args.window, engine=args.engine)
+                                        window=args.window, engine=args.engine, limit_s=args.limit_s)
                     result["transfer"].append(row)
                     if "timed_out_s" in row:
                         print(f"move {requests}x{tokens} {row['placement']:10s} {mode:8s} did not end within "

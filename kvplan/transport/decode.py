@@ -118,7 +118,8 @@ class DecodeEndpoint:
     """
 
     def __init__(self, side: SideMemory, engine: Engine, channels: ControlChannel | Sequence[ControlChannel],
-                 staging: torch.Tensor | None = None, integrity: bool = False, compat: str | None = None):
+                 staging: torch.Tensor | None = None, integrity: bool = False, compat: str | None = None,
+                 senders: int | None = None):
         self.side, self.engine, self.staging = side, engine, staging
         # what the sender must match beyond the layout it can check (an integration's own word for the bytes'
         # meaning, such as vLLM's physical KV layout); sent with the registration, compared there
@@ -127,6 +128,8 @@ class DecodeEndpoint:
         self.integrity = integrity
         self._sums: dict[Any, dict[int, int]] = {}  # request -> each sender's checksum as it came
         self.channels = list(channels) if isinstance(channels, (list, tuple)) else [channels]
+        # (senders: made with no channel yet, its memory registered before any is asked for: attach_channels)
+        self._sender_count = len(self.channels) if senders is None else senders
         self.tracker = CompletionTracker(side)
         self.guard = LandingGuard(side)
         self.failures: dict[Any, str | None] = {}
@@ -169,7 +172,7 @@ class DecodeEndpoint:
         # a one-wave planned run's scatter reads its plan's buffers, which recur with the planner's slots
         self._copy_graphs = CopyGraphs(transport_stream(staging.device)) \
             if self._stream is not None and copy_graphs_enabled() else None
-        self._share = (staging.numel() // len(self.channels)) // 256 * 256 if staging is not None else 0
+        self._share = (staging.numel() // max(1, self._sender_count)) // 256 * 256 if staging is not None else 0
         # senders whose process ended (their end of the control connection closed), as of the last look: their
         # fences hold (a sender that went silent is not among them)
         self._gone_senders: set[int] = set()
@@ -220,6 +223,24 @@ class DecodeEndpoint:
             return False
         self._progress.call(action)
         return True
+
+    def attach_channels(self, channels: Sequence[ControlChannel]) -> None:
+        """The channels of an endpoint made with ``senders=n`` and none: its engine's memory is registered
+        at construction, which may take seconds (a cold device), and a prefill's listener closes a
+        channel whose registration does not follow its request within a bound. Call :meth:`register`
+        next.
+
+        Example::
+
+            decode = DecodeEndpoint(side, engine, [], staging=staging, senders=2)  # the slow part first
+            decode.attach_channels([channel_via(host, port + r, timeout=5) for r in (0, 1)])
+            decode.register(timeout=5)
+        """
+        self._before_thread("attach_channels")
+        if self.channels or len(channels) != self._sender_count:
+            raise LayoutError(f"this decode endpoint was made for {self._sender_count} senders and has {len(self.channels)} "
+                              f"channels: it takes {self._sender_count} once, not {len(channels)}")
+        self.channels = list(channels)
 
     def register(self, timeout: float = 60.0) -> None:
         """Publish this side's layout, engine metadata and staging buffer; waits up to ``timeout``

@@ -70,7 +70,10 @@ FINISHED_GRACE = 16  # results calls a finished id that is no send here is kept 
 # batches a prefill worker keeps moving at once (below its endpoint's max_in_flight, which would refuse more with
 # "overload"); requests ready meanwhile go together in the next batch
 MOVING_MAX = 2
-HANDSHAKE_S = 5.0  # how long a decode that asked for a channel may take to register on it
+HANDSHAKE_S = 5.0  # how long a prefill may take to answer a decode's request for a channel, and to pair on it
+# how long a decode that asked for a channel may take to register on it (its memory is registered before it asks,
+# but its thread shares the interpreter with a model runner that may be compiling kernels on a cold start)
+REGISTER_S = 30.0
 
 
 @dataclass
@@ -192,7 +195,7 @@ class ConnectorWorker:
             self.prefill.start()
             self._submitted: dict[Any, list] = {}  # handle -> its chunks
             listen = self.settings.listen
-            self.listener = ChannelListener(listen.port + self.tp_rank, host=listen.host, handshake_s=HANDSHAKE_S,
+            self.listener = ChannelListener(listen.port + self.tp_rank, host=listen.host, handshake_s=REGISTER_S,
                                             secret=self.settings.secret())
             log.info("kvplan's vLLM connector, rank %d: %d blocks of %d layers; decodes connect at %s:%d", self.tp_rank,
                      self.view.num_blocks, len(self.view.layers), listen.host, listen.port + self.tp_rank)
@@ -525,7 +528,13 @@ class ConnectorWorker:
                     self._fail_unpublished(request_id, receive, f"{type(err).__name__}: {err}")
 
     def _pair(self, host: str, port: int, ranks: tuple[int, ...]) -> DecodeEndpoint:
-        """Make the decode endpoint of :meth:`_connect` and pair it (on its pairing's thread)."""
+        """Make the decode endpoint of :meth:`_connect` and pair it (on its pairing's thread): its engine made
+        and its memory registered first (seconds on a cold device), then a channel asked of each prefill
+        rank, on which it registers at once (each listener closes a channel that waits past its bound)."""
+        start = time.perf_counter()
+        decode = DecodeEndpoint(self.view.side(self._recv_table, self.tp_size, self.tp_rank, self._recv_maps.maps),
+                                self._engine("receive"), [], staging=self._staging(), compat=self.view.word,
+                                senders=len(ranks))
         channels = []
         try:
             for rank in ranks:
@@ -534,10 +543,8 @@ class ConnectorWorker:
             for channel in channels:
                 channel.close()
             raise PeerError(f"the prefill at {host}:{int(port) + rank} did not answer: {err}") from None
-        start = time.perf_counter()
         try:
-            decode = DecodeEndpoint(self.view.side(self._recv_table, self.tp_size, self.tp_rank, self._recv_maps.maps),
-                                    self._engine("receive"), channels, staging=self._staging(), compat=self.view.word)
+            decode.attach_channels(channels)
             decode.register(timeout=HANDSHAKE_S)
             made = time.perf_counter()
             if self.settings.warm_up:  # (waits for the pairing: the prefill is stepping, it has this request to send)
