@@ -211,6 +211,12 @@ def role_main(args: argparse.Namespace) -> None:
     from kvplan.integrations.vllm.scheduler import ReceiveRequest, SchedulerStep, SendRequest
     from kvplan.integrations.vllm.worker import ConnectorWorker
 
+    import faulthandler
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format=f"{args.role} %(asctime)s %(threadName)s %(message)s")
+    if args.limit_s > 15:  # (a stuck run says where each thread is, before its parent kills it)
+        faulthandler.dump_traceback_later(args.limit_s - 10, exit=False)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     heads, layers, pool = args.heads, args.layers, args.pool
     src_tp, dst_tp = args.tp
@@ -344,7 +350,7 @@ def transfer_rows(heads: int, requests: int, tokens: int, fragmented: bool, mode
         ports = free_ports(decodes)
         base = [sys.executable, "-m", "benchmarks.vllm_shapes", "--dir", folder, "--heads", str(heads), "--layers",
                 str(layers), "--pool", str(pool), "--mode", mode, "--warm-up", warm_up, "--tp", str(tp[0]), str(tp[1]),
-                "--layout", layout, "--window", str(window), "--engine", engine]
+                "--layout", layout, "--window", str(window), "--engine", engine, "--limit-s", str(limit_s)]
         senders = [subprocess.Popen(base + ["--role", "prefill", "--rank", str(r), "--port", str(base_port)],
                                     stdout=subprocess.PIPE, text=True, cwd=ROOT) for r in range(prefills)]
         ranks = []

@@ -13,7 +13,10 @@ are (no copy to the host, no host work per descriptor) and, on the engine's stre
 caller's, launches the translation of their destinations into this process's mapping of the peer's
 memory, with every descriptor checked against the regions the peer registered
 (:mod:`kvplan.kernels.translate`: one outside them is not written and fails its section), then one
-copy kernel over all of them (:func:`kvplan.kernels.copy.copy_descriptors`). A write has ended when
+copy kernel over all of them (:func:`kvplan.kernels.copy.copy_descriptors`). The launch may go before
+the host knows the plan (:meth:`IpcEngine.launch_device`: the plan's row count read on the device, or
+behind an event such as a layer group's mark), its sections attached once the host has read them
+(:meth:`IpcEngine.section_handles`). A write has ended when
 the launch's event has completed; its sections' notifications then go to the peer's socket. A
 notification rather than a flag the kernel writes: the receiver already waits on its engine's
 notifications (and the control channel's seals cover them, :mod:`..note_seal`), and polling device
