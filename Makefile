@@ -85,7 +85,7 @@ test: setup setup-sglang setup-vllm dist
 # only the vLLM connector's tests, against vLLM's own code
 test-vllm: setup-vllm
 	PYTHONPATH=$(VLLM_SITE) VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(VLLM_WORKERS) -m vllm -p no:cacheprovider \
-	  tests/integrations/test_vllm_connector.py tests/integrations/test_vllm_transfer.py
+	  tests/integrations/test_vllm_connector.py tests/integrations/test_vllm_stats.py tests/integrations/test_vllm_transfer.py
 
 # only the differential tests against SGLang's own code
 test-sglang: setup setup-sglang

@@ -389,6 +389,10 @@ class DecodeEndpoint:
         """
         return self.tracker.stats.snapshot(in_flight=self.tracker.in_flight)
 
+    def totals(self) -> dict[str, Any]:
+        """:meth:`stats`' cumulative counters alone, without percentiles (cheap: an engine's step may ask)."""
+        return self.tracker.stats.totals()
+
     def _opened(self, raw: bytes) -> tuple[int | None, bytes] | None:
         """An engine notification as ``(sender, note)``: with a secret, the note inside a seal of sender
         ``sender``'s pairing (:mod:`.note_seal`); without one, ``(None, raw)``. ``None``: refused (not

@@ -651,6 +651,10 @@ class PrefillEndpoint:
         """
         return self._stats.snapshot(in_flight=sum(len(p.lists) for p in self.peers))
 
+    def totals(self) -> dict[str, Any]:
+        """:meth:`stats`' cumulative counters alone, without percentiles (cheap: an engine's step may ask)."""
+        return self._stats.totals()
+
     def stats_hit(self, bound: str) -> None:
         """Count a bound reached once (for the senders: a staged wave that waits for a free slot)."""
         self._stats.hit(bound)

@@ -84,6 +84,13 @@ class EndpointStats:
         with self._lock:
             self._bounds[bound] += 1
 
+    def totals(self) -> dict[str, Any]:
+        """The cumulative counters alone (no percentiles: cheap enough for every step of an engine):
+        requests by outcome, bytes, failures by cause, and the count and sum of latencies."""
+        with self._lock:
+            return {"requests": dict(self._requests), "bytes": self._bytes, "failures": dict(self._failures),
+                    "latency_ms": {"count": self._latency_count, "sum_s": self._latency_sum}}
+
     def snapshot(self, in_flight: int) -> dict[str, Any]:
         """What :meth:`PrefillEndpoint.stats` and :meth:`DecodeEndpoint.stats` return."""
         with self._lock:

@@ -62,6 +62,10 @@ def run_group(tmp_path, engine: str, prefill_layout: str, decode_layout: str, de
             raise RuntimeError(f"{err}\nthe prefill ranks said: {said}") from None
         prefills = [child_message(here, f"prefill {rank}", 60)[1] for rank, here in enumerate(results[:prefill_tp])]
         prefill = prefills[0]
+        for decode in decodes:  # (the prefill's connector stats ride with what the decodes saw)
+            decode["prefill_stats"] = prefill.get("stats")
+        for each in prefills:
+            each.pop("stats", None)
     finally:
         for proc in procs:
             proc.join(10)
@@ -79,10 +83,16 @@ def test_every_byte_of_every_block_lands_and_a_request_its_prefill_never_had_is_
         pytest.importorskip("mooncake.engine", reason="Mooncake is not installed")
     sent, got = run_pair(tmp_path, engine, layout, layout, "--ghost", "--timeout", "6",
                          prefill_args=("--mode", mode))
+    prefill_stats = got["prefill_stats"]
     assert sent == {"sent": ["p-req-0", "p-req-1", "p-req-2", "p-req-3"], "freed": True}  # (its blocks freed after)
     assert got["received"] == REQUESTS + ["d-req-4"]  # every request ends, the failed one too (vLLM frees it)
     assert got["failed"] == ["d-req-4"] and got["invalid_blocks"] == got["ghost_blocks"] != []
     assert got["wrong"] == [] and got["blocks_checked"] == 7 + 3 + 4 + 1
+    # vLLM's connector stats, summed over the steps' intervals: what each side's endpoints counted
+    assert prefill_stats["Requests sent"] == 4 and prefill_stats["MiB moved"] > 0, prefill_stats
+    decode_stats = got["stats"]
+    assert decode_stats["Requests received"] == 4 and decode_stats["Requests failed"] == 1, decode_stats
+    assert decode_stats["MiB moved"] > 0 and decode_stats["Avg request time (ms)"] > 0, decode_stats
 
 
 def test_sides_whose_blocks_are_laid_out_differently_do_not_pair_and_every_load_fails(tmp_path):

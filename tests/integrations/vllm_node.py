@@ -91,6 +91,9 @@ def connectors(role: str, extra: dict, num_blocks: int, layout: KVCacheLayout, e
     return scheduler, worker, caches
 
 
+STATS: list = []  # this process's connector stats, aggregated step by step as vLLM's logger does
+
+
 def step(scheduler, worker, finished: set[str]):
     """One engine step's connector calls, in vLLM's order; what the scheduler heard."""
     worker.bind_connector_metadata(scheduler.build_connector_meta(SimpleNamespace()))
@@ -98,6 +101,10 @@ def step(scheduler, worker, finished: set[str]):
     worker.wait_for_save()
     results = worker.get_transfer_results(finished)
     invalid = worker.get_block_ids_with_load_errors()
+    stats = worker.get_kv_connector_stats()
+    if stats is not None:  # (through the payload, as it crosses vLLM's processes)
+        stats = type(worker).build_kv_connector_stats(json.loads(json.dumps(stats.data)))
+        STATS[:] = [STATS[0].aggregate(stats) if STATS else stats]
     worker.clear_connector_metadata()
     scheduler.update_connector_output(SimpleNamespace(finished_sending=results.finished_sending,
                                                       finished_recving=results.finished_recving))
@@ -162,7 +169,7 @@ def prefill(args: argparse.Namespace) -> dict:
         step(scheduler, worker, set())  # (answers the decode's aborts while it checks)
         time.sleep(0.01)
     worker.shutdown()
-    return {"sent": sorted(sent), "freed": freed}
+    return {"sent": sorted(sent), "freed": freed, "stats": STATS[0].reduce() if STATS else None}
 
 
 def decode(args: argparse.Namespace) -> dict:
@@ -228,7 +235,8 @@ def decode(args: argparse.Namespace) -> dict:
     return {"received": sorted(received), "failed": sorted(failed), "invalid_blocks": sorted(invalid),
             "ghost_blocks": ghost_blocks, "wrong": wrong, "requests": sorted(mine),
             "blocks_checked": sum(len(b) for n, (_, b, _) in mine.items() if n in received - failed),
-            "tokens_checked": tokens_checked, "pairing_after_first_step": pairing_after_first_step}
+            "tokens_checked": tokens_checked, "pairing_after_first_step": pairing_after_first_step,
+            "stats": STATS[0].reduce() if STATS else None}
 
 
 def run(argv: list[str]) -> dict:

@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from .connector_stats import KvplanConnectorStats
 from .scheduler import ConnectorScheduler, SchedulerStep, UnsupportedConfig
 from .settings import DEFAULT_PORT, Settings, layout_setting
 from .worker import ConnectorWorker
@@ -129,6 +130,18 @@ class KvplanConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()
+
+    def get_kv_connector_stats(self) -> KvplanConnectorStats | None:
+        """kvplan's counters since the last call (worker side; the scheduler side counts nothing):
+        :mod:`.connector_stats`."""
+        if self.worker is None or getattr(self.worker, "view", None) is None:
+            return None
+        data = self.worker.interval_stats()
+        return None if data is None else KvplanConnectorStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvplanConnectorStats | None:
+        return KvplanConnectorStats(data=data) if data is not None else KvplanConnectorStats()
 
     def shutdown(self) -> None:
         if self.worker is not None:

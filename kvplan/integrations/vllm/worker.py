@@ -174,6 +174,7 @@ class ConnectorWorker:
         self._load_errors: set[int] = set()
         self._unpublished: list[tuple[str, list[int]]] = []  # requests refused before publication, and their blocks
         self._pairings: dict[tuple[str, int, tuple[int, ...]], _Pairing] = {}  # decode endpoints being paired
+        self._reported: dict[str, Any] | None = None  # the counters as the last interval_stats saw them
 
     # -- registration ---------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -214,6 +215,24 @@ class ConnectorWorker:
                              self.device.index or 0, **settings)
         self._engines.append(engine)
         return engine
+
+    def interval_stats(self) -> dict[str, Any] | None:
+        """What this worker's endpoints counted since the last call (``None`` when nothing): the payload of
+        vLLM's connector stats (:mod:`.connector_stats`). A few dictionary reads per endpoint."""
+        from .connector_stats import interval_counts
+
+        endpoints = ([self.prefill] if self.sends and self.prefill is not None else []) + list(self.decodes.values())
+        now = interval_counts([e.totals() for e in endpoints])
+        before, self._reported = self._reported, now
+        if before is None:
+            delta = now
+        else:
+            delta = {k: now[k] - before.get(k, 0) for k in now if k != "failures"}
+            delta["failures"] = {c: n - before["failures"].get(c, 0) for c, n in now["failures"].items()
+                                 if n - before["failures"].get(c, 0)}
+        if not any(delta[k] for k in ("requests_sent", "requests_received", "requests_failed", "bytes")):
+            return None
+        return delta
 
     # -- each step ------------------------------------------------------------------------------------
     def start_load_kv(self, step: SchedulerStep) -> None:
