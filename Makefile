@@ -29,7 +29,7 @@ WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n + 2 > 8 ? 8 : 
 # outweighs what a third or fourth worker overlaps: on two cores 59 s with two, 64 with three, 69-72 with four
 VLLM_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 2 ? 2 : n > 8 ? 8 : n )))
 
-.PHONY: setup setup-sglang setup-vllm test test-sglang test-vllm demo bench dist clean
+.PHONY: setup setup-sglang setup-vllm lint test test-sglang test-vllm demo bench dist clean
 
 setup: $(STAMP)
 
@@ -44,10 +44,10 @@ $(STAMP): pyproject.toml Makefile
 	@if $(PYTHON) -c 'import torch, sys; sys.exit(0 if torch.version.cuda else 1)' 2>/dev/null; then \
 	  echo "using the system's CUDA build of torch"; \
 	  [ -x $(PY) ] || $(PYTHON) -m venv --system-site-packages $(VENV); \
-	  $(PIP_INSTALL) numpy pytest pytest-benchmark pytest-xdist hypothesis pyzmq; \
+	  $(PIP_INSTALL) numpy pytest pytest-benchmark pytest-xdist hypothesis pyzmq ruff==0.17.6; \
 	else \
 	  [ -x $(PY) ] || $(PYTHON) -m venv $(VENV); \
-	  $(PIP_INSTALL) "torch==2.13.0+cpu" "triton==3.7.1" "numpy>=2,<3" pytest pytest-benchmark pytest-xdist hypothesis pyzmq; \
+	  $(PIP_INSTALL) "torch==2.13.0+cpu" "triton==3.7.1" "numpy>=2,<3" pytest pytest-benchmark pytest-xdist hypothesis pyzmq ruff==0.17.6; \
 	fi
 	$(PIP_INSTALL) --no-deps nixl-cu12==1.5.1
 	$(PIP_INSTALL) --no-deps mooncake-transfer-engine-non-cuda==0.3.13.post1
@@ -76,7 +76,11 @@ $(VLLM_STAMP): $(STAMP)
 # Three passes: every test with the kernels interpreted on the CPU (the SGLang differential tests
 # among them), then a compile check of every kernel for sm_90 in a process of its own (the two
 # cannot share a process), then the vLLM connector's tests with vLLM's folder on the path.
-test: setup setup-sglang setup-vllm dist
+# ruff's checks (pyproject.toml [tool.ruff]); make test runs them first
+lint: setup
+	$(VENV)/bin/ruff check kvplan tests benchmarks examples
+
+test: setup setup-sglang setup-vllm dist lint
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(WORKERS) -m "not compile_check and not vllm" --benchmark-disable \
 	  -p no:cacheprovider
 	TRITON_INTERPRET=0 $(PY) -m pytest -q -n $(WORKERS) -m compile_check -p no:cacheprovider tests/kernels

@@ -28,7 +28,7 @@ import time
 from collections import OrderedDict, deque
 from typing import Any
 
-from ..errors import KvplanError, PeerError
+from ..errors import KvplanError
 from .auth import INCARNATION, message_code, nonce, pairing_key, proof, secret_from_environment
 from .note_seal import NoteSeal
 

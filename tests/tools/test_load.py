@@ -2,7 +2,6 @@
 processes, with aborts and deadlines on a schedule and a decode killed mid-run; every completed
 request byte-equal, every failure one that was injected, and nothing left behind or growing."""
 
-import pytest
 
 from kvplan.tools.load import LoadConfig, LoadReport, _check_resources, run_load, schedule
 
