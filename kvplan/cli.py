@@ -30,7 +30,7 @@ from .transport.endpoints import MODES  # noqa: E402
 from .transport.engines import engine_names  # noqa: E402
 from .transport.engines.registry import engine_settings  # noqa: E402
 
-log = logging.getLogger("kvplan")
+log = logging.getLogger(__name__)
 
 CPU_SCALE = 0.02  # kvplan bench's scale without a GPU
 

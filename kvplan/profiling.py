@@ -19,7 +19,7 @@ import os
 
 __all__ = ["Profile"]
 
-log = logging.getLogger("kvplan")
+log = logging.getLogger(__name__)
 
 
 class Profile:

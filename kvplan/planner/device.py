@@ -68,7 +68,7 @@ from .transfer_lists import transfer_lists
 
 __all__ = ["CompactRuns", "DeviceAhead", "PendingPlan", "Planner"]
 
-log = logging.getLogger("kvplan")
+log = logging.getLogger(__name__)
 
 OUTPUTS = ("descriptors", "prepared", "runs", "device_descriptors", "byte_offsets")
 MAX_MAPS = 4

@@ -26,7 +26,7 @@ from .plan import Role
 from .rules import cdiv
 from .state_kinds import rules_of
 
-log = logging.getLogger("kvplan")
+log = logging.getLogger(__name__)
 
 __all__ = ["ListJob", "Packer", "Segment", "SegmentTable", "as_device_tensor", "component_segment", "host_empty", "pages_segment",
            "raise_list_errors"]

@@ -41,7 +41,7 @@ __all__ = [
     "token_pages",
 ]
 
-log = logging.getLogger("kvplan")
+log = logging.getLogger(__name__)
 
 
 def cdiv(a: int, b: int) -> int:

@@ -31,7 +31,7 @@ from .rules import cdiv, check_bounds, check_paged_slots, check_row, host, token
 
 __all__ = ["KindRules", "ListShape", "RULES", "rules_of", "state_list"]
 
-log = logging.getLogger("kvplan")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,7 @@ from .verify import AddressSpace, execute
 
 __all__ = ["DemoConfig", "DemoReport", "FAULTS", "run_demo"]
 
-log = logging.getLogger("kvplan")
+log = logging.getLogger(__name__)
 
 FAULTS = ("none", "dead-decode", "dead-prefill", "dead-decode-mid", "dead-prefill-mid", "bad-registration", "deadline")
 # (Mooncake's TCP settings: the engine sets them, kvplan.transport.engines.mooncake.TCP_DEFAULTS)

@@ -51,7 +51,7 @@ from .target_process import child_message, child_pipe, start_child
 
 __all__ = ["Arrival", "LoadConfig", "LoadReport", "run_load", "schedule"]
 
-log = logging.getLogger("kvplan")
+log = logging.getLogger(__name__)
 
 FAULTS = ("abort", "deadline")
 TURN_S = 0.02  # the longest a decode's turn waits for a request to end when nothing else is due
@@ -263,7 +263,14 @@ def _resources(engine: Any, endpoint: Any, started: float) -> dict[str, Any]:
 
 
 def _setup(config: LoadConfig) -> None:
-    logging.getLogger("kvplan").addFilter(_InjectedFaults(config))
+    # (on the handlers: kvplan's modules log through loggers of their own names, under "kvplan", and a
+    # logger's filters see only its own records; Python's last-resort handler takes none, hence a handler)
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig(format="%(levelname)s %(message)s")
+    for handler in root.handlers:
+        if not any(isinstance(f, _InjectedFaults) for f in handler.filters):
+            handler.addFilter(_InjectedFaults(config))
     if is_loopback(config.host):
         os.environ.setdefault("UCX_NET_DEVICES", "lo")  # the run's own choice of loopback (see the demo)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")

@@ -39,7 +39,7 @@ from .stats import EndpointStats
 
 __all__ = ["CompletionTracker", "SectionNote", "decode_notification", "encode_notification", "note_fields", "note_of"]
 
-log = logging.getLogger("kvplan")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from .note_seal import NoteSeal
 
 __all__ = ["ControlChannel", "ControlTimeout", "MAX_REFUSED", "named_request"]
 
-log = logging.getLogger("kvplan")
+log = logging.getLogger(__name__)
 
 MAX_REFUSED = 4096  # requests one "refuse" message names at most (a sender keeps the last 4096 refused)
 MARK = b"kvp1"  # the first frame of every message of this protocol

@@ -29,7 +29,7 @@ from ..errors import KvplanError
 
 __all__ = ["CopyGraphs", "capture_copy", "copy_graphs_enabled", "upload_graph"]
 
-log = logging.getLogger("kvplan")
+log = logging.getLogger(__name__)
 
 
 def capture_copy(launch: Callable[[], None], stream: torch.cuda.Stream, what: str) -> torch.cuda.CUDAGraph | None:

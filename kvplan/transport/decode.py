@@ -55,7 +55,7 @@ from .waves import check_run, credit_note, decode_wave_note, is_touch, wave_key
 
 __all__ = ["DecodeEndpoint", "engine_regions"]
 
-log = logging.getLogger("kvplan")
+log = logging.getLogger(__name__)
 
 POLL_S = 0.001  # how long one look at the control socket blocks before the engine is looked at again
 GRAPH_WAVES = 4  # a table run of at most this many waves has its scatters captured when announced

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DecodeProgress", "IDLE_S"]
 
-log = logging.getLogger("kvplan")
+log = logging.getLogger(__name__)
 
 IDLE_S = 0.02  # the longest the thread blocks while nothing is in flight (only a message can come then)
 

@@ -33,7 +33,7 @@ from .control import ControlChannel, ControlTimeout
 
 __all__ = ["ChannelListener", "channel_via"]
 
-log = logging.getLogger("kvplan")
+log = logging.getLogger(__name__)
 
 
 class ChannelListener:

@@ -73,7 +73,7 @@ from .waves import staging_ring, touch_note
 
 __all__ = ["Chunk", "MODES", "Peer", "PrefillEndpoint"]
 
-log = logging.getLogger("kvplan")
+log = logging.getLogger(__name__)
 
 MODES = ("auto", "direct", "prepared", "staged")
 TOUCH_BYTES = 64 << 20  # the warm-up's write into each decode's staging share (_touch_peers)

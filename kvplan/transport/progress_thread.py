@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 
 __all__ = ["IDLE_S", "MAX_IN_FLIGHT", "ProgressThread"]
 
-log = logging.getLogger("kvplan")
+log = logging.getLogger(__name__)
 
 MAX_IN_FLIGHT = 8  # batches queued or moving at once per prefill endpoint (PrefillEndpoint's max_in_flight)
 IDLE_S = 0.02  # the longest an idle progress thread waits before it looks at its channels again

@@ -28,7 +28,7 @@ import torch
 
 __all__ = ["transport_stream"]
 
-log = logging.getLogger("kvplan")
+log = logging.getLogger(__name__)
 
 _NON_BLOCKING = 1  # CU_STREAM_NON_BLOCKING
 _kept: list[int] = []  # the driver streams made here live as long as the process

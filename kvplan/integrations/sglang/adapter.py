@@ -107,7 +107,7 @@ from .wire import BACKENDS, KV_POLL_STATES, Registration, TransferRequest
 
 __all__ = ["KVManager", "KVReceiver", "KVSender", "TransferFailed"]
 
-log = logging.getLogger("kvplan")
+log = logging.getLogger(__name__)
 
 DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's --disaggregation-bootstrap-port default
 DEFAULT_CONTEXT = 1 << 17  # planning-table width without a context_length server arg (tokens)

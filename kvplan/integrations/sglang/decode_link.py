@@ -46,7 +46,7 @@ from .wire import (
 
 __all__ = ["DecodeRankLink"]
 
-log = logging.getLogger("kvplan")
+log = logging.getLogger(__name__)
 
 
 class DecodeRankLink:

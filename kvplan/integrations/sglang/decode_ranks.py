@@ -45,7 +45,7 @@ from .wire import Registration, TransferRequest
 
 __all__ = ["DecodeRanks"]
 
-log = logging.getLogger("kvplan")
+log = logging.getLogger(__name__)
 
 
 class _StatusOnly:

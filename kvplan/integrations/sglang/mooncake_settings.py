@@ -26,7 +26,7 @@ from .node import server_arg
 
 __all__ = ["mooncake_settings"]
 
-log = logging.getLogger("kvplan")
+log = logging.getLogger(__name__)
 
 
 def _devices_for_gpu(ib_device: str | None, gpu_id: int) -> str:

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 __all__ = ["SWITCH", "enabled", "kv_class", "register"]
 
-log = logging.getLogger("kvplan")
+log = logging.getLogger(__name__)
 
 SWITCH = "KVPLAN_SGLANG"
 TARGET = "sglang.srt.disaggregation.utils.get_kv_class"

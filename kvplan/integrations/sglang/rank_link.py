@@ -49,7 +49,7 @@ from .wire import (
 
 __all__ = ["FAILED", "SUCCESS", "WAITING_FOR_INPUT", "PrefillRankLink"]
 
-log = logging.getLogger("kvplan")
+log = logging.getLogger(__name__)
 
 
 

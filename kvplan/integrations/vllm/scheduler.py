@@ -36,7 +36,7 @@ from .groups import UnsupportedConfig, transfer_groups
 __all__ = ["ConnectorScheduler", "ListenAddress", "ReceiveRequest", "SendRequest", "UnsupportedConfig",
            "TRANSFER_MODE"]
 
-log = logging.getLogger("kvplan")
+log = logging.getLogger(__name__)
 
 TRANSFER_MODE = "kvplan-push"  # in the parameters a prefill returns (vLLM's own connectors say "push" or "pull")
 _DONE = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")  # a prefill request that finished normally

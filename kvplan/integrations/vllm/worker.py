@@ -63,7 +63,7 @@ from .windows import WindowMaps
 
 __all__ = ["ConnectorWorker", "TransferResults"]
 
-log = logging.getLogger("kvplan")
+log = logging.getLogger(__name__)
 
 FINISHED_GRACE = 16  # results calls a finished id that is no send here is kept (vLLM names a send's id in its step)
 

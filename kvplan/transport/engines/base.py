@@ -38,7 +38,7 @@ __all__ = ["Capabilities", "Engine", "Handle", "TransferError", "drain_seconds",
 
 UNSAFE = "unsafe"  # how a failure reason starts when a write into its pages may still land
 
-log = logging.getLogger("kvplan")
+log = logging.getLogger(__name__)
 
 
 class TransferError(KvplanError):

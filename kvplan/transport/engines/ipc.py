@@ -57,7 +57,7 @@ from .registry import register_engine
 
 __all__ = ["IpcEngine", "host_identity"]
 
-log = logging.getLogger("kvplan")
+log = logging.getLogger(__name__)
 
 
 def host_identity() -> dict[str, str]:

@@ -45,7 +45,7 @@ from .registry import register_engine
 
 __all__ = ["MooncakeEngine", "TCP_DEFAULTS", "apply_tcp_settings"]
 
-log = logging.getLogger("kvplan")
+log = logging.getLogger(__name__)
 
 # Mooncake's TCP settings (environment variables) that kvplan sets unless the environment has them
 TCP_DEFAULTS = {

@@ -20,7 +20,7 @@ from .registry import register_engine
 
 __all__ = ["NixlEngine", "expanded_rows", "pack_metadata", "strided_rows", "takes_strided_lists", "unpack_metadata"]
 
-log = logging.getLogger("kvplan")
+log = logging.getLogger(__name__)
 
 
 def nixl_api():

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from ..prefill import PrefillEndpoint
     from .planned import PlannedBatch
 
-log = logging.getLogger("kvplan")
+log = logging.getLogger(__name__)
 
 
 def send(ep: PrefillEndpoint, transfers: Sequence[Transfer], planned: PlannedBatch, pending: Any, batch: Any,

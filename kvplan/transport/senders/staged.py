@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 __all__ = ["StagedRun", "send", "staged_run"]
 
-log = logging.getLogger("kvplan")
+log = logging.getLogger(__name__)
 
 
 def send(ep: PrefillEndpoint, transfers: Sequence[Transfer], planned: PlannedBatch, pending: Any, batch: Batch,

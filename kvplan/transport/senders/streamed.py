@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = ["GroupedSend", "send"]
 
-log = logging.getLogger("kvplan")
+log = logging.getLogger(__name__)
 
 
 def send(ep: PrefillEndpoint, transfers: Sequence[Transfer], descs: np.ndarray, sections: Sequence[Section],
