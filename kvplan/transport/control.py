@@ -12,15 +12,14 @@ message once it has the peer's hello, and takes the peer's messages only once th
 verified; a message from any other incarnation, one out of sequence, or one whose code does not verify
 is refused and logged, never returned. The handshake happens inside :meth:`ControlChannel.send` and the
 receiving calls: an owner sees only its own messages.
+
+The channel is one class in three files: this one (sockets, sending and receiving), its handshake
+(:mod:`.control_handshake`) and its peer's liveness (:mod:`.control_liveness`); what both ends agree on
+the wire is in :mod:`.control_wire`.
 """
 
 from __future__ import annotations
 
-import hmac
-import ipaddress
-import itertools
-import math
-import os
 import socket as pysocket
 import json
 import logging
@@ -28,54 +27,19 @@ import time
 from collections import OrderedDict, deque
 from typing import Any
 
-from ..errors import KvplanError
-from .auth import INCARNATION, message_code, nonce, pairing_key, proof, secret_from_environment
+from .auth import INCARNATION, message_code, nonce, secret_from_environment
+from .control_handshake import Handshake
+from .control_liveness import Liveness
+from .control_wire import (MARK, MAX_REFUSED, ControlTimeout, is_loopback, monitor_numbers, named_request,
+                           warned_open)
 from .note_seal import NoteSeal
 
 __all__ = ["ControlChannel", "ControlTimeout", "MAX_REFUSED", "named_request"]
 
 log = logging.getLogger(__name__)
 
-MAX_REFUSED = 4096  # requests one "refuse" message names at most (a sender keeps the last 4096 refused)
-MARK = b"kvp1"  # the first frame of every message of this protocol
-_EVENT_NAMES = {1: "connected", 2: "connect delayed", 4: "connect retried", 32: "accepted", 512: "disconnected",
-                0x0800: "handshake failed", 0x1000: "handshake succeeded", 0x2000: "handshake failed (protocol)",
-                0x4000: "handshake failed (auth)"}
-_TCP_ESTABLISHED = 1  # Linux's tcpi_state of a connection that stands (include/net/tcp_states.h)
-_monitor_numbers = itertools.count()  # (one inproc address per monitored socket of the process)
-_warned_open: set[str] = set()  # hosts already warned of as reachable without a secret
 
-
-def _loopback(host: str) -> bool:
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-class ControlTimeout(KvplanError, TimeoutError):
-    """No control message arrived before the deadline."""
-
-
-def _parse(parts: list[bytes]) -> tuple[str, dict[str, Any], list[bytes]]:
-    """A message's kind, header and frames; what a peer sends malformed becomes kind ``"malformed"``
-    (every handler ignores kinds it does not know), never an exception in the receiving loop."""
-    try:
-        header = json.loads(parts[1])
-        if isinstance(header, dict):
-            return parts[0].decode(), header, parts[2:]
-    except (IndexError, UnicodeDecodeError, ValueError):
-        pass
-    return "malformed", {}, parts
-
-def named_request(header: dict[str, Any]) -> str | int | None:
-    """The request a peer's message names, if it names one as a request is named (a string or an
-    integer); ``None`` for anything else, which no lookup may be handed (a list is not hashable)."""
-    request = header.get("request")
-    return request if isinstance(request, (str, int)) and not isinstance(request, bool) else None
-
-
-class ControlChannel:
+class ControlChannel(Handshake, Liveness):
     """One end of a control connection; the decode side binds an ephemeral port (or ``bind_port``), the
     prefill side connects (either end may bind: the SGLang adapter binds the prefill's bootstrap port).
 
@@ -149,8 +113,8 @@ class ControlChannel:
         # with a secret every pairing proves it and every message carries a code under it (None: the
         # environment's, .auth.secret_from_environment)
         self.secret = secret if secret is not None else secret_from_environment()
-        if self.secret is None and not _loopback(host) and host not in _warned_open:
-            _warned_open.add(host)
+        if self.secret is None and not is_loopback(host) and host not in warned_open:
+            warned_open.add(host)
             log.warning("control channels on %s have no shared secret (KVPLAN_SECRET): any process that reaches "
                         "the port can pair and be sent KV; set a secret, or keep the network closed", host)
         self.incarnation = INCARNATION
@@ -210,7 +174,7 @@ class ControlChannel:
         # that one thread serves every socket of the process: a port scan of about 1,000 connections to a
         # channel whose owner reads late stalled every control channel and engine port of the process.
         # No handshake events: a bound end learns a connection from its messages (_read).
-        address = f"inproc://kvplan-monitor-{next(_monitor_numbers)}"
+        address = f"inproc://kvplan-monitor-{next(monitor_numbers)}"
         self.socket.monitor(address, zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self._monitor = self.context.socket(zmq.PAIR)
         self._monitor.setsockopt(zmq.RCVHWM, 0)
@@ -339,265 +303,6 @@ class ControlChannel:
         """The incarnation this channel is paired with (``None`` before its handshake has ended)."""
         return self._peer_inc if self._authed else None
 
-    def _greet(self) -> None:
-        """(connecting) Send this side's hello once a peer can take it, and again every ``RESEND_S`` until the
-        peer's proof has verified (a bound end answers only once no other peer's connection stands; never waits)."""
-        if self._bound:
-            return
-        if self._gone:
-            self.peer_gone()  # (after a loss: the connection made again is read here, and greeted at once)
-        if self._authed:
-            return
-        if self._hello_sent and time.monotonic() - self._hello_at < self.RESEND_S:
-            return
-        if self.socket.poll(0, self._zmq.POLLOUT):
-            try:
-                self._out("_hello", {"nonce": self._my_nonce}, (), time.monotonic(), 0.0)
-                self._hello_sent, self._hello_at = True, time.monotonic()
-            except ControlTimeout:
-                pass
-
-    def _shake_hands(self, deadline: float, kind: str, wait_s: float) -> None:
-        """Take messages until this side may send: a connecting end sends its hello and waits for the peer's
-        (both nonces make the pairing's key; it takes the peer's messages only once the peer has proved the
-        secret); a bound end waits for a connection that has proved it. Or the deadline."""
-        while self._key is None if not self._bound else (self._gone or not self._authed):
-            if not self._bound:
-                # (again every RESEND_S: a hello sent into a connection that was then dropped is lost; ZeroMQ
-                # connects again by itself)
-                self._greet()
-            left = deadline - time.monotonic()
-            if self.socket.poll(max(0, min(self.SLICE_MS, round(1000 * left)))):
-                self._keep(self._take(*self._read()))
-                continue
-            self.peer_gone()  # (reads the connection's events; a loss before the pairing is waited out)
-            if left <= 0:
-                why = ("its proof of the shared secret was refused (a secret on one side only, or another one)"
-                       if self._proof_refused else "it did not answer the handshake")
-                raise ControlTimeout(f"the peer of the channel on {self.host} port {self.port} did not pair within "
-                                     f"{round(wait_s * 1000)} ms, so a {kind!r} message cannot leave: {why}")
-
-    def _read(self) -> tuple[bytes | None, int | None, list[bytes]]:
-        """One message off the socket: on a bound end, with the routing id and descriptor of the connection it
-        came on (``None`` on a connecting end, which has one)."""
-        frames = self.socket.recv_multipart(copy=False)
-        if not self._bound:
-            return None, None, [frame.bytes for frame in frames]
-        fd = None
-        if len(frames) > 1:
-            try:
-                fd = frames[1].get(self._zmq.SRCFD)
-            except self._zmq.ZMQError:
-                fd = None
-        return frames[0].bytes, fd, [frame.bytes for frame in frames[1:]]
-
-    def _refuse(self, why: str) -> None:
-        self.refused += 1
-        log.warning("refused a message on the control channel on %s port %d: %s", self.host, self.port, why)
-
-    def _take(self, rid: bytes | None, fd: int | None, parts: list[bytes]) -> tuple[str, dict[str, Any], list[bytes]] | None:
-        """A received message opened: its handshake steps done here, an owner's message returned once it
-        is checked; ``None`` for the first and for what is refused."""
-        try:
-            if len(parts) < 5 or parts[0] != MARK:
-                raise ValueError("not a kvplan control message")
-            envelope = json.loads(parts[1])
-            sender, receiver, seq = envelope["f"], envelope["t"], envelope["s"]
-            if not (isinstance(sender, str) and isinstance(receiver, str) and type(seq) is int):
-                raise ValueError("a malformed envelope")
-            kind = parts[3].decode()
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
-            if self._bound and rid != self._peer_rid:  # (a stranger's: quietly, see _from_candidate)
-                self.strangers += 1
-                log.debug("refused a message on the control channel on %s port %d from a connection that is not "
-                          "its peer's: %s", self.host, self.port, err)
-            else:
-                self._refuse(str(err))
-            return None
-        if self._bound and rid != self._peer_rid:
-            self._from_candidate(rid, fd, kind, sender, receiver, seq, parts)
-            return None
-        if kind == "_hello":
-            self._on_hello(rid, fd, sender, parts)
-            return None
-        if kind == "_proof":
-            if not self._bound:
-                self._on_proof(sender, receiver, seq, parts)
-            return None  # (a bound end's peer has proved already: the same proof again)
-        if not self._authed or sender != self._peer_inc or receiver != INCARNATION:
-            self._refuse(f"a {kind!r} message from incarnation {sender!r} to {receiver!r}, not of this pairing "
-                         f"({self._peer_inc!r} to {INCARNATION!r}{'' if self._authed else ', not paired yet'})")
-            return None
-        if seq <= self._recv_seq:
-            self._refuse(f"a {kind!r} message out of sequence ({seq} after {self._recv_seq}): a replay")
-            return None
-        if self.secret is not None and not hmac.compare_digest(parts[2], message_code(self._key, parts[1], parts[3:])):
-            self._refuse(f"a {kind!r} message whose code does not verify under the pairing's key")
-            return None
-        self._recv_seq = seq
-        return _parse(parts[3:])
-
-    def _on_hello(self, rid: bytes | None, fd: int | None, sender: str, parts: list[bytes]) -> None:
-        """A hello on the peer's connection: the other end's (a connecting end's), or the bound end's peer
-        starting a new pairing on the same connection."""
-        kind, header, _ = _parse(parts[3:])
-        challenge = header.get("nonce")
-        if not isinstance(challenge, str) or not challenge:
-            self._refuse("a hello without a nonce")
-            return
-        if challenge == self._peer_nonce and sender == self._peer_inc:
-            # the same hello again: what this side answered was lost (a connection made again), or is on
-            # its way; answered again at most every RESEND_S
-            if time.monotonic() - self._answered >= self.RESEND_S:
-                self._answer(sender, challenge, hello=True, to=None if rid is None else (rid, sender))
-            return
-        if self._bound:  # (a new pairing on the peer's connection: it is made as any connection's is)
-            self._from_candidate(rid, fd, "_hello", sender, INCARNATION, 0, parts, renewed=True)
-            return
-        # the connection this hello came on was made before it came: its events are read now, so that one read
-        # later is a later connection's (read late, a connection's own event would end the pairing it made)
-        self._looked = 0.0
-        self.peer_gone()
-        if self._peer_inc is not None:  # a new pairing in place of one: a restarted process, or a new channel
-            log.warning("control channel on %s port %d: a new pairing (incarnation %s) in place of incarnation %s",
-                        self.host, self.port, sender, self._peer_inc)
-            if not self._reconnected:  # (a connection made again has said so already)
-                self._replaced = True
-        self._pairing_reset(sender)
-        self._peer_nonce = challenge
-        self._key = pairing_key(self.secret or b"", (INCARNATION, self._my_nonce), (sender, challenge))
-        self._answer(sender, challenge, hello=not self._hello_sent)
-
-    def _answer(self, sender: str, challenge: str, hello: bool, to: tuple[bytes, str] | None = None) -> None:
-        """This side's hello (where asked) and its proof for ``challenge``, waiting at most 0.2 s to send."""
-        self._answered = time.monotonic()
-        deadline, wait_s = self._answered + 0.2, 0.2
-        try:
-            if hello:
-                self._out("_hello", {"nonce": self._my_nonce}, (), deadline, wait_s, to)
-                self._hello_sent = True
-            self._out("_proof", {"proof": proof(self.secret or b"", INCARNATION, sender, challenge)}, (), deadline,
-                      wait_s, to)
-        except ControlTimeout as err:
-            log.warning("control channel on %s port %d: the handshake could not be answered: %s", self.host,
-                        self.port, err)
-
-    def _on_proof(self, sender: str, receiver: str, seq: int, parts: list[bytes]) -> None:
-        _, header, _ = _parse(parts[3:])
-        if sender != self._peer_inc or receiver != INCARNATION or self._peer_nonce is None:
-            self._refuse(f"a proof from incarnation {sender!r} to {receiver!r}, not of this handshake")
-            return
-        if not self._proved(sender, header):
-            self._proof_refused = True
-            self._refuse(f"incarnation {sender!r} did not prove the shared secret")
-            return
-        self._authed, self._recv_seq, self._nonce_used = True, seq, True
-        self._reconnected = False
-
-    def _proved(self, sender: str, header: dict[str, Any]) -> bool:
-        expected = proof(self.secret or b"", sender, INCARNATION, self._my_nonce)
-        given = header.get("proof")
-        return isinstance(given, str) and hmac.compare_digest(given.encode(), expected.encode())
-
-    # -- a bound end's connections -------------------------------------------------------------------
-    def _peer_stands(self) -> bool:
-        return self._peer_rid is not None and self._authed and not self._gone
-
-    def _from_candidate(self, rid: bytes, fd: int | None, kind: str, sender: str, receiver: str, seq: int,
-                        parts: list[bytes], renewed: bool = False) -> None:
-        """(bound) A message on a connection that is not the peer's: a hello makes it a candidate (answered
-        once no peer's connection stands), a candidate's valid proof makes it the peer; anything else is a
-        stranger's, refused. Quietly: anyone who reaches the port can send."""
-        if kind == "_hello":
-            _, header, _ = _parse(parts[3:])
-            challenge = header.get("nonce")
-            if isinstance(challenge, str) and challenge:
-                self._looked = 0.0
-                self.peer_gone()  # (earlier connections' events first: one closed may have had this one's number)
-                known = self._candidates.pop(rid, None)
-                answered = known[3] if known is not None and known[1:3] == [sender, challenge] else 0.0
-                self._candidates[rid] = [fd, sender, challenge, answered]
-                while len(self._candidates) > self.MAX_CANDIDATES:
-                    self._candidates.popitem(last=False)
-                if renewed:  # (the peer's own connection begins a new pairing: the old one is over)
-                    self._peer_rid, self._authed = None, False
-                self._answer_candidates()
-                if self.secret is None and not self._peer_stands() and self._candidates.get(rid, [0, 0, 0, 0])[3]:
-                    # without a secret anyone can prove, and a proof adds nothing: the first hello answered is the
-                    # peer at once, and this side may send before the other end has read a thing (one thread
-                    # that registers a decode before it lets its prefill accept, examples/handoff_in_process.py)
-                    self._adopt(rid, fd, sender, challenge, seq)
-                return
-        elif kind == "_proof" and rid in self._candidates:
-            fd, candidate, challenge, answered = self._candidates[rid]
-            _, header, _ = _parse(parts[3:])
-            if 0 < answered < math.inf and sender == candidate and receiver == INCARNATION and not self._peer_stands():
-                if self._proved(sender, header):
-                    self._adopt(rid, fd, sender, challenge, seq)
-                    return
-                self._proof_refused = True
-                # (kept, never answered again: the same hello again, as its sender repeats it, costs nothing)
-                self._candidates[rid][3] = math.inf
-                self._refuse(f"incarnation {sender!r} did not prove the shared secret")
-                return
-        self.strangers += 1
-        log.debug("refused a %r message on the control channel on %s port %d: not from its peer's connection",
-                  kind, self.host, self.port)
-
-    def _answer_candidates(self) -> None:
-        """(bound) Answer every candidate's hello while no peer's connection stands (again at most every
-        ``RESEND_S``): the first whose proof verifies is the peer. A fresh nonce once a pairing has used one."""
-        if self._peer_stands() or not self._candidates:
-            return
-        if self._nonce_used:
-            self._my_nonce, self._nonce_used = nonce(), False
-        now = time.monotonic()
-        for rid, candidate in list(self._candidates.items()):
-            fd, sender, challenge, answered = candidate
-            if now - answered < self.RESEND_S:
-                continue
-            candidate[3] = now
-            try:
-                self._out("_hello", {"nonce": self._my_nonce}, (), now, 0.0, (rid, sender))
-                self._out("_proof", {"proof": proof(self.secret or b"", INCARNATION, sender, challenge)}, (), now, 0.0,
-                          (rid, sender))
-            except ControlTimeout:  # (its connection is gone)
-                self._candidates.pop(rid, None)
-
-    def _adopt(self, rid: bytes, fd: int | None, sender: str, challenge: str, seq: int) -> None:
-        """(bound) The candidate on ``rid`` proved the secret: its connection is the peer's from now on."""
-        if self._peer_inc is not None and self._peer_inc != sender:
-            log.warning("control channel on %s port %d: a new pairing (incarnation %s) in place of incarnation %s",
-                        self.host, self.port, sender, self._peer_inc)
-        mine = self._my_nonce
-        self._pairing_reset(sender)
-        self._my_nonce, self._hello_sent, self._nonce_used = mine, True, True
-        self._peer_nonce = challenge
-        self._key = pairing_key(self.secret or b"", (INCARNATION, mine), (sender, challenge))
-        self._authed, self._recv_seq, self._answered = True, seq, time.monotonic()
-        self._candidates.clear()  # (they said hello to a pairing that is over: they say it again if they are peers)
-        self._peer_rid, self._peer_fd = rid, fd if fd is not None and fd in self._open else None
-        self._replaced = self._replaced or self._ever
-        self._ever, self._connected, self._gone = True, True, False
-        self._watch(self._peer_fd)
-
-    def _bound_event(self, message: dict[str, Any]) -> None:
-        """A bound socket's connection event, taken as its peer's only when it is of its peer's connection:
-        anyone who reaches the port can connect and close (a port scan, a stranger)."""
-        zmq, event, fd = self._zmq, message["event"], message["value"]
-        if event == zmq.EVENT_ACCEPTED:
-            self._open.add(fd)
-        elif event == zmq.EVENT_DISCONNECTED:
-            self._open.discard(fd)
-            for rid in [rid for rid, candidate in self._candidates.items() if candidate[0] == fd]:
-                del self._candidates[rid]
-            if fd == self._peer_fd and self._connected:
-                self._peer_fd = None
-                self._peer_lost()
-            else:
-                log.debug("a connection to the channel on %s port %d that was not its peer's closed", self.host,
-                          self.port)
-
     # -- receiving -----------------------------------------------------------------------------------
     def _keep(self, message: tuple[str, dict[str, Any], list[bytes]] | None) -> None:
         if message is not None:
@@ -667,99 +372,6 @@ class ControlChannel:
             if message is not None:
                 return message
         return None
-
-    def peer_gone(self) -> bool:
-        """Whether the peer was connected and its connection has since been lost (death or silence); true
-        of a closed channel."""
-        if self.closed:
-            return True
-        now = time.monotonic()
-        if now - self._looked < self.LOOK_S:
-            return self._gone
-        self._looked = now
-        while self._monitor.poll(0):
-            message = self._recv_monitor(self._monitor)
-            event = message["event"]
-            self._events.append((round(now, 3), _EVENT_NAMES.get(event, str(event)), message["value"]))
-            if self._bound:
-                self._bound_event(message)
-            elif event == self._zmq.EVENT_CONNECTED:
-                self._peer_connected(message["value"])
-            elif event == self._zmq.EVENT_DISCONNECTED and self._connected:
-                self._peer_lost()
-        if self._bound:
-            self._answer_candidates()  # (a loss read just now lets the waiting ones in)
-        return self._gone
-
-    def _peer_connected(self, fd: int | None = None) -> None:
-        """(connecting) The connection is made: after a loss, a new pairing, whose hello leaves at once."""
-        self._watch(fd)
-        if self._ever:
-            log.warning("control connection on %s port %d made again after a loss", self.host, self.port)
-            self._reconnected = True
-            # (the other end takes a new connection for a new peer: a new pairing, whose hello leaves on the next
-            # call that greets)
-            self._pairing_reset(self._peer_inc)
-        self._replaced = self._replaced or self._ever
-        self._ever, self._connected, self._gone = True, True, False
-        self._hello_at = 0.0
-
-    def _watch(self, fd: int | None) -> None:
-        """Hold a duplicate of the peer's connection (``fd``, ZeroMQ's), to tell at its loss how it was lost.
-        Checked to be this channel's connection (the number may have been reused since the event)."""
-        self._unwatch()
-        if fd is None or fd < 0:
-            return
-        try:
-            copy = os.dup(fd)
-        except OSError:
-            return
-        try:
-            held = pysocket.socket(fileno=copy)
-        except OSError:  # (the number is no socket any more: its copy is closed here, not leaked)
-            os.close(copy)
-            return
-        try:
-            ports = (held.getsockname()[1], held.getpeername()[1])
-            if self.port in ports and held.type == pysocket.SOCK_STREAM:
-                self._held = held
-                return
-        except OSError:
-            pass
-        held.close()
-
-    def _unwatch(self) -> None:
-        if self._held is not None:
-            self._held.close()
-            self._held = None
-
-    def _how_lost(self) -> str:
-        """``"closed"`` where the peer's end of the connection was closed (its process ended or closed the
-        channel: the kernel sent its FIN or RST), ``"silence"`` where the connection still stood when ZeroMQ
-        dropped it (no heartbeat within ``peer_timeout``: a stopped, hung or cut-off peer, whose writes may
-        still land), or where that cannot be told (not Linux's TCP)."""
-        held, self._held = self._held, None
-        if held is None:
-            return "silence"
-        try:
-            state = held.getsockopt(pysocket.IPPROTO_TCP, pysocket.TCP_INFO, 8)[0]
-        except (OSError, AttributeError):
-            state = _TCP_ESTABLISHED
-        finally:
-            held.close()
-        return "silence" if state == _TCP_ESTABLISHED else "closed"
-
-    def _peer_lost(self) -> None:
-        self.lost_by = self._how_lost()
-        log.warning("control connection on %s port %d lost", self.host, self.port)
-        self._connected, self._gone = False, True
-
-    def replaced(self) -> bool:
-        """Whether a new peer has connected in place of a lost one since the last call (a restarted
-        sender reconnecting to this bound channel): true once per such connection."""
-        self.peer_gone()
-        replaced, self._replaced = self._replaced, False
-        return replaced
 
     def __del__(self) -> None:
         # a channel dropped unclosed: its sockets close in any order, and one that closes after its monitor's

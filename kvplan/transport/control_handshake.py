@@ -1,0 +1,266 @@
+"""The control channel's handshake (:class:`Handshake`, a part of :class:`~.control.ControlChannel`): each
+end's hello with a fresh nonce, the proof over the other's, and, on a bound end, the connections that
+wait to become its peer (the first whose proof verifies). :mod:`.control` says what the protocol is;
+:mod:`.auth` computes its codes."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import math
+import time
+from typing import Any
+
+from .auth import INCARNATION, message_code, nonce, pairing_key, proof
+from .control_wire import MARK, ControlTimeout, parse_parts
+
+__all__ = ["Handshake"]
+
+log = logging.getLogger(__name__)
+
+
+class Handshake:
+    """The handshake's half of :class:`~.control.ControlChannel` (its state lives on the channel)."""
+
+    def _greet(self) -> None:
+        """(connecting) Send this side's hello once a peer can take it, and again every ``RESEND_S`` until the
+        peer's proof has verified (a bound end answers only once no other peer's connection stands; never waits)."""
+        if self._bound:
+            return
+        if self._gone:
+            self.peer_gone()  # (after a loss: the connection made again is read here, and greeted at once)
+        if self._authed:
+            return
+        if self._hello_sent and time.monotonic() - self._hello_at < self.RESEND_S:
+            return
+        if self.socket.poll(0, self._zmq.POLLOUT):
+            try:
+                self._out("_hello", {"nonce": self._my_nonce}, (), time.monotonic(), 0.0)
+                self._hello_sent, self._hello_at = True, time.monotonic()
+            except ControlTimeout:
+                pass
+
+    def _shake_hands(self, deadline: float, kind: str, wait_s: float) -> None:
+        """Take messages until this side may send: a connecting end sends its hello and waits for the peer's
+        (both nonces make the pairing's key; it takes the peer's messages only once the peer has proved the
+        secret); a bound end waits for a connection that has proved it. Or the deadline."""
+        while self._key is None if not self._bound else (self._gone or not self._authed):
+            if not self._bound:
+                # (again every RESEND_S: a hello sent into a connection that was then dropped is lost; ZeroMQ
+                # connects again by itself)
+                self._greet()
+            left = deadline - time.monotonic()
+            if self.socket.poll(max(0, min(self.SLICE_MS, round(1000 * left)))):
+                self._keep(self._take(*self._read()))
+                continue
+            self.peer_gone()  # (reads the connection's events; a loss before the pairing is waited out)
+            if left <= 0:
+                why = ("its proof of the shared secret was refused (a secret on one side only, or another one)"
+                       if self._proof_refused else "it did not answer the handshake")
+                raise ControlTimeout(f"the peer of the channel on {self.host} port {self.port} did not pair within "
+                                     f"{round(wait_s * 1000)} ms, so a {kind!r} message cannot leave: {why}")
+
+    def _read(self) -> tuple[bytes | None, int | None, list[bytes]]:
+        """One message off the socket: on a bound end, with the routing id and descriptor of the connection it
+        came on (``None`` on a connecting end, which has one)."""
+        frames = self.socket.recv_multipart(copy=False)
+        if not self._bound:
+            return None, None, [frame.bytes for frame in frames]
+        fd = None
+        if len(frames) > 1:
+            try:
+                fd = frames[1].get(self._zmq.SRCFD)
+            except self._zmq.ZMQError:
+                fd = None
+        return frames[0].bytes, fd, [frame.bytes for frame in frames[1:]]
+
+    def _refuse(self, why: str) -> None:
+        self.refused += 1
+        log.warning("refused a message on the control channel on %s port %d: %s", self.host, self.port, why)
+
+    def _take(self, rid: bytes | None, fd: int | None, parts: list[bytes]) -> tuple[str, dict[str, Any], list[bytes]] | None:
+        """A received message opened: its handshake steps done here, an owner's message returned once it
+        is checked; ``None`` for the first and for what is refused."""
+        try:
+            if len(parts) < 5 or parts[0] != MARK:
+                raise ValueError("not a kvplan control message")
+            envelope = json.loads(parts[1])
+            sender, receiver, seq = envelope["f"], envelope["t"], envelope["s"]
+            if not (isinstance(sender, str) and isinstance(receiver, str) and type(seq) is int):
+                raise ValueError("a malformed envelope")
+            kind = parts[3].decode()
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
+            if self._bound and rid != self._peer_rid:  # (a stranger's: quietly, see _from_candidate)
+                self.strangers += 1
+                log.debug("refused a message on the control channel on %s port %d from a connection that is not "
+                          "its peer's: %s", self.host, self.port, err)
+            else:
+                self._refuse(str(err))
+            return None
+        if self._bound and rid != self._peer_rid:
+            self._from_candidate(rid, fd, kind, sender, receiver, seq, parts)
+            return None
+        if kind == "_hello":
+            self._on_hello(rid, fd, sender, parts)
+            return None
+        if kind == "_proof":
+            if not self._bound:
+                self._on_proof(sender, receiver, seq, parts)
+            return None  # (a bound end's peer has proved already: the same proof again)
+        if not self._authed or sender != self._peer_inc or receiver != INCARNATION:
+            self._refuse(f"a {kind!r} message from incarnation {sender!r} to {receiver!r}, not of this pairing "
+                         f"({self._peer_inc!r} to {INCARNATION!r}{'' if self._authed else ', not paired yet'})")
+            return None
+        if seq <= self._recv_seq:
+            self._refuse(f"a {kind!r} message out of sequence ({seq} after {self._recv_seq}): a replay")
+            return None
+        if self.secret is not None and not hmac.compare_digest(parts[2], message_code(self._key, parts[1], parts[3:])):
+            self._refuse(f"a {kind!r} message whose code does not verify under the pairing's key")
+            return None
+        self._recv_seq = seq
+        return parse_parts(parts[3:])
+
+    def _on_hello(self, rid: bytes | None, fd: int | None, sender: str, parts: list[bytes]) -> None:
+        """A hello on the peer's connection: the other end's (a connecting end's), or the bound end's peer
+        starting a new pairing on the same connection."""
+        kind, header, _ = parse_parts(parts[3:])
+        challenge = header.get("nonce")
+        if not isinstance(challenge, str) or not challenge:
+            self._refuse("a hello without a nonce")
+            return
+        if challenge == self._peer_nonce and sender == self._peer_inc:
+            # the same hello again: what this side answered was lost (a connection made again), or is on
+            # its way; answered again at most every RESEND_S
+            if time.monotonic() - self._answered >= self.RESEND_S:
+                self._answer(sender, challenge, hello=True, to=None if rid is None else (rid, sender))
+            return
+        if self._bound:  # (a new pairing on the peer's connection: it is made as any connection's is)
+            self._from_candidate(rid, fd, "_hello", sender, INCARNATION, 0, parts, renewed=True)
+            return
+        # the connection this hello came on was made before it came: its events are read now, so that one read
+        # later is a later connection's (read late, a connection's own event would end the pairing it made)
+        self._looked = 0.0
+        self.peer_gone()
+        if self._peer_inc is not None:  # a new pairing in place of one: a restarted process, or a new channel
+            log.warning("control channel on %s port %d: a new pairing (incarnation %s) in place of incarnation %s",
+                        self.host, self.port, sender, self._peer_inc)
+            if not self._reconnected:  # (a connection made again has said so already)
+                self._replaced = True
+        self._pairing_reset(sender)
+        self._peer_nonce = challenge
+        self._key = pairing_key(self.secret or b"", (INCARNATION, self._my_nonce), (sender, challenge))
+        self._answer(sender, challenge, hello=not self._hello_sent)
+
+    def _answer(self, sender: str, challenge: str, hello: bool, to: tuple[bytes, str] | None = None) -> None:
+        """This side's hello (where asked) and its proof for ``challenge``, waiting at most 0.2 s to send."""
+        self._answered = time.monotonic()
+        deadline, wait_s = self._answered + 0.2, 0.2
+        try:
+            if hello:
+                self._out("_hello", {"nonce": self._my_nonce}, (), deadline, wait_s, to)
+                self._hello_sent = True
+            self._out("_proof", {"proof": proof(self.secret or b"", INCARNATION, sender, challenge)}, (), deadline,
+                      wait_s, to)
+        except ControlTimeout as err:
+            log.warning("control channel on %s port %d: the handshake could not be answered: %s", self.host,
+                        self.port, err)
+
+    def _on_proof(self, sender: str, receiver: str, seq: int, parts: list[bytes]) -> None:
+        _, header, _ = parse_parts(parts[3:])
+        if sender != self._peer_inc or receiver != INCARNATION or self._peer_nonce is None:
+            self._refuse(f"a proof from incarnation {sender!r} to {receiver!r}, not of this handshake")
+            return
+        if not self._proved(sender, header):
+            self._proof_refused = True
+            self._refuse(f"incarnation {sender!r} did not prove the shared secret")
+            return
+        self._authed, self._recv_seq, self._nonce_used = True, seq, True
+        self._reconnected = False
+
+    def _proved(self, sender: str, header: dict[str, Any]) -> bool:
+        expected = proof(self.secret or b"", sender, INCARNATION, self._my_nonce)
+        given = header.get("proof")
+        return isinstance(given, str) and hmac.compare_digest(given.encode(), expected.encode())
+
+    # -- a bound end's connections -------------------------------------------------------------------
+    def _peer_stands(self) -> bool:
+        return self._peer_rid is not None and self._authed and not self._gone
+
+    def _from_candidate(self, rid: bytes, fd: int | None, kind: str, sender: str, receiver: str, seq: int,
+                        parts: list[bytes], renewed: bool = False) -> None:
+        """(bound) A message on a connection that is not the peer's: a hello makes it a candidate (answered
+        once no peer's connection stands), a candidate's valid proof makes it the peer; anything else is a
+        stranger's, refused. Quietly: anyone who reaches the port can send."""
+        if kind == "_hello":
+            _, header, _ = parse_parts(parts[3:])
+            challenge = header.get("nonce")
+            if isinstance(challenge, str) and challenge:
+                self._looked = 0.0
+                self.peer_gone()  # (earlier connections' events first: one closed may have had this one's number)
+                known = self._candidates.pop(rid, None)
+                answered = known[3] if known is not None and known[1:3] == [sender, challenge] else 0.0
+                self._candidates[rid] = [fd, sender, challenge, answered]
+                while len(self._candidates) > self.MAX_CANDIDATES:
+                    self._candidates.popitem(last=False)
+                if renewed:  # (the peer's own connection begins a new pairing: the old one is over)
+                    self._peer_rid, self._authed = None, False
+                self._answer_candidates()
+                if self.secret is None and not self._peer_stands() and self._candidates.get(rid, [0, 0, 0, 0])[3]:
+                    # without a secret anyone can prove, and a proof adds nothing: the first hello answered is the
+                    # peer at once, and this side may send before the other end has read a thing (one thread
+                    # that registers a decode before it lets its prefill accept, examples/handoff_in_process.py)
+                    self._adopt(rid, fd, sender, challenge, seq)
+                return
+        elif kind == "_proof" and rid in self._candidates:
+            fd, candidate, challenge, answered = self._candidates[rid]
+            _, header, _ = parse_parts(parts[3:])
+            if 0 < answered < math.inf and sender == candidate and receiver == INCARNATION and not self._peer_stands():
+                if self._proved(sender, header):
+                    self._adopt(rid, fd, sender, challenge, seq)
+                    return
+                self._proof_refused = True
+                # (kept, never answered again: the same hello again, as its sender repeats it, costs nothing)
+                self._candidates[rid][3] = math.inf
+                self._refuse(f"incarnation {sender!r} did not prove the shared secret")
+                return
+        self.strangers += 1
+        log.debug("refused a %r message on the control channel on %s port %d: not from its peer's connection",
+                  kind, self.host, self.port)
+
+    def _answer_candidates(self) -> None:
+        """(bound) Answer every candidate's hello while no peer's connection stands (again at most every
+        ``RESEND_S``): the first whose proof verifies is the peer. A fresh nonce once a pairing has used one."""
+        if self._peer_stands() or not self._candidates:
+            return
+        if self._nonce_used:
+            self._my_nonce, self._nonce_used = nonce(), False
+        now = time.monotonic()
+        for rid, candidate in list(self._candidates.items()):
+            fd, sender, challenge, answered = candidate
+            if now - answered < self.RESEND_S:
+                continue
+            candidate[3] = now
+            try:
+                self._out("_hello", {"nonce": self._my_nonce}, (), now, 0.0, (rid, sender))
+                self._out("_proof", {"proof": proof(self.secret or b"", INCARNATION, sender, challenge)}, (), now, 0.0,
+                          (rid, sender))
+            except ControlTimeout:  # (its connection is gone)
+                self._candidates.pop(rid, None)
+
+    def _adopt(self, rid: bytes, fd: int | None, sender: str, challenge: str, seq: int) -> None:
+        """(bound) The candidate on ``rid`` proved the secret: its connection is the peer's from now on."""
+        if self._peer_inc is not None and self._peer_inc != sender:
+            log.warning("control channel on %s port %d: a new pairing (incarnation %s) in place of incarnation %s",
+                        self.host, self.port, sender, self._peer_inc)
+        mine = self._my_nonce
+        self._pairing_reset(sender)
+        self._my_nonce, self._hello_sent, self._nonce_used = mine, True, True
+        self._peer_nonce = challenge
+        self._key = pairing_key(self.secret or b"", (INCARNATION, mine), (sender, challenge))
+        self._authed, self._recv_seq, self._answered = True, seq, time.monotonic()
+        self._candidates.clear()  # (they said hello to a pairing that is over: they say it again if they are peers)
+        self._peer_rid, self._peer_fd = rid, fd if fd is not None and fd in self._open else None
+        self._replaced = self._replaced or self._ever
+        self._ever, self._connected, self._gone = True, True, False
+        self._watch(self._peer_fd)
