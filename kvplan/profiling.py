@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+from . import env
 
 __all__ = ["Profile"]
 
@@ -27,8 +28,8 @@ class Profile:
     to ``<KVPLAN_PROFILE>/<name>.txt`` when the block ends."""
 
     def __init__(self, name: str):
-        self.folder, self.name = os.environ.get("KVPLAN_PROFILE"), name
-        if not name.startswith(os.environ.get("KVPLAN_PROFILE_ONLY", "")):
+        self.folder, self.name = env.get("KVPLAN_PROFILE"), name
+        if not name.startswith(env.get("KVPLAN_PROFILE_ONLY")):
             self.folder = None
         self.profiler = None
 

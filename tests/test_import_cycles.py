@@ -122,7 +122,7 @@ def test_the_planner_s_rooms_import_only_their_own_and_those_below():
 
 # The package's layers (README, Layout): integrations and tools use transport, transport uses the
 # planner, the planner uses kernels; never the other way.
-LAYERS = ("kvplan.errors", "kvplan.kernels", "kvplan.compat", "kvplan.planner", "kvplan.transport",
+LAYERS = ("kvplan.errors", "kvplan.env", "kvplan.kernels", "kvplan.compat", "kvplan.planner", "kvplan.transport",
           "kvplan.integrations", "kvplan.tools", "kvplan.cli")
 
 

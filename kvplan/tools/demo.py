@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from .. import env
 from .baseline import sglang_style_descs
 from .bench import median_ms
 from ..planner import gpu
@@ -290,7 +291,7 @@ def _child_setup(config: DemoConfig) -> None:
     for key, value in ENGINE_ENV:
         if key != "UCX_NET_DEVICES" or is_loopback(config.host):
             os.environ.setdefault(key, value)
-    level = os.environ.get("KVPLAN_LOG_LEVEL")
+    level = env.get("KVPLAN_LOG_LEVEL")
     if level:
         logging.basicConfig(level=level, format="%(levelname)s %(processName)s %(message)s")
 
@@ -371,7 +372,7 @@ def decode_process(config: DemoConfig, conn) -> None:
                             os._exit(0)
                 states.update(endpoint.wait())
                 ready.append(time.monotonic())
-                if os.environ.get("KVPLAN_TRACE"):
+                if env.enabled("KVPLAN_TRACE"):
                     log.warning("decode ready (clock ms): %.3f", ready[-1] * 1e3)
                     endpoint.log_trace()
                 failures.update(endpoint.failures)
@@ -506,7 +507,7 @@ def _behind_forward(endpoint: PrefillEndpoint, forward: StandInForward, chunks, 
     else:
         span = forward.join(config.timeout)
         sent = endpoint.send(chunks, config.mode, timeout=config.timeout)
-    if os.environ.get("KVPLAN_TRACE"):  # on the traces' clock (CLOCK_MONOTONIC, as perf_counter here)
+    if env.enabled("KVPLAN_TRACE"):  # on the traces' clock (CLOCK_MONOTONIC, as perf_counter here)
         log.warning("forward pass (start, end clock ms): %.3f %.3f", span[0] * 1e3, span[1] * 1e3)
     return sent, span
 

@@ -28,9 +28,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import os
 import secrets
 from typing import Sequence
+from .. import env
 
 __all__ = ["INCARNATION", "checksum_key", "message_code", "nonce", "pairing_key", "proof", "secret_from_environment", "secret_from_file"]
 
@@ -45,9 +45,9 @@ def nonce() -> str:
 def secret_from_environment() -> bytes | None:
     """``KVPLAN_SECRET``, else the contents of the file ``KVPLAN_SECRET_FILE`` names (surrounding
     whitespace dropped), else ``None``. An empty secret is refused: it would authenticate anyone."""
-    value = os.environ.get("KVPLAN_SECRET")
-    if value is None and os.environ.get("KVPLAN_SECRET_FILE"):
-        return secret_from_file(os.environ["KVPLAN_SECRET_FILE"])
+    value = env.get("KVPLAN_SECRET")
+    if value is None and env.get("KVPLAN_SECRET_FILE"):
+        return secret_from_file(env.get("KVPLAN_SECRET_FILE"))
     if value is None:
         return None
     if not value.strip():

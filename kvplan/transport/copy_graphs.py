@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from collections import OrderedDict
 from typing import Callable, Hashable
 
 import torch
 
+from .. import env
 from ..errors import KvplanError
 
 __all__ = ["CopyGraphs", "capture_copy", "copy_graphs_enabled", "upload_graph"]
@@ -76,7 +76,7 @@ _driver: ctypes.CDLL | None = None
 
 def copy_graphs_enabled() -> bool:
     """Whether recurring copies replay graphs (``KVPLAN_COPY_GRAPHS``, default on; ``0`` turns them off)."""
-    return os.environ.get("KVPLAN_COPY_GRAPHS", "1") != "0"
+    return env.enabled("KVPLAN_COPY_GRAPHS")
 
 
 class CopyGraphs:

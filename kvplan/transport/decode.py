@@ -21,7 +21,6 @@ Example::
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from .. import env
 from ..errors import KvplanError, LayoutError, PeerError
 from ..kernels.copy import SCATTER, launch_shape
 from ..planner.destinations import PreallocatedRequest, PublishedRequest, list_entries, plan_destinations
@@ -160,15 +160,15 @@ class DecodeEndpoint:
         self._alignment = plan_alignment(Batch(side, (side,), ()))  # caps a planned run's announced alignment
         table = side.req_to_token  # where this side's pools live (its checksums run there)
         self._device = table.device if isinstance(table, torch.Tensor) else torch.device("cpu")
-        self.trace: list[tuple[str, str, float]] | None = [] if os.environ.get("KVPLAN_TRACE") else None
+        self.trace: list[tuple[str, str, float]] | None = [] if env.enabled("KVPLAN_TRACE") else None
         # high priority: a scatter is short and the request waits on it; it must not queue behind a forward pass
         self._stream = transport_stream(staging.device) if staging is not None and staging.is_cuda else None
         # a short table run's scatters are captured as CUDA graphs when announced, ahead of their bytes: a
         # landing then replays one graph instead of launching the kernel from the host (docs/layerwise.md §3)
-        self._graphs = self._stream is not None and os.environ.get("KVPLAN_SCATTER_GRAPHS", "1") != "0"
+        self._graphs = self._stream is not None and env.enabled("KVPLAN_SCATTER_GRAPHS")
         self._capture_stream = transport_stream(staging.device) if self._graphs else None
         # each is uploaded to the device once captured, not at its one replay (KVPLAN_UPLOAD_GRAPHS=0: not)
-        self._upload = os.environ.get("KVPLAN_UPLOAD_GRAPHS", "1") != "0"
+        self._upload = env.enabled("KVPLAN_UPLOAD_GRAPHS")
         # a one-wave planned run's scatter reads its plan's buffers, which recur with the planner's slots
         self._copy_graphs = CopyGraphs(transport_stream(staging.device)) \
             if self._stream is not None and copy_graphs_enabled() else None

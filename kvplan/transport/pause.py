@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import time
 from typing import Any, Sequence
+from .. import env
 
 __all__ = ["Pause", "hot_seconds", "wait_any"]
 
@@ -35,7 +36,7 @@ IDLE = ((1.0, 4e-3), (0.1, 2e-3))  # ... and once nothing has for that long (sec
 
 def hot_seconds() -> float:
     """How long a loop keeps only yielding after something arrived (``KVPLAN_HOT_S``, default 0.002)."""
-    return float(os.environ.get("KVPLAN_HOT_S", "0.002"))
+    return env.number("KVPLAN_HOT_S")
 
 
 def wait_any(channels: Sequence[Any], timeout: float) -> None:

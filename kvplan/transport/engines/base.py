@@ -24,13 +24,13 @@ Example::
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 import numpy as np
 
+from ... import env
 from ...errors import KvplanError
 from ..pause import Pause
 
@@ -145,7 +145,7 @@ def is_unsafe(reason: object) -> bool:
 
 def drain_seconds() -> float:
     """How long an aborted handle may take to end (``KVPLAN_DRAIN_S``, default 5 s)."""
-    return float(os.environ.get("KVPLAN_DRAIN_S", "5"))
+    return env.number("KVPLAN_DRAIN_S")
 
 
 def wait_all(engine: Engine, handles: list[Handle], deadline: float,

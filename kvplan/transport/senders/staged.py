@@ -12,7 +12,6 @@ queued right behind the plan (:mod:`..ahead`).
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Sequence
@@ -20,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 import torch
 
+from ... import env
 from ...errors import LayoutError
 from ...planner import gpu
 from ...planner.model import Batch, Transfer
@@ -109,7 +109,7 @@ class StagedRun:
         self.waves: list[Wave] = []  # planned when announced
         self.deferred: dict[str, Any] | None = None  # a staged-waves header sent once the first wave is posted
         self.trace: list[tuple[int, str, float]] | None = None
-        if os.environ.get("KVPLAN_TRACE"):
+        if env.enabled("KVPLAN_TRACE"):
             self.trace = [(0, step, t) for step, t in ep._times]
             self._mark(0, "init")
 

@@ -5,13 +5,13 @@ as one staged run per group and peer, announced while the pass still writes the 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import torch
 
+from ... import env
 from ...planner.layer_groups import group_sections
 from ...planner.model import Transfer
 from ...planner.pairing import pair_sides
@@ -110,7 +110,7 @@ class GroupedSend:
         self.announced: dict[int, list[StagedRun]] = {}
         self.runs: list[StagedRun] = []  # every group's, in order: their traces are logged at the end, not
         # while the next group's mark may come (logging takes long)
-        self.trace: list | None = [] if os.environ.get("KVPLAN_TRACE") else None
+        self.trace: list | None = [] if env.enabled("KVPLAN_TRACE") else None
 
     def merge(self, result: dict[Any, str | None]) -> None:
         for request, reason in result.items():
