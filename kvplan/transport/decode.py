@@ -60,6 +60,9 @@ log = logging.getLogger(__name__)
 POLL_S = 0.001  # how long one look at the control socket blocks before the engine is looked at again
 GRAPH_WAVES = 4  # a table run of at most this many waves has its scatters captured when announced
 EARLY_KEEP_S = 60.0  # how long a landed wave waits for its table (a refused or lost run's never comes)
+# how long a sender's lost connection waits before its requests fail: what it sent before it went (its last
+# checksums on the socket, its engine's last notifications) is read first, and completes what it completes
+GONE_GRACE_S = 0.2
 
 
 def _peers(peer: int | Sequence[int]) -> tuple[int, ...]:
@@ -176,6 +179,7 @@ class DecodeEndpoint:
         # senders whose process ended (their end of the control connection closed), as of the last look: their
         # fences hold (a sender that went silent is not among them)
         self._gone_senders: set[int] = set()
+        self._gone_seen: dict[int, float] = {}  # sender -> when its connection was first seen lost (GONE_GRACE_S)
         self._sender_inc: dict[int, str | None] = {}  # each sender's incarnation as it paired
         # senders paired again after a silence: the incarnation before (a resumed one says its writes ended)
         self._resuming: dict[int, str | None] = {}
@@ -666,8 +670,11 @@ class DecodeEndpoint:
             return  # what completed the last request is reported at once (the checks below come next turn)
         for k, channel in enumerate(self.channels):
             if channel.replaced():
+                self._gone_seen.pop(k, None)
                 self._pair_again(k)
             elif channel.peer_gone():
+                if time.monotonic() - self._gone_seen.setdefault(k, time.monotonic()) < GONE_GRACE_S:
+                    continue  # (looked at again within the pause's longest slice, 4 ms)
                 if self._ended(k):  # (a silent one's writes may still land: its fences wait for its word)
                     self._gone_senders.add(k)
                 self._fail_owned(k, "the prefill side is gone: its control connection was lost")

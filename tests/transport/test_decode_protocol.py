@@ -355,3 +355,32 @@ def test_a_request_published_after_its_sender_refused_the_pairing_fails_at_once(
     endpoint.track(published, time.monotonic() + 30)
     assert endpoint.tracker.states()["r2"] == "failed"
     assert "refused the pairing: page sizes differ" in endpoint.tracker.failure("r2")
+
+
+def test_what_a_sender_sent_before_its_connection_dropped_still_completes_its_request(monkeypatch):
+    """A prefill that sends its last notification and exits: the decode may see the connection lost before
+    it has read that notification (another socket). The loss fails the sender's requests only after
+    ``GONE_GRACE_S``; what arrives meanwhile completes them, and what never arrives fails them after."""
+    import kvplan.transport.decode as decode_module
+
+    pool = torch.zeros(16 * PAGE_BYTES, dtype=torch.uint8)
+    side = SideMemory(KVLayout(Attention.MLA, PAGE, (Entry(pool.data_ptr(), PAGE_BYTES, 16),)),
+                      req_to_token=table_with({1: [3, 4], 2: [5, 6]}, PAGE, max_ctx=16))
+    mine, theirs = FakeChannel.pair()
+    endpoint = DecodeEndpoint(side, FakeEngine(), mine)
+    published = plan_destinations(side, [PreallocatedRequest("r1", row=1, prompt_len=8),
+                                         PreallocatedRequest("r2", row=2, prompt_len=8)]).result()
+    endpoint.track(published, time.monotonic() + 30)
+    monkeypatch.setattr(mine, "peer_gone", lambda: True)
+    monkeypatch.setattr(decode_module, "GONE_GRACE_S", 0.3)
+    endpoint.poll()  # the loss is seen; nothing fails yet
+    assert endpoint.tracker.state("r1") == endpoint.tracker.state("r2") == "pending"
+    endpoint.engine.inbox.append(encode_notification(Section(0, "r1", KV_ROLE, "kv", 0, 1, 2)))  # r1's last note
+    endpoint.poll()
+    assert endpoint.tracker.state("r1") == "complete"
+    deadline = time.monotonic() + 5
+    while endpoint.tracker.state("r2") == "pending" and time.monotonic() < deadline:
+        endpoint.poll()
+        time.sleep(0.01)
+    assert endpoint.tracker.state("r2") == "failed"
+    assert "the prefill side is gone" in endpoint.tracker.failure("r2")
