@@ -177,5 +177,8 @@ def test_losing_either_sender_fails_the_gathered_request(which, monkeypatch):
     endpoint, _ = decode_with([0, 1])
     endpoint.publish([PreallocatedRequest("r1", row=1, prompt_len=40)], timeout=5, peer=[0, 1])
     monkeypatch.setattr(endpoint.channels[which], "peer_gone", lambda: True)
-    endpoint.poll()
+    deadline = time.monotonic() + 5  # (a loss fails its requests after the decode's GONE_GRACE_S)
+    while endpoint.tracker.state("r1") == "pending" and time.monotonic() < deadline:
+        endpoint.poll()
+        time.sleep(0.01)
     assert endpoint.tracker.state("r1") == "failed" and "gone" in endpoint.tracker.failure("r1")
