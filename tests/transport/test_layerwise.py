@@ -83,15 +83,21 @@ def test_each_group_is_posted_only_after_the_forward_pass_marked_it_and_the_rece
         lo, hi = note[4:6] if len(note) == 6 else (groups.bounds[-2], groups.bounds[-1])  # aux: the last group
         assert hi <= groups.bounds[ready], f"{note} posted when only {ready} groups were written"
     assert {ready for ready, _ in marked_when_posted} == {1, 2, 3}  # one posting round per group
+    _assert_complete_and_the_plan_once(prefill, engine, chunks, decode_side, published,
+                                       [d for d, _ in engine.posted])
+
+
+def _assert_complete_and_the_plan_once(prefill, engine, chunks, decode_side, published, written) -> None:
+    """The engine's notes complete every request at the receiver, and ``written`` (descriptor arrays) is
+    the batch's plan, each descriptor once."""
     tracker = CompletionTracker(decode_side)
     for p in published:
         tracker.expect(p.expectation(), 1e18)
     for _, note in engine.posted:
         tracker.on_section(decode_notification(note))
     assert tracker.states() == {"r1": "complete", "r2": "complete"}
-    posted = np.concatenate([d for d, _ in engine.posted])
     planned = prefill._planner(False).plan(prefill_batch(prefill, chunks)).descriptors()[0]
-    assert sorted(map(tuple, posted.tolist())) == sorted(map(tuple, planned.tolist()))  # the plan, once
+    assert sorted(map(tuple, np.concatenate(written).tolist())) == sorted(map(tuple, planned.tolist()))
 
 
 def test_an_engine_that_writes_from_device_descriptors_gets_one_launch_per_group_after_its_mark():
@@ -107,15 +113,8 @@ def test_an_engine_that_writes_from_device_descriptors_gets_one_launch_per_group
     assert result == {"r1": None, "r2": None} and prefill.last_mode == "direct"
     assert len(engine.launches) == groups.count  # one per group (one decode endpoint)
     assert all(ready >= launch for launch, ready in marked), marked  # launch k after group k-1 was marked
-    tracker = CompletionTracker(decode_side)
-    for p in published:
-        tracker.expect(p.expectation(), 1e18)
-    for _, note in engine.posted:
-        tracker.on_section(decode_notification(note))
-    assert tracker.states() == {"r1": "complete", "r2": "complete"}
-    launched = np.concatenate([rows for rows, _ in engine.launches])
-    planned = prefill._planner(False).plan(prefill_batch(prefill, chunks)).descriptors()[0]
-    assert sorted(map(tuple, launched.tolist())) == sorted(map(tuple, planned.tolist()))
+    _assert_complete_and_the_plan_once(prefill, engine, chunks, decode_side, published,
+                                       [rows for rows, _ in engine.launches])
 
 
 def prefill_batch(prefill, chunks):
