@@ -156,7 +156,7 @@ def _check_demo(config, shape) -> None:
         unmapped = [c.kind.value for c in shape.state if rules_of(c.kind).paged and not rules_of(c.kind).maps_pages]
         if unmapped:
             fail(f"--dst-page-size: {config.preset} has {unmapped[0]} state, which is not planned across page sizes "
-                 "yet (docs/page_sizes.md §6, issue 14)")
+                 "yet (docs/page_sizes.md §6)")
         grain = shape.page_size * config.dst_page_size // math.gcd(shape.page_size, config.dst_page_size)
     if config.tp is not None:  # pair a tiny batch of the same shape: what cannot pair is refused here
         from .errors import LayoutError

@@ -58,3 +58,4 @@ def test_values_defaults_and_switches(monkeypatch):
     assert not env.enabled("KVPLAN_TRACE") and env.enabled("KVPLAN_COPY_GRAPHS")  # (defaults: off, on)
     with pytest.raises(KeyError):
         env.get("KVPLAN_NOT_A_SETTING")
+

@@ -419,7 +419,7 @@ class Planner:
         """Make every bucket a batch of at most ``max_transfers`` transfers, each with at most
         ``elements_per_transfer`` destination-list entries, can fall in ready now: its buffers
         allocated, the kernels compiled and, with graphs, each of its ``depth`` slots captured, so that
-        the first such batch replays a graph as a steady one does (issue 37: a first batch cost
+        the first such batch replays a graph as a steady one does (measured: a first batch cost
         250-760 ms against 2-5 ms). Buckets up to ``max_transfers`` transfers, each with element
         capacities up to what that many transfers can hold; memory grows with the largest (about
         four times one bucket's at the top). Runs on ``stream`` (default: a stream of its own) and

@@ -270,7 +270,7 @@ def _pair_sides(src: SideMemory, dst: SideMemory) -> SidePairing:
         if rules.paged and not rules.maps_pages and cps_s != cps_d:
             raise LayoutError(f"state component {i} ({sc.name}): its pages hold {cps_s} tokens on the source and "
                               f"{cps_d} on the destination; {sc.kind.value} state across page sizes is not planned "
-                              "yet (docs/page_sizes.md §6, issue 14)")
+                              "yet (docs/page_sizes.md §6)")
         if rules.paged and cps_s != cps_d:  # docs/page_sizes.md §6: moved in units; bytes per token must agree
             _require_equal_token_bytes(f"state component {i} ({sc.name})", sc.entries, dc.entries, cps_s, cps_d)
         else:

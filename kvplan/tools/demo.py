@@ -105,7 +105,7 @@ class DemoConfig:
     port: int = 0  # the decode's control port (0: an ephemeral one, told to the prefill by the parent)
     engine_extra: tuple[tuple[str, Any], ...] = ()  # the engine's own settings (--engine-setting KEY=VALUE)
     integrity: bool = False  # per-request checksums compared at decode-ready (kvplan.transport.integrity)
-    warm_up: bool = True  # both endpoints' warm_up() before the first batch (issue 37's warm start)
+    warm_up: bool = True  # both endpoints' warm_up() before the first batch (a warm start)
 
     @property
     def forward(self) -> bool:

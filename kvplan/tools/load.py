@@ -1,4 +1,4 @@
-"""``kvplan load``: serving-shaped load through real endpoints, with faults on a schedule (issue 38).
+"""``kvplan load``: serving-shaped load through real endpoints, with faults on a schedule.
 
 One prefill process sends to ``decodes`` decode processes (fan-out), each its own process with its
 own engine and control channel. Requests arrive at ``rate`` a second for ``duration`` seconds

@@ -504,7 +504,7 @@ class DecodeEndpoint(StagedReceiver):
         return parts
 
     def warm_up(self, max_transfers: int = 16, max_prompt_len: int = 8192, timeout: float = 30.0) -> dict[str, float]:
-        """Do at start-up what the first batch would otherwise pay for (issue 37): load the destination-list
+        """Do at start-up what the first batch would otherwise pay for: load the destination-list
         kernels of :meth:`publish` (a token table on the GPU); with a staging buffer, wait (up to
         ``timeout``) until every sender has paired, compile the scatter kernels for this side's launch
         shapes, and make every planner of receiver-planned runs ready for batches of up to

@@ -1,5 +1,5 @@
 """Opt-in integrity: per-request checksums of the bytes sent, compared when the request has landed
-(issue 38, item 5).
+(docs/failures.md §7).
 
 A decode endpoint made with ``integrity=True`` asks its senders for checksums when it registers.
 A sender then sums, on the device right behind each plan, the source bytes of every descriptor

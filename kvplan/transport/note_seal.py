@@ -3,7 +3,7 @@
 An engine notification tells a decode that a section or a staged wave has landed, and tells a
 prefill that a staging slot is free again. The engines carry them without authenticating anyone:
 Mooncake takes a notification's sender name from the sender, and any process that reaches an
-engine's port can send one (issue 54: a process that was no paired sender wrote a decode's pages and
+engine's port can send one (a test showed it: a process that was no paired sender wrote a decode's pages and
 sent the notes, and the request completed with no byte from its prefill). With a shared secret each
 notification is sealed under a key of the control channel's pairing (:mod:`.auth`) and one direction:
 

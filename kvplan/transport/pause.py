@@ -1,5 +1,5 @@
 """How a transport wait loop waits between two looks at its engine and channels: never a spin
-once it has gone quiet (issue 38, item 6).
+once it has gone quiet (docs/failures.md §5).
 
 A loop that waits for a write, a wave or a message looks at the engine and its control channels,
 then pauses. While something arrived within the last ``KVPLAN_HOT_S`` seconds (2 ms) it only

@@ -290,7 +290,7 @@ class PrefillEndpoint:
         return k
 
     def warm_up(self, max_transfers: int = 16, max_prompt_len: int = 8192, timeout: float = 10.0) -> dict[str, float]:
-        """Do at start-up what a first batch would otherwise pay for (issue 37: 250-760 ms against a
+        """Do at start-up what a first batch would otherwise pay for (measured: 250-760 ms against a
         steady 2-5 ms), for every decode endpoint paired now and, from then on, for each one as it
         pairs: the device planner made and every bucket of batches of up to ``max_transfers`` transfers
         of requests of up to ``max_prompt_len`` tokens captured
@@ -465,7 +465,7 @@ class PrefillEndpoint:
 
     def _drop(self, k: int) -> None:
         """Decode endpoint ``k`` is gone: forget what it published and what the engine keeps for it
-        (issue 38: a prefill that outlived many decode endpoints kept every one's lists and NIXL
+        (measured: a prefill that outlived many decode endpoints kept every one's lists and NIXL
         agent). Its index stays; a restarted endpoint on the same channel registers and pairs again."""
         p = self.peers[k]
         log.warning("decode endpoint %d is gone: dropping its %d requests' lists and its engine connection",
@@ -997,7 +997,7 @@ class PrefillEndpoint:
         dest_of = {handle: transfers[section.transfer].dest for handle, section in posted}
         outcome = wait_all(self.engine, [h for h, _ in posted], deadline, give_up=lambda h: self._peer_gone(dest_of[h]))
         # one reason per request, reported once: a write that could not be ended makes it unsafe whatever else
-        # failed (issue 54: "the decode side is gone" replaced it, and the decode fenced pages still written)
+        # failed (before, "the decode side is gone" replaced it, and the decode fenced pages still written)
         reasons: dict[Any, tuple[int, str]] = {}
         for handle, section in posted:
             if (why := outcome[handle]) is not None:

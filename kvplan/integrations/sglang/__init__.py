@@ -1,4 +1,4 @@
-"""kvplan inside SGLang (issue 12).
+"""kvplan inside SGLang.
 
 * :func:`side_from_kv_args`: SGLang's ``KVArgs`` as a kvplan :class:`~kvplan.planner.model.SideMemory`,
   state components included (:func:`state_from_kv_args`).

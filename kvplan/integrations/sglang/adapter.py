@@ -10,7 +10,7 @@ SGLang's sender is per request: ``init(num_pages, aux_index)``, then ``send(page
 The prefill manager gathers every ``send`` of one scheduler step and plans them as one batch at the
 first ``poll`` after them (or at :meth:`KVManager.flush`): that is where planning on the GPU pays.
 
-Scope of this version (issue 12): KV pages and aux rows, direct or head-sliced, chunked, with a
+Scope of this version: KV pages and aux rows, direct or head-sliced, chunked, with a
 decode prefix; the state SGLang hands with the last chunk (``send(pages, state_indices=...)``,
 ``send_metadata(..., state_indices=...)``), one list per component, mapped onto kvplan's planning
 inputs by what the kind's rules say it needs (:mod:`kvplan.planner.state_kinds`):
@@ -998,7 +998,7 @@ class KVReceiver(BaseKVReceiver):
 
     def abort(self) -> None:
         """SGLang aborts the request: it ends ``Failed`` here and the prefill is told (once), which then
-        sends nothing more of it. Writes already posted are not fenced yet (issue 38)."""
+        sends nothing more of it. Writes already posted are not fenced yet."""
         if self.conclude_state is None:
             self.mgr._settle(self.room, KVPoll.Failed, "aborted by the decode's scheduler")
         self.ensure_abort_notified()
@@ -1011,7 +1011,7 @@ class KVReceiver(BaseKVReceiver):
 
     def is_abort_release_safe(self) -> bool:
         """Whether no write into the aborted request's pages can still land. kvplan cannot prove that yet
-        (issue 38), so SGLang is never told it can: only asked for host destinations, which kvplan does
+        (docs/failures.md §2), so SGLang is never told it can: only asked for host destinations, which kvplan does
         not take."""
         return False
 

@@ -1,4 +1,4 @@
-"""The Mooncake engine's settings inside SGLang, taken from the deployment's own (issue 56).
+"""The Mooncake engine's settings inside SGLang, taken from the deployment's own.
 
 SGLang's Mooncake backend reads its transport from ``MOONCAKE_PROTOCOL`` (``rdma`` when unset; ``tcp``
 where ``MC_FORCE_TCP=1``) and its NICs from ``--disaggregation-ib-device`` (a device list, or a JSON

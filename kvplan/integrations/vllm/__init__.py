@@ -1,4 +1,4 @@
-"""kvplan as a vLLM KV connector (issue 39; docs/vllm.md).
+"""kvplan as a vLLM KV connector (docs/vllm.md).
 
 A vLLM user enables it with::
 

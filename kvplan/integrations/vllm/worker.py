@@ -416,7 +416,7 @@ class ConnectorWorker:
         if len(receive.block_ids) <= self.full_group or not receive.block_ids[self.full_group]:
             # nothing to load (vLLM aborted it before its blocks came, and has freed it): its prefill frees its
             # blocks. Never reported, whatever happens: vLLM holds no such request any more, and a report of it
-            # failed its scheduler's assertion and took the decode's engine core down (issue 56)
+            # failed its scheduler's assertion and took the decode's engine core down
             if self.receives and remote is not None and receive.remote_host is not None \
                     and receive.remote_port is not None:
                 try:

@@ -1,4 +1,4 @@
-"""The same-host engine: the sender's GPU writes the receiver's pages itself (issue 55).
+"""The same-host engine: the sender's GPU writes the receiver's pages itself (docs/engines.md).
 
 **Pairing.** A receiver's metadata names its host (host name and boot id), process, memory kind, GPU
 (by UUID), notification socket (:mod:`.local_notes`) and each region it registered: for device memory,

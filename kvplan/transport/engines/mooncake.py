@@ -14,7 +14,7 @@ used where it has them (the CUDA 13 wheel 0.3.14); the CPU wheel 0.3.13 takes Py
 
 Mooncake's TCP transport reads its settings from the environment once, when the process's first
 engine starts; :class:`MooncakeEngine` sets them there unless the environment already has them. Its
-defaults were measured on an H200 host (issue 11, ``benchmarks/gpu_mooncake_sweep.sh``, session 17; the
+defaults were measured on an H200 host (``benchmarks/gpu_mooncake_sweep.sh``, session 17; the
 ``llama70b-tp8-p64`` batch of 6,832 descriptors, two processes, VRAM): with Mooncake's own (4 lanes per
 peer, its default I/O threads, 64 KiB slices) direct mode moved 0.95 GiB/s and staged 1.63; with 16
 lanes, 8 I/O threads and 1 MiB slices, 1.23 and 2.24.

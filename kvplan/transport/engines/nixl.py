@@ -217,7 +217,7 @@ class NixlEngine:
 
     def abort(self, handle: Handle) -> bool:
         """Whether an in-flight handle has ended. NIXL cannot stop a write that UCX is moving: releasing
-        it succeeds, and its bytes still land (issue 38: 256 MiB over UCX's TCP transport, all after the
+        it succeeds, and its bytes still land (measured: 256 MiB over UCX's TCP transport, all after the
         release). So nothing is released here; the handle ends only when NIXL reports it DONE or ERR,
         and a caller that gives up before then (:func:`~.base.wait_all`'s ``unsafe``) must keep its
         pages out of use."""
@@ -241,7 +241,7 @@ class NixlEngine:
                 "handles_max": self.KEPT + len(self._prepared)}  # (kept ones are evicted past KEPT)
 
     def disconnect(self, peer: str) -> None:
-        """Release what was kept and prepared for ``peer`` and remove its remote agent (issue 38: every
+        """Release what was kept and prepared for ``peer`` and remove its remote agent (measured: every
         agent a prefill ever paired with stayed in NIXL's table, with its handles)."""
         for key in [k for k in self._kept if k[0] == peer]:
             native, _, last = self._kept.pop(key)

@@ -362,7 +362,7 @@ class StagedReceiver:
     def _tell(self, peer: int, header: dict[str, Any]) -> None:
         """Send sender ``peer`` a wave's credit or refusal without blocking the poll loop: a sender that
         cannot take it within ``POLL_S`` is gone (killed, stopped), so its unsettled requests fail here
-        instead of the loop raising (issue 38: a dead sender crashed this side after 11 s)."""
+        instead of the loop raising (a dead sender once crashed this side after 11 s)."""
         try:
             self.channels[peer].send("wave-done", header, timeout=POLL_S)
         except ControlTimeout as err:
