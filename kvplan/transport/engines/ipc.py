@@ -316,6 +316,11 @@ class IpcEngine:
             flags = torch.empty(n, dtype=torch.int8, device=self._device)
             bad = torch.zeros(1, dtype=torch.int32, device=self._device)
             translate_descriptors(descs, table, out, flags, bad, rows=rows)
+            if rows is not None:  # (a plan's buffer, which its planner reuses: the caller's stream, where the next
+                # plan into it goes, waits until the translation has read it; the copy reads only ``out``)
+                read = torch.cuda.Event()
+                read.record(self._stream)
+                caller.wait_event(read)
             copy_descriptors(out, DIRECT, alignment=alignment, typical_bytes=typical_bytes, rows=rows)
             bad_host = self._readback()
             bad_host.copy_(bad, non_blocking=True)
