@@ -20,6 +20,10 @@ is a sender of its own (:mod:`.senders`); all of them end through this endpoint'
 and fencing path: a write that misses its deadline is aborted, and reported failed only once it
 has ended.
 
+What it reads from its decodes (pairings, registrations, publications, aborts) is
+:mod:`.prefill_messages`; a decode as it sees one is :class:`~.prefill_peers.Peer`; how each mode moves a
+batch is :mod:`.senders`.
+
 Example::
 
     prefill = PrefillEndpoint(side, make_engine("nixl", "prefill"), ControlChannel(port, host="127.0.0.1"))
@@ -36,24 +40,21 @@ import time
 import uuid
 from collections import deque
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
-from ..errors import InputError, KvplanError, LayoutError, PeerError, PlanError, PoolBoundsError
-from ..planner.destinations import check_published, decode_message, list_entries
+from ..errors import InputError, KvplanError, LayoutError, PeerError, PlanError
+from ..planner.destinations import list_entries
 from ..kernels.copy import GATHER
 from ..planner.model import Batch, Policy, SideMemory, Transfer
-from ..planner.pairing import pair_sides, smallest_descriptor
+from ..planner.pairing import smallest_descriptor
 from ..planner.device import Planner
 from ..planner.isolate import plan_each
-from ..planner.plan import DestinationLists
 from .ahead import AheadGatherer, GatherAhead
-from .completion import encode_notification
-from .note_seal import opened, sealed
-from .control import MAX_REFUSED, ControlChannel, ControlTimeout, named_request
+from .control import ControlChannel, ControlTimeout
 from .copy_graphs import CopyGraphs, copy_graphs_enabled
 from .decode import engine_regions
 from .engines import Engine, Handle, is_unsafe, wait_all
@@ -64,11 +65,12 @@ from .readiness import LayerStreaming
 from .senders import SENDERS, streamed
 from .senders.planned import LaunchAhead, PlannedBatch
 from .handles import SendHandle
+from .prefill_messages import DecodeMessages
+from .prefill_peers import ACK_S, Peer, pairing_of
 from .progress_thread import MAX_IN_FLIGHT, ProgressThread
 from .stats import EndpointStats
 from .streams import transport_stream
-from .receiver_plan import planned_run_chunks, receiver_can_plan
-from .registration import describe_side, side_from_description, with_model_heads
+from .receiver_plan import planned_run_chunks
 from .waves import staging_ring, touch_note
 
 __all__ = ["Chunk", "MODES", "Peer", "PrefillEndpoint"]
@@ -77,9 +79,7 @@ log = logging.getLogger(__name__)
 
 MODES = ("auto", "direct", "prepared", "staged")
 TOUCH_BYTES = 64 << 20  # the warm-up's write into each decode's staging share (_touch_peers)
-ACK_S = 0.5  # how long an abort's acknowledgement may wait on a full control socket
 AUTO_MIN_DESCS, AUTO_MAX_AVG_BYTES = 64, 256 << 10
-MAX_PUBLISHERS = 1024  # decode endpoints one request may be spread over (a larger count in a message is ignored)
 # per decode endpoint, the requests whose lists it may have published here and not yet had sent or failed: a
 # decode holds at most its running requests' pages (SGLang's max_running_requests is in the hundreds to
 # low thousands); an endpoint that publishes lists it never has sent cannot make this side hold more
@@ -102,63 +102,7 @@ class Chunk:
     aux_src: int = 0
 
 
-def _pairing_of(channel: Any) -> int | None:
-    """A channel's current pairing (:meth:`ControlChannel.pairing_id`; 0 for channels without pairings:
-    tests' in-memory ones)."""
-    pairing_id = getattr(channel, "pairing_id", None)
-    return 0 if pairing_id is None else pairing_id()
-
-
-@dataclass
-class Peer:
-    """One decode endpoint this prefill endpoint sends to: its channel, engine name, layout,
-    staging buffer and the destination lists it published."""
-
-    channel: ControlChannel
-    name: str | None = None
-    side: SideMemory | None = None
-    staging: tuple[int, int] | None = None
-    lists: dict[Any, tuple[DestinationLists, int, int]] = field(default_factory=dict)
-    backlog: deque = field(default_factory=deque)  # messages that arrived while a send read credits
-    prepared: bool = False
-    plannable: bool = False  # its staged runs may go without tables (receiver_plan.receiver_can_plan)
-    planning: set = field(default_factory=set)  # requests it published with a row: it can plan their scatter
-    index_there: int | None = None  # how that endpoint knows this sender, where it has several (notifications name it)
-    credits_by_engine: bool = False  # it returns staged slots' credits as engine notifications (Capabilities.notifies)
-    notified: bool = True  # it learns of a write from the write's notification (else from another message)
-    dropped: bool = False  # it is gone and what it published was dropped (:meth:`PrefillEndpoint._drop`)
-    integrity: bool = False  # it asked for each request's checksum (.integrity)
-    pairing: int | None = None  # the channel's pairing it registered in (ControlChannel.pairing_id; None: paired elsewhere)
-    owned: bool = False  # its channel came through add_peer (a listener's): closed once the peer is gone
-
-    def notification(self, section: Any) -> bytes:
-        """A direct or prepared write's notification of ``section``, naming this sender where the
-        endpoint has several; empty for a peer that takes none (the engine then notifies nothing)."""
-        return self.sealed(encode_notification(section, self.index_there)) if self.notified else b""
-
-    def sealed(self, note: bytes) -> bytes:
-        """``note`` as this peer's engine takes it (:func:`.note_seal.sealed`)."""
-        return sealed(self.channel, note)
-
-    def opened(self, raw: bytes) -> bytes | None:
-        """An engine notification from this peer, opened (:func:`.note_seal.opened`)."""
-        return opened(self.channel, raw)
-
-    def recv(self, deadline: float) -> tuple[str, dict[str, Any], list[bytes]]:
-        return self.backlog.popleft() if self.backlog else self.channel.recv(deadline)
-
-
-def _staging_share(value: Any) -> tuple[int, int] | None:
-    """A registration's staging share ``[address, bytes]`` (``None``: it has no staging buffer)."""
-    if not value:
-        return None
-    if not isinstance(value, list) or len(value) != 2 or not all(isinstance(x, int) and x >= 0 for x in value) \
-            or value[0] + value[1] >= 1 << 64:
-        raise LayoutError(f"the registration's staging share is {value!r}, not [address, bytes]")
-    return value[0], value[1]
-
-
-class PrefillEndpoint:
+class PrefillEndpoint(DecodeMessages):
     """The sending side (see the module docstring).
 
     ``channels``: one control channel per decode endpoint (peer ``k`` is ``channels[k]``); a batch's
@@ -383,255 +327,6 @@ class PrefillEndpoint:
             if kind != "request":
                 raise LayoutError(f"expected destination lists, got {kind!r}")
             self._on_request(peer, header, frames)
-
-    def progress(self) -> list[tuple[int, Any]]:
-        """Take in, without blocking, whatever the decode endpoints have sent: registrations (paired
-        as :meth:`accept` pairs them) and destination lists. Returns the ``(peer, request)`` pairs
-        whose lists arrived; a registration that cannot pair is refused and raises ``LayoutError``.
-        Aborts the decode endpoints sent are added to :attr:`aborted`.
-
-        With a progress thread (after the first :meth:`submit`), that thread reads the channels and
-        this returns what it has read since the last call, at once."""
-        if self._thread is None:
-            arrived = self._read_channels()
-        else:
-            if self._thread.errors:
-                raise self._thread.errors.popleft()
-            arrived = []
-            while self._thread.arrived:
-                arrived.append(self._thread.arrived.popleft())
-        while self._aborts:
-            self.aborted.append(self._aborts.popleft())
-        return arrived
-
-    def _read_channels(self) -> list[tuple[int, Any]]:
-        """What :meth:`progress` takes in, read from the channels (the progress thread's, once it runs)."""
-        if self._pairing:
-            self._read_pairing()
-        arrived = []
-        for k, p in enumerate(self.peers):
-            while (msg := (p.backlog.popleft() if p.backlog else p.channel.try_recv())) is not None:
-                kind, header, frames = msg
-                if kind == "register":
-                    self._on_register(k, header, frames)
-                elif kind == "request" and p.side is not None:
-                    if (request := self._on_request(k, header, frames)) is not None:
-                        arrived.append((k, request))
-                elif kind == "abort" and (request := named_request(header)) is not None:
-                    self._on_abort(k, request, str(header.get("reason") or "aborted"))
-                elif kind == "refuse":
-                    self._on_refuse(k, header)
-            if p.side is not None and not p.dropped and self._peer_gone(k) is not None:
-                self._drop(k)
-        return arrived
-
-    def _refused_by_bound(self, channel: ControlChannel) -> str | None:
-        """Why ``channel`` of add_peer is refused (closed, counted): ``max_peers`` taken through add_peer are
-        paired or pairing; ``None`` where it may pair."""
-        if sum(p.owned and not p.dropped for p in self.peers) + len(self._pairing) < self.max_peers:
-            return None
-        channel.close()
-        self._stats.hit("peers")
-        return f"refused a decode endpoint: {self.max_peers} taken through add_peer are paired or pairing (max_peers)"
-
-    def _take_pairing(self, channel: ControlChannel, deadline: float) -> None:
-        """(On the progress thread) a channel of add_peer to pair once its registration comes, within the bound."""
-        if (refused := self._refused_by_bound(channel)) is not None:
-            log.warning("%s", refused)
-            return
-        self._pairing.append((channel, deadline))
-
-    def _read_pairing(self) -> None:
-        """Pair the channels :meth:`add_peer` took on the progress thread whose registration came; close
-        those past their deadline. A refused one is closed and raised (the caller's progress() raises it)."""
-        now, pairing, self._pairing = time.monotonic(), self._pairing, []
-        for i, (channel, deadline) in enumerate(pairing):
-            msg = channel.try_recv()
-            if msg is None and now <= deadline:
-                self._pairing.append((channel, deadline))
-            elif msg is None or msg[0] != "register":
-                log.warning("a decode endpoint that connected sent %s within its pairing time: closed",
-                            "no registration" if msg is None else f"{msg[0]!r} instead of its registration")
-                channel.close()
-            else:
-                self.peers.append(Peer(channel, owned=True))
-                try:
-                    self._on_register(len(self.peers) - 1, msg[1], msg[2])
-                except BaseException:
-                    self.peers.pop()
-                    channel.close()
-                    self._pairing += pairing[i + 1:]
-                    raise
-
-    def _drop(self, k: int) -> None:
-        """Decode endpoint ``k`` is gone: forget what it published and what the engine keeps for it
-        (measured: a prefill that outlived many decode endpoints kept every one's lists and NIXL
-        agent). Its index stays; a restarted endpoint on the same channel registers and pairs again."""
-        p = self.peers[k]
-        log.warning("decode endpoint %d is gone: dropping its %d requests' lists and its engine connection",
-                    k, len(p.lists))
-        if p.name is not None:
-            self.engine.disconnect(p.name)
-        p.lists.clear()
-        p.planning.clear()
-        p.backlog.clear()
-        self._sums.drop([key for key in self._sums.keys() if key[0] == k])
-        p.name, p.prepared, p.dropped = None, False, True  # (its layout stays: the planner pairs every peer)
-        if p.owned:  # (a listener's channel: a restarted endpoint asks the listener for a new one)
-            p.channel.close()
-
-    def _on_abort(self, k: int, request: Any, reason: str) -> None:
-        """A decode endpoint aborted ``request``: nothing more of it goes there, and it is told so at
-        once ("abort-ack"). The acknowledgement is its fence: ``send`` returns only once every write it
-        posted has ended, so when this runs no write into the request's pages is in flight, unless one
-        could not be ended (``unsafe``, :func:`~kvplan.transport.engines.base.wait_all`): then the
-        acknowledgement says ``fenced: false`` and the decode side must keep the pages out of use.
-        One it holds no lists of goes to :attr:`given_up` instead: its decode gave it up before it had
-        pages, or after it was sent (the vLLM connector frees the prefill's blocks of the first at once,
-        rather than at its deadline)."""
-        if request in self.peers[k].lists:
-            self._forget_now([request], peer=k)
-            self._aborts.append((k, request, reason))
-        else:
-            self.given_up.append((k, request))
-        try:
-            self.peers[k].channel.send("abort-ack", {"request": request, "fenced": request not in self.unsafe},
-                                       timeout=ACK_S)
-        except KvplanError as err:  # the decode side is gone or stuck: it cannot be told; its pages are its own
-            log.warning("request %r: the abort could not be acknowledged: %s", request, err)
-
-    def _on_refuse(self, k: int, header: dict[str, Any]) -> None:
-        """A decode endpoint refused requests it never published (``DecodeEndpoint.refuse_all``, an
-        admission bound there): each goes to :attr:`refused` and :attr:`given_up`, unacknowledged, since
-        no page of them exists. One it did publish here is taken as aborted (acknowledged, its fence)."""
-        requests, reason = header.get("requests"), str(header.get("reason") or "refused")
-        if not isinstance(requests, list):
-            return
-        for request in requests[:MAX_REFUSED]:
-            request = named_request({"request": request})
-            if request is None:
-                continue
-            if request in self.peers[k].lists:
-                self._on_abort(k, request, reason)
-            else:
-                self.given_up.append((k, request))
-                self.refused.append((k, request, reason))
-
-    def _on_register(self, k: int, header: dict[str, Any], frames: list[bytes]) -> None:
-        """Pair with decode endpoint ``k`` from its registration; one that is malformed or cannot pair
-        is refused (told so, with the reason) and raises :class:`~kvplan.errors.LayoutError`."""
-        peer = self.peers[k]
-        if peer.side is not None and not peer.dropped:  # registered again: a new endpoint, or one paired anew
-            self._drop(k)  # (nothing the one before published is sent to it)
-        try:
-            if self.compat is not None and header.get("compat") != self.compat:
-                raise LayoutError(f"the decode side's KV bytes are {header.get('compat')!r}, this side's "
-                                  f"{self.compat!r}: they would land scrambled")
-            peer_side = with_model_heads(side_from_description(header["side"]), self.side.kv.num_kv_heads)
-            pair_sides(self.side, peer_side)
-            staging = _staging_share(header.get("staging"))
-            index_there = header.get("peer")
-            if index_there is not None and (not isinstance(index_there, int) or index_there < 0):
-                raise LayoutError(f"the registration names this sender by {index_there!r}, not an index")
-            if not frames:
-                raise LayoutError("the registration carries no engine metadata")
-        except (LayoutError, KeyError, TypeError, ValueError, OverflowError) as err:
-            why = str(err) if isinstance(err, LayoutError) else f"a malformed registration ({type(err).__name__}: {err})"
-            peer.channel.send("refused", {"reason": why})
-            raise LayoutError(f"decode endpoint {k}: {why}") from err
-        peer.side, peer.dropped = peer_side, False
-        peer.pairing = _pairing_of(peer.channel)
-        self._touched.discard(k)  # (a decode that registers again is a new one: nothing of this side's is there)
-        peer.plannable = receiver_can_plan(self.side, peer_side, self.policy)
-        peer.staging = staging
-        peer.index_there = index_there
-        peer.integrity = header.get("integrity") is True
-        peer.name = self.engine.connect(frames[0])
-        # this side's layout: a decode rank that gathers from several source ranks checks their ranks with it
-        # (its engine's name: the receiver checks that a section's notification comes from the sender of its request)
-        # between batches no write is in flight but those that could not be ended: without one, nothing this
-        # side wrote before can still land (a decode that lost this side to its silence fences on this word)
-        paired: dict[str, Any] = {"from": self.id, "side": describe_side(self.side), "engine": self.engine.name,
-                                  "writes_ended": not self.unsafe}
-        peer.credits_by_engine = bool(header.get("notifies")) and self.engine.capabilities.notifies
-        if peer.credits_by_engine:  # its credits come back through the engine, to this side's metadata
-            paired["credits"] = "engine"
-            peer.channel.send("paired", paired, self.engine.metadata())
-        else:
-            peer.channel.send("paired", paired)
-        self._warm_peers(timeout=ACK_S * 4)  # (after warm_up: each peer that pairs later is warmed as it pairs)
-
-    def _on_request(self, k: int, header: dict[str, Any], frames: list[bytes]) -> Any:
-        """Keep a request's destination lists from decode endpoint ``k``; its name, or ``None`` where the
-        message is malformed (then the request, if it has a usable name, is answered ``failed``)."""
-        p = self.peers[k]
-        request = named_request(header)
-        try:
-            if request is None:
-                raise ValueError(f"it names no request ({header.get('request')!r})")
-            prefix_len = header["prefix_len"]
-            if not isinstance(prefix_len, int) or prefix_len < 0:
-                raise ValueError(f"its prefix length is {prefix_len!r}")
-            lists, aux = decode_message(frames[0], len(p.side.state))
-            check_published(request, lists, aux, p.side)
-        except (KvplanError, KeyError, IndexError, TypeError, ValueError, OverflowError) as err:
-            why = (f"its destination lists name ids outside the pools its decode endpoint registered: {err}"
-                   if isinstance(err, PoolBoundsError) else
-                   f"its destination lists are malformed ({type(err).__name__}: {err})")
-            if request is not None:
-                self._report(k, request, why)
-            else:
-                log.warning("decode endpoint %d sent destination lists this side cannot use: %s", k, why)
-            return None
-        publishers = header.get("publishers", 1)
-        if not isinstance(publishers, int) or isinstance(publishers, bool) or not 1 <= publishers <= MAX_PUBLISHERS:
-            self._stats.hit("publishers")
-            self._report(k, request, f"it names {publishers!r} publishers (1 to {MAX_PUBLISHERS})")
-            return None
-        if request not in p.lists and len(p.lists) >= self.max_published:
-            self._stats.hit("published")
-            self._report(k, request, f"refused: its decode endpoint has {len(p.lists)} requests published here and "
-                                     "not yet sent (max_published); nothing of it is sent")
-            return None
-        clash = self._publication_clash(k, request, publishers)
-        if clash is not None:
-            self._refuse_publication(k, request, clash)
-            return None
-        p.lists[request] = (lists, aux, prefix_len)
-        if publishers > 1:
-            self.publishers[request] = publishers
-        if header.get("plans"):
-            p.planning.add(request)
-        return request
-
-    def _publication_clash(self, k: int, request: Any, publishers: int) -> str | None:
-        """Why decode endpoint ``k``'s publication of ``request`` cannot stand beside the others' (``None``
-        where it can). Every publisher names the same count, no more publish it than that, and where the
-        layouts split the KV by rank no two publish the same rank's part: one that publishes another's
-        request must not receive its bytes, nor hold it back by overstating the count."""
-        others = [j for j, q in enumerate(self.peers) if j != k and request in q.lists]
-        if not others:
-            return None
-        counted = self.publishers.get(request, 1)
-        if publishers != counted:
-            return f"decode endpoints {others} publish it as one of {counted}, endpoint {k} as one of {publishers}"
-        if len(others) + 1 > counted:
-            return f"decode endpoints {others} and {k} publish it: more than the {counted} it is split over"
-        kv = self.peers[k].side.kv
-        same = [j for j in others if kv.tp_size > 1 and (self.peers[j].side.kv.tp_size, self.peers[j].side.kv.tp_rank)
-                == (kv.tp_size, kv.tp_rank)]
-        if same:
-            return f"decode endpoints {same} and {k} publish the same part of it (TP rank {kv.tp_rank} of {kv.tp_size})"
-        return None
-
-    def _refuse_publication(self, k: int, request: Any, clash: str) -> None:
-        """A request published in a way that cannot stand (:meth:`_publication_clash`): nothing of it is
-        sent, and every endpoint that published it here is told it failed."""
-        self._stats.hit("publication clash")
-        involved = [j for j, q in enumerate(self.peers) if request in q.lists] + [k]
-        self._forget_now([request])
-        for j in involved:
-            self._report(j, request, f"refused: {clash}; nothing of it is sent")
 
     def footprint(self) -> dict[str, int]:
         """How many entries this endpoint's per-request tables hold, over every peer (what ``kvplan
@@ -949,7 +644,7 @@ class PrefillEndpoint:
         p = self.peers[peer]
         if p.channel.peer_gone():
             return "the decode side is gone: its control connection was lost"
-        if p.pairing is not None and _pairing_of(p.channel) != p.pairing:  # (None: a peer not paired here)
+        if p.pairing is not None and pairing_of(p.channel) != p.pairing:  # (None: a peer not paired here)
             return ("the decode side is gone: its control connection was made again since it registered (a "
                     "restarted process, or a connection lost and made again); what it published is dropped")
         return None
