@@ -613,6 +613,8 @@ class PrefillEndpoint(DecodeMessages):
         if mode == "auto":
             mode = self._auto_mode(count, planned.nbytes)
         self.last_mode = mode
+        if mode == "direct" and self.engine.capabilities.device:  # the next launch ahead's copy shape
+            self._device_typical = max(1, planned.nbytes // max(1, count))
         if mode != "staged":
             self._cancel_chunks(planned.chunks_run, f"sent {mode}")
         log.info("sending %d transfers (%d descriptors) %s", len(transfers), count, mode)

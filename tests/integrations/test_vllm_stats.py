@@ -36,7 +36,7 @@ def test_an_interval_with_nothing_counted_is_empty_and_adds_nothing():
 
 
 def test_a_worker_reports_what_its_endpoints_counted_since_its_last_report():
-    from kvplan.integrations.vllm.connector_stats import interval_counts
+    from kvplan.integrations.vllm.counters import interval_counts
     from kvplan.integrations.vllm.worker import ConnectorWorker
 
     class Endpoint:

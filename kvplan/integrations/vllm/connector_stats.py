@@ -15,13 +15,12 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-__all__ = ["KvplanConnectorStats"]
+from .counters import COUNTS, counted
 
-COUNTS = ("requests_sent", "requests_received", "requests_failed", "bytes", "latency_count")
+__all__ = ["KvplanConnectorStats"]
 
 
 class KvplanConnectorStats(KVConnectorStats):
@@ -35,7 +34,7 @@ class KvplanConnectorStats(KVConnectorStats):
         self.data = {**{k: 0 for k in COUNTS}, "latency_sum_s": 0.0, "failures": {}}
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(k) for k in ("requests_sent", "requests_received", "requests_failed", "bytes"))
+        return not counted(self.data)
 
     def aggregate(self, other: KVConnectorStats) -> KvplanConnectorStats:
         if other.is_empty():
@@ -62,19 +61,3 @@ class KvplanConnectorStats(KVConnectorStats):
         for cause, n in sorted(d.get("failures", {}).items()):
             out[f"Failed ({cause})"] = int(n)
         return out
-
-
-def interval_counts(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
-    """The :class:`KvplanConnectorStats` payload of endpoints' :meth:`stats` snapshots (cumulative)."""
-    out: dict[str, Any] = {**{k: 0 for k in COUNTS}, "latency_sum_s": 0.0, "failures": {}}
-    for snap in snapshots:
-        requests = snap.get("requests", {})
-        out["requests_sent"] += int(requests.get("sent", 0))
-        out["requests_received"] += int(requests.get("complete", 0))
-        out["requests_failed"] += int(requests.get("failed", 0))
-        out["bytes"] += int(snap.get("bytes", 0))
-        out["latency_count"] += int(snap.get("latency_ms", {}).get("count", 0))
-        out["latency_sum_s"] += float(snap.get("latency_ms", {}).get("sum_s", 0.0))
-        for cause, n in snap.get("failures", {}).items():
-            out["failures"][cause] = out["failures"].get(cause, 0) + int(n)
-    return out

@@ -55,6 +55,7 @@ from ...transport.decode import DecodeEndpoint
 from ...transport.engines import make_engine
 from ...transport.listener import ChannelListener, channel_via
 from ...transport.prefill import Chunk, PrefillEndpoint
+from .counters import counted, interval_counts
 from .groups import KVGroup
 from .kv_caches import BlockView
 from .scheduler import ReceiveRequest, SchedulerStep, SendRequest
@@ -219,8 +220,6 @@ class ConnectorWorker:
     def interval_stats(self) -> dict[str, Any] | None:
         """What this worker's endpoints counted since the last call (``None`` when nothing): the payload of
         vLLM's connector stats (:mod:`.connector_stats`). A few dictionary reads per endpoint."""
-        from .connector_stats import interval_counts
-
         endpoints = ([self.prefill] if self.sends and self.prefill is not None else []) + list(self.decodes.values())
         now = interval_counts([e.totals() for e in endpoints])
         before, self._reported = self._reported, now
@@ -230,9 +229,7 @@ class ConnectorWorker:
             delta = {k: now[k] - before.get(k, 0) for k in now if k != "failures"}
             delta["failures"] = {c: n - before["failures"].get(c, 0) for c, n in now["failures"].items()
                                  if n - before["failures"].get(c, 0)}
-        if not any(delta[k] for k in ("requests_sent", "requests_received", "requests_failed", "bytes")):
-            return None
-        return delta
+        return delta if counted(delta) else None
 
     # -- each step ------------------------------------------------------------------------------------
     def start_load_kv(self, step: SchedulerStep) -> None:
@@ -556,13 +553,12 @@ class ConnectorWorker:
                                 senders=len(ranks))
         channels = []
         try:
-            for rank in ranks:
-                channels.append(channel_via(host, int(port) + rank, timeout=HANDSHAKE_S, secret=self.settings.secret()))
-        except KvplanError as err:
-            for channel in channels:
-                channel.close()
-            raise PeerError(f"the prefill at {host}:{int(port) + rank} did not answer: {err}") from None
-        try:
+            try:
+                for rank in ranks:
+                    channels.append(channel_via(host, int(port) + rank, timeout=HANDSHAKE_S,
+                                                secret=self.settings.secret()))
+            except KvplanError as err:
+                raise PeerError(f"the prefill at {host}:{int(port) + rank} did not answer: {err}") from None
             decode.attach_channels(channels)
             decode.register(timeout=HANDSHAKE_S)
             made = time.perf_counter()
@@ -571,6 +567,8 @@ class ConnectorWorker:
         except BaseException:
             for channel in channels:
                 channel.close()
+            self._engines.remove(decode.engine)  # (its registrations and staging buffer go with it: a pairing
+            decode.engine.close()                # tried again makes new ones)
             raise
         log.info("rank %d paired with prefill ranks %s at %s:%d: endpoint %.1f ms, warm-up %.1f ms", self.tp_rank,
                  list(ranks), host, int(port), (made - start) * 1e3, (time.perf_counter() - made) * 1e3)

@@ -97,9 +97,6 @@ class _Refused:
     def __init__(self, peer: str, why: str):
         self.peer, self.why = peer, why
 
-    def ended(self) -> bool:
-        return True
-
 
 class _Launch:
     """One post's work: the device launch (its event, the flagged count and flags, kept alive until it

@@ -37,7 +37,7 @@ def _send_device(ep: PrefillEndpoint, transfers: Sequence[Transfer], planned: Pl
     import torch
 
     count = max(1, int(planned.per_transfer[-1]))
-    typical = ep._device_typical = max(1, planned.nbytes // count)  # (the next send's launch ahead is shaped so)
+    typical = max(1, planned.nbytes // count)
     if planned.launched is not None:  # launched behind the plan: its sections, in the plan's rows, attach
         launched, sections = planned.launched, planned.host_sections()
         peer = ep.peers[launched.dest]
