@@ -17,8 +17,8 @@ import time
 import numpy as np
 import torch
 
-from kvplan.planner.columns import BatchColumns
-from kvplan.planner.device import Planner
+from kvplan.planner.device.columns import BatchColumns
+from kvplan.planner.device.planner import Planner
 from kvplan.tools.scenarios import PRESETS, build_batch
 
 

@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from kvplan.planner.destinations import PreallocatedRequest, plan_destinations
-from kvplan.planner.model import Attention, Entry, KVLayout, SideMemory
+from kvplan.planner.device.destinations import PreallocatedRequest, plan_destinations
+from kvplan.planner.contract.batch import Attention, Entry, KVLayout, SideMemory
 from kvplan.transport.control import ControlChannel
 from kvplan.transport.decode import DecodeEndpoint
 from kvplan.transport.engines import make_engine

@@ -14,8 +14,8 @@ from collections import defaultdict
 
 import torch
 
-from kvplan.planner.columns import BatchColumns
-from kvplan.planner.device import Planner
+from kvplan.planner.device.columns import BatchColumns
+from kvplan.planner.device.planner import Planner
 from kvplan.tools.bench import device_span_ms, scenario_batch
 
 # output form: (the planner's outputs, how the host reads them)

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kvplan.planner.layer_groups import LayerGroups  # noqa: E402
+from kvplan.planner.contract.layer_groups import LayerGroups  # noqa: E402
 from kvplan.tools.demo import DemoConfig, run_demo  # noqa: E402
 from kvplan.tools.forward import StandInForward  # noqa: E402
 from kvplan.tools.scenarios import PRESETS, build_batch, materialize  # noqa: E402

@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from kvplan.planner import device as dv
-from kvplan.planner.columns import BatchColumns
-from kvplan.planner.device import Planner
+from kvplan.planner.device import buffers as dv
+from kvplan.planner.device.columns import BatchColumns
+from kvplan.planner.device.planner import Planner
 from kvplan.tools.bench import SCENARIOS, scenario_batch
 
 
@@ -41,13 +41,13 @@ def main() -> None:
         planner = Planner(batch.src, batch.dsts, outputs=("descriptors",))
         for _ in range(4):
             planner.plan(cols).descriptors()
-        key = (dv._pow2(cols.num_transfers, 8), dv._pow2(len(cols.dst_flat), 64))
+        key = (dv.pow2(cols.num_transfers, 8), dv.pow2(len(cols.dst_flat), 64))
         slot = planner._rings[key][0]
         stream = torch.cuda.current_stream()
         row = {
             "fill": _median_us(lambda: slot.buffers.fill(cols)),
             "slot": _median_us(lambda: planner._next_slot(key)),
-            "replay": _median_us(lambda: dv._replay(slot.graph)),
+            "replay": _median_us(lambda: dv.replay(slot.graph)),
             "record": _median_us(lambda: slot.event.record(stream)),
             "plan": _median_us(lambda: planner.plan(cols)),
         }

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import torch
 
-from kvplan.planner.device import Planner
+from kvplan.planner.device.planner import Planner
 from kvplan.tools.scenarios import PRESETS, build_batch
 
 

@@ -12,7 +12,7 @@ import sys
 import torch
 
 from kvplan.tools.bench import scenario_batch
-from kvplan.planner.device import Planner
+from kvplan.planner.device.planner import Planner
 
 
 def main() -> None:

@@ -17,8 +17,8 @@ import torch
 
 from kvplan.tools.bench import median_ms
 from kvplan.compat.sglang import kv_to_page_indices, pack_int_lists
-from kvplan.planner.destinations import PreallocatedRequest, plan_destinations
-from kvplan.planner.model import SideMemory, StateKind
+from kvplan.planner.device.destinations import PreallocatedRequest, plan_destinations
+from kvplan.planner.contract.batch import SideMemory, StateKind
 from kvplan.tools.scenarios import PRESETS, build_batch
 
 PROMPT_LEN = 4096

@@ -1,5 +1,5 @@
 """Plan-to-descriptors latency with torch's stream wrappers (old) against kvplan's stream fast path (new),
-alternating on one machine: ``kvplan.planner.device._OnStream`` and ``_current_stream``.
+alternating on one machine: ``OnStream`` (read by ``kvplan.planner.device.pending``) and ``current_stream`` (by ``kvplan.planner.device.planner``).
 
 Run on a GPU:  ``TRITON_INTERPRET=0 PYTHONPATH=. python -m benchmarks.stream_switch_ab``
 """
@@ -9,12 +9,13 @@ import time
 
 import torch
 
-import kvplan.planner.device as dev
-from kvplan.planner.columns import BatchColumns
-from kvplan.planner.device import Planner
+import kvplan.planner.device.pending as pending_module
+import kvplan.planner.device.planner as planner_module
+from kvplan.planner.device.columns import BatchColumns
+from kvplan.planner.device.planner import Planner
 from kvplan.tools.bench import scenario_batch
 
-FAST = (dev._OnStream, dev._current_stream)
+FAST = (pending_module.OnStream, planner_module.current_stream)
 SLOW = (lambda s: torch.cuda.stream(s), lambda d: torch.cuda.current_stream(d))
 
 def timed_us(fn, n: int) -> tuple[float, float]:
@@ -41,9 +42,9 @@ def main() -> None:
         for round_ in range(4):
             order = (("old", SLOW), ("new", FAST)) if round_ % 2 == 0 else (("new", FAST), ("old", SLOW))
             for label, (on, current) in order:
-                dev._OnStream, dev._current_stream = on, current
+                pending_module.OnStream, planner_module.current_stream = on, current
                 found[label].append(timed_us(lambda: planner.plan(cols).descriptors(), 300))
-        dev._OnStream, dev._current_stream = FAST
+        pending_module.OnStream, planner_module.current_stream = FAST
         for label, values in found.items():
             print(name, label, "plan+descriptors median/p99 us:", [f"{m:.1f}/{p:.1f}" for m, p in values])
 

@@ -115,7 +115,7 @@ def _tp_state() -> tuple[Step, ...]:
 def _warm_start() -> tuple[Step, ...]:
     common = ("--engine", "nixl", "--layers", "8", "--requests", "8", "--prompt-len", "8192", "--repeat", "8",
               "--staging-mib", "256", "--staging-slots", "2")
-    steps = [pytest("tests", "tests/planner/test_graphs.py", "tests/planner/test_device_planner.py",
+    steps = [pytest("tests", "tests/planner/device/test_graphs.py", "tests/planner/device/test_planner.py",
                     "tests/transport/test_copy_graphs.py", "tests/transport/test_local.py", "tests/kernels"),
              demo("empty-cache", *common, "--preset", "llama70b-tp8-p64", "--mode", "auto",
                   env={"TRITON_CACHE_DIR": "/tmp/kvplan-empty-triton-cache"})]
@@ -138,7 +138,7 @@ def _warm_start() -> tuple[Step, ...]:
 
 
 def _layerwise(extra: Sequence[str] = (), tests: bool = True) -> tuple[Step, ...]:
-    steps = [pytest("tests", "tests/planner/test_layer_groups.py", "tests/transport/test_handoff.py", "-k", "layer",
+    steps = [pytest("tests", "tests/planner/contract/test_layer_groups.py", "tests/transport/test_handoff.py", "-k", "layer",
                     env={"KVPLAN_TEST_ENGINES": "nixl"}),
              pytest("event-test", "tests/transport/test_layerwise.py::"
                     "test_a_groups_event_is_offered_only_once_this_pass_has_queued_its_mark", timeout_s=60)] if tests else []
@@ -341,7 +341,7 @@ SUITES: dict[str, Suite] = {
     "gpu-tests": Suite("the kernel, planner and transport tests, kernels compiled for the card", ".whl", (
         pytest("planner-kernels", "tests/planner", "tests/compat", "tests/kernels", "tests/tools/test_baseline.py"),
         pytest("transport", "tests/transport/test_copy_graphs.py", "tests/transport/test_local.py",
-               "tests/planner/test_device_planner.py", "tests/planner/test_gpu_sync.py", "tests/transport/test_handoff.py",
+               "tests/planner/device/test_planner.py", "tests/planner/device/test_no_sync.py", "tests/transport/test_handoff.py",
                "-k", "not mooncake and (staged or Copy or copy or local or device or sync or ahead)"))),
     "transport-nixl": Suite("every transport test through NIXL with GPU pools", ".whl", (
         pytest("transport", "tests/transport", env={"KVPLAN_TEST_ENGINES": "nixl"}, timeout_s=900),)),

@@ -15,8 +15,8 @@ import torch
 
 from kvplan.tools.bench import DST_PAGE_SIZES, SCENARIOS, TARGETS, median_ms
 from kvplan.tools.host_baselines import NumpyBatchPlanner
-from kvplan.planner.columns import BatchColumns
-from kvplan.planner.device import Planner
+from kvplan.planner.device.columns import BatchColumns
+from kvplan.planner.device.planner import Planner
 from kvplan.tools.scenarios import PRESETS, build_batch
 
 SCALE = float(os.environ.get("KVPLAN_BENCH_SCALE", "0.02"))

@@ -48,10 +48,10 @@ import numpy as np
 import torch
 
 from kvplan.integrations.vllm.kv_caches import BlockView
-from kvplan.planner.block_tables import token_table_from_blocks
-from kvplan.planner.columns import BatchColumns
-from kvplan.planner.device import Planner
-from kvplan.planner.model import Batch, Transfer
+from kvplan.planner.contract.block_tables import token_table_from_blocks
+from kvplan.planner.device.columns import BatchColumns
+from kvplan.planner.device.planner import Planner
+from kvplan.planner.contract.batch import Batch, Transfer
 from tests.ports import free_ports, free_span
 
 BLOCK, LAYERS, HEAD_DIM = 16, 80, 128

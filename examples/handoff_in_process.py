@@ -10,9 +10,9 @@ import threading
 import time
 from dataclasses import replace
 
-from kvplan.planner.destinations import PreallocatedRequest
-from kvplan.planner.model import Batch
-from kvplan.planner.reference import plan_reference
+from kvplan.planner.device.destinations import PreallocatedRequest
+from kvplan.planner.contract.batch import Batch
+from kvplan.planner.reference.oracle import plan_reference
 from kvplan.tools.scenarios import PRESETS, build_batch, materialize
 from kvplan.transport.control import ControlChannel
 from kvplan.transport.endpoints import Chunk, DecodeEndpoint, PrefillEndpoint

@@ -7,9 +7,9 @@ The batch is a small gpt-oss-shaped one (sliding-window state, aux rows) on a fr
 import numpy as np
 import torch
 
-from kvplan.planner.columns import BatchColumns
-from kvplan.planner.device import Planner
-from kvplan.planner.reference import plan_reference
+from kvplan.planner.device.columns import BatchColumns
+from kvplan.planner.device.planner import Planner
+from kvplan.planner.reference.oracle import plan_reference
 from kvplan.tools.scenarios import PRESETS, build_batch
 
 device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -151,7 +151,7 @@ def _check_demo(config, shape) -> None:
     longest = max(config.prompt_len) if isinstance(config.prompt_len, tuple) else config.prompt_len
     grain = shape.page_size
     if config.dst_page_size:
-        from .planner.state_kinds import rules_of
+        from .planner.contract.state_kinds import rules_of
 
         unmapped = [c.kind.value for c in shape.state if rules_of(c.kind).paged and not rules_of(c.kind).maps_pages]
         if unmapped:
@@ -160,7 +160,7 @@ def _check_demo(config, shape) -> None:
         grain = shape.page_size * config.dst_page_size // math.gcd(shape.page_size, config.dst_page_size)
     if config.tp is not None:  # pair a tiny batch of the same shape: what cannot pair is refused here
         from .errors import LayoutError
-        from .planner.pairing import pair_sides
+        from .planner.contract.pairing import pair_sides
 
         ts, td = config.tp
         heads = shape.num_kv_heads

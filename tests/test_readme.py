@@ -12,7 +12,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 def test_the_readme_s_planning_snippets_run_as_printed(capsys):
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
     plan_a_batch, serving_loop, decode_side = blocks[0], blocks[1], blocks[2]
-    assert "gpu.plan(batch)" in plan_a_batch and "Planner(src, [dst]" in serving_loop, "the snippets moved"
+    assert "= plan(batch)" in plan_a_batch and "Planner(src, [dst]" in serving_loop, "the snippets moved"
     names: dict = {}
     exec(compile(plan_a_batch, "README.md (plan a batch)", "exec"), names)  # noqa: S102 - our own README
     printed = capsys.readouterr().out

@@ -48,7 +48,8 @@ def dump() -> None:
 
 def install() -> None:
     from kvplan.kernels import copy as kc
-    from kvplan.planner import columns, device
+    from kvplan.planner.device import columns
+    from kvplan.planner.device import buffers, pending, planner
     from kvplan.transport import completion, control, decode, prefill, receiver_plan
     from kvplan.transport.engines import nixl
     from kvplan.transport.senders import staged
@@ -59,10 +60,10 @@ def install() -> None:
         decode.DecodeEndpoint: ("poll", "_advance_runs", "_scatter_landed", "_finish_scatters", "_scatter",
                                 "_announce_planned", "_on_run_waves", "_start_waves", "publish", "track", "_credit"),
         receiver_plan.PlannedRun: ("announce", "advance", "_place", "scatter_inputs"),
-        device.Planner: ("plan", "_launch", "_columns", "_next_slot"),
-        device.PendingPlan: ("device_ahead", "sections", "section_byte_ends", "transfer_rows", "descriptors",
+        planner.Planner: ("plan", "_launch", "_columns", "_next_slot"),
+        pending.PendingPlan: ("device_ahead", "sections", "section_byte_ends", "transfer_rows", "descriptors",
                              "device_descriptors", "_head"),
-        device._Buffers: ("fill",),
+        buffers.Buffers: ("fill",),
         columns.BatchColumns: ("from_batch",),
         completion.CompletionTracker: ("check_deadlines", "settled", "on_section"),
         control.ControlChannel: ("try_recv", "wait_readable", "peer_gone", "replaced", "send"),

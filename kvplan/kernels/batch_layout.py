@@ -9,7 +9,7 @@ its first checked token, so no host work depends on the batch's contents.
 Shape contract
 --------------
 * ``cols``: int64 ``[NCOL, T_CAP]`` column-major: the columns of
-  :data:`kvplan.planner.columns.COLUMNS`, then ``(lo, len)`` per component; ``count_ptr[0]`` is
+  :data:`kvplan.planner.device.columns.COLUMNS`, then ``(lo, len)`` per component; ``count_ptr[0]`` is
   the number of live transfers ``T <= T_CAP``.
 * ``dest_meta``: int64 ``[D, 6 + 2K + 4C]``: ``(kv_pages, aux_items, sliced_tokens)`` (tokens per
   KV element when head-sliced, else 0; written to ``F_SLICED``), then

@@ -42,7 +42,7 @@ def _unit_ids(kind, row, a, step, div, ring, k, m, ps, table_ptr, table_stride, 
     """Element ``k`` of a list in units of ``div`` tokens: a paged list's unit at position ``pos = a + k * step``
     is unit ``(pos % ps) // div`` of the page its first token names (``ps``: the list's source page size), so an
     unmapped SWA page (substituted by page 0) is sent whole and a page is read off one token, as in
-    :func:`kvplan.planner.host_expand.unit_lists`; other kinds as :func:`element_ids`."""
+    :func:`kvplan.planner.reference.expand.unit_lists`; other kinds as :func:`element_ids`."""
     paged = (kind == sg.TOKEN_PAGES) | (kind == sg.MAPPED_PAGES)
     pos = a + k * step
     page_start = pos // ps * ps

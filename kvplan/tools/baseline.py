@@ -19,9 +19,9 @@ import torch
 
 from ..compat.sglang import group_concurrent_contiguous, kv_to_page_indices
 from ..errors import LayoutError
-from ..planner.model import Batch, StateKind
-from ..planner.pairing import Mode, pair_sides
-from ..planner.rules import chunk_end
+from ..planner.contract.batch import Batch, StateKind
+from ..planner.contract.pairing import Mode, pair_sides
+from ..planner.contract.rules import chunk_end
 
 __all__ = ["sglang_style_descs", "sglang_style_plan"]
 

@@ -37,11 +37,11 @@ import torch
 
 from .baseline import sglang_style_descs
 from .host_baselines import NumpyBatchPlanner, prepared_ids
-from ..planner import gpu
-from ..planner.columns import BatchColumns
-from ..planner.device import Planner
-from ..planner.model import Batch
-from ..planner.pairing import Mode, pair_sides
+from ..planner.device import eager
+from ..planner.device.columns import BatchColumns
+from ..planner.device.planner import Planner
+from ..planner.contract.batch import Batch
+from ..planner.contract.pairing import Mode, pair_sides
 from .scenarios import PRESETS, build_batch, materialize
 from .scenarios import SCENARIOS as _SCENARIOS
 from ..transport.local import gather, plan_alignment, scatter, staging_offsets
@@ -142,7 +142,7 @@ def _staging_gbps(batch: Batch, device: torch.device, runs: int) -> tuple[float,
     src, _src_mem = materialize(batch.src, device)
     dst, _dst_mem = materialize(batch.dsts[0], device)
     real = replace(batch, src=src, dsts=(dst,)).to(device)
-    descs = gpu.plan(real).device_descriptors()
+    descs = eager.plan(real).device_descriptors()
     offsets, ends = staging_offsets(descs)
     nbytes = int(ends[-1])
     staging = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -284,7 +284,7 @@ def run_bench(names: list[str], runs: int = 20, scale: float = 1.0, staging: boo
         same_pages = all(d.kv.page_size == batch.src.kv.page_size for d in batch.dsts)
         # prepared lists are per page of equal size; SGLang refuses different page sizes
         direct = same_pages and all(pair_sides(batch.src, d).mode is Mode.DIRECT for d in batch.dsts)
-        ours = gpu.plan(device_batch).descriptors()[0]
+        ours = eager.plan(device_batch).descriptors()[0]
         one = NumpyBatchPlanner(device_batch.src, device_batch.dsts)
         pool = NumpyBatchPlanner(device_batch.src, device_batch.dsts, threads=POOL_THREADS)
         for planner, what in ((one, "numpy-batch"), (pool, "numpy-batch (pool)")):
@@ -297,7 +297,7 @@ def run_bench(names: list[str], runs: int = 20, scale: float = 1.0, staging: boo
                 "numpy-batch-runs": median_ms(lambda: one.runs(cols), runs)}
         base["numpy-batch"] = min(base["numpy-batch-1"], base[f"numpy-batch-{POOL_THREADS}"])
         if direct:
-            want = gpu.plan(device_batch, prepared=True).prepared_indices()
+            want = eager.plan(device_batch, prepared=True).prepared_indices()
             got = prepared_ids(device_batch.src, device_batch.dsts, cols)
             if not (np.array_equal(got[0], want.src) and np.array_equal(got[1], want.dst)):
                 raise AssertionError(f"{name}: prepared-ids and kvplan's prepared indices differ")
@@ -305,9 +305,9 @@ def run_bench(names: list[str], runs: int = 20, scale: float = 1.0, staging: boo
         if same_pages:
             loop_runs = max(3, min(runs, int(2000 / max(1.0, median_ms(lambda: sglang_style_descs(batch), 1, 0)))))
             base["sglang-loop"] = median_ms(lambda: sglang_style_descs(batch), loop_runs, warmup=1)
-        eager = Planner(device_batch.src, device_batch.dsts, graphs=False)
+        no_graphs = Planner(device_batch.src, device_batch.dsts, graphs=False)
         row = BenchRow(name, requests, prompt_len, layers, len(ours), base,
-                       median_ms(lambda: eager.plan(cols).descriptors(), runs), num_runs=runs)
+                       median_ms(lambda: no_graphs.plan(cols).descriptors(), runs), num_runs=runs)
         if device.type == "cuda":
             _gpu_measures(row, device_batch, cols, ours, runs, direct)
         row.compute_ratios()

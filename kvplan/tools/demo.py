@@ -42,14 +42,14 @@ import torch
 from .. import env
 from .baseline import sglang_style_descs
 from .bench import median_ms
-from ..planner import gpu
-from ..planner.destinations import PreallocatedRequest
-from ..planner.layer_groups import LayerGroups
-from ..planner.model import Attention, Batch, SideMemory
-from ..planner.state_kinds import rules_of
-from ..planner.pairing import Mode, pair_sides
-from ..planner.reference import plan_reference
-from ..planner.tensor_slices import partner_rank
+from ..planner.device import eager
+from ..planner.device.destinations import PreallocatedRequest
+from ..planner.contract.layer_groups import LayerGroups
+from ..planner.contract.batch import Attention, Batch, SideMemory
+from ..planner.contract.state_kinds import rules_of
+from ..planner.contract.pairing import Mode, pair_sides
+from ..planner.reference.oracle import plan_reference
+from ..planner.contract.tensor_slices import partner_rank
 from .scenarios import PRESETS, ModelShape, build_batch, materialize, paired_ranks
 from ..profiling import Profile
 from ..transport.control import ControlChannel
@@ -430,11 +430,11 @@ def prefill_process(config: DemoConfig, port: int, conn, src_rank: int | None = 
                                              t.last, t.aux_src)) for t in batch.transfers]
         planned = Batch(side, (endpoint.peer_side,), tuple(transfers))
         plan_started = time.perf_counter()
-        descs = gpu.plan(planned).descriptors()[0]
+        descs = eager.plan(planned).descriptors()[0]
         # on a GPU, the median of timed runs after a warm-up; on the CPU, where the kernels run
         # interpreted and the figure says little, the one plan made anyway (planning again only costs)
         cuda = device == "cuda"
-        kvplan_ms = median_ms(lambda: gpu.plan(planned).descriptors(), 5) if cuda else \
+        kvplan_ms = median_ms(lambda: eager.plan(planned).descriptors(), 5) if cuda else \
             (time.perf_counter() - plan_started) * 1e3
         direct = pair_sides(side, endpoint.peer_side).mode is Mode.DIRECT
         same_pages = endpoint.peer_side.kv.page_size == side.kv.page_size  # SGLang refuses a mismatch

@@ -23,8 +23,8 @@ import time
 import torch
 
 from ..errors import KvplanError
-from ..planner.layer_groups import LayerGroups
-from ..planner.model import SideMemory
+from ..planner.contract.layer_groups import LayerGroups
+from ..planner.contract.batch import SideMemory
 from ..transport.readiness import LayerReadiness, LayerStreaming
 
 __all__ = ["StandInForward", "entry_layers"]

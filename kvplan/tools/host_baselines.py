@@ -30,12 +30,12 @@ import numpy as np
 import torch
 
 from ..errors import LayoutError
-from ..planner.columns import COLUMNS, BatchColumns
-from ..planner.model import SideMemory, StateKind
-from ..planner.host_expand import scaled_tables
-from ..planner.page_mapping import unit_tables
-from ..planner.pairing import Mode, SidePairing, pair_sides
-from ..planner.prepared import prepared_slots
+from ..planner.device.columns import COLUMNS, BatchColumns
+from ..planner.contract.batch import SideMemory, StateKind
+from ..planner.reference.expand import scaled_tables
+from ..planner.reference.page_mapping import unit_tables
+from ..planner.contract.pairing import Mode, SidePairing, pair_sides
+from ..planner.device.prepared import prepared_slots
 
 __all__ = ["HostLists", "NumpyBatchPlanner", "host_lists", "prepared_ids"]
 

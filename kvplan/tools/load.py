@@ -39,8 +39,8 @@ import numpy as np
 import torch
 
 from ..errors import InputError, KvplanError
-from ..planner.destinations import PreallocatedRequest
-from ..planner.model import Attention, Entry, KVLayout, SideMemory
+from ..planner.device.destinations import PreallocatedRequest
+from ..planner.contract.batch import Attention, Entry, KVLayout, SideMemory
 from ..transport.control import MAX_REFUSED, ControlChannel
 from ..transport.endpoints import Chunk, DecodeEndpoint, PrefillEndpoint
 from ..transport.engines import make_engine

@@ -19,21 +19,10 @@ from math import gcd
 
 import numpy as np
 
-from ..planner.model import (
-    Attention,
-    Batch,
-    Entry,
-    KVLayout,
-    Policy,
-    SideMemory,
-    StateComponent,
-    StateKind,
-    TensorShard,
-    Transfer,
-)
-from ..planner.reference import destination_lists
-from ..planner.rules import cdiv
-from ..planner.tensor_slices import partner_rank
+from ..planner.contract.batch import Attention, Batch, Entry, KVLayout, Policy, SideMemory, StateComponent, StateKind, TensorShard, Transfer
+from ..planner.reference.oracle import destination_lists
+from ..planner.contract.rules import cdiv
+from ..planner.contract.tensor_slices import partner_rank
 
 if TYPE_CHECKING:
     import torch
@@ -115,7 +104,7 @@ class ModelShape:
     def from_prefix(self) -> "ModelShape":
         """The same model with every SWA and DSA component in planning.md §6's ``from_prefix``
         variant (SGLang's lists after a decode prefix)."""
-        from ..planner.state_kinds import rules_of
+        from ..planner.contract.state_kinds import rules_of
 
         return replace(self, state=tuple(replace(c, from_prefix=rules_of(c.kind).starts_at_prefix) for c in self.state))
 

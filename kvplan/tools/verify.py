@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..planner.model import Entry, SideMemory
+from ..planner.contract.batch import Entry, SideMemory
 
 
 class AddressSpace:

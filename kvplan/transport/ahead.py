@@ -4,7 +4,7 @@ Without it a staged send goes: plan on the device, wait for the host's view of t
 cut waves, announce, and only then queue the first gather. The host steps (~1 ms) and the gather
 (~0.2 ms for 256 MiB on an H200) then follow each other. Here the gather of the byte window that
 slot 0 holds is queued on the transport stream right behind the plan, reading the plan's descriptor
-buffer through its count on the device (:meth:`~kvplan.planner.device.PendingPlan.device_ahead`):
+buffer through its count on the device (:meth:`~kvplan.planner.device.pending.PendingPlan.device_ahead`):
 a refused plan has a count of 0 and reads nothing, and no byte goes past the slot. The first wave is
 the window's first bytes, so the run only has to post it once the gather's event is done.
 
@@ -58,7 +58,7 @@ class AheadGatherer:
         self.typical: int | None = None  # bytes per descriptor of the last staged run
 
     def queue(self, pending, alignment: int, slot_bytes: int) -> GatherAhead | None:
-        """Queue the gather of slot 0's window behind ``pending`` (a :class:`~kvplan.planner.device.PendingPlan`
+        """Queue the gather of slot 0's window behind ``pending`` (a :class:`~kvplan.planner.device.pending.PendingPlan`
         made on the current stream by a planner with ``"byte_offsets"``); ``None`` before the first staged
         run has set :attr:`typical`."""
         if self.typical is None or slot_bytes <= 0 or slot_bytes > self.staging.numel():

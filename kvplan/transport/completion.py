@@ -32,9 +32,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..planner.destinations import Expectation
-from ..planner.model import SideMemory
-from ..planner.plan import AUX_ROLE, KV_ROLE
+from ..planner.device.destinations import Expectation
+from ..planner.contract.batch import SideMemory
+from ..planner.contract.plan import AUX_ROLE, KV_ROLE
 from .stats import EndpointStats
 
 __all__ = ["CompletionTracker", "SectionNote", "decode_notification", "encode_notification", "note_fields", "note_of"]
@@ -56,8 +56,8 @@ class SectionNote:
 
 
 def note_fields(section: Any) -> list:
-    """What the receiver is told of a section (a :class:`~kvplan.planner.plan.Section` or a
-    :class:`~kvplan.planner.layer_groups.GroupSection`): request, role, name, count, and the layer
+    """What the receiver is told of a section (a :class:`~kvplan.planner.contract.plan.Section` or a
+    :class:`~kvplan.planner.contract.layer_groups.GroupSection`): request, role, name, count, and the layer
     bounds when it covers some layers only."""
     fields = [section.request, int(section.role), section.name, int(section.count)]
     return fields if section.layers is None else fields + [int(x) for x in section.layers]
@@ -143,7 +143,7 @@ class _Status:
 
 
 class CompletionTracker:
-    """Per-request progress towards its :class:`~kvplan.planner.destinations.Expectation`.
+    """Per-request progress towards its :class:`~kvplan.planner.device.destinations.Expectation`.
 
     ``side``: this side's layout, whose KV layers (``KVLayout.model_layers``) and components'
     declared layers are what a streamed request must land; without it every notification is taken

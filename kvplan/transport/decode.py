@@ -31,11 +31,11 @@ import torch
 from .. import env
 from ..errors import KvplanError, LayoutError
 from ..kernels.copy import SCATTER
-from ..planner.destinations import PreallocatedRequest, PublishedRequest, list_entries, plan_destinations
-from ..planner.device import Planner
-from ..planner.model import Batch, Policy, SideMemory
-from ..planner.pairing import pair_sides
-from ..planner.tensor_slices import partner_rank
+from ..planner.device.destinations import PreallocatedRequest, PublishedRequest, list_entries, plan_destinations
+from ..planner.device.planner import Planner
+from ..planner.contract.batch import Batch, Policy, SideMemory
+from ..planner.contract.pairing import pair_sides
+from ..planner.contract.tensor_slices import partner_rank
 from .decode_thread import DecodeProgress
 from .completion import CompletionTracker, decode_notification
 from .control import MAX_REFUSED, ControlChannel, ControlTimeout, named_request
@@ -509,7 +509,7 @@ class DecodeEndpoint(StagedReceiver):
         ``timeout``) until every sender has paired, compile the scatter kernels for this side's launch
         shapes, and make every planner of receiver-planned runs ready for batches of up to
         ``max_transfers`` transfers of requests of up to ``max_prompt_len`` tokens
-        (:meth:`~kvplan.planner.device.Planner.warm_up`). Call it after :meth:`register`, before the
+        (:meth:`~kvplan.planner.device.planner.Planner.warm_up`). Call it after :meth:`register`, before the
         first :meth:`publish`; the sender's :meth:`PrefillEndpoint.warm_up` runs meanwhile. Returns
         the seconds each step took. Off the GPU there is nothing to compile or capture.
 

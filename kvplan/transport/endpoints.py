@@ -1,7 +1,7 @@
 """The two ends of a prefill-to-decode hand-off (:mod:`.decode` and :mod:`.prefill`), in one import,
 with what streaming in layer groups needs (:mod:`.readiness`)."""
 
-from ..planner.layer_groups import LayerGroups
+from ..planner.contract.layer_groups import LayerGroups
 from .decode import DecodeEndpoint
 from .prefill import MODES, Chunk, PrefillEndpoint
 from .readiness import LayerReadiness, LayerStreaming

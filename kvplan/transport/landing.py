@@ -26,8 +26,8 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from ..errors import PeerError
-from ..planner.model import Entry, SideMemory
-from ..planner.plan import AUX_ROLE, KV_ROLE, DestinationLists
+from ..planner.contract.batch import Entry, SideMemory
+from ..planner.contract.plan import AUX_ROLE, KV_ROLE, DestinationLists
 
 __all__ = ["LandingGuard", "merge_ranges"]
 

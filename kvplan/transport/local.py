@@ -7,7 +7,7 @@ the result is the same.
 
 Example::
 
-    pending = gpu.plan(batch)
+    pending = plan(batch)
     descs = pending.device_descriptors()         # raises PlanError before any byte moves
     align = plan_alignment(batch)
     run_direct(descs, align)                     # or: offsets = staging_offsets(descs)
@@ -24,9 +24,9 @@ import torch
 
 from ..errors import InputError
 from ..kernels import copy as kc
-from ..planner.model import Batch, SideMemory
-from ..planner.page_mapping import unit_tables
-from ..planner.pairing import pair_sides
+from ..planner.contract.batch import Batch, SideMemory
+from ..planner.reference.page_mapping import unit_tables
+from ..planner.contract.pairing import pair_sides
 
 __all__ = ["gather", "plan_alignment", "run_direct", "scatter", "staging_offsets", "typical_sizes", "warm_up"]
 

@@ -47,12 +47,12 @@ import numpy as np
 import torch
 
 from ..errors import InputError, KvplanError, LayoutError, PeerError, PlanError
-from ..planner.destinations import list_entries
+from ..planner.device.destinations import list_entries
 from ..kernels.copy import GATHER
-from ..planner.model import Batch, Policy, SideMemory, Transfer
-from ..planner.pairing import smallest_descriptor
-from ..planner.device import Planner
-from ..planner.isolate import plan_each
+from ..planner.contract.batch import Batch, Policy, SideMemory, Transfer
+from ..planner.contract.pairing import smallest_descriptor
+from ..planner.device.planner import Planner
+from ..planner.device.isolate import plan_each
 from .ahead import AheadGatherer, GatherAhead
 from .control import ControlChannel, ControlTimeout
 from .copy_graphs import CopyGraphs, copy_graphs_enabled
@@ -238,7 +238,7 @@ class PrefillEndpoint(DecodeMessages):
         steady 2-5 ms), for every decode endpoint paired now and, from then on, for each one as it
         pairs: the device planner made and every bucket of batches of up to ``max_transfers`` transfers
         of requests of up to ``max_prompt_len`` tokens captured
-        (:meth:`~kvplan.planner.device.Planner.warm_up`), the gather kernels compiled for the pairing's
+        (:meth:`~kvplan.planner.device.planner.Planner.warm_up`), the gather kernels compiled for the pairing's
         launch shapes, the first staged run's first gather shaped to go behind its plan, and the engine's
         connection to each decode's staging buffer opened by a write of up to 64 MiB into its share
         (nothing of a batch is there before the first run). Call it after

@@ -10,8 +10,8 @@ import time
 from typing import Any
 
 from ..errors import KvplanError, LayoutError, PoolBoundsError
-from ..planner.destinations import check_published, decode_message
-from ..planner.pairing import pair_sides
+from ..planner.device.destinations import check_published, decode_message
+from ..planner.contract.pairing import pair_sides
 from .control import MAX_REFUSED, ControlChannel, named_request
 from .prefill_peers import ACK_S, MAX_PUBLISHERS, Peer, pairing_of, staging_share
 from .receiver_plan import receiver_can_plan

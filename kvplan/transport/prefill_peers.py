@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import LayoutError
-from ..planner.model import SideMemory
-from ..planner.plan import DestinationLists
+from ..planner.contract.batch import SideMemory
+from ..planner.contract.plan import DestinationLists
 from .completion import encode_notification
 from .control import ControlChannel
 from .note_seal import opened, sealed

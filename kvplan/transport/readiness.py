@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import torch
 
 from ..errors import LayoutError
-from ..planner.layer_groups import LayerGroups
+from ..planner.contract.layer_groups import LayerGroups
 
 __all__ = ["LayerReadiness", "LayerStreaming", "Readiness"]
 

@@ -47,12 +47,13 @@ import numpy as np
 import torch
 
 from ..errors import LayoutError, PeerError
-from ..planner.columns import COLUMNS, BatchColumns
-from ..planner.destinations import PreallocatedRequest, PublishedRequest
-from ..planner.device import DeviceAhead, PendingPlan, Planner
-from ..planner.model import Entry, Policy, SideMemory, Transfer
-from ..planner.pairing import SidePairing, pair_sides
-from ..planner.plan import Section
+from ..planner.device.columns import COLUMNS, BatchColumns
+from ..planner.device.destinations import PreallocatedRequest, PublishedRequest
+from ..planner.device.pending import DeviceAhead, PendingPlan
+from ..planner.device.planner import Planner
+from ..planner.contract.batch import Entry, Policy, SideMemory, Transfer
+from ..planner.contract.pairing import SidePairing, pair_sides
+from ..planner.contract.plan import Section
 from .waves import Wave
 
 __all__ = ["OwnLists", "PlannedRun", "PlannedWave", "fills_whole_items", "mirror_source", "planned_run_chunks",
@@ -152,7 +153,7 @@ def _blocks_tile_items(blocks: np.ndarray, nbytes: np.ndarray, entry_of: np.ndar
 @dataclass(frozen=True)
 class OwnLists:
     """What a receiver plans a request's chunks from, made once when it publishes the request: its
-    row of :data:`~kvplan.planner.columns.COLUMNS` (chunk columns left zero; list offsets relative to
+    row of :data:`~kvplan.planner.device.columns.COLUMNS` (chunk columns left zero; list offsets relative to
     ``lists``) and its lists back to back (pages, then each component's)."""
 
     row: np.ndarray

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from ..planner.model import Attention, Entry, KVLayout, SideMemory, StateComponent, StateKind, TensorShard
+from ..planner.contract.batch import Attention, Entry, KVLayout, SideMemory, StateComponent, StateKind, TensorShard
 
 __all__ = ["describe_side", "side_from_description", "with_model_heads"]
 
@@ -56,7 +56,7 @@ def with_model_heads(side: SideMemory, num_kv_heads: int) -> SideMemory:
     from its own). A side that names its count keeps it; pairing checks that the two agree, and head
     slicing checks every item length against the count.
 
-    >>> from kvplan.planner.model import Attention, KVLayout, SideMemory
+    >>> from kvplan.planner.contract.batch import Attention, KVLayout, SideMemory
     >>> with_model_heads(SideMemory(KVLayout(Attention.MHA, 16, (), num_kv_heads=0)), 8).kv.num_kv_heads
     8
     """

@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import PeerError
-from ..planner.plan import Section
+from ..planner.contract.plan import Section
 from .completion import note_fields
 
 __all__ = ["Wave", "check_run", "credit_note", "decode_credit", "decode_wave_note", "one_wave", "plan_waves", "run_message", "staging_ring", "wave_key",

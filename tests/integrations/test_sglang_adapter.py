@@ -141,7 +141,7 @@ def test_a_last_chunk_without_its_state_slot_fails_and_nothing_is_sent():
     """Without the slot, the planner would read whatever slot its map row held: another request's state."""
     base, mgr, _ = _state_manager("PREFILL")  # (skips where SGLang is not installed)
     from kvplan.integrations.sglang.adapter import KVSender
-    from kvplan.planner.plan import DestinationLists
+    from kvplan.planner.contract.plan import DestinationLists
 
     for room in (5, 6):  # as if the decode side had published them
         mgr.prefill.peers[0].lists[room] = (DestinationLists(np.array([3]), (np.array([1]),)), 0, 0)
@@ -194,7 +194,7 @@ def _hybrid_sender(room: int, pages: list[int], prefix: int = 0, state_params=sg
     base = sglang_module("srt.disaggregation.base.conn")
     from kvplan.integrations.sglang.adapter import KVSender
     from kvplan.integrations.sglang.kv_args import side_from_kv_args
-    from kvplan.planner.plan import DestinationLists
+    from kvplan.planner.contract.plan import DestinationLists
 
     kv, aux = sglang_sides.pools(1)
     args, _ = sglang_sides.with_state(sglang_sides.kv_args_of(base, kv, aux), "hybrid", 1)
@@ -240,9 +240,9 @@ def test_swa_and_dsa_after_a_decode_prefix_start_at_the_prefix_as_sglang_s():
     """SGLang 0.5.23 starts SWA windows and DSA lists at the decode prefix; the adapter declares its
     components ``from_prefix`` (planning.md §6's variant), so SGLang's lists plan as they are: 11
     tokens after a prefix of 8 (3 pages of 4), a window of 9 over 19 tokens from max(8, 10) = 10."""
-    from kvplan.planner.model import Batch
-    from kvplan.planner.plan import DestinationLists
-    from kvplan.planner.reference import plan_reference
+    from kvplan.planner.contract.batch import Batch
+    from kvplan.planner.contract.plan import DestinationLists
+    from kvplan.planner.reference.oracle import plan_reference
 
     base, mgr, sender = _hybrid_sender(8, [9, 10, 11], prefix=8)
     assert all(c.from_prefix for c in mgr.prefill.side.state[:2])

@@ -30,8 +30,8 @@ from hypothesis import strategies as st
 
 from kvplan.integrations.sglang import side_from_kv_args
 from tests.integrations.sglang_polls import poll_until_concluded
-from kvplan.planner.model import Batch, Transfer
-from kvplan.planner.reference import plan_reference
+from kvplan.planner.contract.batch import Batch, Transfer
+from kvplan.planner.reference.oracle import plan_reference
 from tests.sglang_real import sglang_module
 from tests.transport.fakes import FakeChannel, FakeEngine
 
@@ -353,7 +353,7 @@ def test_state_kinds_and_aux_byte_ranges_equal_sglang_s(sglang, monkeypatch, eng
     ``KVArgs`` (state and shards included); the state lists kvplan computes, handed to SGLang's
     ``maybe_send_extra`` with the decode's published lists, give the blocks of kvplan's plan; with
     ``variant``, SWA and DSA lists start at the decode prefix (``from_prefix``), as SGLang's own do."""
-    from kvplan.planner.model import Attention
+    from kvplan.planner.contract.batch import Attention
     from kvplan.tools.scenarios import build_batch
     from tests.transport.handoff import LENGTHS, SHAPES
 
@@ -391,7 +391,7 @@ def test_state_lists_are_sglang_s_payloads_and_the_prefix_variants_are_named(sgl
     lists are SGLang's with the prefix's pages in front (the decode side publishes the same, so
     they pair). With ``P = 0`` they are equal. In the ``from_prefix`` variant (``variant``, what the
     adapter declares) they are equal for every ``P``."""
-    from kvplan.planner.model import StateKind
+    from kvplan.planner.contract.batch import StateKind
     from kvplan.tools.scenarios import build_batch
     from tests.transport.handoff import LENGTHS, SHAPES
 
@@ -483,7 +483,7 @@ def adapter_posts(sglang, src_args, dst, batch, *, mla: bool, src_tp: int) -> np
     ``poll``. The decode side is a peer on an in-memory channel that published the batch's lists; the
     plan is made by the device planner (interpreted on the CPU) and posted to a recording engine."""
     from kvplan.integrations.sglang.adapter import KVManager, KVSender
-    from kvplan.planner.plan import DestinationLists
+    from kvplan.planner.contract.plan import DestinationLists
     from kvplan.transport.prefill import Peer
 
     utils = sglang_module("srt.disaggregation.utils")

@@ -10,8 +10,8 @@ import pytest
 
 from kvplan.errors import LayoutError
 from kvplan.integrations.sglang import side_from_kv_args, state_from_kv_args
-from kvplan.planner.model import StateKind, TensorShard
-from kvplan.planner.pairing import pair_sides
+from kvplan.planner.contract.batch import StateKind, TensorShard
+from kvplan.planner.contract.pairing import pair_sides
 
 
 def kv_args(rank: int, tp: int, *, types=("swa", "mamba"), dims=None, outer=None, groups=None):

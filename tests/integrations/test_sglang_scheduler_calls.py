@@ -95,7 +95,7 @@ def test_what_the_list_says_kvplan_has_its_classes_have():
 def _prefill_with_decode(room_prefix: dict[int, int]):
     """A prefill manager with one decode side on an in-memory channel that published ``room -> prefix``."""
     base = sglang_module("srt.disaggregation.base.conn")
-    from kvplan.planner.plan import DestinationLists
+    from kvplan.planner.contract.plan import DestinationLists
     from kvplan.transport.prefill import Peer
     from tests.transport.fakes import FakeChannel
 
@@ -199,7 +199,7 @@ def test_poll_returns_at_once_while_the_step_s_transfer_is_held_in_flight():
     base = sglang_module("srt.disaggregation.base.conn")  # (skips where SGLang is not installed)
     from kvplan.integrations.sglang.adapter import KVSender
     from kvplan.integrations.sglang.kv_args import side_from_kv_args
-    from kvplan.planner.plan import DestinationLists
+    from kvplan.planner.contract.plan import DestinationLists
     from kvplan.transport.engines.base import Handle
     from kvplan.transport.prefill import Peer
     from tests.transport.fakes import FakeChannel

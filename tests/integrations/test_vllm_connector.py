@@ -32,8 +32,8 @@ from kvplan.integrations.vllm import KvplanConnector  # noqa: E402
 from kvplan.integrations.vllm.kv_caches import BlockView  # noqa: E402
 from kvplan.integrations.vllm.scheduler import ReceiveRequest, SchedulerStep, UnsupportedConfig  # noqa: E402
 from kvplan.integrations.vllm.worker import FINISHED_GRACE  # noqa: E402
-from kvplan.planner.model import Attention  # noqa: E402
-from kvplan.planner.pairing import pair_sides  # noqa: E402
+from kvplan.planner.contract.batch import Attention  # noqa: E402
+from kvplan.planner.contract.pairing import pair_sides  # noqa: E402
 from tests.ports import free_port  # noqa: E402
 from tests.integrations.vllm_fakes import (BLOCK, ENGINE, Blocks, full_attention, hybrid_attention, kv_caches,  # noqa: E402
                                            request, vllm_config)

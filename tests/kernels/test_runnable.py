@@ -10,8 +10,8 @@ import pytest
 SCRIPT = """
 import numpy as np
 from kvplan.errors import KvplanError
-from kvplan.planner.device import Planner
-from kvplan.planner.model import Attention, Entry, KVLayout, SideMemory
+from kvplan.planner.device.planner import Planner
+from kvplan.planner.contract.batch import Attention, Entry, KVLayout, SideMemory
 side = SideMemory(KVLayout(Attention.MLA, 4, (Entry(0x1000, 64, 8),)), req_to_token=np.zeros((2, 8), np.int32))
 try:
     Planner(side, (side,))
@@ -31,9 +31,9 @@ MIXED = """
 import numpy as np
 import torch
 from kvplan.errors import InputError, KvplanError
-from kvplan.planner.destinations import PreallocatedRequest, plan_destinations
-from kvplan.planner.device import Planner
-from kvplan.planner.model import Attention, Entry, KVLayout, SideMemory, StateComponent, StateKind
+from kvplan.planner.device.destinations import PreallocatedRequest, plan_destinations
+from kvplan.planner.device.planner import Planner
+from kvplan.planner.contract.batch import Attention, Entry, KVLayout, SideMemory, StateComponent, StateKind
 swa = StateComponent(StateKind.SWA, (Entry(0x9000000, 64, 8),), window=4,
                      slot_map=torch.zeros(32, dtype=torch.int64, device="meta"))
 side = SideMemory(KVLayout(Attention.MLA, 4, (Entry(0x1000, 64, 8),)), state=(swa,),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvplan.planner.model import Attention, Entry, KVLayout, SideMemory, StateComponent, Transfer
+from kvplan.planner.contract.batch import Attention, Entry, KVLayout, SideMemory, StateComponent, Transfer
 
 
 def entries(base: int, count: int, item_len: int, num_items: int = 64) -> tuple[Entry, ...]:
@@ -33,7 +33,7 @@ def last_transfer(request="r1", row=1, length=4, dst_pages=(), **kw) -> Transfer
 
 
 def swa(base: int, slot_map: np.ndarray, window: int, item_len: int = 512, count: int = 2) -> StateComponent:
-    from kvplan.planner.model import StateKind
+    from kvplan.planner.contract.batch import StateKind
 
     return StateComponent(StateKind.SWA, entries(base, count, item_len), window=window, slot_map=slot_map)
 
@@ -43,11 +43,11 @@ def assert_device_matches_reference(batch, device):
     reference's plan."""
     import numpy as np
 
-    from kvplan.planner import gpu
-    from kvplan.planner.reference import plan_reference
+    from kvplan.planner.device import eager
+    from kvplan.planner.reference.oracle import plan_reference
 
     expected = plan_reference(batch)
-    pending = gpu.plan(batch.to(device))
+    pending = eager.plan(batch.to(device))
     pending.result().assert_equal(expected)
     descs, offsets = pending.descriptors()
     want, want_offsets = expected.descriptors()

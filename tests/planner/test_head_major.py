@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from kvplan.errors import LayoutError
-from kvplan.planner.model import Attention, Batch, Entry, KVLayout, SideMemory
-from kvplan.planner.pairing import Mode, pair_sides
-from kvplan.planner.reference import plan_reference
+from kvplan.planner.contract.batch import Attention, Batch, Entry, KVLayout, SideMemory
+from kvplan.planner.contract.pairing import Mode, pair_sides
+from kvplan.planner.reference.oracle import plan_reference
 from kvplan.tools.verify import AddressSpace, execute
 from tests.planner.builders import assert_device_matches_reference, last_transfer, table_with
 
@@ -118,9 +118,9 @@ def test_prepared_lists_of_each_page_s_head_slice_name_the_bytes_the_descriptors
                                                                                       dst_rank, device):
     """NIXL prepared lists (vLLM's NIXL connector's form between TP sizes in LBHNC): one descriptor per layer x
     block, each the page's head slice; the planner's indices into them are the descriptors, in order."""
-    from kvplan.planner.device import Planner
-    from kvplan.planner.columns import BatchColumns
-    from kvplan.planner.prepared import KV, prepared_indices_reference
+    from kvplan.planner.device.planner import Planner
+    from kvplan.planner.device.columns import BatchColumns
+    from kvplan.planner.device.prepared import KV, prepared_indices_reference
     from kvplan.transport.engines.nixl import expanded_rows
     from kvplan.transport.senders.prepared import prepared_items
 
@@ -140,7 +140,7 @@ def test_prepared_lists_of_each_page_s_head_slice_name_the_bytes_the_descriptors
 
 
 def test_prepared_lists_are_refused_where_a_head_slice_is_one_per_token():
-    from kvplan.planner.prepared import prepared_indices_reference
+    from kvplan.planner.device.prepared import prepared_indices_reference
 
     def packed(tp, rank, base, table):
         side = _side(tp, rank, base, table)
@@ -160,8 +160,8 @@ def test_a_sliding_window_component_of_head_major_pages_moves_its_window_by_head
     row, reached through a map from the KV's slots (a request's sliding-window blocks are its own); between TP
     sizes each destination rank receives its heads of each window page as one span; the prepared lists name the
     same bytes."""
-    from kvplan.planner.model import StateComponent, StateKind
-    from kvplan.planner.prepared import prepared_indices_reference
+    from kvplan.planner.contract.batch import StateComponent, StateKind
+    from kvplan.planner.device.prepared import prepared_indices_reference
     from kvplan.transport.engines.nixl import expanded_rows
     from kvplan.transport.senders.prepared import prepared_items
 

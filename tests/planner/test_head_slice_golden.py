@@ -8,9 +8,9 @@ request whose page 5 goes to destination page 7.
 import numpy as np
 import pytest
 
-from kvplan.planner.model import Attention, Batch, Entry, KVLayout, SideMemory
-from kvplan.planner.pairing import Mode, pair_sides
-from kvplan.planner.reference import plan_reference
+from kvplan.planner.contract.batch import Attention, Batch, Entry, KVLayout, SideMemory
+from kvplan.planner.contract.pairing import Mode, pair_sides
+from kvplan.planner.reference.oracle import plan_reference
 from tests.planner.builders import last_transfer, table_with
 
 PS, BPH, SRC_PAGE, DST_PAGE = 2, 16, 5, 7

@@ -6,9 +6,9 @@ descriptors on made-up pools, and the device planner against the reference."""
 import numpy as np
 import pytest
 
-from kvplan.planner.model import Attention, Batch, Entry, KVLayout, SideMemory
-from kvplan.planner.pairing import Mode, pair_sides
-from kvplan.planner.reference import plan_reference
+from kvplan.planner.contract.batch import Attention, Batch, Entry, KVLayout, SideMemory
+from kvplan.planner.contract.pairing import Mode, pair_sides
+from kvplan.planner.reference.oracle import plan_reference
 from kvplan.tools.verify import AddressSpace, execute
 from tests.planner.builders import assert_device_matches_reference, last_transfer, table_with
 

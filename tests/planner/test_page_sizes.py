@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvplan.errors import AlignmentError, DestinationOverlapError, LayoutError
-from kvplan.planner import gpu
-from kvplan.planner.device import Planner
-from kvplan.planner.model import Attention, Batch, Entry, KVLayout, SideMemory, Transfer
-from kvplan.planner.reference import plan_reference
+from kvplan.planner.device import eager
+from kvplan.planner.device.planner import Planner
+from kvplan.planner.contract.batch import Attention, Batch, Entry, KVLayout, SideMemory, Transfer
+from kvplan.planner.reference.oracle import plan_reference
 from tests.planner.builders import assert_device_matches_reference
 
 SB, DB, TB = 0x1000_0000, 0x9000_0000, 2  # bases and bytes per token of the one MLA entry
@@ -138,7 +138,7 @@ def test_a_prefix_off_the_common_grain_is_refused_on_both_paths(device):
     with pytest.raises(AlignmentError, match="least common multiple"):
         plan_reference(batch)
     with pytest.raises(AlignmentError, match="least common multiple"):
-        gpu.plan(batch.to(device)).check()
+        eager.plan(batch.to(device)).check()
 
 
 def test_the_kernels_refuse_prepared_lists_across_page_sizes(device):
@@ -160,7 +160,7 @@ def test_the_device_planner_reproduces_the_golden_vectors(device, vector, monkey
 
     def on_device(batch):
         expected = by_reference(batch)
-        pending = gpu.plan(batch.to(device))
+        pending = eager.plan(batch.to(device))
         pending.result().assert_equal(expected)
         assert np.array_equal(pending.descriptors()[0], expected.descriptors()[0])
         assert pending.sections() == expected.sections()
@@ -249,7 +249,7 @@ def test_the_device_planner_matches_the_reference_on_random_batches(device, ps_s
         with pytest.raises(DestinationOverlapError) as by_reference:
             plan_reference(bad)
         with pytest.raises(DestinationOverlapError) as on_device:
-            gpu.plan(bad.to(device)).check()
+            eager.plan(bad.to(device)).check()
         assert str(on_device.value) == str(by_reference.value)
 
 
@@ -281,7 +281,7 @@ def _check_state_lands(device, preset: str, dst_page_size: int, prefix_len: int,
                 s_arr, s_off = src_space.locate(e_s.base_ptr + slot_s * tb, tb)
                 d_arr, d_off = dst_space.locate(e_d.base_ptr + slot_d * tb, tb)
                 assert np.array_equal(d_arr[d_off : d_off + tb], s_arr[s_off : s_off + tb]), (t.request, pos)
-    pending = gpu.plan(batch.to(device))
+    pending = eager.plan(batch.to(device))
     pending.result().assert_equal(plan)
     assert np.array_equal(pending.descriptors()[0], plan.descriptors()[0])
     assert pending.sections() == plan.sections()

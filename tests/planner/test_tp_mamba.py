@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from kvplan.errors import LayoutError
-from kvplan.planner import gpu
-from kvplan.planner.model import Attention, Batch, Entry, KVLayout, SideMemory, StateComponent, StateKind, Transfer
-from kvplan.planner.model import TensorShard
-from kvplan.planner.reference import plan_reference
+from kvplan.planner.device import eager
+from kvplan.planner.contract.batch import Attention, Batch, Entry, KVLayout, SideMemory, StateComponent, StateKind, Transfer
+from kvplan.planner.contract.batch import TensorShard
+from kvplan.planner.reference.oracle import plan_reference
 from kvplan.tools.scenarios import ShardedTensor, build_batch
 from kvplan.tools.verify import AddressSpace, execute
 from tests.transport.handoff import MAMBA_TENSORS, MAMBA_TP4TO8
@@ -66,7 +66,7 @@ def test_golden_vectors(name):
 def test_the_device_planner_reproduces_the_golden_vectors(device, name):
     batch = golden_batch(*VECTORS[name][0])
     expected = plan_reference(batch)
-    pending = gpu.plan(batch.to(device))
+    pending = eager.plan(batch.to(device))
     pending.result().assert_equal(expected)
     assert np.array_equal(pending.descriptors()[0], expected.descriptors()[0])
     assert pending.sections() == expected.sections()
@@ -125,7 +125,7 @@ def test_every_rank_part_lands_where_the_destination_holds_it_and_the_device_pla
         plan = plan_reference(batch)
         mamba = np.concatenate([c.descs for tp in plan.transfers for c in tp.state]).reshape(-1, 3)
         execute(mamba, src_space, dst_space)
-        pending = gpu.plan(batch.to(device))
+        pending = eager.plan(batch.to(device))
         pending.result().assert_equal(plan)
         assert np.array_equal(pending.descriptors()[0], plan.descriptors()[0])
     dst_slots = [int(t.dst_state[0][0]) for t in batch.transfers if t.last]

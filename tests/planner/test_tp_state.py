@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from kvplan.errors import LayoutError
-from kvplan.planner import gpu
-from kvplan.planner.model import Attention, Batch, Entry, KVLayout, SideMemory, StateComponent, StateKind, Transfer
-from kvplan.planner.reference import plan_reference
+from kvplan.planner.device import eager
+from kvplan.planner.contract.batch import Attention, Batch, Entry, KVLayout, SideMemory, StateComponent, StateKind, Transfer
+from kvplan.planner.reference.oracle import plan_reference
 
 SB, DB, BPH, H = 0x1000_0000, 0x9000_0000, 2, 8
 CPS, W, L = 4, 6, 10
@@ -58,7 +58,7 @@ def test_golden_vectors(name):
 def test_the_device_planner_reproduces_the_golden_vectors(device, name):
     batch = sides(*VECTORS[name][0])
     expected = plan_reference(batch)
-    pending = gpu.plan(batch.to(device))
+    pending = eager.plan(batch.to(device))
     pending.result().assert_equal(expected)
     assert np.array_equal(pending.descriptors()[0], expected.descriptors()[0])
     assert pending.sections() == expected.sections()
@@ -134,7 +134,7 @@ def test_swa_heads_land_position_by_position_and_the_device_plans_alike(device, 
                     assert np.array_equal(d_arr[d_off : d_off + bph], s_arr[s_off : s_off + bph]), (t.request, pos, h)
                     checked += 1
     assert checked
-    pending = gpu.plan(batch.to(device))
+    pending = eager.plan(batch.to(device))
     pending.result().assert_equal(plan)
     assert np.array_equal(pending.descriptors()[0], plan.descriptors()[0])
     assert pending.sections() == plan.sections()

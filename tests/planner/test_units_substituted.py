@@ -13,7 +13,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvplan.planner.model import (Attention, Batch, Entry, KVLayout, Policy, SideMemory, StateComponent, StateKind,
+from kvplan.planner.contract.batch import (Attention, Batch, Entry, KVLayout, Policy, SideMemory, StateComponent, StateKind,
                                   Transfer)
 from tests.planner.builders import assert_device_matches_reference
 

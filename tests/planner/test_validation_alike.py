@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from kvplan.errors import AllocatorInvariantError, InputError
-from kvplan.planner import gpu
-from kvplan.planner.destinations import PreallocatedRequest, plan_destinations
-from kvplan.planner.model import Batch, Transfer
-from kvplan.planner.reference import destination_lists, plan_reference
+from kvplan.planner.device import eager
+from kvplan.planner.device.destinations import PreallocatedRequest, plan_destinations
+from kvplan.planner.contract.batch import Batch, Transfer
+from kvplan.planner.reference.oracle import destination_lists, plan_reference
 from tests.planner.builders import last_transfer, mha_side, table_with
 
 GOOD = table_with({1: [5, 6]}, 4, max_ctx=16)
@@ -33,7 +33,7 @@ def test_a_table_one_path_would_refuse_is_refused_by_both(name):
     with pytest.raises(InputError, match="req_to_token"):
         plan_reference(batch)
     with pytest.raises(InputError, match="req_to_token"):
-        gpu.plan(batch).result()
+        eager.plan(batch).result()
     side = mha_side(0x9000_0000, page_size=4, table=BAD_TABLES[name])
     with pytest.raises(InputError, match="req_to_token"):
         destination_lists(side, 1, 0, 8)
@@ -43,7 +43,7 @@ def test_a_table_one_path_would_refuse_is_refused_by_both(name):
 
 def test_the_good_table_plans_on_both_paths(device):
     batch = batch_with(GOOD)
-    gpu.plan(batch.to(device)).result().assert_equal(plan_reference(batch))
+    eager.plan(batch.to(device)).result().assert_equal(plan_reference(batch))
 
 
 def test_an_unknown_policy_and_float_pages_are_input_errors_naming_what_is_wrong():
@@ -61,5 +61,5 @@ def test_an_unallocated_row_is_named_as_such_on_both_paths(device):
     with pytest.raises(AllocatorInvariantError, match="tokens 1 to 7 are all 0: the row is unallocated") as host_err:
         plan_reference(batch)
     with pytest.raises(AllocatorInvariantError, match="are all 0: the row is unallocated") as device_err:
-        gpu.plan(batch.to(device)).result()
+        eager.plan(batch.to(device)).result()
     assert host_err.value.request == device_err.value.request == "r2"

@@ -5,8 +5,8 @@ import numpy as np
 from hypothesis import given, settings
 
 from kvplan.tools.baseline import sglang_style_descs
-from kvplan.planner.reference import plan_reference
-from tests.planner.test_reference_properties import scenarios
+from kvplan.planner.reference.oracle import plan_reference
+from tests.planner.reference.test_properties import scenarios
 
 
 @settings(max_examples=40, deadline=None)

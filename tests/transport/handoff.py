@@ -1,6 +1,6 @@
 """Small model shapes for the two-process hand-off tests (the processes are kvplan.tools.demo's)."""
 
-from kvplan.planner.model import Attention, StateKind
+from kvplan.planner.contract.batch import Attention, StateKind
 from kvplan.tools.scenarios import ComponentShape, ModelShape, ShardedTensor
 
 HYBRID = ModelShape(

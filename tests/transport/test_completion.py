@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvplan.planner.destinations import Expectation
-from kvplan.planner.plan import AUX_ROLE, KV_ROLE
+from kvplan.planner.device.destinations import Expectation
+from kvplan.planner.contract.plan import AUX_ROLE, KV_ROLE
 from kvplan.transport.completion import CompletionTracker, SectionNote
 
 LAYERS = (0, 1, 2, 3)

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-from kvplan.planner.destinations import PreallocatedRequest, plan_destinations
-from kvplan.planner.model import Attention, Entry, KVLayout, SideMemory
+from kvplan.planner.device.destinations import PreallocatedRequest, plan_destinations
+from kvplan.planner.contract.batch import Attention, Entry, KVLayout, SideMemory
 from kvplan.transport.completion import encode_notification
 from kvplan.transport.decode import DecodeEndpoint
 from kvplan.transport.registration import describe_side
 from kvplan.transport.waves import credit_note, wave_note
-from kvplan.planner.plan import KV_ROLE, Section
+from kvplan.planner.contract.plan import KV_ROLE, Section
 from tests.planner.builders import table_with
 from tests.transport.fakes import FakeChannel, FakeEngine, NotifyingFakeEngine
 

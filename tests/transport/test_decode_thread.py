@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from kvplan.planner.destinations import PreallocatedRequest
-from kvplan.planner.model import Attention, Entry, KVLayout, SideMemory
-from kvplan.planner.plan import KV_ROLE, Section
+from kvplan.planner.device.destinations import PreallocatedRequest
+from kvplan.planner.contract.batch import Attention, Entry, KVLayout, SideMemory
+from kvplan.planner.contract.plan import KV_ROLE, Section
 from kvplan.transport.completion import encode_notification
 from kvplan.transport.decode import DecodeEndpoint
 from tests.planner.builders import table_with

@@ -2,7 +2,7 @@
 overlap (vLLM overlays its KV cache groups: a full-attention layer and a sliding-window layer over the same
 bytes; NIXL crashed deregistering such memory twice)."""
 
-from kvplan.planner.model import Attention, Entry, KVLayout, SideMemory, StateComponent, StateKind
+from kvplan.planner.contract.batch import Attention, Entry, KVLayout, SideMemory, StateComponent, StateKind
 from kvplan.transport.decode import engine_regions
 
 

@@ -11,9 +11,9 @@ from dataclasses import replace
 
 import pytest
 
-from kvplan.planner.destinations import PreallocatedRequest
-from kvplan.planner.model import Batch
-from kvplan.planner.reference import plan_reference
+from kvplan.planner.device.destinations import PreallocatedRequest
+from kvplan.planner.contract.batch import Batch
+from kvplan.planner.reference.oracle import plan_reference
 from kvplan.tools.scenarios import build_batch, materialize
 from kvplan.transport.control import ControlChannel
 from tests.transport.pairing import pair

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from kvplan.errors import LayoutError
-from kvplan.planner.destinations import Expectation, PreallocatedRequest
-from kvplan.planner.plan import AUX_ROLE, KV_ROLE, Section
+from kvplan.planner.device.destinations import Expectation, PreallocatedRequest
+from kvplan.planner.contract.plan import AUX_ROLE, KV_ROLE, Section
 from kvplan.tools.scenarios import build_batch
 from kvplan.transport.completion import CompletionTracker, SectionNote, decode_notification, encode_notification
 from kvplan.transport.decode import DecodeEndpoint

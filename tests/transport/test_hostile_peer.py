@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvplan.errors import LayoutError
-from kvplan.planner.destinations import PreallocatedRequest, plan_destinations
-from kvplan.planner.model import Attention, Entry, KVLayout, SideMemory
-from kvplan.planner.plan import AUX_ROLE, KV_ROLE
+from kvplan.planner.device.destinations import PreallocatedRequest, plan_destinations
+from kvplan.planner.contract.batch import Attention, Entry, KVLayout, SideMemory
+from kvplan.planner.contract.plan import AUX_ROLE, KV_ROLE
 from kvplan.transport.decode import DecodeEndpoint
 from kvplan.transport.prefill import PrefillEndpoint
 from kvplan.transport.registration import describe_side

@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from kvplan.planner.destinations import PreallocatedRequest
+from kvplan.planner.device.destinations import PreallocatedRequest
 from kvplan.tools.load import Arrival, LoadConfig, _Pools
 from kvplan.transport.control import ControlChannel
 from tests.transport.pairing import pair as pair_channels

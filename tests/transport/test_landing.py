@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from kvplan.errors import PeerError
-from kvplan.planner.model import Attention, Entry, KVLayout, SideMemory, StateComponent, StateKind
-from kvplan.planner.plan import DestinationLists
+from kvplan.planner.contract.batch import Attention, Entry, KVLayout, SideMemory, StateComponent, StateKind
+from kvplan.planner.contract.plan import DestinationLists
 from kvplan.transport.landing import LandingGuard, merge_ranges
 
 KV = (Entry(0x10000, 256, 64), Entry(0x90000, 256, 64))  # two KV entries, 64 pages of 256 bytes

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvplan.planner.destinations import PreallocatedRequest, plan_destinations
-from kvplan.planner.layer_groups import LayerGroups
-from kvplan.planner.model import Attention, Entry, KVLayout, SideMemory, StateComponent, StateKind
+from kvplan.planner.device.destinations import PreallocatedRequest, plan_destinations
+from kvplan.planner.contract.layer_groups import LayerGroups
+from kvplan.planner.contract.batch import Attention, Entry, KVLayout, SideMemory, StateComponent, StateKind
 from kvplan.transport.completion import CompletionTracker, decode_notification
 from kvplan.transport.prefill import Chunk, PrefillEndpoint
 from kvplan.transport.readiness import LayerReadiness, LayerStreaming
@@ -118,7 +118,7 @@ def test_an_engine_that_writes_from_device_descriptors_gets_one_launch_per_group
 
 
 def prefill_batch(prefill, chunks):
-    from kvplan.planner.model import Batch
+    from kvplan.planner.contract.batch import Batch
 
     return Batch(prefill.side, (prefill.peer_side,), tuple(chunks))
 

@@ -120,7 +120,7 @@ def test_a_decode_endpoint_that_never_registers_is_left_out():
 
 
 def test_a_decode_endpoint_that_cannot_pair_is_refused_and_left_out():
-    from kvplan.planner.model import KVLayout
+    from kvplan.planner.contract.batch import KVLayout
     from kvplan.transport.registration import describe_side
     from tests.transport.test_layerwise import pools, side
 

@@ -5,20 +5,20 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvplan.planner import gpu
-from kvplan.planner.model import Batch
-from kvplan.planner.reference import plan_reference
+from kvplan.planner.device import eager
+from kvplan.planner.contract.batch import Batch
+from kvplan.planner.reference.oracle import plan_reference
 from kvplan.tools.scenarios import materialize
 from kvplan.transport.local import gather, plan_alignment, run_direct, scatter, staging_offsets
 from kvplan.tools.verify import AddressSpace, execute
-from tests.planner.test_gpu_planner import on_device
-from tests.planner.test_reference_properties import scenarios
+from tests.planner.device.test_eager import on_device
+from tests.planner.reference.test_properties import scenarios
 
 
 def _whole_stream(real: Batch, device: torch.device, typical_bytes: int):
     """The plan's device descriptors, their staging offsets, the copy word, the stream's bytes and
     the whole stream gathered into one buffer."""
-    descs = gpu.plan(on_device(real, device)).device_descriptors()
+    descs = eager.plan(on_device(real, device)).device_descriptors()
     align = plan_alignment(real)
     offsets, ends = staging_offsets(descs)
     total = int(ends[-1]) if len(ends) else 0
@@ -43,7 +43,7 @@ def test_local_execution_matches_the_reference(device, case, staged, typical_byt
     expected = AddressSpace.of_tensors(dst_tensors, zero=True)
     execute(plan.descriptors()[0], AddressSpace.of_tensors(src_tensors), expected)
 
-    descs = gpu.plan(on_device(real, device)).device_descriptors()
+    descs = eager.plan(on_device(real, device)).device_descriptors()
     align = plan_alignment(real)
     if staged:
         offsets, ends = staging_offsets(descs)

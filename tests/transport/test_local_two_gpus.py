@@ -6,9 +6,9 @@ import os
 import pytest
 import torch
 
-from kvplan.planner import gpu
-from kvplan.planner.model import Batch
-from kvplan.planner.reference import plan_reference
+from kvplan.planner.device import eager
+from kvplan.planner.contract.batch import Batch
+from kvplan.planner.reference.oracle import plan_reference
 from kvplan.tools.scenarios import PRESETS, build_batch, materialize
 from kvplan.transport.local import gather, plan_alignment, run_direct, scatter, staging_offsets
 from kvplan.tools.verify import AddressSpace, execute
@@ -28,7 +28,7 @@ def test_plan_moves_between_two_gpus(preset, staged):
     torch.zeros(1, device="cuda:1").copy_(torch.zeros(1, device="cuda:0"))  # torch enables peer access
     expected = AddressSpace.of_tensors(dst_tensors, zero=True)
     execute(plan_reference(real).descriptors()[0], AddressSpace.of_tensors(src_tensors), expected)
-    descs = gpu.plan(real.to("cuda:0")).device_descriptors()
+    descs = eager.plan(real.to("cuda:0")).device_descriptors()
     align = plan_alignment(real)
     if staged:  # gather on card 0, one copy of the staging region, scatter on card 1
         offsets, ends = staging_offsets(descs)

@@ -5,8 +5,8 @@ why, and nothing of it is sent; the other requests are untouched."""
 
 import torch
 
-from kvplan.planner.destinations import PreallocatedRequest, plan_destinations
-from kvplan.planner.model import Attention, Entry, KVLayout, SideMemory
+from kvplan.planner.device.destinations import PreallocatedRequest, plan_destinations
+from kvplan.planner.contract.batch import Attention, Entry, KVLayout, SideMemory
 from kvplan.transport.prefill import Chunk, PrefillEndpoint
 from kvplan.transport.registration import describe_side
 from tests.planner.builders import table_with

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from kvplan.errors import AllocatorInvariantError
-from kvplan.planner.destinations import PreallocatedRequest, plan_destinations
-from kvplan.planner.device import PendingPlan
-from kvplan.planner.model import Attention, Entry, KVLayout, SideMemory
+from kvplan.planner.device.destinations import PreallocatedRequest, plan_destinations
+from kvplan.planner.device.pending import PendingPlan
+from kvplan.planner.contract.batch import Attention, Entry, KVLayout, SideMemory
 from kvplan.transport.control import ControlTimeout
 from kvplan.transport.prefill import Chunk, PrefillEndpoint
 from kvplan.transport.registration import describe_side

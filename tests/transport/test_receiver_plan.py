@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvplan.planner.destinations import PreallocatedRequest, plan_destinations
-from kvplan.planner.model import Attention, Batch, Entry, KVLayout, Policy, SideMemory
-from kvplan.planner.reference import plan_reference
+from kvplan.planner.device.destinations import PreallocatedRequest, plan_destinations
+from kvplan.planner.contract.batch import Attention, Batch, Entry, KVLayout, Policy, SideMemory
+from kvplan.planner.reference.oracle import plan_reference
 from kvplan.tools.scenarios import PRESETS, build_batch
 from kvplan.transport.decode import DecodeEndpoint
 from kvplan.transport.local import plan_alignment

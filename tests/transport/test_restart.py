@@ -7,8 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from kvplan.planner.destinations import PreallocatedRequest
-from kvplan.planner.model import Attention, Entry, KVLayout, SideMemory
+from kvplan.planner.device.destinations import PreallocatedRequest
+from kvplan.planner.contract.batch import Attention, Entry, KVLayout, SideMemory
 from kvplan.errors import InputError
 from kvplan.transport.control import ControlChannel
 from tests.transport.pairing import killed, pair

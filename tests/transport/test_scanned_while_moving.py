@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import zmq
 
-from kvplan.planner.destinations import PreallocatedRequest
+from kvplan.planner.device.destinations import PreallocatedRequest
 from kvplan.transport.control import ControlChannel
 from kvplan.transport.decode import DecodeEndpoint
 from kvplan.transport.listener import ChannelListener

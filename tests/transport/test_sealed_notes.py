@@ -15,7 +15,7 @@ import uuid
 import numpy as np
 import pytest
 
-from kvplan.planner.destinations import PreallocatedRequest
+from kvplan.planner.device.destinations import PreallocatedRequest
 from kvplan.tools.load import Arrival, LoadConfig, _Pools
 from kvplan.transport.auth import INCARNATION
 from kvplan.transport.control import ControlChannel

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from kvplan.planner.destinations import PreallocatedRequest
+from kvplan.planner.device.destinations import PreallocatedRequest
 from kvplan.transport.control import ControlChannel, ControlTimeout
 from kvplan.transport.decode import DecodeEndpoint
 from kvplan.tools.target_process import child_process

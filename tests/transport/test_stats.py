@@ -7,8 +7,8 @@ import urllib.request
 
 import pytest
 
-from kvplan.planner.destinations import Expectation
-from kvplan.planner.plan import KV_ROLE
+from kvplan.planner.device.destinations import Expectation
+from kvplan.planner.contract.plan import KV_ROLE
 from kvplan.transport.completion import CompletionTracker, SectionNote
 from kvplan.transport.stats import CAUSES, EndpointStats, cause_of
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvplan.errors import AllocatorInvariantError
-from kvplan.planner.destinations import PreallocatedRequest, plan_destinations
+from kvplan.planner.device.destinations import PreallocatedRequest, plan_destinations
 from kvplan.transport.prefill import Chunk, PrefillEndpoint
 from kvplan.transport.registration import describe_side
 from tests.transport.fakes import FakeChannel, FakeEngine

@@ -2,7 +2,7 @@
 (the connection opened by a write into each new decode's staging share, once, of as much as both
 staging buffers hold, and nothing else of the decode's touched), and that a batch after it still lands. Its GPU side (planners
 captured, kernels compiled: the first batch within 2x of a steady one) is measured in
-benchmarks/RESULTS.md and tests/planner/test_graphs.py. Real Mooncake (TCP), both endpoints in
+benchmarks/RESULTS.md and tests/planner/device/test_graphs.py. Real Mooncake (TCP), both endpoints in
 a child process of its own (tests.isolated: in pytest's process, after the rest of a full run, its bound
 control channel twice never saw its in-process peer connect; the cause is not located)."""
 
@@ -12,7 +12,7 @@ import uuid
 import pytest
 import torch
 
-from kvplan.planner.destinations import PreallocatedRequest
+from kvplan.planner.device.destinations import PreallocatedRequest
 from kvplan.tools.load import Arrival, LoadConfig, _Pools
 from kvplan.transport.control import ControlChannel
 from tests.transport.pairing import pair
@@ -88,7 +88,7 @@ class _Warnings(logging.Handler):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the destination-list kernels load on a GPU")
 def test_a_decode_warm_up_loads_the_list_kernels_and_publishes_or_tracks_nothing():
-    from kvplan.planner.model import Attention, Entry, KVLayout, SideMemory
+    from kvplan.planner.contract.batch import Attention, Entry, KVLayout, SideMemory
     from tests.planner.builders import table_with
     from tests.transport.fakes import FakeChannel, FakeEngine
 

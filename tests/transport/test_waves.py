@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from kvplan.errors import PeerError
-from kvplan.planner.plan import KV_ROLE, Section
+from kvplan.planner.contract.plan import KV_ROLE, Section
 from kvplan.transport.senders.planned import split_descriptors
 from kvplan.transport.waves import check_run, plan_waves, run_message
 

@@ -1,6 +1,6 @@
 """kvplan inside SGLang.
 
-* :func:`side_from_kv_args`: SGLang's ``KVArgs`` as a kvplan :class:`~kvplan.planner.model.SideMemory`,
+* :func:`side_from_kv_args`: SGLang's ``KVArgs`` as a kvplan :class:`~kvplan.planner.contract.batch.SideMemory`,
   state components included (:func:`state_from_kv_args`).
 * :mod:`.adapter`: ``KVManager``, ``KVSender`` and ``KVReceiver`` under SGLang's base classes
   (imported on first use: they need SGLang installed).

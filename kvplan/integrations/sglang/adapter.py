@@ -13,7 +13,7 @@ first ``poll`` after them (or at :meth:`KVManager.flush`): that is where plannin
 Scope of this version: KV pages and aux rows, direct or head-sliced, chunked, with a
 decode prefix; the state SGLang hands with the last chunk (``send(pages, state_indices=...)``,
 ``send_metadata(..., state_indices=...)``), one list per component, mapped onto kvplan's planning
-inputs by what the kind's rules say it needs (:mod:`kvplan.planner.state_kinds`):
+inputs by what the kind's rules say it needs (:mod:`kvplan.planner.contract.state_kinds`):
 
 * a slot per request through a map by row (Mamba): the slot goes into that row of the map;
 * pages through a token slot map (SWA): the window's pages SGLang translated go into the map, for
@@ -85,11 +85,11 @@ from sglang.srt.disaggregation.base.conn import (
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from ...errors import InputError, KvplanError, LayoutError, PeerError
-from ...planner.block_tables import token_table_from_blocks
-from ...planner.destinations import PublishedRequest
-from ...planner.model import SideMemory
-from ...planner.plan import DestinationLists
-from ...planner.state_kinds import RULES, rules_of
+from ...planner.contract.block_tables import token_table_from_blocks
+from ...planner.device.destinations import PublishedRequest
+from ...planner.contract.batch import SideMemory
+from ...planner.contract.plan import DestinationLists
+from ...planner.contract.state_kinds import RULES, rules_of
 from ...transport.listener import ChannelListener, channel_via
 from ...transport.decode import DecodeEndpoint, engine_regions
 from ...transport.engines import TransferError, make_engine
@@ -498,7 +498,7 @@ class KVManager(BaseKVManager):
             raise LayoutError(f"{len(pending)} sends in one step; the planning table has "
                               f"{self.table.shape[0] - 1} rows (server arg max_running_requests)")
         # SGLang hands page ids: a block table (one row per send), expanded into token slots on the
-        # planning device (kvplan.planner.block_tables). A row holds every page of its request so far:
+        # planning device (kvplan.planner.contract.block_tables). A row holds every page of its request so far:
         # an SWA window reaches back into earlier chunks.
         rows = self._rows(pending)
         waiting = {x[0].room for x, row in zip(pending, rows) if row is None}

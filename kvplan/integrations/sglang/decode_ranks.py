@@ -34,10 +34,10 @@ from typing import Any, Callable
 import numpy as np
 
 from ...errors import KvplanError, PoolBoundsError
-from ...planner.destinations import check_published
-from ...planner.model import SideMemory
-from ...planner.plan import DestinationLists
-from ...planner.pairing import pair_sides
+from ...planner.device.destinations import check_published
+from ...planner.contract.batch import SideMemory
+from ...planner.contract.plan import DestinationLists
+from ...planner.contract.pairing import pair_sides
 from ...transport.prefill import Peer, PrefillEndpoint
 from .engine_identity import peer_name
 from .rank_link import FAILED, SUCCESS, PrefillRankLink

@@ -13,7 +13,7 @@ SGLang registers, per side:
 * ``state_types`` with ``state_data_ptrs`` / ``state_data_lens`` / ``state_item_lens`` (lists of
   lists: one list of entries per component, the multi-component form) and, for Mamba,
   ``state_dim_per_tensor`` / ``state_slice_outer_counts`` / ``state_conv_shard_groups``: the state
-  components, each Mamba entry with its :class:`~kvplan.planner.model.TensorShard`
+  components, each Mamba entry with its :class:`~kvplan.planner.contract.batch.TensorShard`
   (docs/tp_state.md §4). What ``KVArgs`` does not hold (an SWA window, a ring's rows, a pool's page
   size, the slot map of the side whose lists are computed) comes per component in ``state_params``.
 
@@ -26,8 +26,8 @@ from types import SimpleNamespace
 from typing import Any, Mapping, Sequence
 
 from ...errors import LayoutError
-from ...planner.model import Attention, Entry, KVLayout, SideMemory, StateComponent, StateKind, TensorShard
-from ...planner.state_kinds import rules_of
+from ...planner.contract.batch import Attention, Entry, KVLayout, SideMemory, StateComponent, StateKind, TensorShard
+from ...planner.contract.state_kinds import rules_of
 
 __all__ = ["DECODE_LENS", "side_from_kv_args", "side_from_registration", "state_from_kv_args"]
 

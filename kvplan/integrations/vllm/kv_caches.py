@@ -39,7 +39,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
 from ...errors import LayoutError
-from ...planner.model import Attention, Entry, KVLayout, SideMemory, StateComponent
+from ...planner.contract.batch import Attention, Entry, KVLayout, SideMemory, StateComponent
 from .groups import WINDOW_KIND, KVGroup
 
 __all__ = ["BlockView", "layer_order"]

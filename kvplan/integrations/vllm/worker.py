@@ -49,8 +49,8 @@ import numpy as np
 import torch
 
 from ...errors import InputError, KvplanError, PeerError
-from ...planner.block_tables import token_table_from_blocks
-from ...planner.destinations import PreallocatedRequest
+from ...planner.contract.block_tables import token_table_from_blocks
+from ...planner.device.destinations import PreallocatedRequest
 from ...transport.decode import DecodeEndpoint
 from ...transport.engines import make_engine
 from ...transport.listener import ChannelListener, channel_via

@@ -175,7 +175,7 @@ class NixlEngine:
         ``local_items``/``remote_items`` are ``[entries, 3]`` uint64 ``(base, item_len, slots)``, or
         ``[entries, 4]`` with the bytes each descriptor moves of its item (a head slice of each page);
         descriptor ``e * slots + s`` is ``(base_e + s * item_len_e, nbytes_e)``, matching the index arrays
-        of :mod:`kvplan.planner.prepared`.
+        of :mod:`kvplan.planner.device.prepared`.
         """
         rows = strided_rows if self.strided_lists else expanded_rows
         local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows(local_items, self.device_id), self.memory)

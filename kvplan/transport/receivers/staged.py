@@ -16,8 +16,8 @@ import torch
 
 from ...errors import PeerError
 from ...kernels.copy import launch_shape
-from ...planner.device import Planner
-from ...planner.model import Batch
+from ...planner.device.planner import Planner
+from ...planner.contract.batch import Batch
 from ..completion import SectionNote, note_of
 from ..control import ControlTimeout
 from ..copy_graphs import capture_copy, upload_graph

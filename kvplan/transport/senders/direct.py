@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Sequence
 
-from ...planner.model import Transfer
+from ...planner.contract.batch import Transfer
 
 if TYPE_CHECKING:
     from ..prefill import PrefillEndpoint

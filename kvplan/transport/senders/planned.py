@@ -10,8 +10,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ...planner.model import Transfer
-from ...planner.plan import Section
+from ...planner.contract.batch import Transfer
+from ...planner.contract.plan import Section
 from ..ahead import GatherAhead
 
 __all__ = ["LaunchAhead", "PlannedBatch", "split_descriptors"]

@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from ...errors import LayoutError
-from ...planner.model import SideMemory, Transfer
-from ...planner.pairing import pair_sides
-from ...planner.plan import AUX_ROLE, KV_ROLE
-from ...planner.prepared import prepared_slots
+from ...planner.contract.batch import SideMemory, Transfer
+from ...planner.contract.pairing import pair_sides
+from ...planner.contract.plan import AUX_ROLE, KV_ROLE
+from ...planner.device.prepared import prepared_slots
 
 if TYPE_CHECKING:
     from ..prefill import PrefillEndpoint

@@ -21,8 +21,8 @@ import torch
 
 from ... import env
 from ...errors import LayoutError
-from ...planner import gpu
-from ...planner.model import Batch, Transfer
+from ...planner.device import eager
+from ...planner.contract.batch import Batch, Transfer
 from ..control import ControlTimeout
 from ..engines import Handle, is_unsafe, wait_all
 from ..local import gather
@@ -48,7 +48,7 @@ def send(ep: PrefillEndpoint, transfers: Sequence[Transfer], planned: PlannedBat
             one = replace(planned, device_descs=pending.device_descriptors())
         else:
             share = tuple(replace(t, dest=0) for t in transfers if t.dest == dest)
-            sub = gpu.plan(Batch(ep.side, (ep.peers[dest].side,), share, ep.policy))
+            sub = eager.plan(Batch(ep.side, (ep.peers[dest].side,), share, ep.policy))
             one = PlannedBatch(share, *sub.descriptors(), sub.sections(), sub.device_descriptors())
         for request, reason in staged_run(ep, dest, one, ep._alignment(batch), deadline).go().items():
             result[request] = result.get(request) or reason

@@ -12,10 +12,10 @@ import numpy as np
 import torch
 
 from ... import env
-from ...planner.layer_groups import group_sections
-from ...planner.model import Transfer
-from ...planner.pairing import pair_sides
-from ...planner.plan import Section
+from ...planner.contract.layer_groups import group_sections
+from ...planner.contract.batch import Transfer
+from ...planner.contract.pairing import pair_sides
+from ...planner.contract.plan import Section
 from ..engines import Handle
 from ..pause import Pause
 from ..readiness import LayerStreaming

@@ -1,0 +1,1 @@
+"""What a batch is and the rules every planner obeys (see ``kvplan/planner/README.md``)."""
