@@ -1,14 +1,17 @@
-"""Question: how many times does constructing and running one plan (``kvplan.planner.device.eager.plan``)
-move between the planner's files, and how often does it come back to a file it already left?
+"""Question: reading how ``kvplan.plan(batch)`` builds a planner and queues a plan, how many times
+does a newcomer open a file of the planner, and how often one they have already read?
 
-A newcomer reading the construction path follows the same walk, so fewer stays and returns mean
-fewer files open at once. Every Python call made inside ``kvplan/`` during the first
-``eager.plan(batch)`` of a fresh process (the planner is built, then plans) is traced; a *stay* is a
-run of consecutive calls in one file, a *return* a stay in a file the walk had already left.
+Every call between two files of ``kvplan/planner/`` made during the first ``plan(batch)`` of a
+fresh process (the planner is built, then plans) is traced, and then the plan's descriptors are
+read. An *entry* is the first call from one file into another (the reader follows it once,
+however often it runs, into whichever of the file's functions); a *return* is an entry into a file
+the walk already entered. Calls into kernels, errors and the standard library are not counted, nor
+calls that Python makes on the code's behalf (a cached property's first read).
 
-Run on the CPU: ``TRITON_INTERPRET=1 python -m benchmarks.probes.plan_walk [--scenario NAME]``.
-Answer (recorded in RESULTS.md, "The planner's construction path"): see the closing note of the
-house's issue; the figure printed is the answer for the tree it runs on.
+Run on the CPU: ``TRITON_INTERPRET=1 python -m benchmarks.probes.plan_walk [--list]``.
+
+Answer: the figures of the tree it runs on; the planner's restructuring recorded them before
+and after in CHANGELOG.md (the house).
 """
 
 from __future__ import annotations
@@ -18,61 +21,57 @@ import os
 import sys
 from pathlib import Path
 
-_ROOT = Path(__file__).resolve().parents[2] / "kvplan"
+_PLANNER = str(Path(__file__).resolve().parents[2] / "kvplan" / "planner")
 
 
-def walk(fn) -> list[str]:
-    """The kvplan files of every Python call made while ``fn()`` runs, in order."""
-    files: list[str] = []
+def entries(fn) -> list[tuple[str, str, str, str]]:
+    """The first call from each file into each other file of the planner made while ``fn()`` runs,
+    in order: ``(caller file, caller function, callee file, callee function)``."""
+    seen: dict[tuple[str, str], tuple[str, str, str, str]] = {}
+    user = sys._getframe(1).f_code.co_filename
 
     def profile(frame, event, arg):
-        if event == "call":
-            name = frame.f_code.co_filename
-            if name.startswith(str(_ROOT)):
-                files.append(str(Path(name).relative_to(_ROOT.parent)))
+        if event != "call":
+            return
+        callee = frame.f_code.co_filename
+        caller = frame.f_back.f_code.co_filename if frame.f_back else ""
+        if callee.startswith(_PLANNER) and caller != callee and (caller.startswith(_PLANNER) or caller == user):
+            short = lambda f: os.path.relpath(f, os.path.dirname(_PLANNER)) if f.startswith(_PLANNER) else "(caller)"  # noqa: E731
+            seen.setdefault((caller, callee), (short(caller), frame.f_back.f_code.co_name, short(callee),
+                                               frame.f_code.co_name))
 
     sys.setprofile(profile)
     try:
         fn()
     finally:
         sys.setprofile(None)
-    return files
-
-
-def stays(files: list[str]) -> list[str]:
-    """``files`` with consecutive repeats merged: one entry per stay."""
-    out: list[str] = []
-    for f in files:
-        if not out or out[-1] != f:
-            out.append(f)
-    return out
+    return list(seen.values())
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scenario", default="llama70b-tp8-p64")
-    parser.add_argument("--all-files", action="store_true", help="count kernels and errors too, not only the planner")
-    parser.add_argument("--list", action="store_true", help="print each stay")
+    parser.add_argument("--list", action="store_true", help="print each entry")
     args = parser.parse_args(argv)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-    from kvplan.planner.device import eager
+    import kvplan.planner  # noqa: F401  (registers the state kinds before the walk)
     from kvplan.tools.scenarios import PRESETS, build_batch
 
+    try:
+        from kvplan import plan
+    except ImportError:  # (a tree before kvplan exported it)
+        from kvplan.planner.gpu import plan
     batch = build_batch(PRESETS[args.scenario].scaled(layers=4), requests=2, prompt_len=1000)
-    files = walk(lambda: eager.plan(batch).descriptors())
-    if not args.all_files:
-        files = [f for f in files if f.startswith("kvplan/planner/")]
-    path = stays(files)
-    seen: set[str] = set()
+    walk = entries(lambda: plan(batch).descriptors())
+    read: set[str] = set()
     returns = 0
-    for f in path:
-        returns += f in seen
-        seen.add(f)
-    if args.list:
-        for f in path:
-            print(f)
-    print(f"{len(seen)} files, {len(path)} stays, {returns} returns")
+    for caller, caller_fn, callee, callee_fn in walk:
+        returns += callee in read
+        read.add(callee)
+        if args.list:
+            print(f"{caller}:{caller_fn} -> {callee}:{callee_fn}")
+    print(f"{len(read)} files, {len(walk)} entries, {returns} returns")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, replace
+from math import gcd
 from typing import Sequence
 
 import numpy as np
@@ -119,6 +120,21 @@ class SidePairing:
     # per component: the entry each row of its tables moves (sliced entries: several rows, or none,
     # per entry), else None (row i is entry i)
     state_rows: tuple[np.ndarray | None, ...] = ()
+    # what planning derives from the two page sizes once (docs/page_sizes.md): KV moves in units of
+    # ``unit_tokens`` (the gcd of the sides' page sizes), ``kv_units`` (source, destination) per page;
+    # a paged component whose pages differ moves in units too, ``state_units[c]`` per page, else (1, 1)
+    unit_tokens: int = 1
+    kv_units: tuple[int, int] = (1, 1)
+    state_units: tuple[tuple[int, int], ...] = ()
+    # tokens per list element of head-sliced KV (one descriptor each: its unit), 0 when KV moves whole;
+    # per component likewise (its page)
+    sliced_tokens: int = 0
+    state_sliced_tokens: tuple[int, ...] = ()
+
+    @property
+    def in_units(self) -> bool:
+        """Whether KV or a paged component moves in units smaller than a page on either side."""
+        return self.kv_units != (1, 1) or any(r != (1, 1) for r in self.state_units)
 
     def component_rows(self, c: int) -> np.ndarray:
         """The entry index of each row of component ``c``'s tables."""
@@ -283,6 +299,9 @@ def _pair_sides(src: SideMemory, dst: SideMemory) -> SidePairing:
                                       "(docs/tp_state.md)") from None
                 raise
     _require_equal_items("aux", src.aux, dst.aux)
+    unit = gcd(sk.page_size, dk.page_size)
+    state_units = tuple(units_per_page(sc.pages_of(sk.page_size), dc.pages_of(dk.page_size))
+                        if rules_of(sc.kind).paged else (1, 1) for sc, dc in zip(src.state, dst.state))
     return SidePairing(
         mode=mode,
         kv_src=_table(kv_src),
@@ -295,7 +314,19 @@ def _pair_sides(src: SideMemory, dst: SideMemory) -> SidePairing:
         state_heads=tuple(state_heads),
         state_bytes=tuple(state_bytes),
         state_rows=tuple(state_rows),
+        unit_tokens=unit,
+        kv_units=units_per_page(sk.page_size, dk.page_size),
+        state_units=state_units,
+        sliced_tokens=heads.spans_per_page(unit) if heads is not None else 0,
+        state_sliced_tokens=tuple(0 if h is None else h.spans_per_page(sc.pages_of(sk.page_size))
+                                  for h, sc in zip(state_heads, src.state)),
     )
+
+
+def units_per_page(ps_s: int, ps_d: int) -> tuple[int, int]:
+    """Units of ``gcd(ps_s, ps_d)`` tokens per page on each side (docs/page_sizes.md)."""
+    unit = gcd(ps_s, ps_d)
+    return ps_s // unit, ps_d // unit
 
 
 def _component_slice(i: int, sc, dc, sk: KVLayout, dk: KVLayout, cps_s: int, cps_d: int, per_page: bool

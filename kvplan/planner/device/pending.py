@@ -394,10 +394,10 @@ class PendingPlan:
             src_t, dst_t = scaled_tables(src_t, dst_t, p.src.state[k - 1].pages_of(p.src.kv.page_size),
                                          p.dsts[dest].state[k - 1].pages_of(p.dsts[dest].kv.page_size))
         if k == 0 and pairing.mode is Mode.HEAD_SLICED:
-            return head_sliced_descriptors(src_t, dst_t, part[0], part[1], pairing.heads, st.sliced_tokens(dest))
+            return head_sliced_descriptors(src_t, dst_t, part[0], part[1], pairing.heads, pairing.sliced_tokens)
         if 0 < k < st.K - 1 and pairing.component_heads(k - 1) is not None:
             return head_sliced_descriptors(src_t, dst_t, part[0], part[1], pairing.component_heads(k - 1),
-                                           st.component_sliced_tokens(dest, k - 1, self.planner.src))
+                                           pairing.state_sliced_tokens[k - 1])
         runs = part[2]
         if k == st.K - 1 or 0 < k and not rules_of(self.planner.src.state[k - 1].kind).forms_runs:
             runs = unit_runs(part[0], part[1])

@@ -52,9 +52,8 @@ from ...kernels import summary as ks
 from ..contract.batch import Batch, Policy, SideMemory
 from .buffers import Buffers, Slot, current_stream, pow2, replay
 from .columns import COLUMNS, BatchColumns
-from .lists import require_same_device
 from .pending import PendingPlan
-from .tables import StaticTables, token_table
+from .tables import StaticTables
 
 __all__ = ["OUTPUTS", "Planner"]
 
@@ -88,16 +87,14 @@ class Planner:
         self.src, self.dsts = src, tuple(dsts)
         self.policy, self.validate = Policy(policy), bool(validate)
         self.outputs = frozenset(outputs)
-        self.table = token_table(src)
-        self.device = self.table.device
-        require_same_device(src, self.device)
+        self.static = StaticTables(src, self.dsts, "prepared" in self.outputs)
+        self.table, self.device = self.static.table, self.static.device
         require_runnable(self.device.type)
         cuda = self.device.type == "cuda"
         self.graphs = cuda if graphs is None else bool(graphs)
         if self.graphs and not cuda:
             raise InputError(None, "CUDA graphs need the token table on a CUDA device")
         self.depth, self.block = depth, block
-        self.static = StaticTables(src, self.dsts, self.device, "prepared" in self.outputs)
         self.programs = 4 * torch.cuda.get_device_properties(self.device).multi_processor_count if cuda else 2
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
         self.check_stream = torch.cuda.Stream(self.device) if cuda else None

@@ -4,7 +4,7 @@ claim regions, prepared slots), and the host tables a plan's expansion on the ho
 
 Example::
 
-    tables = StaticTables(src, [dst], device, prepared=False)
+    tables = StaticTables(src, [dst], prepared=False)
     tables.K                     # segments per transfer: KV, each state component, aux
 """
 
@@ -20,15 +20,15 @@ from ...errors import LayoutError
 from ...kernels import batch_layout as kl
 from ...kernels import expand as kx
 from ..contract.batch import SideMemory
-from ..contract.pairing import Mode, SidePairing, pair_sides
+from ..contract.pairing import SidePairing, pair_sides
 from ..contract.rules import check_token_table
 from ..contract.state_kinds import rules_of
 from ..reference.expand import scaled_tables
 from ..reference.page_mapping import unit_tables
-from .lists import as_device_tensor
+from .lists import as_device_tensor, require_same_device
 from .prepared import AUX, KV, prepared_slots, require_prepared_form
 
-__all__ = ["MAX_MAPS", "StaticTables", "pairing_tables", "token_table", "unit_ratios_of"]
+__all__ = ["MAX_MAPS", "StaticTables", "pairing_tables", "token_table"]
 
 MAX_MAPS = 4
 
@@ -39,13 +39,6 @@ def token_table(side: SideMemory) -> torch.Tensor:
     return torch.from_numpy(table) if isinstance(table, np.ndarray) else table
 
 
-
-def unit_ratios_of(ps_s: int, ps_d: int) -> tuple[int, int]:
-    """Units of ``gcd(ps_s, ps_d)`` tokens per page on each side."""
-    unit = gcd(ps_s, ps_d)
-    return ps_s // unit, ps_d // unit
-
-
 def pairing_tables(pairing: SidePairing, k: int, K: int) -> tuple[np.ndarray, np.ndarray]:
     if k == 0:
         return pairing.kv_src, pairing.kv_dst
@@ -54,38 +47,21 @@ def pairing_tables(pairing: SidePairing, k: int, K: int) -> tuple[np.ndarray, np
     return pairing.state_src[k - 1], pairing.state_dst[k - 1]
 
 
-
 class StaticTables:
-    """What does not change from batch to batch: pairings and the device tables built from them."""
+    """What does not change from batch to batch: the source's token table (checked), the pairings and
+    the device tables built from them."""
 
-    def component_sliced_tokens(self, dest: int, c: int, src: SideMemory) -> int:
-        """Tokens per list element of component ``c`` when it is head-sliced to ``dest`` (its page
-        size: one descriptor per entry, element and token; docs/tp_state.md), else 0."""
-        heads = self.pairings[dest].component_heads(c)
-        if heads is None:
-            return 0
-        return heads.spans_per_page(src.state[c].pages_of(src.kv.page_size))
-
-    def sliced_tokens(self, dest: int) -> int:
-        """Tokens per KV element of a head-sliced destination (one descriptor each; its page, or the
-        unit between sides of different page sizes), 0 for a direct one."""
-        pairing = self.pairings[dest]
-        if pairing.mode is not Mode.HEAD_SLICED:
-            return 0
-        return pairing.heads.spans_per_page(self.unit_sizes[dest])
-
-    def __init__(self, src: SideMemory, dsts: Sequence[SideMemory], device: torch.device, prepared: bool):
+    def __init__(self, src: SideMemory, dsts: Sequence[SideMemory], prepared: bool):
+        self.table = token_table(src)
+        device = self.device = self.table.device
+        require_same_device(src, device)
         self.pairings: list[SidePairing] = [pair_sides(src, d) for d in dsts]
         ps = src.kv.page_size
-        # docs/page_sizes.md: with a destination of another page size, KV moves in units of gcd tokens
-        self.unit_ratios = [unit_ratios_of(ps, d.kv.page_size) for d in dsts]
-        self.unit_sizes = [gcd(ps, d.kv.page_size) for d in dsts]
-        # per destination and component: (source, destination) units per page of a paged component
-        # whose pages differ there (SWA, DSA; docs/page_sizes.md §6), else (1, 1)
-        self.comp_ratios = [[unit_ratios_of(c.pages_of(ps), dc.pages_of(d.kv.page_size)) if rules_of(c.kind).paged else (1, 1)
-                             for c, dc in zip(src.state, d.state)] for d in dsts]
-        self.units = any(r != (1, 1) for r in self.unit_ratios) or any(r != (1, 1) for rs in self.comp_ratios
-                                                                         for r in rs)
+        # docs/page_sizes.md: with a destination of another page size, KV moves in units of gcd tokens;
+        # per destination and component, (source, destination) units per page (SWA, DSA: §6)
+        self.unit_ratios = [p.kv_units for p in self.pairings]
+        self.comp_ratios = [list(p.state_units) for p in self.pairings]
+        self.units = any(p.in_units for p in self.pairings)
         if self.units and prepared:
             raise LayoutError(f"page sizes differ (source {ps}, destinations {[d.kv.page_size for d in dsts]}): "
                               "NIXL prepared lists index whole pages of one size on each side; plan descriptors "
@@ -112,20 +88,19 @@ class StaticTables:
                 count += len(block)
             dest_meta[d, 0] = side.kv.num_pages
             dest_meta[d, 1] = min((e.num_items for e in side.aux), default=0)
-            dest_meta[d, 2] = self.sliced_tokens(d)
+            dest_meta[d, 2] = p.sliced_tokens
             dest_meta[d, 3 + 2 * K : 3 + 2 * K + C] = [c.num_items for c in side.state]
             for i, c in enumerate(side.state):
                 cps_d = c.pages_of(side.kv.page_size)
                 dest_meta[d, 3 + 2 * K + C + 2 * i : 5 + 2 * K + C + 2 * i] = cps_d, gcd(cps_d, src.state[i].pages_of(ps))
-            unit = gcd(ps, side.kv.page_size)
+            unit = p.unit_tokens
             dest_meta[d, -3:] = side.kv.page_size, unit, ps * side.kv.page_size // unit
             # head slices (planning.md §5; docs/tp_state.md): KV's in slot 0, each head-sliced component's in its slot
             for k, h in enumerate([p.heads, *(p.component_heads(c) for c in range(C))]):
                 if h is not None:
                     heads[d * K + k] = (h.src_token_bytes, h.dst_token_bytes, h.src_head * h.bytes_per_head,
                                         h.dst_head * h.bytes_per_head, h.nbytes)
-            dest_meta[d, 3 + 2 * K + 3 * C : 3 + 2 * K + 4 * C] = [self.component_sliced_tokens(d, c, src)
-                                                                   for c in range(C)]
+            dest_meta[d, 3 + 2 * K + 3 * C : 3 + 2 * K + 4 * C] = p.state_sliced_tokens
         self.entry_span = dest_meta[:, 3 : 3 + 2 * K].reshape(-1, K, 2).copy()  # per dest and slot
         # claims (planning.md §6.1): per dest and slot, the first bit and the item count of its bitmap region
         own = np.zeros((max(1, D) * K, 2), np.int64)
@@ -157,7 +132,7 @@ class StaticTables:
         multiplier = [1]
         for d, p in enumerate(self.pairings):
             kv_entries = int(dest_meta[d, 4])
-            multiplier.append(kv_entries * max(1, self.sliced_tokens(d)))
+            multiplier.append(kv_entries * max(1, p.sliced_tokens))
             multiplier += [int(dest_meta[d, 4 + 2 * k]) * max(1, int(dest_meta[d, 3 + 2 * K + 3 * C + k - 1]))
                            for k in range(1, K - 1)]
         self.per_element = max(multiplier)
