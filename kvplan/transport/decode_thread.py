@@ -26,15 +26,29 @@ import os
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from ..errors import KvplanError
 from ..profiling import Profile
 from .pause import FIRST_S, LONGEST_S, hot_seconds
 from .wake import WakePipe
 
-if TYPE_CHECKING:
-    from .decode import DecodeEndpoint
+
+
+class ReceivingEndpoint(Protocol):
+    """What the thread drives of the :class:`~kvplan.transport.decode.DecodeEndpoint` it belongs to:
+    its channels and completion tracker, one poll of both, the publications it queued, and its pacing."""
+
+    channels: list
+    tracker: Any
+    _gone_senders: set
+    _waves: dict
+    _pause: Any
+
+    def _poll(self) -> None: ...
+
+    def _finish_publish(self, pending: Any, requests: Sequence[Any], deadline: float, peers: Any,
+                        publishers: Any) -> None: ...
 
 __all__ = ["DecodeProgress", "IDLE_S"]
 
@@ -54,7 +68,7 @@ class _Publish:
 class DecodeProgress:
     """The thread of one :class:`~kvplan.transport.decode.DecodeEndpoint` (see the module docstring)."""
 
-    def __init__(self, endpoint: "DecodeEndpoint"):
+    def __init__(self, endpoint: ReceivingEndpoint):
         self.ep = endpoint
         # the caller's publishes and actions, in the order it made them: an abort or a forget queued after
         # a publish runs once that publish is finished (it then finds the request tracked)

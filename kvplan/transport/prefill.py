@@ -63,6 +63,7 @@ from .integrity import RunningSums, transfer_sums
 from .local import plan_alignment, typical_sizes, warm_up
 from .readiness import LayerStreaming
 from .senders import SENDERS, streamed
+from .senders.context import SendContext, SendVerbs
 from .senders.planned import LaunchAhead, PlannedBatch
 from .handles import SendHandle
 from .prefill_messages import DecodeMessages
@@ -141,7 +142,6 @@ class PrefillEndpoint(DecodeMessages):
         self._ahead = AheadGatherer(staging, self._stream, CopyGraphs(transport_stream(staging.device))
                                     if copy_graphs_enabled() else None) if self._stream is not None else None
         self._plan_stream: torch.cuda.Stream | None = None  # a streamed send's (made on the first)
-        self._next_wave = 0
         self._next_run = 0  # ids of runs announced by their chunks ahead of their waves
         self.id = uuid.uuid4().hex[:12]  # names this sender's waves on receivers that have several senders
         # (peer, request, reason) of requests a decode endpoint aborted (its lists are dropped); the caller drains it
@@ -158,21 +158,20 @@ class PrefillEndpoint(DecodeMessages):
         self.publishers: dict[Any, int] = {}
         # requests with a write that could not be ended (wait_all's "unsafe"): their aborts are not fenced
         self.unsafe: set[Any] = set()
-        self.last_mode: str | None = None  # the mode the last send used (what ``auto`` chose)
-        self.last_announcement: str | None = None  # how its last staged run was announced: "planned" or "table"
-        self.waves_ahead = 0  # staged waves gathered ahead of their layer group's mark, over this endpoint's life
-        self.first_waves_ahead = 0  # staged runs whose first wave was gathered behind the plan (.ahead)
         self.launches_ahead = 0  # direct sends launched behind their plan (_launch_ahead), over this endpoint's life
         # (device engines) the last direct send's bytes per descriptor: the next launch ahead's copy shape
         self._device_typical: int | None = None
         self._planners: dict[bool, Planner] = {}  # by prepared or not
         self._alignments: tuple[tuple[SideMemory, ...], int] | None = None  # the last sides' copy word
-        self._times: list[tuple[str, float]] = []
         self._sums = RunningSums()  # (peer, request) -> its chunks' checksum so far, on the device (.integrity)
         self._warm_shape: tuple[int, int] | None = None  # warm_up's batch bound, applied to peers as they pair
         self._touched: set[int] = set()  # peers whose staging share the warm-up has written (its runs may be there now)
         self._stats = EndpointStats("prefill")
         self.last_nbytes = 0  # the bytes the last send planned
+        # what the senders see of this endpoint (.senders.context): never the endpoint itself
+        self.sending = SendContext(self.id, engine, side, self.peers, policy, staging, self._stream, self._ahead,
+                                   receiver_plans, SendVerbs(self._settle, self._fail, self._alignment, self._ring,
+                                                             self._peer_gone, self._any_peer_gone, self.stats_hit))
 
     # the first peer, for the common one-to-one pairing
     channel = property(lambda self: self.peers[0].channel)
@@ -350,6 +349,27 @@ class PrefillEndpoint(DecodeMessages):
         """:meth:`stats`' cumulative counters alone, without percentiles (cheap: an engine's step may ask)."""
         return self._stats.totals()
 
+    # what the last send left for the caller to read (kept by the senders' context)
+    @property
+    def last_mode(self) -> str | None:
+        """The mode the last send used (what ``auto`` chose)."""
+        return self.sending.last_mode
+
+    @property
+    def last_announcement(self) -> str | None:
+        """How the last staged run was announced: ``"planned"`` (its chunks) or ``"table"``."""
+        return self.sending.last_announcement
+
+    @property
+    def waves_ahead(self) -> int:
+        """Staged waves gathered ahead of their layer group's mark, over this endpoint's life."""
+        return self.sending.waves_ahead
+
+    @property
+    def first_waves_ahead(self) -> int:
+        """Staged runs whose first wave was gathered behind the plan (:mod:`.ahead`)."""
+        return self.sending.first_waves_ahead
+
     def stats_hit(self, bound: str) -> None:
         """Count a bound reached once (for the senders: a staged wave that waits for a free slot)."""
         self._stats.hit(bound)
@@ -517,7 +537,7 @@ class PrefillEndpoint(DecodeMessages):
 
     def _send(self, transfers: Sequence[Transfer], mode: str, timeout: float,
               layers: LayerStreaming | None) -> dict[Any, str | None]:
-        self._times = [("send", time.perf_counter())]  # the first steps of a staged trace
+        self.sending.times = [("send", time.perf_counter())]  # the first steps of a staged trace
         transfers = tuple(transfers)
         batch = Batch(self.side, tuple(p.side for p in self.peers), transfers, self.policy)
         refused: dict[Any, str] = {}
@@ -534,11 +554,11 @@ class PrefillEndpoint(DecodeMessages):
                 if layers is None:  # the chunks first: the receiver plans from them while this side plans
                     chunks_run = self._announce_chunks(transfers, batch, mode, timeout)
                 pending = self._planner(prepared=mode == "prepared").plan(batch)
-                self._times.append(("launched", time.perf_counter()))
+                self.sending.times.append(("launched", time.perf_counter()))
                 if layers is None:
                     ahead = self._gather_ahead(pending, batch, mode)
                     launched = self._launch_ahead(pending, batch, mode)
-                    self._times.append(("queued", time.perf_counter()))
+                    self.sending.times.append(("queued", time.perf_counter()))
             if chunks_run is not None and "byte_offsets" in pending.planner.outputs:
                 # a receiver-planned run: its byte counts come with the plan's report; its descriptors
                 # stay on the device, and its sections unread, unless the run needs them after all (PlannedBatch)
@@ -548,7 +568,7 @@ class PrefillEndpoint(DecodeMessages):
                 descs, per_transfer = pending.descriptors()
                 sections, nbytes = pending.sections(), int(descs[:, 2].sum(dtype=np.uint64))
             self.last_nbytes = nbytes
-            self._times.append(("planned", time.perf_counter()))
+            self.sending.times.append(("planned", time.perf_counter()))
         except PlanError as err:
             self._cancel_chunks(chunks_run, f"batch refused: {err}")
             for t in transfers:
@@ -561,7 +581,7 @@ class PrefillEndpoint(DecodeMessages):
             staged = mode == "staged" or mode == "auto" and self._auto_mode(len(descs), nbytes) == "staged"
             on_device = (pending.device_descriptors(), self._alignment(batch)) \
                 if staged or self.engine.capabilities.device else None
-            moved = streamed.send(self, transfers, descs, sections, layers, time.monotonic() + timeout,
+            moved = streamed.send(self.sending, transfers, descs, sections, layers, time.monotonic() + timeout,
                                   on_device if staged else None, None if staged else on_device)
             return {**moved, **refused}
         if sums is not None:  # before the bytes: the decode checks a request as soon as it has landed
@@ -612,13 +632,13 @@ class PrefillEndpoint(DecodeMessages):
         count = int(planned.per_transfer[-1])
         if mode == "auto":
             mode = self._auto_mode(count, planned.nbytes)
-        self.last_mode = mode
+        self.sending.last_mode = mode
         if mode == "direct" and self.engine.capabilities.device:  # the next launch ahead's copy shape
             self._device_typical = max(1, planned.nbytes // max(1, count))
         if mode != "staged":
             self._cancel_chunks(planned.chunks_run, f"sent {mode}")
         log.info("sending %d transfers (%d descriptors) %s", len(transfers), count, mode)
-        return SENDERS[mode](self, transfers, planned, pending, batch, deadline)
+        return SENDERS[mode](self.sending, transfers, planned, pending, batch, deadline)
 
     def _planner(self, prepared: bool) -> Planner:
         """This endpoint's device planner (graph replay on a GPU), made on the first send of its kind."""
@@ -771,7 +791,7 @@ class PrefillEndpoint(DecodeMessages):
                               timeout=timeout)
         except ControlTimeout:
             return None  # (then announced whole, or failed, by the staged run)
-        self._times.append(("chunks", time.perf_counter()))
+        self.sending.times.append(("chunks", time.perf_counter()))
         return run
 
     def _cancel_chunks(self, run: int | None, why: str) -> None:

@@ -36,7 +36,7 @@ import os
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
@@ -45,8 +45,23 @@ from ..profiling import Profile
 from .handles import SendHandle
 from .wake import WakePipe
 
-if TYPE_CHECKING:
-    from .prefill import PrefillEndpoint
+
+
+class SendingEndpoint(Protocol):
+    """What the thread drives of the :class:`~kvplan.transport.prefill.PrefillEndpoint` it belongs to:
+    its side and peers, its channels' messages, the send itself, the failure reports and counters."""
+
+    side: Any
+    peers: list
+    _pairing: list
+    _stats: Any
+
+    def _read_channels(self) -> list[tuple[int, Any]]: ...
+
+    def _send_now(self, transfers: Sequence[Any], mode: str, timeout: float, layers: Any,
+                  submitted: float | None = None) -> dict[Any, str | None]: ...
+
+    def _report(self, peer: int, request: Any, reason: str) -> None: ...
 
 __all__ = ["IDLE_S", "MAX_IN_FLIGHT", "ProgressThread"]
 
@@ -68,7 +83,7 @@ class _Job:
 class ProgressThread:
     """The thread of one :class:`~kvplan.transport.prefill.PrefillEndpoint` (see the module docstring)."""
 
-    def __init__(self, endpoint: "PrefillEndpoint", max_in_flight: int = MAX_IN_FLIGHT):
+    def __init__(self, endpoint: SendingEndpoint, max_in_flight: int = MAX_IN_FLIGHT):
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
         self.ep, self.max_in_flight = endpoint, max_in_flight

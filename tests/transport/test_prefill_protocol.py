@@ -218,7 +218,7 @@ def test_chunks_announced_for_auto_are_withdrawn_when_it_sends_direct():
     """``auto`` announces the chunks when its last send was staged; this batch goes direct (on the CPU
     it always does), so they are withdrawn and the sections go as direct writes."""
     prefill, engine, _, theirs, _, _buffers = _staged_pair(plans=True)
-    prefill.last_mode = "staged"
+    prefill.sending.last_mode = "staged"
     assert prefill.send([prefill.transfer(Chunk("r1", 1, 0, 9, 8, True))], mode="auto", timeout=5) == {"r1": None}
     sent = _sent(theirs)
     assert [kind for kind, _ in sent] == ["staged-plan", "staged-waves"], sent

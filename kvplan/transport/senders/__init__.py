@@ -9,11 +9,12 @@ the planned batch to that mode's sender:
 * :mod:`.streamed`: a batch still being written by the forward pass, each layer group once marked,
   direct or staged.
 
-Every sender ends through the endpoint's one completion and fencing path: its writes are waited for
-under the deadline (``PrefillEndpoint._settle``), and a request is failed, and reported to its
-decode side, only through ``PrefillEndpoint._fail``, which keeps requests whose writes may still land
-as unsafe (never acknowledged as fenced). A mode is added by a module here and an entry in
-:data:`SENDERS`.
+A sender sees the endpoint only through its :class:`.context.SendContext` (engine, peers, staging
+and its stream, and the endpoint's verbs). Every sender ends through the endpoint's one completion
+and fencing path: its writes are waited for under the deadline (``verbs.settle``), and a request is
+failed, and reported to its decode side, only through ``verbs.fail``, which keeps requests whose
+writes may still land as unsafe (never acknowledged as fenced). A mode is added by a module here and
+an entry in :data:`SENDERS`.
 """
 
 from __future__ import annotations
@@ -24,5 +25,5 @@ from . import direct, prepared, staged
 
 __all__ = ["SENDERS"]
 
-# mode -> send(endpoint, transfers, planned batch, pending plan, batch, deadline) -> {request: None | reason}
+# mode -> send(context, transfers, planned batch, pending plan, batch, deadline) -> {request: None | reason}
 SENDERS: dict[str, Callable] = {"direct": direct.send, "prepared": prepared.send, "staged": staged.send}

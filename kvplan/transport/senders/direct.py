@@ -4,18 +4,16 @@ as one engine write with its notification, all of them before waiting for any.""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 from ...planner.contract.batch import Transfer
-
-if TYPE_CHECKING:
-    from ..prefill import PrefillEndpoint
-    from .planned import PlannedBatch
+from .context import SendContext
+from .planned import PlannedBatch
 
 log = logging.getLogger(__name__)
 
 
-def send(ep: PrefillEndpoint, transfers: Sequence[Transfer], planned: PlannedBatch, pending: Any, batch: Any,
+def send(ep: SendContext, transfers: Sequence[Transfer], planned: PlannedBatch, pending: Any, batch: Any,
          deadline: float) -> dict[Any, str | None]:
     """Post every section, then wait for all of them (the endpoint's completion path)."""
     if ep.engine.capabilities.device:
@@ -26,10 +24,10 @@ def send(ep: PrefillEndpoint, transfers: Sequence[Transfer], planned: PlannedBat
         peer = ep.peers[dest]
         posted.append((ep.engine.post(peer.name, descs[s.lo : s.hi], peer.notification(s)), s))
         log.debug("posted %s of %r: %d descriptors to peer %d", s.name, s.request, s.hi - s.lo, dest)
-    return ep._settle(transfers, posted, deadline)
+    return ep.verbs.settle(transfers, posted, deadline)
 
 
-def _send_device(ep: PrefillEndpoint, transfers: Sequence[Transfer], planned: PlannedBatch, pending: Any, batch: Any,
+def _send_device(ep: SendContext, transfers: Sequence[Transfer], planned: PlannedBatch, pending: Any, batch: Any,
                  deadline: float) -> dict[Any, str | None]:
     """An engine that writes from the plan's device descriptors (``Capabilities.device``): one post per
     decode endpoint, over that endpoint's rows of the plan as they lie on the device, each section's
@@ -44,12 +42,12 @@ def _send_device(ep: PrefillEndpoint, transfers: Sequence[Transfer], planned: Pl
         handles = ep.engine.section_handles(launched.launch, [peer.notification(s) for s in sections],
                                             [(s.lo, s.hi) for s in sections])
         log.debug("%d sections to peer %d: launched behind their plan", len(sections), launched.dest)
-        return ep._settle(transfers, list(zip(handles, sections)), deadline)
+        return ep.verbs.settle(transfers, list(zip(handles, sections)), deadline)
     table = pending.device_descriptors()
     by_peer: dict[int, list[Any]] = {}
     for s in planned.host_sections():
         by_peer.setdefault(transfers[s.transfer].dest, []).append(s)
-    alignment = ep._alignment(batch)
+    alignment = ep.verbs.alignment(batch)
     posted = []
     for dest, sections in by_peer.items():
         peer = ep.peers[dest]
@@ -67,4 +65,4 @@ def _send_device(ep: PrefillEndpoint, transfers: Sequence[Transfer], planned: Pl
                                         alignment=alignment, typical_bytes=typical)
         posted += list(zip(handles, sections))
         log.debug("posted %d sections to peer %d: %d descriptors in one launch", len(sections), dest, len(rows))
-    return ep._settle(transfers, posted, deadline)
+    return ep.verbs.settle(transfers, posted, deadline)

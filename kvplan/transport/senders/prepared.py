@@ -3,7 +3,7 @@ planner's int32 indices, one write per section."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -12,10 +12,8 @@ from ...planner.contract.batch import SideMemory, Transfer
 from ...planner.contract.pairing import pair_sides
 from ...planner.contract.plan import AUX_ROLE, KV_ROLE
 from ...planner.device.prepared import prepared_slots
-
-if TYPE_CHECKING:
-    from ..prefill import PrefillEndpoint
-    from .planned import PlannedBatch
+from .context import SendContext
+from .planned import PlannedBatch
 
 
 def prepared_items(src: SideMemory, dst: SideMemory) -> dict[int, tuple[np.ndarray, np.ndarray]]:
@@ -44,7 +42,7 @@ def _items(table: np.ndarray, slots: int) -> np.ndarray:
     return np.concatenate([table, np.full((len(table), 1), slots, np.uint64), table[:, 1:2]], axis=1)
 
 
-def prepare(ep: PrefillEndpoint, dest: int) -> None:
+def prepare(ep: SendContext, dest: int) -> None:
     """NIXL prepared lists for every role towards peer ``dest``."""
     if not ep.engine.capabilities.prepared:
         raise LayoutError(f"the {type(ep.engine).__name__} has no prepared descriptor lists; use direct mode")
@@ -54,7 +52,7 @@ def prepare(ep: PrefillEndpoint, dest: int) -> None:
     peer.prepared = True
 
 
-def send(ep: PrefillEndpoint, transfers: Sequence[Transfer], planned: PlannedBatch, pending: Any, batch: Any,
+def send(ep: SendContext, transfers: Sequence[Transfer], planned: PlannedBatch, pending: Any, batch: Any,
          deadline: float) -> dict[Any, str | None]:
     """Post each section's indices into the peer's prepared lists (made on first use), then wait for all."""
     indices = pending.prepared_indices()
@@ -71,4 +69,4 @@ def send(ep: PrefillEndpoint, transfers: Sequence[Transfer], planned: PlannedBat
             prepare(ep, dest)
         posted.append((ep.engine.post_prepared(peer.name, role, indices.src[lo:hi], indices.dst[lo:hi],
                                                peer.notification(section)), section))
-    return ep._settle(transfers, posted, deadline)
+    return ep.verbs.settle(transfers, posted, deadline)

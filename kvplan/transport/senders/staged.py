@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -30,16 +30,14 @@ from ..pause import Pause
 from ..receiver_plan import planned_run_message, planned_run_waves
 from ..waves import Wave, decode_credit, one_wave, plan_waves, run_message, wave_note
 from .planned import PlannedBatch, split_descriptors
-
-if TYPE_CHECKING:
-    from ..prefill import PrefillEndpoint
+from .context import SendContext
 
 __all__ = ["StagedRun", "send", "staged_run"]
 
 log = logging.getLogger(__name__)
 
 
-def send(ep: PrefillEndpoint, transfers: Sequence[Transfer], planned: PlannedBatch, pending: Any, batch: Batch,
+def send(ep: SendContext, transfers: Sequence[Transfer], planned: PlannedBatch, pending: Any, batch: Batch,
          deadline: float) -> dict[Any, str | None]:
     """Each peer's share of the batch through its own staging ring."""
     result: dict[Any, str | None] = {}
@@ -50,12 +48,12 @@ def send(ep: PrefillEndpoint, transfers: Sequence[Transfer], planned: PlannedBat
             share = tuple(replace(t, dest=0) for t in transfers if t.dest == dest)
             sub = eager.plan(Batch(ep.side, (ep.peers[dest].side,), share, ep.policy))
             one = PlannedBatch(share, *sub.descriptors(), sub.sections(), sub.device_descriptors())
-        for request, reason in staged_run(ep, dest, one, ep._alignment(batch), deadline).go().items():
+        for request, reason in staged_run(ep, dest, one, ep.verbs.alignment(batch), deadline).go().items():
             result[request] = result.get(request) or reason
     return result
 
 
-def staged_run(ep: PrefillEndpoint, dest: int, batch: PlannedBatch, alignment: int, deadline: float) -> StagedRun:
+def staged_run(ep: SendContext, dest: int, batch: PlannedBatch, alignment: int, deadline: float) -> StagedRun:
     """A run of ``batch`` to peer ``dest`` (not announced yet)."""
     if ep.staging is None or ep.peers[dest].staging is None:
         raise LayoutError("staged mode needs a registered staging buffer on both sides")
@@ -65,11 +63,11 @@ def staged_run(ep: PrefillEndpoint, dest: int, batch: PlannedBatch, alignment: i
 class StagedRun:
     """One batch through the staging ring (see :class:`PrefillEndpoint`)."""
 
-    def __init__(self, ep: PrefillEndpoint, dest: int, batch: PlannedBatch, alignment: int, deadline: float):
+    def __init__(self, ep: SendContext, dest: int, batch: PlannedBatch, alignment: int, deadline: float):
         self.ep, self.dest, self.peer = ep, dest, ep.peers[dest]
         self.alignment, self.deadline = alignment, deadline
         self.result: dict[Any, str | None] = {t.request: None for t in batch.transfers}
-        self.slots, self.slot_bytes = ep._ring(dest, alignment)
+        self.slots, self.slot_bytes = ep.verbs.ring(dest, alignment)
         self.transfers, self.plannable, self.chunks_run = batch.transfers, batch.plannable, batch.chunks_run
         self.batch, self.nbytes = batch, batch.nbytes
         if batch.descs is None and batch.nbytes <= self.slot_bytes:  # one wave, no descriptor to split:
@@ -94,8 +92,8 @@ class StagedRun:
         if self.descs is not None:
             self.host_starts = np.zeros(len(self.descs) + 1, np.int64)
             np.cumsum(self.descs[:, 2].view(np.int64), out=self.host_starts[1:])
-        if ep._ahead is not None and self.count:  # what the next run's gather ahead expects
-            ep._ahead.typical = max(1, self.nbytes // self.count)
+        if ep.ahead is not None and self.count:  # what the next run's gather ahead expects
+            ep.ahead.typical = max(1, self.nbytes // self.count)
         self.dev_starts: torch.Tensor | None = None  # made after the announcement has left
         self.remote_free = [True] * self.slots
         self.local_write: list[Handle | None] = [None] * self.slots
@@ -110,7 +108,7 @@ class StagedRun:
         self.deferred: dict[str, Any] | None = None  # a staged-waves header sent once the first wave is posted
         self.trace: list[tuple[int, str, float]] | None = None
         if env.enabled("KVPLAN_TRACE"):
-            self.trace = [(0, step, t) for step, t in ep._times]
+            self.trace = [(0, step, t) for step, t in ep.times]
             self._mark(0, "init")
 
     @property
@@ -140,8 +138,7 @@ class StagedRun:
         else:
             waves = self.waves = plan_waves(self.descs[:, 2], self.sections, self.slot_bytes, self.slots,
                                             ends=self.host_starts[1:])
-        self.base_id = ep._next_wave
-        ep._next_wave += len(waves)
+        self.base_id = ep.wave_ids(len(waves))
         frames: tuple[bytes, ...] = ()
         # a connection made again before this run (or since its chunks went ahead) loses nothing of it
         replaced = self.peer.channel.replaced()
@@ -170,7 +167,7 @@ class StagedRun:
             try:  # announced first: the receiver plans or checks the run while this side gathers and writes
                 self.peer.channel.send(kind, header, *frames, timeout=max(0.0, self.deadline - time.monotonic()))
             except ControlTimeout as err:
-                ep._fail(self.dest, self.result, list(self.result), str(err))
+                ep.verbs.fail(self.dest, self.result, list(self.result), str(err))
                 return False
             self._mark(0, "tables")
         device_descs = self.device_descs
@@ -181,9 +178,9 @@ class StagedRun:
             self.next_wave = 1
             ep.first_waves_ahead += 1
             self._mark(0, "ahead")
-        elif ep._stream is not None:  # the descriptors were made on the current stream
-            ep._stream.wait_stream(torch.cuda.current_stream(ep.staging.device))
-            with torch.cuda.stream(ep._stream):  # each descriptor's offset in the whole batch's byte stream
+        elif ep.stream is not None:  # the descriptors were made on the current stream
+            ep.stream.wait_stream(torch.cuda.current_stream(ep.staging.device))
+            with torch.cuda.stream(ep.stream):  # each descriptor's offset in the whole batch's byte stream
                 self.dev_starts = torch.cumsum(device_descs[:, 2], 0).sub_(device_descs[:, 2])
         else:
             self.dev_starts = torch.cumsum(device_descs[:, 2], 0) - device_descs[:, 2]
@@ -193,9 +190,9 @@ class StagedRun:
         """Queue the gathers of the first waves whose slots are free behind ``written`` (a CUDA event
         the forward pass records once the run's layer group is written): they run the moment the
         group is written, and :meth:`move` posts them once done. How many were queued."""
-        if self.ep._stream is None or written is None:
+        if self.ep.stream is None or written is None:
             return 0
-        self.ep._stream.wait_event(written)
+        self.ep.stream.wait_event(written)
         start = self.next_wave
         while self.next_wave < len(self.waves) and self._slot_free(self.waves[self.next_wave].slot):
             self._gather(self.waves[self.next_wave])
@@ -209,7 +206,7 @@ class StagedRun:
         while self.next_wave < len(waves):
             wave = waves[self.next_wave]
             if not self._slot_free(wave.slot):
-                ep.stats_hit("staging_slots")  # every slot of the ring is in flight: this wave waits for a credit
+                ep.verbs.stats_hit("staging_slots")  # every slot of the ring is in flight: this wave waits for a credit
             if not self._wait(lambda: self._slot_free(wave.slot)):
                 break
             self._mark(wave.index, "gather0")
@@ -225,9 +222,9 @@ class StagedRun:
             elif index not in self.acked:  # a dead receiver is the cause, whatever the engine says
                 reason = self.gone or reason or "the receiver did not acknowledge its staged wave before the deadline"
             if reason is not None:
-                ep._fail(self.dest, self.result, wave.requests(self.owners), reason)
+                ep.verbs.fail(self.dest, self.result, wave.requests(self.owners), reason)
         for wave in [w for w, _ in self.gathered] + waves[self.next_wave:]:
-            ep._fail(self.dest, self.result, wave.requests(self.owners), self.gone or "deadline passed before the wave was sent")
+            ep.verbs.fail(self.dest, self.result, wave.requests(self.owners), self.gone or "deadline passed before the wave was sent")
         return self.result
 
     def log_trace(self) -> None:
@@ -255,7 +252,7 @@ class StagedRun:
                 return True
             if time.monotonic() > self.deadline:
                 return False
-            if self.gone is None and (gone := self.ep._peer_gone(self.dest)) is not None:
+            if self.gone is None and (gone := self.ep.verbs.peer_gone(self.dest)) is not None:
                 self.gone = gone
             if self.gone is None and self.peer.channel.replaced():  # what was in flight on the old one is lost
                 self.gone = ("the control connection to the decode side was lost and made again during the staged "
@@ -272,12 +269,12 @@ class StagedRun:
         descs, offsets = self.device_descs[wave.lo : wave.hi], self.dev_starts[wave.lo : wave.hi]
         typical = max(1, wave.nbytes // max(1, wave.hi - wave.lo))
         self.remote_free[wave.slot] = False
-        if ep._stream is not None:
-            with torch.cuda.stream(ep._stream):
+        if ep.stream is not None:
+            with torch.cuda.stream(ep.stream):
                 gather(descs, offsets, ep.staging, self.alignment, typical_bytes=typical, need=slot_lo + wave.nbytes,
                        shift=shift)
                 event = torch.cuda.Event()
-                event.record(ep._stream)
+                event.record(ep.stream)
         else:
             gather(descs, offsets, ep.staging, self.alignment, typical_bytes=typical, need=slot_lo + wave.nbytes,
                    shift=shift)
@@ -336,7 +333,7 @@ class StagedRun:
         index = wave_id - self.base_id
         if index not in self.posted:
             if error and 0 <= index < len(self.waves):  # refused before it was posted: it never will be
-                self.ep._fail(self.dest, self.result, self.waves[index].requests(self.owners),
+                self.ep.verbs.fail(self.dest, self.result, self.waves[index].requests(self.owners),
                               f"the receiver refused the wave: {error}")
             return
         wave, _ = self.posted[index]
@@ -344,7 +341,7 @@ class StagedRun:
         self._mark(index, "ack")
         self.remote_free[wave.slot] = True
         if error:
-            self.ep._fail(self.dest, self.result, wave.requests(self.owners), f"the receiver refused the wave: {error}")
+            self.ep.verbs.fail(self.dest, self.result, wave.requests(self.owners), f"the receiver refused the wave: {error}")
 
     def _post(self, wave: Wave) -> None:
         try:
@@ -360,7 +357,7 @@ class StagedRun:
             self.peer.channel.send("staged-waves", header, timeout=max(0.0, self.deadline - time.monotonic()))
         except ControlTimeout as err:
             self.gone = self.gone or str(err)
-            self.ep._fail(self.dest, self.result, list(self.result), str(err))
+            self.ep.verbs.fail(self.dest, self.result, list(self.result), str(err))
             return
         self._mark(0, "tables")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -21,16 +21,14 @@ from ..pause import Pause
 from ..readiness import LayerStreaming
 from .planned import PlannedBatch
 from .staged import StagedRun, staged_run
-
-if TYPE_CHECKING:
-    from ..prefill import PrefillEndpoint
+from .context import SendContext
 
 __all__ = ["GroupedSend", "send"]
 
 log = logging.getLogger(__name__)
 
 
-def send(ep: PrefillEndpoint, transfers: Sequence[Transfer], descs: np.ndarray, sections: Sequence[Section],
+def send(ep: SendContext, transfers: Sequence[Transfer], descs: np.ndarray, sections: Sequence[Section],
          layers: LayerStreaming, deadline: float, staged: tuple[torch.Tensor, int] | None,
          launched: tuple[torch.Tensor, int] | None = None) -> dict[Any, str | None]:
     """Move each layer group's sections once the forward pass has written the group: posted as
@@ -44,7 +42,7 @@ def send(ep: PrefillEndpoint, transfers: Sequence[Transfer], descs: np.ndarray, 
     ep.last_mode, ep.last_announcement = ("staged", "table") if staged else ("direct", None)
     grouped = GroupedSend(ep, transfers, descs, per_group, layers, deadline, staged, launched)
     grouped.run()
-    result = ep._settle(transfers, grouped.posted, deadline)
+    result = ep.verbs.settle(transfers, grouped.posted, deadline)
     if grouped.trace is not None:
         grouped.trace.append((len(per_group), "settled", time.perf_counter()))
         log.warning("layer groups (group, step, clock ms): %s",
@@ -74,7 +72,7 @@ def group_run(transfers: Sequence[Transfer], dest: int, parts: Sequence[Any], de
                         device_descs.index_select(0, index), plannable=False)
 
 
-def until_ready(ep: PrefillEndpoint, readiness, group: int, posted: list[tuple[Handle, Any]], dests: Sequence[int],
+def until_ready(ep: SendContext, readiness, group: int, posted: list[tuple[Handle, Any]], dests: Sequence[int],
                 deadline: float, queued: bool = False) -> str | None:
     """Wait (progressing what is posted; :mod:`..pause` between looks) until layer group ``group`` is
     written, or with ``queued`` until its mark is at least queued with an event to wait on
@@ -84,7 +82,7 @@ def until_ready(ep: PrefillEndpoint, readiness, group: int, posted: list[tuple[H
     while readiness.ready() <= group and (written is None or written(group) is None):
         if time.monotonic() > deadline:
             return f"layer group {group} was not written before the deadline"
-        if (gone := ep._any_peer_gone(dests)) is not None:
+        if (gone := ep.verbs.any_peer_gone(dests)) is not None:
             return gone
         for handle, _ in posted:
             if handle.state == "PROC" and ep.engine.progress(handle) != "PROC":
@@ -99,7 +97,7 @@ class GroupedSend:
     writes it (destination tables, byte offsets on the device): once it is marked, its bytes need
     only gathering and writing."""
 
-    def __init__(self, ep: PrefillEndpoint, transfers: Sequence[Transfer], descs: np.ndarray, per_group: list,
+    def __init__(self, ep: SendContext, transfers: Sequence[Transfer], descs: np.ndarray, per_group: list,
                  layers: LayerStreaming, deadline: float, staged: tuple[torch.Tensor, int] | None,
                  launched: tuple[torch.Tensor, int] | None = None):
         self.ep, self.transfers, self.descs, self.per_group = ep, transfers, descs, per_group
@@ -158,7 +156,7 @@ class GroupedSend:
             self._mark(g, "ready")
             if why is not None:  # nothing of this group or later ones goes out
                 for s in (s for later in self.per_group[g:] for s in later):
-                    ep._fail(self.transfers[s.transfer].dest, self.failed, [s.request], why)
+                    ep.verbs.fail(self.transfers[s.transfer].dest, self.failed, [s.request], why)
                 return
             if self.staged is not None:
                 # the next group's tables go out first: the receiver checks them while this group moves
