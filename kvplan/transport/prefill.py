@@ -47,39 +47,36 @@ import numpy as np
 import torch
 
 from ..errors import InputError, KvplanError, LayoutError, PeerError, PlanError
-from ..planner.device.destinations import list_entries
-from ..kernels.copy import GATHER
 from ..planner.contract.batch import Batch, Policy, SideMemory, Transfer
-from ..planner.contract.pairing import smallest_descriptor
 from ..planner.device.planner import Planner
 from ..planner.device.isolate import plan_each
-from .ahead import AheadGatherer, GatherAhead
+from .ahead import AheadGatherer
 from .control import ControlChannel, ControlTimeout
 from .copy_graphs import CopyGraphs, copy_graphs_enabled
 from .decode import engine_regions
-from .engines import Engine, Handle, is_unsafe, wait_all
+from .engines import Engine
 from .auth import checksum_key
 from .integrity import RunningSums, transfer_sums
-from .local import plan_alignment, typical_sizes, warm_up
+from .local import warm_up
 from .readiness import LayerStreaming
 from .senders import SENDERS, streamed
 from .senders.context import SendContext, SendVerbs
-from .senders.planned import LaunchAhead, PlannedBatch
+from .senders.planned import PlannedBatch
 from .handles import SendHandle
+from .prefill_ahead import AheadOfPlan
+from .prefill_failures import FailurePath
 from .prefill_messages import DecodeMessages
-from .prefill_peers import ACK_S, Peer, pairing_of
+from .prefill_warm import WarmUp
+from .prefill_peers import ACK_S, Peer
 from .progress_thread import MAX_IN_FLIGHT, ProgressThread
 from .stats import EndpointStats
 from .streams import transport_stream
-from .receiver_plan import planned_run_chunks
-from .waves import staging_ring, touch_note
 
 __all__ = ["Chunk", "MODES", "Peer", "PrefillEndpoint"]
 
 log = logging.getLogger(__name__)
 
 MODES = ("auto", "direct", "prepared", "staged")
-TOUCH_BYTES = 64 << 20  # the warm-up's write into each decode's staging share (_touch_peers)
 AUTO_MIN_DESCS, AUTO_MAX_AVG_BYTES = 64, 256 << 10
 # per decode endpoint, the requests whose lists it may have published here and not yet had sent or failed: a
 # decode holds at most its running requests' pages (SGLang's max_running_requests is in the hundreds to
@@ -103,7 +100,7 @@ class Chunk:
     aux_src: int = 0
 
 
-class PrefillEndpoint(DecodeMessages):
+class PrefillEndpoint(DecodeMessages, FailurePath, AheadOfPlan, WarmUp):
     """The sending side (see the module docstring).
 
     ``channels``: one control channel per decode endpoint (peer ``k`` is ``channels[k]``); a batch's
@@ -231,80 +228,6 @@ class PrefillEndpoint(DecodeMessages):
             channel.close()
             raise
         return k
-
-    def warm_up(self, max_transfers: int = 16, max_prompt_len: int = 8192, timeout: float = 10.0) -> dict[str, float]:
-        """Do at start-up what a first batch would otherwise pay for (measured: 250-760 ms against a
-        steady 2-5 ms), for every decode endpoint paired now and, from then on, for each one as it
-        pairs: the device planner made and every bucket of batches of up to ``max_transfers`` transfers
-        of requests of up to ``max_prompt_len`` tokens captured
-        (:meth:`~kvplan.planner.device.planner.Planner.warm_up`), the gather kernels compiled for the pairing's
-        launch shapes, the first staged run's first gather shaped to go behind its plan, and the engine's
-        connection to each decode's staging buffer opened by a write of up to 64 MiB into its share
-        (nothing of a batch is there before the first run). Call it after
-        :meth:`accept` (the decode side calls :meth:`DecodeEndpoint.warm_up` meanwhile). Returns the
-        seconds each step took.
-
-        Example::
-
-            prefill.accept(timeout=30)
-            prefill.warm_up(max_transfers=64, max_prompt_len=8192)
-        """
-        if max_transfers < 1 or max_prompt_len < 1:
-            raise ValueError(f"warm_up needs at least one transfer of one token, got {max_transfers} x {max_prompt_len}")
-        self._before_thread("warm_up")
-        self._warm_shape = (max_transfers, max_prompt_len)
-        return self._warm_peers(timeout)
-
-    def _warm_peers(self, timeout: float) -> dict[str, float]:
-        """:meth:`warm_up`'s steps for the peers paired now (none while any is still unpaired)."""
-        took: dict[str, float] = {}
-        if self._warm_shape is None or not self.peers or any(p.side is None for p in self.peers):
-            return took
-        max_transfers, max_prompt_len = self._warm_shape
-        sides = tuple(p.side for p in self.peers)
-        start = time.perf_counter()
-        compiled = typical_sizes(self.side)  # (a launch shape each)
-        alignment = self._alignment(Batch(self.side, sides, ()))
-        if self.staging is not None and self.staging.is_cuda:
-            warm_up(self.staging, alignment, compiled, kinds=(GATHER,))
-        if self.engine.capabilities.device:  # its launches' kernels, and each peer's mapping opened
-            for p in self.peers:
-                self.engine.warm_up(p.name, typical_sizes(self.side, largest=4 << 20), alignment)
-        took["kernels"] = time.perf_counter() - start
-        start = time.perf_counter()
-        self._planner(prepared=False).warm_up(max_transfers, max(list_entries(side, max_prompt_len) for side in sides))
-        took["planners"] = time.perf_counter() - start
-        if self._ahead is not None and self._ahead.typical is None:  # the first run's first wave behind its plan,
-            # in a launch shape the kernels' warm-up above compiled
-            self._ahead.typical = min(max(smallest_descriptor(self.side, sides), compiled[0]), compiled[-1])
-        start = time.perf_counter()
-        self._touch_peers(time.monotonic() + timeout)
-        took["connections"] = time.perf_counter() - start
-        log.info("prefill endpoint warmed up for %d decode endpoints: %s", len(self.peers),
-                 ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in took.items()))
-        return took
-
-    def _touch_peers(self, deadline: float) -> None:
-        """Open the engine's connection to each decode paired since the last warm-up and pay its first
-        large write: the start of this side's staging buffer written over the start of its share (up to
-        ``TOUCH_BYTES``: 64 MiB take 0.3 ms over NVLink, 30-60 ms over TCP; no run has gone there yet),
-        with a notification the decode drops (:func:`~.waves.touch_note`): the engine's first one to it.
-        On two H200s a first staged batch's write took 2.2 ms against 0.7 ms for the next ones after a
-        16-byte touch (benchmarks/RESULTS.md, "Session 27")."""
-        if self.staging is None or self.staging.numel() < 16:
-            return
-        handles = {}
-        for k, p in enumerate(self.peers):
-            if k not in self._touched and p.staging is not None and p.staging[1] >= 16 and p.name is not None \
-                    and not p.dropped:
-                self._touched.add(k)
-                nbytes = min(self.staging.numel(), p.staging[1], TOUCH_BYTES)
-                descs = np.array([[self.staging.data_ptr(), p.staging[0], nbytes]], dtype=np.uint64)
-                note = p.sealed(touch_note(self.id)) if p.notified else b""
-                handles[self.engine.post(p.name, descs, note)] = k
-        for handle, reason in wait_all(self.engine, list(handles), deadline).items():
-            if reason is not None:
-                log.warning("warm-up: the write to decode endpoint %d's staging buffer failed: %s", handles[handle], reason)
 
     def published_by_all(self, request: Any) -> bool:
         """Whether every decode endpoint that publishes ``request`` here has (:attr:`publishers`; one where
@@ -661,144 +584,3 @@ class PrefillEndpoint(DecodeMessages):
         if self.staging is None or any(p.staging is None for p in self.peers) or not self.staging.is_cuda:
             return "direct"  # (on the CPU the gather and scatter kernels run interpreted: far slower)
         return "staged" if count >= AUTO_MIN_DESCS and nbytes <= AUTO_MAX_AVG_BYTES * count else "direct"
-
-    def _peer_gone(self, peer: int) -> str | None:
-        p = self.peers[peer]
-        if p.channel.peer_gone():
-            return "the decode side is gone: its control connection was lost"
-        if p.pairing is not None and pairing_of(p.channel) != p.pairing:  # (None: a peer not paired here)
-            return ("the decode side is gone: its control connection was made again since it registered (a "
-                    "restarted process, or a connection lost and made again); what it published is dropped")
-        return None
-
-    def _any_peer_gone(self, peers: Sequence[int]) -> str | None:
-        return next((why for p in peers if (why := self._peer_gone(p)) is not None), None)
-
-    def fail(self, requests: Sequence[Any], reason: str, peer: int = 0) -> None:
-        """Tell decode endpoint ``peer`` that ``requests`` failed here before anything was sent (and
-        drop their lists): its side fails them at once instead of at their deadline. With a progress
-        thread, that thread tells it, between batches."""
-        if self._thread is not None:
-            requests = list(requests)
-            self._thread.call(lambda: self._fail_now(requests, reason, peer))
-            return
-        self._fail_now(requests, reason, peer)
-
-    def _fail_now(self, requests: Sequence[Any], reason: str, peer: int = 0) -> None:
-        for request in requests:
-            self._report(peer, request, reason)
-        self._forget_now(requests, peer)
-
-    def _report(self, peer: int, request: Any, reason: str) -> None:
-        log.warning("request %r failed: %s", request, reason)
-        try:
-            self.peers[peer].channel.send("failed", {"request": request, "reason": reason}, timeout=0.5)
-        except Exception as err:  # noqa: BLE001 - the peer may be gone; the failure is still ours to report
-            log.warning("could not tell the decode side that %r failed: %s", request, err)
-
-    def _fail(self, peer: int, result: dict[Any, str | None], requests, reason: str) -> None:
-        """Fail ``requests`` of one send with ``reason``, each reported once, except that a reason saying a
-        write could not be ended (``unsafe``) replaces an earlier one and is reported again: an ``unsafe``
-        reason is never replaced, and the decode side unfences what an earlier report fenced."""
-        for request in requests:
-            if is_unsafe(reason):  # a write into its pages may still land: never acknowledged as fenced
-                self.unsafe.add(request)
-            if result.get(request) is None or (is_unsafe(reason) and not is_unsafe(result[request])):
-                result[request] = reason
-                self._report(peer, request, reason)
-
-    # -- the senders' one completion and fencing path (.senders) ----------------------------------
-    def _settle(self, transfers: Sequence[Transfer], posted: list[tuple[Handle, Any]],
-                deadline: float) -> dict[Any, str | None]:
-        result: dict[Any, str | None] = {t.request: None for t in transfers}
-        dest_of = {handle: transfers[section.transfer].dest for handle, section in posted}
-        outcome = wait_all(self.engine, [h for h, _ in posted], deadline, give_up=lambda h: self._peer_gone(dest_of[h]))
-        # one reason per request, reported once: a write that could not be ended makes it unsafe whatever else
-        # failed (before, "the decode side is gone" replaced it, and the decode fenced pages still written)
-        reasons: dict[Any, tuple[int, str]] = {}
-        for handle, section in posted:
-            if (why := outcome[handle]) is not None:
-                dest = transfers[section.transfer].dest
-                gone = self._peer_gone(dest)
-                if is_unsafe(why):
-                    why = f"{why} ({gone})" if gone else why
-                elif gone:  # a dead receiver is the cause, whatever the engine says about a write that ended
-                    why = gone
-                if section.request not in reasons or (is_unsafe(why) and not is_unsafe(reasons[section.request][1])):
-                    reasons[section.request] = (dest, why)
-        for request, (dest, why) in reasons.items():
-            self._fail(dest, result, [request], why)
-        return result
-
-    # -- what staged runs ask of the endpoint --------------------------------------------------------
-    def _alignment(self, batch: Batch) -> int:
-        """:func:`~.local.plan_alignment` of the batch's sides (it depends on nothing else), kept per
-        pairing: a send asks for it up to three times, and it walks every entry of both sides."""
-        sides = (batch.src, *batch.dsts)
-        kept = self._alignments
-        if kept is None or len(kept[0]) != len(sides) or any(a is not b for a, b in zip(kept[0], sides)):
-            kept = self._alignments = (sides, plan_alignment(batch))
-        return kept[1]
-
-    def _ring(self, dest: int, alignment: int) -> tuple[int, int]:
-        """``(slots, slot_bytes)`` of the staging ring to peer ``dest``."""
-        return staging_ring(min(self.staging.numel(), self.peers[dest].staging[1]), self.slots, alignment)
-
-    def _staged_to_one(self, mode: str) -> bool:
-        """Whether a send in ``mode`` will likely be one staged run to a single peer (``auto``: as the
-        last send was), before its plan is seen: what is done ahead of the plan rests on it."""
-        return len(self.peers) == 1 and self.staging is not None and self.peers[0].staging is not None and \
-            (mode == "staged" or mode == "auto" and self.last_mode == "staged")
-
-    def _gather_ahead(self, pending, batch: Batch, mode: str) -> GatherAhead | None:
-        """Queue the first wave's gather behind ``pending`` when the send will likely be staged to a
-        single peer (:mod:`.ahead`); its run uses it unless the batch turns out otherwise."""
-        if self._ahead is None or not self._staged_to_one(mode):
-            return None
-        alignment = self._alignment(batch)
-        return self._ahead.queue(pending, alignment, self._ring(0, alignment)[1])
-
-    def _launch_ahead(self, pending, batch: Batch, mode: str) -> LaunchAhead | None:
-        """Queue a direct send's one launch behind ``pending``, before the host has read the plan, where
-        the engine writes from device descriptors (:attr:`~.engines.Capabilities.device`) and the batch goes
-        to one decode endpoint: the copy runs the moment the plan ends, while this thread reads the plan's
-        sections, whose handles then attach to it (:mod:`.senders.direct`). A refused plan counts 0 rows:
-        its launch writes nothing. Not for the first such send, whose descriptors' size shapes the next's
-        copy kernel (:attr:`_device_typical`)."""
-        dests = {t.dest for t in batch.transfers}
-        if not self.engine.capabilities.device or mode not in ("direct", "auto") or len(dests) != 1 or \
-                self._device_typical is None:
-            return None
-        dest = dests.pop()
-        descs, rows = pending.device_rows()
-        launch = self.engine.launch_device(self.peers[dest].name, descs, rows=rows, alignment=self._alignment(batch),
-                                           typical_bytes=self._device_typical)
-        self.launches_ahead += 1
-        return LaunchAhead(dest, launch)
-
-    def _announce_chunks(self, transfers: Sequence[Transfer], batch: Batch, mode: str, timeout: float) -> int | None:
-        """Announce a staged run's chunks to a receiver that plans it (:func:`.receiver_plan.planned_run_chunks`)
-        before this side's plan is launched, so that both plan at once; its waves follow once this
-        side's plan is seen and its first wave posted. The run's id, or ``None`` where the send will not be such a run."""
-        peer = self.peers[0]
-        if not (self.receiver_plans and transfers and self._staged_to_one(mode) and peer.plannable
-                and all(t.request in peer.planning for t in transfers)):
-            return None
-        run, self._next_run = self._next_run, self._next_run + 1
-        peer.channel.replaced()  # a connection made again before this run loses nothing of it
-        try:
-            peer.channel.send("staged-plan", planned_run_chunks(self.id, self._alignment(batch), transfers, run),
-                              timeout=timeout)
-        except ControlTimeout:
-            return None  # (then announced whole, or failed, by the staged run)
-        self.sending.times.append(("chunks", time.perf_counter()))
-        return run
-
-    def _cancel_chunks(self, run: int | None, why: str) -> None:
-        """Withdraw a run announced by its chunks that will not be sent as one (its requests are
-        failed or sent otherwise, and told so by their own messages)."""
-        if run is not None:
-            try:
-                self.peers[0].channel.send("staged-waves", {"from": self.id, "run": run, "cancel": why}, timeout=1.0)
-            except ControlTimeout:
-                log.warning("could not withdraw staged run %d from the decode side", run)

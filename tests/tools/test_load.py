@@ -101,10 +101,11 @@ def test_an_overloaded_run_refuses_the_excess_as_overload_and_every_table_drains
 
 
 def test_the_stand_in_writes_and_checks_a_turn_at_once_as_the_host_check_does_request_by_request():
-    from kvplan.tools.load import Arrival, _Pools
+    from kvplan.tools.load import Arrival
+    from kvplan.tools.load_pools import Pools
 
     config = LoadConfig(layers=2, page_size=4, token_bytes=8, prompt_max=40, rows=3)
-    pools = _Pools(config, "cpu", 3)
+    pools = Pools(config, "cpu", 3)
     arrivals = [Arrival(0, "q0", 0.0, 30, 8, 0, None), Arrival(1, "q1", 0.0, 17, 0, 0, None)]
     held = [(a, *pools.take(a.prompt_len)) for a in arrivals]
     pools.write_many([(a, row, a.prefix_len, 20) for a, row, _ in held[:1]] +  # in two turns, chunked

@@ -164,13 +164,13 @@ def test_a_malformed_announcement_is_refused_not_a_crash(decode, header):
 def test_a_landed_wave_whose_table_never_comes_is_forgotten(decode, monkeypatch):
     """The bytes' notification of a wave whose announcement was refused or lost waits a while for
     its table, then is dropped: the receiver's bookkeeping does not grow with lost waves."""
-    import kvplan.transport.decode as decode_module
+    import kvplan.transport.decode_messages as decode_messages
 
     endpoint, _, _, _ = decode
     endpoint.engine.inbox.append(wave_note(41, "p0"))
     endpoint.poll()
     assert len(endpoint._early) == 1  # kept while its table may still be on the socket
-    monkeypatch.setattr(decode_module, "EARLY_KEEP_S", 0.0)
+    monkeypatch.setattr(decode_messages, "EARLY_KEEP_S", 0.0)
     time.sleep(0.01)
     endpoint.poll()
     assert not endpoint._early
@@ -361,7 +361,7 @@ def test_what_a_sender_sent_before_its_connection_dropped_still_completes_its_re
     """A prefill that sends its last notification and exits: the decode may see the connection lost before
     it has read that notification (another socket). The loss fails the sender's requests only after
     ``GONE_GRACE_S``; what arrives meanwhile completes them, and what never arrives fails them after."""
-    import kvplan.transport.decode as decode_module
+    import kvplan.transport.decode_messages as decode_messages
 
     pool = torch.zeros(16 * PAGE_BYTES, dtype=torch.uint8)
     side = SideMemory(KVLayout(Attention.MLA, PAGE, (Entry(pool.data_ptr(), PAGE_BYTES, 16),)),
@@ -372,7 +372,7 @@ def test_what_a_sender_sent_before_its_connection_dropped_still_completes_its_re
                                          PreallocatedRequest("r2", row=2, prompt_len=8)]).result()
     endpoint.track(published, time.monotonic() + 30)
     monkeypatch.setattr(mine, "peer_gone", lambda: True)
-    monkeypatch.setattr(decode_module, "GONE_GRACE_S", 0.3)
+    monkeypatch.setattr(decode_messages, "GONE_GRACE_S", 0.3)
     endpoint.poll()  # the loss is seen; nothing fails yet
     assert endpoint.tracker.state("r1") == endpoint.tracker.state("r2") == "pending"
     endpoint.engine.inbox.append(encode_notification(Section(0, "r1", KV_ROLE, "kv", 0, 1, 2)))  # r1's last note

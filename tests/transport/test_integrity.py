@@ -9,7 +9,8 @@ import uuid
 import pytest
 
 from kvplan.planner.device.destinations import PreallocatedRequest
-from kvplan.tools.load import Arrival, LoadConfig, _Pools
+from kvplan.tools.load import Arrival, LoadConfig
+from kvplan.tools.load_pools import Pools
 from kvplan.transport.control import ControlChannel
 from tests.transport.pairing import pair as pair_channels
 from kvplan.transport.endpoints import Chunk, DecodeEndpoint, PrefillEndpoint
@@ -34,7 +35,7 @@ def keyed_pair():
 
 def _pair(secret):
     pytest.importorskip("mooncake.engine")
-    src, dst = _Pools(CONFIG, "cpu", CONFIG.rows), _Pools(CONFIG, "cpu", CONFIG.rows)
+    src, dst = Pools(CONFIG, "cpu", CONFIG.rows), Pools(CONFIG, "cpu", CONFIG.rows)
     channel = ControlChannel(host="127.0.0.1", secret=secret)
     name = uuid.uuid4().hex[:8]
     # Mooncake, not NIXL: NIXL's progress threads each spin a core for as long as their agent lives, which is

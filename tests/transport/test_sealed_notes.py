@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from kvplan.planner.device.destinations import PreallocatedRequest
-from kvplan.tools.load import Arrival, LoadConfig, _Pools
+from kvplan.tools.load import Arrival, LoadConfig
+from kvplan.tools.load_pools import Pools
 from kvplan.transport.auth import INCARNATION
 from kvplan.transport.control import ControlChannel
 from kvplan.transport.endpoints import Chunk, DecodeEndpoint, PrefillEndpoint
@@ -77,7 +78,7 @@ def test_a_counter_below_the_window_is_refused():
 @pytest.fixture(scope="module")
 def pair():
     pytest.importorskip("mooncake.engine")
-    src, dst = _Pools(CONFIG, "cpu", CONFIG.rows), _Pools(CONFIG, "cpu", CONFIG.rows)
+    src, dst = Pools(CONFIG, "cpu", CONFIG.rows), Pools(CONFIG, "cpu", CONFIG.rows)
     channel = ControlChannel(host="127.0.0.1", secret=SECRET)
     name = uuid.uuid4().hex[:8]
     decode = DecodeEndpoint(dst.side, make_engine("mooncake", f"decode-{name}", local_hostname="127.0.0.1"), channel)

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from kvplan.planner.device.destinations import PreallocatedRequest
-from kvplan.tools.load import Arrival, LoadConfig, _Pools
+from kvplan.tools.load import Arrival, LoadConfig
+from kvplan.tools.load_pools import Pools
 from kvplan.transport.control import ControlChannel
 from tests.transport.pairing import pair
 from kvplan.transport.endpoints import Chunk, DecodeEndpoint, PrefillEndpoint
@@ -31,7 +32,7 @@ def test_warm_up_opens_each_new_connection_once_and_a_batch_after_it_lands():
 
 
 def _warm_up_then_a_batch() -> None:
-    src, dst = _Pools(CONFIG, "cpu", CONFIG.rows), _Pools(CONFIG, "cpu", CONFIG.rows)
+    src, dst = Pools(CONFIG, "cpu", CONFIG.rows), Pools(CONFIG, "cpu", CONFIG.rows)
     name = uuid.uuid4().hex[:8]
     channel = ControlChannel(host="127.0.0.1")
     decode_staging, prefill_staging = torch.zeros(8192, dtype=torch.uint8), torch.zeros(4096, dtype=torch.uint8)
