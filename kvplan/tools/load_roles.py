@@ -21,7 +21,7 @@ from ..transport.control import MAX_REFUSED, ControlChannel
 from ..transport.endpoints import Chunk, DecodeEndpoint, PrefillEndpoint
 from ..transport.engines import make_engine
 from ..profiling import Profile
-from .demo import is_loopback
+from .demo_config import is_loopback
 from .load_config import Arrival, LoadConfig, compute_s, fault_at, schedule
 from .load_pools import Pools
 

@@ -73,6 +73,6 @@ def test_a_role_needs_its_address_and_refuses_the_other(capsys, monkeypatch):
                                             ("localhost", True), ("10.0.0.2", False), ("fd00::2", False),
                                             ("decode-7.cluster", False)])
 def test_the_tools_choose_ucx_s_loopback_device_only_for_a_loopback_host(host, loopback):
-    from kvplan.tools.demo import is_loopback
+    from kvplan.tools.demo_config import is_loopback
 
     assert is_loopback(host) is loopback

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -48,15 +47,16 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from ...errors import InputError, KvplanError, PeerError
+from ...errors import InputError, KvplanError
 from ...planner.contract.block_tables import token_table_from_blocks
 from ...planner.device.destinations import PreallocatedRequest
 from ...transport.decode import DecodeEndpoint
 from ...transport.engines import make_engine
-from ...transport.listener import ChannelListener, channel_via
+from ...transport.listener import ChannelListener
 from ...transport.prefill import Chunk, PrefillEndpoint
 from .counters import counted, interval_counts
 from .groups import KVGroup
+from .decode_pairing import HANDSHAKE_S, REGISTER_S, DecodePairing, Pairing
 from .kv_caches import BlockView
 from .scheduler import ReceiveRequest, SchedulerStep, SendRequest
 from .settings import Settings
@@ -71,10 +71,6 @@ FINISHED_GRACE = 16  # results calls a finished id that is no send here is kept 
 # batches a prefill worker keeps moving at once (below its endpoint's max_in_flight, which would refuse more with
 # "overload"); requests ready meanwhile go together in the next batch
 MOVING_MAX = 2
-HANDSHAKE_S = 5.0  # how long a prefill may take to answer a decode's request for a channel, and to pair on it
-# how long a decode that asked for a channel may take to register on it (its memory is registered before it asks,
-# but its thread shares the interpreter with a model runner that may be compiling kernels on a cold start)
-REGISTER_S = 30.0
 
 
 @dataclass
@@ -121,30 +117,7 @@ class _Receiving:
     failed: str | None = None  # why, once it failed (it is reported once fenced)
 
 
-class _Pairing:
-    """A decode endpoint made and paired with a prefill's ranks on a thread of its own, off the step's
-    path: the requests that wait for it (published once it is paired, failed if it cannot be) and the
-    prefill requests to tell that their decode needs none of them."""
-
-    def __init__(self, make: Any):
-        self.waiting: list[tuple[str, ReceiveRequest, int]] = []  # (request id, what vLLM said, its planning row)
-        self.none_needed: list[str] = []  # the prefill's request ids whose decode needs none of their blocks
-        self.endpoint: DecodeEndpoint | None = None
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(make,), name="kvplan-vllm-pairing", daemon=True)
-        self.thread.start()
-
-    def _run(self, make: Any) -> None:
-        try:
-            self.endpoint = make()
-        except Exception as err:  # noqa: BLE001 - the step that takes it fails its requests with the reason
-            self.error = err
-
-    def done(self) -> bool:
-        return not self.thread.is_alive()
-
-
-class ConnectorWorker:
+class ConnectorWorker(DecodePairing):
     """One TP rank's worker side (see the module docstring)."""
 
     def __init__(self, settings: Settings, engine_id: str, tp_rank: int, tp_size: int, block_size: int,
@@ -174,7 +147,7 @@ class ConnectorWorker:
         self._unreachable: dict[tuple[str, int], tuple[float, str]] = {}  # a prefill that did not answer: until, why
         self._load_errors: set[int] = set()
         self._unpublished: list[tuple[str, list[int]]] = []  # requests refused before publication, and their blocks
-        self._pairings: dict[tuple[str, int, tuple[int, ...]], _Pairing] = {}  # decode endpoints being paired
+        self._pairings: dict[tuple[str, int, tuple[int, ...]], Pairing] = {}  # decode endpoints being paired
         self._reported: dict[str, Any] | None = None  # the counters as the last interval_stats saw them
 
     # -- registration ---------------------------------------------------------------------------------
@@ -491,88 +464,6 @@ class ConnectorWorker:
                        peer=list(range(len(ranks))), publishers=max(1, self.tp_size // self._prefill_tp(receive)))
         self._receiving[receive.remote_request_id] = _Receiving(request_id, row, list(receive.block_ids[self.full_group]),
                                                                 decode)
-
-    def _key(self, receive: ReceiveRequest) -> tuple[str, int, tuple[int, ...]]:
-        return (receive.remote_host, int(receive.remote_port), self._prefill_ranks(receive))
-
-    @staticmethod
-    def _none_needed(decode: DecodeEndpoint, remote: str) -> None:
-        for channel in decode.channels:
-            try:
-                channel.send("abort", {"request": remote, "reason": "the decode needs none of it"}, timeout=0.1)
-            except KvplanError as err:  # (its prefill frees them at its own deadline)
-                log.warning("request %s: could not tell its prefill that no block of it is needed: %s", remote, err)
-
-    def _connect(self, host: str, port: int, ranks: tuple[int, ...]) -> DecodeEndpoint | None:
-        """The decode endpoint paired with ranks ``ranks`` of the prefill listening at ``host:port`` (rank
-        ``r`` at ``port + r``): one per prefill rank, or per group of ranks gathered from, each with its
-        engine and its staging buffer (a staged run lands in its own). ``None`` while it is being paired
-        (on a thread of its own: :class:`_Pairing`); raises :class:`PeerError` for a prefill that did
-        not answer a moment ago."""
-        key = (host, int(port), ranks)
-        if key in self.decodes:
-            return self.decodes[key]
-        until, reason = self._unreachable.get(key, (0.0, ""))
-        if time.monotonic() < until:  # (its other requests of the moment fail at once, not one wait each)
-            raise PeerError(reason)
-        if key not in self._pairings:
-            self._pairings[key] = _Pairing(lambda: self._pair(host, port, ranks))
-        return None
-
-    def _take_pairings(self) -> None:
-        """Take each pairing that ended: publish its waiting requests, or fail them with the reason."""
-        for key, pairing in [(k, p) for k, p in self._pairings.items() if p.done()]:
-            del self._pairings[key]
-            if pairing.endpoint is None:
-                reason = str(pairing.error) if isinstance(pairing.error, KvplanError) else \
-                    f"{type(pairing.error).__name__}: {pairing.error}"
-                self._unreachable[key] = (time.monotonic() + HANDSHAKE_S, reason)
-                for request_id, receive, row in pairing.waiting:
-                    self._recv_rows.give(row)
-                    self._recv_maps.release(receive.remote_request_id)
-                    self._fail_unpublished(request_id, receive, f"PeerError: {reason}")
-                continue
-            self.decodes[key] = pairing.endpoint
-            for remote in pairing.none_needed:
-                self._none_needed(pairing.endpoint, remote)
-            for request_id, receive, row in pairing.waiting:
-                try:
-                    self._publish_to(pairing.endpoint, request_id, receive, row)
-                except KvplanError as err:
-                    self._recv_rows.give(row)
-                    self._recv_maps.release(receive.remote_request_id)
-                    self._fail_unpublished(request_id, receive, f"{type(err).__name__}: {err}")
-
-    def _pair(self, host: str, port: int, ranks: tuple[int, ...]) -> DecodeEndpoint:
-        """Make the decode endpoint of :meth:`_connect` and pair it (on its pairing's thread): its engine made
-        and its memory registered first (seconds on a cold device), then a channel asked of each prefill
-        rank, on which it registers at once (each listener closes a channel that waits past its bound)."""
-        start = time.perf_counter()
-        decode = DecodeEndpoint(self.view.side(self._recv_table, self.tp_size, self.tp_rank, self._recv_maps.maps),
-                                self._engine("receive"), [], staging=self._staging(), compat=self.view.word,
-                                senders=len(ranks))
-        channels = []
-        try:
-            try:
-                for rank in ranks:
-                    channels.append(channel_via(host, int(port) + rank, timeout=HANDSHAKE_S,
-                                                secret=self.settings.secret()))
-            except KvplanError as err:
-                raise PeerError(f"the prefill at {host}:{int(port) + rank} did not answer: {err}") from None
-            decode.attach_channels(channels)
-            decode.register(timeout=HANDSHAKE_S)
-            made = time.perf_counter()
-            if self.settings.warm_up:  # (waits for the pairing: the prefill is stepping, it has this request to send)
-                decode.warm_up(**self.settings.warm_up, timeout=HANDSHAKE_S)
-        except BaseException:
-            for channel in channels:
-                channel.close()
-            self._engines.remove(decode.engine)  # (its registrations and staging buffer go with it: a pairing
-            decode.engine.close()                # tried again makes new ones)
-            raise
-        log.info("rank %d paired with prefill ranks %s at %s:%d: endpoint %.1f ms, warm-up %.1f ms", self.tp_rank,
-                 list(ranks), host, int(port), (made - start) * 1e3, (time.perf_counter() - made) * 1e3)
-        return decode
 
     def _progress_receives(self) -> tuple[set[str], set[str]]:
         for decode in self.decodes.values():
