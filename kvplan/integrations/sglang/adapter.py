@@ -71,7 +71,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -84,26 +84,25 @@ from sglang.srt.disaggregation.base.conn import (
 )
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
-from ...errors import InputError, KvplanError, LayoutError, PeerError
-from ...planner.contract.block_tables import token_table_from_blocks
-from ...planner.device.destinations import PublishedRequest
+from ...errors import KvplanError, LayoutError, PeerError
 from ...planner.contract.batch import SideMemory
-from ...planner.contract.plan import DestinationLists
 from ...planner.contract.state_kinds import RULES, rules_of
-from ...transport.listener import ChannelListener, channel_via
-from ...transport.decode import DecodeEndpoint, engine_regions
+from ...transport.listener import ChannelListener
+from ...transport.decode import DecodeEndpoint
 from ...transport.engines import TransferError, make_engine
+from .decode_manager import DecodeManager
+from .inputs import ids, state_lists
 from .mooncake_settings import mooncake_settings
-from ...transport.prefill import Chunk, PrefillEndpoint
+from .prefill_manager import PrefillManager
+from ...transport.prefill import PrefillEndpoint
 from .decode_link import DecodeRankLink
 from .decode_ranks import DecodeRanks
-from .bootstrap import BootstrapNotReady, RankRoute, prefill_layout, prefill_rank, register_rank
-from .engine_identity import identity
+from .bootstrap import RankRoute, register_rank
 from .kv_args import side_from_kv_args, side_from_registration, state_from_kv_args
 from .node import attention_tp, bootstrap_host, context_parallel, node_address, parallel_place, server_arg
 from .rank_link import PrefillRankLink
 from .settings import Settings
-from .wire import BACKENDS, KV_POLL_STATES, Registration, TransferRequest
+from .wire import BACKENDS
 
 __all__ = ["KVManager", "KVReceiver", "KVSender", "TransferFailed"]
 
@@ -113,9 +112,6 @@ DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's --disaggregation-bootstrap-port defaul
 DEFAULT_CONTEXT = 1 << 17  # planning-table width without a context_length server arg (tokens)
 # the state kinds whose lists SGLang starts at the decode prefix (StateComponent.from_prefix)
 _FROM_PREFIX_KINDS = frozenset(kind.value for kind, rules in RULES.items() if rules.starts_at_prefix)
-# batches a prefill manager keeps moving at once (below its endpoint's max_in_flight, which would refuse more
-# with "overload"): sends handed over while both move wait for the next flush and go together, one larger batch
-MOVING_MAX = 2
 HANDSHAKE_S = 5.0  # how long a new decode manager may take to register once it has its channel
 RETRY_S = 0.2  # between two tries of a bootstrap server that is not up yet
 
@@ -130,7 +126,7 @@ def _planning_device() -> torch.device:
     return torch.device("cpu")
 
 
-class KVManager(BaseKVManager):
+class KVManager(PrefillManager, DecodeManager, BaseKVManager):
     """One side's kvplan endpoint under SGLang's ``BaseKVManager`` (see the module docstring).
 
     SGLang's server args read (each with a default): ``disaggregation_transfer_backend`` (``"nixl"`` or
@@ -373,24 +369,6 @@ class KVManager(BaseKVManager):
     def paired(self) -> bool:
         return self.prefill is not None and any(p.side is not None for p in self.prefill.peers)
 
-    def has_lists(self, room: int) -> bool:
-        """Whether ``room`` may go: every decode rank it is spread over here has published its lists (a
-        decode of a larger attention TP publishes each room from several ranks this one serves)."""
-        return (bool(self._peers_of(room)) and self.prefill.published_by_all(room)) or self._dummy(room)
-
-    def _dummy(self, room: int) -> bool:
-        """Whether only SGLang's dummy decode ranks asked for ``room``: nothing of it goes from here."""
-        return self.ranks is not None and room in self.ranks.dummies
-
-    def _peers_of(self, room: int) -> list[int]:
-        """The decode sides (peer indices) that published ``room``'s lists: one decode manager, or with
-        SGLang's protocol each decode rank the decode's TP spreads the request over."""
-        return [k for k, p in enumerate(self.prefill.peers) if room in p.lists]
-
-    def enqueue(self, sender: "KVSender", pages: np.ndarray, state: tuple[np.ndarray, ...] | None,
-                tokens: int) -> None:
-        self._pending.append((sender, pages, state, tokens))
-
     def progress(self) -> None:
         """Take in new decode managers, registrations and destination lists (prefill), or
         notifications (decode). A decode side that cannot pair is refused; while no decode side is
@@ -419,208 +397,6 @@ class KVManager(BaseKVManager):
                 self._settle(room, KVPoll.Failed, f"the decode side aborted it: {reason}")
         elif self.decode is not None:
             self.decode.poll()
-
-    def flush(self) -> None:
-        """Plan every ``send`` since the last flush as one kvplan batch and move it. A step that
-        cannot be laid out fails every send of it, on both sides; nothing of it is sent."""
-        if self.ranks is None and len(self._moving) >= MOVING_MAX:
-            self._take_completed()
-            if len(self._moving) >= MOVING_MAX:
-                return  # (what was handed over meanwhile goes together in the next batch)
-        pending, self._pending = self._pending, []
-        pending = [x for x in pending if self.status.get(x[0].room) != KVPoll.Failed]  # aborted or failed: unsent
-        for sender, pages, _, _ in [x for x in pending if self._dummy(x[0].room)]:
-            sender.pages_sent += len(pages)  # as SGLang's prefill does for a dummy: it succeeds unsent
-            if sender.pages_sent >= sender.num_pages:
-                self._settle(sender.room, KVPoll.Success)
-        pending = [x for x in pending if not self._dummy(x[0].room)]
-        if len(pending) < self.table.shape[0]:  # (a step too large for the table fails whole, in _chunks)
-            for sender, *_ in [x for x in pending if not self._peers_of(x[0].room)]:  # its decode side went away
-                self._settle(sender.room, KVPoll.Failed, "the decode side is gone: its lists were dropped")
-            pending = [x for x in pending if self._peers_of(x[0].room)]
-        if not pending:
-            return
-        try:
-            chunks = self._chunks(pending)
-        except KvplanError as err:
-            reason = f"{type(err).__name__}: {err}"
-            for sender, *_ in pending:
-                self._settle(sender.room, KVPoll.Failed, reason)
-            by_peer: dict[int, list[int]] = {}
-            for sender, *_ in pending:
-                for k in self._peers_of(sender.room):
-                    if sender.room not in by_peer.get(k, []):
-                        by_peer.setdefault(k, []).append(sender.room)
-            for k, rooms in by_peer.items():
-                self.prefill.fail(rooms, reason, peer=k)
-            return
-        if not chunks:
-            return
-        if self.ranks is not None:  # (SGLang's protocol: on this thread, see __init__)
-            try:
-                self._settle_sent(chunks, self.prefill.send(chunks, mode=self.transfer_mode, timeout=self.timeout))
-            except KvplanError as err:
-                self._settle_sent(chunks, {t.request: f"{type(err).__name__}: {err}" for t in chunks})
-            return
-        handle = self.prefill.submit(chunks, mode=self.transfer_mode, timeout=self.timeout)
-        self._moving[handle] = (chunks, {t.src_row for t in chunks})
-        self._take_completed()
-
-    def _take_completed(self) -> None:
-        """Settle the requests of every submitted batch that ended (never waits)."""
-        for handle in self.prefill.completed():
-            chunks, _ = self._moving.pop(handle, ([], set()))
-            try:
-                results = handle.result(timeout=0)
-            except KvplanError as err:  # a batch that does not plan is refused whole
-                results = {t.request: f"{type(err).__name__}: {err}" for t in chunks}
-            self._settle_sent(chunks, results)
-
-    def _settle_sent(self, chunks: list, results: dict) -> None:
-        """Settle a batch's requests from its results (per request ``None`` or the reason)."""
-        for request in dict.fromkeys(t.request for t in chunks):  # (a request's chunk may go to several ranks)
-            reason = results.get(request)
-            if reason is not None:
-                self._settle(request, KVPoll.Failed, reason)
-            elif any(t.last for t in chunks if t.request == request):
-                self._settle(request, KVPoll.Success)
-                self.prefill.forget([request])
-
-    def _busy_rows(self) -> set[int]:
-        """The planning rows that submitted batches still hold."""
-        return set().union(*(rows for _, rows in self._moving.values())) if self._moving else set()
-
-    def _chunks(self, pending: list[tuple["KVSender", np.ndarray, tuple[np.ndarray, ...] | None, int]]) -> list:
-        """The step's transfers, with their requests' pages written into the planning table and, for a
-        last chunk, its state lists into the components' maps."""
-        ps, endpoint = self.page_size, self.prefill
-        if len(pending) >= self.table.shape[0]:
-            raise LayoutError(f"{len(pending)} sends in one step; the planning table has "
-                              f"{self.table.shape[0] - 1} rows (server arg max_running_requests)")
-        # SGLang hands page ids: a block table (one row per send), expanded into token slots on the
-        # planning device (kvplan.planner.contract.block_tables). A row holds every page of its request so far:
-        # an SWA window reaches back into earlier chunks.
-        rows = self._rows(pending)
-        waiting = {x[0].room for x, row in zip(pending, rows) if row is None}
-        if waiting:  # its row is held by a batch still moving (or none is free): it goes with a later flush
-            self._pending = [x for x in pending if x[0].room in waiting] + self._pending
-            kept = [(r, x) for r, x in zip(rows, pending) if x[0].room not in waiting]
-            if not kept:
-                return []
-            rows, pending = (list(t) for t in zip(*kept))
-        chunks, blocks = [], np.zeros((len(rows), self.table.shape[1] // ps), np.int32)
-        by_row = np.zeros((len(self.maps), len(rows)), np.int64)
-        by_slot: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in self.maps]
-        for i, (row, (sender, pages, state, tokens)) in enumerate(zip(rows, pending)):
-            peers = self._peers_of(sender.room)
-            published = endpoint.peers[peers[0]].lists.get(sender.room) if peers else None
-            if published is None:  # aborted on the progress thread a moment ago: nothing of it goes (read next poll)
-                continue
-            prefix = published[2]
-            first = prefix // ps + sender.pages_sent
-            if first + len(pages) > blocks.shape[1]:
-                raise LayoutError(f"request {sender.room}: {(first + len(pages)) * ps} tokens exceed the planning "
-                                  f"table's {self.table.shape[1]} (server arg context_length)")
-            held = np.concatenate(sender.pages + [pages])
-            if len(held) != sender.pages_sent + len(pages):  # never, unless an earlier step broke off midway
-                raise InputError(sender.room, f"{len(held)} pages handed over so far, {sender.pages_sent + len(pages)} "
-                                              "counted: its earlier chunks were not all laid out")
-            sender.pages.append(pages)
-            blocks[i, prefix // ps : first + len(pages)] = held
-            sender.pages_sent += len(pages)
-            last = sender.pages_sent >= sender.num_pages
-            end = (first + len(pages)) * ps
-            if last:  # the request's true length (SGLang's num_kv_tokens), inside its last page
-                sender.tokens_sent += tokens
-                end = prefix + sender.tokens_sent
-                if not (first + len(pages) - 1) * ps < end <= (first + len(pages)) * ps:
-                    raise InputError(sender.room, f"{sender.tokens_sent} tokens after a decode prefix of {prefix} do "
-                                                  f"not end in its last page ({sender.num_pages} pages of {ps})")
-                if self.maps:  # the components' lists come with the last chunk
-                    self._state_inputs(sender.room, row, i, prefix, end, held, state, by_row, by_slot)
-            else:
-                sender.tokens_sent += len(pages) * ps
-            prompt = end if last else prefix + sender.num_pages * ps
-            chunk = Chunk(sender.room, row, first * ps, end, prompt, last, sender.aux_index)
-            chunks += [endpoint.transfer(chunk, peer=k) for k in peers]
-        # only this step's rows are written (rows of batches still moving are being planned from)
-        at = torch.tensor(list(rows), dtype=torch.int64).to(self.device)
-        tokens = token_table_from_blocks(torch.from_numpy(blocks).to(self.device), ps)
-        self.table[at] = torch.nn.functional.pad(tokens, (0, self.table.shape[1] - tokens.shape[1]))
-        for c, slot_map in enumerate(self.maps):
-            if slot_map is not None and rules_of(self.prefill.side.state[c].kind).map_by_row:
-                slot_map[at] = torch.from_numpy(by_row[c]).to(self.device)
-            elif slot_map is not None and by_slot[c]:
-                slots_at, values = (np.concatenate(x) for x in zip(*by_slot[c]))
-                slot_map[torch.from_numpy(slots_at).to(self.device)] = torch.from_numpy(values).to(self.device)
-        return chunks
-
-    def _rows(self, pending: list[tuple["KVSender", np.ndarray, tuple[np.ndarray, ...] | None, int]]) -> list[int | None]:
-        """Each send's planning row: a last chunk with ring rows takes the row they are of (SGLang's
-        request-pool row, ``ids[0] // R``: kvplan's ring formula reads the planning row); the other
-        sends take the first free rows from 1. A row that a batch still moving holds is not free:
-        a send that needs it (or finds none free) gets ``None`` and waits for a later flush."""
-        comps = self.prefill.side.state
-        rings = [c for c, comp in enumerate(comps) if rules_of(comp.kind).needs_ring]
-        fixed: dict[int, int] = {}
-        for k, (sender, pages, state, _) in enumerate(pending):
-            last = sender.pages_sent + len(pages) >= sender.num_pages
-            if not rings or not last or state is None or len(state) != len(comps) or not len(state[rings[0]]):
-                continue  # a missing list is reported with the request's other state checks
-            row = int(state[rings[0]][0]) // comps[rings[0]].ring_size
-            if not 0 <= row < self.table.shape[0]:
-                raise InputError(sender.room, f"its ring rows are of request-pool row {row}; the planning table has "
-                                              f"{self.table.shape[0]} rows (server arg max_running_requests)")
-            if row in fixed.values():
-                raise InputError(sender.room, f"its ring rows are of request-pool row {row}, as another request's "
-                                              "in this step")
-            fixed[k] = row
-        busy = self._busy_rows()
-        free = (r for r in range(1, self.table.shape[0]) if r not in fixed.values() and r not in busy)
-        return [(None if fixed[k] in busy else fixed[k]) if k in fixed else next(free, None) for k in range(len(pending))]
-
-    def _state_inputs(self, room: int, row: int, i: int, prefix: int, end: int, held: np.ndarray,
-                      state: tuple[np.ndarray, ...] | None, by_row: np.ndarray, by_slot: list) -> None:
-        """Map a last chunk's state lists (one per component, as SGLang computed them) onto kvplan's
-        planning inputs, or raise InputError naming the request (see the module docstring)."""
-        comps, ps = self.prefill.side.state, self.page_size
-        for c, ids in enumerate(_state_lists_of(room, state, comps)):
-            comp, rules = comps[c], rules_of(comps[c].kind)
-            if rules.map_by_row:
-                by_row[c, i] = int(ids[0])
-            elif rules.needs_ring:  # kvplan's formula over the request's row (_rows placed it there)
-                rows = row * comp.ring_size + np.arange(max(0, end - comp.window), end) % comp.ring_size
-                if not np.array_equal(ids, rows):
-                    raise InputError(room, f"state component {comp.name!r}: SGLang's ring rows {ids[:8].tolist()}... "
-                                           f"are not the last {comp.window} positions' rows of request-pool row "
-                                           f"{row} {rows[:8].tolist()}...")
-            elif prefix and rules.paged and not comp.from_prefix:  # the planning row holds no prefix pages
-                raise InputError(room, f"state component {comp.name!r}: with a decode prefix ({prefix} tokens) SGLang "
-                                       f"starts its {comp.kind.value} list at the prefix; this component was declared "
-                                       "with from_prefix=False (planning.md §6)")
-            elif rules.needs_map:  # the window's last pages, translated: into the token slot map
-                if len(ids) > len(held):
-                    raise InputError(room, f"state component {comp.name!r}: {len(ids)} window pages for a request "
-                                           f"of {len(held)} pages")
-                start = rules.list_start(comp, comp.pages_of(ps), end, prefix)
-                if len(ids) != -(-(end - start) // ps):  # else kvplan's window would read another request's map
-                    raise InputError(room, f"state component {comp.name!r}: {len(ids)} window pages where a window of "
-                                           f"{comp.window} tokens over {end} holds {-(-(end - start) // ps)} "
-                                           "(kvplan_state_params gives the window)")
-                lane = np.arange(ps, dtype=np.int64)
-                by_slot[c].append(((held[len(held) - len(ids):, None].astype(np.int64) * ps + lane).reshape(-1),
-                                   (ids[:, None] * ps + lane).reshape(-1)))
-            elif not np.array_equal(ids, held):  # kvplan lists the request's own pages
-                raise InputError(room, f"state component {comp.name!r}: SGLang's {comp.kind.value} list "
-                                       f"{ids[:8].tolist()}... is not the request's pages {held[:8].tolist()}...")
-
-    def decode_prefix_len(self, room: int) -> int:
-        """The decode side's cached prefix for ``room`` (tokens it already holds), from its lists; 0 before
-        they arrived."""
-        if self.mode is not DisaggregationMode.PREFILL or self.prefill is None:
-            return 0
-        peers = self._peers_of(room)
-        return int(self.prefill.peers[peers[0]].lists[room][2]) if peers else 0
 
     def abort_room(self, room: int, reason: str) -> None:
         """Fail ``room`` on this side and tell its peers: a prefill drops its unsent chunks and tells each
@@ -665,206 +441,6 @@ class KVManager(BaseKVManager):
     def connected(self) -> bool:
         return self.decode is not None or self.link is not None
 
-    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
-        """SGLang's decode asks this before it resolves a request's prefill DP rank: the prefill's
-        parallel layout at ``bootstrap_addr``, fetched once from SGLang's bootstrap server (one try, never
-        blocking past its timeout) into :attr:`prefill_info_table`; False while the server or some
-        prefill rank is not up yet (SGLang tries again). With ``KVPLAN_BOOTSTRAP=direct`` there is no
-        bootstrap server: one prefill rank, reached at that address."""
-        if bootstrap_addr in self.prefill_info_table:
-            return True
-        from sglang.srt.disaggregation.common.conn import PrefillServerInfo
-
-        if self.protocol == "kvplan" and self.settings.bootstrap == "direct":
-            self.prefill_info_table[bootstrap_addr] = PrefillServerInfo(
-                attn_tp_size=self.attn_tp_size, attn_cp_size=1, dp_size=1, pp_size=1, page_size=self.page_size,
-                kv_cache_dtype=None, follow_bootstrap_room=True)
-            return True
-        host, port = _host_port(bootstrap_addr)
-        try:
-            layout = prefill_layout(host, port, timeout=min(5.0, self.timeout))
-        except KvplanError as err:
-            level = logging.DEBUG if isinstance(err, BootstrapNotReady) else logging.WARNING
-            log.log(level, "the prefill's layout at %s is not known yet: %s", bootstrap_addr, err)
-            return False
-        self.prefill_info_table[bootstrap_addr] = PrefillServerInfo(
-            attn_tp_size=layout.attn_tp_size, attn_cp_size=layout.attn_cp_size, dp_size=layout.dp_size,
-            pp_size=layout.pp_size, page_size=layout.page_size, kv_cache_dtype=layout.kv_cache_dtype,
-            follow_bootstrap_room=layout.follow_bootstrap_room,
-            enable_dsa_cache_layer_split=layout.enable_dsa_cache_layer_split, kv_layout=layout.kv_layout,
-            decode_allocation_policy=layout.decode_allocation_policy,
-            enable_kv_cache_sharding=layout.enable_kv_cache_sharding, prefill_http_port=layout.prefill_http_port)
-        return True
-
-    def _target_tp_rank(self, prefill_tp: int) -> int:
-        """The prefill attention-TP rank that holds this decode rank's part (one rank: docs/sglang.md)."""
-        mine, rank = self.attn_tp_size, self.attn_tp_rank
-        if mine >= prefill_tp and mine % prefill_tp == 0:
-            return rank // (mine // prefill_tp)
-        if self.is_mla and prefill_tp % mine == 0:  # MLA's KV is whole on every prefill rank: one of them
-            return rank * (prefill_tp // mine)
-        raise LayoutError(f"decode attention TP {mine} rank {rank} takes its heads from several prefill ranks of TP "
-                          f"{prefill_tp}; the adapter pairs a decode rank with one prefill rank (decode TP a "
-                          "multiple of prefill TP, or MLA)")
-
-    def connect(self, bootstrap_addr: str, prefill_dp_rank: int = 0) -> int:
-        """Find the prefill rank that serves this decode rank and pair with it (once per rank): through
-        SGLang's bootstrap server (its parallel layout, then the rank's control socket), or at the address
-        itself with ``KVPLAN_BOOTSTRAP=direct``; with SGLang's protocol, register with SGLang's prefill.
-        Returns the prefill rank's peer index."""
-        host, port = _host_port(bootstrap_addr)
-        if self.protocol == "sglang":
-            if self.link is None:
-                self._connect_sglang(host, port)
-                self.bootstrap_addr = bootstrap_addr
-            elif bootstrap_addr != self.bootstrap_addr:
-                raise LayoutError(f"with SGLang's protocol this decode manager is paired with {self.bootstrap_addr}; "
-                                  f"one prefill per decode manager, not also {bootstrap_addr}")
-            return 0
-        if self.settings.bootstrap == "direct":  # kvplan's listener is the bootstrap port itself
-            rank_addr = (host, port)
-        else:
-            if not self.try_ensure_parallel_info(bootstrap_addr):
-                raise PeerError(f"the prefill's layout at {bootstrap_addr} is not known (SGLang's bootstrap server)")
-            info = self.prefill_info_table[bootstrap_addr]
-            rank_addr = prefill_rank(host, port, tp_rank=self._target_tp_rank(int(info.attn_tp_size)),
-                                     dp_rank=int(prefill_dp_rank), timeout=min(5.0, self.timeout))
-        if rank_addr in self._senders:
-            return self._senders[rank_addr]
-        publishers = 1
-        if self.settings.bootstrap != "direct":  # a larger decode TP: each prefill rank serves mine / its ranks
-            prefill_tp, mine = int(self.prefill_info_table[bootstrap_addr].attn_tp_size), self.attn_tp_size
-            publishers = mine // prefill_tp if mine > prefill_tp and mine % prefill_tp == 0 else 1
-        channel = channel_via(*rank_addr, timeout=self.timeout, secret=self.settings.secret())
-        if self.decode is None:
-            self.decode = DecodeEndpoint(self.side, self.engine, channel, integrity=self.settings.integrity)
-            self.decode.register(timeout=self.timeout)
-            peer = 0
-        else:
-            peer = self.decode.add_sender(channel, self.timeout)
-        self._senders[rank_addr] = peer
-        self._publishers[peer] = publishers
-        self.bootstrap_addr = self.bootstrap_addr or bootstrap_addr
-        return peer
-
-    def _connect_sglang(self, host: str, port: int) -> None:
-        """Register this side's buffers with the engine and its layout with SGLang's prefill rank."""
-        backend, args = self.engine_kind, self.kv_args
-        if not self._registered:  # first: NIXL's metadata carries the registrations
-            self.engine.register(engine_regions(self.side))
-            self._registered = True
-        named = identity(self.engine, backend, len(args.kv_data_ptrs))
-        link = DecodeRankLink(named.pop("session_id"), rank_ip=self.host, backend=backend)
-        try:
-            slots = min((int(n) // int(i) for n, i in zip(args.kv_data_lens, args.kv_item_lens)), default=0)
-            reg = Registration(endpoint="", port=0, session_id="", kv_ptrs=tuple(args.kv_data_ptrs),
-                               kv_item_lens=tuple(args.kv_item_lens), aux_ptrs=tuple(args.aux_data_ptrs),
-                               tp_rank=int(args.engine_rank), attn_tp_size=self.attn_tp_size,
-                               state_ptrs=_nested(getattr(args, "state_data_ptrs", None)),
-                               state_item_lens=_nested(getattr(args, "state_item_lens", None)),
-                               state_dim_per_tensor=_nested(getattr(args, "state_dim_per_tensor", None)),
-                               kv_layer_ids=tuple(getattr(args, "kv_layer_ids", None) or ()),
-                               state_layer_ids=_nested(getattr(args, "state_layer_ids", None)), num_slots=slots,
-                               state_data_lens=_nested(getattr(args, "state_data_lens", None)), **named)
-            link.connect(host, port, reg, page_size=self.page_size, timeout=self.timeout,
-                         kv_cache_dtype=str(getattr(args, "kv_cache_dtype_str", None) or "auto"))
-        except BaseException:
-            link.close()
-            raise
-        self.link = link
-
-    def publish(self, room: int, pages: np.ndarray, aux_index: int, prefix_len: int,
-                state: tuple[np.ndarray, ...] | None = None, peer: int = 0) -> None:
-        lists = _state_lists_of(room, state, self.side.state) if self.side.state else ()
-        if self.link is not None:  # SGLang's prefill writes them itself; its status settles the room
-            self.link.ask(TransferRequest(room, "", 0, "", pages.astype(np.int32), int(aux_index),
-                                          tuple(tuple(int(i) for i in ids) for ids in lists),
-                                          decode_prefix_len=prefix_len), timeout=self.timeout)
-            self._asked[room] = time.monotonic() + self.timeout
-            return
-        published = PublishedRequest(room, DestinationLists(pages.astype(np.int64), lists), int(aux_index),
-                                     tuple(c.name for c in self.side.state), bool(self.side.aux))
-        self.decode.track([published], time.monotonic() + self.timeout, peer=peer)
-        self._room_peer[room] = peer
-        self.decode.channels[peer].send("request", {"request": room, "prompt_len": prefix_len + len(pages) *
-                                                    self.page_size, "prefix_len": prefix_len,
-                                                    "publishers": self._publishers.get(peer, 1)}, published.message(),
-                                        timeout=self.timeout)
-
-    def decode_state(self, room: int) -> int:
-        if self.link is not None:
-            return self._sglang_state(room)
-        tracker = self.decode.tracker
-        state = tracker.state(room) if room in tracker else None
-        if state == "complete":
-            self._settle(room, KVPoll.Success)
-        elif state == "failed":
-            self._settle(room, KVPoll.Failed, tracker.failure(room) or "failed")
-        if state in ("complete", "failed"):
-            tracker.forget(room)
-            self.decode.guard.forget(room)
-        return self.status.get(room, KVPoll.Transferring)
-
-
-    def _sglang_state(self, room: int) -> int:
-        """A room's state from SGLang's prefill's status messages, failed once its deadline passes."""
-        for msg in self.link.poll():
-            if msg.status == KVPoll.Success:
-                self._settle(msg.room, KVPoll.Success)
-            elif msg.status == KVPoll.Failed:
-                self._settle(msg.room, KVPoll.Failed, msg.reason or "the prefill reported it failed")
-            else:
-                log.debug("request %s: the prefill reports %s", msg.room, KV_POLL_STATES[msg.status])
-            if msg.status in (KVPoll.Success, KVPoll.Failed):
-                self._asked.pop(msg.room, None)
-        if room in self._asked and time.monotonic() > self._asked[room]:
-            self._asked.pop(room)
-            reason = f"no status from the prefill within {self.timeout} s"
-            try:  # its pages may be reused once the prefill acknowledges (self.link.acked)
-                self.link.abort(room)
-            except KvplanError as err:
-                reason += f"; the abort could not be sent: {err}"
-            self._settle(room, KVPoll.Failed, reason)
-        return self.status.get(room, KVPoll.Transferring)
-
-
-def _host_port(address: str) -> tuple[str, int]:
-    """``host:port`` (``[v6]:port`` too) as ``(host, port)``; a clear error for anything else."""
-    host, _, port = str(address).rpartition(":")
-    if not host or not port.isdigit():
-        raise LayoutError(f"{address!r} is not a host:port address")
-    return host.strip("[]"), int(port)
-
-
-def _nested(values: Any) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(int(v) for v in inner) for inner in (values or ()))
-
-
-def _ids(values: Any) -> np.ndarray:
-    """SGLang's ids (a tensor, array or list) as int64."""
-    values = values.cpu() if isinstance(values, torch.Tensor) else values
-    return np.asarray(values, np.int64).reshape(-1)
-
-
-def _state_lists(state_indices: Optional[list]) -> tuple[np.ndarray, ...] | None:
-    """SGLang's ``state_indices`` (one list per state component, or ``None``) as int64 arrays."""
-    if state_indices is None:
-        return None
-    return tuple(_ids([] if x is None else x) for x in state_indices)
-
-
-def _state_lists_of(room: int, state: tuple[np.ndarray, ...] | None, comps: Sequence[Any]) -> tuple[np.ndarray, ...]:
-    """A last chunk's list of each component, or InputError naming the request: one list per
-    component, one slot where the map is by row (a slot left out would move another request's state)."""
-    names = [c.name for c in comps]
-    if state is None or len(state) != len(names):
-        raise InputError(room, f"its last chunk needs one state list per component {names}, got "
-                               f"{'none' if state is None else len(state)}")
-    for comp, ids in zip(comps, state):
-        if rules_of(comp.kind).map_by_row and len(ids) != 1:
-            raise InputError(room, f"state component {comp.name!r}: one slot per request, got {len(ids)} ids")
-    return tuple(np.asarray(ids, np.int64) for ids in state)
-
 
 class KVSender(BaseKVSender):
     """One request's sender on the prefill side (SGLang's ``BaseKVSender``)."""
@@ -888,11 +464,11 @@ class KVSender(BaseKVSender):
         self.num_pages, self.aux_index = int(num_kv_indices), int(aux_index or 0)
 
     def send(self, kv_indices: Any, state_indices: Optional[list] = None, num_kv_tokens: Optional[int] = None) -> None:
-        pages = _ids(kv_indices)
+        pages = ids(kv_indices)
         if self._first_send is None:
             self._first_send = time.monotonic()
         tokens = len(pages) * self.mgr.page_size if num_kv_tokens is None else int(num_kv_tokens)
-        self.mgr.enqueue(self, pages, _state_lists(state_indices), tokens)
+        self.mgr.enqueue(self, pages, state_lists(state_indices), tokens)
 
     def poll(self) -> int:
         mgr = self.mgr
@@ -978,8 +554,8 @@ class KVReceiver(BaseKVReceiver):
                       decode_prefix_len: Optional[int] = None, destination: Any = None) -> None:
         if self.conclude_state is not None:  # failed at init (or aborted): nothing to publish
             return
-        self.mgr.publish(self.room, _ids(kv_indices), int(aux_index or 0), int(decode_prefix_len or 0),
-                         _state_lists(state_indices), peer=self.peer or 0)
+        self.mgr.publish(self.room, ids(kv_indices), int(aux_index or 0), int(decode_prefix_len or 0),
+                         state_lists(state_indices), peer=self.peer or 0)
         self.published = True
 
     def poll(self) -> int:
