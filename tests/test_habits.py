@@ -9,11 +9,13 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "kvplan"
 
 
-def test_the_package_and_its_docs_name_no_issue_numbers():
-    """Code and docs say what a thing does and why, not which issue asked for it (those numbers resolve
-    nowhere in the repository). README.md and benchmarks/RESULTS.md keep their history for now."""
+def test_the_package_its_tests_and_its_docs_name_no_issue_numbers():
+    """Code, tests and docs say what a thing does and why, not which issue asked for it (those numbers
+    resolve nowhere in the repository). The history keeps them (CHANGELOG.md, results/archive/)."""
     pattern = re.compile(r"\bissues? \d+|\bissue-\d+", re.IGNORECASE)
-    found = [f"{p.relative_to(ROOT)}:{n}" for p in [*PACKAGE.rglob("*.py"), *(ROOT / "docs").glob("*.md")]
+    texts = [*PACKAGE.rglob("*.py"), *PACKAGE.rglob("*.md"), *(ROOT / "tests").rglob("*.py"),
+             *(ROOT / "docs").glob("*.md"), ROOT / "README.md", ROOT / "benchmarks" / "RESULTS.md"]
+    found = [f"{p.relative_to(ROOT)}:{n}" for p in texts
              for n, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
     assert found == [], f"issue numbers in code or docs: {found}"
 
@@ -32,3 +34,14 @@ def test_no_sender_reaches_into_the_endpoint():
     found = [f"{p.relative_to(ROOT)}:{n}: {line.strip()}" for p in (PACKAGE / "transport" / "senders").glob("*.py")
              for n, line in enumerate(p.read_text().splitlines(), 1) if reach.search(line.split("#")[0])]
     assert found == [], f"a sender reaches into the endpoint: {found}"
+
+
+def test_each_probe_says_its_question_and_its_answer():
+    """``benchmarks/probes/`` holds one-off measurements, apart from the suites; each opens with the
+    question it asked and the answer it gave (or where the answer is)."""
+    import ast
+
+    probes = [p for p in (ROOT / "benchmarks" / "probes").glob("*.py") if p.name != "__init__.py"]
+    assert probes
+    silent = [p.name for p in probes if "Answer" not in (ast.get_docstring(ast.parse(p.read_text())) or "")]
+    assert silent == [], f"probes without their answer: {silent}"

@@ -8,7 +8,7 @@ sleep would add its latency to every transfer. Once quiet, it blocks: on its con
 where it has some (a message wakes it at once), else in a sleep, for a slice that doubles from
 50 us to 1 ms, to 2 ms once nothing has arrived for 100 ms and to 4 ms after a second. An idle
 endpoint then looks about 250 times a second, each look some tens of microseconds
-(benchmarks/idle_cpu.py measures it), instead of burning a core. What an engine notifies while a loop is quiet (a
+(benchmarks/probes/idle_cpu.py measures it), instead of burning a core. What an engine notifies while a loop is quiet (a
 notification wakes no socket) is seen within one slice.
 
 Example::

@@ -2,7 +2,7 @@
 
 torch's side streams are *blocking* streams. Work on them waits for whatever the legacy default
 stream holds, and the legacy default stream waits for them. Measured on an H100
-(`benchmarks/stream_check.py`): one op on the default stream, queued behind a busy torch side
+(`benchmarks/probes/stream_check.py`): one op on the default stream, queued behind a busy torch side
 stream, waited 870 ms, the side stream's whole queue.
 
 A transport stream must wait for neither. Streaming in layer groups (docs/layerwise.md) launches

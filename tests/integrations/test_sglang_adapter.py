@@ -87,7 +87,7 @@ def test_two_processes_hand_off_through_sglang_s_interfaces(engine, state):
 
 
 def test_a_decode_that_asks_for_checksums_completes_each_request_once_its_bytes_agree():
-    """Issue 56: integrity is a setting (``kvplan_integrity``, ``KVPLAN_INTEGRITY``). The decode asks its
+    """Integrity is a setting (``kvplan_integrity``, ``KVPLAN_INTEGRITY``). The decode asks its
     prefill for each request's checksum and completes a request only once its own sum over what landed
     agrees (a sum that never came would fail it at its deadline): every request succeeds, every byte right."""
     base = sglang_module("srt.disaggregation.base.conn")

@@ -1,4 +1,4 @@
-"""Issue 56: inside SGLang, kvplan's Mooncake engine takes the deployment's transport and NICs as SGLang's own
+"""Inside SGLang, kvplan's Mooncake engine takes the deployment's transport and NICs as SGLang's own
 Mooncake backend does (``MOONCAKE_PROTOCOL``, ``MC_FORCE_TCP``, ``--disaggregation-ib-device``), where before
 it ran over TCP whatever the deployment said; kvplan's own ``engine_settings`` win."""
 

@@ -1,4 +1,4 @@
-"""kvplan as an SGLang plugin (issue 36): SGLang's own ``load_plugins()`` finds kvplan's entry point;
+"""kvplan as an SGLang plugin: SGLang's own ``load_plugins()`` finds kvplan's entry point;
 with ``KVPLAN_SGLANG=1`` SGLang's ``get_kv_class`` hands its prefill and decode schedulers kvplan's
 manager, sender and receiver for NIXL and Mooncake and keeps its own bootstrap server; without it,
 SGLang's classes. Each case runs in a child process of its own (forked from the tests' fork server,
@@ -113,7 +113,7 @@ def test_an_unknown_key_in_the_config_file_is_refused(tmp_path):
 
 
 def test_the_secret_comes_from_the_file_its_setting_names(tmp_path, monkeypatch):
-    """Issue 54: kvplan's SGLang settings pass the control plane's secret (``secret_file``: a server arg,
+    """kvplan's SGLang settings pass the control plane's secret (``secret_file``: a server arg,
     ``KVPLAN_SECRET_FILE`` or the config file's key), else ``KVPLAN_SECRET``, else none."""
     monkeypatch.delenv("KVPLAN_SECRET", raising=False)
     monkeypatch.delenv("KVPLAN_SECRET_FILE", raising=False)

@@ -1,4 +1,4 @@
-"""SGLang 0.5.23's own scheduler-side queues make kvplan's classes (issue 36, first steps of item 3).
+"""SGLang 0.5.23's own scheduler-side queues make kvplan's classes.
 
 In a fresh process, as SGLang's prefill scheduler runs: its runtime configuration published, the
 plugins loaded with ``KVPLAN_SGLANG=1``, SGLang's own bootstrap server up, then SGLang's real

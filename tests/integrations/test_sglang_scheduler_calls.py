@@ -1,4 +1,4 @@
-"""What SGLang 0.5.23's schedulers call on a manager, sender and receiver, with SGLang's meaning (issue 36).
+"""What SGLang 0.5.23's schedulers call on a manager, sender and receiver, with SGLang's meaning.
 
 The list of calls is docs/sglang.md §"What SGLang's schedulers call"; a test scans SGLang's own
 scheduler sources and fails on a call the list does not name, and on a name the list says kvplan has
@@ -30,7 +30,7 @@ def _sglang_first():
     (torchvision), as these tests did when one of them was the first a worker ran."""
     sglang_module("srt.disaggregation.base.conn")
 DOC = Path(__file__).resolve().parents[2] / "docs" / "sglang.md"
-# the scheduler sources issue 36 names, and the names they give a manager, sender or receiver
+# the scheduler sources named below, and the names they give a manager, sender or receiver
 SOURCES = ("disaggregation/prefill.py", "disaggregation/decode.py", "disaggregation/decode_schedule_batch_mixin.py",
            "disaggregation/utils.py", "managers/scheduler.py", "managers/disagg_service.py",
            "managers/scheduler_pp_mixin.py", "managers/schedule_batch.py")

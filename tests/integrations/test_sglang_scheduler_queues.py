@@ -1,4 +1,4 @@
-"""kvplan driven by SGLang 0.5.23's own scheduler-side queues, in a prefill and a decode node (issue 36).
+"""kvplan driven by SGLang 0.5.23's own scheduler-side queues, in a prefill and a decode node.
 
 Each rank is a process of its own (:mod:`tests.integrations.sglang_scheduler_node`): SGLang's
 ``PrefillBootstrapQueue``, ``send_kv_chunk`` and inflight queue on the prefill ranks, SGLang's

@@ -1,4 +1,4 @@
-"""kvplan's vLLM connector against vLLM 0.33.0's own code (issue 39, tests (a) and (b)).
+"""kvplan's vLLM connector against vLLM 0.33.0's own code.
 
 (a) vLLM's connector factory builds it from a ``KVTransferConfig`` naming this package, both roles; the
     worker side takes the KV caches vLLM allocates (per layer or across layers); the KV cache groups,
@@ -326,7 +326,7 @@ def test_the_connector_asks_vllm_for_the_layout_of_its_setting():
 
 
 def test_the_secret_comes_from_the_file_its_setting_names_never_from_the_config(tmp_path):
-    """Issue 54: the SGLang and vLLM settings pass the control plane's secret; vLLM logs its config, so the
+    """The SGLang and vLLM settings pass the control plane's secret; vLLM logs its config, so the
     setting names a file (``secret_file``), and a key holding the secret itself is refused above."""
     from kvplan.integrations.vllm.settings import Settings
 
@@ -338,7 +338,7 @@ def test_the_secret_comes_from_the_file_its_setting_names_never_from_the_config(
         Settings.parse({"host": "127.0.0.1", "secret_file": str(path)}, tp_size=1).secret()
 
 
-# -- issue 56: what a decode's worker reports back to vLLM ------------------------------------------------
+# -- what a decode's worker reports back to vLLM ------------------------------------------------
 def _consumer():
     """A decode's worker side, built by vLLM's factory over CPU KV caches."""
     config = vllm_config(role="kv_consumer", extra={"host": "127.0.0.1", "port": free_port()})

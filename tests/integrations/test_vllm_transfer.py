@@ -1,4 +1,4 @@
-"""kvplan's vLLM connector moving bytes between a prefill and a decode process (issue 39, (c) and (d)).
+"""kvplan's vLLM connector moving bytes between a prefill and a decode process.
 
 Each process is a vLLM engine reduced to what touches the connector (:mod:`tests.integrations.vllm_node`):
 kvplan's connector built by vLLM's factory, KV caches allocated by vLLM's ``allocate_kv_cache`` in the

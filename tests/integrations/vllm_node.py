@@ -1,5 +1,5 @@
-"""A prefill or a decode vLLM engine, reduced to what touches the connector, in a process of its own
-(issue 39, tests (c) and (d)): kvplan's connector built by vLLM's factory in both roles, KV caches
+"""A prefill or a decode vLLM engine, reduced to what touches the connector, in a process of its own:
+kvplan's connector built by vLLM's factory in both roles, KV caches
 allocated by vLLM's own ``allocate_kv_cache``, and the engine loop's calls in vLLM's order
 (``build_connector_meta``, ``bind_connector_metadata``, ``start_load_kv``, ``get_transfer_results``,
 ``get_block_ids_with_load_errors``, ``update_connector_output``).

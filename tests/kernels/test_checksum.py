@@ -93,7 +93,7 @@ def test_the_keyed_checksum_holds_its_golden_values():
 
 
 def test_changes_that_cancel_in_the_unkeyed_sum_change_every_keyed_one():
-    """Issue 54: the unkeyed checksum is public and nearly linear in the address, so a writer can change
+    """The unkeyed checksum is public and nearly linear in the address, so a writer can change
     bytes without changing it (1, -1, -1, 1 added to an aligned group of four). Under a key the same change
     is seen, for every key tried; one changed byte is seen under every key too."""
     require_runnable(DEVICE)

@@ -1,11 +1,11 @@
-"""Pages moved in units whose source id is substituted or read off the page's first token (issue 41).
+"""Pages moved in units whose source id is substituted or read off the page's first token.
 
 Between different page sizes a paged list moves in units of ``g = gcd(ps_s, ps_d)`` tokens
 (docs/page_sizes.md). The reference names each source page by its first token and takes its units
 as ``page * (ps / g) + offset``; the device planner must send the same units. Under ``truncate`` an
 SWA page with no SWA slot is sent as page 0 *whole* (planning.md §6), not unit 0 of page 0 for every
 unit; with ``validate=False`` a page whose later tokens break the allocator invariant is still named
-by its first token. Checked on the minimal case of issue 41, then on random batches of every kind
+by its first token. Checked on a minimal case, then on random batches of every kind
 that moves in units (SWA, DSA, KV), direct and head-sliced.
 """
 

@@ -1,4 +1,4 @@
-"""``kvplan demo --role``: the two sides as two commands, as on two machines (issue 37, item 2).
+"""``kvplan demo --role``: the two sides as two commands, as on two machines.
 
 Both commands are started here, bound to a non-loopback address of this host where it has one (else
 127.0.0.1): the decode with ``--listen ADDR:PORT``, the prefill with ``--peer ADDR:PORT``. The decode

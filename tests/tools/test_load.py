@@ -1,4 +1,4 @@
-"""``kvplan load`` on this machine (issue 38, item 4): serving-shaped load through real engines and
+"""``kvplan load`` on this machine: serving-shaped load through real engines and
 processes, with aborts and deadlines on a schedule and a decode killed mid-run; every completed
 request byte-equal, every failure one that was injected, and nothing left behind or growing."""
 

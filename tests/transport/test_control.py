@@ -51,7 +51,7 @@ def test_the_monitor_is_read_at_most_once_a_look_period_and_a_lost_peer_is_still
 
 
 def test_a_send_to_a_peer_that_is_gone_gives_up_at_once_not_at_its_timeout():
-    """Issue 38 (9): a decode's ``publish`` to a sender already gone waited its whole timeout (20 s);
+    """A decode's ``publish`` to a sender already gone waited its whole timeout (20 s);
     a blocked send now looks whether its peer is gone every ``SLICE_MS``."""
     bound = ControlChannel(host="127.0.0.1")
     peer = ControlChannel(bound.port, host="127.0.0.1")
@@ -141,7 +141,7 @@ def _settle(channel, seconds=0.5, also=None):
 
 
 def test_a_stranger_that_connects_and_closes_is_not_taken_for_the_peer():
-    """Issue 54: one TCP connect and close on a decode's bound channel, no byte sent, failed every pending
+    """One TCP connect and close on a decode's bound channel, no byte sent, failed every pending
     request ("the prefill side is gone: it restarted and connected again"), since every connection event on
     the socket was taken as the peer's. Neither a raw connection nor a ZeroMQ one that a PAIR socket drops
     (it keeps its one peer) changes what the channel says of its peer; the peer's own loss still does."""
@@ -191,7 +191,7 @@ def test_a_restarted_peer_on_a_bound_channel_is_seen_as_a_replacement():
 
 
 def test_a_frame_larger_than_the_bound_is_never_taken_and_disconnects_its_sender():
-    """Issue 54: a 1 GiB control frame was accepted. Above ``max_message_bytes`` ZeroMQ drops the sender's
+    """A 1 GiB control frame was accepted. Above ``max_message_bytes`` ZeroMQ drops the sender's
     connection before the frame is held (the owner sees the connection replaced, and pairs again)."""
     bound = ControlChannel(host="127.0.0.1", max_message_bytes=1 << 20)
     peer = ControlChannel(bound.port, host="127.0.0.1")
@@ -263,7 +263,7 @@ def _scanned_while_unread() -> None:
 
 
 def test_zeromq_strangers_that_connect_send_and_close_abort_nothing_and_never_take_the_peer_s_place():
-    """Issue 54: on a PAIR socket holding its peer, a second ZeroMQ peer that connects, sends and closes made
+    """On a PAIR socket holding its peer, a second ZeroMQ peer that connects, sends and closes made
     libzmq 4.3.5 abort the process ("Assertion failed: !_io_error (src/stream_engine_base.cpp:310)"; a
     standalone loop of this test's strangers against a bare PAIR socket aborted in 7 runs of 7, with or
     without a monitor). A bound channel is a ROUTER socket now. Strangers of every ZeroMQ kind, one of them

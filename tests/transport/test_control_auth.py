@@ -1,4 +1,4 @@
-"""The control channel's handshake and message codes (kvplan/transport/auth.py, control.py; issue 54): a
+"""The control channel's handshake and message codes (kvplan/transport/auth.py, control.py): a
 channel pairs with one incarnation, only a peer holding the same secret pairs, and a message from any other
 incarnation, a replayed one or a tampered one is refused, never returned."""
 
@@ -130,7 +130,7 @@ def test_the_secret_comes_from_the_environment_or_a_file_and_is_never_empty(tmp_
 
 
 def test_fuzzed_envelopes_and_codes_on_a_paired_channel_are_refused_never_returned_never_raised():
-    """Issue 54, item 7: the hostile-peer fuzzer over incarnations and codes. On a channel paired with a
+    """The hostile-peer fuzzer over incarnations and codes. On a channel paired with a
     secret, a real message of the peer is altered in one place (any byte of any frame, the sequence
     number, either incarnation, the code) or replaced by random frames; each such message is refused
     (counted, never returned, never raised from the reading loop), and the unaltered message still

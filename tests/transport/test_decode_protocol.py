@@ -201,7 +201,7 @@ def test_a_failed_scatter_capture_falls_back_but_kvplan_s_own_errors_propagate()
 @pytest.mark.parametrize("raw", [b"garbage", b"\xff\xfe", b"[1, 2]", b'{"wave": "x", "from": "p0"}', b"7",
                                  b'{"from": "zero", "note": ["r1", 0, "kv", 1]}', b'"abcd"'])
 def test_a_malformed_engine_notification_is_dropped_not_a_crash(decode, raw):
-    """Issue 38 (7): what a peer's engine delivers is parsed under suspicion; the endpoint goes on."""
+    """What a peer's engine delivers is parsed under suspicion; the endpoint goes on."""
     endpoint, prefill, pool, _ = decode
     endpoint.engine.inbox.append(raw)
     endpoint.poll()
@@ -212,7 +212,7 @@ def test_a_malformed_engine_notification_is_dropped_not_a_crash(decode, raw):
 
 
 def test_a_sender_that_cannot_take_its_credit_fails_its_requests_not_the_endpoint(decode):
-    """Issue 38 (5): a credit to a dead sender raised ControlTimeout out of poll() after the channel's
+    """A credit to a dead sender raised ControlTimeout out of poll() after the channel's
     send timeout; now the send gives up at once and the sender's unsettled requests fail."""
     from kvplan.transport.control import ControlTimeout
 
@@ -277,7 +277,7 @@ def test_an_abort_after_the_sender_reported_the_request_failed_is_fenced_at_once
 
 
 def test_a_request_past_its_deadline_is_aborted_at_its_sender_and_fenced_only_once_it_answers(decode):
-    """Issue 38, defect 2: the decode failed a request at its deadline without telling the sender, which
+    """The decode failed a request at its deadline without telling the sender, which
     went on writing into pages given up. Now the sender is told at once, and the pages are fenced
     only by its answer; aborting it again sends nothing more than to those yet to answer."""
     endpoint, prefill, _, published = decode
@@ -298,7 +298,7 @@ def test_a_request_past_its_deadline_is_aborted_at_its_sender_and_fenced_only_on
 
 
 def test_a_section_note_counts_only_from_the_sender_its_request_was_published_to():
-    """Issue 38, defect 4 (its second half): with two senders, sender 0's engine could complete sender
+    """With two senders, sender 0's engine could complete sender
     1's request with a note. Each sender names its engine when it pairs; a note from a paired sender's
     engine counts only for that sender's requests (and only as that sender)."""
     pool = torch.zeros(16 * PAGE_BYTES, dtype=torch.uint8)
@@ -325,7 +325,7 @@ def test_a_section_note_counts_only_from_the_sender_its_request_was_published_to
     ([[3 * PAGE_BYTES, 64], [3 * PAGE_BYTES + 64, 64]], 2, "claim 2 KV pages"),  # two rows, one page
 ])
 def test_a_note_that_claims_more_pages_than_its_table_writes_is_refused(decode, rows, pages, why):
-    """Issue 38, defect 4: a note claimed 2 pages while the table wrote 1, and the request completed
+    """A note claimed 2 pages while the table wrote 1, and the request completed
     with a page never written."""
     endpoint, prefill, pool, _ = decode
     base = pool.data_ptr()

@@ -1,4 +1,4 @@
-"""Engines take their network from the caller (issue 37, item 1): NIXL sets no UCX variable behind the
+"""Engines take their network from the caller: NIXL sets no UCX variable behind the
 caller's back, and Mooncake initialises on the caller's host, protocol and metadata service."""
 
 import os

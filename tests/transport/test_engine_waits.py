@@ -36,7 +36,7 @@ def test_a_write_that_cannot_be_ended_is_reported_unsafe(monkeypatch):
 
 
 def test_stuck_writes_drain_together_not_one_after_another(monkeypatch):
-    """Issue 54: eight stuck writes drained one after another, 40.5 s against a bound of 5.5 s (each got its
+    """Eight stuck writes drained one after another, 40.5 s against a bound of 5.5 s (each got its
     own drain after the one before had ended). They now drain together: every one is asked to end in the
     first turn after the deadline, and each is reported unsafe after one drain (the order of the engine's
     abort calls shows it, not a clock)."""
@@ -81,7 +81,7 @@ def test_mooncake_settings_asked_win_then_the_environment_then_the_defaults(monk
 
 
 def test_a_write_to_a_dead_peer_is_given_up_while_the_others_complete():
-    """Issue 38, item 3: a batch that fans out to two decode endpoints gave up every write when one
+    """A batch that fans out to two decode endpoints gave up every write when one
     of them died; the live one's requests failed with it."""
     engine = FakeEngine(steps=50)
     dead, alive = engine.post("dead", [[0, 0, 64]], b""), engine.post("alive", [[0, 0, 64]], b"")

@@ -1,4 +1,4 @@
-"""Issue 54: the two-process hand-off and a fault drill with the control plane's shared secret set
+"""The two-process hand-off and a fault drill with the control plane's shared secret set
 (``KVPLAN_SECRET``, which both of the demo's sides read), over NIXL and Mooncake: every pairing proves the
 secret, every control message carries its code, and the bytes still arrive whole."""
 

@@ -1,4 +1,4 @@
-"""Hostile peers, fuzzed (issue 38, item 2): random and crafted control messages and engine
+"""Hostile peers, fuzzed: random and crafted control messages and engine
 notifications go into a decode endpoint and a prefill endpoint. Neither may raise from its poll
 loop, and the decode side may write nothing outside what it published.
 

@@ -1,4 +1,4 @@
-"""Opt-in integrity (issue 38, item 5): per-request checksums computed on both sides, compared when
+"""Opt-in integrity: per-request checksums computed on both sides, compared when
 a request has landed. A flipped byte fails its request with the reason; the others complete. Real
 Mooncake (TCP), both endpoints in this process (one pair for the module), kernels interpreted on
 the CPU."""
@@ -117,7 +117,7 @@ def test_without_integrity_the_same_flip_goes_unseen(pair):
 
 
 def test_changes_chosen_to_cancel_pass_the_unkeyed_checksum(pair):
-    """Issue 54: without a secret the checksum guards against accidents only. Its hash is public, so bytes
+    """Without a secret the checksum guards against accidents only. Its hash is public, so bytes
     changed to cancel (+1, -1, -1, +1 on an aligned group of four) pass it: the request completes with
     wrong bytes. (Before the deadline test, whose abort the next round would read.)"""
     states, _, checked = _round(pair, "forged", forge="forged1")

@@ -1,4 +1,4 @@
-"""The same-host ``ipc`` engine (issue 55) on host memory, between two processes: what it writes, what it
+"""The same-host ``ipc`` engine on host memory, between two processes: what it writes, what it
 refuses before a byte is written, and a hand-off through the endpoints. Its device path (CUDA IPC and
 the copy kernel) runs in the GPU suite (``python -m benchmarks ipc``); the translation kernel it
 launches is held to its reference in tests/kernels/test_translate.py."""

@@ -1,4 +1,4 @@
-"""The ``ipc`` engine's device path (issue 55) between two processes on one GPU: CUDA IPC handles of the
+"""The ``ipc`` engine's device path between two processes on one GPU: CUDA IPC handles of the
 receiver's allocations, one launch of the translate-and-check and copy kernels over device descriptors,
 the notifications after the launch's event. GPU tests: skipped without CUDA (the GPU suite runs them,
 ``python -m benchmarks ipc``)."""

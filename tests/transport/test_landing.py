@@ -95,7 +95,7 @@ def test_span_checks_keep_each_requests_rows_to_its_own_ranges():
 
 @pytest.mark.parametrize("check", ["check", "check_spans"])
 def test_a_size_that_wraps_past_2_64_is_refused(check):
-    """Issue 38 (3): ``dst + size`` in uint64 wrapped a size near 2**64 back inside a published page,
+    """``dst + size`` in uint64 wrapped a size near 2**64 back inside a published page,
     so 256 bytes from before it were let through."""
     guard = guard_with()
     rows = np.array([[0x10000 + 4 * 256, (1 << 64) - 256]], np.uint64)  # starts in published page 4

@@ -76,7 +76,7 @@ def test_a_malformed_hello_gets_an_error_and_no_channel():
 
 
 def test_a_hello_and_then_silence_costs_a_socket_for_a_bounded_time_and_never_blocks():
-    """Issue 38, defect 10: every hello made a channel that was never closed, and pairing with it
+    """Every hello made a channel that was never closed, and pairing with it
     blocked the caller's loop for 5 s."""
     listener = ChannelListener(0, host="127.0.0.1", handshake_s=0.3, max_pending=2)
     sockets = []
@@ -161,7 +161,7 @@ def _answers(listener, sockets, seconds=5.0) -> list[dict]:
 
 
 def test_one_source_s_hellos_take_no_slot_of_another_source():
-    """Issue 54: 64 hellos every 4 s from one source made 7 of 10 legitimate pairings fail as "busy"
+    """64 hellos every 4 s from one source made 7 of 10 legitimate pairings fail as "busy"
     (the listener's 64 slots were all that source's). A source now holds at most
     ``max_pending_per_source`` of them (other loopback addresses stand for other hosts)."""
     listener = _listener()
@@ -194,7 +194,7 @@ def _ask(listener, secret=None):
 
 
 def test_a_channel_whose_peer_cannot_prove_the_secret_is_never_handed_out_and_is_closed():
-    """Issue 54: a channel was handed to the prefill as soon as anything arrived on it, so a process without
+    """A channel was handed to the prefill as soon as anything arrived on it, so a process without
     the secret became a pairing peer. Now a channel is ready only once its peer has paired (the secret
     proved) and sent; the stranger's is closed at the handshake deadline, the honest one is handed out."""
     from concurrent.futures import ThreadPoolExecutor
@@ -224,7 +224,7 @@ def test_a_channel_whose_peer_cannot_prove_the_secret_is_never_handed_out_and_is
 
 
 def test_a_listener_s_decode_that_goes_has_its_channel_closed_and_the_bound_on_peers_holds():
-    """Issue 54: decodes that registered through the listener and left kept their channels open (+803
+    """Decodes that registered through the listener and left kept their channels open (+803
     descriptors per 200) until the process hit ZeroMQ's socket cap and no decode could pair again. A gone
     peer's channel is now closed with what it published; at most ``max_peers`` are paired or pairing."""
     from kvplan.errors import PeerError
@@ -266,7 +266,7 @@ def test_a_listener_s_decode_that_goes_has_its_channel_closed_and_the_bound_on_p
 
 
 def test_a_channel_that_cannot_be_opened_answers_busy_and_the_listener_lives_on(monkeypatch):
-    """Issue 54: at ZeroMQ's socket cap the listener raised ZMQError from accept_pending, and no decode could
+    """At ZeroMQ's socket cap the listener raised ZMQError from accept_pending, and no decode could
     pair again. A hello that cannot get a channel is answered "busy"; the next one, once sockets are
     free, gets its channel."""
     import kvplan.transport.listener as listener_module

@@ -1,4 +1,4 @@
-"""Issue 38, defect 8: a hung Mooncake target does not block the sender past its deadline.
+"""A hung Mooncake target does not block the sender past its deadline.
 
 Mooncake's ``get_batch_transfer_status`` blocks until a batch ends; with the target stopped
 (SIGSTOP) a 1 s deadline gave up after Mooncake's own 30 s timeout. The engine now asks each batch's
@@ -103,7 +103,7 @@ def _engine_over(peer):
 
 
 class _EarlyStatus:
-    """Mooncake's batch status as issue 54 measured it after an abort: running, then 'completed' 0.2 s
+    """Mooncake's batch status as measured after an abort: running, then 'completed' 0.2 s
     later while the bytes still land (0.3.13 said completed 56 ms into a batch that took about 5 s)."""
 
     def __init__(self):

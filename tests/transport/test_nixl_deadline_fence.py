@@ -1,4 +1,4 @@
-"""Issue 38, defect 1: a deadline's abort is fenced (NIXL over UCX's TCP transport, slow enough to outlast it).
+"""A deadline's abort is fenced (NIXL over UCX's TCP transport, slow enough to outlast it).
 
 Before, a deadline released the NIXL handle and reported the write ended; UCX cannot cancel a write in
 flight and NIXL's release of it succeeds, so most of a large write landed after ``wait_all`` had said it

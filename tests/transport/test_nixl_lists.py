@@ -1,4 +1,4 @@
-"""NIXL's prepared lists in the strided form (issue 37, item 5): one ``[n, 5]`` row per entry, numbered
+"""NIXL's prepared lists in the strided form: one ``[n, 5]`` row per entry, numbered
 by NIXL as the expanded ``[n, 3]`` list, so the planner's prepared indices (``e * slots + s``) name the
 same bytes either way; a real NIXL (the CPU wheel of ``make test``) moves the same bytes through both."""
 

@@ -1,8 +1,8 @@
-"""Waiting endpoints do not spin (issue 38, item 6): the CPU time of the waiting thread itself
+"""Waiting endpoints do not spin: the CPU time of the waiting thread itself
 (``RUSAGE_THREAD``: not an engine's own progress thread) against the wall time it waited.
 
 The bound here is loose on purpose (a quarter of a core, where the target is 5% and
-benchmarks/idle_cpu.py measures it): it tells a loop that blocks from one that spins (which burns
+benchmarks/probes/idle_cpu.py measures it): it tells a loop that blocks from one that spins (which burns
 the whole core it gets), also on a busy CI machine. The code before :mod:`kvplan.transport.pause`
 burned 90-100% of a core in both waits below.
 """

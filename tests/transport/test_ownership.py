@@ -1,4 +1,4 @@
-"""Issue 54, ownership: a request goes only to the decode endpoints that published it, in parts that do not
+"""A request goes only to the decode endpoints that published it, in parts that do not
 clash. A second publisher of a request published once, a count that disagrees, two publishers of one rank's
 part, or lists naming pages outside the publisher's pools: the request is refused, every publisher is told
 why, and nothing of it is sent; the other requests are untouched."""
@@ -107,7 +107,7 @@ def test_lists_naming_pages_outside_the_publisher_s_pools_fail_that_request_alon
 
 
 def test_an_endpoint_that_publishes_past_its_bound_has_the_excess_refused_and_named():
-    """Issue 54: 200,000 lists published and never sent grew the prefill by 96 MiB, without a bound. Now
+    """200,000 lists published and never sent grew the prefill by 96 MiB, without a bound. Now
     each decode endpoint holds at most ``max_published`` here; one more fails by name, nothing of it is
     kept, and the bound is counted."""
     dst = torch.zeros(2 * 16 * PAGE_BYTES, dtype=torch.uint8)
@@ -129,7 +129,7 @@ def test_an_endpoint_that_publishes_past_its_bound_has_the_excess_refused_and_na
 
 
 def test_a_write_that_cannot_be_ended_to_a_decode_that_is_gone_stays_unsafe(monkeypatch):
-    """Issue 54: a write that could not be ended to a peer that was gone was reported "the decode side is
+    """A write that could not be ended to a peer that was gone was reported "the decode side is
     gone" (the ``unsafe`` reason replaced) and later acknowledged ``fenced: true``. The reason now starts
     ``unsafe`` and names the loss, the decode is told so, and the request is never acknowledged fenced."""
     monkeypatch.setenv("KVPLAN_DRAIN_S", "0.05")

@@ -281,7 +281,7 @@ def test_an_abort_of_a_request_with_a_write_that_could_not_be_ended_is_not_ackno
 
 
 def test_a_wave_refused_before_it_is_posted_is_never_posted():
-    """Issue 38, defect 6: the receiver refuses wave 1 while wave 0 is being written; the refusal
+    """The receiver refuses wave 1 while wave 0 is being written; the refusal
     arrived before wave 1 was posted and was dropped, so wave 1 was written into the refused run.
     Now its request fails with the receiver's reason and wave 1 is never posted."""
     prefill, engine, _, theirs, _, _buffers = _staged_pair(plans=True, staging_bytes=1024)  # two waves
@@ -299,7 +299,7 @@ def test_a_wave_refused_before_it_is_posted_is_never_posted():
 
 
 def test_a_decode_endpoint_that_is_gone_leaves_nothing_behind_and_can_pair_again(monkeypatch):
-    """Issue 38, defect 10: a prefill kept every gone decode endpoint's lists and its engine
+    """A prefill kept every gone decode endpoint's lists and its engine
     connection (NIXL's remote agent) for as long as it ran."""
     prefill, engine, theirs, _ = _direct_pair("batch")
     assert len(prefill.lists) == 2

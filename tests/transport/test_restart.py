@@ -82,7 +82,7 @@ def _malformed_messages() -> None:
 
 
 def test_a_stranger_that_connects_to_a_decode_s_channel_and_closes_fails_nothing():
-    """Issue 54: one TCP connect and close on a decode's bound channel, no byte sent, failed every pending
+    """One TCP connect and close on a decode's bound channel, no byte sent, failed every pending
     request ("the prefill side is gone: it restarted and connected again"). Now the request waits on and
     completes from its real sender."""
     import socket
@@ -115,7 +115,7 @@ def test_a_stranger_that_connects_to_a_decode_s_channel_and_closes_fails_nothing
 
 
 def test_a_decode_restarted_on_the_same_port_is_sent_nothing_its_predecessor_published():
-    """Issue 54: a decode killed and restarted on its port while its prefill was busy was written the old
+    """A decode killed and restarted on its port while its prefill was busy was written the old
     request's bytes into pages of another (Mooncake): the prefill kept the dead one's lists. The new
     process is a new pairing: what the old one published is dropped before the new one registers, and a
     send of it fails naming the request, with nothing posted."""

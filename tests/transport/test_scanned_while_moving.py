@@ -1,4 +1,4 @@
-"""Issue 54, item 7: strangers connect and close at random against both endpoints' ports while requests
+"""Strangers connect and close at random against both endpoints' ports while requests
 flow, and nothing may fail. A raw TCP connect and close, one that sends garbage first, a ZeroMQ peer that
 says a kvplan hello with the wrong secret, a listener hello from another address: one TCP connect and
 close used to fail every pending request of a decode. The endpoints pair with a secret; each request is

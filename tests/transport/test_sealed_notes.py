@@ -1,4 +1,4 @@
-"""Issue 54: with a shared secret, engine notifications are sealed under the pairing's key
+"""With a shared secret, engine notifications are sealed under the pairing's key
 (kvplan.transport.note_seal), so a process that is no paired sender cannot complete a request by sending
 the notes its prefill would have sent, nor replay a sender's notes, nor seal its own under another key.
 

@@ -1,4 +1,4 @@
-"""Issue 54, the fence: a prefill SIGSTOPped in the middle of a 256 MiB write was taken for a dead one (the
+"""A prefill SIGSTOPped in the middle of a 256 MiB write was taken for a dead one (the
 decode's ``fenced()`` was true after about 1 s) and after the resume 115.8 MiB (NIXL) and 235.9 MiB
 (Mooncake) landed in pages declared reusable. A sender lost to its silence no longer fences its requests:
 only its word does (it pairs again, the same process, and says its writes ended), or its process ending.

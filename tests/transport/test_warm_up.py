@@ -1,4 +1,4 @@
-"""The warm start (issue 37, item 6) on the CPU: what ``warm_up`` does that can be seen without a GPU
+"""The warm start on the CPU: what ``warm_up`` does that can be seen without a GPU
 (the connection opened by a write into each new decode's staging share, once, of as much as both
 staging buffers hold, and nothing else of the decode's touched), and that a batch after it still lands. Its GPU side (planners
 captured, kernels compiled: the first batch within 2x of a steady one) is measured in

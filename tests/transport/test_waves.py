@@ -74,7 +74,7 @@ def test_a_sound_run_passes_and_names_every_wave_once():
     (lambda h, r: h["waves"][0].__setitem__(1, (1 << 20) - 256), "staging buffer holds"),
     (lambda h, r: h["waves"][0].__setitem__(1, 8), "not aligned"),
     (lambda h, r: r.__setitem__((1, 0), 0x2008), "rows are not aligned"),
-    # issue 38 (3): a size near 2**64 read as int64 is negative, and the wave's sums still matched
+    # a size near 2**64 read as int64 is negative, and the wave's sums still matched
     (lambda h, r: (r.__setitem__((1, 1), (1 << 64) - 256), h["waves"][0].__setitem__(4, 0)), "claims 18446744073709551360"),
 ])
 def test_an_unsound_run_is_refused_with_the_reason(change, why):

@@ -58,7 +58,7 @@ class Capabilities:
             read there by :meth:`Engine.notifications`. Staged runs return their slot credits so
             where both sides' engines can: an engine's progress thread never sleeps, where a
             ZeroMQ hop wakes two I/O threads (about 20 against 115 us one way between two
-            processes of an H200 host, trips 2 ms apart: ``benchmarks/hops.py``).
+            processes of an H200 host, trips 2 ms apart: ``benchmarks/probes/hops.py``).
         device: a post takes the plan's device descriptors as they are, for several sections at once,
             with one launch (``post_device(peer, descs, notifications, bounds, alignment, typical_bytes)``,
             one handle per section: the :mod:`.ipc` engine); or in two steps, the launch queued behind

@@ -1,10 +1,12 @@
 """Why ``plan()`` returns slower when the stream is busy: host work timed on an idle GPU and right
-after a queued ``torch.cuda._sleep`` (issue 10's busy-return target). Each workload runs 30 times per
+after a queued ``torch.cuda._sleep`` (the busy-return target). Each workload runs 30 times per
 condition; medians in microseconds. The last condition keeps the thread busy for 2 ms after queuing
 the sleep, as a scheduler's thread would be (it did not help on the H100 of session 8). Workloads: a pure-Python loop and a NumPy copy into pinned
 memory (no CUDA at all), one small kernel launch, and ``Planner.plan`` of ``qwen3next-mamba-p64``.
 
-Usage on a GPU machine:  PYTHONPATH=. TRITON_INTERPRET=0 python3 -m benchmarks.busy_host
+Usage on a GPU machine:  PYTHONPATH=. TRITON_INTERPRET=0 python3 -m benchmarks.probes.busy_host
+
+Answer (H100 and H200, sessions 8 and 17, results/archive/): it is the host's, not kvplan's. A NumPy copy into pinned memory, which makes no CUDA call, slows 7-10x right after a kernel is queued and as much after the host merely slept; `plan()` slows with it (66 -> 187 us).
 """
 
 from __future__ import annotations

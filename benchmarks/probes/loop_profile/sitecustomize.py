@@ -7,7 +7,7 @@ loop steps, the planner's host calls and the copy launch with a timer. Each proc
 maximum. The decode writes after each ``wait``, the prefill before each ``receive_requests``, so the
 writing stays outside a send's timed span. Each wrapped call costs ~1-2 us.
 
-    LOOP_PROF=1 LOOP_PROF_OUT=/tmp/prof PYTHONPATH=benchmarks/loop_profile:. python3 -m kvplan demo ...
+    LOOP_PROF=1 LOOP_PROF_OUT=/tmp/prof PYTHONPATH=benchmarks/probes/loop_profile:. python3 -m kvplan demo ...
 """
 
 import collections
