@@ -2,8 +2,8 @@
 does a newcomer open a file of the planner, and how often one they have already read?
 
 Every call between two files of ``kvplan/planner/`` made during the first ``plan(batch)`` of a
-fresh process (the planner is built, then plans) is traced, and then the plan's descriptors are
-read. An *entry* is the first call from one file into another (the reader follows it once,
+fresh process (the planner is built, then queues the plan) is traced: the construction path, up to
+the call's return. An *entry* is the first call from one file into another (the reader follows it once,
 however often it runs, into whichever of the file's functions); a *return* is an entry into a file
 the walk already entered. Calls into kernels, errors and the standard library are not counted, nor
 calls that Python makes on the code's behalf (a cached property's first read).
@@ -11,10 +11,10 @@ calls that Python makes on the code's behalf (a cached property's first read).
 Run on the CPU: ``TRITON_INTERPRET=1 python -m benchmarks.probes.plan_walk [--list]``.
 
 Answer (this CPU machine, `llama70b-tp8-p64` at 4 layers): the flat planner (commit 6af866f) entered
-7 files 8 times, 1 of them a return; the planner in rooms, its device planner split into a planner,
-static tables, buffers and pending plans, enters 10 files 14 times, 4 of them returns (the buffers and
-the pending plan read the batch's columns; the tables and the buffers share the tensor helpers). The
-split made the walk longer by this count; each file it enters now holds one role.
+7 files 7 times, none a return; the planner in rooms, its device planner split into a planner, static
+tables, buffers and pending plans, enters 10 files 11 times, 1 of them a return (the buffers and the
+tables share the tensor helpers of ``device/lists.py``). By this count the split made the walk longer;
+each file it enters now holds one role.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     except ImportError:  # (a tree before kvplan exported it)
         from kvplan.planner.gpu import plan
     batch = build_batch(PRESETS[args.scenario].scaled(layers=4), requests=2, prompt_len=1000)
-    walk = entries(lambda: plan(batch).descriptors())
+    walk = entries(lambda: plan(batch))
     read: set[str] = set()
     returns = 0
     for caller, caller_fn, callee, callee_fn in walk:

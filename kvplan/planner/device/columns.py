@@ -18,7 +18,7 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
@@ -60,10 +60,10 @@ class BatchColumns:
     dst_flat: np.ndarray
     requests: Sequence[Any] | None = None
     transfers: Sequence[Transfer] | None = None
+    num_transfers: int = field(init=False, repr=False, compare=False)  # ``len(table)``, read on the hot path
 
-    @property
-    def num_transfers(self) -> int:
-        return len(self.table)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "num_transfers", len(self.table))
 
     @property
     def num_components(self) -> int:
