@@ -49,6 +49,7 @@ from .receiver_plan import OwnLists, PlannedRun
 from .receivers.staged import POLL_S, StagedReceiver, _StagedWave
 from .streams import transport_stream
 from .registration import describe_side
+from .control_messages import Kind
 
 __all__ = ["DecodeEndpoint", "engine_regions"]
 
@@ -230,7 +231,7 @@ class DecodeEndpoint(SenderMessages, StagedReceiver):
             header["compat"] = self.compat
         if len(self.channels) > 1:  # the sender names itself by it in its notifications
             header["peer"] = peer
-        self.channels[peer].send("register", header, self.engine.metadata(),
+        self.channels[peer].send(Kind.REGISTER, header, self.engine.metadata(),
                                  timeout=max(0.0, deadline - time.monotonic()))
 
     def add_sender(self, channel: ControlChannel, timeout: float) -> int:
@@ -256,7 +257,7 @@ class DecodeEndpoint(SenderMessages, StagedReceiver):
         acks = self._fence_of(request)
         for k in [k for k, ok in acks.items() if ok is None]:  # (aborted again: only those yet to answer)
             try:
-                self.channels[k].send("abort", {"request": request, "reason": reason}, timeout=POLL_S)
+                self.channels[k].send(Kind.ABORT, {"request": request, "reason": reason}, timeout=POLL_S)
             except ControlTimeout as err:
                 log.warning("request %r: the abort could not be sent to sender %d: %s", request, k, err)
         if request in self.tracker:
@@ -291,7 +292,7 @@ class DecodeEndpoint(SenderMessages, StagedReceiver):
         if self._threaded(lambda: self.refuse_all(requests, reason, peer)):
             return
         try:
-            self.channels[peer].send("refuse", {"requests": requests, "reason": reason}, timeout=POLL_S)
+            self.channels[peer].send(Kind.REFUSE, {"requests": requests, "reason": reason}, timeout=POLL_S)
         except ControlTimeout as err:
             log.warning("%d requests (%r first): the refusal could not be sent to sender %d: %s", len(requests),
                         requests[0], peer, err)
@@ -397,7 +398,7 @@ class DecodeEndpoint(SenderMessages, StagedReceiver):
                               "plans": True}
                     if publishers > 1:
                         header["publishers"] = publishers
-                    self.channels[k].send("request", header, message,
+                    self.channels[k].send(Kind.REQUEST, header, message,
                                           timeout=max(0.0, deadline - time.monotonic()))
                 except ControlTimeout as err:
                     self.tracker.fail(r.request, f"its destination lists could not be published to sender {k}: {err}")

@@ -21,6 +21,7 @@ from .receivers.staged import EARLY_KEEP_S
 from .registration import side_from_description, with_model_heads
 from .note_seal import key_id_of, seal_of
 from .waves import decode_wave_note, is_touch
+from .control_messages import Kind
 
 __all__ = ["SenderMessages"]
 
@@ -84,25 +85,25 @@ class SenderMessages:
             while (msg := channel.try_recv()) is not None:
                 self._pause.busy()
                 kind, header, frames = msg
-                if kind == "staged":
+                if kind == Kind.STAGED:
                     self._announce(k, header, frames[0])
-                elif kind == "staged-plan":
+                elif kind == Kind.STAGED_PLAN:
                     self._announce_planned(k, header)
-                elif kind == "staged-waves":
+                elif kind == Kind.STAGED_WAVES:
                     self._on_run_waves(k, header)
-                elif kind == "paired":
+                elif kind == Kind.PAIRED:
                     self._on_paired(k, header, frames)
-                elif kind == "failed" and self._writes(request := named_request(header), k):
+                elif kind == Kind.FAILED and self._writes(request := named_request(header), k):
                     self.tracker.fail(request, f"the prefill side reports: {header.get('reason')}")
                     # it reports once its writes have ended; a write it could not end (a later report may say
                     # so of a request reported before) keeps the pages out of use
                     self._fence_of(request)[k] = not is_unsafe(header.get("reason"))
-                elif kind == "refused":
+                elif kind == Kind.REFUSED:
                     self._refused[k] = f"the prefill side refused the pairing: {header.get('reason')}"
                     self._fail_owned(k, self._refused[k])
-                elif kind == "abort-ack":
+                elif kind == Kind.ABORT_ACK:
                     self._on_abort_ack(k, header)
-                elif kind == "checksum" and self._writes(request := named_request(header), k):
+                elif kind == Kind.CHECKSUM and self._writes(request := named_request(header), k):
                     if isinstance(header.get("sum"), int):
                         self._sums.setdefault(request, {})[k] = header["sum"] & MASK
         took = False  # whether anything arrived or moved this turn (then the wait loop stays hot)

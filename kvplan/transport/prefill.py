@@ -71,6 +71,7 @@ from .prefill_peers import ACK_S, Peer
 from .progress_thread import MAX_IN_FLIGHT, ProgressThread
 from .stats import EndpointStats
 from .streams import transport_stream
+from .control_messages import Kind
 
 __all__ = ["Chunk", "MODES", "Peer", "PrefillEndpoint"]
 
@@ -190,9 +191,9 @@ class PrefillEndpoint(DecodeMessages, FailurePath, AheadOfPlan, WarmUp):
         deadline = time.monotonic() + timeout
         for k, peer in enumerate(self.peers):
             kind, header, frames = peer.recv(deadline)
-            while kind == "wave-done":  # a receiver that outlived an earlier sender may still answer its waves
+            while kind == Kind.WAVE_DONE:  # a receiver that outlived an earlier sender may still answer its waves
                 kind, header, frames = peer.recv(deadline)
-            if kind != "register":
+            if kind != Kind.REGISTER:
                 raise LayoutError(f"expected a registration, got {kind!r}")
             self._on_register(k, header, frames)
 
@@ -220,7 +221,7 @@ class PrefillEndpoint(DecodeMessages, FailurePath, AheadOfPlan, WarmUp):
         k = len(self.peers) - 1
         try:
             kind, header, frames = channel.recv(time.monotonic() + timeout)
-            if kind != "register":
+            if kind != Kind.REGISTER:
                 raise LayoutError(f"expected a registration, got {kind!r}")
             self._on_register(k, header, frames)
         except BaseException:
@@ -246,7 +247,7 @@ class PrefillEndpoint(DecodeMessages, FailurePath, AheadOfPlan, WarmUp):
         p = self.peers[peer]
         for _ in range(count):
             kind, header, frames = p.recv(deadline)
-            if kind != "request":
+            if kind != Kind.REQUEST:
                 raise LayoutError(f"expected destination lists, got {kind!r}")
             self._on_request(peer, header, frames)
 
@@ -545,7 +546,7 @@ class PrefillEndpoint(DecodeMessages, FailurePath, AheadOfPlan, WarmUp):
         last = [transfers[k] for k in wanted if transfers[k].last]
         for t, total in zip(last, self._sums.take([(t.dest, t.request) for t in last])):
             try:
-                self.peers[t.dest].channel.send("checksum", {"request": t.request, "sum": total}, timeout=ACK_S)
+                self.peers[t.dest].channel.send(Kind.CHECKSUM, {"request": t.request, "sum": total}, timeout=ACK_S)
             except KvplanError as err:  # its decode side is gone or stuck: it cannot complete the request anyway
                 log.warning("request %r: its checksum could not be sent: %s", t.request, err)
 

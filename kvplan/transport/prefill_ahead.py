@@ -17,6 +17,7 @@ from .local import plan_alignment
 from .senders.planned import LaunchAhead
 from .receiver_plan import planned_run_chunks
 from .waves import staging_ring
+from .control_messages import Kind
 
 __all__ = ["AheadOfPlan"]
 
@@ -82,7 +83,7 @@ class AheadOfPlan:
         run, self._next_run = self._next_run, self._next_run + 1
         peer.channel.replaced()  # a connection made again before this run loses nothing of it
         try:
-            peer.channel.send("staged-plan", planned_run_chunks(self.id, self._alignment(batch), transfers, run),
+            peer.channel.send(Kind.STAGED_PLAN, planned_run_chunks(self.id, self._alignment(batch), transfers, run),
                               timeout=timeout)
         except ControlTimeout:
             return None  # (then announced whole, or failed, by the staged run)
@@ -94,6 +95,6 @@ class AheadOfPlan:
         failed or sent otherwise, and told so by their own messages)."""
         if run is not None:
             try:
-                self.peers[0].channel.send("staged-waves", {"from": self.id, "run": run, "cancel": why}, timeout=1.0)
+                self.peers[0].channel.send(Kind.STAGED_WAVES, {"from": self.id, "run": run, "cancel": why}, timeout=1.0)
             except ControlTimeout:
                 log.warning("could not withdraw staged run %d from the decode side", run)

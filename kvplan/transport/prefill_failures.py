@@ -12,6 +12,7 @@ from typing import Any, Sequence
 from ..planner.contract.batch import Transfer
 from .engines import Handle, is_unsafe, wait_all
 from .prefill_peers import pairing_of
+from .control_messages import Kind
 
 __all__ = ["FailurePath"]
 
@@ -51,7 +52,7 @@ class FailurePath:
     def _report(self, peer: int, request: Any, reason: str) -> None:
         log.warning("request %r failed: %s", request, reason)
         try:
-            self.peers[peer].channel.send("failed", {"request": request, "reason": reason}, timeout=0.5)
+            self.peers[peer].channel.send(Kind.FAILED, {"request": request, "reason": reason}, timeout=0.5)
         except Exception as err:  # noqa: BLE001 - the peer may be gone; the failure is still ours to report
             log.warning("could not tell the decode side that %r failed: %s", request, err)
 

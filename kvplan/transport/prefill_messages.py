@@ -16,6 +16,7 @@ from .control import MAX_REFUSED, ControlChannel, named_request
 from .prefill_peers import ACK_S, MAX_PUBLISHERS, Peer, pairing_of, staging_share
 from .receiver_plan import receiver_can_plan
 from .registration import describe_side, side_from_description, with_model_heads
+from .control_messages import Kind
 
 __all__ = ["DecodeMessages"]
 
@@ -53,14 +54,14 @@ class DecodeMessages:
         for k, p in enumerate(self.peers):
             while (msg := (p.backlog.popleft() if p.backlog else p.channel.try_recv())) is not None:
                 kind, header, frames = msg
-                if kind == "register":
+                if kind == Kind.REGISTER:
                     self._on_register(k, header, frames)
-                elif kind == "request" and p.side is not None:
+                elif kind == Kind.REQUEST and p.side is not None:
                     if (request := self._on_request(k, header, frames)) is not None:
                         arrived.append((k, request))
-                elif kind == "abort" and (request := named_request(header)) is not None:
+                elif kind == Kind.ABORT and (request := named_request(header)) is not None:
                     self._on_abort(k, request, str(header.get("reason") or "aborted"))
-                elif kind == "refuse":
+                elif kind == Kind.REFUSE:
                     self._on_refuse(k, header)
             if p.side is not None and not p.dropped and self._peer_gone(k) is not None:
                 self._drop(k)
@@ -90,7 +91,7 @@ class DecodeMessages:
             msg = channel.try_recv()
             if msg is None and now <= deadline:
                 self._pairing.append((channel, deadline))
-            elif msg is None or msg[0] != "register":
+            elif msg is None or msg[0] != Kind.REGISTER:
                 log.warning("a decode endpoint that connected sent %s within its pairing time: closed",
                             "no registration" if msg is None else f"{msg[0]!r} instead of its registration")
                 channel.close()
@@ -136,7 +137,7 @@ class DecodeMessages:
         else:
             self.given_up.append((k, request))
         try:
-            self.peers[k].channel.send("abort-ack", {"request": request, "fenced": request not in self.unsafe},
+            self.peers[k].channel.send(Kind.ABORT_ACK, {"request": request, "fenced": request not in self.unsafe},
                                        timeout=ACK_S)
         except KvplanError as err:  # the decode side is gone or stuck: it cannot be told; its pages are its own
             log.warning("request %r: the abort could not be acknowledged: %s", request, err)
@@ -178,7 +179,7 @@ class DecodeMessages:
                 raise LayoutError("the registration carries no engine metadata")
         except (LayoutError, KeyError, TypeError, ValueError, OverflowError) as err:
             why = str(err) if isinstance(err, LayoutError) else f"a malformed registration ({type(err).__name__}: {err})"
-            peer.channel.send("refused", {"reason": why})
+            peer.channel.send(Kind.REFUSED, {"reason": why})
             raise LayoutError(f"decode endpoint {k}: {why}") from err
         peer.side, peer.dropped = peer_side, False
         peer.pairing = pairing_of(peer.channel)
@@ -197,9 +198,9 @@ class DecodeMessages:
         peer.credits_by_engine = bool(header.get("notifies")) and self.engine.capabilities.notifies
         if peer.credits_by_engine:  # its credits come back through the engine, to this side's metadata
             paired["credits"] = "engine"
-            peer.channel.send("paired", paired, self.engine.metadata())
+            peer.channel.send(Kind.PAIRED, paired, self.engine.metadata())
         else:
-            peer.channel.send("paired", paired)
+            peer.channel.send(Kind.PAIRED, paired)
         self._warm_peers(timeout=ACK_S * 4)  # (after warm_up: each peer that pairs later is warmed as it pairs)
 
     def _on_request(self, k: int, header: dict[str, Any], frames: list[bytes]) -> Any:

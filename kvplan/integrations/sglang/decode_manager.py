@@ -22,6 +22,7 @@ from .bootstrap import BootstrapNotReady, prefill_layout, prefill_rank
 from .engine_identity import identity
 from .wire import KV_POLL_STATES, Registration, TransferRequest
 from .inputs import host_port, nested, state_lists_of
+from ...transport.control_messages import Kind
 
 __all__ = ["DecodeManager"]
 
@@ -152,7 +153,7 @@ class DecodeManager:
                                      tuple(c.name for c in self.side.state), bool(self.side.aux))
         self.decode.track([published], time.monotonic() + self.timeout, peer=peer)
         self._room_peer[room] = peer
-        self.decode.channels[peer].send("request", {"request": room, "prompt_len": prefix_len + len(pages) *
+        self.decode.channels[peer].send(Kind.REQUEST, {"request": room, "prompt_len": prefix_len + len(pages) *
                                                     self.page_size, "prefix_len": prefix_len,
                                                     "publishers": self._publishers.get(peer, 1)}, published.message(),
                                         timeout=self.timeout)

@@ -15,6 +15,7 @@ from ...errors import KvplanError, PeerError
 from ...transport.decode import DecodeEndpoint
 from ...transport.listener import channel_via
 from .scheduler import ReceiveRequest
+from ...transport.control_messages import Kind
 
 __all__ = ["DecodePairing", "HANDSHAKE_S", "Pairing", "REGISTER_S"]
 
@@ -59,7 +60,7 @@ class DecodePairing:
     def _none_needed(decode: DecodeEndpoint, remote: str) -> None:
         for channel in decode.channels:
             try:
-                channel.send("abort", {"request": remote, "reason": "the decode needs none of it"}, timeout=0.1)
+                channel.send(Kind.ABORT, {"request": remote, "reason": "the decode needs none of it"}, timeout=0.1)
             except KvplanError as err:  # (its prefill frees them at its own deadline)
                 log.warning("request %s: could not tell its prefill that no block of it is needed: %s", remote, err)
 

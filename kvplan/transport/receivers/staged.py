@@ -26,6 +26,7 @@ from ..local import plan_alignment, scatter
 from ..note_seal import sealed
 from ..receiver_plan import OwnLists, PlannedRun, PlannedWave
 from ..waves import check_run, credit_note, wave_key
+from ..control_messages import Kind
 
 __all__ = ["StagedReceiver"]
 
@@ -364,7 +365,7 @@ class StagedReceiver:
         cannot take it within ``POLL_S`` is gone (killed, stopped), so its unsettled requests fail here
         instead of the loop raising (a dead sender once crashed this side after 11 s)."""
         try:
-            self.channels[peer].send("wave-done", header, timeout=POLL_S)
+            self.channels[peer].send(Kind.WAVE_DONE, header, timeout=POLL_S)
         except ControlTimeout as err:
             log.warning("sender %d did not take a wave's %s: %s", peer, "refusal" if "error" in header else "credit",
                         err)

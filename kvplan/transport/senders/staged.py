@@ -31,6 +31,7 @@ from ..receiver_plan import planned_run_message, planned_run_waves
 from ..waves import Wave, decode_credit, one_wave, plan_waves, run_message, wave_note
 from .planned import PlannedBatch, split_descriptors
 from .context import SendContext
+from ..control_messages import Kind
 
 __all__ = ["StagedRun", "send", "staged_run"]
 
@@ -143,12 +144,12 @@ class StagedRun:
         # a connection made again before this run (or since its chunks went ahead) loses nothing of it
         replaced = self.peer.channel.replaced()
         if self.chunks_run is not None and not replaced:  # its chunks went ahead: its waves complete it
-            kind, header = "staged-waves", planned_run_waves(ep.id, self.base_id, waves, self.slot_bytes,
+            kind, header = Kind.STAGED_WAVES, planned_run_waves(ep.id, self.base_id, waves, self.slot_bytes,
                                                              run=self.chunks_run)
             ep.last_announcement = "planned"
         elif ep.receiver_plans and self.peer.plannable and self.plannable and \
                 all(t.request in self.peer.planning for t in self.transfers):
-            kind, header = "staged-plan", planned_run_message(ep.id, self.base_id, waves, self.slot_bytes,
+            kind, header = Kind.STAGED_PLAN, planned_run_message(ep.id, self.base_id, waves, self.slot_bytes,
                                                               self.alignment, self.transfers)
             ep.last_announcement = "planned"
         else:
@@ -157,9 +158,9 @@ class StagedRun:
                 waves[0].sections = self.batch.host_sections()
             header, table = run_message(ep.id, self.base_id, waves, self.slot_bytes, self.alignment, spans,
                                         self.batch.host_descs() if self.descs is None else self.descs)
-            kind, frames = "staged", (table,)
+            kind, frames = Kind.STAGED, (table,)
             ep.last_announcement = "table"
-        if kind == "staged-waves":
+        if kind == Kind.STAGED_WAVES:
             # the receiver plans from the chunks already: the first wave is posted first, its waves
             # right after (a landing before them waits on the receiver, decode._early)
             self.deferred = header
@@ -302,7 +303,7 @@ class StagedRun:
             self._post(wave)
         while (msg := self.peer.channel.try_recv()) is not None:
             kind, header, _ = msg
-            if kind != "wave-done":  # e.g. the next requests' lists: kept for receive_requests
+            if kind != Kind.WAVE_DONE:  # e.g. the next requests' lists: kept for receive_requests
                 self.peer.backlog.append(msg)
                 continue
             try:
@@ -354,7 +355,7 @@ class StagedRun:
         """Send the waves held back until the first wave was posted (see :meth:`announce`)."""
         header, self.deferred = self.deferred, None
         try:
-            self.peer.channel.send("staged-waves", header, timeout=max(0.0, self.deadline - time.monotonic()))
+            self.peer.channel.send(Kind.STAGED_WAVES, header, timeout=max(0.0, self.deadline - time.monotonic()))
         except ControlTimeout as err:
             self.gone = self.gone or str(err)
             self.ep.verbs.fail(self.dest, self.result, list(self.result), str(err))
