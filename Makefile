@@ -86,10 +86,22 @@ test: setup setup-sglang setup-vllm dist lint
 	TRITON_INTERPRET=0 $(PY) -m pytest -q -n $(WORKERS) -m compile_check -p no:cacheprovider tests/kernels
 	$(MAKE) --no-print-directory test-vllm
 
-# only the vLLM connector's tests, against vLLM's own code
-test-vllm: setup-vllm
+# vLLM 0.33.0's own KV-connector tests, from its source distribution (pinned by sha256), run with
+# kvplan's connector in place of NixlConnector (tests/integrations/vllm_suite/; docs/vllm.md says which)
+VLLM_TESTS := .vllm-tests/vllm-0.33.0
+VLLM_OWN_TESTS := tests/v1/kv_connector/unit/test_remote_decode_lifecycle.py \
+  tests/v1/kv_connector/unit/test_remote_prefill_lifecycle.py
+
+$(VLLM_TESTS)/tests/v1/kv_connector/unit/utils.py:
+	$(PY) tests/integrations/vllm_suite/fetch_vllm_tests.py .vllm-tests
+
+# only the vLLM connector's tests, against vLLM's own code: kvplan's, then vLLM's own
+test-vllm: setup-vllm $(VLLM_TESTS)/tests/v1/kv_connector/unit/utils.py
 	PYTHONPATH=$(VLLM_SITE) VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(VLLM_WORKERS) -m vllm -p no:cacheprovider \
 	  tests/integrations/test_vllm_connector.py tests/integrations/test_vllm_stats.py tests/integrations/test_vllm_transfer.py
+	cd $(VLLM_TESTS) && HF_HUB_OFFLINE=1 PYTHONPATH=$(CURDIR)/$(VLLM_SITE):.:$(CURDIR)/tests/integrations/vllm_suite \
+	  VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 $(CURDIR)/$(PY) -m pytest -q -p no:cacheprovider -p kvplan_vllm_plugin \
+	  --rootdir=. -c /dev/null $(VLLM_OWN_TESTS)
 
 # only the differential tests against SGLang's own code
 test-sglang: setup setup-sglang
@@ -107,4 +119,4 @@ bench: setup
 	$(VENV)/bin/kvplan bench
 
 clean:
-	rm -rf $(VENV) $(VLLM_SITE) .pytest_cache .hypothesis dist build
+	rm -rf $(VENV) $(VLLM_SITE) .vllm-tests .pytest_cache .hypothesis dist build
