@@ -236,12 +236,12 @@ class DecodeEndpoint(SenderMessages, StagedReceiver):
 
     def add_sender(self, channel: ControlChannel, timeout: float) -> int:
         """Take one more sender (a prefill rank found later, such as another prefill node's) and
-        register this side with it; returns its peer index. Refused with a staging buffer, whose shares
-        were split over the senders at construction."""
+        register this side with it; returns its peer index. With a staging buffer, split into shares for
+        ``senders`` senders at construction, a sender past that count is refused."""
         self._before_thread("add_sender")
-        if self.staging is not None:
-            raise LayoutError("a decode endpoint with a staging buffer takes its senders at construction "
-                              "(each gets a share of the buffer)")
+        if self.staging is not None and len(self.channels) >= self._sender_count:
+            raise LayoutError(f"this decode endpoint's staging buffer is split among {self._sender_count} senders, "
+                              "all taken: make it with senders= as many as it may serve")
         self.channels.append(channel)
         self._register(len(self.channels) - 1, time.monotonic() + timeout)
         return len(self.channels) - 1

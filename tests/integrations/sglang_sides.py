@@ -192,8 +192,9 @@ def bootstrap_server(port: int):
 
 
 def run_prefill(engine: str, port: int, seed: int, results, deadline_s: float, state: bool = False,
-                protocol: str = "kvplan", decode_kv_pages: int = PAGES, decode_tp: int = 1) -> None:
-    """kvplan's prefill manager; with ``protocol="sglang"`` it serves SGLang's own decode ranks
+                protocol: str = "kvplan", decode_kv_pages: int = PAGES, decode_tp: int = 1, staging_mib: int = 0) -> None:
+    """kvplan's prefill manager (with ``staging_mib``, mode ``staged`` through a buffer of that size, and the
+    mode its last batch used is reported); with ``protocol="sglang"`` it serves SGLang's own decode ranks
     through SGLang's bootstrap server, which this process runs, told that the decode's KV pools
     hold ``decode_kv_pages`` pages. With ``decode_tp`` > 1 its pages hold that many KV heads, one per
     decode rank (attention TP 1 to ``decode_tp``: head-sliced)."""
@@ -206,7 +207,8 @@ def run_prefill(engine: str, port: int, seed: int, results, deadline_s: float, s
     kv, aux = pools(seed)
     server_args = types.SimpleNamespace(disaggregation_transfer_backend=engine, disaggregation_bootstrap_port=port,
                                         host="127.0.0.1", kvplan_host="127.0.0.1",
-                                        max_running_requests=8, context_length=64, kvplan_mode="direct",
+                                        max_running_requests=8, context_length=64,
+                                        kvplan_mode="staged" if staging_mib else "direct", kvplan_staging_mib=staging_mib,
                                         kvplan_state_params=STATE_PARAMS if state == "hybrid" else None,
                                         kvplan_protocol=protocol,
                                         kvplan_decode_lens={**decode_lens(state), "kv_data_lens": [
@@ -234,14 +236,15 @@ def run_prefill(engine: str, port: int, seed: int, results, deadline_s: float, s
             and time.monotonic() < deadline:
         time.sleep(0.01)
     results.put(("prefill", {room: seen[room] + [int(s.poll())] for room, s in senders.items()},
-                 {room: mgr.failures.get(room) for room in senders}))
+                 {room: mgr.failures.get(room) for room in senders}) + ((mgr.prefill.last_mode,) if staging_mib else ()))
     time.sleep(0.5)  # let the last notifications leave before the engine goes
     mgr.close()
     server.close()
 
 
 def run_decode(engine: str, port: int, seed: int, results, deadline_s: float, state: bool = False,
-               rooms: tuple | None = None, name: str = "decode", protocol: str = "kvplan", integrity: bool = False) -> None:
+               rooms: tuple | None = None, name: str = "decode", protocol: str = "kvplan", integrity: bool = False,
+               staging_mib: int = 0) -> None:
     """A decode manager receiving ``rooms`` (all requests by default); reports as ``name``. With
     ``protocol="sglang"`` it is served by SGLang's own prefill; with ``integrity`` it asks for checksums."""
     from tests.sglang_real import sglang_module
@@ -254,7 +257,7 @@ def run_decode(engine: str, port: int, seed: int, results, deadline_s: float, st
     server_args = types.SimpleNamespace(disaggregation_transfer_backend=engine, kvplan_timeout_s=deadline_s,
                                         kvplan_state_params=STATE_PARAMS if state == "hybrid" else None,
                                         kvplan_protocol=protocol, host="127.0.0.1", kvplan_host="127.0.0.1",
-                                        kvplan_integrity=integrity)
+                                        kvplan_integrity=integrity, kvplan_staging_mib=staging_mib)
     args, state_pools = with_state(kv_args_of(base, kv, aux), state, None)
     mgr = KVManager(args, utils.DisaggregationMode.DECODE, server_args)
     lists = page_lists(seed, state == "hybrid")

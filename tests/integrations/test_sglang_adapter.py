@@ -98,6 +98,24 @@ def test_a_decode_that_asks_for_checksums_completes_each_request_once_its_bytes_
     assert all(states[-1] == base.KVPoll.Success for states in decode_states.values()), decode_states
 
 
+def test_with_a_staging_buffer_every_request_moves_staged_byte_for_byte():
+    """``staging_mib`` gives both managers a buffer when they are made; mode ``staged`` then moves each step
+    through it (the prefill's last batch went staged), KV, aux and every hybrid state kind right."""
+    base = sglang_module("srt.disaggregation.base.conn")
+    results = child_context().Queue()
+    port = free_port()
+    procs = [child_process(sglang_sides.run_prefill, ENGINES[0], port, 11, results, 90.0, "hybrid", "kvplan",
+                                 sglang_sides.PAGES, 1, 8),
+             child_process(sglang_sides.run_decode, ENGINES[0], port, 11, results, 90.0, "hybrid", None, "decode",
+                           "kvplan", False, 8)]
+    got = sglang_sides.gather(procs, results)
+    prefill_states, failures, mode = got["prefill"]
+    decode_states, wrong = got["decode"]
+    assert not any(failures.values()) and not wrong, (failures, wrong[:8])
+    assert mode == "staged"
+    assert all(states[-1] == base.KVPoll.Success for states in decode_states.values()), decode_states
+
+
 def test_a_step_that_cannot_be_laid_out_fails_every_send_of_it():
     """More sends in one step than the planning table has rows: nothing is sent, and every sender of
     the step (not only the one that polled) reports Failed with the reason."""

@@ -99,10 +99,28 @@ def test_settings_come_from_server_args_then_environment_then_file(tmp_path):
     ({"KVPLAN_WARM_UP": '{"max_transfers": 16}'}, "KVPLAN_WARM_UP"),
     ({"KVPLAN_WARM_UP": '{"max_transfers": 0, "max_prompt_len": 8192}'}, "KVPLAN_WARM_UP"),
     ({"KVPLAN_INTEGRITY": "maybe"}, "KVPLAN_INTEGRITY"),
+    ({"KVPLAN_STAGING_MIB": "-1"}, "KVPLAN_STAGING_MIB"),
+    ({"KVPLAN_STAGING_MIB": "lots"}, "KVPLAN_STAGING_MIB"),
+    ({"KVPLAN_STAGING_SENDERS": "0"}, "KVPLAN_STAGING_SENDERS"),
 ])
 def test_a_setting_that_does_not_parse_is_refused_naming_it(environ, named):
     with pytest.raises(SettingsError, match=named):
         Settings.read(None, environ)
+
+
+def test_the_staging_buffer_is_on_by_default_on_a_gpu_and_staged_without_one_is_refused():
+    """Where ``auto`` would stage (a GPU), a manager gets a 256 MiB buffer unless told otherwise; a CPU gets
+    none (the gathers run interpreted there); SGLang's protocol none (its peers have none). Mode ``staged``
+    without a buffer is refused naming the setting, before any engine is made, never sent direct."""
+    assert Settings.read(None, {}).staging_bytes("cuda", "kvplan") == 256 << 20
+    assert Settings.read(None, {}).staging_bytes("cpu", "kvplan") == 0
+    assert Settings.read(None, {"KVPLAN_STAGING_MIB": "8"}).staging_bytes("cpu", "kvplan") == 8 << 20
+    assert Settings.read(None, {"KVPLAN_STAGING_MIB": "0"}).staging_bytes("cuda", "kvplan") == 0
+    assert Settings.read(None, {}).staging_bytes("cuda", "sglang") == 0
+    with pytest.raises(SettingsError, match="staging_mib"):
+        Settings.read(None, {"KVPLAN_MODE": "staged"}).staging_bytes("cpu", "kvplan")
+    with pytest.raises(SettingsError, match="staging_mib"):
+        Settings.read(None, {"KVPLAN_MODE": "staged", "KVPLAN_STAGING_MIB": "0"}).staging_bytes("cuda", "kvplan")
 
 
 def test_an_unknown_key_in_the_config_file_is_refused(tmp_path):

@@ -215,6 +215,9 @@ class KVManager(PrefillManager, DecodeManager, BaseKVManager):
         if self.protocol == "sglang" and engine_kind not in BACKENDS:
             raise LayoutError(f"kvplan_protocol='sglang' speaks SGLang's protocol over {list(BACKENDS)}, not "
                               f"{engine_kind}")
+        # the staging buffer, made now beside SGLang's pools (mode staged without one is refused)
+        staging_bytes = self.settings.staging_bytes(self.device.type, self.protocol)
+        self.staging = torch.empty(staging_bytes, dtype=torch.uint8, device=self.device) if staging_bytes else None
         # what this rank binds and advertises, and where SGLang's bootstrap server is (docs/sglang.md)
         self.host = self.settings.host or node_address(server_args)
         self.bootstrap_host = bootstrap_host(server_args)
@@ -250,7 +253,7 @@ class KVManager(PrefillManager, DecodeManager, BaseKVManager):
                       for p, m in zip(self.state_params + [{}] * (len(kinds) - len(self.state_params)), self.maps)]
             side = side_from_kv_args(args, mla=self.is_mla, attn_tp_size=self.attn_tp_size, req_to_token=self.table,
                                      state_params=params)
-            self.prefill: PrefillEndpoint | None = PrefillEndpoint(side, self.engine, [])
+            self.prefill: PrefillEndpoint | None = PrefillEndpoint(side, self.engine, [], staging=self.staging)
             if self.settings.warm_up:  # each decode that pairs gets a planner ready for these batches (no first-batch stall)
                 self.prefill.warm_up(**self.settings.warm_up, timeout=min(5.0, self.timeout))
             # from here its progress thread pairs, plans and moves: the scheduler's thread only submits and reads.

@@ -104,7 +104,9 @@ class DecodeManager:
             publishers = mine // prefill_tp if mine > prefill_tp and mine % prefill_tp == 0 else 1
         channel = channel_via(*rank_addr, timeout=self.timeout, secret=self.settings.secret())
         if self.decode is None:
-            self.decode = DecodeEndpoint(self.side, self.engine, channel, integrity=self.settings.integrity)
+            self.decode = DecodeEndpoint(self.side, self.engine, channel, integrity=self.settings.integrity,
+                                         staging=self.staging,
+                                         senders=self.settings.staging_senders if self.staging is not None else None)
             self.decode.register(timeout=self.timeout)
             peer = 0
         else:

@@ -43,6 +43,12 @@ secret_file    ``KVPLAN_SECRET_FILE``  none        a file holding the control pl
 integrity      ``KVPLAN_INTEGRITY``    ``false``   a decode asks its prefills for each request's
                                                    checksum and completes a request only once its
                                                    bytes agree (docs/failures.md §7): ``true``/``false``
+staging_mib    ``KVPLAN_STAGING_MIB``  see meaning the staging buffer each manager allocates on its GPU
+                                                   when it is made, in MiB (kvplan's protocol): what
+                                                   ``auto`` and ``staged`` send through; default 256
+                                                   on a GPU, 0 (none: direct only) on a CPU
+staging_senders ``KVPLAN_STAGING_SENDERS`` ``4``   a decode's buffer is shared by this many prefill
+                                                   ranks, each its own share; one more is refused
 ============== ======================= =========== ==================================================
 
 A value that does not parse is refused with :class:`SettingsError`, naming the setting and where it
@@ -70,6 +76,7 @@ MODES = ("auto", "direct", "prepared", "staged")
 PROTOCOLS = ("kvplan", "sglang")
 BOOTSTRAPS = ("sglang", "direct")
 WARM_UP = {"max_transfers": 16, "max_prompt_len": 8192}
+DEFAULT_STAGING_MIB = 256
 CONFIG_VARIABLE = "KVPLAN_CONFIG"
 
 
@@ -93,6 +100,19 @@ class Settings:
     warm_up: dict = field(default_factory=lambda: dict(WARM_UP))
     secret_file: str | None = None
     integrity: bool = False
+    staging_mib: int | None = None  # None: DEFAULT_STAGING_MIB on a GPU, none on a CPU
+    staging_senders: int = 4
+
+    def staging_bytes(self, device_type: str, protocol: str) -> int:
+        """The staging buffer's size for a manager on a device of this type (0: none; none with SGLang's
+        protocol, whose peers have none). Mode ``staged`` without one is refused, naming the setting."""
+        mib = 0 if protocol != "kvplan" else self.staging_mib if self.staging_mib is not None else \
+            DEFAULT_STAGING_MIB if device_type == "cuda" else 0
+        if self.mode == "staged" and not mib:
+            raise SettingsError(f"mode staged needs a staging buffer and this manager has none (staging_mib "
+                                f"{self.staging_mib}, a {device_type} device, protocol {protocol}): set "
+                                "staging_mib, or mode auto")
+        return mib << 20
 
     def secret(self) -> bytes | None:
         """The control plane's shared secret: the ``secret_file``'s, else ``KVPLAN_SECRET``'s, else none."""
@@ -121,6 +141,7 @@ class Settings:
 
 _JSON_SETTINGS = {"engine_settings": dict, "state_params": list, "decode_lens": (dict, list), "warm_up": dict}
 _BOOLS = ("integrity",)
+_COUNTS = {"staging_mib": 0, "staging_senders": 1}  # whole numbers, each at least this
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 _CHOICES = {"mode": MODES, "protocol": PROTOCOLS, "bootstrap": BOOTSTRAPS, "engine": ("nixl", "mooncake")}
 
@@ -146,6 +167,15 @@ def _parse(name: str, value: Any, where: str, text: bool) -> Any:
         if text_value not in _TRUE + _FALSE:
             raise SettingsError(f"{where}: expected true or false, got {value!r}")
         return text_value in _TRUE
+    if name in _COUNTS:
+        least = _COUNTS[name]
+        try:
+            count = int(str(value).strip()) if not isinstance(value, bool) else None
+        except ValueError:
+            count = None
+        if count is None or count < least or count > 1 << 16:
+            raise SettingsError(f"{where}: expected a whole number of at least {least}, got {value!r}")
+        return count
     if name == "timeout_s":
         try:
             seconds = float(value)
