@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvplan.planner.device.destinations import PreallocatedRequest, plan_destinations
+from kvplan.errors import LayoutError
 from kvplan.planner.contract.batch import Attention, Entry, KVLayout, SideMemory
 from kvplan.transport.completion import encode_notification
 from kvplan.transport.decode import DecodeEndpoint
@@ -384,3 +385,24 @@ def test_what_a_sender_sent_before_its_connection_dropped_still_completes_its_re
         time.sleep(0.01)
     assert endpoint.tracker.state("r2") == "failed"
     assert "the prefill side is gone" in endpoint.tracker.failure("r2")
+
+
+def test_a_decode_with_staging_takes_senders_up_to_the_shares_its_buffer_was_split_for():
+    """A decode endpoint made with ``senders=2`` and one channel takes one more sender later (an SGLang decode
+    rank finds its prefill ranks one by one), registering with it its own share of the buffer; a third is
+    refused, naming the count, and registers nothing."""
+    pool = torch.zeros(16 * PAGE_BYTES, dtype=torch.uint8)
+    side = SideMemory(KVLayout(Attention.MLA, PAGE, (Entry(pool.data_ptr(), PAGE_BYTES, 16),)),
+                      req_to_token=table_with({1: [3, 4]}, PAGE, max_ctx=16))
+    staging = torch.zeros(4096, dtype=torch.uint8)
+    first, first_prefill = FakeChannel.pair()
+    endpoint = DecodeEndpoint(side, FakeEngine(), first, staging, senders=2)
+    endpoint.register(timeout=1)
+    second, second_prefill = FakeChannel.pair()
+    assert endpoint.add_sender(second, timeout=1) == 1
+    shares = [ch.try_recv()[1]["staging"] for ch in (first_prefill, second_prefill)]
+    assert shares == [[staging.data_ptr(), 2048], [staging.data_ptr() + 2048, 2048]]
+    third, third_prefill = FakeChannel.pair()
+    with pytest.raises(LayoutError, match="2 senders"):
+        endpoint.add_sender(third, timeout=1)
+    assert third_prefill.try_recv() is None and len(endpoint.channels) == 2
