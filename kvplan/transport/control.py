@@ -189,6 +189,7 @@ class ControlChannel(Handshake, Liveness):
         waits for the next one to pair). The first message of a pairing waits for the handshake
         (:mod:`.auth`) within the same time.
         """
+        kind = str(kind)  # (a control_messages.Kind is its wire string; its repr is not, in the errors below)
         wait_s = self.send_timeout if timeout is None else timeout
         if self.closed:
             raise ControlTimeout(f"the channel on {self.host} port {self.port} is closed: a {kind!r} message cannot leave")
