@@ -299,7 +299,6 @@ def _pair_sides(src: SideMemory, dst: SideMemory) -> SidePairing:
                                       "(docs/tp_state.md)") from None
                 raise
     _require_equal_items("aux", src.aux, dst.aux)
-    unit = gcd(sk.page_size, dk.page_size)
     state_units = tuple(units_per_page(sc.pages_of(sk.page_size), dc.pages_of(dk.page_size))
                         if rules_of(sc.kind).paged else (1, 1) for sc, dc in zip(src.state, dst.state))
     return SidePairing(
@@ -314,10 +313,10 @@ def _pair_sides(src: SideMemory, dst: SideMemory) -> SidePairing:
         state_heads=tuple(state_heads),
         state_bytes=tuple(state_bytes),
         state_rows=tuple(state_rows),
-        unit_tokens=unit,
+        unit_tokens=gcd(sk.page_size, dk.page_size),
         kv_units=units_per_page(sk.page_size, dk.page_size),
         state_units=state_units,
-        sliced_tokens=heads.spans_per_page(unit) if heads is not None else 0,
+        sliced_tokens=heads.spans_per_page(gcd(sk.page_size, dk.page_size)) if heads is not None else 0,
         state_sliced_tokens=tuple(0 if h is None else h.spans_per_page(sc.pages_of(sk.page_size))
                                   for h, sc in zip(state_heads, src.state)),
     )

@@ -294,7 +294,7 @@ class PendingPlan:
             t, k = divmod(s, st.K)
             count = 1
             if k == 0:  # the destination pages: with units of gcd tokens, rd units to a page
-                rd = st.unit_ratios[int(dests[t])][1] if st.units else 1
+                rd = st.pairings[int(dests[t])].kv_units[1] if st.units else 1
                 count = -(-int(keep_n[s, 1]) // rd)
             out.append(Section(t, self.columns.request(t), roles[k], names[k], int(ends[s - 1]) if s else 0,
                                int(ends[s]), count))
@@ -365,8 +365,8 @@ class PendingPlan:
                               seg_descs))
             end, last_flag, sent = (int(x) for x in xfer[t, :3])
             kv = parts[0]
-            kv = _pages_of_units(kv, st.unit_ratios[dest])
-            parts[1 : K - 1] = [_pages_of_units(part, r) for part, r in zip(parts[1 : K - 1], st.comp_ratios[dest])]
+            kv = _pages_of_units(kv, pairing.kv_units)
+            parts[1 : K - 1] = [_pages_of_units(part, r) for part, r in zip(parts[1 : K - 1], pairing.state_units)]
             state = ()
             if last_flag:
                 state = tuple(ComponentPlan(comp.name, comp.kind, parts[1 + c][0], parts[1 + c][1],
@@ -387,9 +387,9 @@ class PendingPlan:
         st = self.planner.static
         pairing = st.pairings[dest]
         src_t, dst_t = pairing_tables(pairing, k, st.K)
-        if k == 0 and st.unit_ratios[dest] != (1, 1):
+        if k == 0 and pairing.kv_units != (1, 1):
             src_t, dst_t = unit_tables(pairing, self.planner.src.kv.page_size, self.planner.dsts[dest].kv.page_size)
-        if 0 < k < st.K - 1 and st.comp_ratios[dest][k - 1] != (1, 1):  # its runs count units
+        if 0 < k < st.K - 1 and pairing.state_units[k - 1] != (1, 1):  # its runs count units
             p = self.planner
             src_t, dst_t = scaled_tables(src_t, dst_t, p.src.state[k - 1].pages_of(p.src.kv.page_size),
                                          p.dsts[dest].state[k - 1].pages_of(p.dsts[dest].kv.page_size))

@@ -57,10 +57,8 @@ class StaticTables:
         require_same_device(src, device)
         self.pairings: list[SidePairing] = [pair_sides(src, d) for d in dsts]
         ps = src.kv.page_size
-        # docs/page_sizes.md: with a destination of another page size, KV moves in units of gcd tokens;
-        # per destination and component, (source, destination) units per page (SWA, DSA: §6)
-        self.unit_ratios = [p.kv_units for p in self.pairings]
-        self.comp_ratios = [list(p.state_units) for p in self.pairings]
+        # docs/page_sizes.md: with a destination of another page size, KV moves in units of gcd tokens
+        # (each pairing's kv_units and state_units say how many per page on each side)
         self.units = any(p.in_units for p in self.pairings)
         if self.units and prepared:
             raise LayoutError(f"page sizes differ (source {ps}, destinations {[d.kv.page_size for d in dsts]}): "
@@ -73,9 +71,9 @@ class StaticTables:
         dest_meta = np.zeros((max(1, D), int(kl.DEST_FIELDS_BASE) + 2 * K + 4 * C), np.int64)
         heads = np.zeros((max(1, D) * K, int(kx.HEAD_FIELDS)), np.int64)  # per destination and slot
         for d, (p, side) in enumerate(zip(self.pairings, dsts)):
-            kv_tables = unit_tables(p, ps, side.kv.page_size) if self.unit_ratios[d] != (1, 1) else (p.kv_src, p.kv_dst)
+            kv_tables = unit_tables(p, ps, side.kv.page_size) if p.kv_units != (1, 1) else (p.kv_src, p.kv_dst)
             comp_tables = [scaled_tables(st, dt, c.pages_of(ps), dc.pages_of(side.kv.page_size))
-                           if self.comp_ratios[d][i] != (1, 1) else (st, dt)
+                           if p.state_units[i] != (1, 1) else (st, dt)
                            for i, (st, dt, c, dc) in enumerate(zip(p.state_src, p.state_dst, src.state, side.state))]
             tables = [kv_tables, *comp_tables, (p.aux_src, p.aux_dst)]
             moved = [None, *(p.component_bytes(c) for c in range(C)), None]  # bytes per item, when not whole
@@ -137,7 +135,7 @@ class StaticTables:
                            for k in range(1, K - 1)]
         self.per_element = max(multiplier)
         # list elements per destination-list entry at most (a destination page holds this many units)
-        self.units_per_entry = max([r[1] for r in self.unit_ratios] + [r[1] for rs in self.comp_ratios for r in rs]
+        self.units_per_entry = max([p.kv_units[1] for p in self.pairings] + [r[1] for p in self.pairings for r in p.state_units]
                                    + [1])
         self.aux_entries = len(src.aux)
         to = lambda a: torch.from_numpy(np.ascontiguousarray(a).view(np.int64)).to(device)  # noqa: E731

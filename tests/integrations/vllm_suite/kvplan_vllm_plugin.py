@@ -84,7 +84,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     from kvplan.integrations.vllm.groups import UnsupportedConfig
 
     for item in items:
-        reason = REFUSED.get(item.name) or REFUSED.get(item.originalname if hasattr(item, "originalname") else "")
+        reason = REFUSED.get(item.name) or REFUSED.get(getattr(item, "originalname", ""))
         if reason is not None:
             item.add_marker(pytest.mark.xfail(raises=UnsupportedConfig, strict=True, reason=reason))
 
