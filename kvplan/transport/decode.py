@@ -29,21 +29,21 @@ import numpy as np
 import torch
 
 from .. import env
-from ..errors import KvplanError, LayoutError
-from ..kernels.copy import SCATTER
-from ..planner.device.destinations import PreallocatedRequest, PublishedRequest, list_entries, plan_destinations
+from ..errors import LayoutError
+from ..planner.device.destinations import PreallocatedRequest, PublishedRequest, plan_destinations
 from ..planner.device.planner import Planner
 from ..planner.contract.batch import Batch, SideMemory
 from ..planner.contract.pairing import pair_sides
 from ..planner.contract.tensor_slices import partner_rank
 from .decode_messages import SenderMessages
 from .decode_thread import DecodeProgress
+from .decode_warm import DecodeWarmUp
 from .completion import CompletionTracker
 from .control import MAX_REFUSED, ControlChannel, ControlTimeout
 from .copy_graphs import CopyGraphs, copy_graphs_enabled
 from .engines import Engine
 from .landing import LandingGuard
-from .local import plan_alignment, typical_sizes, warm_up
+from .local import plan_alignment, warm_up
 from .pause import Pause
 from .receiver_plan import OwnLists, PlannedRun
 from .receivers.staged import POLL_S, StagedReceiver, _StagedWave
@@ -79,7 +79,7 @@ def engine_regions(side: SideMemory) -> list[tuple[int, int]]:
     return [(start, end - start) for start, end in regions]
 
 
-class DecodeEndpoint(SenderMessages, StagedReceiver):
+class DecodeEndpoint(SenderMessages, StagedReceiver, DecodeWarmUp):
     """The receiving side (see the module docstring).
 
     ``channels``: one control channel per prefill endpoint that sends here (fan-in); a request is
@@ -101,6 +101,7 @@ class DecodeEndpoint(SenderMessages, StagedReceiver):
         self.channels = list(channels) if isinstance(channels, (list, tuple)) else [channels]
         # (senders: made with no channel yet, its memory registered before any is asked for: attach_channels)
         self._sender_count = len(self.channels) if senders is None else senders
+        self._sender_slots = len(self.channels)  # sender indices given (add_sender), counted on the caller's side
         self.tracker = CompletionTracker(side)
         self.guard = LandingGuard(side)
         self.failures: dict[Any, str | None] = {}
@@ -209,10 +210,11 @@ class DecodeEndpoint(SenderMessages, StagedReceiver):
             decode.register(timeout=5)
         """
         self._before_thread("attach_channels")
-        if self.channels or len(channels) != self._sender_count:
+        if self._sender_slots or len(channels) != self._sender_count:
             raise LayoutError(f"this decode endpoint was made for {self._sender_count} senders and has {len(self.channels)} "
                               f"channels: it takes {self._sender_count} once, not {len(channels)}")
         self.channels = list(channels)
+        self._sender_slots = len(self.channels)
 
     def register(self, timeout: float = 60.0) -> None:
         """Publish this side's layout, engine metadata and staging buffer; waits up to ``timeout``
@@ -237,14 +239,35 @@ class DecodeEndpoint(SenderMessages, StagedReceiver):
     def add_sender(self, channel: ControlChannel, timeout: float) -> int:
         """Take one more sender (a prefill rank found later, such as another prefill node's) and
         register this side with it; returns its peer index. With a staging buffer, split into shares for
-        ``senders`` senders at construction, a sender past that count is refused."""
-        self._before_thread("add_sender")
-        if self.staging is not None and len(self.channels) >= self._sender_count:
+        ``senders`` senders at construction, a sender past that count is refused. On a started endpoint
+        the registration is sent from the progress thread (the index is known at once); a registration
+        that cannot be sent fails every request published to that sender with the reason.
+
+        Example::
+
+            decode = DecodeEndpoint(side, engine, [], staging=staging, senders=4)
+            decode.start()
+            peer = decode.add_sender(channel_via(host, port, timeout=5), timeout=5)
+        """
+        if self.staging is not None and self._sender_slots >= self._sender_count:
             raise LayoutError(f"this decode endpoint's staging buffer is split among {self._sender_count} senders, "
                               "all taken: make it with senders= as many as it may serve")
-        self.channels.append(channel)
-        self._register(len(self.channels) - 1, time.monotonic() + timeout)
-        return len(self.channels) - 1
+        peer, deadline = self._sender_slots, time.monotonic() + timeout
+        self._sender_slots += 1
+        if not self._threaded(lambda: self._attach_sender(channel, peer, deadline)):
+            self._attach_sender(channel, peer, deadline)
+        return peer
+
+    def _attach_sender(self, channel: ControlChannel, peer: int, deadline: float) -> None:
+        self.channels.append(channel)  # (senders are attached in the order their indices were given)
+        try:
+            self._register(peer, deadline)
+        except ControlTimeout as err:
+            if self._progress is None:
+                raise
+            self._refused[peer] = f"this side's registration could not be sent to sender {peer}: {err}"
+            log.warning("%s", self._refused[peer])
+            self._fail_owned(peer, self._refused[peer])
 
     def abort(self, request: Any, reason: str) -> None:
         """Fail ``request`` here and tell each sender it was published to, which then sends none of it
@@ -423,6 +446,41 @@ class DecodeEndpoint(SenderMessages, StagedReceiver):
             if refused is not None:  # (its sender refused the pairing before: nothing of it can come)
                 self.tracker.fail(p.request, refused)
 
+    def publish_lists(self, published: Sequence[PublishedRequest], prefix_lens: Sequence[int], timeout: float,
+                      peer: int | Sequence[int] = 0, publishers: int = 1) -> None:
+        """Publish destination lists the caller made itself (an engine's own page lists rather than
+        planning rows): track each request, then send its lists to sender ``peer`` (or to each sender
+        it is gathered from). ``prefix_lens``: per request, the tokens the decode holds already
+        (its lists start after them). On a started endpoint it returns at once; the progress thread
+        tracks and sends, in the order published. A list that cannot be sent fails its request.
+
+        Example::
+
+            lists = PublishedRequest(room, DestinationLists(pages, ()), aux_index, (), True)
+            decode.publish_lists([lists], prefix_lens=[0], timeout=30, peer=k)
+        """
+        deadline = time.monotonic() + timeout
+        if self._threaded(lambda: self._send_lists(published, prefix_lens, deadline, peer, publishers)):
+            return
+        self._send_lists(published, prefix_lens, deadline, peer, publishers)
+
+    def _send_lists(self, published: Sequence[PublishedRequest], prefix_lens: Sequence[int], deadline: float,
+                    peer: int | Sequence[int], publishers: int) -> None:
+        peers = _peers(peer)
+        self.track(published, deadline, peers)
+        page_size = self.side.kv.page_size
+        for p, prefix_len in zip(published, prefix_lens):
+            header = {"request": p.request, "prompt_len": int(prefix_len) + len(p.lists.pages) * page_size,
+                      "prefix_len": int(prefix_len)}
+            if publishers > 1:
+                header["publishers"] = publishers
+            for k in peers:
+                try:
+                    self.channels[k].send(Kind.REQUEST, header, p.message(),
+                                          timeout=max(0.0, deadline - time.monotonic()))
+                except ControlTimeout as err:
+                    self.tracker.fail(p.request, f"its destination lists could not be published to sender {k}: {err}")
+
     def _writes(self, request: Any, peer: int) -> bool:
         """Whether sender ``peer`` may write ``request``."""
         return peer in self._owner.get(request, ())
@@ -452,67 +510,6 @@ class DecodeEndpoint(SenderMessages, StagedReceiver):
             pairing = pair_sides(sender, self.side)
             parts[k] = frozenset(c.name for c, table in zip(self.side.state, pairing.state_src) if len(table))
         return parts
-
-    def warm_up(self, max_transfers: int = 16, max_prompt_len: int = 8192, timeout: float = 30.0) -> dict[str, float]:
-        """Do at start-up what the first batch would otherwise pay for: load the destination-list
-        kernels of :meth:`publish` (a token table on the GPU); with a staging buffer, wait (up to
-        ``timeout``) until every sender has paired, compile the scatter kernels for this side's launch
-        shapes, and make every planner of receiver-planned runs ready for batches of up to
-        ``max_transfers`` transfers of requests of up to ``max_prompt_len`` tokens
-        (:meth:`~kvplan.planner.device.planner.Planner.warm_up`). Call it after :meth:`register`, before the
-        first :meth:`publish`; the sender's :meth:`PrefillEndpoint.warm_up` runs meanwhile. Returns
-        the seconds each step took. Off the GPU there is nothing to compile or capture.
-
-        Example::
-
-            decode.register()
-            decode.warm_up(max_transfers=64, max_prompt_len=8192)
-        """
-        self._before_thread("warm_up")
-        took: dict[str, float] = {}
-        table = self.side.req_to_token
-        if isinstance(table, torch.Tensor) and table.is_cuda:
-            start = time.perf_counter()
-            self._warm_lists()
-            took["lists"] = time.perf_counter() - start
-        if self.staging is None:
-            return took
-        start = time.perf_counter()
-        deadline, pause = time.monotonic() + timeout, Pause()
-        while len(self._senders) + len(self._refused) < len(self.channels) and time.monotonic() < deadline:
-            self._poll()
-            pause()
-        if len(self._senders) < len(self.channels):
-            log.warning("warm-up: %d of %d senders had not paired after %.1f s (%d refused the pairing); their "
-                        "planners start cold", len(self.channels) - len(self._senders), len(self.channels), timeout,
-                        len(self._refused))
-        took["pairing"] = time.perf_counter() - start
-        if not self.staging.is_cuda:  # (off the GPU nothing is compiled or captured)
-            return took
-        start = time.perf_counter()
-        warm_up(self.staging, self._alignment, typical_sizes(self.side), kinds=(SCATTER,))
-        took["kernels"] = time.perf_counter() - start
-        start = time.perf_counter()
-        warmed: set[int] = set()
-        for peer in list(self._scatter_from):
-            planner, _ = self._scatter_planner(peer)
-            if id(planner) not in warmed:
-                warmed.add(id(planner))
-                planner.warm_up(max_transfers, list_entries(planner.src, max_prompt_len), stream=self._stream)
-        took["planners"] = time.perf_counter() - start
-        log.info("decode endpoint warmed up: %s", ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in took.items()))
-        return took
-
-    def _warm_lists(self) -> None:
-        """Load the destination-list kernels a first :meth:`publish` would (11-29 ms on an H200, session
-        27): the lists of one page of the token table's first row, computed and dropped (nothing is
-        published or tracked; whatever that row holds, an error it raises is dropped too)."""
-        side = self.side
-        request = PreallocatedRequest("kvplan-warm-up", 0, min(side.kv.page_size, side.req_to_token.shape[1]))
-        try:
-            plan_destinations(side, [request], validate=False).result()
-        except KvplanError as err:  # (row 0 may hold anything now: the kernels ran all the same)
-            log.debug("warm-up: the destination lists of row 0 were refused (%s)", err)
 
     # -- progress ---------------------------------------------------------------------------------
     def poll(self) -> dict[Any, str | None]:

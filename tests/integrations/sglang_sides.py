@@ -244,9 +244,10 @@ def run_prefill(engine: str, port: int, seed: int, results, deadline_s: float, s
 
 def run_decode(engine: str, port: int, seed: int, results, deadline_s: float, state: bool = False,
                rooms: tuple | None = None, name: str = "decode", protocol: str = "kvplan", integrity: bool = False,
-               staging_mib: int = 0) -> None:
+               staging_mib: int = 0, early_metadata: bool = False) -> None:
     """A decode manager receiving ``rooms`` (all requests by default); reports as ``name``. With
-    ``protocol="sglang"`` it is served by SGLang's own prefill; with ``integrity`` it asks for checksums."""
+    ``protocol="sglang"`` it is served by SGLang's own prefill; with ``integrity`` it asks for checksums;
+    with ``early_metadata`` each request's lists are handed right after ``init``, before its pairing ended."""
     from tests.sglang_real import sglang_module
 
     base = sglang_module("srt.disaggregation.base.conn")
@@ -272,6 +273,9 @@ def run_decode(engine: str, port: int, seed: int, results, deadline_s: float, st
         while not mgr.try_ensure_parallel_info(f"127.0.0.1:{port}") and time.monotonic() < until:
             time.sleep(0.05)
         receiver.init(0)
+        # as SGLang's decode does: the metadata once the receiver stopped bootstrapping (its pairing runs off-thread)
+        while not early_metadata and receiver.poll() == base.KVPoll.Bootstrapping and time.monotonic() < until:
+            time.sleep(0.002)
         seen[room].append(int(receiver.poll()))
         receiver.send_metadata(torch.from_numpy(lists[room][1].astype(np.int32)), aux_index=lists[room][3],
                                decode_prefix_len=prefix, state_indices=state_indices(state, room, 1, lists, seed))

@@ -98,6 +98,18 @@ def test_a_decode_that_asks_for_checksums_completes_each_request_once_its_bytes_
     assert all(states[-1] == base.KVPoll.Success for states in decode_states.values()), decode_states
 
 
+def test_lists_handed_before_the_pairing_ended_are_published_once_it_has():
+    """The decode pairs with its prefill off the scheduler's thread: a decode that hands each request's
+    lists right after ``init`` (its pairing still under way) has them kept and published at a later
+    ``poll``; every request succeeds, every byte right."""
+    base = sglang_module("srt.disaggregation.base.conn")
+    got = _run_sides(ENGINES[0], "hybrid", [(None, "decode", "kvplan", False, 0, True)])
+    prefill_states, failures = got["prefill"]
+    decode_states, wrong = got["decode"]
+    assert not any(failures.values()) and not wrong, (failures, wrong[:8])
+    assert all(states[-1] == base.KVPoll.Success for states in decode_states.values()), decode_states
+
+
 def test_with_a_staging_buffer_every_request_moves_staged_byte_for_byte():
     """``staging_mib`` gives both managers a buffer when they are made; mode ``staged`` then moves each step
     through it (the prefill's last batch went staged), KV, aux and every hybrid state kind right."""

@@ -4,6 +4,7 @@ a prefill layout it cannot take, registers and asks in frames SGLang's prefill r
 status messages it should (SGLang's own status encoder writes them)."""
 
 import numpy as np
+
 import pytest
 import zmq
 
@@ -11,6 +12,7 @@ from kvplan.errors import LayoutError
 from kvplan.integrations.sglang.bootstrap import RankRoute, register_rank
 from kvplan.integrations.sglang.decode_link import DecodeRankLink
 from kvplan.integrations.sglang.wire import Registration, StatusMessage, TransferRequest, status_frames
+from tests.integrations.sglang_polls import until
 from tests.integrations.test_sglang_rank_link import _pull, _recv
 from tests.sglang_real import sglang_module
 
@@ -152,7 +154,9 @@ def test_a_kvplan_decode_whose_request_gets_no_status_fails_it_at_its_deadline_a
     try:
         receiver = KVReceiver(mgr, f"127.0.0.1:{bootstrap}", 12)
         receiver.init(0)
-        assert _registered_session(sock) == mgr.engine.segment  # it registered its Mooncake segment
+        assert _registered_session(sock) == mgr.engine.segment  # it registered its Mooncake segment (off-thread)
+        until(lambda: receiver.poll() != base.KVPoll.Bootstrapping)
+        assert receiver.poll() == base.KVPoll.WaitingForInput
         receiver.send_metadata(np.array([3, 4], np.int32), aux_index=1)
         _recv(sock)  # the request
         for _ in range(200):

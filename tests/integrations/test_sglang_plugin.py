@@ -59,7 +59,7 @@ def test_kvplan_sglang_1_gives_sglang_s_schedulers_kvplan_s_classes():
         for where in ("prefill", "decode", "utils", "service"):
             assert got[f"{backend}/manager/{where}"] == "kvplan.integrations.sglang.adapter.KVManager"
             assert got[f"{backend}/sender/{where}"] == "kvplan.integrations.sglang.adapter.KVSender"
-            assert got[f"{backend}/receiver/{where}"] == "kvplan.integrations.sglang.adapter.KVReceiver"
+            assert got[f"{backend}/receiver/{where}"] == "kvplan.integrations.sglang.receiver.KVReceiver"
             # SGLang's own bootstrap server and KVArgs stay: its port keeps working
             assert got[f"{backend}/bootstrap_server/{where}"].startswith("sglang.srt.disaggregation.")
             assert got[f"{backend}/kvargs/{where}"] == "sglang.srt.disaggregation.base.conn.KVArgs"

@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.sglang, pytest.mark.engines]
 ROOT = Path(__file__).resolve().parents[2]
 
 _SCHEDULER = r"""
-import json, os, socket, sys, types
+import json, os, socket, sys, time, types
 sys.path.insert(0, {root!r})
 from tests.sglang_real import _torchvision_or_stand_in
 _torchvision_or_stand_in()
@@ -68,6 +68,10 @@ out = {{"manager": f"{{type(mgr).__module__}}.{{type(mgr).__name__}}", "listener
 from kvplan.integrations.sglang.bootstrap import prefill_rank
 out["registered"] = list(prefill_rank("127.0.0.1", port, tp_rank=0))
 decoder = type(mgr)(queue.kv_manager.kv_args, utils.DisaggregationMode.DECODE, server_args)
+out["first_look"] = decoder.try_ensure_parallel_info(f"127.0.0.1:{{port}}")  # (starts the lookup off-thread)
+until = time.monotonic() + 30
+while not decoder.try_ensure_parallel_info(f"127.0.0.1:{{port}}") and time.monotonic() < until:
+    time.sleep(0.01)  # (SGLang looks again a second later)
 out["layout"] = decoder.try_ensure_parallel_info(f"127.0.0.1:{{port}}")
 req = types.SimpleNamespace(bootstrap_host="127.0.0.1", bootstrap_port=port, bootstrap_room=5,
                             disagg_prefill_dp_rank=None)
@@ -94,4 +98,5 @@ def test_sglang_s_prefill_queue_builds_kvplan_s_manager_and_its_decode_finds_it(
     assert listener_port != port  # SGLang's bootstrap server keeps its port
     assert out["registered"] == ["127.0.0.1", listener_port]  # found through SGLang's server
     assert out["entries"] == 4  # SGLang's KVArgs: K and V of 2 layers
+    assert out["first_look"] is False  # the first look never waits for the server: it starts the lookup
     assert out["layout"] is True and out["dp_rank"] == 0

@@ -164,7 +164,8 @@ def test_a_receiver_whose_prefill_cannot_be_found_fails_instead_of_raising():
     receiver = KVReceiver(mgr, f"127.0.0.1:{free_port()}", 3)
     assert receiver.conclude_state is None and not receiver.require_staging
     assert not mgr.try_ensure_parallel_info(receiver.bootstrap_addr)  # SGLang tries again later
-    receiver.init(0)
+    receiver.init(0)  # (its lookup runs off the scheduler's thread: the receiver bootstraps until it fails)
+    until(lambda: receiver.poll() != base.KVPoll.Bootstrapping)
     assert receiver.poll() == base.KVPoll.Failed and receiver.conclude_state == base.KVPoll.Failed
     assert "no prefill rank to pair with" in mgr.failures[3]
     receiver.send_metadata(np.array([1, 2]), aux_index=0)  # SGLang may still send it: nothing is published

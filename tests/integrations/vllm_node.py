@@ -206,7 +206,7 @@ def decode(args: argparse.Namespace) -> dict:
     while received != set(mine) and time.monotonic() < deadline:
         results, bad = step(scheduler, worker, set())
         if pairing_after_first_step is None:
-            pairing_after_first_step = any(p.thread.is_alive() for p in worker.worker._pairings.values())
+            pairing_after_first_step = any(not p.done() for p in worker.worker._pairings.values())
         received |= results.finished_recving
         failed |= results.failed_recving
         invalid |= bad

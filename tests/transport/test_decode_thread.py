@@ -7,12 +7,13 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
-from kvplan.planner.device.destinations import PreallocatedRequest
+from kvplan.planner.device.destinations import PreallocatedRequest, PublishedRequest
 from kvplan.planner.contract.batch import Attention, Entry, KVLayout, SideMemory
-from kvplan.planner.contract.plan import KV_ROLE, Section
+from kvplan.planner.contract.plan import KV_ROLE, DestinationLists, Section
 from kvplan.transport.completion import encode_notification
 from kvplan.transport.decode import DecodeEndpoint
 from tests.planner.builders import table_with
@@ -146,5 +147,39 @@ def test_calls_that_talk_on_the_caller_s_thread_are_refused_once_started():
             endpoint.register(timeout=1)
         with pytest.raises(RuntimeError, match="before start"):
             endpoint.warm_up()
+    finally:
+        endpoint.close()
+
+
+def test_a_started_endpoint_takes_senders_and_publishes_lists_of_its_caller_from_its_thread():
+    """An engine's decode (SGLang's) makes its endpoint at start with no sender, starts it, and attaches
+    each prefill rank as it is found: ``add_sender`` gives the index at once and the thread registers; lists
+    the caller made itself (``publish_lists``) are tracked and sent by the thread to their sender alone, and
+    the request completes from that sender's note. The caller touches no channel."""
+    pool = torch.zeros(16 * PAGE_BYTES, dtype=torch.uint8)
+    side = SideMemory(KVLayout(Attention.MLA, PAGE, (Entry(pool.data_ptr(), PAGE_BYTES, 16),)),
+                      req_to_token=table_with({1: [3, 4]}, PAGE, max_ctx=16))
+    endpoint = DecodeEndpoint(side, FakeEngine(), [])
+    endpoint.start()
+    channels = []
+    try:
+        for k in range(2):
+            mine, theirs = WatchedChannel(), FakeChannel()
+            mine.other, theirs.other = theirs, mine
+            channels.append((mine, theirs))
+            assert endpoint.add_sender(mine, timeout=WAIT_S) == k
+        for k, (_, prefill) in enumerate(channels):
+            header = _received(prefill, "register", 1)[0]
+            assert header.get("peer", 0) == k
+        lists = PublishedRequest(9, DestinationLists(np.array([5, 6], np.int64), ()), 0, (), False)
+        endpoint.publish_lists([lists], prefix_lens=[4], timeout=WAIT_S, peer=1)
+        header = _received(channels[1][1], "request", 1)[0]
+        assert (header["request"], header["prefix_len"], header["prompt_len"]) == (9, 4, 4 + 2 * PAGE)
+        assert channels[0][1].try_recv() is None  # published to its own sender only
+        endpoint.engine.inbox.append(encode_notification(Section(0, 9, KV_ROLE, "kv", 0, 1, 2)))
+        ended = {}
+        _until(lambda: ended.update(endpoint.poll()) or 9 in ended, "completed request 9")
+        assert ended == {9: None}
+        assert all("MainThread" not in mine.users for mine, _ in channels)
     finally:
         endpoint.close()

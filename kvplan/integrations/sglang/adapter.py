@@ -77,7 +77,6 @@ import numpy as np
 import torch
 from sglang.srt.disaggregation.base.conn import (
     BaseKVManager,
-    BaseKVReceiver,
     BaseKVSender,
     KVPoll,
     KVTransferMetric,
@@ -88,14 +87,13 @@ from ...errors import KvplanError, LayoutError, PeerError
 from ...planner.contract.batch import SideMemory
 from ...planner.contract.state_kinds import RULES, rules_of
 from ...transport.listener import ChannelListener
-from ...transport.decode import DecodeEndpoint
 from ...transport.engines import TransferError, make_engine
 from .decode_manager import DecodeManager
+from .receiver import KVReceiver, TransferFailed
 from .inputs import ids, state_lists
 from .mooncake_settings import mooncake_settings
 from .prefill_manager import PrefillManager
 from ...transport.prefill import PrefillEndpoint
-from .decode_link import DecodeRankLink
 from .decode_ranks import DecodeRanks
 from .bootstrap import RankRoute, register_rank
 from .kv_args import side_from_kv_args, side_from_registration, state_from_kv_args
@@ -114,10 +112,6 @@ DEFAULT_CONTEXT = 1 << 17  # planning-table width without a context_length serve
 _FROM_PREFIX_KINDS = frozenset(kind.value for kind, rules in RULES.items() if rules.starts_at_prefix)
 HANDSHAKE_S = 5.0  # how long a new decode manager may take to register once it has its channel
 RETRY_S = 0.2  # between two tries of a bootstrap server that is not up yet
-
-
-class TransferFailed(KvplanError):
-    """What ``failure_exception`` raises: the request's transfer failed, with the reason."""
 
 
 def _planning_device() -> torch.device:
@@ -275,19 +269,7 @@ class KVManager(PrefillManager, DecodeManager, BaseKVManager):
                 self.listener = ChannelListener(0, host=self.host, handshake_s=HANDSHAKE_S, secret=self.settings.secret())
             self.register_to_bootstrap()
         elif disaggregation_mode is DisaggregationMode.DECODE:
-            self.side: SideMemory = side_from_kv_args(args, mla=self.is_mla, attn_tp_size=self.attn_tp_size,
-                                                      state_params=self.state_params)
-            self.decode: DecodeEndpoint | None = None
-            self.bootstrap_addr: str | None = None
-            # SGLang's decode reads it: per bootstrap address, the prefill's parallel layout (try_ensure_parallel_info)
-            self.prefill_info_table: dict[str, Any] = {}
-            self._senders: dict[tuple[str, int], int] = {}  # a prefill rank's (ip, port) -> its peer index here
-            # per peer index: how many decode ranks publish each room to that prefill rank (this one among them)
-            self._publishers: dict[int, int] = {}
-            self._room_peer: dict[int, int] = {}  # each published room's sender (peer index)
-            self.link: DecodeRankLink | None = None  # served by SGLang's own prefill (kvplan_protocol "sglang")
-            self._asked: dict[int, float] = {}  # with SGLang's protocol: each room's deadline for its status
-            self._registered = False  # this side's buffers with the engine (SGLang's protocol; once)
+            self._init_decode()
         else:
             raise ValueError(f"a KVManager is for PREFILL or DECODE, not {disaggregation_mode}")
 
@@ -313,10 +295,14 @@ class KVManager(PrefillManager, DecodeManager, BaseKVManager):
             if self.prefill is not None:  # its progress thread first: it owns the channels and the engine
                 closers += [self.prefill.close] + [peer.channel.close for peer in self.prefill.peers]
             self.prefill = None
-        elif self.decode is not None:
-            closers, self.decode = [channel.close for channel in self.decode.channels], None
-        elif self.link is not None:
-            closers, self.link = [self.link.close], None
+        else:
+            closers = self._close_pairings()
+            if self.decode is not None:  # its progress thread first: it owns the channels
+                self.decode.close()
+                closers += [channel.close for channel in self.decode.channels]
+            if self.link is not None:
+                closers.append(self.link.close)
+            self.decode = self.link = None
         engine, self.engine = self.engine, None
         closers.append(engine.close)  # last, and whatever the others raised
         for close in closers:
@@ -399,7 +385,7 @@ class KVManager(PrefillManager, DecodeManager, BaseKVManager):
             for _, room, reason in aborted:
                 self._settle(room, KVPoll.Failed, f"the decode side aborted it: {reason}")
         elif self.decode is not None:
-            self.decode.poll()
+            self.take_ended()
 
     def abort_room(self, room: int, reason: str) -> None:
         """Fail ``room`` on this side and tell its peers: a prefill drops its unsent chunks and tells each
@@ -439,10 +425,6 @@ class KVManager(PrefillManager, DecodeManager, BaseKVManager):
             log.warning("request %s failed: %s", room, reason)
         if self.ranks is not None and state in (KVPoll.Success, KVPoll.Failed):
             self.ranks.report(room, state == KVPoll.Success, reason)
-
-    # -- decode ---------------------------------------------------------------------------------------
-    def connected(self) -> bool:
-        return self.decode is not None or self.link is not None
 
 
 class KVSender(BaseKVSender):
@@ -514,86 +496,4 @@ class KVSender(BaseKVSender):
 
     def clear(self) -> None:
         """SGLang is done with the request: drop its state and its destination lists."""
-        self.mgr.forget_room(self.room)
-
-
-class KVReceiver(BaseKVReceiver):
-    """One request's receiver on the decode side (SGLang's ``BaseKVReceiver``)."""
-
-    require_staging = False  # kvplan stages inside its own transport: SGLang's decode staging is not asked for
-
-    def __init__(self, mgr: KVManager, bootstrap_addr: str, bootstrap_room: Optional[int] = None):
-        self.mgr, self.bootstrap_addr, self.room = mgr, bootstrap_addr, int(bootstrap_room or 0)
-        self.kv_mgr = mgr  # (SGLang's scheduler reads the receiver's manager by this name)
-        self.published = False
-        self.peer: int | None = None  # the prefill rank's peer index, once init found it
-        self.abort_notified = False  # whether the prefill was told of this request's abort
-        self.bootstrap_infos: list[dict[str, Any]] | None = None  # the prefill rank(s) this request reads from
-
-    @property
-    def conclude_state(self) -> Optional[int]:
-        """``Success`` or ``Failed`` once the request concluded here, else None (SGLang reads it after
-        ``init``)."""
-        state = self.mgr.status.get(self.room)
-        return state if state in (KVPoll.Success, KVPoll.Failed) else None
-
-    @property
-    def supports_host_destination(self) -> bool:
-        return False  # kvplan writes into the decode's device pool only
-
-    def init(self, prefill_dp_rank: int = 0) -> None:
-        """Find and pair with the prefill rank that serves this request; a failure ends the request
-        ``Failed`` with the reason instead of raising into SGLang's scheduler."""
-        try:
-            self.peer = self.mgr.connect(self.bootstrap_addr, prefill_dp_rank)
-        except KvplanError as err:
-            self.mgr._settle(self.room, KVPoll.Failed, f"no prefill rank to pair with at {self.bootstrap_addr}: "
-                                                       f"{type(err).__name__}: {err}")
-            return
-        self.bootstrap_infos = [{"bootstrap_addr": self.bootstrap_addr, "prefill_dp_rank": int(prefill_dp_rank),
-                                 "peer": self.peer}]
-
-    def send_metadata(self, kv_indices: Any, aux_index: Optional[int] = None, state_indices: Optional[list] = None,
-                      decode_prefix_len: Optional[int] = None, destination: Any = None) -> None:
-        if self.conclude_state is not None:  # failed at init (or aborted): nothing to publish
-            return
-        self.mgr.publish(self.room, ids(kv_indices), int(aux_index or 0), int(decode_prefix_len or 0),
-                         state_lists(state_indices), peer=self.peer or 0)
-        self.published = True
-
-    def poll(self) -> int:
-        mgr = self.mgr
-        if self.room in mgr.status:
-            return mgr.status[self.room]
-        if not mgr.connected():
-            return KVPoll.Bootstrapping
-        if not self.published:
-            return KVPoll.WaitingForInput
-        mgr.progress()
-        return mgr.decode_state(self.room)
-
-    def failure_exception(self):
-        raise TransferFailed(self.mgr.failures.get(self.room, f"request {self.room} failed"))
-
-    def abort(self) -> None:
-        """SGLang aborts the request: it ends ``Failed`` here and the prefill is told (once), which then
-        sends nothing more of it. Writes already posted are not fenced yet."""
-        if self.conclude_state is None:
-            self.mgr._settle(self.room, KVPoll.Failed, "aborted by the decode's scheduler")
-        self.ensure_abort_notified()
-
-    def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
-        """Tell the prefill of the abort, once (SGLang calls it for a failure the decode did not start)."""
-        if not self.abort_notified and self.published:
-            self.mgr.abort_room(self.room, self.mgr.failures.get(self.room, "aborted by the decode's scheduler"))
-            self.abort_notified = True
-
-    def is_abort_release_safe(self) -> bool:
-        """Whether no write into the aborted request's pages can still land. kvplan cannot prove that yet
-        (docs/failures.md §2), so SGLang is never told it can: only asked for host destinations, which kvplan does
-        not take."""
-        return False
-
-    def clear(self) -> None:
-        """SGLang is done with the request: drop what the manager keeps of it."""
         self.mgr.forget_room(self.room)

@@ -1,7 +1,7 @@
 """The decode half of kvplan's SGLang manager (:class:`DecodeManager`, a part of
-:class:`~kvplan.integrations.sglang.adapter.KVManager`): the prefill found through SGLang's bootstrap server
-and paired, each request's destination lists published to it, and each request's state read for
-SGLang's ``KVPoll``.
+:class:`~kvplan.integrations.sglang.adapter.KVManager`): its decode endpoint, started when the manager is
+made; each request's destination lists published to the prefill rank it paired with (:mod:`.pairing`, off
+the scheduler's thread), and each request's state read for SGLang's ``KVPoll``.
 """
 
 from __future__ import annotations
@@ -12,56 +12,71 @@ import time
 import numpy as np
 from sglang.srt.disaggregation.base.conn import KVPoll
 
-from ...errors import KvplanError, LayoutError, PeerError
-from ...planner.device.destinations import PublishedRequest
+from typing import Any
+
+from ...errors import KvplanError, LayoutError
 from ...planner.contract.plan import DestinationLists
-from ...transport.listener import channel_via
-from ...transport.decode import DecodeEndpoint, engine_regions
+from ...planner.device.destinations import PublishedRequest
+from ...transport.decode import DecodeEndpoint
+from ..off_thread import OffThread
 from .decode_link import DecodeRankLink
-from .bootstrap import BootstrapNotReady, prefill_layout, prefill_rank
-from .engine_identity import identity
-from .wire import KV_POLL_STATES, Registration, TransferRequest
-from .inputs import host_port, nested, state_lists_of
-from ...transport.control_messages import Kind
+from .inputs import state_lists_of
+from .kv_args import side_from_kv_args
+from .pairing import DecodePairing
+from .wire import KV_POLL_STATES, TransferRequest
 
 __all__ = ["DecodeManager"]
 
 log = logging.getLogger(__name__)
 
 
-class DecodeManager:
+class DecodeManager(DecodePairing):
     """The decode role of :class:`~kvplan.integrations.sglang.adapter.KVManager` (its state lives on the manager)."""
 
+    def _init_decode(self) -> None:
+        """The decode role's state; with kvplan's protocol its decode endpoint, made (its memory registered
+        with the engine) and started now, beside SGLang's pools: every prefill rank found later is
+        attached to it as a sender."""
+        self.side = side_from_kv_args(self.kv_args, mla=self.is_mla, attn_tp_size=self.attn_tp_size,
+                                      state_params=self.state_params)
+        self.decode: DecodeEndpoint | None = None
+        if self.protocol == "kvplan":
+            self.decode = DecodeEndpoint(self.side, self.engine, [], integrity=self.settings.integrity,
+                                         staging=self.staging,
+                                         senders=self.settings.staging_senders if self.staging is not None else None)
+            self.decode.start()  # its progress thread owns the channels and the engine from here
+        self.bootstrap_addr: str | None = None
+        # SGLang's decode reads it: per bootstrap address, the prefill's parallel layout (try_ensure_parallel_info)
+        self.prefill_info_table: dict[str, Any] = {}
+        self._layouts: dict[str, OffThread] = {}  # bootstrap address -> its layout's lookup under way
+        self._pairings: dict[tuple[str, int], OffThread] = {}  # (bootstrap address, prefill DP rank) -> its pairing
+        self._paired: dict[tuple[str, int], int] = {}  # ... -> the peer index of the prefill rank it found
+        self._unpaired: dict[tuple[str, int], tuple[float, str]] = {}  # ... -> a failed pairing: until when, why
+        self._link_pairing: tuple[str, OffThread] | None = None  # SGLang's protocol: the link being made, and to whom
+        self._senders: dict[tuple[str, int], int] = {}  # a prefill rank's (ip, port) -> its peer index here
+        # per peer index: how many decode ranks publish each room to that prefill rank (this one among them)
+        self._publishers: dict[int, int] = {}
+        self._room_peer: dict[int, int] = {}  # each published room's sender (peer index)
+        self.link: DecodeRankLink | None = None  # served by SGLang's own prefill (kvplan_protocol "sglang")
+        self._asked: dict[int, float] = {}  # with SGLang's protocol: each room's deadline for its status
+        self._registered = False  # this side's buffers with the engine (SGLang's protocol; once)
+
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
-        """SGLang's decode asks this before it resolves a request's prefill DP rank: the prefill's
-        parallel layout at ``bootstrap_addr``, fetched once from SGLang's bootstrap server (one try, never
-        blocking past its timeout) into :attr:`prefill_info_table`; False while the server or some
-        prefill rank is not up yet (SGLang tries again). With ``KVPLAN_BOOTSTRAP=direct`` there is no
+        """SGLang's decode asks this before it resolves a request's prefill DP rank: whether the prefill's
+        parallel layout at ``bootstrap_addr`` is known (:attr:`prefill_info_table`). It never waits: the
+        layout is asked of SGLang's bootstrap server on a thread of its own, and False is returned until
+        it has come (SGLang asks again a second later). With ``KVPLAN_BOOTSTRAP=direct`` there is no
         bootstrap server: one prefill rank, reached at that address."""
         if bootstrap_addr in self.prefill_info_table:
             return True
-        from sglang.srt.disaggregation.common.conn import PrefillServerInfo
-
         if self.protocol == "kvplan" and self.settings.bootstrap == "direct":
+            from sglang.srt.disaggregation.common.conn import PrefillServerInfo
+
             self.prefill_info_table[bootstrap_addr] = PrefillServerInfo(
                 attn_tp_size=self.attn_tp_size, attn_cp_size=1, dp_size=1, pp_size=1, page_size=self.page_size,
                 kv_cache_dtype=None, follow_bootstrap_room=True)
             return True
-        host, port = host_port(bootstrap_addr)
-        try:
-            layout = prefill_layout(host, port, timeout=min(5.0, self.timeout))
-        except KvplanError as err:
-            level = logging.DEBUG if isinstance(err, BootstrapNotReady) else logging.WARNING
-            log.log(level, "the prefill's layout at %s is not known yet: %s", bootstrap_addr, err)
-            return False
-        self.prefill_info_table[bootstrap_addr] = PrefillServerInfo(
-            attn_tp_size=layout.attn_tp_size, attn_cp_size=layout.attn_cp_size, dp_size=layout.dp_size,
-            pp_size=layout.pp_size, page_size=layout.page_size, kv_cache_dtype=layout.kv_cache_dtype,
-            follow_bootstrap_room=layout.follow_bootstrap_room,
-            enable_dsa_cache_layer_split=layout.enable_dsa_cache_layer_split, kv_layout=layout.kv_layout,
-            decode_allocation_policy=layout.decode_allocation_policy,
-            enable_kv_cache_sharding=layout.enable_kv_cache_sharding, prefill_http_port=layout.prefill_http_port)
-        return True
+        return self._layout_ready(bootstrap_addr)
 
     def _target_tp_rank(self, prefill_tp: int) -> int:
         """The prefill attention-TP rank that holds this decode rank's part (one rank: docs/sglang.md)."""
@@ -74,74 +89,6 @@ class DecodeManager:
                           f"{prefill_tp}; the adapter pairs a decode rank with one prefill rank (decode TP a "
                           "multiple of prefill TP, or MLA)")
 
-    def connect(self, bootstrap_addr: str, prefill_dp_rank: int = 0) -> int:
-        """Find the prefill rank that serves this decode rank and pair with it (once per rank): through
-        SGLang's bootstrap server (its parallel layout, then the rank's control socket), or at the address
-        itself with ``KVPLAN_BOOTSTRAP=direct``; with SGLang's protocol, register with SGLang's prefill.
-        Returns the prefill rank's peer index."""
-        host, port = host_port(bootstrap_addr)
-        if self.protocol == "sglang":
-            if self.link is None:
-                self._connect_sglang(host, port)
-                self.bootstrap_addr = bootstrap_addr
-            elif bootstrap_addr != self.bootstrap_addr:
-                raise LayoutError(f"with SGLang's protocol this decode manager is paired with {self.bootstrap_addr}; "
-                                  f"one prefill per decode manager, not also {bootstrap_addr}")
-            return 0
-        if self.settings.bootstrap == "direct":  # kvplan's listener is the bootstrap port itself
-            rank_addr = (host, port)
-        else:
-            if not self.try_ensure_parallel_info(bootstrap_addr):
-                raise PeerError(f"the prefill's layout at {bootstrap_addr} is not known (SGLang's bootstrap server)")
-            info = self.prefill_info_table[bootstrap_addr]
-            rank_addr = prefill_rank(host, port, tp_rank=self._target_tp_rank(int(info.attn_tp_size)),
-                                     dp_rank=int(prefill_dp_rank), timeout=min(5.0, self.timeout))
-        if rank_addr in self._senders:
-            return self._senders[rank_addr]
-        publishers = 1
-        if self.settings.bootstrap != "direct":  # a larger decode TP: each prefill rank serves mine / its ranks
-            prefill_tp, mine = int(self.prefill_info_table[bootstrap_addr].attn_tp_size), self.attn_tp_size
-            publishers = mine // prefill_tp if mine > prefill_tp and mine % prefill_tp == 0 else 1
-        channel = channel_via(*rank_addr, timeout=self.timeout, secret=self.settings.secret())
-        if self.decode is None:
-            self.decode = DecodeEndpoint(self.side, self.engine, channel, integrity=self.settings.integrity,
-                                         staging=self.staging,
-                                         senders=self.settings.staging_senders if self.staging is not None else None)
-            self.decode.register(timeout=self.timeout)
-            peer = 0
-        else:
-            peer = self.decode.add_sender(channel, self.timeout)
-        self._senders[rank_addr] = peer
-        self._publishers[peer] = publishers
-        self.bootstrap_addr = self.bootstrap_addr or bootstrap_addr
-        return peer
-
-    def _connect_sglang(self, host: str, port: int) -> None:
-        """Register this side's buffers with the engine and its layout with SGLang's prefill rank."""
-        backend, args = self.engine_kind, self.kv_args
-        if not self._registered:  # first: NIXL's metadata carries the registrations
-            self.engine.register(engine_regions(self.side))
-            self._registered = True
-        named = identity(self.engine, backend, len(args.kv_data_ptrs))
-        link = DecodeRankLink(named.pop("session_id"), rank_ip=self.host, backend=backend)
-        try:
-            slots = min((int(n) // int(i) for n, i in zip(args.kv_data_lens, args.kv_item_lens)), default=0)
-            reg = Registration(endpoint="", port=0, session_id="", kv_ptrs=tuple(args.kv_data_ptrs),
-                               kv_item_lens=tuple(args.kv_item_lens), aux_ptrs=tuple(args.aux_data_ptrs),
-                               tp_rank=int(args.engine_rank), attn_tp_size=self.attn_tp_size,
-                               state_ptrs=nested(getattr(args, "state_data_ptrs", None)),
-                               state_item_lens=nested(getattr(args, "state_item_lens", None)),
-                               state_dim_per_tensor=nested(getattr(args, "state_dim_per_tensor", None)),
-                               kv_layer_ids=tuple(getattr(args, "kv_layer_ids", None) or ()),
-                               state_layer_ids=nested(getattr(args, "state_layer_ids", None)), num_slots=slots,
-                               state_data_lens=nested(getattr(args, "state_data_lens", None)), **named)
-            link.connect(host, port, reg, page_size=self.page_size, timeout=self.timeout,
-                         kv_cache_dtype=str(getattr(args, "kv_cache_dtype_str", None) or "auto"))
-        except BaseException:
-            link.close()
-            raise
-        self.link = link
-
     def publish(self, room: int, pages: np.ndarray, aux_index: int, prefix_len: int,
                 state: tuple[np.ndarray, ...] | None = None, peer: int = 0) -> None:
         lists = state_lists_of(room, state, self.side.state) if self.side.state else ()
@@ -153,26 +100,24 @@ class DecodeManager:
             return
         published = PublishedRequest(room, DestinationLists(pages.astype(np.int64), lists), int(aux_index),
                                      tuple(c.name for c in self.side.state), bool(self.side.aux))
-        self.decode.track([published], time.monotonic() + self.timeout, peer=peer)
         self._room_peer[room] = peer
-        self.decode.channels[peer].send(Kind.REQUEST, {"request": room, "prompt_len": prefix_len + len(pages) *
-                                                    self.page_size, "prefix_len": prefix_len,
-                                                    "publishers": self._publishers.get(peer, 1)}, published.message(),
-                                        timeout=self.timeout)
+        self.decode.publish_lists([published], [prefix_len], self.timeout, peer=peer,
+                                  publishers=self._publishers.get(peer, 1))
 
     def decode_state(self, room: int) -> int:
+        """A published room's state: what the decode endpoint reported of it (:meth:`take_ended`), else
+        ``Transferring``."""
         if self.link is not None:
             return self._sglang_state(room)
-        tracker = self.decode.tracker
-        state = tracker.state(room) if room in tracker else None
-        if state == "complete":
-            self._settle(room, KVPoll.Success)
-        elif state == "failed":
-            self._settle(room, KVPoll.Failed, tracker.failure(room) or "failed")
-        if state in ("complete", "failed"):
-            tracker.forget(room)
-            self.decode.guard.forget(room)
         return self.status.get(room, KVPoll.Transferring)
+
+    def take_ended(self) -> None:
+        """Settle the rooms the decode endpoint's progress thread found ended since the last look."""
+        for room, reason in self.decode.poll().items():
+            if reason is None:
+                self._settle(room, KVPoll.Success)
+            else:
+                self._settle(room, KVPoll.Failed, reason)
 
     def _sglang_state(self, room: int) -> int:
         """A room's state from SGLang's prefill's status messages, failed once its deadline passes."""

@@ -7,7 +7,7 @@ runs exactly as without kvplan. When it is set, it hooks SGLang's
 ``sglang.srt.disaggregation.utils.get_kv_class`` (an AROUND hook of SGLang's ``HookRegistry``):
 for ``--disaggregation-transfer-backend nixl`` and ``mooncake`` the prefill and decode schedulers
 get kvplan's :class:`~.adapter.KVManager`, :class:`~.adapter.KVSender` and
-:class:`~.adapter.KVReceiver`; the ``KVArgs`` container and the bootstrap server stay SGLang's, so
+:class:`~.receiver.KVReceiver`; the ``KVArgs`` container and the bootstrap server stay SGLang's, so
 SGLang's own bootstrap server keeps serving its port. kvplan's settings come from ``KVPLAN_*``
 variables (:mod:`.settings`).
 

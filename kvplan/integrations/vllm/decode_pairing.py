@@ -7,13 +7,13 @@ wait for it published once it is paired, or failed with the reason.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Any
 
 from ...errors import KvplanError, PeerError
 from ...transport.decode import DecodeEndpoint
 from ...transport.listener import channel_via
+from ..off_thread import OffThread
 from .scheduler import ReceiveRequest
 from ...transport.control_messages import Kind
 
@@ -27,7 +27,7 @@ HANDSHAKE_S = 5.0  # how long a prefill may take to answer a decode's request fo
 REGISTER_S = 30.0
 
 
-class Pairing:
+class Pairing(OffThread[DecodeEndpoint]):
     """A decode endpoint made and paired with a prefill's ranks on a thread of its own, off the step's
     path: the requests that wait for it (published once it is paired, failed if it cannot be) and the
     prefill requests to tell that their decode needs none of them."""
@@ -35,19 +35,11 @@ class Pairing:
     def __init__(self, make: Any):
         self.waiting: list[tuple[str, ReceiveRequest, int]] = []  # (request id, what vLLM said, its planning row)
         self.none_needed: list[str] = []  # the prefill's request ids whose decode needs none of their blocks
-        self.endpoint: DecodeEndpoint | None = None
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(make,), name="kvplan-vllm-pairing", daemon=True)
-        self.thread.start()
+        super().__init__(make, "kvplan-vllm-pairing")
 
-    def _run(self, make: Any) -> None:
-        try:
-            self.endpoint = make()
-        except Exception as err:  # noqa: BLE001 - the step that takes it fails its requests with the reason
-            self.error = err
-
-    def done(self) -> bool:
-        return not self.thread.is_alive()
+    @property
+    def endpoint(self) -> DecodeEndpoint | None:
+        return self.value
 
 
 class DecodePairing:
@@ -85,8 +77,7 @@ class DecodePairing:
         for key, pairing in [(k, p) for k, p in self._pairings.items() if p.done()]:
             del self._pairings[key]
             if pairing.endpoint is None:
-                reason = str(pairing.error) if isinstance(pairing.error, KvplanError) else \
-                    f"{type(pairing.error).__name__}: {pairing.error}"
+                reason = pairing.reason()
                 self._unreachable[key] = (time.monotonic() + HANDSHAKE_S, reason)
                 for request_id, receive, row in pairing.waiting:
                     self._recv_rows.give(row)

@@ -278,7 +278,7 @@ class ConnectorWorker(DecodePairing):
         if self.prefill is not None:  # its progress thread first: it owns the channels and the engine
             closers += [self.prefill.close] + [p.channel.close for p in self.prefill.peers]
         for pairing in self._pairings.values():  # (a handshake in progress ends within HANDSHAKE_S)
-            pairing.thread.join(HANDSHAKE_S)
+            pairing.join(HANDSHAKE_S)
             if pairing.endpoint is not None:
                 self.decodes[("pairing", id(pairing), ())] = pairing.endpoint
         self._pairings = {}
