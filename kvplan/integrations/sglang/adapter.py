@@ -273,6 +273,41 @@ class KVManager(PrefillManager, DecodeManager, BaseKVManager):
             self._init_decode()
         else:
             raise ValueError(f"a KVManager is for PREFILL or DECODE, not {disaggregation_mode}")
+        self._counters_at = time.monotonic() + self.settings.stats_s  # when the counters are next logged
+        log.info("kvplan's SGLang %s manager: engine %s (%s), mode %s, staging %d MiB, protocol %s, bootstrap %s, "
+                 "integrity %s", disaggregation_mode.value, engine_kind, memory, self.transfer_mode, staging_bytes >> 20,
+                 self.protocol, self.settings.bootstrap, "on" if self.settings.integrity else "off")
+
+    def stats(self) -> dict[str, Any]:
+        """kvplan's counters for this manager: its endpoint's (requests by outcome, bytes, failures by
+        cause, latency p50 and p99, in flight, bounds hit: :meth:`PrefillEndpoint.stats`,
+        :meth:`DecodeEndpoint.stats`) and how many peers it is paired with. A decode served by SGLang's own
+        prefill (``protocol`` ``sglang``) has no endpoint: its counters are SGLang's.
+
+        Example::
+
+            mgr.stats()["requests"]          # {"sent": 1200, "failed": 3} on a prefill
+        """
+        endpoint = self.prefill if self.mode is DisaggregationMode.PREFILL else self.decode
+        if endpoint is None:
+            return {}
+        peers = len(self.prefill.peers) if endpoint is self.prefill else len(self._senders)
+        return {**endpoint.stats(), "peers": peers}
+
+    def _log_counters(self) -> None:
+        """Every ``stats_s`` seconds, one INFO line of the endpoint's cumulative counters (cheap: no percentile)."""
+        now = time.monotonic()
+        if not self.settings.stats_s or now < self._counters_at:
+            return
+        self._counters_at = now + self.settings.stats_s
+        endpoint = self.prefill if self.mode is DisaggregationMode.PREFILL else self.decode
+        if endpoint is None:
+            return
+        totals = endpoint.totals()
+        latency = totals["latency_ms"]
+        mean_ms = latency["sum_s"] / latency["count"] * 1e3 if latency["count"] else 0.0
+        log.info("kvplan's SGLang %s counters: requests %s, %.1f MiB moved, failures %s, mean request %.2f ms",
+                 self.mode.value, totals["requests"], totals["bytes"] / (1 << 20), totals["failures"] or "none", mean_ms)
 
     def close(self) -> None:
         """Release the engine's registrations and handles, the bootstrap listener and every control
@@ -363,6 +398,7 @@ class KVManager(PrefillManager, DecodeManager, BaseKVManager):
         """Take in new decode managers, registrations and destination lists (prefill), or
         notifications (decode). A decode side that cannot pair is refused; while no decode side is
         paired, that breaks this manager: every waiting sender fails with the reason."""
+        self._log_counters()
         if self.mode is DisaggregationMode.PREFILL and self.ranks is not None:
             published, failed = self.ranks.progress()
             for room, reason in failed:

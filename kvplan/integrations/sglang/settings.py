@@ -49,6 +49,8 @@ staging_mib    ``KVPLAN_STAGING_MIB``  see meaning the staging buffer each manag
                                                    on a GPU, 0 (none: direct only) on a CPU
 staging_senders ``KVPLAN_STAGING_SENDERS`` ``4``   a decode's buffer is shared by this many prefill
                                                    ranks, each its own share; one more is refused
+stats_s        ``KVPLAN_STATS_S``      ``60``      every this many seconds a manager logs kvplan's
+                                                   counters (one INFO line, at a poll); 0: never
 ============== ======================= =========== ==================================================
 
 A value that does not parse is refused with :class:`SettingsError`, naming the setting and where it
@@ -102,6 +104,7 @@ class Settings:
     integrity: bool = False
     staging_mib: int | None = None  # None: DEFAULT_STAGING_MIB on a GPU, none on a CPU
     staging_senders: int = 4
+    stats_s: int = 60
 
     def staging_bytes(self, device_type: str, protocol: str) -> int:
         """The staging buffer's size for a manager on a device of this type (0: none; none with SGLang's
@@ -141,7 +144,7 @@ class Settings:
 
 _JSON_SETTINGS = {"engine_settings": dict, "state_params": list, "decode_lens": (dict, list), "warm_up": dict}
 _BOOLS = ("integrity",)
-_COUNTS = {"staging_mib": 0, "staging_senders": 1}  # whole numbers, each at least this
+_COUNTS = {"staging_mib": 0, "staging_senders": 1, "stats_s": 0}  # whole numbers, each at least this
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 _CHOICES = {"mode": MODES, "protocol": PROTOCOLS, "bootstrap": BOOTSTRAPS, "engine": ("nixl", "mooncake")}
 
