@@ -387,3 +387,17 @@ def test_finished_ids_that_are_no_send_of_the_worker_are_not_kept():
         assert len(connector.worker._finished) <= (FINISHED_GRACE + 1) * 1000
     finally:
         connector.shutdown()
+
+
+def test_a_load_restores_every_transfer_group_and_sleep_mode_is_refused():
+    """vLLM zeroes the new blocks of every group a load does not name (``skip_zeroing_group_ids``), after
+    the load may have landed: kvplan's loads write the full-attention group and each sliding-window group,
+    so all are named. Sleep mode remaps the KV cache under the engine's registrations: vLLM asks the
+    connector's class before it starts (``VllmConfig``), and kvplan's says no (vLLM's default says yes).
+    (For the groups kvplan takes, vLLM's default names the same groups: all are prefix-cacheable.)"""
+    config, kv_cache = vllm_config(), hybrid_attention(["l0", "l1"], ["l2", "l3"], 64)
+    ours = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kv_cache)
+    loaded = ours.get_loaded_kv_cache_group_ids(request("r", 40, {"do_remote_prefill": True, **PREFILL}))
+    assert loaded == kv_cache.transfer_group_ids == (0, 1)
+    assert not KVConnectorFactory.get_connector_class(config.kv_transfer_config).supports_sleep_mode(
+        config.kv_transfer_config)

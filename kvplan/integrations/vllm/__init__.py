@@ -18,7 +18,7 @@ vLLM's connector factory imports this package and builds :class:`KvplanConnector
 
 One full-attention KV cache group is covered, with any sliding-window groups over it; Mamba groups,
 groups of different block sizes and multi-token prefill lookahead are refused at construction, naming
-what is refused (docs/vllm.md says why).
+what is refused (docs/vllm.md says why); so is sleep mode, by vLLM at start (``supports_sleep_mode``).
 
 ``KvplanConnector`` is imported on first use: it needs vLLM installed.
 """

@@ -76,7 +76,20 @@ class KvplanConnector(KVConnectorBase_V1, SupportsHMA):
         transfer = getattr(vllm_config, "kv_transfer_config", None)
         return layout_setting(getattr(transfer, "kv_connector_extra_config", None))
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """False: sleep mode frees and remaps the KV cache, and kvplan's engines keep the registrations of
+        the memory they were given (no ``unregister_kv_caches`` / ``restore_kv_caches`` yet). vLLM then
+        refuses ``enable_sleep_mode`` with kvplan's connector at start, rather than let a write land in
+        memory that was remapped."""
+        return False
+
     # -- scheduler side ---------------------------------------------------------------------------
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        """Every transfer group: a load writes the request's own blocks in each group kvplan moves (the
+        full-attention group and every sliding-window group), so vLLM must zero none of them after it."""
+        return tuple(self._kv_cache_config.transfer_group_ids)
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
