@@ -191,6 +191,16 @@ def bootstrap_server(port: int):
             time.sleep(0.05)
 
 
+def _backend(engine: str) -> str:
+    """SGLang's ``--disaggregation-transfer-backend`` for a test's engine: ``ipc`` is kvplan's own, under
+    SGLang's ``nixl`` backend, as a deployment sets it (``KVPLAN_ENGINE=ipc``)."""
+    return "nixl" if engine == "ipc" else engine
+
+
+def _engine(engine: str) -> str | None:
+    return "ipc" if engine == "ipc" else None
+
+
 def run_prefill(engine: str, port: int, seed: int, results, deadline_s: float, state: bool = False,
                 protocol: str = "kvplan", decode_kv_pages: int = PAGES, decode_tp: int = 1, staging_mib: int = 0) -> None:
     """kvplan's prefill manager (with ``staging_mib``, mode ``staged`` through a buffer of that size, and the
@@ -205,8 +215,8 @@ def run_prefill(engine: str, port: int, seed: int, results, deadline_s: float, s
     from kvplan.integrations.sglang.adapter import KVManager, KVSender
 
     kv, aux = pools(seed)
-    server_args = types.SimpleNamespace(disaggregation_transfer_backend=engine, disaggregation_bootstrap_port=port,
-                                        host="127.0.0.1", kvplan_host="127.0.0.1",
+    server_args = types.SimpleNamespace(disaggregation_transfer_backend=_backend(engine), kvplan_engine=_engine(engine),
+                                        disaggregation_bootstrap_port=port, host="127.0.0.1", kvplan_host="127.0.0.1",
                                         max_running_requests=8, context_length=64,
                                         kvplan_mode="staged" if staging_mib else "direct", kvplan_staging_mib=staging_mib,
                                         kvplan_state_params=STATE_PARAMS if state == "hybrid" else None,
@@ -255,7 +265,8 @@ def run_decode(engine: str, port: int, seed: int, results, deadline_s: float, st
     from kvplan.integrations.sglang.adapter import KVManager, KVReceiver
 
     kv, aux = pools(None)
-    server_args = types.SimpleNamespace(disaggregation_transfer_backend=engine, kvplan_timeout_s=deadline_s,
+    server_args = types.SimpleNamespace(disaggregation_transfer_backend=_backend(engine), kvplan_engine=_engine(engine),
+                                        kvplan_timeout_s=deadline_s,
                                         kvplan_state_params=STATE_PARAMS if state == "hybrid" else None,
                                         kvplan_protocol=protocol, host="127.0.0.1", kvplan_host="127.0.0.1",
                                         kvplan_integrity=integrity, kvplan_staging_mib=staging_mib)

@@ -14,7 +14,9 @@ name           environment             default     meaning
 ============== ======================= =========== ==================================================
 mode           ``KVPLAN_MODE``         ``auto``    ``auto``, ``direct``, ``prepared`` or ``staged``
 timeout_s      ``KVPLAN_TIMEOUT_S``    ``30``      deadline of every wait of a transfer, in seconds
-engine         ``KVPLAN_ENGINE``       (backend)   ``nixl`` or ``mooncake``; default: SGLang's
+engine         ``KVPLAN_ENGINE``       (backend)   ``nixl``, ``mooncake`` or ``ipc`` (every prefill
+                                                   and decode on one host: the GPU writes the
+                                                   decode's pages itself); default: SGLang's
                                                    ``--disaggregation-transfer-backend``
 engine_settings ``KVPLAN_ENGINE_SETTINGS`` ``{}``  JSON object for the engine (NIXL: ``num_threads``,
                                                    ``progress_thread``; Mooncake: ``protocol`` and
@@ -146,7 +148,7 @@ _JSON_SETTINGS = {"engine_settings": dict, "state_params": list, "decode_lens": 
 _BOOLS = ("integrity",)
 _COUNTS = {"staging_mib": 0, "staging_senders": 1, "stats_s": 0}  # whole numbers, each at least this
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-_CHOICES = {"mode": MODES, "protocol": PROTOCOLS, "bootstrap": BOOTSTRAPS, "engine": ("nixl", "mooncake")}
+_CHOICES = {"mode": MODES, "protocol": PROTOCOLS, "bootstrap": BOOTSTRAPS, "engine": ("nixl", "mooncake", "ipc")}
 
 
 def _parse(name: str, value: Any, where: str, text: bool) -> Any:
