@@ -41,7 +41,7 @@ import uuid
 from collections import deque
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -319,6 +319,15 @@ class PrefillEndpoint(DecodeMessages, FailurePath, AheadOfPlan, WarmUp):
             self._thread.call(lambda: self._forget_now(requests, peer))
             return
         self._forget_now(requests, peer)
+
+    def between_batches(self, action: Callable[[], None]) -> None:
+        """Run ``action`` where this endpoint's peers and engine are owned: on its progress thread between
+        batches, in order with the calls queued before it, or now where none runs. For an integration whose
+        peers speak another protocol (SGLang's decode ranks: :mod:`kvplan.integrations.sglang.decode_ranks`)."""
+        if self._thread is not None:
+            self._thread.call(action)
+        else:
+            action()
 
     def _forget_now(self, requests: Sequence[Any], peer: int | None = None) -> None:
         for k, p in enumerate(self.peers):

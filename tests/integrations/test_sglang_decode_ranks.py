@@ -4,6 +4,7 @@ registration pairs (or is refused, and its requests fail naming why), a request 
 destination lists, a request spread over two decode ranks goes to both and a dummy's to none, an abort
 drops the room and is acknowledged, and every status goes to the decode as SGLang's own parser reads it."""
 
+import threading
 import time
 import types
 
@@ -18,6 +19,7 @@ from kvplan.integrations.sglang.kv_args import side_from_kv_args, side_from_regi
 from kvplan.integrations.sglang.rank_link import FAILED, SUCCESS, PrefillRankLink
 from kvplan.transport.prefill import PrefillEndpoint
 from tests.integrations import sglang_sides
+from tests.integrations.sglang_polls import until
 from tests.integrations.test_sglang_rank_link import _pull, _recv
 from tests.integrations.test_sglang_wire import sglang_decode
 from tests.sglang_real import sglang_module
@@ -94,6 +96,39 @@ def test_a_registered_rank_becomes_a_peer_and_its_request_its_lists(served):
     assert decode.parse_kv_status_message(_recv(pull)) == (7, SUCCESS, 0, None)  # SGLang reads it
     assert 7 not in peer.lists and 7 not in ranks.link.requests
     pull.close()
+
+
+class _WatchedPeers(list):
+    """An endpoint's peer list that records which thread added to it."""
+
+    def __init__(self):
+        super().__init__()
+        self.adders: set[str] = set()
+
+    def append(self, peer):
+        self.adders.add(threading.current_thread().name)
+        super().append(peer)
+
+
+def test_on_a_started_endpoint_a_rank_s_peer_and_lists_are_given_to_its_progress_thread(served):
+    """The prefill endpoint runs its progress thread (SGLang's scheduler thread only submits and reads):
+    the rank's peer is made there and its lists are given there, between batches; this thread writes
+    neither. The room is published at once; its lists are there once the thread has run."""
+    ranks, push, pools = served
+    ranks.endpoint.peers = watched = _WatchedPeers()
+    ranks.endpoint.start()
+    (pull, port) = _pull()
+    try:
+        decode = _decode(0, port, pools)
+        push.send_multipart(decode.build_receiver_registration_message())
+        _ask(push, decode, 7, [5, 6, 9], aux=3, prefix=8)
+        assert _progress(ranks, 1) == ([7], [])
+        until(lambda: len(watched) == 1 and 7 in watched[0].lists)
+        assert watched.adders == {"kvplan-prefill-progress"}
+        assert watched[0].lists[7][0].pages.tolist() == [5, 6, 9]
+    finally:
+        ranks.endpoint.close()
+        pull.close()
 
 
 def test_a_rank_that_cannot_pair_is_refused_and_its_requests_fail_naming_why(served):

@@ -251,11 +251,9 @@ class KVManager(PrefillManager, DecodeManager, BaseKVManager):
             self.prefill: PrefillEndpoint | None = PrefillEndpoint(side, self.engine, [], staging=self.staging)
             if self.settings.warm_up:  # each decode that pairs gets a planner ready for these batches (no first-batch stall)
                 self.prefill.warm_up(**self.settings.warm_up, timeout=min(5.0, self.timeout))
-            # from here its progress thread pairs, plans and moves: the scheduler's thread only submits and reads.
-            # With SGLang's protocol the decode ranks pair on the scheduler's thread (DecodeRanks connects the
-            # engine there), so its batches are sent there too, as before (docs/sglang.md)
-            if self.protocol != "sglang":
-                self.prefill.start()
+            # from here its progress thread pairs, plans and moves: the scheduler's thread only submits and reads
+            # (with SGLang's protocol, DecodeRanks gives it each decode rank's peer and lists between its batches)
+            self.prefill.start()
             self._pending: list[tuple[KVSender, np.ndarray, tuple[np.ndarray, ...] | None, int]] = []
             # submitted batches not yet ended: each handle's chunks and the planning rows they hold (a row in
             # flight is not rewritten: its batch is planned on the progress thread from the table as it is)
@@ -406,6 +404,7 @@ class KVManager(PrefillManager, DecodeManager, BaseKVManager):
             for room in published:  # failed here before its decode rank asked: tell it now
                 if self.status.get(room) == KVPoll.Failed:
                     self.ranks.report(room, False, self.failures.get(room))
+            self._take_completed()
         elif self.mode is DisaggregationMode.PREFILL:
             for channel in self.listener.accept_pending():  # (paired on the progress thread once it registers)
                 self.prefill.add_peer(channel, min(self.timeout, HANDSHAKE_S))

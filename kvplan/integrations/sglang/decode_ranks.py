@@ -29,6 +29,7 @@ Example (inside a prefill manager; ``endpoint`` a PrefillEndpoint over a Mooncak
 from __future__ import annotations
 
 import logging
+from collections import deque
 from typing import Any, Callable
 
 import numpy as np
@@ -58,6 +59,8 @@ class _StatusOnly:
     def send(self, kind: str, header: dict[str, Any] | None = None, *frames: bytes, timeout: float = 0.0) -> None:
         log.debug("kvplan's %r for SGLang decode session %s is not sent (its status is)", kind, self.session_id)
 
+    closed = True  # (nothing comes on it: the progress thread's waits leave it out)
+
     def try_recv(self) -> None:
         return None
 
@@ -72,7 +75,9 @@ class DecodeRanks:
     """The SGLang decode ranks ``endpoint`` sends to, through ``link`` (see the module docstring).
 
     ``side_of`` builds a registered rank's memory (raising :class:`~kvplan.errors.LayoutError` when it
-    cannot); ``sessions`` maps each paired rank's session id to its peer index in ``endpoint``;
+    cannot); ``sessions`` maps each paired rank's session id to its peer index in ``endpoint``. The
+    endpoint may run its progress thread: peers and their lists are given to it between its batches
+    (:meth:`~kvplan.transport.prefill.PrefillEndpoint.between_batches`), nothing of them is written here;
     ``refused`` gives the reason for each rank that registered and could not pair; ``dummies`` holds
     the rooms asked for by dummy ranks only (nothing of them is this rank's to send).
     """
@@ -81,7 +86,10 @@ class DecodeRanks:
                  side_of: Callable[[Registration], SideMemory]):
         self.endpoint, self.link, self.side_of = endpoint, link, side_of
         self.sessions: dict[str, int] = {}
+        self.sides: dict[str, SideMemory] = {}  # each paired rank's memory, as checked here
+        self._peers_given = len(endpoint.peers)  # peer indices given out (the peers are made between batches)
         self.refused: dict[str, str] = {}
+        self._unserved: deque[tuple[int, str]] = deque()  # rooms refused between batches, and why
         self.dummies: set[int] = set()  # rooms whose every decode rank is a dummy here: nothing to send
 
     def progress(self, timeout: float = 0.0) -> tuple[list[int], list[tuple[int, str]]]:
@@ -90,6 +98,8 @@ class DecodeRanks:
         caller fails them (and reports them with :meth:`report`). An aborted room is acknowledged
         here, once its lists are dropped."""
         published, failed, handled = [], [], set()
+        while self._unserved:  # (rooms whose ranks the engine could not reach, found between batches)
+            failed.append(self._unserved.popleft())
         events = self.link.poll(timeout)
         for kind, key in events:  # every registration of the batch first: a room counts as complete once all
             if kind == "registered":  # its ranks' requests are in, and a later rank's may follow it in the batch
@@ -111,6 +121,8 @@ class DecodeRanks:
         return published, failed
 
     def _pair(self, session_id: str) -> None:
+        """Check a registered rank's layout here; its peer is made (the engine reaching it) between the
+        endpoint's batches, where its peers and engine are owned."""
         reg = self.link.registrations[session_id]
         try:
             side = self.side_of(reg)
@@ -120,22 +132,30 @@ class DecodeRanks:
             log.warning("%s", self.refused[session_id])
             return
         self.refused.pop(session_id, None)
+        self.sides[session_id] = side
         k = self.sessions.get(session_id)
+        if k is None:  # (its index now: peers are appended between batches in the order their indices were given)
+            k = self.sessions[session_id] = self._peers_given
+            self._peers_given += 1
+        self.endpoint.between_batches(lambda: self._attach(k, session_id, reg, side))
+
+    def _attach(self, k: int, session_id: str, reg: Registration, side: SideMemory) -> None:
+        """Make or renew peer ``k`` for a paired rank (between the endpoint's batches)."""
         try:
             name = peer_name(self.endpoint.engine, self.link.backend, reg)
         except Exception as err:  # noqa: BLE001 - the engine's own error (NIXL cannot add the agent)
             self.refused[session_id] = f"decode session {session_id}: the engine cannot reach it: {err}"
             log.warning("%s", self.refused[session_id])
-            return
-        if k is None:
+            name, side = None, None  # (the index stays taken: nothing is planned to a peer without a side)
+        if k == len(self.endpoint.peers):
             self.endpoint.peers.append(Peer(_StatusOnly(session_id), name=name, side=side, notified=False))
-            self.sessions[session_id] = len(self.endpoint.peers) - 1
         else:  # registered again (a restarted decode): what it asked for before is gone
             peer = self.endpoint.peers[k]
             peer.name, peer.side = name, side
             peer.lists.clear()
-        log.info("paired with SGLang decode session %s (attention TP rank %d of %d)", session_id, reg.tp_rank,
-                 reg.attn_tp_size)
+        if side is not None:
+            log.info("paired with SGLang decode session %s (attention TP rank %d of %d)", session_id, reg.tp_rank,
+                     reg.attn_tp_size)
 
     def _publish(self, room: int) -> str | None:
         """Record ``room``'s destination lists with its peer; the reason it cannot be served, if so."""
@@ -153,22 +173,32 @@ class DecodeRanks:
         parts: dict[tuple[int, int], str] = {}
         published = []
         for req in live:  # each rank the decode's TP spreads the request over: a peer of its own (head slices)
-            peer = self.endpoint.peers[self.sessions[req.session_id]]
+            side = self.sides[req.session_id]
             lists = DestinationLists(np.asarray(req.dst_pages, np.int64),
                                      tuple(np.asarray(ids, np.int64) for ids in req.state_lists))
             try:  # (against the pools that session registered: a bad list fails this request, not a batch)
-                check_published(room, lists, int(req.aux_index or 0), peer.side)
+                check_published(room, lists, int(req.aux_index or 0), side)
             except PoolBoundsError as err:
                 return f"request {room}: decode session {req.session_id} published ids outside its pools: {err}"
-            part = (peer.side.kv.tp_size, peer.side.kv.tp_rank)
+            part = (side.kv.tp_size, side.kv.tp_rank)
             if part[0] > 1 and part in parts:  # one rank's head slice asked for twice: one of them is not its owner
                 return (f"request {room}: decode sessions {parts[part]} and {req.session_id} both ask for the part of "
                         f"TP rank {part[1]} of {part[0]}; nothing of it is sent")
             parts[part] = req.session_id
-            published.append((peer, (lists, int(req.aux_index or 0), int(req.decode_prefix_len))))
-        for peer, entry in published:
-            peer.lists[room] = entry
+            published.append((self.sessions[req.session_id], (lists, int(req.aux_index or 0), int(req.decode_prefix_len))))
+        self.endpoint.between_batches(lambda: self._take_lists(room, published))
         return None
+
+    def _take_lists(self, room: int, published: list) -> None:
+        """Give each peer its lists of ``room`` (between the endpoint's batches); none if one of its ranks
+        could not be reached (then the room fails at the next :meth:`progress`, with the reason)."""
+        lost = [k for k, _ in published if self.endpoint.peers[k].side is None]
+        if lost:
+            session = next(s for s, k in self.sessions.items() if k == lost[0])
+            self._unserved.append((room, self.refused.get(session, f"decode session {session} cannot be reached")))
+            return
+        for k, entry in published:
+            self.endpoint.peers[k].lists[room] = entry
 
     def report(self, room: int, ok: bool, reason: str | None = None) -> None:
         """Send ``room``'s status to every decode rank that asked for it, then forget the room."""

@@ -56,7 +56,7 @@ class PrefillManager:
     def flush(self) -> None:
         """Plan every ``send`` since the last flush as one kvplan batch and move it. A step that
         cannot be laid out fails every send of it, on both sides; nothing of it is sent."""
-        if self.ranks is None and len(self._moving) >= MOVING_MAX:
+        if len(self._moving) >= MOVING_MAX:
             self._take_completed()
             if len(self._moving) >= MOVING_MAX:
                 return  # (what was handed over meanwhile goes together in the next batch)
@@ -88,12 +88,6 @@ class PrefillManager:
                 self.prefill.fail(rooms, reason, peer=k)
             return
         if not chunks:
-            return
-        if self.ranks is not None:  # (SGLang's protocol: on this thread, see __init__)
-            try:
-                self._settle_sent(chunks, self.prefill.send(chunks, mode=self.transfer_mode, timeout=self.timeout))
-            except KvplanError as err:
-                self._settle_sent(chunks, {t.request: f"{type(err).__name__}: {err}" for t in chunks})
             return
         handle = self.prefill.submit(chunks, mode=self.transfer_mode, timeout=self.timeout)
         self._moving[handle] = (chunks, {t.src_row for t in chunks})
