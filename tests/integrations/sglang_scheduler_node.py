@@ -92,6 +92,22 @@ def publish(args, role: str):
     return server_args
 
 
+def own_backend(backend: str) -> None:
+    """Without kvplan (``KVPLAN_SGLANG`` unset) SGLang's own backend runs: what SGLang's scheduler would
+    have set up for it first (Mooncake's transfer engine, over TCP on loopback; NIXL's module under the
+    name SGLang imports)."""
+    if os.environ.get("KVPLAN_SGLANG") == "1":
+        return
+    if backend == "mooncake":
+        from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import init_mooncake_transfer_engine
+
+        init_mooncake_transfer_engine("127.0.0.1")
+    else:
+        from tests.integrations.sglang_sides import _nixl_as_sglang_imports_it
+
+        _nixl_as_sglang_imports_it()
+
+
 def gloo_group(args):
     """The side's attention-TP ranks in one gloo group, as SGLang's ``attn_tp_group.cpu_group``."""
     import torch.distributed as dist
@@ -300,6 +316,7 @@ def run_prefill(args) -> dict:
     group = gloo_group(args)
     ctx.get_parallel().override_permanently(attn_tp_group=types.SimpleNamespace(cpu_group=group))
     load_plugins()
+    own_backend(args.backend)
     backend = utils.TransferBackend(args.backend)
     server = None
     if args.rank == 0:
@@ -325,13 +342,17 @@ def run_prefill(args) -> dict:
     for req in reqs.values():
         queue.add(req, num_kv_heads=len(heads))
     outcome, running, held = {}, [], []
-    deadline = time.monotonic() + args.deadline_s
+    steps: list[float] = []  # per scheduler step, the seconds spent in SGLang's queue and send calls (the backend's)
+    started = time.monotonic()
+    deadline = started + args.deadline_s
     while len(outcome) < len(reqs):
         if time.monotonic() > deadline:
             outcome.update({rid: "hung" for rid in reqs if rid not in outcome})
             break
         waiting = {req.rid for req in queue.queue}
+        began = time.perf_counter()
         popped = queue.pop_bootstrapped()
+        step_s = time.perf_counter() - began
         running += popped
         gone = waiting - {req.rid for req in queue.queue} - {req.rid for req in popped}
         outcome.update({rid: "failed" for rid in gone})  # failed at bootstrap (SGLang's handle_bootstrap_failure)
@@ -342,8 +363,10 @@ def run_prefill(args) -> dict:
             running += resumed
         for req in list(running):
             _forward_chunk(req, prompts[req.rid], rows, allocator, kv_pool, heads)
+            began = time.perf_counter()
             if req.extend_end < len(req.origin_input_ids):
                 sched.send_kv_chunk(req)  # SGLang's process_prefill_chunk for its chunked_req
+                step_s += time.perf_counter() - began
                 if req.rid in to_abort and req.rid not in {r.rid for r in held} and req.extend_end == CHUNK:
                     running.remove(req)
                     held.append(req)
@@ -352,9 +375,13 @@ def run_prefill(args) -> dict:
             req.output_ids.append(first_token(prompts[req.rid]))  # SGLang's process_batch_result_disagg_prefill
             sched.disagg_prefill_inflight_queue.append(req)
             sched.send_kv_chunk(req, last_chunk=True)
+            step_s += time.perf_counter() - began
+        began = time.perf_counter()
         for req in sched.process_disagg_prefill_inflight_queue():
             outcome[req.rid] = "failed" if _aborted_by(req) else "ok"
+        steps.append(step_s + time.perf_counter() - began)
         time.sleep(0.002)
+    took_s = time.monotonic() - started
     # a serving prefill stays up: it goes on answering (aborts' acknowledgements) until the decode is done
     done = [os.path.join(args.done_dir, f"decode{rank}.done") for rank in range(args.peer_tp)]
     while not all(os.path.exists(path) for path in done) and time.monotonic() < deadline + 30:
@@ -363,7 +390,15 @@ def run_prefill(args) -> dict:
     queue.kv_manager.close()
     if server is not None:
         server.close()
-    return outcome
+    return {"outcome": outcome, "steps": step_stats(steps), "took_s": took_s}
+
+
+def step_stats(steps: list[float]) -> dict:
+    """What a rank's scheduler spent per step in the queues' and the backend's calls: count, p50, p99,
+    max and total (ms)."""
+    ms = np.array(steps or [0.0]) * 1e3
+    return {"count": len(steps), "p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
+            "max_ms": float(ms.max()), "total_ms": float(ms.sum())}
 
 
 def _forward_chunk(req, prompt, rows, allocator, kv_pool, heads) -> None:
@@ -403,6 +438,7 @@ def run_decode(args) -> dict:
     group = gloo_group(args)
     ctx.get_parallel().override_permanently(attn_tp_group=types.SimpleNamespace(cpu_group=group))
     load_plugins()
+    own_backend(args.backend)
     backend = utils.TransferBackend(args.backend)
     kv_pool, allocator, rows, tree = pools(server_args, args, decode=True)
     sched = stand_in(decode.SchedulerDisaggregationDecodeMixin, {
@@ -420,7 +456,9 @@ def run_decode(args) -> dict:
     heads = head_range(args)
     planned = plan(args.seed, args.waves, args.aborts)
     outcome, prefix_hits, held, aborted, released = {}, {}, set(), {}, {}
-    deadline = time.monotonic() + args.deadline_s
+    steps: list[float] = []  # per scheduler step, the seconds of SGLang's process_decode_queue (the backend's calls)
+    started = time.monotonic()
+    deadline = started + args.deadline_s
     for wave in range(args.waves):
         reqs = {}
         for rid, room, prompt, w, _ in planned:
@@ -440,7 +478,9 @@ def run_decode(args) -> dict:
                 if d.req.rid in to_abort and _landed(d.req, rows, kv_pool, allocator, heads):
                     to_abort.discard(d.req.rid)
                     d.kv_receiver.abort()
+            began = time.perf_counter()
             sched.process_decode_queue()  # SGLang's decode step: releases, prealloc, transfer
+            steps.append(time.perf_counter() - began)
             held |= {d.req.rid for d, *_ in transfer._deferred_releases}
             for rid, locs in aborted.items():  # its pages as SGLang released them: nothing may change them now
                 if rid not in released and not reqs[rid].kv.holds_kv:
@@ -454,6 +494,7 @@ def run_decode(args) -> dict:
             outcome.update({rid: "failed" for rid, req in reqs.items()
                             if rid not in outcome and rid not in queued and _aborted_by(req)})
             time.sleep(0.002)
+    took_s = time.monotonic() - started
     time.sleep(0.5)  # anything still landing lands now
     swept = {}
     for rid, _, prompt, _, _ in planned:
@@ -470,7 +511,8 @@ def run_decode(args) -> dict:
         late[rid] = [int(still.sum()), int((changed & still).sum())]
     open(os.path.join(args.done_dir, f"decode{args.rank}.done"), "w").close()
     prealloc.kv_manager.close()
-    return {"outcome": outcome, "prefix_hits": prefix_hits, "held": sorted(held), "swept": swept, "late": late}
+    return {"outcome": outcome, "prefix_hits": prefix_hits, "held": sorted(held), "swept": swept, "late": late,
+            "steps": step_stats(steps), "took_s": took_s}
 
 
 def _kv_bytes(kv_pool, allocator, locs) -> np.ndarray:
@@ -531,7 +573,7 @@ def main(argv=None) -> None:
 
     _torchvision_or_stand_in()
     result = run_prefill(args) if args.role == "prefill" else run_decode(args)
-    print(json.dumps(result if args.role == "decode" else {"outcome": result}), flush=True)
+    print(json.dumps(result), flush=True)
 
 
 def run_child(argv: list[str], out_path: str, err_path: str) -> None:

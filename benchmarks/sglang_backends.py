@@ -1,0 +1,101 @@
+"""kvplan inside SGLang against SGLang's own transfer backends, on the same requests through SGLang's own
+scheduler queues: what the scheduler thread spends per step in the queues' and the backend's calls, and
+how fast the requests go.
+
+Each run is one prefill and one decode process of ``tests/integrations/sglang_scheduler_node.py``
+(SGLang 0.5.23's ``PrefillBootstrapQueue``, ``send_kv_chunk``, ``DecodePreallocQueue`` and
+``DecodeTransferQueue`` over SGLang's own pools; the forward pass is a stand-in that writes each chunk's
+KV), once with kvplan's adapter (``KVPLAN_SGLANG=1``) and once with SGLang's own backend, for each of
+Mooncake and NIXL. Every request's KV is checked on the decode; a run whose requests did not all arrive
+is reported, not timed. A step's time counts only SGLang's calls into its queues (the backend's work on
+the scheduler thread), not the stand-in forward pass.
+
+Example::
+
+    python -m benchmarks.sglang_backends --waves 4 --json out/sglang-backends.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from tests.ports import free_ports
+
+RUNS = (("kvplan", "mooncake"), ("sglang", "mooncake"), ("kvplan", "nixl"), ("sglang", "nixl"))
+
+
+def run_pair(adapter: str, backend: str, waves: int, deadline_s: float) -> dict:
+    """One prefill and one decode rank; each one's JSON line, by role (or ``{"error": ...}``)."""
+    bootstrap, prefill_dist, decode_dist = free_ports(3)
+    env = {**os.environ, "KVPLAN_HOST": "127.0.0.1", "SGLANG_HOST_IP": "127.0.0.1", "PYTHONWARNINGS": "ignore",
+           "KVPLAN_TIMEOUT_S": str(deadline_s), "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
+    env.pop("KVPLAN_SGLANG", None)
+    if adapter == "kvplan":
+        env["KVPLAN_SGLANG"] = "1"
+    out: dict = {}
+    with tempfile.TemporaryDirectory(prefix="kvplan-sglang-backends-") as tmp:
+        procs = {}
+        for role, dist in (("prefill", prefill_dist), ("decode", decode_dist)):
+            argv = [sys.executable, "-m", "tests.integrations.sglang_scheduler_node", role, "--backend", backend,
+                    "--bootstrap-port", str(bootstrap), "--dist-port", str(dist), "--waves", str(waves),
+                    "--aborts", "0", "--deadline-s", str(deadline_s), "--done-dir", tmp]
+            procs[role] = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        until = time.monotonic() + deadline_s + 60
+        for role, proc in procs.items():
+            try:
+                stdout, stderr = proc.communicate(timeout=max(1.0, until - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                stdout, stderr = proc.communicate(timeout=30)
+            lines = stdout.strip().splitlines()
+            out[role] = json.loads(lines[-1]) if proc.returncode == 0 and lines else {
+                "error": f"exit {proc.returncode}: {stderr[-1500:]}"}
+    return out
+
+
+def row(adapter: str, backend: str, got: dict) -> dict:
+    """One run's line of the table: requests that arrived right, the decode's wall time and rate, and each
+    side's per-step time."""
+    if any("error" in got.get(r, {"error": "no result"}) for r in ("prefill", "decode")):
+        return {"adapter": adapter, "backend": backend,
+                "error": next(got[r]["error"] for r in ("prefill", "decode") if "error" in got.get(r, {}))}
+    outcome = got["decode"]["outcome"]
+    ok = sum(v == "ok" for v in outcome.values())
+    return {"adapter": adapter, "backend": backend, "requests": len(outcome), "ok": ok,
+            "decode_s": round(got["decode"]["took_s"], 3), "requests_per_s": round(ok / got["decode"]["took_s"], 1),
+            "prefill_step": got["prefill"]["steps"], "decode_step": got["decode"]["steps"]}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--waves", type=int, default=4, help="waves of 16 requests (later waves share prefixes)")
+    parser.add_argument("--deadline-s", type=float, default=120.0)
+    parser.add_argument("--runs", default=",".join(f"{a}-{b}" for a, b in RUNS),
+                        help="which of kvplan-mooncake, sglang-mooncake, kvplan-nixl, sglang-nixl")
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args(argv)
+    rows = []
+    for name in args.runs.split(","):
+        adapter, backend = name.split("-")
+        rows.append(row(adapter, backend, run_pair(adapter, backend, args.waves, args.deadline_s)))
+        r = rows[-1]
+        if "error" in r:
+            print(f"{name:16s} failed: {r['error'][-300:]}")
+            continue
+        p, d = r["prefill_step"], r["decode_step"]
+        print(f"{name:16s} {r['ok']}/{r['requests']} ok in {r['decode_s']:.2f} s ({r['requests_per_s']} req/s); "
+              f"prefill step p50 {p['p50_ms']:.3f} p99 {p['p99_ms']:.3f} max {p['max_ms']:.1f} ms; "
+              f"decode step p50 {d['p50_ms']:.3f} p99 {d['p99_ms']:.3f} max {d['max_ms']:.1f} ms")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"waves": args.waves, "rows": rows}, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
