@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 
 LOOKUP_S = 5.0  # the longest one bootstrap lookup or one channel's handshake may take (each, on the pairing's thread)
 RETRY_S = 1.0  # after a pairing failed, its prefill rank's requests fail at once for this long, then one is tried again
+# a bootstrap server whose prefill ranks are not all registered is asked again every NOT_READY_PAUSE_S for up to
+# NOT_READY_S, so that SGLang's next look (a second after its first) finds the layout once they are
+NOT_READY_S, NOT_READY_PAUSE_S = 0.9, 0.05
 
 
 @dataclass
@@ -57,7 +60,15 @@ class DecodePairing:
         from sglang.srt.disaggregation.common.conn import PrefillServerInfo
 
         host, port = host_port(bootstrap_addr)
-        layout = prefill_layout(host, port, timeout=min(LOOKUP_S, self.timeout))
+        until = time.monotonic() + NOT_READY_S
+        while True:
+            try:
+                layout = prefill_layout(host, port, timeout=min(LOOKUP_S, self.timeout))
+                break
+            except BootstrapNotReady:  # (not every prefill rank has registered yet: asked again shortly)
+                if time.monotonic() > until:
+                    raise
+                time.sleep(NOT_READY_PAUSE_S)
         return PrefillServerInfo(
             attn_tp_size=layout.attn_tp_size, attn_cp_size=layout.attn_cp_size, dp_size=layout.dp_size,
             pp_size=layout.pp_size, page_size=layout.page_size, kv_cache_dtype=layout.kv_cache_dtype,
@@ -71,19 +82,18 @@ class DecodePairing:
         if bootstrap_addr in self.prefill_info_table:
             return True
         lookup = self._layouts.get(bootstrap_addr)
-        if lookup is None:
-            self._layouts[bootstrap_addr] = OffThread(lambda: self._bootstrap_layout(bootstrap_addr),
-                                                      "kvplan-sglang-bootstrap")
-            return False
-        if not lookup.done():
-            return False
-        del self._layouts[bootstrap_addr]
-        if lookup.error is not None:
+        if lookup is not None and lookup.done():
+            del self._layouts[bootstrap_addr]
+            if lookup.error is None:
+                self.prefill_info_table[bootstrap_addr] = lookup.value
+                return True
             level = logging.DEBUG if isinstance(lookup.error, BootstrapNotReady) else logging.WARNING
             log.log(level, "the prefill's layout at %s is not known yet: %s", bootstrap_addr, lookup.reason())
-            return False
-        self.prefill_info_table[bootstrap_addr] = lookup.value
-        return True
+            lookup = None
+        if lookup is None:  # (asked again at once: SGLang's next look, a second later, reads its answer)
+            self._layouts[bootstrap_addr] = OffThread(lambda: self._bootstrap_layout(bootstrap_addr),
+                                                      "kvplan-sglang-bootstrap")
+        return False
 
     def pair(self, bootstrap_addr: str, prefill_dp_rank: int = 0) -> int | None:
         """The peer index of the prefill rank that serves this decode rank for requests of
