@@ -14,6 +14,7 @@ import types
 from pathlib import Path
 
 import numpy as np
+import torch
 import pytest
 
 from tests.integrations import sglang_sides
@@ -234,3 +235,38 @@ def test_poll_returns_at_once_while_the_step_s_transfer_is_held_in_flight(caplog
     with caplog.at_level(logging.INFO, logger="kvplan.integrations.sglang.adapter"):
         mgr.progress()
     assert "kvplan's SGLang prefill counters: requests {'sent': 1}" in caplog.text, caplog.text
+
+
+def test_a_chunk_whose_page_ids_are_still_being_copied_waits_for_its_event_and_nothing_waits_on_it():
+    """On a GPU SGLang hands ``send`` a pinned host tensor its copy off the GPU is still filling, with the
+    copy's event (``supports_host_tensor_indices``), instead of syncing its stream. kvplan asks the event
+    at each poll: until it has passed, nothing of the chunk is planned or sent (its ids may not be there
+    yet), and the poll returns at once; then the chunk goes."""
+    base = sglang_module("srt.disaggregation.base.conn")  # (skips where SGLang is not installed)
+    from kvplan.integrations.sglang.adapter import KVSender
+    from kvplan.integrations.sglang.kv_args import side_from_kv_args
+    from kvplan.planner.contract.plan import DestinationLists
+    from kvplan.transport.engines.base import Handle
+    from kvplan.transport.prefill import Peer
+    from tests.transport.fakes import FakeChannel
+
+    kv, aux = sglang_sides.pools(1)
+    mgr = _manager(sglang_sides.kv_args_of(base, kv, aux), "PREFILL", max_running_requests=4, context_length=64)
+    decode_args = sglang_sides.kv_args_of(base, *sglang_sides.pools(None))
+    peer = Peer(FakeChannel.pair()[0], name="decode", side=side_from_kv_args(decode_args, mla=False))
+    peer.lists[7] = (DestinationLists(np.array([3, 4]), ()), 0, 0)
+    mgr.prefill.peers.append(peer)
+    posted = []
+    mgr.engine.post = lambda peer, descs, *a, **k: posted.append(len(descs)) or Handle(peer, int(descs[:, 2].sum()))
+    mgr.engine.progress = lambda h: "DONE"
+    copy = types.SimpleNamespace(done=False)
+    copy.query = lambda: copy.done  # (torch.cuda.Event's query: whether the copy has ended)
+    sender = KVSender(mgr, "127.0.0.1:0", 7)
+    sender.init(2, aux_index=0)
+    sender.send(torch.tensor([3, 4]), indices_event=copy)
+    for _ in range(5):
+        assert sender.poll() == base.KVPoll.WaitingForInput  # nothing of it planned while it copies
+    assert sender.pages_sent == 0 and not posted and mgr.prefill.in_flight() == 0
+    copy.done = True
+    assert concluded(sender, base.KVPoll) == base.KVPoll.Success, mgr.failures
+    assert sender.pages_sent == 2 and posted

@@ -255,6 +255,8 @@ class KVManager(PrefillManager, DecodeManager, BaseKVManager):
             # (with SGLang's protocol, DecodeRanks gives it each decode rank's peer and lists between its batches)
             self.prefill.start()
             self._pending: list[tuple[KVSender, np.ndarray, tuple[np.ndarray, ...] | None, int]] = []
+            # sends whose page ids SGLang is still copying off the GPU: (sender, host tensor, its event, state, tokens)
+            self._copying: list[tuple[KVSender, Any, Any, tuple[np.ndarray, ...] | None, int]] = []
             # submitted batches not yet ended: each handle's chunks and the planning rows they hold (a row in
             # flight is not rewritten: its batch is planned on the progress thread from the table as it is)
             self._moving: dict[Any, tuple[list, set[int]]] = {}
@@ -429,6 +431,7 @@ class KVManager(PrefillManager, DecodeManager, BaseKVManager):
         self._settle(room, KVPoll.Failed, reason)
         if self.mode is DisaggregationMode.PREFILL and self.prefill is not None:
             self._pending = [x for x in self._pending if x[0].room != room]
+            self._copying = [x for x in self._copying if x[0].room != room]
             for k in self._peers_of(room):
                 self.prefill.fail([room], reason, peer=k)
         elif self.decode is not None and room in self._room_peer:
@@ -484,12 +487,23 @@ class KVSender(BaseKVSender):
     def init(self, num_kv_indices: int, aux_index: Optional[int] = None) -> None:
         self.num_pages, self.aux_index = int(num_kv_indices), int(aux_index or 0)
 
-    def send(self, kv_indices: Any, state_indices: Optional[list] = None, num_kv_tokens: Optional[int] = None) -> None:
-        pages = ids(kv_indices)
+    @property
+    def supports_host_tensor_indices(self) -> bool:
+        """On a GPU, SGLang hands ``send`` the page ids as a pinned host tensor its copy off the GPU is
+        still filling, with that copy's CUDA event, rather than syncing its stream for them
+        (``send_kv_chunk``); kvplan reads them once the event has passed, asked at each poll and never
+        waited for. Off a GPU SGLang hands them as an array."""
+        return self.mgr.device.type == "cuda"
+
+    def send(self, kv_indices: Any, state_indices: Optional[list] = None, num_kv_tokens: Optional[int] = None,
+             indices_event: Any = None) -> None:
         if self._first_send is None:
             self._first_send = time.monotonic()
-        tokens = len(pages) * self.mgr.page_size if num_kv_tokens is None else int(num_kv_tokens)
-        self.mgr.enqueue(self, pages, state_lists(state_indices), tokens)
+        tokens = len(kv_indices) * self.mgr.page_size if num_kv_tokens is None else int(num_kv_tokens)
+        if indices_event is not None:  # (its ids are still being copied: read once the event has passed)
+            self.mgr.enqueue_copying(self, kv_indices, indices_event, state_lists(state_indices), tokens)
+            return
+        self.mgr.enqueue(self, ids(kv_indices), state_lists(state_indices), tokens)
 
     def poll(self) -> int:
         mgr = self.mgr

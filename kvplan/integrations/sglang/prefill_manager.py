@@ -18,7 +18,7 @@ from ...errors import InputError, KvplanError, LayoutError
 from ...planner.contract.block_tables import token_table_from_blocks
 from ...planner.contract.state_kinds import rules_of
 from ...transport.prefill import Chunk
-from .inputs import state_lists_of
+from .inputs import ids as host_ids_of, state_lists_of
 
 __all__ = ["PrefillManager"]
 
@@ -53,9 +53,29 @@ class PrefillManager:
                 tokens: int) -> None:
         self._pending.append((sender, pages, state, tokens))
 
+    def enqueue_copying(self, sender: Sender, host_ids: Any, event: Any, state: tuple[np.ndarray, ...] | None,
+                        tokens: int) -> None:
+        """A send whose page ids are still being copied off the GPU (``event`` marks the copy's end): it
+        joins the pending step once the event has passed (:meth:`_take_copied`)."""
+        self._copying.append((sender, host_ids, event, state, tokens))
+
+    def _take_copied(self) -> None:
+        """Move the sends whose ids have landed on the host into the pending step, in the order they came;
+        a request's later chunks wait behind one still copying. Never waits: the events are only asked."""
+        held, still = set(), []
+        for sender, host_ids, event, state, tokens in self._copying:
+            if sender.room in held or not event.query():
+                held.add(sender.room)
+                still.append((sender, host_ids, event, state, tokens))
+            else:
+                self._pending.append((sender, host_ids_of(host_ids), state, tokens))
+        self._copying = still
+
     def flush(self) -> None:
         """Plan every ``send`` since the last flush as one kvplan batch and move it. A step that
         cannot be laid out fails every send of it, on both sides; nothing of it is sent."""
+        if self._copying:
+            self._take_copied()
         if len(self._moving) >= MOVING_MAX:
             self._take_completed()
             if len(self._moving) >= MOVING_MAX:
