@@ -51,13 +51,19 @@ class DecodeWarmUp:
             return took
         start = time.perf_counter()
         deadline, pause = time.monotonic() + timeout, Pause()
-        while len(self._senders) + len(self._refused) < len(self.channels) and time.monotonic() < deadline:
+
+        def waiting() -> list[int]:  # (a sender that refused, or whose process ended, will not pair now)
+            return [k for k in range(len(self.channels))
+                    if k not in self._senders and k not in self._refused and k not in self._gone_senders]
+
+        while waiting() and time.monotonic() < deadline:
             self._poll()
             pause()
         if len(self._senders) < len(self.channels):
-            log.warning("warm-up: %d of %d senders had not paired after %.1f s (%d refused the pairing); their "
-                        "planners start cold", len(self.channels) - len(self._senders), len(self.channels), timeout,
-                        len(self._refused))
+            log.warning("warm-up: %d of %d senders had not paired after %.1f s (%d refused the pairing, %d are gone); "
+                        "their planners start cold", len(self.channels) - len(self._senders), len(self.channels),
+                        time.perf_counter() - start, len(self._refused),
+                        len(set(self._gone_senders) - set(self._senders)))
         took["pairing"] = time.perf_counter() - start
         if not self.staging.is_cuda:  # (off the GPU nothing is compiled or captured)
             return took

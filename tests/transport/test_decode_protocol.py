@@ -406,3 +406,33 @@ def test_a_decode_with_staging_takes_senders_up_to_the_shares_its_buffer_was_spl
     with pytest.raises(LayoutError, match="2 senders"):
         endpoint.add_sender(third, timeout=1)
     assert third_prefill.try_recv() is None and len(endpoint.channels) == 2
+
+
+def test_a_decode_warm_up_stops_waiting_for_a_sender_whose_process_ended(monkeypatch):
+    """The warm-up waits for its senders to pair. A sender whose process ended before its pairing reached
+    this side (its control connection closed) will not pair: the warm-up goes on at once instead of at
+    its deadline (here a clock that would fail the test long before it)."""
+    import kvplan.transport.decode_messages as decode_messages
+    from kvplan.transport import decode_warm
+
+    pool = torch.zeros(16 * PAGE_BYTES, dtype=torch.uint8)
+    side = SideMemory(KVLayout(Attention.MLA, PAGE, (Entry(pool.data_ptr(), PAGE_BYTES, 16),)),
+                      req_to_token=table_with({1: [3, 4]}, PAGE, max_ctx=16))
+    mine, _ = FakeChannel.pair()
+    endpoint = DecodeEndpoint(side, FakeEngine(), mine, torch.zeros(4096, dtype=torch.uint8))
+    endpoint.register(timeout=1)
+    monkeypatch.setattr(mine, "peer_gone", lambda: True)  # (its end closed: the process ended)
+    monkeypatch.setattr(decode_messages, "GONE_GRACE_S", 0.0)
+    looks = iter(range(5000))
+
+    class Clock:  # the warm-up's clock: a thousandth of a second per look, and no more than 5,000 looks
+        perf_counter = staticmethod(time.perf_counter)
+
+        @staticmethod
+        def monotonic() -> float:
+            look = next(looks, None)
+            assert look is not None, "the warm-up went on waiting for a sender that is gone"
+            return look * 1e-3
+
+    monkeypatch.setattr(decode_warm, "time", Clock)
+    assert set(endpoint.warm_up(timeout=1e9)) == {"pairing"}
