@@ -86,19 +86,6 @@ def test_two_processes_hand_off_through_sglang_s_interfaces(engine, state):
     assert prefill_states[chunked][0] == base.KVPoll.Transferring  # its first chunk went, its last not yet
 
 
-def test_on_one_host_the_ipc_engine_moves_every_byte_through_sglang_s_interfaces():
-    """``KVPLAN_ENGINE=ipc`` under SGLang's ``nixl`` backend: the prefill writes the decode's pools itself
-    (here host memory, written by ``process_vm_writev``; on a GPU through CUDA IPC), KV, aux and every
-    hybrid state kind, every byte right."""
-    base = sglang_module("srt.disaggregation.base.conn")
-    got = _run_sides("ipc", "hybrid", [()])
-    prefill_states, failures = got["prefill"]
-    decode_states, wrong = got["decode"]
-    assert not any(failures.values()) and not wrong, (failures, wrong[:8])
-    assert all(states[-1] == base.KVPoll.Success for states in decode_states.values()), decode_states
-    assert all(states[-1] == base.KVPoll.Success for states in prefill_states.values()), prefill_states
-
-
 def test_a_decode_that_asks_for_checksums_completes_each_request_once_its_bytes_agree():
     """Integrity is a setting (``kvplan_integrity``, ``KVPLAN_INTEGRITY``). The decode asks its
     prefill for each request's checksum and completes a request only once its own sum over what landed
@@ -111,16 +98,19 @@ def test_a_decode_that_asks_for_checksums_completes_each_request_once_its_bytes_
     assert all(states[-1] == base.KVPoll.Success for states in decode_states.values()), decode_states
 
 
-def test_lists_handed_before_the_pairing_ended_are_published_once_it_has():
-    """The decode pairs with its prefill off the scheduler's thread: a decode that hands each request's
-    lists right after ``init`` (its pairing still under way) has them kept and published at a later
-    ``poll``; every request succeeds, every byte right."""
+def test_on_one_host_the_ipc_engine_moves_every_byte_and_lists_handed_while_pairing_are_kept():
+    """``KVPLAN_ENGINE=ipc`` under SGLang's ``nixl`` backend: the prefill writes the decode's pools itself
+    (here host memory, written by ``process_vm_writev``; on a GPU through CUDA IPC), KV, aux and every
+    hybrid state kind. The decode pairs with its prefill off the scheduler's thread, and hands each
+    request's lists right after ``init`` (its pairing still under way): they are kept and published at a
+    later ``poll``. Every request succeeds on both sides, every byte right."""
     base = sglang_module("srt.disaggregation.base.conn")
-    got = _run_sides(ENGINES[0], "hybrid", [(None, "decode", "kvplan", False, 0, True)])
+    got = _run_sides("ipc", "hybrid", [(None, "decode", "kvplan", False, 0, True)])
     prefill_states, failures = got["prefill"]
     decode_states, wrong = got["decode"]
     assert not any(failures.values()) and not wrong, (failures, wrong[:8])
     assert all(states[-1] == base.KVPoll.Success for states in decode_states.values()), decode_states
+    assert all(states[-1] == base.KVPoll.Success for states in prefill_states.values()), prefill_states
 
 
 def test_with_a_staging_buffer_every_request_moves_staged_byte_for_byte():
