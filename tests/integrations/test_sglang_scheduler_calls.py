@@ -191,20 +191,12 @@ def test_the_transfer_metric_is_the_time_from_first_chunk_to_conclusion():
     assert sender.get_transfer_metric().transfer_latency_s >= 0
 
 
-def test_poll_returns_at_once_while_the_step_s_transfer_is_held_in_flight(caplog):
-    """SGLang's scheduler calls ``poll`` every step: it submits what was handed over and reads what
-    ended, never waiting for the engine. Here the engine holds the write until the test releases it
-    (a slowed peer), after the polls: each of them returns Transferring (a poll that waited for the
-    write would wait for ever), and the request succeeds once the write ends. Then the manager's
-    counters say so, and its periodic counters line is logged."""
-    import logging
-    import threading
-
+def _prefill_with_paired_decode():
+    """A prefill manager with a decode side paired (its memory known) on an in-memory channel, which
+    published request 7's lists (pages 3 and 4)."""
     base = sglang_module("srt.disaggregation.base.conn")  # (skips where SGLang is not installed)
-    from kvplan.integrations.sglang.adapter import KVSender
     from kvplan.integrations.sglang.kv_args import side_from_kv_args
     from kvplan.planner.contract.plan import DestinationLists
-    from kvplan.transport.engines.base import Handle
     from kvplan.transport.prefill import Peer
     from tests.transport.fakes import FakeChannel
 
@@ -214,6 +206,21 @@ def test_poll_returns_at_once_while_the_step_s_transfer_is_held_in_flight(caplog
     peer = Peer(FakeChannel.pair()[0], name="decode", side=side_from_kv_args(decode_args, mla=False))
     peer.lists[7] = (DestinationLists(np.array([3, 4]), ()), 0, 0)
     mgr.prefill.peers.append(peer)
+    return base, mgr
+
+
+def test_poll_returns_at_once_while_the_step_s_transfer_is_held_in_flight(caplog):
+    """SGLang's scheduler calls ``poll`` every step: it submits what was handed over and reads what
+    ended, never waiting for the engine. Here the engine holds the write until the test releases it
+    (a slowed peer), after the polls: each of them returns Transferring (a poll that waited for the
+    write would wait for ever), and the request succeeds once the write ends. Then the manager's
+    counters say so, and its periodic counters line is logged."""
+    import logging
+    import threading
+
+    base, mgr = _prefill_with_paired_decode()
+    from kvplan.integrations.sglang.adapter import KVSender
+    from kvplan.transport.engines.base import Handle
     release, posted = threading.Event(), threading.Event()
     mgr.engine.post = lambda peer, descs, *a, **k: posted.set() or Handle(peer, int(descs[:, 2].sum()))
     mgr.engine.progress = lambda h: "DONE" if release.wait(0.001) else "PROC"  # (a bounded wait per look)
@@ -242,20 +249,9 @@ def test_a_chunk_whose_page_ids_are_still_being_copied_waits_for_its_event_and_n
     copy's event (``supports_host_tensor_indices``), instead of syncing its stream. kvplan asks the event
     at each poll: until it has passed, nothing of the chunk is planned or sent (its ids may not be there
     yet), and the poll returns at once; then the chunk goes."""
-    base = sglang_module("srt.disaggregation.base.conn")  # (skips where SGLang is not installed)
+    base, mgr = _prefill_with_paired_decode()
     from kvplan.integrations.sglang.adapter import KVSender
-    from kvplan.integrations.sglang.kv_args import side_from_kv_args
-    from kvplan.planner.contract.plan import DestinationLists
     from kvplan.transport.engines.base import Handle
-    from kvplan.transport.prefill import Peer
-    from tests.transport.fakes import FakeChannel
-
-    kv, aux = sglang_sides.pools(1)
-    mgr = _manager(sglang_sides.kv_args_of(base, kv, aux), "PREFILL", max_running_requests=4, context_length=64)
-    decode_args = sglang_sides.kv_args_of(base, *sglang_sides.pools(None))
-    peer = Peer(FakeChannel.pair()[0], name="decode", side=side_from_kv_args(decode_args, mla=False))
-    peer.lists[7] = (DestinationLists(np.array([3, 4]), ()), 0, 0)
-    mgr.prefill.peers.append(peer)
     posted = []
     mgr.engine.post = lambda peer, descs, *a, **k: posted.append(len(descs)) or Handle(peer, int(descs[:, 2].sum()))
     mgr.engine.progress = lambda h: "DONE"
