@@ -39,9 +39,9 @@ Switched on by the plugin (``KVPLAN_SGLANG=1``, :mod:`.plugin`), with kvplan's s
 address (``KVPLAN_HOST``, default SGLang's own choice) and registers it with SGLang's bootstrap server,
 which keeps its port; a decode rank finds the prefill's layout there (``try_ensure_parallel_info``),
 then the rank that holds its part, and asks its listener for a control channel of its own
-(:mod:`kvplan.transport.listener`), all of it off the scheduler's thread (:mod:`.pairing`). Several decode managers per prefill manager: one step's sends fan
-out to the decode managers that published them, planned as one batch; a decode manager pairs with
-each prefill rank its requests come from. Both endpoints run on progress threads of their own
+(:mod:`kvplan.transport.listener`), all of it off the scheduler's thread (:mod:`.pairing`). Several
+decode managers per prefill manager: one step's sends fan out to the decode managers that published
+them, planned as one batch; a decode manager pairs with each prefill rank its requests come from. Both endpoints run on progress threads of their own
 (docs/sglang.md, "What runs on which thread"): ``poll`` submits and reads, and returns ``Success`` or
 ``Failed`` for a request whose last chunk has gone. SGLang's ``abort`` on either side fails the
 request there and tells the peer; docs/sglang.md lists every call SGLang's schedulers make.
