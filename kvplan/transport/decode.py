@@ -474,9 +474,10 @@ class DecodeEndpoint(SenderMessages, StagedReceiver, DecodeWarmUp):
                       "prefix_len": int(prefix_len)}
             if publishers > 1:
                 header["publishers"] = publishers
+            message = p.message()
             for k in peers:
                 try:
-                    self.channels[k].send(Kind.REQUEST, header, p.message(),
+                    self.channels[k].send(Kind.REQUEST, header, message,
                                           timeout=max(0.0, deadline - time.monotonic()))
                 except ControlTimeout as err:
                     self.tracker.fail(p.request, f"its destination lists could not be published to sender {k}: {err}")

@@ -87,6 +87,7 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 from ...errors import KvplanError, LayoutError, PeerError
 from ...planner.contract.batch import SideMemory
 from ...planner.contract.state_kinds import RULES, rules_of
+from ...transport.decode import DecodeEndpoint
 from ...transport.listener import ChannelListener
 from ...transport.engines import TransferError, make_engine
 from .decode_manager import DecodeManager
@@ -288,11 +289,15 @@ class KVManager(PrefillManager, DecodeManager, BaseKVManager):
 
             mgr.stats()["requests"]          # {"sent": 1200, "failed": 3} on a prefill
         """
-        endpoint = self.prefill if self.mode is DisaggregationMode.PREFILL else self.decode
+        endpoint = self._endpoint()
         if endpoint is None:
             return {}
         peers = len(self.prefill.peers) if endpoint is self.prefill else len(self._senders)
         return {**endpoint.stats(), "peers": peers}
+
+    def _endpoint(self) -> PrefillEndpoint | DecodeEndpoint | None:
+        """This manager's kvplan endpoint (none on a decode served by SGLang's own prefill, or once closed)."""
+        return self.prefill if self.mode is DisaggregationMode.PREFILL else self.decode
 
     def _log_counters(self) -> None:
         """Every ``stats_s`` seconds, one INFO line of the endpoint's cumulative counters (cheap: no percentile)."""
@@ -300,7 +305,7 @@ class KVManager(PrefillManager, DecodeManager, BaseKVManager):
         if not self.settings.stats_s or now < self._counters_at:
             return
         self._counters_at = now + self.settings.stats_s
-        endpoint = self.prefill if self.mode is DisaggregationMode.PREFILL else self.decode
+        endpoint = self._endpoint()
         if endpoint is None:
             return
         totals = endpoint.totals()
@@ -406,7 +411,6 @@ class KVManager(PrefillManager, DecodeManager, BaseKVManager):
             for room in published:  # failed here before its decode rank asked: tell it now
                 if self.status.get(room) == KVPoll.Failed:
                     self.ranks.report(room, False, self.failures.get(room))
-            self._take_completed()
         elif self.mode is DisaggregationMode.PREFILL:
             for channel in self.listener.accept_pending():  # (paired on the progress thread once it registers)
                 self.prefill.add_peer(channel, min(self.timeout, HANDSHAKE_S))
@@ -418,12 +422,13 @@ class KVManager(PrefillManager, DecodeManager, BaseKVManager):
                 reason = f"the decode side cannot pair with this one: {err}"
                 log.warning("%s", reason)
                 self.broken = None if self.paired() else reason
-            self._take_completed()
             aborted, self.prefill.aborted = self.prefill.aborted, []
             for _, room, reason in aborted:
                 self._settle(room, KVPoll.Failed, f"the decode side aborted it: {reason}")
         elif self.decode is not None:
             self.take_ended()
+        if self.mode is DisaggregationMode.PREFILL and self.prefill is not None:  # (either protocol)
+            self._take_completed()
 
     def abort_room(self, room: int, reason: str) -> None:
         """Fail ``room`` on this side and tell its peers: a prefill drops its unsent chunks and tells each

@@ -185,20 +185,19 @@ class DecodeRanks:
                 return (f"request {room}: decode sessions {parts[part]} and {req.session_id} both ask for the part of "
                         f"TP rank {part[1]} of {part[0]}; nothing of it is sent")
             parts[part] = req.session_id
-            published.append((self.sessions[req.session_id], (lists, int(req.aux_index or 0), int(req.decode_prefix_len))))
+            published.append((req.session_id, (lists, int(req.aux_index or 0), int(req.decode_prefix_len))))
         self.endpoint.between_batches(lambda: self._take_lists(room, published))
         return None
 
     def _take_lists(self, room: int, published: list) -> None:
         """Give each peer its lists of ``room`` (between the endpoint's batches); none if one of its ranks
         could not be reached (then the room fails at the next :meth:`progress`, with the reason)."""
-        lost = [k for k, _ in published if self.endpoint.peers[k].side is None]
+        lost = [session for session, _ in published if self.endpoint.peers[self.sessions[session]].side is None]
         if lost:
-            session = next(s for s, k in self.sessions.items() if k == lost[0])
-            self._unserved.append((room, self.refused.get(session, f"decode session {session} cannot be reached")))
+            self._unserved.append((room, self.refused.get(lost[0], f"decode session {lost[0]} cannot be reached")))
             return
-        for k, entry in published:
-            self.endpoint.peers[k].lists[room] = entry
+        for session, entry in published:
+            self.endpoint.peers[self.sessions[session]].lists[room] = entry
 
     def report(self, room: int, ok: bool, reason: str | None = None) -> None:
         """Send ``room``'s status to every decode rank that asked for it, then forget the room."""

@@ -145,9 +145,7 @@ class DecodePairing:
         del self._pairings[key]
         bootstrap_addr = key[0]
         if pairing.error is not None:
-            err = pairing.error
-            self._unpaired[key] = (time.monotonic() + RETRY_S, f"no prefill rank to pair with at {bootstrap_addr}: "
-                                                               f"{type(err).__name__}: {err}")
+            self._pairing_failed(key, pairing.error)
             return
         found: FoundRank = pairing.value
         if found.layout is not None:
@@ -160,14 +158,18 @@ class DecodePairing:
                 peer = self.decode.add_sender(found.channel, self.timeout)
             except KvplanError as err:
                 found.channel.close()
-                self._unpaired[key] = (time.monotonic() + RETRY_S, f"the prefill rank at {found.rank_addr} cannot be "
-                                                                   f"taken: {type(err).__name__}: {err}")
+                self._pairing_failed(key, err, f"the prefill rank at {found.rank_addr} cannot be taken")
                 return
             self._senders[found.rank_addr] = peer
             self._publishers[peer] = found.publishers
             log.info("paired with the prefill rank at %s:%d (sender %d)", *found.rank_addr, peer)
         self._paired[key] = peer
         self.bootstrap_addr = self.bootstrap_addr or bootstrap_addr
+
+    def _pairing_failed(self, key: tuple[str, int], err: BaseException, what: str | None = None) -> None:
+        """Keep why ``key``'s pairing failed: its requests fail with it for :data:`RETRY_S`."""
+        what = what or f"no prefill rank to pair with at {key[0]}"
+        self._unpaired[key] = (time.monotonic() + RETRY_S, f"{what}: {type(err).__name__}: {err}")
 
     def _pair_sglang(self, bootstrap_addr: str) -> int | None:
         """With SGLang's protocol: one link to SGLang's prefill, registered on a pairing's thread; 0 once
@@ -176,8 +178,7 @@ class DecodePairing:
             addr, pairing = self._link_pairing
             self._link_pairing = None
             if pairing.error is not None:
-                self._unpaired[(addr, 0)] = (time.monotonic() + RETRY_S, f"no prefill rank to pair with at {addr}: "
-                                             f"{type(pairing.error).__name__}: {pairing.error}")
+                self._pairing_failed((addr, 0), pairing.error)
             else:
                 self.link, self.bootstrap_addr = pairing.value, addr
         paired_with = self.bootstrap_addr if self.link is not None else \
