@@ -36,7 +36,8 @@ from array import array
 
 import numpy as np
 
-PAGE, CHUNK, LAYERS, TOTAL_HEADS, HEAD_DIM = 4, 16, 2, 4, 8
+PAGE, CHUNK, LAYERS, TOTAL_HEADS, HEAD_DIM = 4, 16, 2, 4, 8  # the model's shape: --layers, --heads, --head-dim
+DEVICE = "cpu"  # where SGLang's pools live: --device
 POOL_TOKENS, ROWS, CONTEXT = 2048, 48, 256
 WAVE = 16  # requests per wave; the second wave shares prefixes with the first
 WINDOW = 12  # the SWA layer's window (tokens), with --swa
@@ -80,7 +81,7 @@ def publish(args, role: str):
 
     server_args = ctx.get_context().override_server_args(
         disaggregation_mode=role, disaggregation_transfer_backend=args.backend,
-        disaggregation_bootstrap_port=args.bootstrap_port, host="127.0.0.1", page_size=PAGE, device="cpu",
+        disaggregation_bootstrap_port=args.bootstrap_port, host="127.0.0.1", page_size=PAGE, device=DEVICE,
         tp_size=args.tp, max_running_requests=ROWS, context_length=CONTEXT, chunked_prefill_size=CHUNK,
         disaggregation_decode_enable_radix_cache=role == "decode" and not args.mamba).install()
     # SGLang's Mamba tree component reads its chunk size off the model's HF config unless it is seeded
@@ -134,15 +135,15 @@ def pools(server_args, args, decode: bool):
 
         kv_pool = SWAKVPool(size=POOL_TOKENS, size_swa=POOL_TOKENS, page_size=PAGE, dtype=torch.bfloat16,
                             head_num=heads, head_dim=HEAD_DIM, swa_attention_layer_ids=[1],
-                            full_attention_layer_ids=[0], device="cpu")
-        allocator = SWATokenToKVPoolAllocator(POOL_TOKENS, POOL_TOKENS, PAGE, torch.bfloat16, "cpu", kv_pool,
+                            full_attention_layer_ids=[0], device=DEVICE)
+        allocator = SWATokenToKVPoolAllocator(POOL_TOKENS, POOL_TOKENS, PAGE, torch.bfloat16, DEVICE, kv_pool,
                                               need_sort=False)
         components = (ComponentType.FULL, ComponentType.SWA)
     else:
         kv_pool = memory_pool.MHATokenToKVPool(size=POOL_TOKENS, page_size=PAGE, dtype=torch.bfloat16,
-                                               head_num=heads, head_dim=HEAD_DIM, layer_num=LAYERS, device="cpu",
+                                               head_num=heads, head_dim=HEAD_DIM, layer_num=LAYERS, device=DEVICE,
                                                enable_memory_saver=False)
-        allocator = PagedTokenToKVPoolAllocator(POOL_TOKENS, PAGE, torch.bfloat16, "cpu", kv_pool, need_sort=False)
+        allocator = PagedTokenToKVPoolAllocator(POOL_TOKENS, PAGE, torch.bfloat16, DEVICE, kv_pool, need_sort=False)
     if args.mamba:  # and a Mamba layer (model layer 2): SGLang's hybrid request pools, a state slot per request
         from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
         from sglang.srt.disaggregation.decode import HybridMambaDecodeReqToTokenPool
@@ -152,18 +153,18 @@ def pools(server_args, args, decode: bool):
         mamba = dict(cache_params=Mamba2CacheParams(shape=shape, layers=[2]), mamba_layer_ids=[2],
                      enable_mamba_extra_buffer=False, enable_overlap_schedule=False, mamba_size=2 * ROWS)
         if decode:
-            rows = HybridMambaDecodeReqToTokenPool(size=ROWS, max_context_len=CONTEXT, device="cpu",
+            rows = HybridMambaDecodeReqToTokenPool(size=ROWS, max_context_len=CONTEXT, device=DEVICE,
                                                    enable_memory_saver=False, speculative_num_draft_tokens=None,
                                                    speculative_eagle_topk=None, pre_alloc_size=ROWS, **mamba)
         else:
             rows = memory_pool.HybridReqToTokenPool(size=ROWS, mamba_spec_state_size=ROWS, max_context_len=CONTEXT,
-                                                    device="cpu", enable_memory_saver=False, **mamba)
+                                                    device=DEVICE, enable_memory_saver=False, **mamba)
         components += (ComponentType.MAMBA,)
     elif decode:
-        rows = DecodeReqToTokenPool(size=ROWS, max_context_len=CONTEXT, device="cpu", enable_memory_saver=False,
+        rows = DecodeReqToTokenPool(size=ROWS, max_context_len=CONTEXT, device=DEVICE, enable_memory_saver=False,
                                     pre_alloc_size=ROWS)
     else:
-        rows = memory_pool.ReqToTokenPool(size=ROWS, max_context_len=CONTEXT, device="cpu",
+        rows = memory_pool.ReqToTokenPool(size=ROWS, max_context_len=CONTEXT, device=DEVICE,
                                           enable_memory_saver=False)
     # the decode's radix cache gives its prefix hits; with Mamba it is off (SGLang caches a Mamba state
     # only at page size 1 or with its extra buffer)
@@ -195,11 +196,11 @@ def layers(kv_pool, allocator) -> list:
 def write_kv(kv_pool, allocator, locs, tokens, positions, heads) -> None:
     import torch
 
-    locs = torch.as_tensor(locs, dtype=torch.int64)
+    locs = torch.as_tensor(locs, dtype=torch.int64, device=DEVICE)
     for layer, (_, k, v, slots_of) in enumerate(layers(kv_pool, allocator)):
-        slots = torch.as_tensor(slots_of(locs), dtype=torch.int64)
+        slots = torch.as_tensor(slots_of(locs), dtype=torch.int64, device=DEVICE)
         for part, buffer in enumerate((k, v)):
-            buffer[slots] = torch.from_numpy(kv_value(tokens, positions, layer, part, heads))
+            buffer[slots] = torch.from_numpy(kv_value(tokens, positions, layer, part, heads)).to(DEVICE)
 
 
 def check_kv(kv_pool, allocator, locs, prompt, heads, window_from: int | None = 0) -> str | None:
@@ -207,17 +208,17 @@ def check_kv(kv_pool, allocator, locs, prompt, heads, window_from: int | None = 
     on (None: not at all)."""
     import torch
 
-    locs = torch.as_tensor(locs, dtype=torch.int64)
+    locs = torch.as_tensor(locs, dtype=torch.int64, device=DEVICE)
     for layer, (sliding, k, v, slots_of) in enumerate(layers(kv_pool, allocator)):
         lo = (window_from if sliding else 0)
         if lo is None or lo >= len(prompt):
             continue
-        slots = torch.as_tensor(slots_of(locs[lo:]), dtype=torch.int64)
+        slots = torch.as_tensor(slots_of(locs[lo:]), dtype=torch.int64, device=DEVICE)
         for part, buffer in enumerate((k, v)):
-            got = buffer[slots].numpy()
+            got = buffer[slots].cpu().numpy()
             want = kv_value(prompt[lo:], range(lo, len(prompt)), layer, part, heads)
             if (slots < 0).any() or not np.array_equal(got, want):
-                bad = lo + np.nonzero((got != want).any(axis=(1, 2)) | (slots < 0).numpy())[0]
+                bad = lo + np.nonzero((got != want).any(axis=(1, 2)) | (slots < 0).cpu().numpy())[0]
                 return f"layer {layer} {'KV'[part]}: tokens {bad[:8].tolist()} of {len(prompt)} differ"
     return None
 
@@ -341,6 +342,7 @@ def run_prefill(args) -> dict:
     to_abort = {rid for rid, *_, aborted in planned if aborted}
     for req in reqs.values():
         queue.add(req, num_kv_heads=len(heads))
+    open(os.path.join(args.done_dir, f"prefill{args.rank}.ready"), "w").close()
     outcome, running, held = {}, [], []
     steps: list[float] = []  # per scheduler step, the seconds spent in SGLang's queue and send calls (the backend's)
     started = time.monotonic()
@@ -394,8 +396,8 @@ def run_prefill(args) -> dict:
 
 
 def step_stats(steps: list[float]) -> dict:
-    """What a rank's scheduler spent per step in the queues' and the backend's calls: count, p50, p99,
-    max and total (ms)."""
+    """Count, p50, p99, max and total (ms) of durations in seconds: what a rank's scheduler spent per
+    step in the queues' and the backend's calls, or the requests' times from added to decode-ready."""
     ms = np.array(steps or [0.0]) * 1e3
     return {"count": len(steps), "p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
             "max_ms": float(ms.max()), "total_ms": float(ms.sum())}
@@ -412,8 +414,9 @@ def _forward_chunk(req, prompt, rows, allocator, kv_pool, heads) -> None:
     end = min(start + CHUNK, len(prompt))
     row = req.kv.req_pool_idx
     last = int(rows.req_to_token[row, start - 1]) if start else -1
-    locs = allocator.alloc_extend(torch.tensor([start]), torch.tensor([start]), torch.tensor([end]),
-                                  torch.tensor([end]), torch.tensor([last]), end - start)
+    locs = allocator.alloc_extend(torch.tensor([start], device=DEVICE), torch.tensor([start]),
+                                  torch.tensor([end], device=DEVICE), torch.tensor([end]),
+                                  torch.tensor([last], device=DEVICE), end - start)
     rows.req_to_token[row, start:end] = locs.to(torch.int32)
     write_kv(kv_pool, allocator, locs, prompt[start:end], range(start, end), heads)
     if end == len(prompt) and hasattr(rows, "mamba_pool"):  # the Mamba layer's state after the prompt
@@ -456,7 +459,14 @@ def run_decode(args) -> dict:
     heads = head_range(args)
     planned = plan(args.seed, args.waves, args.aborts)
     outcome, prefix_hits, held, aborted, released = {}, {}, set(), {}, {}
+    added, ready_s, kv_bytes = {}, [], 0  # when each request was added; added to decode-ready; KV bytes received
+    token_bytes = LAYERS * 2 * len(heads) * HEAD_DIM * 2  # K and V of every layer, bf16
     steps: list[float] = []  # per scheduler step, the seconds of SGLang's process_decode_queue (the backend's calls)
+    # the clock starts once every prefill rank has its queue (not while one is still importing SGLang)
+    ready = [os.path.join(args.done_dir, f"prefill{rank}.ready") for rank in range(args.peer_tp)]
+    until = time.monotonic() + args.deadline_s / 2
+    while not all(os.path.exists(path) for path in ready) and time.monotonic() < until:
+        time.sleep(0.01)
     started = time.monotonic()
     deadline = started + args.deadline_s
     for wave in range(args.waves):
@@ -465,6 +475,7 @@ def run_decode(args) -> dict:
             if w == wave:
                 reqs[rid] = new_req(rid, room, prompt, utils.DisaggregationMode.DECODE)
                 reqs[rid].bootstrap_port = args.bootstrap_port
+                added[rid] = time.monotonic()
                 prealloc.add(reqs[rid])
         to_abort = {rid for rid, *_, aborted in planned if aborted and rid in reqs}
         while any(rid not in outcome for rid in reqs) or transfer.has_pending_deferred_releases():
@@ -486,6 +497,8 @@ def run_decode(args) -> dict:
                 if rid not in released and not reqs[rid].kv.holds_kv:
                     released[rid] = (locs, _kv_bytes(kv_pool, allocator, locs))
             for req in sched.waiting_queue:
+                ready_s.append(time.monotonic() - added[req.rid])
+                kv_bytes += (len(req.origin_input_ids) - req.kv.cache_protected_len) * token_bytes
                 outcome[req.rid] = _check(req, rows, kv_pool, allocator, heads)
                 req.finished_reason = FINISH_LENGTH(length=0)  # it decodes, finishes, and its KV joins the tree
                 release_kv_cache(req, tree, checkpoint=True)
@@ -512,15 +525,15 @@ def run_decode(args) -> dict:
     open(os.path.join(args.done_dir, f"decode{args.rank}.done"), "w").close()
     prealloc.kv_manager.close()
     return {"outcome": outcome, "prefix_hits": prefix_hits, "held": sorted(held), "swept": swept, "late": late,
-            "steps": step_stats(steps), "took_s": took_s}
+            "steps": step_stats(steps), "took_s": took_s, "ready": step_stats(ready_s), "kv_bytes": kv_bytes}
 
 
 def _kv_bytes(kv_pool, allocator, locs) -> np.ndarray:
     """The full-attention layers' K and V of the token slots ``locs``, as one int16 row per slot."""
     import torch
 
-    at = torch.as_tensor(locs, dtype=torch.int64)
-    return np.concatenate([b[at].reshape(len(at), -1).numpy() for sliding, k, v, _ in layers(kv_pool, allocator)
+    at = torch.as_tensor(locs, dtype=torch.int64, device=DEVICE)
+    return np.concatenate([b[at].reshape(len(at), -1).cpu().numpy() for sliding, k, v, _ in layers(kv_pool, allocator)
                            if not sliding for b in (k, v)], axis=1)
 
 
@@ -530,7 +543,7 @@ def _landed(req, rows, kv_pool, allocator, heads) -> bool:
     at = req.kv.cache_protected_len
     loc = int(rows.req_to_token[req.kv.req_pool_idx, at])
     want = kv_value(req.origin_input_ids[at : at + 1], [at], 0, 0, heads)[0]
-    return bool((layers(kv_pool, allocator)[0][1][loc].numpy() == want).all())
+    return bool((layers(kv_pool, allocator)[0][1][loc].cpu().numpy() == want).all())
 
 
 def _check(req, rows, kv_pool, allocator, heads) -> str:
@@ -545,12 +558,13 @@ def _check(req, rows, kv_pool, allocator, heads) -> str:
         items = mamba_items(rows, req)
         for k, (got, want) in enumerate(zip(items, mamba_value(prompt, items, heads.start // len(heads),
                                                                TOTAL_HEADS // len(heads)))):
-            if not bool((got == want).all()):
+            if not bool((got.cpu() == want).all()):
                 return f"Mamba state tensor {k} differs"
     return check_kv(kv_pool, allocator, locs, prompt, heads, window_from) or "ok"
 
 
 def main(argv=None) -> None:
+    global DEVICE, LAYERS, TOTAL_HEADS, HEAD_DIM  # the run's shape, which every helper here reads
     parser = argparse.ArgumentParser()
     parser.add_argument("role", choices=("prefill", "decode"))
     parser.add_argument("--backend", default="nixl")
@@ -566,7 +580,12 @@ def main(argv=None) -> None:
     parser.add_argument("--done-dir", required=True, help="where each decode rank marks that it is done")
     parser.add_argument("--swa", action="store_true", help="layer 1 sliding-window (SGLang's SWA pool)")
     parser.add_argument("--mamba", action="store_true", help="and a Mamba layer (SGLang's hybrid request pools)")
+    parser.add_argument("--device", default="cpu", help="where SGLang's pools live (cuda: on the GPU)")
+    parser.add_argument("--layers", type=int, default=LAYERS)
+    parser.add_argument("--heads", type=int, default=TOTAL_HEADS, help="KV heads of the model, over all TP ranks")
+    parser.add_argument("--head-dim", type=int, default=HEAD_DIM)
     args = parser.parse_args(argv)
+    DEVICE, LAYERS, TOTAL_HEADS, HEAD_DIM = args.device, args.layers, args.heads, args.head_dim
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.path.insert(0, root)
     from tests.sglang_real import _torchvision_or_stand_in
