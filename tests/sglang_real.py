@@ -5,7 +5,9 @@ torch with a CUDA one), then the packages its import chain asks for (``make setu
 SGLang's configs import ``torchvision.transforms`` for multimodal preprocessing, which nothing in
 its disaggregation code calls; the torchvision wheels on PyPI need CUDA libraries and the CPU ones
 are not reachable here, so where ``import torchvision`` fails a stand-in module answers that import
-with inert objects. Everything the tests call is SGLang's real code.
+with inert objects. On a GPU (``benchmarks.sglang_backends --device cuda``) SGLang imports its
+forward-pass kernels (``sgl_kernel``) at module level; where no build of them is installed a stand-in
+answers that import too. Everything the tests call is SGLang's real code.
 """
 
 from __future__ import annotations
@@ -56,26 +58,37 @@ class _StandInLoader(importlib.abc.Loader):
 
 
 class _StandInFinder(importlib.abc.MetaPathFinder):
+    def __init__(self, package: str) -> None:
+        self.package = package
+
     def find_spec(self, name, path, target=None):
-        if name == "torchvision" or name.startswith("torchvision."):
+        if name == self.package or name.startswith(self.package + "."):
             return importlib.machinery.ModuleSpec(name, _StandInLoader(), is_package=True)
         return None
 
 
-def _torchvision_or_stand_in() -> None:
+def _stand_ins() -> None:
+    """Stand-ins for the packages SGLang imports but its transfer path never calls, where they do not load:
+    torchvision (multimodal preprocessing) and, on a GPU, ``sgl_kernel`` (forward-pass kernels: SGLang
+    imports them at module level when CUDA is present; the card has no build of them, and the harness
+    stands in for the forward pass)."""
     try:
         import torchvision  # noqa: F401
     except Exception:  # absent, or a CUDA build that cannot load its ops here
         for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
             del sys.modules[name]
-        sys.meta_path.insert(0, _StandInFinder())
+        sys.meta_path.insert(0, _StandInFinder("torchvision"))
+    import torch
+
+    if torch.cuda.is_available() and importlib.util.find_spec("sgl_kernel") is None:
+        sys.meta_path.insert(0, _StandInFinder("sgl_kernel"))
 
 
 def sglang_module(name: str):
     """Import ``sglang.<name>`` from the installed SGLang, or skip the test where it is not installed."""
     if importlib.util.find_spec("sglang") is None:
         pytest.skip(f"sglang {SGLANG_VERSION} is not installed (make setup-sglang)")
-    _torchvision_or_stand_in()
+    _stand_ins()
     import sglang
 
     if sglang.__version__ != SGLANG_VERSION:
@@ -90,6 +103,6 @@ if __name__ == "__main__":
 
     if len(sys.argv) < 2:
         sys.exit("usage: python -m tests.sglang_real SCRIPT [ARGS...]")
-    _torchvision_or_stand_in()
+    _stand_ins()
     sys.argv = sys.argv[1:]
     runpy.run_path(sys.argv[0], run_name="__main__")

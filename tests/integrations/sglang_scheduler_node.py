@@ -588,9 +588,9 @@ def main(argv=None) -> None:
     DEVICE, LAYERS, TOTAL_HEADS, HEAD_DIM = args.device, args.layers, args.heads, args.head_dim
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.path.insert(0, root)
-    from tests.sglang_real import _torchvision_or_stand_in
+    from tests.sglang_real import _stand_ins
 
-    _torchvision_or_stand_in()
+    _stand_ins()
     result = run_prefill(args) if args.role == "prefill" else run_decode(args)
     print(json.dumps(result), flush=True)
 

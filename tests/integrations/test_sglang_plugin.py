@@ -20,9 +20,9 @@ pytestmark = pytest.mark.sglang
 def _probe() -> dict:
     """What SGLang's schedulers ask for, through the very function objects its modules imported,
     once SGLang has loaded its plugins in this process."""
-    from tests.sglang_real import _torchvision_or_stand_in
+    from tests.sglang_real import _stand_ins
 
-    _torchvision_or_stand_in()
+    _stand_ins()
     from sglang.srt.disaggregation import decode, prefill, utils
     from sglang.srt.managers import disagg_service
     from sglang.srt.plugins import load_plugins

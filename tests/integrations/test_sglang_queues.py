@@ -29,8 +29,8 @@ ROOT = Path(__file__).resolve().parents[2]
 _SCHEDULER = r"""
 import json, os, socket, sys, time, types
 sys.path.insert(0, {root!r})
-from tests.sglang_real import _torchvision_or_stand_in
-_torchvision_or_stand_in()
+from tests.sglang_real import _stand_ins
+_stand_ins()
 import torch
 from sglang.srt import runtime_context as ctx
 from sglang.srt.disaggregation import decode, prefill, utils
