@@ -25,12 +25,14 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
 import time
 
 from .suites import SUITES, Suite
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SITE = "/tmp/site"
+ARCHIVE_SITE = "/tmp/site-archive"  # where a suite's archive of packages is unpacked (after SITE on the path)
 ENV = {"TRITON_INTERPRET": "0", "PYTHONUNBUFFERED": "1", "UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN",
        "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535", "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535"}
 TAIL = 12  # lines of each step's output shown on the terminal
@@ -51,8 +53,9 @@ def card() -> str:
     return "\n".join(lines) + "\n"
 
 
-def install(wheels: str) -> dict[str, str]:
-    """The environment of every step, once the suite's wheels are in ``SITE``."""
+def install(wheels: str, site: str = "") -> dict[str, str]:
+    """The environment of every step, once the suite's wheels are in ``SITE`` and its archive of packages
+    (``site``, a ``.tar.xz``) is unpacked into ``ARCHIVE_SITE``."""
     folder = os.path.join(ROOT, wheels)
     found = sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".whl")) \
         if os.path.isdir(folder) else []
@@ -60,12 +63,21 @@ def install(wheels: str) -> dict[str, str]:
         raise SystemExit(f"no wheels in {wheels}/: carry the engine's cp312 wheel and pyzmq's there")
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                     "--no-cache-dir", "--upgrade", "--target", SITE, *found], check=True, timeout=300)
-    return {**os.environ, **ENV, "PYTHONPATH": os.pathsep.join((ROOT, SITE))}
+    path = [ROOT, SITE]
+    if site:
+        archive = os.path.join(ROOT, site)
+        if not os.path.isfile(archive):
+            raise SystemExit(f"no {site}: carry it (the suite's about says what makes it)")
+        os.makedirs(ARCHIVE_SITE, exist_ok=True)
+        with tarfile.open(archive) as tar:
+            tar.extractall(ARCHIVE_SITE, filter="data")
+        path.append(ARCHIVE_SITE)
+    return {**os.environ, **ENV, "PYTHONPATH": os.pathsep.join(path)}
 
 
 def run_suite(name: str, suite: Suite, out: str) -> list[dict]:
     os.makedirs(out, exist_ok=True)
-    env = install(suite.wheels)
+    env = install(suite.wheels, suite.site)
     with open(os.path.join(out, "card.txt"), "w") as f:
         f.write(card())
     rows = []

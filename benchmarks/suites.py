@@ -38,12 +38,14 @@ class Step:
 
 @dataclass(frozen=True)
 class Suite:
-    """What a suite measures (RESULTS.md quotes it), the wheels it needs carried, its cards, its steps."""
+    """What a suite measures (RESULTS.md quotes it), the wheels it needs carried, its cards, its steps, and an
+    archive of packages to unpack onto the path beside the wheels (``site``, carried too)."""
 
     about: str
     wheels: str
     steps: tuple[Step, ...]
     gpus: int = 1
+    site: str = ""
 
 
 def demo(name: str, *args: str, timeout_s: float = 300.0, env: dict[str, str] | None = None) -> Step:
@@ -321,6 +323,15 @@ def _vllm_16x5k(vllm: Sequence[str]) -> tuple[Step, ...]:
                                                  "staged", "--out", out], 150))
 
 
+def _sglang_backends() -> tuple[Step, ...]:
+    # a Llama-3.1-8B-shaped KV (32 layers, 8 KV heads of 128) in SGLang's pools on the card; Mooncake over TCP
+    # (SGLang's default transport is RDMA, which two processes on one card do not need)
+    shape = ("--device", "cuda", "--layers", "32", "--heads", "8", "--head-dim", "128", "--waves", "4")
+    return (Step("sglang-backends", lambda out: [PY, "-m", "benchmarks.sglang_backends", *shape, "--deadline-s", "60",
+                                                 "--json", os.path.join(out, "sglang-backends.json")],
+                 540, {"MOONCAKE_PROTOCOL": "tcp"}),)
+
+
 def _ipc_drills() -> tuple[Step, ...]:
     """Issue 55's second call: layer-wise streaming, every preset and the fault drills through ipc."""
     ipc = ("--engine", "ipc", "--mode", "direct")
@@ -407,6 +418,9 @@ SUITES: dict[str, Suite] = {
     "engines-two-cards": Suite("issue 37's table in one run: the peer copy, NIXL's and Mooncake nvlink_intra's "
                                "ceilings, kvplan through each, first batch against steady (python -m "
                                "benchmarks.trim_wheels makes .whl-both)", ".whl-both", _engines_two_cards(), 2),
+    "sglang-backends": Suite("kvplan inside SGLang 0.5.23's own scheduler queues against SGLang's own Mooncake and "
+                             "NIXL backends, pools on the card (python -m benchmarks.sglang_site makes .whl-sglang)",
+                             ".whl-both", _sglang_backends(), site=".whl-sglang/sglang-site.tar.xz"),
     "two-cards": Suite("NIXL between two cards: the ceiling, demos, layer-wise streaming", ".whl", _two_cards(), 2),
     "last-group": Suite("where a streamed last layer group's time goes, on two cards", ".whl", _last_group(), 2),
     "gather": Suite("TP gather: one prefill process per source rank, the decode on the second card", ".whl",
