@@ -38,15 +38,18 @@ from tests.ports import free_ports
 RUNS = (("kvplan", "mooncake"), ("sglang", "mooncake"), ("kvplan", "nixl"), ("sglang", "nixl"), ("kvplan", "ipc"))
 
 
-def run_pair(adapter: str, backend: str, waves: int, deadline_s: float, shape: list[str] = ()) -> dict:
+def run_pair(adapter: str, backend: str, waves: int, deadline_s: float, shape: list[str] = (), mode: str = "") -> dict:
     """One prefill and one decode rank; each one's JSON line, by role (or ``{"error": ...}``)."""
     bootstrap, prefill_dist, decode_dist = free_ports(3)
     env = {**os.environ, "KVPLAN_HOST": "127.0.0.1", "SGLANG_HOST_IP": "127.0.0.1", "PYTHONWARNINGS": "ignore",
            "KVPLAN_TIMEOUT_S": str(deadline_s), "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
     env.pop("KVPLAN_SGLANG", None)
     env.pop("KVPLAN_ENGINE", None)
+    env.pop("KVPLAN_MODE", None)
     if adapter == "kvplan":
         env["KVPLAN_SGLANG"] = "1"
+    if adapter == "kvplan" and mode:
+        env["KVPLAN_MODE"] = mode
     if backend == "ipc":  # SGLang's backend setting names NIXL; kvplan's engine setting overrides it
         env["KVPLAN_ENGINE"], backend = "ipc", "nixl"
     out: dict = {}
@@ -95,6 +98,7 @@ def main(argv=None) -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--heads", type=int, default=4, help="the model's KV heads")
     parser.add_argument("--head-dim", type=int, default=8)
+    parser.add_argument("--kvplan-mode", default="", help="kvplan's KVPLAN_MODE (default: the adapter's, auto)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     shape = ["--device", args.device, "--layers", str(args.layers), "--heads", str(args.heads),
@@ -102,7 +106,8 @@ def main(argv=None) -> None:
     rows = []
     for name in args.runs.split(","):
         adapter, backend = name.split("-")
-        rows.append(row(adapter, backend, run_pair(adapter, backend, args.waves, args.deadline_s, shape)))
+        rows.append(row(adapter, backend, run_pair(adapter, backend, args.waves, args.deadline_s, shape,
+                                                   args.kvplan_mode)))
         if args.json:  # after every run: a call cut short keeps the runs it finished
             with open(args.json, "w") as handle:
                 json.dump({"waves": args.waves, "shape": shape, "rows": rows}, handle, indent=1)

@@ -90,6 +90,8 @@ def publish(args, role: str):
     ctx.get_parallel().override_permanently(
         tp_rank=args.rank, pp_rank=0, dp_rank=0, attn_tp_rank=args.rank, attn_cp_rank=0, attn_dcp_rank=0,
         attn_dp_rank=0, pp_group=None)
+    if DEVICE != "cpu":  # the card SGLang's launcher would have assigned this rank (NIXL's backend sets it)
+        ctx.get_device()._set("gpu_id", 0)
     return server_args
 
 
@@ -387,7 +389,8 @@ def run_prefill(args) -> dict:
     # a serving prefill stays up: it goes on answering (aborts' acknowledgements) until the decode is done
     done = [os.path.join(args.done_dir, f"decode{rank}.done") for rank in range(args.peer_tp)]
     while not all(os.path.exists(path) for path in done) and time.monotonic() < deadline + 30:
-        queue.kv_manager.progress()
+        if hasattr(queue.kv_manager, "progress"):  # kvplan's manager answers on its poll; SGLang's on threads
+            queue.kv_manager.progress()
         time.sleep(0.005)
     queue.kv_manager.close()
     if server is not None:
