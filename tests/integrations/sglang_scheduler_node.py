@@ -392,7 +392,8 @@ def run_prefill(args) -> dict:
         if hasattr(queue.kv_manager, "progress"):  # kvplan's manager answers on its poll; SGLang's on threads
             queue.kv_manager.progress()
         time.sleep(0.005)
-    queue.kv_manager.close()
+    if hasattr(queue.kv_manager, "close"):  # kvplan's manager; SGLang's own end with the process
+        queue.kv_manager.close()
     if server is not None:
         server.close()
     return {"outcome": outcome, "steps": step_stats(steps), "took_s": took_s}
@@ -526,7 +527,8 @@ def run_decode(args) -> dict:
         changed = (_kv_bytes(kv_pool, allocator, locs) != then).reshape(len(locs), -1).any(axis=1)
         late[rid] = [int(still.sum()), int((changed & still).sum())]
     open(os.path.join(args.done_dir, f"decode{args.rank}.done"), "w").close()
-    prealloc.kv_manager.close()
+    if hasattr(prealloc.kv_manager, "close"):
+        prealloc.kv_manager.close()
     return {"outcome": outcome, "prefix_hits": prefix_hits, "held": sorted(held), "swept": swept, "late": late,
             "steps": step_stats(steps), "took_s": took_s, "ready": step_stats(ready_s), "kv_bytes": kv_bytes}
 
