@@ -32,6 +32,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tarfile
 import tempfile
 import zipfile
@@ -78,7 +79,7 @@ def unpack_wheel(wheel: str, tree: str, sglang: bool = False) -> None:
 def copy_installed(import_name: str, tree: str, dists_of: dict[str, list[str]]) -> bool:
     """The installed package ``import_name`` (source only) and its distributions' metadata into ``tree``;
     False where it is not installed here."""
-    site = os.path.dirname(os.path.dirname(metadata.distribution("pip").locate_file("pip/__init__.py")))
+    site = sysconfig.get_paths()["purelib"]
     for candidate in (os.path.join(site, import_name), os.path.join(site, import_name + ".py")):
         if os.path.isdir(candidate):
             shutil.copytree(candidate, os.path.join(tree, import_name), dirs_exist_ok=True,
