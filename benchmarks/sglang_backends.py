@@ -75,10 +75,11 @@ def run_pair(adapter: str, backend: str, waves: int, deadline_s: float, shape: l
 
 def row(adapter: str, backend: str, got: dict) -> dict:
     """One run's line of the table: requests that arrived right, the decode's wall time and rate, and each
-    side's per-step time."""
-    if any("error" in got.get(r, {"error": "no result"}) for r in ("prefill", "decode")):
+    side's per-step time; where a side failed, every failing side's error, each named."""
+    errors = {r: got.get(r, {"error": "no result"}).get("error") for r in ("prefill", "decode")}
+    if any(errors.values()):
         return {"adapter": adapter, "backend": backend,
-                "error": next(got[r]["error"] for r in ("prefill", "decode") if "error" in got.get(r, {}))}
+                "error": "; ".join(f"{r}: {e}" for r, e in errors.items() if e)}
     decode = got["decode"]
     outcome = decode["outcome"]
     ok = sum(v == "ok" for v in outcome.values())
@@ -113,7 +114,7 @@ def main(argv=None) -> None:
                 json.dump({"waves": args.waves, "shape": shape, "rows": rows}, handle, indent=1)
         r = rows[-1]
         if "error" in r:
-            print(f"{name:16s} failed: {r['error'][-300:]}", flush=True)
+            print(f"{name:16s} failed: {r['error'][:800]}", flush=True)
             continue
         p, d, ready = r["prefill_step"], r["decode_step"], r["ready"]
         print(f"{name:16s} {r['ok']}/{r['requests']} ok in {r['decode_s']:.2f} s ({r['requests_per_s']} req/s, "

@@ -328,9 +328,11 @@ def _sglang_backends() -> tuple[Step, ...]:
     # (SGLang's default transport is RDMA, which two processes on one card do not need)
     shape = ("--device", "cuda", "--layers", "32", "--heads", "8", "--head-dim", "128")
     env = {"MOONCAKE_PROTOCOL": "tcp"}
-    # the first step compiles every Triton kernel both adapters use (kvplan's planner and copies, SGLang's
-    # allocator) into the cache the second step's processes then share: no run pays for compiling
-    return (Step("warm-up", lambda out: [PY, "-m", "benchmarks.sglang_backends", *shape, "--waves", "1", "--runs",
+    # first the aux mirror's CUDA path on its own (SGLang's aux rows in host memory beside device pools); the
+    # warm-up then compiles every Triton kernel both adapters use (kvplan's planner and copies, SGLang's
+    # allocator) into the cache the last step's processes share: no run pays for compiling
+    return (pytest("aux-mirror", "tests/integrations/test_sglang_aux_mirror.py", "-k", "gpu", timeout_s=90),
+            Step("warm-up", lambda out: [PY, "-m", "benchmarks.sglang_backends", *shape, "--waves", "1", "--runs",
                                          "kvplan-nixl,kvplan-ipc,sglang-nixl", "--deadline-s", "90"], 240, env),
             Step("sglang-backends", lambda out: [PY, "-m", "benchmarks.sglang_backends", *shape, "--waves", "4",
                                                  "--deadline-s", "60", "--json",

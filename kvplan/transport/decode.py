@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -86,12 +86,19 @@ class DecodeEndpoint(SenderMessages, StagedReceiver, DecodeWarmUp):
     published to one of them (``publish(..., peer=k)``) and only that sender may write it, or, gathered
     from a larger TP size, to the source ranks that together hold this rank's part (``publish(...,
     peer=[k0, k1])``, docs/tp_state.md §4): each of them must then land its whole part.
+
+    ``on_complete``: called with the requests that have just completed (every byte landed, and checked
+    where integrity is on) before any of them is reported complete, on the progress thread once the
+    endpoint is started (else in :meth:`poll`): where an integration moves bytes on from kvplan's buffers
+    (SGLang's aux rows out of their device mirror, :mod:`kvplan.integrations.sglang.aux_mirror`). What
+    it raises fails those requests with its error.
     """
 
     def __init__(self, side: SideMemory, engine: Engine, channels: ControlChannel | Sequence[ControlChannel],
                  staging: torch.Tensor | None = None, integrity: bool = False, compat: str | None = None,
-                 senders: int | None = None):
+                 senders: int | None = None, on_complete: Callable[[list[Any]], None] | None = None):
         self.side, self.engine, self.staging = side, engine, staging
+        self.on_complete = on_complete
         # what the sender must match beyond the layout it can check (an integration's own word for the bytes'
         # meaning, such as vLLM's physical KV layout); sent with the registration, compared there
         self.compat = compat
@@ -523,7 +530,21 @@ class DecodeEndpoint(SenderMessages, StagedReceiver, DecodeWarmUp):
         if self._progress is not None:
             return self._progress.take_ended()
         self._poll()
-        return self.tracker.take_ended()
+        return self._finished(self.tracker.take_ended())
+
+    def _finished(self, ended: dict[Any, str | None]) -> dict[Any, str | None]:
+        """``ended`` after :attr:`on_complete` has run over its completed requests (each failed with the
+        hook's error where it raised)."""
+        done = [r for r, why in ended.items() if why is None]
+        if self.on_complete is None or not done:
+            return ended
+        try:
+            self.on_complete(done)
+        except Exception as err:  # noqa: BLE001 - an integration's hook: its error fails its requests, named
+            reason = f"every byte landed, but on_complete failed: {type(err).__name__}: {err}"
+            log.error("requests %s: %s", done[:8], reason)
+            ended.update((r, reason) for r in done)
+        return ended
 
     def wait(self) -> dict[Any, str]:
         """Progress until every published request is complete or failed (each has its deadline).

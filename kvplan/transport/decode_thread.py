@@ -47,6 +47,8 @@ class ReceivingEndpoint(Protocol):
 
     def _poll(self) -> None: ...
 
+    def _finished(self, ended: dict) -> dict: ...
+
     def _finish_publish(self, pending: Any, requests: Sequence[Any], deadline: float, peers: Any,
                         publishers: Any) -> None: ...
 
@@ -138,7 +140,7 @@ class DecodeProgress:
                 busy = self._run_queue()
                 ep._poll()
                 self.gone = frozenset(ep._gone_senders)
-                ended = ep.tracker.take_ended()
+                ended = ep._finished(ep.tracker.take_ended())
                 if ended:
                     with self._ended_cv:
                         self._ended.update(ended)

@@ -43,13 +43,13 @@ class WatchedChannel(FakeChannel):
         return False
 
 
-def _started(rows=None):
+def _started(rows=None, on_complete=None):
     pool = torch.zeros(16 * PAGE_BYTES, dtype=torch.uint8)
     side = SideMemory(KVLayout(Attention.MLA, PAGE, (Entry(pool.data_ptr(), PAGE_BYTES, 16),)),
                       req_to_token=table_with(rows or {1: [3, 4], 2: [5, 6]}, PAGE, max_ctx=16))
     mine, theirs = WatchedChannel(), FakeChannel()
     mine.other, theirs.other = theirs, mine
-    endpoint = DecodeEndpoint(side, FakeEngine(), mine)
+    endpoint = DecodeEndpoint(side, FakeEngine(), mine, on_complete=on_complete)
     endpoint.register(timeout=1)
     assert theirs.try_recv()[0] == "register"
     mine.users.clear()  # (registering talks on the caller's thread: before start)
@@ -89,6 +89,34 @@ def test_publish_returns_and_the_thread_sends_the_lists_and_completes_the_reques
         assert ended == {"r1": None}
         assert endpoint.stats()["requests"]["complete"] == 1
         assert "MainThread" not in mine.users, "the caller touched a channel of a started endpoint"
+    finally:
+        endpoint.close()
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_on_complete_runs_on_the_thread_before_a_request_is_reported_and_what_it_raises_fails_it(fails):
+    """SGLang's adapter copies a request's aux rows out of their device mirror here: a request is reported
+    complete only after the hook has run for it, on the progress thread; a hook that raises fails it, named."""
+    seen = []
+
+    def on_complete(requests):
+        seen.append((list(requests), threading.current_thread().name))
+        if fails:
+            raise TimeoutError("the copy did not end")
+
+    endpoint, _, prefill = _started(on_complete=on_complete)
+    try:
+        endpoint.publish([PreallocatedRequest("r1", row=1, prompt_len=8)], timeout=WAIT_S)
+        _received(prefill, "request", 1)
+        assert seen == []
+        endpoint.engine.inbox.append(encode_notification(Section(0, "r1", KV_ROLE, "kv", 0, 1, 2)))
+        ended = {}
+        _until(lambda: ended.update(endpoint.poll()) or "r1" in ended, "ended r1")
+        assert seen == [(["r1"], "kvplan-decode-progress")]
+        if fails:
+            assert "on_complete failed: TimeoutError: the copy did not end" in ended["r1"]
+        else:
+            assert ended == {"r1": None}
     finally:
         endpoint.close()
 

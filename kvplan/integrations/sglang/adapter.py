@@ -72,6 +72,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import replace
 from typing import Any, Optional
 
 import numpy as np
@@ -89,6 +90,7 @@ from ...planner.contract.batch import SideMemory
 from ...planner.contract.state_kinds import RULES, rules_of
 from ...transport.decode import DecodeEndpoint
 from ...transport.listener import ChannelListener
+from ...transport.memory_kind import memory_kind
 from ...transport.engines import TransferError, make_engine
 from .decode_manager import DecodeManager
 from .receiver import KVReceiver, TransferFailed
@@ -98,7 +100,8 @@ from .prefill_manager import PrefillManager
 from ...transport.prefill import PrefillEndpoint
 from .decode_ranks import DecodeRanks
 from .bootstrap import RankRoute, register_rank
-from .kv_args import side_from_kv_args, side_from_registration, state_from_kv_args
+from .aux_mirror import AuxMirror
+from .kv_args import aux_from_kv_args, side_from_kv_args, side_from_registration, state_from_kv_args
 from .node import attention_tp, bootstrap_host, context_parallel, node_address, parallel_place, server_arg
 from .rank_link import PrefillRankLink
 from .settings import Settings
@@ -228,6 +231,7 @@ class KVManager(PrefillManager, DecodeManager, BaseKVManager):
         except TransferError as err:  # (never a silent fallback to another transport)
             raise TransferError(f"{err}; {where}: set it to a transport this machine has (or kvplan's "
                                 "engine_settings)") from None
+        self.aux_mirror = self._aux_mirror(args, memory, engine_kind)
         self.closed = False
         self.bootstrap_port = int(server_arg(server_args, "disaggregation_bootstrap_port", DEFAULT_BOOTSTRAP_PORT))
         self.status: dict[int, int] = {}
@@ -247,8 +251,8 @@ class KVManager(PrefillManager, DecodeManager, BaseKVManager):
                                      device=self.device) for k in kinds]
             params = [{**p, "slot_map": m} if m is not None else p
                       for p, m in zip(self.state_params + [{}] * (len(kinds) - len(self.state_params)), self.maps)]
-            side = side_from_kv_args(args, mla=self.is_mla, attn_tp_size=self.attn_tp_size, req_to_token=self.table,
-                                     state_params=params)
+            side = self.mirrored(side_from_kv_args(args, mla=self.is_mla, attn_tp_size=self.attn_tp_size,
+                                                   req_to_token=self.table, state_params=params))
             self.prefill: PrefillEndpoint | None = PrefillEndpoint(side, self.engine, [], staging=self.staging)
             if self.settings.warm_up:  # each decode that pairs gets a planner ready for these batches (no first-batch stall)
                 self.prefill.warm_up(**self.settings.warm_up, timeout=min(5.0, self.timeout))
@@ -276,8 +280,30 @@ class KVManager(PrefillManager, DecodeManager, BaseKVManager):
             raise ValueError(f"a KVManager is for PREFILL or DECODE, not {disaggregation_mode}")
         self._counters_at = time.monotonic() + self.settings.stats_s  # when the counters are next logged
         log.info("kvplan's SGLang %s manager: engine %s (%s), mode %s, staging %d MiB, protocol %s, bootstrap %s, "
-                 "integrity %s", disaggregation_mode.value, engine_kind, memory, self.transfer_mode, staging_bytes >> 20,
-                 self.protocol, self.settings.bootstrap, "on" if self.settings.integrity else "off")
+                 "integrity %s, aux mirror %s", disaggregation_mode.value, engine_kind, memory, self.transfer_mode,
+                 staging_bytes >> 20, self.protocol, self.settings.bootstrap, "on" if self.settings.integrity else "off",
+                 f"{self.aux_mirror.nbytes / (1 << 20):.1f} MiB of buffers {list(self.aux_mirror.mirrored)}"
+                 if self.aux_mirror is not None else "none")
+
+    def _aux_mirror(self, args: Any, memory: str, engine_kind: str) -> AuxMirror | None:
+        """The device copy of SGLang's aux buffers that are in host memory beside device pools (kvplan's
+        protocol; :mod:`.aux_mirror`). With SGLang's protocol the peer reads and writes SGLang's own
+        buffers: none, and over NIXL, which describes a side's memory with one kind, such a manager is
+        refused."""
+        aux = aux_from_kv_args(args)
+        if self.protocol == "kvplan":
+            return AuxMirror.for_buffers(aux, self.device, self.settings.aux_mirror)
+        host = [i for i, e in enumerate(aux) if memory_kind(e.base_ptr) != memory]
+        if host and engine_kind == "nixl":
+            raise LayoutError(f"SGLang's aux buffers {host} are in host memory and the KV pools in {memory}: kvplan's "
+                              "NIXL engine registers one memory kind, and with kvplan_protocol='sglang' the peer "
+                              "addresses SGLang's own buffers; use kvplan's protocol (its aux mirror) or the mooncake "
+                              "backend")
+        return None
+
+    def mirrored(self, side: SideMemory) -> SideMemory:
+        """``side`` with the aux mirror's buffers in place of SGLang's host buffers (as it is without a mirror)."""
+        return side if self.aux_mirror is None else replace(side, aux=self.aux_mirror.entries)
 
     def stats(self) -> dict[str, Any]:
         """kvplan's counters for this manager: its endpoint's (requests by outcome, bytes, failures by
@@ -457,6 +483,7 @@ class KVManager(PrefillManager, DecodeManager, BaseKVManager):
                 self.prefill.forget([room])
             return
         self._room_peer.pop(room, None)
+        self._aux_rows.pop(room, None)
         if self.decode is not None:  # (SGLang clears a held request only once it released its pages)
             self.decode.forget(room)
 

@@ -37,13 +37,15 @@ class DecodeManager(DecodePairing):
         """The decode role's state; with kvplan's protocol its decode endpoint, made (its memory registered
         with the engine) and started now, beside SGLang's pools: every prefill rank found later is
         attached to it as a sender."""
-        self.side = side_from_kv_args(self.kv_args, mla=self.is_mla, attn_tp_size=self.attn_tp_size,
-                                      state_params=self.state_params)
+        self.side = self.mirrored(side_from_kv_args(self.kv_args, mla=self.is_mla, attn_tp_size=self.attn_tp_size,
+                                                    state_params=self.state_params))
         self.decode: DecodeEndpoint | None = None
+        self._aux_rows: dict[int, int] = {}  # each published room's aux row (read by _download_aux)
         if self.protocol == "kvplan":
             self.decode = DecodeEndpoint(self.side, self.engine, [], integrity=self.settings.integrity,
                                          staging=self.staging,
-                                         senders=self.settings.staging_senders if self.staging is not None else None)
+                                         senders=self.settings.staging_senders if self.staging is not None else None,
+                                         on_complete=self._download_aux if self.aux_mirror is not None else None)
             self.decode.start()  # its progress thread owns the channels and the engine from here
         self.bootstrap_addr: str | None = None
         # SGLang's decode reads it: per bootstrap address, the prefill's parallel layout (try_ensure_parallel_info)
@@ -101,8 +103,15 @@ class DecodeManager(DecodePairing):
         published = PublishedRequest(room, DestinationLists(pages.astype(np.int64), lists), int(aux_index),
                                      tuple(c.name for c in self.side.state), bool(self.side.aux))
         self._room_peer[room] = peer
+        self._aux_rows[room] = int(aux_index)
         self.decode.publish_lists([published], [prefix_len], self.timeout, peer=peer,
                                   publishers=self._publishers.get(peer, 1))
+
+    def _download_aux(self, rooms: list) -> None:
+        """On the decode endpoint's progress thread, before ``rooms`` are reported complete: their aux rows
+        out of the device mirror into SGLang's host buffers, where SGLang's decode reads them."""
+        rows = [self._aux_rows[r] for r in rooms if r in self._aux_rows]
+        self.aux_mirror.download(rows, deadline=time.monotonic() + min(self.timeout, 5.0))
 
     def decode_state(self, room: int) -> int:
         """A published room's state: what the decode endpoint reported of it (:meth:`take_ended`), else

@@ -29,7 +29,7 @@ from ...errors import LayoutError
 from ...planner.contract.batch import Attention, Entry, KVLayout, SideMemory, StateComponent, StateKind, TensorShard
 from ...planner.contract.state_kinds import rules_of
 
-__all__ = ["DECODE_LENS", "side_from_kv_args", "side_from_registration", "state_from_kv_args"]
+__all__ = ["DECODE_LENS", "aux_from_kv_args", "side_from_kv_args", "side_from_registration", "state_from_kv_args"]
 
 
 def _entries(ptrs: Any, lens: Any, item_lens: Any, what: str) -> tuple[Entry, ...]:
@@ -38,6 +38,11 @@ def _entries(ptrs: Any, lens: Any, item_lens: Any, what: str) -> tuple[Entry, ..
         raise LayoutError(f"KVArgs {what}: {len(ptrs)} pointers, {len(lens)} lengths and {len(item_lens)} item "
                           "lengths must be as many")
     return tuple(Entry.from_buffer(p, n, i) for p, n, i in zip(ptrs, lens, item_lens))
+
+
+def aux_from_kv_args(kv_args: Any) -> tuple[Entry, ...]:
+    """SGLang's aux buffers (one row per request in each) as kvplan entries, in ``KVArgs``' order."""
+    return _entries(kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens, "aux")
 
 
 def _per_component(kv_args: Any, name: str, count: int) -> list:
@@ -128,7 +133,7 @@ def side_from_kv_args(kv_args: Any, *, mla: bool, attn_tp_size: int = 1, req_to_
                   first_layer=int(getattr(kv_args, "prefill_start_layer", 0) or 0),
                   num_kv_heads=1 if mla else total_heads, tp_size=attn_tp_size,
                   tp_rank=int(kv_args.engine_rank) % attn_tp_size)
-    aux = _entries(kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens, "aux")
+    aux = aux_from_kv_args(kv_args)
     if state is None:
         state = state_from_kv_args(kv_args, state_params)
     return SideMemory(kv, tuple(state), aux, req_to_token)

@@ -109,6 +109,8 @@ class PrefillManager:
             return
         if not chunks:
             return
+        if self.aux_mirror is not None:  # (queued on the scheduler's stream, before the plan that reads them)
+            self.aux_mirror.upload([t.aux_src for t in chunks if t.last])
         handle = self.prefill.submit(chunks, mode=self.transfer_mode, timeout=self.timeout)
         self._moving[handle] = (chunks, {t.src_row for t in chunks})
         self._take_completed()

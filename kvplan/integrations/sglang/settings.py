@@ -53,6 +53,10 @@ staging_senders ``KVPLAN_STAGING_SENDERS`` ``4``   a decode's buffer is shared b
                                                    ranks, each its own share; one more is refused
 stats_s        ``KVPLAN_STATS_S``      ``60``      every this many seconds a manager logs kvplan's
                                                    counters (one INFO line, at a poll); 0: never
+aux_mirror     ``KVPLAN_AUX_MIRROR``   ``auto``    SGLang's aux buffers in host memory beside device
+                                                   pools get a device copy that kvplan moves
+                                                   (:mod:`.aux_mirror`): ``auto``; ``always`` (on a
+                                                   CPU too); ``never`` (such a manager is refused)
 ============== ======================= =========== ==================================================
 
 A value that does not parse is refused with :class:`SettingsError`, naming the setting and where it
@@ -107,6 +111,7 @@ class Settings:
     staging_mib: int | None = None  # None: DEFAULT_STAGING_MIB on a GPU, none on a CPU
     staging_senders: int = 4
     stats_s: int = 60
+    aux_mirror: str = "auto"
 
     def staging_bytes(self, device_type: str, protocol: str) -> int:
         """The staging buffer's size for a manager on a device of this type (0: none; none with SGLang's
@@ -148,7 +153,8 @@ _JSON_SETTINGS = {"engine_settings": dict, "state_params": list, "decode_lens": 
 _BOOLS = ("integrity",)
 _COUNTS = {"staging_mib": 0, "staging_senders": 1, "stats_s": 0}  # whole numbers, each at least this
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-_CHOICES = {"mode": MODES, "protocol": PROTOCOLS, "bootstrap": BOOTSTRAPS, "engine": ("nixl", "mooncake", "ipc")}
+_CHOICES = {"mode": MODES, "protocol": PROTOCOLS, "bootstrap": BOOTSTRAPS, "engine": ("nixl", "mooncake", "ipc"),
+            "aux_mirror": ("auto", "always", "never")}
 
 
 def _parse(name: str, value: Any, where: str, text: bool) -> Any:
