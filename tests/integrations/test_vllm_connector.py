@@ -12,6 +12,7 @@ vLLM runs here on the CPU (``VLLM_TARGET_DEVICE=cpu``), installed without its de
 
 import os
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -27,7 +28,7 @@ from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, KVCacheConfig,
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-from kvplan.errors import LayoutError  # noqa: E402
+from kvplan.errors import KvplanError, LayoutError  # noqa: E402
 from kvplan.integrations.vllm import KvplanConnector  # noqa: E402
 from kvplan.integrations.vllm.kv_caches import BlockView  # noqa: E402
 from kvplan.integrations.vllm.scheduler import ReceiveRequest, SchedulerStep, UnsupportedConfig  # noqa: E402
@@ -36,7 +37,7 @@ from kvplan.planner.contract.batch import Attention  # noqa: E402
 from kvplan.planner.contract.pairing import pair_sides  # noqa: E402
 from tests.ports import free_port  # noqa: E402
 from tests.integrations.vllm_fakes import (BLOCK, ENGINE, Blocks, full_attention, hybrid_attention, kv_caches,  # noqa: E402
-                                           request, vllm_config)
+                                           mamba_hybrid, request, vllm_config)
 
 pytestmark = pytest.mark.vllm
 
@@ -155,6 +156,34 @@ def test_a_worker_takes_a_full_attention_group_and_a_sliding_window_group_over_t
         assert [e.base_ptr for e in window.entries] == [caches[n].data_ptr() for n in names[1]]
         assert window.kind.value == "swa" and window.window == 47 and window.from_prefix
         assert connector.get_block_ids_with_load_errors() == set()
+    finally:
+        connector.shutdown()
+
+
+def test_a_worker_takes_a_mamba_group_over_the_same_memory_as_a_mamba_component_of_padded_blocks():
+    """vLLM hands a Mamba layer as a byte view ``[blocks, 1, 1, state bytes]`` whose blocks lie one attention
+    page apart (the state padded to it): each layer is an entry of one page per block, the group a Mamba
+    component found by planning row. A request whose state list is vLLM's null block is refused, named;
+    so is a prefill of another TP size (Mamba state moves between equal TP sizes)."""
+    names = ["model.layers.0.attn", "model.layers.2.attn"], ["model.layers.1.mixer", "model.layers.3.mixer"]
+    kv_cache = mamba_hybrid(*names, num_blocks=8, heads=2, head_size=16)
+    page = kv_cache.kv_cache_groups[0].kv_cache_spec.page_size_bytes
+    connector = KVConnectorFactory.create_connector(vllm_config({"host": "127.0.0.1", "port": free_port()}),
+                                                    KVConnectorRole.WORKER, kv_cache)
+    try:
+        caches = kv_caches(kv_cache, KVCacheLayout.LBHNC)
+        connector.register_kv_caches(caches)
+        (state,) = connector.worker.prefill.side.state
+        assert state.kind.value == "mamba" and state.slot_map is not None
+        assert [(e.base_ptr, e.item_len, e.num_items) for e in state.entries] == \
+            [(caches[n].data_ptr(), page, 8) for n in names[1]]
+        assert "/mamba:2x" in connector.worker.view.word
+        worker = connector.worker
+        receive = ReceiveRequest(([3, 4], [0]), 20, "p", "p-req", "127.0.0.1", free_port(), 1)
+        with pytest.raises(KvplanError, match="Mamba group 0 holds no state block"):
+            worker._admit("d", receive)
+        with pytest.raises(KvplanError, match="Mamba state between equal TP sizes"):
+            worker._prefill_ranks(replace(receive, remote_tp_size=2))
     finally:
         connector.shutdown()
 
@@ -285,6 +314,57 @@ def test_a_prefill_keeps_the_same_blocks_and_returns_the_same_parameters_as_vllm
     if keep_a:  # freed once the workers report the write done
         ours.update_connector_output(SimpleNamespace(finished_sending={name}, finished_recving=None))
         assert not ours.has_pending_push_work()
+
+
+@pytest.fixture
+def both_mamba():
+    """vLLM's push scheduler and kvplan's on a full-attention group and a Mamba group with two speculative
+    scratch blocks after each request's state block (a Mamba block size of its own)."""
+    config, kv_cache = vllm_config(), mamba_hybrid(["l0", "l1"], ["m0", "m1"], 64, scratch_blocks=2)
+    mamba = kv_cache.kv_cache_groups[1]
+    mamba.kv_cache_spec = replace(mamba.kv_cache_spec, block_size=4 * BLOCK)
+    nixl = NixlPushConnectorScheduler(config, ENGINE, kv_cache)
+    ours = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kv_cache)
+    yield nixl, ours
+    nixl.shutdown()
+
+
+def test_with_a_mamba_group_the_prefill_leaves_the_last_token_as_vllm_s_push_connector_does(both_mamba):
+    """A new prefill request loses its prompt's last token and may output one, once (a preempted one comes
+    back shortened already); a decode request is left as it is, and loads all but its prompt's last token."""
+    nixl, ours = both_mamba
+    for params in ({"do_remote_decode": True}, {"do_remote_prefill": True, **PREFILL}, None):
+        a, b = request("r", 40, params), request("r", 40, params)
+        for _ in range(2):
+            nixl.on_new_request(a)
+            ours.on_new_request(b)
+        assert (b.prompt_token_ids, b._all_token_ids, b.num_prompt_tokens, b.max_tokens) == \
+            (a.prompt_token_ids, a._all_token_ids, a.num_prompt_tokens, a.max_tokens)
+        assert len(b.prompt_token_ids) == (39 if params == {"do_remote_decode": True} else 40)
+    for computed in (0, 32, 39, 40):
+        a = b = request("d", 40, {"do_remote_prefill": True, **PREFILL}, computed)
+        assert ours.get_num_new_matched_tokens(b, computed) == nixl.get_num_new_matched_tokens(a, computed)
+    assert ours.get_num_new_matched_tokens(b, 0) == (39, True)
+
+
+def test_with_a_mamba_group_each_side_names_the_state_block_vllm_s_push_connector_names(both_mamba):
+    """A Mamba group's list is cut to the block holding the running state: the last before the speculative
+    scratch blocks, on the decode (what it publishes) and on the prefill (what it keeps and returns)."""
+    nixl, ours = both_mamba
+    allocated = ([3, 4, 5], [0, 0, 21, 22, 23])  # (null blocks before the state, two scratch blocks after it)
+    a, b = (request("d", 40, {"do_remote_prefill": True, **PREFILL}) for _ in range(2))
+    for scheduler, r in ((nixl, a), (ours, b)):
+        scheduler.update_state_after_alloc(r, Blocks(*allocated), 39)
+    meta, step = nixl.build_connector_meta(SimpleNamespace()), ours.build_connector_meta(SimpleNamespace()).step
+    assert tuple(step.receive["d"].block_ids) == tuple(meta.reqs_to_recv["d"].local_block_ids) == ([3, 4, 5], [21])
+    assert step.receive["d"].num_tokens == 39 and step.receive["d"].prefix_len == 0
+    (keep_a, params_a), (keep_b, params_b), _, _ = _each(
+        both_mamba, "request_finished",
+        lambda: request("p", 40, {"do_remote_decode": True}, 39, RequestStatus.FINISHED_LENGTH_CAPPED),
+        ([7, 8, 9], [30, 31, 32]), ours_method="request_finished_all_groups")
+    assert keep_a == keep_b is True
+    assert {k: params_b[k] for k in COMPARED} == {k: params_a[k] for k in COMPARED}
+    assert params_b["remote_block_ids"] == ([7, 8, 9], [30])
 
 
 # -- the GPU benchmark's baseline is vLLM's own code ------------------------------------------------

@@ -196,3 +196,16 @@ def test_a_sliding_window_group_moves_by_head_to_a_decode_of_a_larger_tp_size(tm
     for rank in got:
         assert rank["received"] == REQUESTS and rank["failed"] == [] and rank["wrong"] == []
         assert rank["tokens_checked"] == _window_tokens([100, 37, 64, 5])
+
+
+@pytest.mark.parametrize("mode, scratch", [("direct", 0), ("auto", 2)])
+def test_a_mamba_group_moves_each_request_s_state_block_and_the_prompt_but_its_last_token(tmp_path, mode, scratch):
+    """A full-attention group and a Mamba group (vLLM's hybrid KV cache manager, the state padded to the
+    attention page): the prefill, told of each request, leaves the prompt's last token to the decode; the
+    decode loads the rest, every block of the full group, and each request's state block receives the
+    prefill's state byte for byte (after ``scratch`` speculative blocks, which stay)."""
+    args = ("--mamba", "--scratch-blocks", str(scratch), "--timeout", "20")
+    prefill, decode = run_pair(tmp_path, "nixl", "LBHNC", "LBHNC", *args, prefill_args=(*args, "--mode", mode))
+    assert decode["received"] == REQUESTS and not decode["failed"] and not decode["wrong"], decode
+    assert decode["states_checked"] == len(REQUESTS)
+    assert prefill["sent"] == ["p-req-0", "p-req-1", "p-req-2", "p-req-3"] and prefill["freed"]

@@ -10,7 +10,7 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 import torch  # noqa: E402
 from vllm.config import KVTransferConfig  # noqa: E402
 from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor,  # noqa: E402
-                                        SlidingWindowSpec)
+                                        MambaSpec, SlidingWindowSpec)
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
@@ -52,6 +52,27 @@ def hybrid_attention(full_layers, window_layers, window: int, num_blocks=64, hea
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
 
 
+# a Mamba2 layer's state per block: its conv state and its temporal (SSM) state
+MAMBA_SHAPES, MAMBA_DTYPES = ((3, 24), (2, 4, 8)), (torch.bfloat16, torch.float32)
+
+
+def mamba_hybrid(full_layers, mamba_layers, num_blocks=64, heads=8, head_size=128, dtype=torch.bfloat16,
+                 layout=KVCacheLayout.LBHNC, block_size=BLOCK, scratch_blocks=0) -> KVCacheConfig:
+    """A full-attention group and a Mamba group, overlaid in one backing allocation from byte 0 as vLLM 0.33
+    places layer-outermost groups: the Mamba state padded to the attention page (a block belongs to one group
+    at a time), ``scratch_blocks`` speculative blocks after each request's state block."""
+    full = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=head_size, dtype=dtype)
+    page = full.page_size_bytes
+    mamba = MambaSpec(block_size=block_size, shapes=MAMBA_SHAPES, dtypes=MAMBA_DTYPES, page_size_padded=page,
+                      num_speculative_blocks=scratch_blocks)
+    assert mamba.state_content_size_bytes < page, "the fake's Mamba state must fit one attention page"
+    groups = [KVCacheGroupSpec(list(full_layers), full), KVCacheGroupSpec(list(mamba_layers), mamba)]
+    size = page * num_blocks * max(len(full_layers), len(mamba_layers))
+    tensors = [KVCacheTensor(size=size, layers=list(g.layer_names), layer_stride=page * num_blocks, block_stride=page)
+               for g in groups]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
+
+
 def kv_caches(kv_cache_config: KVCacheConfig, layout: KVCacheLayout) -> dict[str, torch.Tensor]:
     """The per-layer KV views vLLM's model runner registers with the connector, on the CPU."""
     return allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout)
@@ -74,6 +95,8 @@ def vllm_config(extra=None, role="kv_both", lookahead=1, engine_id=ENGINE, max_m
 
 def request(request_id, prompt_len, params, computed=0, status=RequestStatus.RUNNING) -> SimpleNamespace:
     return SimpleNamespace(request_id=request_id, prompt_token_ids=list(range(prompt_len)), num_prompt_tokens=prompt_len,
+                           _all_token_ids=list(range(prompt_len)), max_tokens=16, prompt_embeds=None,
+                           get_skip_reading_prefix_cache=lambda: False,
                            num_computed_tokens=computed, status=status,
                            kv_transfer_params=None if params is None else dict(params))
 

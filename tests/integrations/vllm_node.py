@@ -26,8 +26,8 @@ import time
 import zlib
 from types import SimpleNamespace
 
-from tests.integrations.vllm_fakes import (BLOCK, Blocks, full_attention, hybrid_attention, kv_caches, request,
-                                           vllm_config)
+from tests.integrations.vllm_fakes import (BLOCK, Blocks, full_attention, hybrid_attention, kv_caches, mamba_hybrid,
+                                           request, vllm_config)
 
 import torch  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
@@ -37,6 +37,7 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
 WINDOW_LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(3, 6)]  # (a sliding-window group, --window)
+MAMBA_LAYERS = [f"model.layers.{i}.mixer" for i in range(3, 6)]  # (a Mamba group, --mamba)
 HEADS, HEAD_SIZE = 2, 16
 
 
@@ -44,6 +45,12 @@ def block_bytes(request_name: str, index: int, layer: int, shape: tuple[int, ...
     """The bytes block ``index`` of a request holds in ``layer`` (both processes draw the same)."""
     gen = torch.Generator().manual_seed(zlib.crc32(f"{request_name}/{index}/{layer}".encode()))
     return torch.randn(shape, generator=gen).to(torch.bfloat16)
+
+
+def state_bytes(request_name: str, layer: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """The bytes of a request's Mamba state in ``layer`` (a block of vLLM's int8 state view)."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{request_name}/state/{layer}".encode()))
+    return torch.randint(-128, 128, shape, generator=gen, dtype=torch.int8)
 
 
 def token_bytes(request_name: str, token: int, layer: int, content: int, heads: slice) -> torch.Tensor:
@@ -75,9 +82,12 @@ def tokens_of(cache: torch.Tensor, blocks: list[int], count: int, block: int):
 
 
 def connectors(role: str, extra: dict, num_blocks: int, layout: KVCacheLayout, engine_id: str, block: int,
-               tp_size: int = 1, tp_rank: int = 0, window: int = 0):
+               tp_size: int = 1, tp_rank: int = 0, window: int = 0, mamba: bool = False, scratch: int = 0):
     as_tp_rank(tp_size, tp_rank)
-    if window:  # a full-attention group and a sliding-window group, overlaid as vLLM places them
+    if mamba:  # a full-attention group and a Mamba group, overlaid as vLLM places them
+        kv_cache = mamba_hybrid(LAYERS, MAMBA_LAYERS, num_blocks=num_blocks, heads=HEADS // tp_size,
+                                head_size=HEAD_SIZE, layout=layout, block_size=block, scratch_blocks=scratch)
+    elif window:  # a full-attention group and a sliding-window group, overlaid as vLLM places them
         kv_cache = hybrid_attention(LAYERS, WINDOW_LAYERS, window, num_blocks=num_blocks, heads=HEADS // tp_size,
                                     head_size=HEAD_SIZE, layout=layout, block_size=block)
     else:
@@ -115,7 +125,8 @@ def prefill(args: argparse.Namespace) -> dict:
     extra = {"host": "127.0.0.1", "port": args.port, "engine": args.engine, "timeout_s": args.timeout,
              "mode": args.mode}
     scheduler, worker, caches = connectors("prefill", extra, 64, KVCacheLayout[args.layout], "prefill-engine",
-                                           args.block_size, args.tp_size, args.tp_rank, args.window)
+                                           args.block_size, args.tp_size, args.tp_rank, args.window, args.mamba,
+                                           args.scratch_blocks)
     heads = rank_heads(args.tp_size, args.tp_rank)
     rng = random.Random(1)
     free = list(range(1, 64))  # (block 0 is vLLM's null block; the groups draw from one pool)
@@ -123,11 +134,22 @@ def prefill(args: argparse.Namespace) -> dict:
     params, names = [], []
     for i, prompt_len in enumerate(args.lengths):
         name = f"p-req-{i}"
+        finished = request(name, prompt_len, {"do_remote_decode": True})
+        scheduler.on_new_request(finished)  # (with a Mamba group: the prompt's last token is left to the decode)
+        prompt_len = finished.num_prompt_tokens
         count = -(-prompt_len // args.block_size)
         groups = [(LAYERS, [free.pop() for _ in range(count)])]
         if args.window:
             groups.append((WINDOW_LAYERS, [free.pop() for _ in range(count)]))
+        if args.mamba:  # its state block, then vLLM's speculative scratch blocks
+            state_block = free.pop()
+            groups.append((MAMBA_LAYERS, [state_block] + [free.pop() for _ in range(args.scratch_blocks)]))
+            for layer_name in MAMBA_LAYERS:
+                view = caches[layer_name][state_block]
+                view.copy_(state_bytes(name, int(layer_name.split(".")[2]), tuple(view.shape)))
         for layer_names, blocks in groups:
+            if layer_names is MAMBA_LAYERS:
+                continue
             for layer_name in layer_names:
                 layer = int(layer_name.split(".")[2])
                 if args.by_token:
@@ -142,8 +164,7 @@ def prefill(args: argparse.Namespace) -> dict:
             block_ids[1][:skipped] = [0] * skipped
             if i == 0 and args.freed_window_block and skipped < count:  # (one freed inside the window)
                 block_ids[1][skipped] = 0
-        finished = request(name, prompt_len, {"do_remote_decode": True}, computed=prompt_len,
-                           status=RequestStatus.FINISHED_LENGTH_CAPPED)
+        finished.num_computed_tokens, finished.status = prompt_len, RequestStatus.FINISHED_LENGTH_CAPPED
         keep, returned = scheduler.request_finished_all_groups(finished, block_ids)
         assert keep, name
         params.append(returned)
@@ -175,7 +196,8 @@ def prefill(args: argparse.Namespace) -> dict:
 def decode(args: argparse.Namespace) -> dict:
     extra = {"host": "127.0.0.1", "port": args.port, "engine": args.engine, "timeout_s": args.timeout}
     scheduler, worker, caches = connectors("decode", extra, 96, KVCacheLayout[args.layout], "decode-engine",
-                                           args.block_size, args.tp_size, args.tp_rank, args.window)
+                                           args.block_size, args.tp_size, args.tp_rank, args.window, args.mamba,
+                                           args.scratch_blocks)
     heads = rank_heads(args.tp_size, args.tp_rank)
     deadline = time.monotonic() + 60
     while not os.path.exists(args.params):
@@ -190,16 +212,21 @@ def decode(args: argparse.Namespace) -> dict:
     free = list(range(1, 96))
     rng.shuffle(free)
     mine = {}  # local id -> (prefill's name, blocks)
+    states = {}  # local id -> its Mamba state block ([] without --mamba)
     for i, p in enumerate(params):
         prompt_len = p["remote_num_tokens"]
         local = f"d-req-{i}"
-        r = request(local, prompt_len, p)
+        # (with a Mamba group the decode holds the whole prompt and loads all but its last token)
+        r = request(local, prompt_len + (1 if args.mamba else 0), p)
         count, is_async = scheduler.get_num_new_matched_tokens(r, 0)
         assert is_async and count == prompt_len, (count, is_async)
         blocks = [free.pop() for _ in range(-(-count // args.block_size))]
         window_blocks = [free.pop() for _ in blocks] if args.window else []  # (vLLM allocates the whole length)
-        scheduler.update_state_after_alloc(r, Blocks(blocks, window_blocks) if args.window else Blocks(blocks), count)
+        state_blocks = [free.pop() for _ in range(1 + args.scratch_blocks)] if args.mamba else []
+        groups = [blocks] + ([window_blocks] if args.window else []) + ([state_blocks] if args.mamba else [])
+        scheduler.update_state_after_alloc(r, Blocks(*groups), count)
         mine[local] = (p["remote_request_id"], blocks, window_blocks)
+        states[local] = state_blocks[:1]
     received, failed, invalid = set(), set(), set()
     deadline = time.monotonic() + args.timeout + 30
     pairing_after_first_step = None  # whether the first step returned while its handshake still ran
@@ -229,13 +256,18 @@ def decode(args: argparse.Namespace) -> dict:
             for j, b in enumerate(blocks):
                 if not torch.equal(caches[layer_name][b], block_bytes(name, j, layer, tuple(caches[layer_name][b].shape))):
                     wrong.append([local, j, layer])
+        for layer_name in MAMBA_LAYERS if args.mamba else []:  # the state block, every byte of the state
+            view = caches[layer_name][states[local][0]]
+            if not torch.equal(view, state_bytes(name, int(layer_name.split(".")[2]), tuple(view.shape))):
+                wrong.append([local, "state", layer_name])
     open(f"{args.params}.done{args.tp_rank}", "w").close()
     worker.shutdown()
     ghost_blocks = sorted(mine[f"d-req-{len(params) - 1}"][1]) if args.ghost else []
     return {"received": sorted(received), "failed": sorted(failed), "invalid_blocks": sorted(invalid),
             "ghost_blocks": ghost_blocks, "wrong": wrong, "requests": sorted(mine),
             "blocks_checked": sum(len(b) for n, (_, b, _) in mine.items() if n in received - failed),
-            "tokens_checked": tokens_checked, "pairing_after_first_step": pairing_after_first_step,
+            "tokens_checked": tokens_checked, "states_checked": sum(len(states[n]) for n in received - failed),
+            "pairing_after_first_step": pairing_after_first_step,
             "stats": STATS[0].reduce() if STATS else None}
 
 
@@ -258,6 +290,8 @@ def run(argv: list[str]) -> dict:
     parser.add_argument("--decode-ranks", type=int, default=1, help="(prefill) the decode ranks it serves")
     parser.add_argument("--by-token", action="store_true", help="fill and check each token (the sides' blocks differ)")
     parser.add_argument("--window", type=int, default=0, help="a sliding-window group of this many tokens too")
+    parser.add_argument("--mamba", action="store_true", help="a Mamba group too (the prefill leaves the last token)")
+    parser.add_argument("--scratch-blocks", type=int, default=0, help="(--mamba) speculative blocks after the state's")
     parser.add_argument("--freed-window-block", action="store_true",
                         help="(prefill) its first request's first window block freed: it must fail, never land")
     args = parser.parse_args(argv)

@@ -40,7 +40,7 @@ class KvplanConnectorMetadata(KVConnectorMetadata):
 
 class KvplanConnector(KVConnectorBase_V1, SupportsHMA):
     """kvplan's KV connector for vLLM (see the package docstring). One full-attention KV cache group, with any
-    sliding-window groups (vLLM's hybrid KV cache manager); a model with other groups is refused
+    sliding-window and Mamba groups (vLLM's hybrid KV cache manager); a model with other groups is refused
     (:class:`~.groups.UnsupportedConfig`)."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any):
@@ -92,6 +92,9 @@ class KvplanConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def on_new_request(self, request: Any) -> None:
+        self.scheduler.on_new_request(request)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)

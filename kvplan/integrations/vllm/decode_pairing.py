@@ -100,7 +100,8 @@ class DecodePairing:
         and its memory registered first (seconds on a cold device), then a channel asked of each prefill
         rank, on which it registers at once (each listener closes a channel that waits past its bound)."""
         start = time.perf_counter()
-        decode = DecodeEndpoint(self.view.side(self._recv_table, self.tp_size, self.tp_rank, self._recv_maps.maps),
+        decode = DecodeEndpoint(self.view.side(self._recv_table, self.tp_size, self.tp_rank, self._recv_maps.maps,
+                                               self._recv_states.maps),
                                 self._engine("receive"), [], staging=self._staging(), compat=self.view.word,
                                 senders=len(ranks))
         channels = []

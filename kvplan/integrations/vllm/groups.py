@@ -2,11 +2,13 @@
 
 vLLM gives each KV cache group its own block table; a request holds a list of blocks per group. kvplan
 covers one full-attention group, its KV (``FullAttentionSpec``, or ``MLAAttentionSpec`` without a sliding
-window), and any number of sliding-window attention groups (``SlidingWindowSpec``), each a SWA state
+window), any number of sliding-window attention groups (``SlidingWindowSpec``), each a SWA state
 component: only the blocks of the window the decode's next token attends to move (planning.md §6), found
-through a map from the full group's slots to the group's own (:mod:`.windows`). Every other kind (Mamba,
-chunked local attention, cross attention, encoder-only, ...) and a model without one full-attention group
-are refused, naming them.
+through a map from the full group's slots to the group's own (:mod:`.windows`), and any number of Mamba
+groups (``MambaSpec``), each a Mamba state component: a request's state block (the one its running state
+is in; vLLM's speculative scratch blocks after it stay) moves to the decode's, found through a map by
+planning row. Every other kind (chunked local attention, cross attention, encoder-only, ...), a model
+without one full-attention group, and attention groups of different block sizes are refused, naming them.
 
 Example::
 
@@ -24,6 +26,7 @@ __all__ = ["KVGroup", "UnsupportedConfig", "WINDOW_KIND", "transfer_groups"]
 
 _FULL_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
 _WINDOW_SPECS = ("SlidingWindowSpec",)
+_STATE_SPECS = ("MambaSpec",)
 WINDOW_KIND = "swa"  # the kvplan state kind a sliding-window group moves as (planning.md §6)
 
 
@@ -33,10 +36,21 @@ class UnsupportedConfig(KvplanError, ValueError):
 
 @dataclass(frozen=True)
 class KVGroup:
-    """One of vLLM's KV cache groups: its layers, and its sliding window in tokens (0: full attention)."""
+    """One of vLLM's KV cache groups: its layers, its sliding window in tokens (0: full attention), whether
+    it holds Mamba state, and then how many speculative scratch blocks follow a request's state block."""
 
     layers: tuple[str, ...]
     window: int = 0
+    mamba: bool = False
+    scratch_blocks: int = 0
+
+    def state_block(self, blocks: list[int]) -> list[int]:
+        """A Mamba group's block list cut to the block that holds the request's running state: the last one
+        before the speculative scratch blocks (at least one block stays); another group's as it is."""
+        if not self.mamba or not blocks:
+            return blocks
+        scratch = min(self.scratch_blocks, len(blocks) - 1)
+        return list(blocks[: len(blocks) - scratch][-1:])
 
 
 def _named(group: Any) -> str:
@@ -57,16 +71,20 @@ def transfer_groups(kv_cache_config: Any) -> tuple[KVGroup, ...]:
             out.append(KVGroup(tuple(group.layer_names)))
         elif kind in _WINDOW_SPECS and window > 1:
             out.append(KVGroup(tuple(group.layer_names), window))
+        elif kind in _STATE_SPECS:
+            out.append(KVGroup(tuple(group.layer_names), mamba=True,
+                               scratch_blocks=int(getattr(spec, "num_speculative_blocks", 0) or 0)))
         else:
             uncovered.append(_named(group))
     if uncovered:
-        raise UnsupportedConfig(f"kvplan's vLLM connector moves full-attention and sliding-window attention KV cache "
-                                f"groups; not {'; '.join(uncovered)} (docs/vllm.md: what is covered)")
-    full = [g for g in out if not g.window]
+        raise UnsupportedConfig(f"kvplan's vLLM connector moves full-attention, sliding-window attention and Mamba KV "
+                                f"cache groups; not {'; '.join(uncovered)} (docs/vllm.md: what is covered)")
+    full = [g for g in out if not g.window and not g.mamba]
     if len(full) != 1:
         raise UnsupportedConfig(f"{len(full)} full-attention KV cache groups: kvplan's vLLM connector moves one "
-                                "(its KV), with any sliding-window groups as state (docs/vllm.md)")
-    sizes = {int(g.kv_cache_spec.block_size) for g in groups}
+                                "(its KV), with any sliding-window and Mamba groups as state (docs/vllm.md)")
+    # (a Mamba group's block size counts tokens per state checkpoint, not per page: it may differ)
+    sizes = {int(g.kv_cache_spec.block_size) for g in groups if type(g.kv_cache_spec).__name__ not in _STATE_SPECS}
     if len(sizes) > 1:
         raise UnsupportedConfig(f"KV cache groups of block sizes {sorted(sizes)}: kvplan's vLLM connector maps a "
                                 "sliding-window group's blocks from the full-attention group's, block for block")

@@ -12,7 +12,10 @@ lies and how long it is:
   request's run of blocks is one descriptor for all layers.
 
 A model's sliding-window KV cache groups (:mod:`.groups`) get views of their own over their layers
-(:meth:`BlockView.of_groups`), each a SWA component of the side; vLLM overlays the groups' memory.
+(:meth:`BlockView.of_groups`), each a SWA component of the side; vLLM overlays the groups' memory. A
+Mamba group's layers are byte views ``[blocks, 1, states, state bytes]`` whose blocks lie one (padded)
+page apart: each layer is an entry whose item is one block, page padding included, and the group is a
+Mamba component of the side.
 
 A view whose blocks are not contiguous (the heads outermost, ``LHBNC``) is refused. The side is an
 MLA-like layout (one entry per layer, no K/V split): kvplan copies a block as it is, so both sides
@@ -39,7 +42,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
 from ...errors import LayoutError
-from ...planner.contract.batch import Attention, Entry, KVLayout, SideMemory, StateComponent
+from ...planner.contract.batch import Attention, Entry, KVLayout, SideMemory, StateComponent, StateKind
 from .groups import WINDOW_KIND, KVGroup
 
 __all__ = ["BlockView", "layer_order"]
@@ -81,6 +84,7 @@ class BlockView:
     heads: int = 0  # this rank's KV heads, where a layer's block holds them by head (else 0: moved whole)
     heads_outside: bool = False  # a block holds each head's tokens in a row (LBHNC), not each token's heads
     windows: tuple[tuple[int, "BlockView"], ...] = ()  # the sliding-window groups: (window in tokens, their view)
+    mambas: tuple[tuple[Entry, ...], ...] = ()  # the Mamba groups: one entry per layer, an item per block
 
     @classmethod
     def of_groups(cls, kv_caches: Mapping[str, Any], groups: Sequence[KVGroup], block_size: int) -> "BlockView":
@@ -93,7 +97,8 @@ class BlockView:
         missing = sorted(n for g in groups for n in g.layers if n not in kv_caches)
         if missing:
             raise LayoutError(f"vLLM registered no KV cache for layers {missing[:4]} of its KV cache groups")
-        views = [(g.window, cls.of({n: kv_caches[n] for n in g.layers}, block_size)) for g in groups]
+        mambas = tuple(_state_entries(kv_caches, g.layers) for g in groups if g.mamba)
+        views = [(g.window, cls.of({n: kv_caches[n] for n in g.layers}, block_size)) for g in groups if not g.mamba]
         kv = next(view for window, view in views if not window)
         windows = tuple((window, view) for window, view in views if window)
         for window, view in windows:
@@ -101,7 +106,8 @@ class BlockView:
                 raise LayoutError(f"vLLM's sliding-window group of {view.layers[0]} is laid out unlike the "
                                   f"full-attention group ({view.word} against {kv.word})")
         word = kv.word + "".join(f"/swa{window}:{len(view.entries)}x{view.word}" for window, view in windows)
-        return replace(kv, windows=windows, word=word)
+        word += "".join(f"/mamba:{len(entries)}x{entries[0].item_len}" for entries in mambas)
+        return replace(kv, windows=windows, word=word, mambas=mambas)
 
     @classmethod
     def of(cls, kv_caches: Mapping[str, Any], block_size: int) -> "BlockView":
@@ -171,14 +177,15 @@ class BlockView:
         return self.heads > 0
 
     def side(self, req_to_token: Any = None, tp_size: int = 1, tp_rank: int = 0,
-             window_maps: Sequence[Any] = ()) -> SideMemory:
+             window_maps: Sequence[Any] = (), state_maps: Sequence[Any] = ()) -> SideMemory:
         """This view as a kvplan side over ``req_to_token`` (its planning table: token slots, block
         ``b``'s tokens being ``b * block_size ...``), rank ``tp_rank`` of ``tp_size``: KV by head where a
         layer's block holds heads and tokens (``LBNHC``: packed heads token by token; ``LBHNC``: each head's
         tokens in a row), else blocks moved whole (one entry per layer either way). Each sliding-window group
         is a SWA component over its own blocks, reached through its map in ``window_maps`` (a full-group slot
         to its slot, :mod:`.windows`); its window is the tokens the next token attends to besides itself
-        (vLLM keeps their blocks: ``sliding_window - 1``), from the decode's prefix on."""
+        (vLLM keeps their blocks: ``sliding_window - 1``), from the decode's prefix on. Each Mamba group is
+        a Mamba component over its layers' blocks, its block per planning row in its map in ``state_maps``."""
         if not self.slices_heads:
             kv = KVLayout(Attention.MLA, self.block_size, self.entries)
         else:
@@ -187,7 +194,32 @@ class BlockView:
                           tp_rank=tp_rank)
         if len(window_maps) != len(self.windows):
             raise LayoutError(f"{len(self.windows)} sliding-window groups, {len(window_maps)} slot maps")
+        if len(state_maps) != len(self.mambas):
+            raise LayoutError(f"{len(self.mambas)} Mamba groups, {len(state_maps)} slot maps")
         state = tuple(StateComponent(WINDOW_KIND, view.entries, window=window - 1, slot_map=slot_map,
                                      name=f"swa{g}", from_prefix=True)
                       for g, ((window, view), slot_map) in enumerate(zip(self.windows, window_maps)))
+        state += tuple(StateComponent(StateKind.MAMBA, entries, slot_map=slot_map, name=f"mamba{g}")
+                       for g, (entries, slot_map) in enumerate(zip(self.mambas, state_maps)))
         return SideMemory(kv, state, req_to_token=req_to_token)
+
+
+def _state_entries(kv_caches: Mapping[str, Any], layers: Sequence[str]) -> tuple[Entry, ...]:
+    """A Mamba group's layers as entries, in layer order: one per distinct view, an item per block (its
+    whole page: the block stride). Refused, naming the layer, where a block's bytes are not one span."""
+    entries, seen = [], set()
+    for name in sorted(layers, key=layer_order):
+        if name not in kv_caches:
+            raise LayoutError(f"vLLM registered no KV cache for Mamba layer {name}")
+        view = kv_caches[name]
+        if not hasattr(view, "data_ptr"):
+            raise LayoutError(f"vLLM's KV cache of Mamba layer {name} is a {type(view).__name__}, not one tensor of "
+                              "blocks (vLLM 0.33's byte view)")
+        stride, inner = view.stride(0) * view.element_size(), _block_bytes(view)
+        if inner is None or inner > stride:
+            raise LayoutError(f"vLLM's KV cache of Mamba layer {name} (shape {tuple(view.shape)}, strides "
+                              f"{tuple(view.stride())}) does not hold a block's state in one span")
+        if view.data_ptr() not in seen:
+            seen.add(view.data_ptr())
+            entries.append(Entry(view.data_ptr(), stride, int(view.shape[0])))
+    return tuple(entries)

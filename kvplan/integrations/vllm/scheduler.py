@@ -16,8 +16,14 @@ compare them):
   workers report the write done (``finished_sending``), and returns the parameters the decode needs:
   this engine's id and where its workers listen.
 
-One full-attention KV cache group is covered, with any sliding-window groups (:mod:`.groups`), and no
-multi-token prefill lookahead (MTP): the rest is refused at construction, naming it (docs/vllm.md).
+One full-attention KV cache group is covered, with any sliding-window and Mamba groups (:mod:`.groups`), and
+no multi-token prefill lookahead (MTP): the rest is refused at construction, naming it (docs/vllm.md).
+
+**Mamba.** A Mamba state holds every token it has seen, so the decode cannot take the state of the whole
+prompt and then compute the prompt's last token again, as it does with attention KV: with a Mamba group
+the prefill computes all but the prompt's last token (:meth:`on_new_request` shortens a prefill request's
+prompt by one token and its output to one token, once) and the decode loads that many tokens, KV and
+state, and computes the last one itself. vLLM 0.33's NIXL connector does the same.
 
 Example::
 
@@ -38,6 +44,7 @@ __all__ = ["ConnectorScheduler", "ListenAddress", "ReceiveRequest", "SendRequest
 
 log = logging.getLogger(__name__)
 
+_SHORTENED = "_kvplan_shortened"  # in a prefill request's parameters once on_new_request shortened its prompt
 TRANSFER_MODE = "kvplan-push"  # in the parameters a prefill returns (vLLM's own connectors say "push" or "pull")
 _DONE = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")  # a prefill request that finished normally
 
@@ -90,21 +97,51 @@ class ConnectorScheduler:
         if lookahead > 1:
             raise UnsupportedConfig(f"a prefill lookahead of {lookahead} tokens (multi-token prediction) is not "
                                     "covered: the decode would have to recompute the prompt's last tokens")
+        # prompt tokens the prefill leaves to the decode (the module docstring: Mamba)
+        self.backoff = 1 if any(g.mamba for g in self.groups) else 0
         self.engine_id, self.listen = engine_id, listen
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         self.kv_cache_config = kv_cache_config
         self._step = SchedulerStep()
         self._sending: dict[str, SendRequest] = {}  # finished prefill requests until their write is done
 
+    # -- prefill ----------------------------------------------------------------------------------
+    def on_new_request(self, request: Any) -> None:
+        """With a Mamba group, a new prefill request (``do_remote_decode``) loses its prompt's last token and
+        may output one token: its prefill stops where the decode takes over (the module docstring). Once per
+        request (a preempted one comes back already shortened), and not for a request that reads no prefix
+        cache (prompt logprobs): its decode loads nothing and computes its whole prompt."""
+        params = request.kv_transfer_params
+        if not self.backoff or not params or not params.get("do_remote_decode") or params.get(_SHORTENED):
+            return
+        skips = getattr(request, "get_skip_reading_prefix_cache", None)
+        if int(request.num_prompt_tokens) <= self.backoff or (skips is not None and skips()):
+            return
+        if request.prompt_token_ids is not None:
+            del request.prompt_token_ids[-self.backoff:]
+        elif getattr(request, "prompt_embeds", None) is not None:
+            request.prompt_embeds = request.prompt_embeds[: -self.backoff]
+        else:
+            return
+        del request._all_token_ids[-self.backoff:]
+        request.num_prompt_tokens -= self.backoff
+        request.max_tokens = 1
+        params[_SHORTENED] = True
+
     # -- decode -----------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        """The prompt tokens a decode request loads from its prefill (asynchronously), or ``(0, False)``."""
+        """The prompt tokens a decode request loads from its prefill (asynchronously), or ``(0, False)``:
+        with a Mamba group all but the last (the prefill computed no more)."""
         params = request.kv_transfer_params
         if params is not None and params.get("do_remote_prefill"):
-            count = len(request.prompt_token_ids or []) - num_computed_tokens
+            count = self._loaded(len(request.prompt_token_ids or [])) - num_computed_tokens
             if count > 0:
                 return count, True
         return 0, False
+
+    def _loaded(self, prompt_tokens: int) -> int:
+        """Of a decode request's prompt, the tokens its prefill computed (all but the backoff's)."""
+        return prompt_tokens - self.backoff if prompt_tokens > self.backoff else prompt_tokens
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Record, once per request, the blocks vLLM allocated for the tokens it loads."""
@@ -112,7 +149,7 @@ class ConnectorScheduler:
         if not params or not params.get("do_remote_prefill") or num_external_tokens <= 0:
             return  # (all of it computed here: it stays marked, so that its end frees the prefill's blocks)
         block_ids = self._transfer_blocks(blocks.get_unhashed_block_ids_all_groups())
-        prefix = max(0, len(request.prompt_token_ids or []) - num_external_tokens)
+        prefix = max(0, self._loaded(len(request.prompt_token_ids or [])) - num_external_tokens)
         self._step.receive[request.request_id] = self._receive(params, block_ids, num_external_tokens, prefix)
         params["do_remote_prefill"] = False  # (a rescheduled request does not register again)
 
@@ -165,8 +202,12 @@ class ConnectorScheduler:
         return bool(self._sending or self._step.receive)
 
     def _transfer_blocks(self, block_ids: Any) -> tuple[list[int], ...]:
-        """The block lists of the groups that transfer (vLLM's own selection, where it has one)."""
+        """The block lists of the groups that transfer (vLLM's own selection, where it has one), a Mamba
+        group's cut to its state block (:meth:`~.groups.KVGroup.state_block`)."""
         if len(block_ids) == 0:
             return ()
         select = getattr(self.kv_cache_config, "select_transfer_block_ids", None)
-        return tuple(select(block_ids)) if select is not None else tuple(block_ids)
+        block_ids = tuple(select(block_ids)) if select is not None else tuple(block_ids)
+        if len(block_ids) != len(self.groups):
+            return block_ids
+        return tuple(g.state_block(list(blocks)) for g, blocks in zip(self.groups, block_ids))

@@ -22,7 +22,8 @@ Each TP rank of an engine runs one :class:`ConnectorWorker`. It sees vLLM's KV t
 Both sides lay blocks out alike or do not pair: the endpoints compare :attr:`BlockView.word` (dtype,
 what a head's token holds, the groups), and kvplan's pairing the rest (heads and tokens in order, block and
 TP sizes). A model's sliding-window KV cache groups move as SWA state: each request's window blocks, reached
-through a map from the full-attention group's slots (:mod:`.windows`). Planning runs on the KV tensors' device (the
+through a map from the full-attention group's slots (:mod:`.windows`); its Mamba groups as Mamba state: each
+request's state block, through a map by planning row (:mod:`.state_slots`), between equal TP sizes. Planning runs on the KV tensors' device (the
 GPU in a deployment). How a prefill writes is the ``mode`` setting: on GPUs ``auto`` gathers small
 blocks into a staging buffer and writes a few large pieces (``staged``), else one write per run of
 blocks that are neighbours on both sides (``direct``).
@@ -60,6 +61,7 @@ from .decode_pairing import HANDSHAKE_S, REGISTER_S, DecodePairing, Pairing
 from .kv_caches import BlockView
 from .scheduler import ReceiveRequest, SchedulerStep, SendRequest
 from .settings import Settings
+from .state_slots import StateSlots
 from .windows import WindowMaps
 
 __all__ = ["ConnectorWorker", "TransferResults"]
@@ -128,10 +130,13 @@ class ConnectorWorker(DecodePairing):
         self.width = -(-max_model_len // block_size) * block_size  # planning-table columns (tokens)
         self.sends, self.receives, self.groups = sends, receives, tuple(groups)
         # (a request's block lists are in vLLM's group order: the full-attention group's plans, the others map)
-        self.full_group = next((i for i, g in enumerate(self.groups) if not g.window), 0)
+        self.full_group = next((i for i, g in enumerate(self.groups) if not g.window and not g.mamba), 0)
         self.window_groups = [i for i, g in enumerate(self.groups) if g.window]
+        self.mamba_groups = [i for i, g in enumerate(self.groups) if g.mamba]
         self._send_maps: WindowMaps | None = None
         self._recv_maps: WindowMaps | None = None
+        self._send_states: StateSlots | None = None
+        self._recv_states: StateSlots | None = None
         self.view: BlockView | None = None
         self.prefill: PrefillEndpoint | None = None
         self.listener: ChannelListener | None = None
@@ -161,7 +166,9 @@ class ConnectorWorker(DecodePairing):
                                            device=self.device)
             self._send_rows = _Rows(self.settings.max_requests + 1)
             self._send_maps = WindowMaps(windows, self.view.num_blocks, self.block_size, self.device)
-            side = self.view.side(self._send_table, self.tp_size, self.tp_rank, self._send_maps.maps)
+            self._send_states = StateSlots(len(self.view.mambas), self.settings.max_requests + 1, self.device)
+            side = self.view.side(self._send_table, self.tp_size, self.tp_rank, self._send_maps.maps,
+                                  self._send_states.maps)
             self.prefill = PrefillEndpoint(side, self._engine("send"), [], staging=self._staging(), refuse="request",
                                            compat=self.view.word)
             if self.settings.warm_up:  # (each decode that pairs is warmed as it pairs)
@@ -179,6 +186,7 @@ class ConnectorWorker(DecodePairing):
                                            device=self.device)
             self._recv_rows = _Rows(self.settings.max_requests + 1)
             self._recv_maps = WindowMaps(windows, self.view.num_blocks, self.block_size, self.device)
+            self._recv_states = StateSlots(len(self.view.mambas), self.settings.max_requests + 1, self.device)
 
     def _engine(self, role: str) -> Any:
         memory = "VRAM" if self.device.type == "cuda" else "DRAM"
@@ -215,6 +223,7 @@ class ConnectorWorker(DecodePairing):
         if sends:  # (the step's rows written at once: one copy to the device and one expansion)
             self._write_rows(self._send_table, [(row, 0, send.block_ids[self.full_group]) for _, send, row in sends])
             self._send_maps.flush()
+            self._send_states.flush()
         for request_id, send, row in sends:
             self._sending[request_id] = _Sending(send, row, now + self.settings.timeout_s)
         admitted = []
@@ -228,6 +237,7 @@ class ConnectorWorker(DecodePairing):
             self._write_rows(self._recv_table, [(row, r.prefix_len, r.block_ids[self.full_group])
                                                 for _, r, row in admitted])
             self._recv_maps.flush()
+            self._recv_states.flush()
         for request_id, receive, row in admitted:
             try:
                 self._publish(request_id, receive, row)
@@ -308,6 +318,10 @@ class ConnectorWorker(DecodePairing):
         if why is None and row is None:
             self._send_maps.release(request_id)
             why = f"more than {self.settings.max_requests} requests in flight (max_requests)"
+        if row is not None and (why := self._send_states.put(row, [send.block_ids[g] for g in self.mamba_groups])):
+            self._send_maps.release(request_id)
+            self._send_rows.give(row)
+            row = None
         if row is None:
             log.error("request %s: %s; its blocks are freed unsent", request_id, why)
             self._sent.add(request_id)
@@ -423,6 +437,11 @@ class ConnectorWorker(DecodePairing):
         if row is None:
             self._recv_maps.release(remote)
             raise KvplanError(f"more than {self.settings.max_requests} requests in flight (max_requests)")
+        why = self._recv_states.put(row, [receive.block_ids[g] for g in self.mamba_groups])
+        if why is not None:
+            self._recv_rows.give(row)
+            self._recv_maps.release(remote)
+            raise KvplanError(why)
         return row
 
     def _prefill_tp(self, receive: ReceiveRequest) -> int:
@@ -437,6 +456,9 @@ class ConnectorWorker(DecodePairing):
         prefill_tp = self._prefill_tp(receive)
         if prefill_tp == self.tp_size:
             return (self.tp_rank,)
+        if self.mamba_groups:
+            raise KvplanError(f"its prefill runs TP {prefill_tp}, this decode TP {self.tp_size}: kvplan's connector "
+                              "moves Mamba state between equal TP sizes only")
         if not self.view.slices_heads:
             raise KvplanError(f"its prefill runs TP {prefill_tp}, this decode TP {self.tp_size}: blocks that do not "
                               "hold one layer's heads and tokens (a layout other than LBNHC or LBHNC) move between "

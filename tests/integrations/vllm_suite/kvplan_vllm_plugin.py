@@ -5,7 +5,7 @@ vLLM's tests build every configuration through ``tests/v1/kv_connector/unit/util
 whose connector defaults to ``NixlConnector``: the plugin gives that default to
 ``KvplanConnector`` (``kvplan.integrations.vllm``), and the model to a local copy of
 ``facebook/opt-125m``'s configuration (no download). The tests that need what kvplan's connector
-refuses today (Mamba groups, groups of different block sizes) are expected to fail with that refusal.
+refuses today (attention groups of different block sizes) are expected to fail with that refusal.
 """
 
 from __future__ import annotations
@@ -26,8 +26,6 @@ OPT_125M = {"architectures": ["OPTForCausalLM"], "model_type": "opt", "vocab_siz
 
 # vLLM's tests that need what kvplan's connector refuses, and the refusal they end in
 REFUSED = {
-    "test_p_side_chunked_prefill_mamba": "Mamba KV cache groups (MambaSpec) are refused",
-    "test_async_load_does_not_double_reserve_mamba_spec_blocks": "Mamba KV cache groups (MambaSpec) are refused",
     "test_async_load_reserves_blocks_for_promotion_margin[different-block-sizes]":
         "KV cache groups of different block sizes are refused",
 }
