@@ -22,12 +22,13 @@ from typing import Any
 
 from ...errors import KvplanError
 
-__all__ = ["KVGroup", "UnsupportedConfig", "WINDOW_KIND", "transfer_groups"]
+__all__ = ["KVGroup", "MAMBA_KIND", "UnsupportedConfig", "WINDOW_KIND", "transfer_groups"]
 
 _FULL_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
 _WINDOW_SPECS = ("SlidingWindowSpec",)
 _STATE_SPECS = ("MambaSpec",)
 WINDOW_KIND = "swa"  # the kvplan state kind a sliding-window group moves as (planning.md §6)
+MAMBA_KIND = "mamba"  # ... and a Mamba group
 
 
 class UnsupportedConfig(KvplanError, ValueError):

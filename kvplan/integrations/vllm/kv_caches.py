@@ -42,8 +42,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
 from ...errors import LayoutError
-from ...planner.contract.batch import Attention, Entry, KVLayout, SideMemory, StateComponent, StateKind
-from .groups import WINDOW_KIND, KVGroup
+from ...planner.contract.batch import Attention, Entry, KVLayout, SideMemory, StateComponent
+from .groups import MAMBA_KIND, WINDOW_KIND, KVGroup
 
 __all__ = ["BlockView", "layer_order"]
 
@@ -199,7 +199,7 @@ class BlockView:
         state = tuple(StateComponent(WINDOW_KIND, view.entries, window=window - 1, slot_map=slot_map,
                                      name=f"swa{g}", from_prefix=True)
                       for g, ((window, view), slot_map) in enumerate(zip(self.windows, window_maps)))
-        state += tuple(StateComponent(StateKind.MAMBA, entries, slot_map=slot_map, name=f"mamba{g}")
+        state += tuple(StateComponent(MAMBA_KIND, entries, slot_map=slot_map, name=f"mamba{g}")
                        for g, (entries, slot_map) in enumerate(zip(self.mambas, state_maps)))
         return SideMemory(kv, state, req_to_token=req_to_token)
 
