@@ -75,16 +75,21 @@ $(VLLM_STAMP): $(STAMP)
 
 # Three passes: every test with the kernels interpreted on the CPU (the SGLang differential tests
 # among them), then a compile check of every kernel for sm_90 in a process of its own (the two
-# cannot share a process), then the vLLM connector's tests with vLLM's folder on the path.
+# cannot share a process), and beside both the vLLM connector's tests with vLLM's folder on the path.
 # ruff's checks (pyproject.toml [tool.ruff]); make test runs them first
 lint: setup
 	$(VENV)/bin/ruff check kvplan tests benchmarks examples
 
+# the vLLM pass runs beside the others (its tests mostly wait on processes of their own; session 42, two
+# cores: the first pass and it together 7:54, one after the other 8:06-8:30); its output comes last
 test: setup setup-sglang setup-vllm dist lint
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(WORKERS) -m "not compile_check and not vllm" --benchmark-disable \
-	  -p no:cacheprovider
-	TRITON_INTERPRET=0 $(PY) -m pytest -q -n $(WORKERS) -m compile_check -p no:cacheprovider tests/kernels
-	$(MAKE) --no-print-directory test-vllm
+	@vllm_log=$$(mktemp); $(MAKE) --no-print-directory test-vllm > $$vllm_log 2>&1 & vllm=$$!; \
+	trap 'kill $$vllm 2>/dev/null; rm -f $$vllm_log' INT TERM; \
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(WORKERS) --dist worksteal -m "not compile_check and not vllm" \
+	  --benchmark-disable -p no:cacheprovider; first=$$?; \
+	TRITON_INTERPRET=0 $(PY) -m pytest -q -n $(WORKERS) -m compile_check -p no:cacheprovider tests/kernels; \
+	compiled=$$?; wait $$vllm; vllm_rc=$$?; echo "--- make test-vllm (run beside the passes above):"; \
+	cat $$vllm_log; rm -f $$vllm_log; test $$first -eq 0 -a $$compiled -eq 0 -a $$vllm_rc -eq 0
 
 # vLLM 0.33.0's own KV-connector tests, from its source distribution (pinned by sha256), run with
 # kvplan's connector in place of NixlConnector (tests/integrations/vllm_suite/; docs/vllm.md says which)

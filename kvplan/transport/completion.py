@@ -281,6 +281,15 @@ class CompletionTracker:
                 self._ended[request] = reason
                 self.stats.failed(reason)
 
+    def fail_completed(self, request: Any, reason: str) -> None:
+        """Fail a request that completed here but could not be finished after (an integration's
+        ``on_complete`` raised): its state is ``failed`` from now on, with ``reason``. It was reported
+        ended already; the counters keep it complete and count this failure too."""
+        status = self._status.get(request)
+        if status is not None and status.failure is None:
+            status.failure = reason
+            self.stats.failed(reason)
+
     def fail_pending(self, reason: str) -> None:
         for request in self.pending():
             self.fail(request, reason)

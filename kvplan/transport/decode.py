@@ -544,6 +544,8 @@ class DecodeEndpoint(SenderMessages, StagedReceiver, DecodeWarmUp):
             reason = f"every byte landed, but on_complete failed: {type(err).__name__}: {err}"
             log.error("requests %s: %s", done[:8], reason)
             ended.update((r, reason) for r in done)
+            for r in done:  # (whoever asks the tracker later hears it failed too: wait(), fences)
+                self.tracker.fail_completed(r, reason)
         return ended
 
     def wait(self) -> dict[Any, str]:

@@ -13,6 +13,7 @@ from kvplan.planner.device.planner import Planner
 from kvplan.planner.contract.batch import Attention, Batch, Entry, KVLayout, SideMemory, Transfer
 from kvplan.planner.reference.oracle import plan_reference
 from tests.planner.builders import assert_device_matches_reference
+from tests.draws import examples
 
 SB, DB, TB = 0x1000_0000, 0x9000_0000, 2  # bases and bytes per token of the one MLA entry
 
@@ -93,7 +94,7 @@ def test_e_head_sliced_16_to_64():
     assert descs[32] == (SB + (1 << 20) + 258, DB + (1 << 20) + 256, 2)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(ps_s=st.sampled_from([1, 2, 4, 16, 64]), ps_d=st.sampled_from([1, 2, 4, 16, 64]),
        length=st.integers(1, 300), split=st.floats(0, 1), seed=st.integers(0, 2**31))
 def test_every_token_lands_in_its_destination_slot(ps_s, ps_d, length, split, seed):
@@ -181,7 +182,7 @@ def sliced_sides(ps_s, ps_d, table, pages=1024, aux=()):
     return src, dst
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(ps_s=st.sampled_from([1, 4, 16, 64]), ps_d=st.sampled_from([1, 4, 16, 64]), length=st.integers(1, 200),
        seed=st.integers(0, 2**31))
 def test_head_sliced_kv_lands_each_position_s_heads(ps_s, ps_d, length, seed):
@@ -204,7 +205,7 @@ def test_head_sliced_kv_lands_each_position_s_heads(ps_s, ps_d, length, seed):
             assert got[d : d + 2].tolist() == src_bytes[s : s + 2].tolist(), (entry, pos)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(ps_s=st.sampled_from([1, 2, 4, 16, 64]), ps_d=st.sampled_from([1, 2, 4, 16, 64]),
        lens=st.lists(st.integers(1, 200), min_size=1, max_size=3), chunked=st.booleans(), sliced=st.booleans(),
        seed=st.integers(0, 2**31))

@@ -115,6 +115,7 @@ def test_on_complete_runs_on_the_thread_before_a_request_is_reported_and_what_it
         assert seen == [(["r1"], "kvplan-decode-progress")]
         if fails:
             assert "on_complete failed: TimeoutError: the copy did not end" in ended["r1"]
+            assert endpoint.tracker.state("r1") == "failed"  # (wait() and the fences read the tracker)
         else:
             assert ended == {"r1": None}
     finally:

@@ -13,6 +13,7 @@ from kvplan.transport.local import gather, plan_alignment, run_direct, scatter, 
 from kvplan.tools.verify import AddressSpace, execute
 from tests.planner.device.test_eager import on_device
 from tests.planner.reference.test_properties import scenarios
+from tests.draws import examples
 
 
 def _whole_stream(real: Batch, device: torch.device, typical_bytes: int):
@@ -34,7 +35,7 @@ def _real_batch(batch: Batch, device: torch.device):
     return real, src_tensors, dst_tensors
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(scenarios() | scenarios(head_sliced=True), st.booleans(), st.sampled_from([16, 4096]))
 def test_local_execution_matches_the_reference(device, case, staged, typical_bytes):
     _, batch = case
@@ -65,7 +66,7 @@ def test_alignment_is_a_power_of_two_dividing_every_address(device):
     assert (descs % np.uint64(align) == 0).all()
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=examples(15), deadline=None)
 @given(scenarios(), st.lists(st.floats(0.0, 1.0), max_size=4), st.sampled_from([16, 4096]))
 def test_a_scatter_cut_into_byte_windows_lands_the_same_bytes(device, case, cuts, typical_bytes):
     """Each window of a staged stream, scattered from its own slot with the whole stream's
@@ -83,7 +84,7 @@ def test_a_scatter_cut_into_byte_windows_lands_the_same_bytes(device, case, cuts
     assert expected.matches(dst_tensors)
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=examples(15), deadline=None)
 @given(scenarios(), st.lists(st.floats(0.0, 1.0), max_size=4), st.sampled_from([16, 4096]))
 def test_a_gather_ahead_copies_its_window_of_the_counted_rows_only(device, case, cuts, typical_bytes):
     """A gather queued before the host has seen the plan: the descriptor buffer is longer than the
@@ -108,7 +109,7 @@ def test_a_gather_ahead_copies_its_window_of_the_counted_rows_only(device, case,
     assert not slot.any()
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=examples(10), deadline=None)
 @given(scenarios(), st.sampled_from([16, 4096]))
 def test_a_counted_scatter_lands_the_counted_rows_only(device, case, typical_bytes):
     """A scatter over a descriptor buffer longer than the plan, counted on the device: the plan's

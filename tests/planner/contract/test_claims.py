@@ -21,6 +21,7 @@ from kvplan.planner.contract.batch import Batch
 from kvplan.planner.reference.oracle import plan_reference
 from tests.planner.builders import last_transfer, mha_side, table_with
 from tests.planner.reference.test_properties import scenarios
+from tests.draws import examples
 
 
 def claims(request, dest=0, kv=(), state=(), aux=None):
@@ -100,7 +101,7 @@ def _with(batch: Batch, request, **changes) -> Batch:
                                           for t in batch.transfers))
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(scenarios(), st.sampled_from(["kv", "aux", "state", "twice"]), st.integers(0, 50))
 def test_an_injected_overlap_raises_the_same_error_on_both_paths(device, case, kind, pick):
     made = _overlapping(case[1], kind, pick)
@@ -114,7 +115,7 @@ def test_an_injected_overlap_raises_the_same_error_on_both_paths(device, case, k
     assert str(on_device.value) == str(by_reference.value)
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=examples(10), deadline=None)
 @given(scenarios())
 def test_the_claim_bitmap_is_clear_after_every_plan(device, case):
     """A bit left set would refuse the next good batch planned in the same buffers."""

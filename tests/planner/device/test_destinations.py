@@ -13,6 +13,7 @@ from kvplan.planner.contract.batch import Batch, SideMemory, Transfer
 from kvplan.planner.reference.oracle import destination_lists, plan_reference
 from tests.planner.device.test_eager import on_device
 from tests.planner.reference.test_properties import scenarios
+from tests.draws import examples
 
 
 def _unpack_wire(data: bytes) -> list[list[int]]:
@@ -38,7 +39,7 @@ def requests_of(batch: Batch) -> list[PreallocatedRequest]:
     return [PreallocatedRequest(r, t.src_row, t.prompt_len, t.prefix_len, t.aux_dst) for r, t in last.items()]
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(scenarios(), st.sampled_from([16, 1024]))
 def test_destination_lists_match_the_reference(device, case, block):
     _, batch = case
@@ -66,7 +67,7 @@ def test_destination_lists_match_the_reference(device, case, block):
         assert expect.components == tuple(c.name for c, ids in zip(dst.state, want.state) if len(ids))
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=examples(15), deadline=None)
 @given(scenarios())
 def test_prefill_plan_pairs_with_published_lists(device, case):
     """End to end: lists published by the decode side, through the wire, planned by the prefill side."""

@@ -18,6 +18,7 @@ from kvplan.planner.reference.oracle import plan_reference
 from kvplan.tools.scenarios import PRESETS, build_batch
 from tests.kernels.order import shuffled_program_order
 from tests.planner.reference.test_properties import scenarios
+from tests.draws import examples
 
 
 def on_device(batch: Batch, device: torch.device) -> Batch:
@@ -44,19 +45,19 @@ def check_same(batch: Batch, device: torch.device, block: int = 1024) -> None:
     assert pending.sections() == expected.sections()  # from the segment sums, with no plan assembled
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(scenarios(), st.sampled_from([16, 1024]))
 def test_direct_plans_match_the_reference(device, case, block):
     check_same(case[1], device, block)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=examples(20), deadline=None)
 @given(scenarios(head_sliced=True), st.sampled_from([16, 1024]))
 def test_head_sliced_plans_match_the_reference(device, case, block):
     check_same(case[1], device, block)
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=examples(15), deadline=None)
 @given(scenarios(), st.integers(0, 3))
 def test_plans_do_not_depend_on_program_order(device, case, seed):
     if device.type != "cpu":
@@ -147,7 +148,7 @@ def _mutate(batch: Batch, kind: str, which: int):
     return Batch(batch.src, batch.dsts, tuple(transfers), batch.policy), out[1], t.request
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(scenarios(), st.sampled_from(["unaligned", "dst_out_of_pool", "dst_short", "wrong_last", "bad_row", "bad_aux",
                                      "state_short", "src_slot"]), st.integers(0, 50))
 def test_bad_batches_raise_what_the_reference_raises(device, case, kind, which):
