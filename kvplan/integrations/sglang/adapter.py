@@ -279,11 +279,12 @@ class KVManager(PrefillManager, DecodeManager, BaseKVManager):
         else:
             raise ValueError(f"a KVManager is for PREFILL or DECODE, not {disaggregation_mode}")
         self._counters_at = time.monotonic() + self.settings.stats_s  # when the counters are next logged
+        mirror = "none" if self.aux_mirror is None else \
+            f"{self.aux_mirror.nbytes / (1 << 20):.1f} MiB of buffers {list(self.aux_mirror.mirrored)}"
         log.info("kvplan's SGLang %s manager: engine %s (%s), mode %s, staging %d MiB, protocol %s, bootstrap %s, "
                  "integrity %s, aux mirror %s", disaggregation_mode.value, engine_kind, memory, self.transfer_mode,
-                 staging_bytes >> 20, self.protocol, self.settings.bootstrap, "on" if self.settings.integrity else "off",
-                 f"{self.aux_mirror.nbytes / (1 << 20):.1f} MiB of buffers {list(self.aux_mirror.mirrored)}"
-                 if self.aux_mirror is not None else "none")
+                 staging_bytes >> 20, self.protocol, self.settings.bootstrap,
+                 "on" if self.settings.integrity else "off", mirror)
 
     def _aux_mirror(self, args: Any, memory: str, engine_kind: str) -> AuxMirror | None:
         """The device copy of SGLang's aux buffers that are in host memory beside device pools (kvplan's

@@ -23,8 +23,8 @@ Both sides lay blocks out alike or do not pair: the endpoints compare :attr:`Blo
 what a head's token holds, the groups), and kvplan's pairing the rest (heads and tokens in order, block and
 TP sizes). A model's sliding-window KV cache groups move as SWA state: each request's window blocks, reached
 through a map from the full-attention group's slots (:mod:`.windows`); its Mamba groups as Mamba state: each
-request's state block, through a map by planning row (:mod:`.state_slots`), between equal TP sizes. Planning runs on the KV tensors' device (the
-GPU in a deployment). How a prefill writes is the ``mode`` setting: on GPUs ``auto`` gathers small
+request's state block, through a map by planning row (:mod:`.state_slots`), between equal TP sizes.
+Planning runs on the KV tensors' device (the GPU in a deployment). How a prefill writes is the ``mode`` setting: on GPUs ``auto`` gathers small
 blocks into a staging buffer and writes a few large pieces (``staged``), else one write per run of
 blocks that are neighbours on both sides (``direct``).
 
