@@ -527,10 +527,12 @@ def run_decode(args) -> dict:
         changed = (_kv_bytes(kv_pool, allocator, locs) != then).reshape(len(locs), -1).any(axis=1)
         late[rid] = [int(still.sum()), int((changed & still).sum())]
     open(os.path.join(args.done_dir, f"decode{args.rank}.done"), "w").close()
+    mirrored = getattr(prealloc.kv_manager, "aux_mirror", None) is not None  # (kvplan's: its aux rows' device copy)
     if hasattr(prealloc.kv_manager, "close"):
         prealloc.kv_manager.close()
     return {"outcome": outcome, "prefix_hits": prefix_hits, "held": sorted(held), "swept": swept, "late": late,
-            "steps": step_stats(steps), "took_s": took_s, "ready": step_stats(ready_s), "kv_bytes": kv_bytes}
+            "steps": step_stats(steps), "took_s": took_s, "ready": step_stats(ready_s), "kv_bytes": kv_bytes,
+            "aux_mirror": mirrored}
 
 
 def _kv_bytes(kv_pool, allocator, locs) -> np.ndarray:

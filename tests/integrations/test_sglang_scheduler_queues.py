@@ -38,7 +38,8 @@ ABORTED = {"req-1-3", "req-1-7", "req-1-11"}
 DEADLINE_S = 240.0  # (a run takes about 60 s on a 2-core machine; the margin is for a busy one)
 
 
-def _run_nodes(tmp_path: Path, backend: str, prefill_tp: int, decode_tp: int, hybrid: bool) -> dict[str, dict]:
+def _run_nodes(tmp_path: Path, backend: str, prefill_tp: int, decode_tp: int, hybrid: bool,
+               aux_mirror: str = "auto") -> dict[str, dict]:
     """Start every rank, wait for all (killing all by their handles at the deadline or once one fails);
     each rank's JSON line, by name (``prefill0``, ``decode3``...)."""
     bootstrap, prefill_dist, decode_dist = free_ports(3)
@@ -52,7 +53,9 @@ def _run_nodes(tmp_path: Path, backend: str, prefill_tp: int, decode_tp: int, hy
            "KVPLAN_STATE_PARAMS": json.dumps([{"window": WINDOW}, {}] if hybrid else []),
            # six ranks on a 2-core machine: NIXL's progress thread spins a core per rank, so the ranks
            # run without it (the adapter's setting, docs/sglang.md); kvplan's loops progress the worker
-           "KVPLAN_ENGINE_SETTINGS": json.dumps({"progress_thread": False} if backend == "nixl" else {})}
+           "KVPLAN_ENGINE_SETTINGS": json.dumps({"progress_thread": False} if backend == "nixl" else {}),
+           # SGLang's aux buffers through kvplan's device mirror, here a host copy (what a GPU's managers do)
+           "KVPLAN_AUX_MIRROR": aux_mirror}
     procs = {}
     for role, tp, dist in (("prefill", prefill_tp, prefill_dist), ("decode", decode_tp, decode_dist)):
         for rank in range(tp):
@@ -83,13 +86,14 @@ def _run_nodes(tmp_path: Path, backend: str, prefill_tp: int, decode_tp: int, hy
 
 
 # (NIXL, a plain model: decode prefix hits), (Mooncake, a hybrid model: a full-attention layer, a
-# sliding-window layer in SGLang's SWA pool, a Mamba layer in its hybrid request pools); both with attention
-# TP 2 on the prefill and 4 on the decode: each prefill rank serves two decode ranks per request, and sends
-# it only once both have published (sessions 22-23 lost a request on decode rank 2 when it went after one)
+# sliding-window layer in SGLang's SWA pool, a Mamba layer in its hybrid request pools, and SGLang's aux
+# buffers through kvplan's mirror, as on a GPU); both with attention TP 2 on the prefill and 4 on the decode:
+# each prefill rank serves two decode ranks per request, and sends it only once both have published
+# (sessions 22-23 lost a request on decode rank 2 when it went after one)
 @pytest.mark.parametrize("backend,hybrid", [("nixl", False), ("mooncake", True)])
 def test_sglang_s_schedulers_move_every_request_and_fail_the_aborted_ones_on_both_sides(tmp_path, backend, hybrid):
     sglang_module("srt.disaggregation.decode")  # skips where SGLang is not installed
-    ranks = _run_nodes(tmp_path, backend, 2, 4, hybrid)
+    ranks = _run_nodes(tmp_path, backend, 2, 4, hybrid, aux_mirror="always" if hybrid else "auto")
     for name, result in ranks.items():
         outcome = result["outcome"]
         assert len(outcome) == 32, name
@@ -104,3 +108,5 @@ def test_sglang_s_schedulers_move_every_request_and_fail_the_aborted_ones_on_bot
             assert len(swept) == 29 and all(isinstance(v, int) for v in swept.values()), f"{name}: {swept}"
             log = (tmp_path / f"{name}.err").read_text()
             assert "Deferred KV release" not in log, f"{name}: a held release timed out instead of being fenced"
+            # (SGLang's decode checks each request's room in its aux row: a row not copied down fails it)
+            assert result["aux_mirror"] == hybrid, f"{name}: the aux mirror is not as the test set it"
