@@ -80,10 +80,11 @@ $(VLLM_STAMP): $(STAMP)
 lint: setup
 	$(VENV)/bin/ruff check kvplan tests benchmarks examples
 
-# the vLLM pass runs beside the others (its tests mostly wait on processes of their own; session 42, two
-# cores: the first pass and it together 7:54, one after the other 8:06-8:30); its output comes last
+# the vLLM pass runs beside the others, with one worker (its tests mostly wait on processes of their own;
+# session 42, two cores: with two workers beside the first pass it ended at 3:06 of the first pass's 7:45,
+# and the whole took 7:54-8:02, against 9:03-9:48 one after the other); its output comes last
 test: setup setup-sglang setup-vllm dist lint
-	@vllm_log=$$(mktemp); $(MAKE) --no-print-directory test-vllm > $$vllm_log 2>&1 & vllm=$$!; \
+	@vllm_log=$$(mktemp); $(MAKE) --no-print-directory test-vllm VLLM_WORKERS=1 > $$vllm_log 2>&1 & vllm=$$!; \
 	trap 'kill $$vllm 2>/dev/null; rm -f $$vllm_log' INT TERM; \
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(WORKERS) --dist worksteal -m "not compile_check and not vllm" \
 	  --benchmark-disable -p no:cacheprovider; first=$$?; \
