@@ -20,11 +20,11 @@ export MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER := 65535
 export MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER := 65535
 export PYTHONUNBUFFERED := 1
 
-# test processes (pytest-xdist): one per core and two more, at most 8. Many tests spend their time
-# waiting on processes of their own (engines, the demo's sides): on two cores the first pass used about
-# one core's time with three workers. Measured on two cores: two workers 5:17-6:26, three 4:40-5:08
-# (session 34: 4:39), four 3:39 and 4:03 (session 34; an earlier count had four at 5:09)
-WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n + 2 > 8 ? 8 : n + 2 )))
+# test processes (pytest-xdist): one per core and one more, at most 8. Many tests spend their time
+# waiting on processes of their own (engines, the demo's sides). Measured on two cores, the first pass
+# alone: two workers 5:17-6:26, three 4:40-5:08, four 3:39-4:03 (session 34, a smaller suite). With the vLLM
+# pass beside it (session 42): four 7:45-7:48 (make test 7:54-8:02), three 7:19 (make test 7:35)
+WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n + 1 > 8 ? 8 : n + 1 )))
 # the vLLM pass: one per core. Each of its workers imports vLLM twice (itself and its fork server), which
 # outweighs what a third or fourth worker overlaps: on two cores 59 s with two, 64 with three, 69-72 with four
 VLLM_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 2 ? 2 : n > 8 ? 8 : n )))
