@@ -105,11 +105,8 @@ class AuxMirror:
         if self.device.type == "cuda":
             packed, at = packed.pin_memory(), at.pin_memory()
         on_device, at = packed.to(self.device, non_blocking=True), at.to(self.device, non_blocking=True)
-        start = 0
-        for i in self.mirrored:
-            width = self._mirror[i].shape[1]
-            self._mirror[i][at] = on_device[:, start : start + width]
-            start += width
+        for i, columns in self._columns():
+            self._mirror[i][at] = on_device[:, columns]
 
     def download(self, rows: Sequence[int], deadline: float) -> None:
         """Copy aux ``rows`` from the mirror into SGLang's buffers, waiting (paced, until ``deadline``) for
@@ -133,8 +130,13 @@ class AuxMirror:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"the copy of aux rows {rows[:8]} to host memory did not end by its deadline")
                 time.sleep(_PACE_S)
-        start = 0
+        for i, columns in self._columns():
+            self._host[i][at] = packed[:, columns]
+
+    def _columns(self) -> list[tuple[int, slice]]:
+        """Each mirrored buffer and its columns in a packed ``[rows, sum of item lengths]`` tensor."""
+        out, start = [], 0
         for i in self.mirrored:
-            width = self._mirror[i].shape[1]
-            self._host[i][at] = packed[:, start : start + width]
-            start += width
+            out.append((i, slice(start, start + self._mirror[i].shape[1])))
+            start += self._mirror[i].shape[1]
+        return out
