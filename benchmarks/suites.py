@@ -331,12 +331,12 @@ def _sglang_backends() -> tuple[Step, ...]:
     # first the aux mirror's CUDA path on its own (SGLang's aux rows in host memory beside device pools); the
     # warm-up then compiles every Triton kernel both adapters use (kvplan's planner and copies, SGLang's
     # allocator) into the cache the last step's processes share: no run pays for compiling
-    return (pytest("aux-mirror", "tests/integrations/test_sglang_aux_mirror.py", "-k", "gpu", timeout_s=90),
+    return (pytest("aux-mirror", "tests/integrations/test_sglang_aux_mirror.py", "-k", "gpu", timeout_s=60),
             Step("warm-up", lambda out: [PY, "-m", "benchmarks.sglang_backends", *shape, "--waves", "1", "--runs",
-                                         "kvplan-nixl,kvplan-ipc,sglang-nixl", "--deadline-s", "90"], 240, env),
+                                         "kvplan-nixl,kvplan-ipc,sglang-nixl", "--deadline-s", "60"], 170, env),
             Step("sglang-backends", lambda out: [PY, "-m", "benchmarks.sglang_backends", *shape, "--waves", "4",
                                                  "--deadline-s", "60", "--json",
-                                                 os.path.join(out, "sglang-backends.json")], 420, env))
+                                                 os.path.join(out, "sglang-backends.json")], 330, env))
 
 
 def _ipc_drills() -> tuple[Step, ...]:

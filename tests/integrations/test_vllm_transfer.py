@@ -188,6 +188,28 @@ def test_a_sliding_window_group_moves_its_window_and_a_request_whose_window_bloc
     assert got["tokens_checked"] == _window_tokens([37, 64, 5])
 
 
+@pytest.mark.parametrize("mode", ["auto", "direct"])
+def test_a_sliding_window_group_of_smaller_padded_blocks_moves_its_window_token_by_token(tmp_path, mode):
+    """vLLM's hybrid manager with attention groups of two block sizes: the sliding-window group's blocks hold
+    4 tokens, each padded to the full group's page of 16 (``page_size_padded``). Its window moves through a
+    token-by-token map, each block whole; every token of both groups is checked."""
+    args = ("--by-token", "--timeout", "20", "--window", str(WINDOW), "--window-block-size", "4",
+            "--lengths", "100", "37", "5")
+    sent, got = run_pair(tmp_path, "nixl", "LBHNC", "LBHNC", *args, prefill_args=(*args, "--mode", mode))
+    assert sent["sent"] == ["p-req-0", "p-req-1", "p-req-2"]
+    assert got["received"] == REQUESTS[:3] and got["failed"] == [] and got["wrong"] == []
+    assert got["tokens_checked"] == _window_tokens([100, 37, 5])
+
+
+def test_a_sliding_window_group_of_padded_blocks_does_not_pair_with_a_decode_of_another_tp_size(tmp_path):
+    """Padded blocks move whole, so a decode whose ranks hold other heads fails every load, named."""
+    args = ("--by-token", "--timeout", "20", "--window", str(WINDOW), "--window-block-size", "4",
+            "--lengths", "37", "5")
+    sent, got = run_group(tmp_path, "nixl", "LBHNC", "LBHNC", args, (*args, "--mode", "direct"), decode_tp=2)
+    for rank in got:
+        assert rank["received"] == rank["failed"] == REQUESTS[:2] and rank["wrong"] == []
+
+
 @pytest.mark.parametrize("mode", ["prepared", "direct"])
 def test_a_sliding_window_group_moves_by_head_to_a_decode_of_a_larger_tp_size(tmp_path, mode):
     args = ("--by-token", "--timeout", "20", "--window", str(WINDOW))

@@ -58,3 +58,30 @@ def test_lists_that_do_not_match_the_groups_are_refused_naming_them():
     assert "1 sliding-window groups" in maps.claim("a", [3], [], prefix=0, num_tokens=4)
     assert "has 2 blocks where the full-attention group has 1" in maps.claim("a", [3], [[1, 2]], prefix=0,
                                                                                num_tokens=4)
+
+
+def test_a_group_of_smaller_blocks_maps_its_window_token_by_token():
+    """vLLM pads a sliding-window group of smaller pages to the full group's: its blocks hold fewer tokens."""
+    maps = WindowMaps((6,), num_blocks=32, block_size=BS, device=torch.device("cpu"), block_sizes=(2,))
+    # 14 tokens: the window (9..13) starts in the window group's block 4 (tokens 8, 9), full block 2 (8..11)
+    assert maps.claim("a", [5, 9, 2, 7], [[0, 0, 0, 0, 20, 21, 22]], prefix=0, num_tokens=14) is None
+    maps.flush()
+    assert _mapped(maps, 2) == [40, 41, 42, 43] and _mapped(maps, 7) == [44, 45, 0, 0]
+    assert _mapped(maps, 9) == [0] * BS
+
+
+def test_a_group_of_larger_blocks_maps_each_full_block_into_its_part_of_a_window_block():
+    maps = WindowMaps((6,), num_blocks=32, block_size=BS, device=torch.device("cpu"), block_sizes=(8,))
+    assert maps.claim("a", [5, 9, 2, 7], [[0, 30]], prefix=0, num_tokens=14) is None
+    maps.flush()
+    assert _mapped(maps, 2) == list(range(240, 244)) and _mapped(maps, 7) == list(range(244, 248))
+    # another request's window block over full block 2 only from its second half: refused, naming both
+    why = maps.claim("b", [1, 2], [[31]], prefix=0, num_tokens=8)
+    assert "full block 2" in why and "'a'" in why and "block 30" in why
+
+
+def test_window_lists_of_other_block_sizes_that_do_not_cover_the_request_or_its_prefix_are_refused():
+    maps = WindowMaps((6,), num_blocks=32, block_size=BS, device=torch.device("cpu"), block_sizes=(8,))
+    assert "not whole blocks of 8" in maps.claim("a", [3], [[1]], prefix=4, num_tokens=4)
+    assert "has 1 blocks of 8 tokens" in maps.claim("a", [3, 4, 5], [[1]], prefix=0, num_tokens=12)
+    assert maps.claim("a", [3, 4, 5], [[1, 2]], prefix=0, num_tokens=12) is None

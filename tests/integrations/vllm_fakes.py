@@ -37,13 +37,18 @@ def full_attention(*groups_of_layers, num_blocks=64, heads=8, head_size=128, dty
 
 
 def hybrid_attention(full_layers, window_layers, window: int, num_blocks=64, heads=8, head_size=128,
-                     dtype=torch.bfloat16, layout=KVCacheLayout.LBHNC, block_size=BLOCK) -> KVCacheConfig:
+                     dtype=torch.bfloat16, layout=KVCacheLayout.LBHNC, block_size=BLOCK,
+                     window_block_size=0) -> KVCacheConfig:
     """A full-attention group and a sliding-window group of ``window`` tokens, overlaid in one backing
     allocation from byte 0 as vLLM 0.33's ``get_kv_cache_config_from_groups`` places layer-outermost groups
-    (a block belongs to one group at a time)."""
+    (a block belongs to one group at a time). With a smaller ``window_block_size`` the sliding-window group's
+    blocks hold fewer tokens, each padded to the full group's page (vLLM's ``page_size_padded``)."""
     full = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=head_size, dtype=dtype)
-    sliding = SlidingWindowSpec(block_size=block_size, num_kv_heads=heads, head_size=head_size, dtype=dtype,
-                                sliding_window=window)
+    window_block_size = window_block_size or block_size
+    assert window_block_size <= block_size, "the fake pads the sliding-window group's pages, never the full group's"
+    sliding = SlidingWindowSpec(block_size=window_block_size, num_kv_heads=heads, head_size=head_size, dtype=dtype,
+                                sliding_window=window,
+                                page_size_padded=full.page_size_bytes if window_block_size < block_size else None)
     groups = [KVCacheGroupSpec(list(full_layers), full), KVCacheGroupSpec(list(window_layers), sliding)]
     page = full.page_size_bytes
     size = page * num_blocks * max(len(full_layers), len(window_layers))

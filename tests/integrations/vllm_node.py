@@ -82,14 +82,15 @@ def tokens_of(cache: torch.Tensor, blocks: list[int], count: int, block: int):
 
 
 def connectors(role: str, extra: dict, num_blocks: int, layout: KVCacheLayout, engine_id: str, block: int,
-               tp_size: int = 1, tp_rank: int = 0, window: int = 0, mamba: bool = False, scratch: int = 0):
+               tp_size: int = 1, tp_rank: int = 0, window: int = 0, mamba: bool = False, scratch: int = 0,
+               window_block: int = 0):
     as_tp_rank(tp_size, tp_rank)
     if mamba:  # a full-attention group and a Mamba group, overlaid as vLLM places them
         kv_cache = mamba_hybrid(LAYERS, MAMBA_LAYERS, num_blocks=num_blocks, heads=HEADS // tp_size,
                                 head_size=HEAD_SIZE, layout=layout, block_size=block, scratch_blocks=scratch)
     elif window:  # a full-attention group and a sliding-window group, overlaid as vLLM places them
         kv_cache = hybrid_attention(LAYERS, WINDOW_LAYERS, window, num_blocks=num_blocks, heads=HEADS // tp_size,
-                                    head_size=HEAD_SIZE, layout=layout, block_size=block)
+                                    head_size=HEAD_SIZE, layout=layout, block_size=block, window_block_size=window_block)
     else:
         kv_cache = full_attention(LAYERS, num_blocks=num_blocks, heads=HEADS // tp_size, head_size=HEAD_SIZE,
                                   layout=layout, block_size=block)
@@ -126,8 +127,9 @@ def prefill(args: argparse.Namespace) -> dict:
              "mode": args.mode}
     scheduler, worker, caches = connectors("prefill", extra, 64, KVCacheLayout[args.layout], "prefill-engine",
                                            args.block_size, args.tp_size, args.tp_rank, args.window, args.mamba,
-                                           args.scratch_blocks)
+                                           args.scratch_blocks, args.window_block_size)
     heads = rank_heads(args.tp_size, args.tp_rank)
+    wbs = args.window_block_size or args.block_size
     rng = random.Random(1)
     free = list(range(1, 64))  # (block 0 is vLLM's null block; the groups draw from one pool)
     rng.shuffle(free)
@@ -140,7 +142,7 @@ def prefill(args: argparse.Namespace) -> dict:
         count = -(-prompt_len // args.block_size)
         groups = [(LAYERS, [free.pop() for _ in range(count)])]
         if args.window:
-            groups.append((WINDOW_LAYERS, [free.pop() for _ in range(count)]))
+            groups.append((WINDOW_LAYERS, [free.pop() for _ in range(-(-prompt_len // wbs))]))
         if args.mamba:  # its state block, then vLLM's speculative scratch blocks
             state_block = free.pop()
             groups.append((MAMBA_LAYERS, [state_block] + [free.pop() for _ in range(args.scratch_blocks)]))
@@ -153,16 +155,17 @@ def prefill(args: argparse.Namespace) -> dict:
             for layer_name in layer_names:
                 layer = int(layer_name.split(".")[2])
                 if args.by_token:
-                    for t, view in tokens_of(caches[layer_name], blocks, prompt_len, args.block_size):
+                    own_size = wbs if layer_names is WINDOW_LAYERS else args.block_size
+                    for t, view in tokens_of(caches[layer_name], blocks, prompt_len, own_size):
                         view.copy_(token_bytes(name, t, layer, view.shape[-1], heads))
                     continue
                 for j, b in enumerate(blocks):
                     caches[layer_name][b].copy_(block_bytes(name, j, layer, tuple(caches[layer_name][b].shape)))
         block_ids = tuple(blocks for _, blocks in groups)
         if args.window:  # vLLM frees the blocks before the window and hands the connector its null block there
-            skipped = max(0, prompt_len - args.window + 1) // args.block_size
+            skipped = max(0, prompt_len - args.window + 1) // wbs
             block_ids[1][:skipped] = [0] * skipped
-            if i == 0 and args.freed_window_block and skipped < count:  # (one freed inside the window)
+            if i == 0 and args.freed_window_block and skipped < len(block_ids[1]):  # (one freed inside the window)
                 block_ids[1][skipped] = 0
         finished.num_computed_tokens, finished.status = prompt_len, RequestStatus.FINISHED_LENGTH_CAPPED
         keep, returned = scheduler.request_finished_all_groups(finished, block_ids)
@@ -197,8 +200,9 @@ def decode(args: argparse.Namespace) -> dict:
     extra = {"host": "127.0.0.1", "port": args.port, "engine": args.engine, "timeout_s": args.timeout}
     scheduler, worker, caches = connectors("decode", extra, 96, KVCacheLayout[args.layout], "decode-engine",
                                            args.block_size, args.tp_size, args.tp_rank, args.window, args.mamba,
-                                           args.scratch_blocks)
+                                           args.scratch_blocks, args.window_block_size)
     heads = rank_heads(args.tp_size, args.tp_rank)
+    wbs = args.window_block_size or args.block_size
     deadline = time.monotonic() + 60
     while not os.path.exists(args.params):
         if time.monotonic() > deadline:
@@ -221,7 +225,7 @@ def decode(args: argparse.Namespace) -> dict:
         count, is_async = scheduler.get_num_new_matched_tokens(r, 0)
         assert is_async and count == prompt_len, (count, is_async)
         blocks = [free.pop() for _ in range(-(-count // args.block_size))]
-        window_blocks = [free.pop() for _ in blocks] if args.window else []  # (vLLM allocates the whole length)
+        window_blocks = [free.pop() for _ in range(-(-count // wbs))] if args.window else []  # (the whole length)
         state_blocks = [free.pop() for _ in range(1 + args.scratch_blocks)] if args.mamba else []
         groups = [blocks] + ([window_blocks] if args.window else []) + ([state_blocks] if args.mamba else [])
         scheduler.update_state_after_alloc(r, Blocks(*groups), count)
@@ -246,7 +250,8 @@ def decode(args: argparse.Namespace) -> dict:
                 count = next(p["remote_num_tokens"] for p in params if p["remote_request_id"] == name)
                 own = blocks if layer_name in LAYERS else window_blocks
                 first = 0 if layer_name in LAYERS else max(0, count - args.window + 1)
-                for t, view in tokens_of(caches[layer_name], own, count, args.block_size):
+                for t, view in tokens_of(caches[layer_name], own, count,
+                                         args.block_size if layer_name in LAYERS else wbs):
                     if t < first:
                         continue
                     tokens_checked += 1
@@ -290,6 +295,8 @@ def run(argv: list[str]) -> dict:
     parser.add_argument("--decode-ranks", type=int, default=1, help="(prefill) the decode ranks it serves")
     parser.add_argument("--by-token", action="store_true", help="fill and check each token (the sides' blocks differ)")
     parser.add_argument("--window", type=int, default=0, help="a sliding-window group of this many tokens too")
+    parser.add_argument("--window-block-size", type=int, default=0,
+                        help="(--window) the sliding-window group's block size, padded to the full group's page")
     parser.add_argument("--mamba", action="store_true", help="a Mamba group too (the prefill leaves the last token)")
     parser.add_argument("--scratch-blocks", type=int, default=0, help="(--mamba) speculative blocks after the state's")
     parser.add_argument("--freed-window-block", action="store_true",

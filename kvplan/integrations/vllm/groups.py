@@ -7,8 +7,10 @@ component: only the blocks of the window the decode's next token attends to move
 through a map from the full group's slots to the group's own (:mod:`.windows`), and any number of Mamba
 groups (``MambaSpec``), each a Mamba state component: a request's state block (the one its running state
 is in; vLLM's speculative scratch blocks after it stay) moves to the decode's, found through a map by
-planning row. Every other kind (chunked local attention, cross attention, encoder-only, ...), a model
-without one full-attention group, and attention groups of different block sizes are refused, naming them.
+planning row. Each attention group keeps its own block size (vLLM gives layers of smaller pages larger or
+padded blocks): a sliding-window group's map is made token by token, so its blocks need not be the full
+group's. Every other kind (chunked local attention, cross attention, encoder-only, ...) and a model without
+one full-attention group are refused, naming them.
 
 Example::
 
@@ -38,12 +40,14 @@ class UnsupportedConfig(KvplanError, ValueError):
 @dataclass(frozen=True)
 class KVGroup:
     """One of vLLM's KV cache groups: its layers, its sliding window in tokens (0: full attention), whether
-    it holds Mamba state, and then how many speculative scratch blocks follow a request's state block."""
+    it holds Mamba state, then how many speculative scratch blocks follow a request's state block, and its
+    block size in tokens (0: the engine's ``--block-size``)."""
 
     layers: tuple[str, ...]
     window: int = 0
     mamba: bool = False
     scratch_blocks: int = 0
+    block_size: int = 0
 
     def state_block(self, blocks: list[int]) -> list[int]:
         """A Mamba group's block list cut to the block that holds the request's running state: the last one
@@ -68,10 +72,11 @@ def transfer_groups(kv_cache_config: Any) -> tuple[KVGroup, ...]:
         spec, kind = group.kv_cache_spec, type(group.kv_cache_spec).__name__
         # (the tokens a sliding window keeps readable, its own included: vLLM's num_retained_tokens + 1)
         window = int(getattr(spec, "sliding_window", None) or 0) + int(getattr(spec, "extra_retained_tokens", 0) or 0)
+        block_size = int(getattr(spec, "block_size", 0) or 0)
         if kind in _FULL_SPECS and not window:
-            out.append(KVGroup(tuple(group.layer_names)))
+            out.append(KVGroup(tuple(group.layer_names), block_size=block_size))
         elif kind in _WINDOW_SPECS and window > 1:
-            out.append(KVGroup(tuple(group.layer_names), window))
+            out.append(KVGroup(tuple(group.layer_names), window, block_size=block_size))
         elif kind in _STATE_SPECS:
             out.append(KVGroup(tuple(group.layer_names), mamba=True,
                                scratch_blocks=int(getattr(spec, "num_speculative_blocks", 0) or 0)))
@@ -84,9 +89,4 @@ def transfer_groups(kv_cache_config: Any) -> tuple[KVGroup, ...]:
     if len(full) != 1:
         raise UnsupportedConfig(f"{len(full)} full-attention KV cache groups: kvplan's vLLM connector moves one "
                                 "(its KV), with any sliding-window and Mamba groups as state (docs/vllm.md)")
-    # (a Mamba group's block size counts tokens per state checkpoint, not per page: it may differ)
-    sizes = {int(g.kv_cache_spec.block_size) for g in groups if type(g.kv_cache_spec).__name__ not in _STATE_SPECS}
-    if len(sizes) > 1:
-        raise UnsupportedConfig(f"KV cache groups of block sizes {sorted(sizes)}: kvplan's vLLM connector maps a "
-                                "sliding-window group's blocks from the full-attention group's, block for block")
     return tuple(out)

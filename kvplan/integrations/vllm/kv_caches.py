@@ -12,7 +12,10 @@ lies and how long it is:
   request's run of blocks is one descriptor for all layers.
 
 A model's sliding-window KV cache groups (:mod:`.groups`) get views of their own over their layers
-(:meth:`BlockView.of_groups`), each a SWA component of the side; vLLM overlays the groups' memory. A
+(:meth:`BlockView.of_groups`), each a SWA component of the side with its own block size; vLLM overlays the
+groups' memory. A group whose pages vLLM padded to the largest (its blocks further apart than their bytes), or
+whose layers hold other heads than the full group's, moves its blocks whole, so its peer must hold them alike
+(its word names them: a peer of another TP or block size does not pair). A
 Mamba group's layers are byte views ``[blocks, 1, states, state bytes]`` whose blocks lie one (padded)
 page apart: each layer is an entry whose item is one block, page padding included, and the group is a
 Mamba component of the side.
@@ -98,21 +101,32 @@ class BlockView:
         if missing:
             raise LayoutError(f"vLLM registered no KV cache for layers {missing[:4]} of its KV cache groups")
         mambas = tuple(_state_entries(kv_caches, g.layers) for g in groups if g.mamba)
-        views = [(g.window, cls.of({n: kv_caches[n] for n in g.layers}, block_size)) for g in groups if not g.mamba]
+        views = [(g.window, cls.of({n: kv_caches[n] for n in g.layers}, g.block_size or block_size))
+                 for g in groups if not g.mamba]
         kv = next(view for window, view in views if not window)
-        windows = tuple((window, view) for window, view in views if window)
-        for window, view in windows:
-            if view.heads != kv.heads or view.heads_outside != kv.heads_outside or view.cross_layer != kv.cross_layer:
+        windows = []
+        for window, view in views:
+            if not window:
+                continue
+            if view.heads and (view.heads != kv.heads or view.heads_outside != kv.heads_outside):
+                # (a group of other heads than the KV's: its blocks move whole, so its word names its heads and a
+                # peer of another TP size does not pair)
+                view = cls.of({n: kv_caches[n] for n in view.layers}, view.block_size, whole=True)
+            if view.cross_layer != kv.cross_layer:
                 raise LayoutError(f"vLLM's sliding-window group of {view.layers[0]} is laid out unlike the "
                                   f"full-attention group ({view.word} against {kv.word})")
+            windows.append((window, view))
+        windows = tuple(windows)
         word = kv.word + "".join(f"/swa{window}:{len(view.entries)}x{view.word}" for window, view in windows)
         word += "".join(f"/mamba:{len(entries)}x{entries[0].item_len}" for entries in mambas)
         return replace(kv, windows=windows, word=word, mambas=mambas)
 
     @classmethod
-    def of(cls, kv_caches: Mapping[str, Any], block_size: int) -> "BlockView":
+    def of(cls, kv_caches: Mapping[str, Any], block_size: int, whole: bool = False) -> "BlockView":
         """The block view of vLLM's per-layer KV tensors (refused, naming the layer, where a block is not
-        one contiguous span or the layers disagree)."""
+        one contiguous span or the layers disagree). A layer's blocks may lie further apart than their bytes
+        (vLLM pads a smaller page to the largest): each block then moves whole, padding included, and its
+        word names its shape, block size and stride. ``whole``: blocks move whole, never by head."""
         if not kv_caches:
             raise LayoutError("vLLM registered no KV cache tensors")
         names = sorted(kv_caches, key=layer_order)
@@ -142,6 +156,10 @@ class BlockView:
         shape = [int(x) for x in first.shape[1:]]
         tokens_dim = _tokens_dim(first, block_size)
         per_layer = strides == set(block_bytes[:1]) and len(set(block_bytes)) == 1  # each layer's blocks in a row
+        # each layer's blocks in a row, each padded to a larger page (the layers' spans apart)
+        spans = sorted(v.data_ptr() for _, v in views)
+        padded = len(strides) == 1 and len(set(block_bytes)) == 1 and min(strides) > block_bytes[0] and all(
+            b - a >= min(strides) * blocks for a, b in zip(spans, spans[1:]))
         # a layer's block of heads and tokens with each token's content innermost is KV by head: the tokens
         # outside the heads (NHD) or the heads outside the tokens (HND). Sides of other TP sizes pair (each rank's
         # heads, docs/tp_state.md), and, with the tokens outside, of other block sizes (kvplan moves units of
@@ -149,7 +167,8 @@ class BlockView:
         # (Among the dimensions of more than one element: a rank of one head gives its heads any stride, and
         # its blocks are the same bytes either way.)
         wide = [d for d in order if first.shape[d] > 1]
-        by_head = per_layer and tokens_dim is not None and bool(wide) and wide[-1] == 3 and tokens_dim in wide
+        by_head = per_layer and not whole and tokens_dim is not None and bool(wide) and wide[-1] == 3 \
+            and tokens_dim in wide
         heads_outside = by_head and wide[0] == 1
         if by_head:
             shape[0] = shape[tokens_dim - 1] = -1
@@ -160,6 +179,10 @@ class BlockView:
             word = f"{base}/per-layer" + ("" if by_head else f"/bs{block_size}")
             return cls(entries, blocks, block_size, tuple(n for n, _ in views), False, word,
                        int(first.shape[1]) if by_head else 0, heads_outside)
+        if padded:
+            stride = min(strides)
+            return cls(tuple(Entry(v.data_ptr(), stride, blocks) for _, v in views), blocks, block_size,
+                       tuple(n for n, _ in views), False, f"{base}/per-layer/bs{block_size}/padded{stride}")
         stride = strides.pop() if len(strides) == 1 else None
         starts = sorted((v.data_ptr(), b) for (_, v), b in zip(views, block_bytes))
         tiled = stride is not None and all(a + b == c for (a, b), (c, _) in zip(starts, starts[1:])) \
@@ -197,6 +220,7 @@ class BlockView:
         if len(state_maps) != len(self.mambas):
             raise LayoutError(f"{len(self.mambas)} Mamba groups, {len(state_maps)} slot maps")
         state = tuple(StateComponent(WINDOW_KIND, view.entries, window=window - 1, slot_map=slot_map,
+                                     page_size=view.block_size if view.block_size != self.block_size else None,
                                      name=f"swa{g}", from_prefix=True)
                       for g, ((window, view), slot_map) in enumerate(zip(self.windows, window_maps)))
         state += tuple(StateComponent(MAMBA_KIND, entries, slot_map=slot_map, name=f"mamba{g}")

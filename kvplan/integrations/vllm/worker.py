@@ -126,6 +126,9 @@ class ConnectorWorker(DecodePairing):
                  max_model_len: int = 1 << 17, sends: bool = True, receives: bool = True,
                  groups: Sequence[KVGroup] = ()):
         self.settings, self.engine_id = settings, engine_id
+        # (the full-attention group's block size plans the KV; the engine's --block-size where vLLM names none)
+        full = next((g for g in groups if not g.window and not g.mamba), None)
+        block_size = (full.block_size if full is not None else 0) or block_size
         self.tp_rank, self.tp_size, self.block_size = tp_rank, tp_size, block_size
         self.width = -(-max_model_len // block_size) * block_size  # planning-table columns (tokens)
         self.sends, self.receives, self.groups = sends, receives, tuple(groups)
@@ -161,11 +164,12 @@ class ConnectorWorker(DecodePairing):
         self.view = BlockView.of_groups(kv_caches, self.groups, self.block_size)
         self.device = next(iter(kv_caches.values())).device
         windows = [window for window, _ in self.view.windows]
+        window_blocks = [view.block_size for _, view in self.view.windows]
         if self.sends:
             self._send_table = torch.zeros((self.settings.max_requests + 1, self.width), dtype=torch.int32,
                                            device=self.device)
             self._send_rows = _Rows(self.settings.max_requests + 1)
-            self._send_maps = WindowMaps(windows, self.view.num_blocks, self.block_size, self.device)
+            self._send_maps = WindowMaps(windows, self.view.num_blocks, self.block_size, self.device, window_blocks)
             self._send_states = StateSlots(len(self.view.mambas), self.settings.max_requests + 1, self.device)
             side = self.view.side(self._send_table, self.tp_size, self.tp_rank, self._send_maps.maps,
                                   self._send_states.maps)
@@ -185,7 +189,7 @@ class ConnectorWorker(DecodePairing):
             self._recv_table = torch.zeros((self.settings.max_requests + 1, self.width), dtype=torch.int32,
                                            device=self.device)
             self._recv_rows = _Rows(self.settings.max_requests + 1)
-            self._recv_maps = WindowMaps(windows, self.view.num_blocks, self.block_size, self.device)
+            self._recv_maps = WindowMaps(windows, self.view.num_blocks, self.block_size, self.device, window_blocks)
             self._recv_states = StateSlots(len(self.view.mambas), self.settings.max_requests + 1, self.device)
 
     def _engine(self, role: str) -> Any:

@@ -4,8 +4,8 @@ place of ``NixlConnector`` (``make test-vllm``; docs/vllm.md lists what runs and
 vLLM's tests build every configuration through ``tests/v1/kv_connector/unit/utils.create_vllm_config``,
 whose connector defaults to ``NixlConnector``: the plugin gives that default to
 ``KvplanConnector`` (``kvplan.integrations.vllm``), and the model to a local copy of
-``facebook/opt-125m``'s configuration (no download). The tests that need what kvplan's connector
-refuses today (attention groups of different block sizes) are expected to fail with that refusal.
+``facebook/opt-125m``'s configuration (no download). Every collected test runs, none is expected to
+fail.
 """
 
 from __future__ import annotations
@@ -23,13 +23,6 @@ OPT_125M = {"architectures": ["OPTForCausalLM"], "model_type": "opt", "vocab_siz
             "word_embed_proj_dim": 768, "do_layer_norm_before": True, "activation_function": "relu",
             "torch_dtype": "float16", "pad_token_id": 1, "bos_token_id": 2, "eos_token_id": 2, "enable_bias": True,
             "layer_norm_elementwise_affine": True}
-
-# vLLM's tests that need what kvplan's connector refuses, and the refusal they end in
-REFUSED = {
-    "test_async_load_reserves_blocks_for_promotion_margin[different-block-sizes]":
-        "KV cache groups of different block sizes are refused",
-}
-
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cpu_test: vLLM's marker of tests that run on a CPU")
@@ -76,15 +69,6 @@ def pytest_runtest_call(item: pytest.Item):
     if _built[0] == 0:
         raise AssertionError(f"{item.name} made no KvplanConnector: it does not test kvplan's connector")
     return result
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    from kvplan.integrations.vllm.groups import UnsupportedConfig
-
-    for item in items:
-        reason = REFUSED.get(item.name) or REFUSED.get(getattr(item, "originalname", ""))
-        if reason is not None:
-            item.add_marker(pytest.mark.xfail(raises=UnsupportedConfig, strict=True, reason=reason))
 
 
 def pytest_report_header(config: pytest.Config) -> str:
