@@ -160,6 +160,35 @@ def test_a_worker_takes_a_full_attention_group_and_a_sliding_window_group_over_t
         connector.shutdown()
 
 
+@pytest.mark.parametrize("window_block, window_heads", [(4, 2), (32, 1)])
+def test_a_sliding_window_group_of_another_block_size_is_a_component_of_its_own_pages_moved_whole(window_block,
+                                                                                               window_heads):
+    """vLLM unifies page bytes: a sliding-window group of 4-token blocks padded to the full group's 16-token page,
+    or of 32-token blocks of half the heads. Either is a SWA component of its own page size whose items are its
+    blocks' strides, moved whole: the layout word names its shape, so a peer of other heads does not pair."""
+    names = ["model.layers.0.attn", "model.layers.2.attn"], ["model.layers.1.attn", "model.layers.3.attn"]
+    kv_cache = hybrid_attention(*names, 48, num_blocks=8, heads=2, head_size=16,
+                                window_block_size=min(window_block, BLOCK))
+    if window_block > BLOCK:  # (the same page bytes: vLLM's unify_kv_cache_spec_page_size)
+        group = kv_cache.kv_cache_groups[1]
+        group.kv_cache_spec = replace(group.kv_cache_spec, block_size=window_block, num_kv_heads=window_heads)
+    page = kv_cache.kv_cache_groups[0].kv_cache_spec.page_size_bytes
+    assert kv_cache.kv_cache_groups[1].kv_cache_spec.page_size_bytes == page
+    connector = KVConnectorFactory.create_connector(vllm_config({"host": "127.0.0.1", "port": free_port()}),
+                                                    KVConnectorRole.WORKER, kv_cache)
+    try:
+        caches = kv_caches(kv_cache, KVCacheLayout.LBHNC)
+        connector.register_kv_caches(caches)
+        side = connector.worker.prefill.side
+        (window,) = side.state
+        assert side.kv.page_size == BLOCK and window.page_size == window_block
+        assert [(e.base_ptr, e.item_len) for e in window.entries] == [(caches[n].data_ptr(), page) for n in names[1]]
+        assert f"/swa48:2xvllm-kv/bfloat16/({window_heads}, {window_block}, 32)/" in connector.worker.view.word
+        assert connector.worker._send_maps.block_sizes == (window_block,)
+    finally:
+        connector.shutdown()
+
+
 def test_a_worker_takes_a_mamba_group_over_the_same_memory_as_a_mamba_component_of_padded_blocks():
     """vLLM hands a Mamba layer as a byte view ``[blocks, 1, 1, state bytes]`` whose blocks lie one attention
     page apart (the state padded to it): each layer is an entry of one page per block, the group a Mamba
