@@ -188,14 +188,13 @@ def test_a_sliding_window_group_moves_its_window_and_a_request_whose_window_bloc
     assert got["tokens_checked"] == _window_tokens([37, 64, 5])
 
 
-@pytest.mark.parametrize("mode", ["auto", "direct"])
-def test_a_sliding_window_group_of_smaller_padded_blocks_moves_its_window_token_by_token(tmp_path, mode):
+def test_a_sliding_window_group_of_smaller_padded_blocks_moves_its_window_token_by_token(tmp_path):
     """vLLM's hybrid manager with attention groups of two block sizes: the sliding-window group's blocks hold
     4 tokens, each padded to the full group's page of 16 (``page_size_padded``). Its window moves through a
     token-by-token map, each block whole; every token of both groups is checked."""
     args = ("--by-token", "--timeout", "20", "--window", str(WINDOW), "--window-block-size", "4",
             "--lengths", "100", "37", "5")
-    sent, got = run_pair(tmp_path, "nixl", "LBHNC", "LBHNC", *args, prefill_args=(*args, "--mode", mode))
+    sent, got = run_pair(tmp_path, "nixl", "LBHNC", "LBHNC", *args, prefill_args=(*args, "--mode", "auto"))
     assert sent["sent"] == ["p-req-0", "p-req-1", "p-req-2"]
     assert got["received"] == REQUESTS[:3] and got["failed"] == [] and got["wrong"] == []
     assert got["tokens_checked"] == _window_tokens([100, 37, 5])
