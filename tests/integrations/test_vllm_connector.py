@@ -10,6 +10,7 @@ vLLM runs here on the CPU (``VLLM_TARGET_DEVICE=cpu``), installed without its de
 (``make setup-vllm``); the module is skipped where it is not installed.
 """
 
+import contextlib
 import os
 import time
 from dataclasses import replace
@@ -134,6 +135,19 @@ def test_kv_caches_whose_blocks_are_not_one_span_are_refused_naming_the_layer():
         BlockView.of(mixed, BLOCK)
 
 
+@contextlib.contextmanager
+def registered_worker(kv_cache):
+    """A worker connector over ``kv_cache`` with vLLM's ``LBHNC`` views of it registered; shut down after."""
+    connector = KVConnectorFactory.create_connector(vllm_config({"host": "127.0.0.1", "port": free_port()}),
+                                                    KVConnectorRole.WORKER, kv_cache)
+    try:
+        caches = kv_caches(kv_cache, KVCacheLayout.LBHNC)
+        connector.register_kv_caches(caches)
+        yield connector, caches
+    finally:
+        connector.shutdown()
+
+
 def test_a_worker_of_a_model_with_several_full_attention_groups_is_refused():
     with pytest.raises(UnsupportedConfig, match="2 full-attention KV cache groups"):
         KVConnectorFactory.create_connector(vllm_config(), KVConnectorRole.WORKER, full_attention(["l0"], ["l1"]))
@@ -145,19 +159,13 @@ def test_a_worker_takes_a_full_attention_group_and_a_sliding_window_group_over_t
     (the tokens vLLM keeps besides the next), from the decode's prefix on."""
     names = ["model.layers.0.attn", "model.layers.2.attn"], ["model.layers.1.attn", "model.layers.3.attn"]
     kv_cache = hybrid_attention(*names, 48, num_blocks=8, heads=2, head_size=16)
-    connector = KVConnectorFactory.create_connector(vllm_config({"host": "127.0.0.1", "port": free_port()}),
-                                                    KVConnectorRole.WORKER, kv_cache)
-    try:
-        caches = kv_caches(kv_cache, KVCacheLayout.LBHNC)
-        connector.register_kv_caches(caches)
+    with registered_worker(kv_cache) as (connector, caches):
         side = connector.worker.prefill.side
         (window,) = side.state
         assert [e.base_ptr for e in side.kv.entries] == [caches[n].data_ptr() for n in names[0]]
         assert [e.base_ptr for e in window.entries] == [caches[n].data_ptr() for n in names[1]]
         assert window.kind.value == "swa" and window.window == 47 and window.from_prefix
         assert connector.get_block_ids_with_load_errors() == set()
-    finally:
-        connector.shutdown()
 
 
 @pytest.mark.parametrize("window_block, window_heads", [(4, 2), (32, 1)])
@@ -174,19 +182,13 @@ def test_a_sliding_window_group_of_another_block_size_is_a_component_of_its_own_
         group.kv_cache_spec = replace(group.kv_cache_spec, block_size=window_block, num_kv_heads=window_heads)
     page = kv_cache.kv_cache_groups[0].kv_cache_spec.page_size_bytes
     assert kv_cache.kv_cache_groups[1].kv_cache_spec.page_size_bytes == page
-    connector = KVConnectorFactory.create_connector(vllm_config({"host": "127.0.0.1", "port": free_port()}),
-                                                    KVConnectorRole.WORKER, kv_cache)
-    try:
-        caches = kv_caches(kv_cache, KVCacheLayout.LBHNC)
-        connector.register_kv_caches(caches)
+    with registered_worker(kv_cache) as (connector, caches):
         side = connector.worker.prefill.side
         (window,) = side.state
         assert side.kv.page_size == BLOCK and window.page_size == window_block
         assert [(e.base_ptr, e.item_len) for e in window.entries] == [(caches[n].data_ptr(), page) for n in names[1]]
         assert f"/swa48:2xvllm-kv/bfloat16/({window_heads}, {window_block}, 32)/" in connector.worker.view.word
         assert connector.worker._send_maps.block_sizes == (window_block,)
-    finally:
-        connector.shutdown()
 
 
 def test_a_worker_takes_a_mamba_group_over_the_same_memory_as_a_mamba_component_of_padded_blocks():
@@ -197,11 +199,7 @@ def test_a_worker_takes_a_mamba_group_over_the_same_memory_as_a_mamba_component_
     names = ["model.layers.0.attn", "model.layers.2.attn"], ["model.layers.1.mixer", "model.layers.3.mixer"]
     kv_cache = mamba_hybrid(*names, num_blocks=8, heads=2, head_size=16)
     page = kv_cache.kv_cache_groups[0].kv_cache_spec.page_size_bytes
-    connector = KVConnectorFactory.create_connector(vllm_config({"host": "127.0.0.1", "port": free_port()}),
-                                                    KVConnectorRole.WORKER, kv_cache)
-    try:
-        caches = kv_caches(kv_cache, KVCacheLayout.LBHNC)
-        connector.register_kv_caches(caches)
+    with registered_worker(kv_cache) as (connector, caches):
         (state,) = connector.worker.prefill.side.state
         assert state.kind.value == "mamba" and state.slot_map is not None
         assert [(e.base_ptr, e.item_len, e.num_items) for e in state.entries] == \
@@ -213,8 +211,6 @@ def test_a_worker_takes_a_mamba_group_over_the_same_memory_as_a_mamba_component_
             worker._admit("d", receive)
         with pytest.raises(KvplanError, match="Mamba state between equal TP sizes"):
             worker._prefill_ranks(replace(receive, remote_tp_size=2))
-    finally:
-        connector.shutdown()
 
 
 @pytest.mark.parametrize("extra, named", [({"port": 0}, "port 0"), ({"port": "17500"}, "port '17500'"),
