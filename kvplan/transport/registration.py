@@ -31,11 +31,17 @@ def describe_side(side: SideMemory) -> dict[str, Any]:
                "tp_rank": kv.tp_rank, "layer_ids": list(kv.layer_ids)},
         "state": [{"kind": c.kind.value, "name": c.name, "entries": _entries(c.entries), "window": c.window,
                    "page_size": c.page_size, "ring_size": c.ring_size,
-                   "shards": [[s.dim, s.outer, list(s.groups)] for s in c.shards], "layers": list(c.layers),
+                   "shards": [[s.dim, s.outer, list(s.groups), s.offset, s.nbytes] for s in c.shards],
+                   "layers": list(c.layers),
                    "from_prefix": c.from_prefix}
                   for c in side.state],
         "aux": _entries(side.aux),
     }
+
+
+def _shard(dim: int, outer: int, groups: list, offset: int = 0, nbytes: int = 0) -> TensorShard:
+    """A tensor shard as a peer describes it (a peer before session 43 names no span: the whole item)."""
+    return TensorShard(int(dim), int(outer), tuple(int(g) for g in groups), int(offset), int(nbytes))
 
 
 def side_from_description(desc: dict[str, Any]) -> SideMemory:
@@ -44,7 +50,7 @@ def side_from_description(desc: dict[str, Any]) -> SideMemory:
                       kv["num_kv_heads"], kv["tp_size"], kv["tp_rank"], tuple(kv.get("layer_ids", ())))
     state = tuple(StateComponent(StateKind(c["kind"]), _from_entries(c["entries"]), c["window"], c["page_size"],
                                  c["ring_size"], None, c["name"],
-                                 tuple(TensorShard(int(d), int(o), tuple(g)) for d, o, g in c.get("shards", ())),
+                                 tuple(_shard(*shard) for shard in c.get("shards", ())),
                                  tuple(c.get("layers", ())), bool(c.get("from_prefix", False)))
                   for c in desc["state"])
     return SideMemory(layout, state, _from_entries(desc["aux"]))

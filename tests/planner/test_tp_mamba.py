@@ -181,3 +181,66 @@ def test_groups_that_do_not_split_into_the_ranks_are_refused():
 def test_a_shard_count_that_differs_from_the_entries_is_refused():
     with pytest.raises(LayoutError, match="1 shards for 2 entries"):
         StateComponent(StateKind.MAMBA, (Entry(0x1000, 8, 4), Entry(0x2000, 8, 4)), shards=(TensorShard(2),))
+
+
+# -- tensors in spans of a padded item (vLLM's Mamba page) ------------------------------------------------
+
+PAD = 8  # bytes after the page's tensors
+
+
+def paged_batch(ts: int, src_rank: int, td: int, dst_rank: int) -> Batch:
+    """:func:`golden_batch`'s request over sides whose first two tensors share one padded item, as vLLM's Mamba
+    page holds a layer's conv and temporal states: two entries over the same memory, each shard naming its
+    tensor's span."""
+    def side(base, tp, rank, table=None, slot_map=None):
+        kv = KVLayout(Attention.MLA, 4, (Entry(base + (1 << 28), 64, 16),), tp_size=tp, tp_rank=rank)
+        (conv, conv_shard), (temporal, temporal_shard) = (t.on(tp) for t in TENSORS[:2])
+        page = conv + temporal + PAD
+        shards = (replace(conv_shard, nbytes=conv), replace(temporal_shard, offset=conv, nbytes=temporal))
+        return SideMemory(kv, (StateComponent(StateKind.MAMBA, (Entry(base, page, 8),) * 2, slot_map=slot_map,
+                                              shards=shards),), req_to_token=table)
+
+    table = np.zeros((2, 8), np.int32)
+    table[1, :4] = np.arange(4, 8)
+    transfer = Transfer("r", 1, 0, 5, 4, True, np.array([2]), dst_state=(np.array([DST_SLOT]),))
+    return Batch(side(SB, ts, src_rank, table, np.array([0, SRC_SLOT])), (side(DB, td, dst_rank),), (transfer,))
+
+
+@pytest.mark.parametrize("ts, src_rank, td, dst_rank", [(4, 1, 4, 1), (4, 1, 8, 3), (8, 5, 4, 2), (1, 0, 2, 1)])
+def test_tensors_in_spans_of_a_padded_item_land_as_the_destination_rank_holds_them_and_never_the_padding(
+        device, ts, src_rank, td, dst_rank):
+    """Each tensor's rank part lands at its span of the destination's page; the padding is never sent (between
+    equal TP sizes too: each span in one descriptor); the device plans what the reference plans."""
+    batch = paged_batch(ts, src_rank, td, dst_rank)
+    rng = np.random.default_rng(5)
+    full = [rng.integers(0, 256, t.outer * t.full_dim * t.unit, dtype=np.uint8) for t in TENSORS[:2]]
+    src_page, dst_page = (c.state[0].entries[0].item_len for c in (batch.src, batch.dsts[0]))
+    src_bytes = np.concatenate([*(rank_part(t, f, ts, src_rank) for t, f in zip(TENSORS, full)),
+                                np.full(PAD, 0xEE, np.uint8)])
+    plan = plan_reference(batch)
+    descs = plan.transfers[0].state[0].descs
+    dst_bytes = np.zeros(dst_page, np.uint8)
+    for src, dst, n in (tuple(map(int, d)) for d in descs):
+        at = src - SB - SRC_SLOT * src_page
+        dst_bytes[dst - DB - DST_SLOT * dst_page : dst - DB - DST_SLOT * dst_page + n] = src_bytes[at : at + n]
+    want = np.concatenate([rank_part(t, f, td, dst_rank) for t, f in zip(TENSORS, full)])
+    sent = sum(int(d[2]) for d in descs)
+    if ts == td:
+        assert len(descs) == 2 and sent == src_page - PAD
+        assert np.array_equal(dst_bytes[: len(want)], want)
+    else:  # (a gather's source writes its own part of each tensor only)
+        written = [k for s, d, n in (tuple(map(int, d)) for d in descs)
+                   for k in range(d - DB - DST_SLOT * dst_page, d - DB - DST_SLOT * dst_page + n)]
+        assert written and max(written) < len(want) and np.array_equal(dst_bytes[written], want[written])
+    pending = eager.plan(batch.to(device))
+    pending.result().assert_equal(plan)
+
+
+def test_a_tensor_span_that_overruns_its_item_is_refused():
+    batch = paged_batch(4, 1, 8, 3)
+    shards = batch.dsts[0].state[0].shards
+    bad = (shards[0], replace(shards[1], nbytes=shards[1].nbytes + PAD + 1))
+    with pytest.raises(LayoutError, match=r"entry 1: the destination's tensor of \d+ bytes at \d+ overruns its item"):
+        plan_reference(_with_shards(batch, batch.src.state[0].shards, bad))
+    with pytest.raises(LayoutError, match="with an offset, nbytes > 0"):
+        TensorShard(4, offset=8)

@@ -249,21 +249,36 @@ class TensorShard:
     ``groups`` are the full (unsharded) sizes of sub-blocks sharded each on its own, in item order
     (GDN's ``conv_state`` is ``query | key | value``); empty means one block of ``dim * tp_size``.
 
+    ``offset`` and ``nbytes`` say where the tensor lies in an item that holds more than it (vLLM's Mamba
+    page: the conv state, then the temporal state, then padding; two entries over the same memory, one per
+    tensor); ``nbytes = 0`` means the whole item. An entry whose shard names a span moves that span only,
+    between equal TP sizes too.
+
     Example: Qwen3-Next's GDN layer on TP 8, ``conv_state [slots, 8192 / 8, 3]`` in bf16 and
     ``temporal_state [slots, 32 / 8, 128, 128]`` in fp32::
 
         conv = TensorShard(dim=1024, groups=(2048, 2048, 4096))
         temporal = TensorShard(dim=4)
+        in_a_page = TensorShard(dim=4, offset=6144, nbytes=262144)   # the temporal state after the conv's
     """
 
     dim: int
     outer: int = 1
     groups: tuple[int, ...] = ()
+    offset: int = 0
+    nbytes: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "groups", tuple(int(g) for g in self.groups))
         if self.dim < 0 or self.outer < 1 or any(g < 1 for g in self.groups):
             raise LayoutError(f"a tensor shard needs dim >= 0, outer >= 1 and positive groups, got {self}")
+        if self.offset < 0 or self.nbytes < 0 or (self.offset and not self.nbytes):
+            raise LayoutError(f"a tensor shard's span needs offset >= 0 and, with an offset, nbytes > 0; got {self}")
+
+    @property
+    def spans(self) -> bool:
+        """Whether the tensor is a span of its item (``nbytes`` given), not the whole item."""
+        return self.nbytes > 0
 
     @property
     def replicated(self) -> bool:

@@ -279,7 +279,8 @@ def _pair_sides(src: SideMemory, dst: SideMemory) -> SidePairing:
             state_heads.append(_component_slice(i, sc, dc, sk, dk, cps_s, cps_d, kind.heads_outside_tokens))
             continue
         state_heads.append(None)
-        if rules.shards_tensors and sk.tp_size != dk.tp_size:  # docs/tp_state.md §4
+        spans = any(shard.spans for shard in (*sc.shards, *dc.shards))  # (tensors in parts of items: moved as such)
+        if rules.shards_tensors and (sk.tp_size != dk.tp_size or spans):  # docs/tp_state.md §4
             state_src[i], state_dst[i], state_bytes[i], state_rows[i] = sliced_entries(
                 f"state component {i} ({sc.name})", sc, dc, sk, dk)
             continue

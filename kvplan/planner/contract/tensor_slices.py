@@ -42,13 +42,32 @@ def tensor_blocks(src_item: int, dst_item: int, src: TensorShard, dst: TensorSha
     rank's item (docs/tp_state.md §4), in item order: outer row by row, group by group.
 
     Raises :class:`LayoutError` when the two shards do not describe one tensor, when the TP sizes do
-    not divide, or when the source rank does not hold the destination rank's part.
+    not divide, or when the source rank does not hold the destination rank's part. A shard that names a
+    span (``offset``, ``nbytes``) is that span of its item; blocks that follow each other on both sides
+    are merged into one.
 
     >>> tensor_blocks(8, 4, TensorShard(4), TensorShard(2), 2, 4, 1, 3)   # 2 bytes per position
     [(4, 0, 4)]
     >>> tensor_blocks(4, 8, TensorShard(2), TensorShard(4), 4, 2, 3, 1)
     [(0, 4, 4)]
     """
+    for side, shard, item in (("source", src, src_item), ("destination", dst, dst_item)):
+        if shard.offset + shard.nbytes > item:
+            raise LayoutError(f"the {side}'s tensor of {shard.nbytes} bytes at {shard.offset} overruns its item of "
+                              f"{item} bytes")
+    blocks = _blocks(src.nbytes or src_item, dst.nbytes or dst_item, src, dst, ts, td, src_rank, dst_rank)
+    merged: list[tuple[int, int, int]] = []
+    for so, do, n in blocks:  # (in item order; blocks that follow each other on both sides are one)
+        if merged and merged[-1][0] + merged[-1][2] == so + src.offset and merged[-1][1] + merged[-1][2] == do + dst.offset:
+            merged[-1] = (merged[-1][0], merged[-1][1], merged[-1][2] + n)
+        else:
+            merged.append((so + src.offset, do + dst.offset, n))
+    return merged
+
+
+def _blocks(src_item: int, dst_item: int, src: TensorShard, dst: TensorShard, ts: int, td: int,
+            src_rank: int, dst_rank: int) -> list[tuple[int, int, int]]:
+    """:func:`tensor_blocks` within the tensors, before their offsets and merging."""
     big, small = max(ts, td), min(ts, td)
     if big % small:
         raise LayoutError(f"one attention-TP size must divide the other to slice state ({ts} and {td})")
