@@ -25,6 +25,7 @@ import torch  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import NixlPushConnectorScheduler  # noqa: E402
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum  # noqa: E402
 from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
@@ -34,7 +35,7 @@ from kvplan.integrations.vllm import KvplanConnector  # noqa: E402
 from kvplan.integrations.vllm.kv_caches import BlockView  # noqa: E402
 from kvplan.integrations.vllm.scheduler import ReceiveRequest, SchedulerStep, UnsupportedConfig  # noqa: E402
 from kvplan.integrations.vllm.worker import FINISHED_GRACE  # noqa: E402
-from kvplan.planner.contract.batch import Attention  # noqa: E402
+from kvplan.planner.contract.batch import Attention, TensorShard  # noqa: E402
 from kvplan.planner.contract.pairing import pair_sides  # noqa: E402
 from tests.ports import free_port  # noqa: E402
 from tests.integrations.vllm_fakes import (BLOCK, ENGINE, Blocks, full_attention, hybrid_attention, kv_caches,  # noqa: E402
@@ -193,9 +194,10 @@ def test_a_sliding_window_group_of_another_block_size_is_a_component_of_its_own_
 
 def test_a_worker_takes_a_mamba_group_over_the_same_memory_as_a_mamba_component_of_padded_blocks():
     """vLLM hands a Mamba layer as a byte view ``[blocks, 1, 1, state bytes]`` whose blocks lie one attention
-    page apart (the state padded to it): each layer is an entry of one page per block, the group a Mamba
-    component found by planning row. A request whose state list is vLLM's null block is refused, named;
-    so is a prefill of another TP size (Mamba state moves between equal TP sizes)."""
+    page apart (the state padded to it): each layer is an entry per tensor over its page (the conv state, then
+    the temporal state), each naming its span and how it is sharded, the group a Mamba component found by
+    planning row. A request whose state list is vLLM's null block is refused, named; a prefill of another TP
+    size is served by the ranks that hold this rank's part."""
     names = ["model.layers.0.attn", "model.layers.2.attn"], ["model.layers.1.mixer", "model.layers.3.mixer"]
     kv_cache = mamba_hybrid(*names, num_blocks=8, heads=2, head_size=16)
     page = kv_cache.kv_cache_groups[0].kv_cache_spec.page_size_bytes
@@ -203,14 +205,27 @@ def test_a_worker_takes_a_mamba_group_over_the_same_memory_as_a_mamba_component_
         (state,) = connector.worker.prefill.side.state
         assert state.kind.value == "mamba" and state.slot_map is not None
         assert [(e.base_ptr, e.item_len, e.num_items) for e in state.entries] == \
-            [(caches[n].data_ptr(), page, 8) for n in names[1]]
-        assert "/mamba:2x" in connector.worker.view.word
+            [(caches[n].data_ptr(), page, 8) for n in names[1] for _ in range(2)]
+        conv = 3 * 32 * 2  # (bf16)
+        assert state.shards == (TensorShard(32, 3, (16, 8, 8), 0, conv), TensorShard(4, 1, (), conv, 4 * 4 * 8 * 4)) * 2
+        assert "/mamba:4xsharded" in connector.worker.view.word
         worker = connector.worker
         receive = ReceiveRequest(([3, 4], [0]), 20, "p", "p-req", "127.0.0.1", free_port(), 1)
         with pytest.raises(KvplanError, match="Mamba group 0 holds no state block"):
             worker._admit("d", receive)
-        with pytest.raises(KvplanError, match="Mamba state between equal TP sizes"):
-            worker._prefill_ranks(replace(receive, remote_tp_size=2))
+        assert worker._prefill_ranks(replace(receive, remote_tp_size=2)) == (0, 1)
+
+
+def test_mamba_state_of_a_kind_whose_sharding_is_unknown_moves_whole_pages_between_equal_tp_sizes_only():
+    names = ["model.layers.0.attn"], ["model.layers.1.mixer"]
+    kv_cache = mamba_hybrid(*names, num_blocks=8, heads=2, head_size=16, mamba_type=MambaAttentionBackendEnum.LINEAR)
+    page = kv_cache.kv_cache_groups[0].kv_cache_spec.page_size_bytes
+    with registered_worker(kv_cache) as (connector, caches):
+        (state,) = connector.worker.prefill.side.state
+        assert [(e.item_len, state.shards) for e in state.entries] == [(page, ())]
+        receive = ReceiveRequest(([3, 4], [5]), 20, "p", "p-req", "127.0.0.1", free_port(), 2)
+        with pytest.raises(KvplanError, match="Mamba state of this kind between equal TP sizes only"):
+            connector.worker._prefill_ranks(receive)
 
 
 @pytest.mark.parametrize("extra, named", [({"port": 0}, "port 0"), ({"port": "17500"}, "port '17500'"),

@@ -230,3 +230,18 @@ def test_a_mamba_group_moves_each_request_s_state_block_and_the_prompt_but_its_l
     assert decode["received"] == REQUESTS and not decode["failed"] and not decode["wrong"], decode
     assert decode["states_checked"] == len(REQUESTS)
     assert prefill["sent"] == ["p-req-0", "p-req-1", "p-req-2", "p-req-3"] and prefill["freed"]
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(1, 2), (2, 1)])
+def test_a_mamba_group_moves_each_rank_s_part_of_the_state_to_a_decode_of_another_tp_size(tmp_path, prefill_tp,
+                                                                                          decode_tp):
+    """Mamba2 state between TP sizes: each decode rank's page ends holding its part of the model's conv state
+    (each of ``x | B | C``) and of its temporal state (its heads), from the prefill rank that holds it
+    (TP 1 -> 2) or from both prefill ranks (TP 2 -> 1, a gather), beside every head of every KV token."""
+    args = ("--mamba", "--by-token", "--timeout", "20", "--lengths", "37", "5")
+    sent, got = run_group(tmp_path, "nixl", "LBHNC", "LBHNC", args, (*args, "--mode", "direct"),
+                          decode_tp=decode_tp, prefill_tp=prefill_tp)
+    assert sent["sent"] == ["p-req-0", "p-req-1"]
+    for rank in got:
+        assert rank["received"] == REQUESTS[:2] and rank["failed"] == [] and rank["wrong"] == [], rank
+        assert rank["states_checked"] == 2

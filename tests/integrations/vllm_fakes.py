@@ -57,19 +57,28 @@ def hybrid_attention(full_layers, window_layers, window: int, num_blocks=64, hea
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
 
 
-# a Mamba2 layer's state per block: its conv state and its temporal (SSM) state
-MAMBA_SHAPES, MAMBA_DTYPES = ((3, 24), (2, 4, 8)), (torch.bfloat16, torch.float32)
+# a Mamba2 layer of the model: a conv state of 3 rows over 16 + 8 + 8 channels (x | B | C), as (state_len, dim),
+# vLLM's default layout, and a temporal (SSM) state of 4 heads of 4 x 8; each TP rank holds 1/tp of both
+MAMBA_CONV, MAMBA_GROUPS, MAMBA_HEADS, MAMBA_DTYPES = (3, 32), (16, 8, 8), (4, 4, 8), (torch.bfloat16, torch.float32)
+
+
+def mamba_shapes(tp_size: int = 1) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A TP rank's shapes of :data:`MAMBA_CONV` and :data:`MAMBA_HEADS` (``MambaSpec.shapes``)."""
+    return (MAMBA_CONV[0], MAMBA_CONV[1] // tp_size), (MAMBA_HEADS[0] // tp_size, *MAMBA_HEADS[1:])
 
 
 def mamba_hybrid(full_layers, mamba_layers, num_blocks=64, heads=8, head_size=128, dtype=torch.bfloat16,
-                 layout=KVCacheLayout.LBHNC, block_size=BLOCK, scratch_blocks=0) -> KVCacheConfig:
+                 layout=KVCacheLayout.LBHNC, block_size=BLOCK, scratch_blocks=0, tp_size=1,
+                 mamba_type=None) -> KVCacheConfig:
     """A full-attention group and a Mamba group, overlaid in one backing allocation from byte 0 as vLLM 0.33
-    places layer-outermost groups: the Mamba state padded to the attention page (a block belongs to one group
-    at a time), ``scratch_blocks`` speculative blocks after each request's state block."""
+    places layer-outermost groups: the Mamba state (a rank's of TP ``tp_size``) padded to the attention page
+    (a block belongs to one group at a time), ``scratch_blocks`` speculative blocks after each request's state
+    block; ``mamba_type``: vLLM's backend of the kind (Mamba2 by default)."""
     full = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=head_size, dtype=dtype)
     page = full.page_size_bytes
-    mamba = MambaSpec(block_size=block_size, shapes=MAMBA_SHAPES, dtypes=MAMBA_DTYPES, page_size_padded=page,
-                      num_speculative_blocks=scratch_blocks)
+    kind = {} if mamba_type is None else {"mamba_type": mamba_type}
+    mamba = MambaSpec(block_size=block_size, shapes=mamba_shapes(tp_size), dtypes=MAMBA_DTYPES, page_size_padded=page,
+                      num_speculative_blocks=scratch_blocks, **kind)
     assert mamba.state_content_size_bytes < page, "the fake's Mamba state must fit one attention page"
     groups = [KVCacheGroupSpec(list(full_layers), full), KVCacheGroupSpec(list(mamba_layers), mamba)]
     size = page * num_blocks * max(len(full_layers), len(mamba_layers))

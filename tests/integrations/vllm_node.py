@@ -26,8 +26,9 @@ import time
 import zlib
 from types import SimpleNamespace
 
-from tests.integrations.vllm_fakes import (BLOCK, Blocks, full_attention, hybrid_attention, kv_caches, mamba_hybrid,
-                                           request, vllm_config)
+from tests.integrations.vllm_fakes import (BLOCK, MAMBA_CONV, MAMBA_DTYPES, MAMBA_GROUPS, MAMBA_HEADS, Blocks,
+                                           full_attention, hybrid_attention, kv_caches, mamba_hybrid, request,
+                                           vllm_config)
 
 import torch  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
@@ -47,10 +48,20 @@ def block_bytes(request_name: str, index: int, layer: int, shape: tuple[int, ...
     return torch.randn(shape, generator=gen).to(torch.bfloat16)
 
 
-def state_bytes(request_name: str, layer: int, shape: tuple[int, ...]) -> torch.Tensor:
-    """The bytes of a request's Mamba state in ``layer`` (a block of vLLM's int8 state view)."""
+def state_bytes(request_name: str, layer: int, tp_size: int = 1, tp_rank: int = 0) -> torch.Tensor:
+    """The bytes of a request's Mamba state in ``layer`` that TP rank ``tp_rank`` of ``tp_size`` holds (int8,
+    as its page holds them): its part of the model's conv state, sub-projection by sub-projection, then of
+    its temporal state, by head (both processes draw the model's whole state alike)."""
     gen = torch.Generator().manual_seed(zlib.crc32(f"{request_name}/state/{layer}".encode()))
-    return torch.randint(-128, 128, shape, generator=gen, dtype=torch.int8)
+    conv = torch.randn(MAMBA_CONV, generator=gen).to(MAMBA_DTYPES[0])  # (rows, channels)
+    temporal = torch.randn(MAMBA_HEADS, generator=gen).to(MAMBA_DTYPES[1])
+    channels, start = [], 0
+    for group in MAMBA_GROUPS:
+        channels += range(start + tp_rank * group // tp_size, start + (tp_rank + 1) * group // tp_size)
+        start += group
+    heads = MAMBA_HEADS[0] // tp_size
+    parts = conv[:, channels].contiguous(), temporal[tp_rank * heads : (tp_rank + 1) * heads].contiguous()
+    return torch.cat([part.view(torch.int8).reshape(-1) for part in parts])
 
 
 def token_bytes(request_name: str, token: int, layer: int, content: int, heads: slice) -> torch.Tensor:
@@ -86,7 +97,7 @@ def connectors(role: str, extra: dict, num_blocks: int, layout: KVCacheLayout, e
                window_block: int = 0):
     as_tp_rank(tp_size, tp_rank)
     if mamba:  # a full-attention group and a Mamba group, overlaid as vLLM places them
-        kv_cache = mamba_hybrid(LAYERS, MAMBA_LAYERS, num_blocks=num_blocks, heads=HEADS // tp_size,
+        kv_cache = mamba_hybrid(LAYERS, MAMBA_LAYERS, num_blocks=num_blocks, heads=HEADS // tp_size, tp_size=tp_size,
                                 head_size=HEAD_SIZE, layout=layout, block_size=block, scratch_blocks=scratch)
     elif window:  # a full-attention group and a sliding-window group, overlaid as vLLM places them
         kv_cache = hybrid_attention(LAYERS, WINDOW_LAYERS, window, num_blocks=num_blocks, heads=HEADS // tp_size,
@@ -148,7 +159,7 @@ def prefill(args: argparse.Namespace) -> dict:
             groups.append((MAMBA_LAYERS, [state_block] + [free.pop() for _ in range(args.scratch_blocks)]))
             for layer_name in MAMBA_LAYERS:
                 view = caches[layer_name][state_block]
-                view.copy_(state_bytes(name, int(layer_name.split(".")[2]), tuple(view.shape)))
+                view.copy_(state_bytes(name, int(layer_name.split(".")[2]), args.tp_size, args.tp_rank).view(view.shape))
         for layer_names, blocks in groups:
             if layer_names is MAMBA_LAYERS:
                 continue
@@ -263,7 +274,8 @@ def decode(args: argparse.Namespace) -> dict:
                     wrong.append([local, j, layer])
         for layer_name in MAMBA_LAYERS if args.mamba else []:  # the state block, every byte of the state
             view = caches[layer_name][states[local][0]]
-            if not torch.equal(view, state_bytes(name, int(layer_name.split(".")[2]), tuple(view.shape))):
+            want = state_bytes(name, int(layer_name.split(".")[2]), args.tp_size, args.tp_rank)
+            if not torch.equal(view, want.view(view.shape)):
                 wrong.append([local, "state", layer_name])
     open(f"{args.params}.done{args.tp_rank}", "w").close()
     worker.shutdown()

@@ -16,8 +16,8 @@ vLLM's connector factory imports this package and builds :class:`KvplanConnector
   blocks vLLM allocated and reports them received once every byte landed (or failed once no write into
   them can land any more); pairing with a prefill runs on a thread of its own, off the step's path.
 
-One full-attention KV cache group is covered, with any sliding-window and Mamba groups over it (Mamba
-state between equal TP sizes; attention groups may differ in block size); multi-token prefill lookahead is
+One full-attention KV cache group is covered, with any sliding-window and Mamba groups over it (attention
+groups may differ in block size); multi-token prefill lookahead is
 refused at construction, naming what is refused (docs/vllm.md says why); so is sleep mode, by vLLM at start
 (``supports_sleep_mode``).
 

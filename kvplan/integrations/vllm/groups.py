@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import KvplanError
+from ...planner.contract.batch import TensorShard
+from .mamba_shards import conv_dim_first, mamba_shards
 
 __all__ = ["KVGroup", "MAMBA_KIND", "UnsupportedConfig", "WINDOW_KIND", "transfer_groups"]
 
@@ -40,14 +42,16 @@ class UnsupportedConfig(KvplanError, ValueError):
 @dataclass(frozen=True)
 class KVGroup:
     """One of vLLM's KV cache groups: its layers, its sliding window in tokens (0: full attention), whether
-    it holds Mamba state, then how many speculative scratch blocks follow a request's state block, and its
-    block size in tokens (0: the engine's ``--block-size``)."""
+    it holds Mamba state, then how many speculative scratch blocks follow a request's state block, its
+    block size in tokens (0: the engine's ``--block-size``) and, for a Mamba group, how each tensor of its
+    page is sharded across TP ranks (empty: unknown; it then moves between equal TP sizes only)."""
 
     layers: tuple[str, ...]
     window: int = 0
     mamba: bool = False
     scratch_blocks: int = 0
     block_size: int = 0
+    shards: tuple[TensorShard, ...] = ()  # a Mamba group's tensors in a page (:mod:`.mamba_shards`), if known
 
     def state_block(self, blocks: list[int]) -> list[int]:
         """A Mamba group's block list cut to the block that holds the request's running state: the last one
@@ -63,9 +67,10 @@ def _named(group: Any) -> str:
     return f"{type(group.kv_cache_spec).__name__} ({', '.join(names[:2])}{', ...' if len(names) > 2 else ''})"
 
 
-def transfer_groups(kv_cache_config: Any) -> tuple[KVGroup, ...]:
+def transfer_groups(kv_cache_config: Any, tp_size: int = 1) -> tuple[KVGroup, ...]:
     """The groups of ``kv_cache_config`` that transfer, in vLLM's order (its ``transfer_groups`` where it
-    names them), or :class:`UnsupportedConfig` naming what is not covered."""
+    names them), for a rank of TP size ``tp_size``, or :class:`UnsupportedConfig` naming what is not
+    covered."""
     groups = list(getattr(kv_cache_config, "transfer_groups", None) or kv_cache_config.kv_cache_groups)
     out, uncovered = [], []
     for group in groups:
@@ -79,7 +84,8 @@ def transfer_groups(kv_cache_config: Any) -> tuple[KVGroup, ...]:
             out.append(KVGroup(tuple(group.layer_names), window, block_size=block_size))
         elif kind in _STATE_SPECS:
             out.append(KVGroup(tuple(group.layer_names), mamba=True,
-                               scratch_blocks=int(getattr(spec, "num_speculative_blocks", 0) or 0)))
+                               scratch_blocks=int(getattr(spec, "num_speculative_blocks", 0) or 0),
+                               shards=mamba_shards(spec, tp_size, conv_dim_first())))
         else:
             uncovered.append(_named(group))
     if uncovered:

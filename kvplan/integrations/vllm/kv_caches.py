@@ -45,7 +45,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
 from ...errors import LayoutError
-from ...planner.contract.batch import Attention, Entry, KVLayout, SideMemory, StateComponent
+from ...planner.contract.batch import Attention, Entry, KVLayout, SideMemory, StateComponent, TensorShard
 from .groups import MAMBA_KIND, WINDOW_KIND, KVGroup
 
 __all__ = ["BlockView", "layer_order"]
@@ -87,7 +87,8 @@ class BlockView:
     heads: int = 0  # this rank's KV heads, where a layer's block holds them by head (else 0: moved whole)
     heads_outside: bool = False  # a block holds each head's tokens in a row (LBHNC), not each token's heads
     windows: tuple[tuple[int, "BlockView"], ...] = ()  # the sliding-window groups: (window in tokens, their view)
-    mambas: tuple[tuple[Entry, ...], ...] = ()  # the Mamba groups: one entry per layer, an item per block
+    mambas: tuple[tuple[Entry, ...], ...] = ()  # the Mamba groups: an entry per layer (and tensor), an item per block
+    mamba_shards: tuple[tuple[TensorShard, ...], ...] = ()  # each Mamba group's entries' shards (or none)
 
     @classmethod
     def of_groups(cls, kv_caches: Mapping[str, Any], groups: Sequence[KVGroup], block_size: int) -> "BlockView":
@@ -100,7 +101,16 @@ class BlockView:
         missing = sorted(n for g in groups for n in g.layers if n not in kv_caches)
         if missing:
             raise LayoutError(f"vLLM registered no KV cache for layers {missing[:4]} of its KV cache groups")
-        mambas = tuple(_state_entries(kv_caches, g.layers) for g in groups if g.mamba)
+        mambas, shards = [], []
+        for g in groups:
+            if g.mamba:
+                entries, tensors = _state_entries(kv_caches, g.layers), g.shards
+                if tensors and max(t.offset + t.nbytes for t in tensors) > entries[0].item_len:
+                    raise LayoutError(f"vLLM's Mamba state of {g.layers[0]} ({sum(t.nbytes for t in tensors)} bytes) "
+                                      f"does not fit its blocks of {entries[0].item_len}")
+                # (with its tensors' shards known, each layer is an entry per tensor over its page)
+                mambas.append(tuple(e for e in entries for _ in tensors) or entries)
+                shards.append(tensors * len(entries))
         views = [(g.window, cls.of({n: kv_caches[n] for n in g.layers}, g.block_size or block_size))
                  for g in groups if not g.mamba]
         kv = next(view for window, view in views if not window)
@@ -118,8 +128,10 @@ class BlockView:
             windows.append((window, view))
         windows = tuple(windows)
         word = kv.word + "".join(f"/swa{window}:{len(view.entries)}x{view.word}" for window, view in windows)
-        word += "".join(f"/mamba:{len(entries)}x{entries[0].item_len}" for entries in mambas)
-        return replace(kv, windows=windows, word=word, mambas=mambas)
+        # (sharded state pairs by its shards, checked by the pairing; else by its blocks' bytes)
+        word += "".join(f"/mamba:{len(entries)}x" + ("sharded" if tensors else str(entries[0].item_len))
+                        for entries, tensors in zip(mambas, shards))
+        return replace(kv, windows=windows, word=word, mambas=tuple(mambas), mamba_shards=tuple(shards))
 
     @classmethod
     def of(cls, kv_caches: Mapping[str, Any], block_size: int, whole: bool = False) -> "BlockView":
@@ -223,8 +235,8 @@ class BlockView:
                                      page_size=view.block_size if view.block_size != self.block_size else None,
                                      name=f"swa{g}", from_prefix=True)
                       for g, ((window, view), slot_map) in enumerate(zip(self.windows, window_maps)))
-        state += tuple(StateComponent(MAMBA_KIND, entries, slot_map=slot_map, name=f"mamba{g}")
-                       for g, (entries, slot_map) in enumerate(zip(self.mambas, state_maps)))
+        state += tuple(StateComponent(MAMBA_KIND, entries, slot_map=slot_map, name=f"mamba{g}", shards=shards)
+                       for g, (entries, shards, slot_map) in enumerate(zip(self.mambas, self.mamba_shards, state_maps)))
         return SideMemory(kv, state, req_to_token=req_to_token)
 
 

@@ -92,7 +92,8 @@ class ConnectorScheduler:
     """The scheduler side (see the module docstring)."""
 
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any, listen: ListenAddress):
-        self.groups = transfer_groups(kv_cache_config)  # (refuses, naming them, the groups it does not cover)
+        # (refuses, naming them, the groups it does not cover)
+        self.groups = transfer_groups(kv_cache_config, int(vllm_config.parallel_config.tensor_parallel_size))
         lookahead = int(getattr(vllm_config, "num_prefill_lookahead_tokens", 1) or 1)
         if lookahead > 1:
             raise UnsupportedConfig(f"a prefill lookahead of {lookahead} tokens (multi-token prediction) is not "

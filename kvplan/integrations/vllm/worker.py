@@ -23,7 +23,8 @@ Both sides lay blocks out alike or do not pair: the endpoints compare :attr:`Blo
 what a head's token holds, the groups), and kvplan's pairing the rest (heads and tokens in order, block and
 TP sizes). A model's sliding-window KV cache groups move as SWA state: each request's window blocks, reached
 through a map from the full-attention group's slots (:mod:`.windows`); its Mamba groups as Mamba state: each
-request's state block, through a map by planning row (:mod:`.state_slots`), between equal TP sizes.
+request's state block, through a map by planning row (:mod:`.state_slots`), each tensor of its page sliced by
+TP rank where kvplan knows the kind's sharding (:mod:`.mamba_shards`), else between equal TP sizes.
 Planning runs on the KV tensors' device (the GPU in a deployment). How a prefill writes is the ``mode`` setting: on GPUs ``auto`` gathers small
 blocks into a staging buffer and writes a few large pieces (``staged``), else one write per run of
 blocks that are neighbours on both sides (``direct``).
@@ -460,9 +461,10 @@ class ConnectorWorker(DecodePairing):
         prefill_tp = self._prefill_tp(receive)
         if prefill_tp == self.tp_size:
             return (self.tp_rank,)
-        if self.mamba_groups:
+        if any(not self.groups[g].shards for g in self.mamba_groups):
             raise KvplanError(f"its prefill runs TP {prefill_tp}, this decode TP {self.tp_size}: kvplan's connector "
-                              "moves Mamba state between equal TP sizes only")
+                              "moves Mamba state of this kind between equal TP sizes only (it knows Mamba1's, "
+                              "Mamba2's and GDN's sharding)")
         if not self.view.slices_heads:
             raise KvplanError(f"its prefill runs TP {prefill_tp}, this decode TP {self.tp_size}: blocks that do not "
                               "hold one layer's heads and tokens (a layout other than LBNHC or LBHNC) move between "
