@@ -32,6 +32,7 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvplan.errors import KvplanError, LayoutError  # noqa: E402
 from kvplan.integrations.vllm import KvplanConnector  # noqa: E402
+from kvplan.integrations.vllm.groups import transfer_groups  # noqa: E402
 from kvplan.integrations.vllm.kv_caches import BlockView  # noqa: E402
 from kvplan.integrations.vllm.scheduler import ReceiveRequest, SchedulerStep, UnsupportedConfig  # noqa: E402
 from kvplan.integrations.vllm.worker import FINISHED_GRACE  # noqa: E402
@@ -190,6 +191,10 @@ def test_a_sliding_window_group_of_another_block_size_is_a_component_of_its_own_
         assert [(e.base_ptr, e.item_len) for e in window.entries] == [(caches[n].data_ptr(), page) for n in names[1]]
         assert f"/swa48:2xvllm-kv/bfloat16/({window_heads}, {window_block}, 32)/" in connector.worker.view.word
         assert connector.worker._send_maps.block_sizes == (window_block,)
+    if window_block < BLOCK:  # a rank of TP 2 holds half the heads: its word differs, so the endpoints never pair
+        half = hybrid_attention(*names, 48, num_blocks=8, heads=1, head_size=16, window_block_size=window_block)
+        view = BlockView.of_groups(kv_caches(half, KVCacheLayout.LBHNC), transfer_groups(half, 2), BLOCK)
+        assert view.word != connector.worker.view.word and view.windows[0][1].entries[0].item_len == page // 2
 
 
 def test_a_worker_takes_a_mamba_group_over_the_same_memory_as_a_mamba_component_of_padded_blocks():

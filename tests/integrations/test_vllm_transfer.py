@@ -200,15 +200,6 @@ def test_a_sliding_window_group_of_smaller_padded_blocks_moves_its_window_token_
     assert got["tokens_checked"] == _window_tokens([100, 37, 5])
 
 
-def test_a_sliding_window_group_of_padded_blocks_does_not_pair_with_a_decode_of_another_tp_size(tmp_path):
-    """Padded blocks move whole, so a decode whose ranks hold other heads fails every load, named."""
-    args = ("--by-token", "--timeout", "20", "--window", str(WINDOW), "--window-block-size", "4",
-            "--lengths", "37", "5")
-    sent, got = run_group(tmp_path, "nixl", "LBHNC", "LBHNC", args, (*args, "--mode", "direct"), decode_tp=2)
-    for rank in got:
-        assert rank["received"] == rank["failed"] == REQUESTS[:2] and rank["wrong"] == []
-
-
 @pytest.mark.parametrize("mode", ["prepared", "direct"])
 def test_a_sliding_window_group_moves_by_head_to_a_decode_of_a_larger_tp_size(tmp_path, mode):
     args = ("--by-token", "--timeout", "20", "--window", str(WINDOW))
