@@ -17,8 +17,10 @@ groups' memory. A group whose pages vLLM padded to the largest (its blocks furth
 whose layers hold other heads than the full group's, moves its blocks whole, so its peer must hold them alike
 (its word names them: a peer of another TP or block size does not pair). A
 Mamba group's layers are byte views ``[blocks, 1, states, state bytes]`` whose blocks lie one (padded)
-page apart: each layer is an entry whose item is one block, page padding included, and the group is a
-Mamba component of the side.
+page apart, and the group is a Mamba component of the side: each layer is an entry per tensor over its
+blocks (the conv state, the temporal state), each naming its span and how it is sharded across TP ranks
+(:mod:`.mamba_shards`), or, for a kind whose sharding kvplan does not know, one entry whose item is the
+block, padding included.
 
 A view whose blocks are not contiguous (the heads outermost, ``LHBNC``) is refused. The side is an
 MLA-like layout (one entry per layer, no K/V split): kvplan copies a block as it is, so both sides
