@@ -2,13 +2,18 @@
 as vLLM 0.33 makes them (a real ``VllmConfig`` needs a model), for the tests and for the prefill and
 decode processes of :mod:`tests.integrations.vllm_node`. Needs vLLM installed (``make setup-vllm``)."""
 
+import importlib.util
+import json
 import os
 from types import SimpleNamespace
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 import torch  # noqa: E402
-from vllm.config import KVTransferConfig  # noqa: E402
+from vllm.config import (AttentionConfig, CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,  # noqa: E402
+                         SchedulerConfig, VllmConfig)
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
+from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
 from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor,  # noqa: E402
                                         MambaSpec, SlidingWindowSpec)
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
@@ -105,6 +110,47 @@ def vllm_config(extra=None, role="kv_both", lookahead=1, engine_id=ENGINE, max_m
         cache_config=SimpleNamespace(block_size=block_size), model_config=SimpleNamespace(max_model_len=max_model_len),
         parallel_config=SimpleNamespace(tensor_parallel_size=tp_size, decode_context_parallel_size=1, data_parallel_index=0,
                                         pipeline_parallel_size=1))
+
+
+def nixl_vllm_config(role: str, engine_id: str, model_dir: str, block_size: int = 32,
+                     dtype: str = "bfloat16") -> VllmConfig:
+    """A real ``VllmConfig`` for vLLM's own ``NixlConnector`` (the baseline the benchmarks compare kvplan's
+    connector with): it reads far more of the configuration than kvplan's does. ``model_dir`` holds the
+    model's ``config.json`` (both sides must name the same path: it enters the connector's compatibility
+    hash). On a CPU vLLM's attention backend wants blocks of a multiple of 32."""
+    from tests.integrations.vllm_suite.kvplan_vllm_plugin import OPT_125M
+
+    config = os.path.join(model_dir, "config.json")
+    if not os.path.exists(config):  # (both sides may write it: the same bytes, each replaced whole)
+        os.makedirs(model_dir, exist_ok=True)
+        with open(f"{config}.{os.getpid()}", "w") as f:
+            json.dump(OPT_125M, f)
+        os.replace(f"{config}.{os.getpid()}", config)
+    model = ModelConfig(model=model_dir, dtype=dtype, seed=42)
+    scheduler = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=model.max_model_len,
+                                is_encoder_decoder=False)
+    cache = CacheConfig(block_size=block_size, cache_dtype="auto")
+    cache.kv_cache_layout = "LBNHC"  # (vLLM resolves the layout before it builds connectors)
+    transfer = KVTransferConfig(kv_connector="NixlConnector", engine_id=engine_id,
+                                kv_role="kv_producer" if role == "prefill" else "kv_consumer")
+    return VllmConfig(model_config=model, scheduler_config=scheduler, cache_config=cache, kv_transfer_config=transfer,
+                      device_config=DeviceConfig("cpu"), attention_config=AttentionConfig())
+
+
+def nixl_as_vllm_imports_it() -> None:
+    """vLLM imports NIXL as ``nixl._api`` (the ``nixl`` meta-package's name); the CUDA 12 wheel this project
+    installs names it ``nixl_cu12``. Alias it, as vLLM itself aliases ROCm's build (``alias_nixl_for_ray``)."""
+    import sys
+
+    if importlib.util.find_spec("nixl") is not None:
+        return
+    for name in ("nixl_cu12", "nixl_cu12._api", "nixl_cu12._bindings"):
+        sys.modules.setdefault(name.replace("nixl_cu12", "nixl", 1), importlib.import_module(name))
+
+
+def kv_blocks(*groups: list[int]) -> KVCacheBlocks:
+    """vLLM's own ``KVCacheBlocks`` of these block ids, group by group (none cached: all unhashed)."""
+    return KVCacheBlocks(tuple([KVCacheBlock(b) for b in group] for group in groups))
 
 
 def request(request_id, prompt_len, params, computed=0, status=RequestStatus.RUNNING) -> SimpleNamespace:

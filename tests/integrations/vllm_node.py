@@ -26,9 +26,9 @@ import time
 import zlib
 from types import SimpleNamespace
 
-from tests.integrations.vllm_fakes import (BLOCK, MAMBA_CONV, MAMBA_DTYPES, MAMBA_GROUPS, MAMBA_HEADS, Blocks,
-                                           full_attention, hybrid_attention, kv_caches, mamba_hybrid, request,
-                                           vllm_config)
+from tests.integrations.vllm_fakes import (BLOCK, MAMBA_CONV, MAMBA_DTYPES, MAMBA_GROUPS, MAMBA_HEADS, full_attention,
+                                           hybrid_attention, kv_blocks, kv_caches, mamba_hybrid,
+                                           nixl_as_vllm_imports_it, nixl_vllm_config, request, vllm_config)
 
 import torch  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
@@ -40,6 +40,14 @@ LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
 WINDOW_LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(3, 6)]  # (a sliding-window group, --window)
 MAMBA_LAYERS = [f"model.layers.{i}.mixer" for i in range(3, 6)]  # (a Mamba group, --mamba)
 HEADS, HEAD_SIZE = 2, 16
+
+
+def use_shape(layers: int, heads: int, head_size: int) -> None:
+    """This process's model: ``layers`` full-attention layers of ``heads`` KV heads of ``head_size`` (a process
+    runs one side: the benchmarks' larger shapes; the tests keep the defaults above)."""
+    global LAYERS, HEADS, HEAD_SIZE
+    LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    HEADS, HEAD_SIZE = heads, head_size
 
 
 def block_bytes(request_name: str, index: int, layer: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -94,7 +102,12 @@ def tokens_of(cache: torch.Tensor, blocks: list[int], count: int, block: int):
 
 def connectors(role: str, extra: dict, num_blocks: int, layout: KVCacheLayout, engine_id: str, block: int,
                tp_size: int = 1, tp_rank: int = 0, window: int = 0, mamba: bool = False, scratch: int = 0,
-               window_block: int = 0):
+               window_block: int = 0, connector: str = "kvplan", model_dir: str = ""):
+    """Both roles' connectors over this side's KV caches, as vLLM's engine core and model runner build them:
+    kvplan's (``extra``: its settings), or vLLM's own ``NixlConnector`` (``connector="nixl"``: its side
+    channel at ``extra``'s host and port)."""
+    if connector == "nixl":
+        return nixl_connectors(role, extra, num_blocks, layout, engine_id, block, model_dir)
     as_tp_rank(tp_size, tp_rank)
     if mamba:  # a full-attention group and a Mamba group, overlaid as vLLM places them
         kv_cache = mamba_hybrid(LAYERS, MAMBA_LAYERS, num_blocks=num_blocks, heads=HEADS // tp_size, tp_size=tp_size,
@@ -113,11 +126,46 @@ def connectors(role: str, extra: dict, num_blocks: int, layout: KVCacheLayout, e
     return scheduler, worker, caches
 
 
+def nixl_connectors(role: str, extra: dict, num_blocks: int, layout: KVCacheLayout, engine_id: str, block: int,
+                    model_dir: str):
+    """vLLM's own ``NixlConnector`` in both roles (TP 1, full attention): the baseline. vLLM's distributed
+    state of one rank, the side channel where ``extra`` says, and the handshake metadata handed from the
+    worker to the scheduler as vLLM's engine core hands it after registration."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+
+    from tests.ports import free_port
+
+    os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"], os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = extra["host"], str(extra["port"])
+    nixl_as_vllm_imports_it()
+    config = nixl_vllm_config(role, engine_id, model_dir, block)
+    kv_cache = full_attention(LAYERS, num_blocks=num_blocks, heads=HEADS, head_size=HEAD_SIZE, layout=layout,
+                              block_size=block)
+    cores = os.sched_getaffinity(0)
+    with set_current_vllm_config(config):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"tcp://{extra['host']}:{free_port()}")
+        ensure_model_parallel_initialized(1, 1)
+        scheduler = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kv_cache)
+        worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache)
+    # on a CPU vLLM's worker pins its process to one core per NUMA node (kept from its model's forward pass);
+    # here there is no forward pass, and kvplan's side keeps every core: so does this one
+    os.sched_setaffinity(0, cores)
+    caches = kv_caches(kv_cache, layout)
+    worker.register_kv_caches(caches)
+    metadata = worker.get_handshake_metadata()
+    if metadata is not None:
+        scheduler.set_xfer_handshake_metadata_pp_aware({(0, 0): metadata})
+    return scheduler, worker, caches
+
+
 STATS: list = []  # this process's connector stats, aggregated step by step as vLLM's logger does
+STEP_S: list[float] = []  # each step's time in the connector's calls (the engine's threads)
 
 
 def step(scheduler, worker, finished: set[str]):
     """One engine step's connector calls, in vLLM's order; what the scheduler heard."""
+    started = time.perf_counter()
     worker.bind_connector_metadata(scheduler.build_connector_meta(SimpleNamespace()))
     worker.start_load_kv(None)
     worker.wait_for_save()
@@ -130,19 +178,39 @@ def step(scheduler, worker, finished: set[str]):
     worker.clear_connector_metadata()
     scheduler.update_connector_output(SimpleNamespace(finished_sending=results.finished_sending,
                                                       finished_recving=results.finished_recving))
+    STEP_S.append(time.perf_counter() - started)
     return results, invalid
+
+
+def pool_size(args: argparse.Namespace, floor: int) -> int:
+    """The blocks of this side's pool: ``floor`` (the tests' draws depend on it), or more where every request
+    of ``--lengths`` needs more (block 0 is vLLM's null block)."""
+    per_request = 1 + (-(-max(args.lengths, default=0) // (args.window_block_size or args.block_size)) if args.window
+                       else 0) + (1 + args.scratch_blocks if args.mamba else 0)
+    return max(floor, 2 + sum(-(-n // args.block_size) + per_request for n in args.lengths))
+
+
+def timing(seconds: list[float]) -> dict:
+    """p50, p99 and max of ``seconds``, in milliseconds."""
+    if not seconds:
+        return {}
+    ordered = sorted(seconds)
+    pick = lambda q: round(1e3 * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)  # noqa: E731
+    return {"p50_ms": pick(0.5), "p99_ms": pick(0.99), "max_ms": round(1e3 * ordered[-1], 3), "count": len(ordered)}
 
 
 def prefill(args: argparse.Namespace) -> dict:
     extra = {"host": "127.0.0.1", "port": args.port, "engine": args.engine, "timeout_s": args.timeout,
              "mode": args.mode}
-    scheduler, worker, caches = connectors("prefill", extra, 64, KVCacheLayout[args.layout], "prefill-engine",
+    num_blocks = pool_size(args, 64)
+    scheduler, worker, caches = connectors("prefill", extra, num_blocks, KVCacheLayout[args.layout], "prefill-engine",
                                            args.block_size, args.tp_size, args.tp_rank, args.window, args.mamba,
-                                           args.scratch_blocks, args.window_block_size)
+                                           args.scratch_blocks, args.window_block_size, args.connector,
+                                           args.params + ".model")
     heads = rank_heads(args.tp_size, args.tp_rank)
     wbs = args.window_block_size or args.block_size
     rng = random.Random(1)
-    free = list(range(1, 64))  # (block 0 is vLLM's null block; the groups draw from one pool)
+    free = list(range(1, num_blocks))  # (block 0 is vLLM's null block; the groups draw from one pool)
     rng.shuffle(free)
     params, names = [], []
     for i, prompt_len in enumerate(args.lengths):
@@ -173,6 +241,8 @@ def prefill(args: argparse.Namespace) -> dict:
                 for j, b in enumerate(blocks):
                     caches[layer_name][b].copy_(block_bytes(name, j, layer, tuple(caches[layer_name][b].shape)))
         block_ids = tuple(blocks for _, blocks in groups)
+        scheduler.get_num_new_matched_tokens(finished, 0)  # (what vLLM's scheduler asks of a new request)
+        scheduler.update_state_after_alloc(finished, kv_blocks(*block_ids), 0)
         if args.window:  # vLLM frees the blocks before the window and hands the connector its null block there
             skipped = max(0, prompt_len - args.window + 1) // wbs
             block_ids[1][:skipped] = [0] * skipped
@@ -204,14 +274,17 @@ def prefill(args: argparse.Namespace) -> dict:
         step(scheduler, worker, set())  # (answers the decode's aborts while it checks)
         time.sleep(0.01)
     worker.shutdown()
-    return {"sent": sorted(sent), "freed": freed, "stats": STATS[0].reduce() if STATS else None}
+    return {"sent": sorted(sent), "freed": freed, "stats": STATS[0].reduce() if STATS else None,
+            "step": timing(STEP_S)}
 
 
 def decode(args: argparse.Namespace) -> dict:
     extra = {"host": "127.0.0.1", "port": args.port, "engine": args.engine, "timeout_s": args.timeout}
-    scheduler, worker, caches = connectors("decode", extra, 96, KVCacheLayout[args.layout], "decode-engine",
+    num_blocks = pool_size(args, 96)
+    scheduler, worker, caches = connectors("decode", extra, num_blocks, KVCacheLayout[args.layout], "decode-engine",
                                            args.block_size, args.tp_size, args.tp_rank, args.window, args.mamba,
-                                           args.scratch_blocks, args.window_block_size)
+                                           args.scratch_blocks, args.window_block_size, args.connector,
+                                           args.params + ".model")
     heads = rank_heads(args.tp_size, args.tp_rank)
     wbs = args.window_block_size or args.block_size
     deadline = time.monotonic() + 60
@@ -224,9 +297,10 @@ def decode(args: argparse.Namespace) -> dict:
     if args.ghost:  # a request its prefill never had: it must be reported failed, never complete
         params.append({**params[0], "remote_request_id": "p-req-ghost"})
     rng = random.Random(2)
-    free = list(range(1, 96))
+    free = list(range(1, num_blocks))
     rng.shuffle(free)
     mine = {}  # local id -> (prefill's name, blocks)
+    admitted = {}  # local id -> when the scheduler handed it to the connector (perf_counter)
     states = {}  # local id -> its Mamba state block ([] without --mamba)
     for i, p in enumerate(params):
         prompt_len = p["remote_num_tokens"]
@@ -239,20 +313,25 @@ def decode(args: argparse.Namespace) -> dict:
         window_blocks = [free.pop() for _ in range(-(-count // wbs))] if args.window else []  # (the whole length)
         state_blocks = [free.pop() for _ in range(1 + args.scratch_blocks)] if args.mamba else []
         groups = [blocks] + ([window_blocks] if args.window else []) + ([state_blocks] if args.mamba else [])
-        scheduler.update_state_after_alloc(r, Blocks(*groups), count)
+        admitted[local] = time.perf_counter()
+        scheduler.update_state_after_alloc(r, kv_blocks(*groups), count)
         mine[local] = (p["remote_request_id"], blocks, window_blocks)
         states[local] = state_blocks[:1]
     received, failed, invalid = set(), set(), set()
+    ready_s = {}  # local id -> seconds from admitted to reported received
     deadline = time.monotonic() + args.timeout + 30
     pairing_after_first_step = None  # whether the first step returned while its handshake still ran
     while received != set(mine) and time.monotonic() < deadline:
         results, bad = step(scheduler, worker, set())
-        if pairing_after_first_step is None:
+        now = time.perf_counter()
+        if pairing_after_first_step is None and args.connector == "kvplan":
             pairing_after_first_step = any(not p.done() for p in worker.worker._pairings.values())
+        ready_s.update((local, now - admitted[local]) for local in results.finished_recving - received)
         received |= results.finished_recving
         failed |= results.failed_recving
         invalid |= bad
         time.sleep(0.002)
+    STEP_S_RECEIVING = list(STEP_S)  # (the steps until every request arrived; checking follows)
     wrong, tokens_checked = [], 0
     for local in sorted(received - failed):
         name, blocks, window_blocks = mine[local]
@@ -285,7 +364,11 @@ def decode(args: argparse.Namespace) -> dict:
             "blocks_checked": sum(len(b) for n, (_, b, _) in mine.items() if n in received - failed),
             "tokens_checked": tokens_checked, "states_checked": sum(len(states[n]) for n in received - failed),
             "pairing_after_first_step": pairing_after_first_step,
-            "stats": STATS[0].reduce() if STATS else None}
+            "stats": STATS[0].reduce() if STATS else None, "step": timing(STEP_S_RECEIVING),
+            "ready": timing([ready_s[n] for n in received - failed]),
+            "wall_s": round(max(ready_s.values(), default=0.0), 4),
+            "bytes": sum(len(b) * sum(caches[name][0].nbytes for name in LAYERS) for n, (_, b, _) in mine.items()
+                         if n in received - failed)}
 
 
 def run(argv: list[str]) -> dict:
@@ -311,9 +394,17 @@ def run(argv: list[str]) -> dict:
                         help="(--window) the sliding-window group's block size, padded to the full group's page")
     parser.add_argument("--mamba", action="store_true", help="a Mamba group too (the prefill leaves the last token)")
     parser.add_argument("--scratch-blocks", type=int, default=0, help="(--mamba) speculative blocks after the state's")
+    parser.add_argument("--connector", choices=("kvplan", "nixl"), default="kvplan",
+                        help="kvplan's connector, or vLLM's own NixlConnector (the baseline; TP 1, full attention)")
+    parser.add_argument("--shape", type=int, nargs=3, metavar=("LAYERS", "HEADS", "HEAD_SIZE"),
+                        help="the model's full-attention layers, KV heads and head size (default 3 2 16)")
     parser.add_argument("--freed-window-block", action="store_true",
                         help="(prefill) its first request's first window block freed: it must fail, never land")
     args = parser.parse_args(argv)
+    if args.shape:
+        if args.window or args.mamba:
+            parser.error("--shape is for full attention only (the other groups' layers follow the default's)")
+        use_shape(*args.shape)
     return prefill(args) if args.role == "prefill" else decode(args)
 
 
