@@ -1,0 +1,126 @@
+"""kvplan's vLLM connector against vLLM's own ``NixlConnector``, on the same requests through the same
+engine calls: what the engine's thread spends per step in the connector, and how fast the requests go.
+
+Each run is one prefill and one decode process of ``tests/integrations/vllm_node.py`` (vLLM 0.33.0's
+connector factory, both roles, KV caches allocated by vLLM's ``allocate_kv_cache``, the engine loop's
+connector calls in vLLM's order; no model), once per connector: kvplan's over NIXL and over Mooncake, and
+vLLM's ``NixlConnector`` (real NIXL; it reads the decode's blocks from the prefill). The prefill fills
+every block with bytes drawn from its request's name; the decode admits every request at once, steps
+until each is reported received, then checks every byte of every block. A run whose requests did not all
+arrive right is reported, not timed. Per run: requests/s and KV bytes/s over the decode's wall time (from
+admitting the requests to the last one reported received), each request's time from admitted to
+received (p50, p99), and each side's step time (every connector call of one engine step).
+
+Both processes run on the CPU: vLLM 0.33.0's compiled extensions are built for torch 2.14 (the cards
+have 2.11), and its CPU platform is the one its Python runs on without them. On a CPU kvplan's planning
+kernels run in Triton's interpreter, synchronously inside the calls that launch them (a card runs them
+on its stream); the step and ready times below include that, and say nothing of kvplan on a card.
+
+Example::
+
+    PYTHONPATH=.vllm-site python -m benchmarks.vllm_backends --requests 32 --json out/vllm-backends.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+
+from tests.ports import free_ports
+
+RUNS = (("kvplan", "nixl"), ("kvplan", "mooncake"), ("vllm", "nixl"))
+
+
+def run_pair(connector: str, engine: str, node_args: list[str], deadline_s: float, mode: str = "") -> dict:
+    """One prefill and one decode process; each one's JSON line, by role (or ``{"error": ...}``)."""
+    prefill_port, decode_port = free_ports(2)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1",
+           "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
+    out: dict = {}
+    with tempfile.TemporaryDirectory(prefix="kvplan-vllm-backends-") as tmp:
+        procs = {}
+        for role, port in (("prefill", prefill_port), ("decode", decode_port)):
+            argv = [sys.executable, "-m", "tests.integrations.vllm_node", role, "--port", str(port), "--params",
+                    os.path.join(tmp, "params.json"), "--connector", "nixl" if connector == "vllm" else "kvplan",
+                    "--engine", engine, "--timeout", str(deadline_s), *node_args]
+            if role == "prefill" and connector == "kvplan" and mode:  # (the sender's setting: how it posts)
+                argv += ["--mode", mode]
+            procs[role] = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        until = time.monotonic() + deadline_s + 90
+        for role, proc in procs.items():
+            try:
+                stdout, stderr = proc.communicate(timeout=max(1.0, until - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                stdout, stderr = proc.communicate(timeout=30)
+            lines = stdout.strip().splitlines()
+            out[role] = json.loads(lines[-1]) if proc.returncode == 0 and lines else {
+                "error": f"exit {proc.returncode}: {stderr[-1500:]}"}
+    return out
+
+
+def row(connector: str, engine: str, got: dict) -> dict:
+    """One run's line of the table; where a side failed or a request did not arrive right, why."""
+    errors = {r: got.get(r, {"error": "no result"}).get("error") for r in ("prefill", "decode")}
+    if any(errors.values()):
+        return {"connector": connector, "engine": engine,
+                "error": "; ".join(f"{r}: {e}" for r, e in errors.items() if e)}
+    decode = got["decode"]
+    ok = len(set(decode["received"]) - set(decode["failed"]))
+    if ok != len(decode["requests"]) or decode["wrong"]:
+        return {"connector": connector, "engine": engine, "error": f"{ok} of {len(decode['requests'])} requests "
+                f"arrived, {len(decode['wrong'])} blocks wrong: {decode['failed'][:5]} {decode['wrong'][:5]}"}
+    wall = decode["wall_s"]
+    return {"connector": connector, "engine": engine, "requests": ok, "decode_s": wall,
+            "requests_per_s": round(ok / wall, 1), "kv_bytes": decode["bytes"],
+            "gib_per_s": round(decode["bytes"] / wall / 2**30, 4), "ready": decode["ready"],
+            "prefill_step": got["prefill"]["step"], "decode_step": decode["step"]}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--tokens", type=int, nargs=2, default=(128, 2048), metavar=("MIN", "MAX"),
+                        help="each request's prompt length, drawn uniformly (seeded)")
+    parser.add_argument("--shape", type=int, nargs=3, default=(8, 8, 128), metavar=("LAYERS", "HEADS", "HEAD_SIZE"))
+    parser.add_argument("--block-size", type=int, default=32, help="(vLLM's CPU attention wants a multiple of 32)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--deadline-s", type=float, default=120.0)
+    parser.add_argument("--runs", default=",".join(f"{c}-{e}" for c, e in RUNS),
+                        help="which of kvplan-nixl, kvplan-mooncake, vllm-nixl")
+    parser.add_argument("--kvplan-mode", default="", help="kvplan's mode on the prefill (default: auto)")
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args(argv)
+    rng = random.Random(44)
+    lengths = [rng.randint(*args.tokens) for _ in range(args.requests)]
+    node_args = ["--layout", "LBNHC", "--block-size", str(args.block_size), "--shape", *map(str, args.shape),
+                 "--lengths", *map(str, lengths)]
+    rows = []
+    for repeat in range(args.repeats):
+        for name in args.runs.split(","):
+            connector, engine = name.split("-")
+            rows.append({"repeat": repeat, **row(connector, engine, run_pair(connector, engine, node_args,
+                                                                             args.deadline_s, args.kvplan_mode))})
+            if args.json:  # after every run: a call cut short keeps the runs it finished
+                with open(args.json, "w") as handle:
+                    json.dump({"lengths": lengths, "node_args": node_args, "kvplan_mode": args.kvplan_mode or "auto",
+                               "rows": rows}, handle, indent=1)
+            r = rows[-1]
+            if "error" in r:
+                print(f"{name:16s} failed: {r['error'][:800]}", flush=True)
+                continue
+            p, d, ready = r["prefill_step"], r["decode_step"], r["ready"]
+            print(f"{name:16s} {r['requests']} ok in {r['decode_s']:.3f} s ({r['requests_per_s']} req/s, "
+                  f"{r['gib_per_s']:.3f} GiB/s); to ready p50 {ready['p50_ms']:.1f} p99 {ready['p99_ms']:.1f} ms; "
+                  f"prefill step p50 {p['p50_ms']:.3f} p99 {p['p99_ms']:.3f} max {p['max_ms']:.1f} ms; "
+                  f"decode step p50 {d['p50_ms']:.3f} p99 {d['p99_ms']:.3f} max {d['max_ms']:.1f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()
