@@ -29,13 +29,9 @@ import argparse
 import glob
 import importlib.metadata as metadata
 import os
-import shutil
-import subprocess
-import sys
-import sysconfig
-import tarfile
 import tempfile
-import zipfile
+
+from benchmarks.site_pack import copy_installed, download, pack, unpack_wheel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SGLANG = "sglang==0.5.23"
@@ -56,44 +52,9 @@ PURE = ("IPython", "traitlets", "annotated_types", "compressed_tensors", "dill",
 SGLANG_UNUSED = ("sglang/multimodal_gen/", "sglang/test/")
 RUST_EXTENSIONS = "sglang/srt/rust_extensions/"
 
-PLATFORMS = ("manylinux_2_34_x86_64", "manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
-
-
-def download(requirements: list[str], into: str) -> None:
-    """cp312 x86-64 wheels of ``requirements`` (no dependencies) into ``into``."""
-    argv = [sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:", "--no-deps", "--python-version",
-            "3.12", "--implementation", "cp", "--abi", "cp312", "--abi", "abi3", "-d", into]
-    for platform in PLATFORMS:
-        argv += ["--platform", platform]
-    subprocess.run(argv + requirements, check=True, timeout=1800)
-
-
-def unpack_wheel(wheel: str, tree: str, sglang: bool = False) -> None:
-    with zipfile.ZipFile(wheel) as z:
-        for name in z.namelist():
-            if sglang and (name.startswith(SGLANG_UNUSED) or (name.startswith(RUST_EXTENSIONS) and ".so" in name)):
-                continue
-            z.extract(name, tree)
-
-
-def copy_installed(import_name: str, tree: str, dists_of: dict[str, list[str]]) -> bool:
-    """The installed package ``import_name`` (source only) and its distributions' metadata into ``tree``;
-    False where it is not installed here."""
-    site = sysconfig.get_paths()["purelib"]
-    for candidate in (os.path.join(site, import_name), os.path.join(site, import_name + ".py")):
-        if os.path.isdir(candidate):
-            shutil.copytree(candidate, os.path.join(tree, import_name), dirs_exist_ok=True,
-                            ignore=shutil.ignore_patterns("__pycache__", "*.so"))
-            break
-        if os.path.isfile(candidate):
-            shutil.copy2(candidate, tree)
-            break
-    else:
-        return False
-    for dist_name in dists_of.get(import_name, []):
-        info = metadata.distribution(dist_name)._path  # the .dist-info folder
-        shutil.copytree(info, os.path.join(tree, os.path.basename(info)), dirs_exist_ok=True)
-    return True
+def sglang_unused(name: str) -> bool:
+    """A file of SGLang's wheel that no scheduler process loads."""
+    return name.startswith(SGLANG_UNUSED) or (name.startswith(RUST_EXTENSIONS) and ".so" in name)
 
 
 def kvplan_metadata(tree: str) -> None:
@@ -119,14 +80,11 @@ def main(argv: list[str] | None = None) -> int:
         for wheel in sorted(glob.glob(os.path.join(wheels, "*.whl"))):
             if "cp312" not in wheel and "abi3" not in wheel:
                 continue
-            unpack_wheel(wheel, tree, sglang=os.path.basename(wheel).startswith("sglang-"))
+            unpack_wheel(wheel, tree, sglang_unused if os.path.basename(wheel).startswith("sglang-") else lambda n: False)
         missing = [name for name in PURE if not copy_installed(name, tree, dists_of)]
         kvplan_metadata(tree)
         archive = os.path.join(args.out, "sglang-site.tar.xz")
-        with tarfile.open(archive, "w:xz", preset=9) as tar:
-            for entry in sorted(os.listdir(tree)):
-                tar.add(os.path.join(tree, entry), arcname=entry)
-    size = os.path.getsize(archive) / 2**20
+        size = pack(tree, archive)
     print(f"{archive}: {size:.1f} MiB" + (f" (not installed here, left out: {', '.join(missing)})" if missing else ""))
     return 0
 

@@ -339,6 +339,16 @@ def _sglang_backends() -> tuple[Step, ...]:
                                                  os.path.join(out, "sglang-backends.json")], 330, env))
 
 
+def _vllm_backends() -> tuple[Step, ...]:
+    # the CPU run's requests (results/2026-12-05-cpu-session44-vllm-backends/) with the KV on the card; the
+    # warm-up compiles kvplan's kernels (planner, copies) into the cache the later processes share
+    card = ("--device", "cuda", "--deadline-s", "60")
+    return (Step("warm-up", lambda out: [PY, "-m", "benchmarks.vllm_backends", *card, "--requests", "4", "--repeats",
+                                         "1"], 200),
+            Step("vllm-backends", lambda out: [PY, "-m", "benchmarks.vllm_backends", *card, "--repeats", "3", "--json",
+                                               os.path.join(out, "vllm-backends.json")], 360))
+
+
 def _ipc_drills() -> tuple[Step, ...]:
     """Issue 55's second call: layer-wise streaming, every preset and the fault drills through ipc."""
     ipc = ("--engine", "ipc", "--mode", "direct")
@@ -428,6 +438,9 @@ SUITES: dict[str, Suite] = {
     "sglang-backends": Suite("kvplan inside SGLang 0.5.23's own scheduler queues against SGLang's own Mooncake and "
                              "NIXL backends, pools on the card (python -m benchmarks.sglang_site makes .whl-sglang)",
                              ".whl-both", _sglang_backends(), site=".whl-sglang/sglang-site.tar.xz"),
+    "vllm-backends": Suite("kvplan's vLLM connector against vLLM 0.33.0's own NixlConnector, the KV on the card "
+                           "(python -m benchmarks.vllm_site makes .whl-vllm)", ".whl-both", _vllm_backends(),
+                           site=".whl-vllm/vllm-site.tar.xz"),
     "two-cards": Suite("NIXL between two cards: the ceiling, demos, layer-wise streaming", ".whl", _two_cards(), 2),
     "last-group": Suite("where a streamed last layer group's time goes, on two cards", ".whl", _last_group(), 2),
     "gather": Suite("TP gather: one prefill process per source rank, the decode on the second card", ".whl",

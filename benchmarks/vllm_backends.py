@@ -11,14 +11,17 @@ arrive right is reported, not timed. Per run: requests/s and KV bytes/s over the
 admitting the requests to the last one reported received), each request's time from admitted to
 received (p50, p99), and each side's step time (every connector call of one engine step).
 
-Both processes run on the CPU: vLLM 0.33.0's compiled extensions are built for torch 2.14 (the cards
-have 2.11), and its CPU platform is the one its Python runs on without them. On a CPU kvplan's planning
-kernels run in Triton's interpreter, synchronously inside the calls that launch them (a card runs them
-on its stream); the step and ready times below include that, and say nothing of kvplan on a card.
+With ``--device cpu`` (the default) the KV is in host memory, vLLM on its CPU platform. There kvplan's
+planning kernels run in Triton's interpreter, synchronously inside the calls that launch them (a card runs
+them on its stream): such numbers say nothing of kvplan on a card. With ``--device cuda`` the KV is on the
+card (both processes on one), vLLM on its CUDA platform without its compiled extensions (built for torch
+2.14; ``benchmarks/vllm_site.py`` packs its Python for the card, suite ``vllm-backends``): no vLLM kernel
+runs in either connector's path, and vLLM's attention backend is Triton's.
 
 Example::
 
     PYTHONPATH=.vllm-site python -m benchmarks.vllm_backends --requests 32 --json out/vllm-backends.json
+    python -m benchmarks.vllm_backends --device cuda --repeats 3     # on a card, the site on PYTHONPATH
 """
 
 from __future__ import annotations
@@ -37,10 +40,11 @@ from tests.ports import free_ports
 RUNS = (("kvplan", "nixl"), ("kvplan", "mooncake"), ("vllm", "nixl"))
 
 
-def run_pair(connector: str, engine: str, node_args: list[str], deadline_s: float, mode: str = "") -> dict:
+def run_pair(connector: str, engine: str, node_args: list[str], deadline_s: float, mode: str = "",
+             device: str = "cpu") -> dict:
     """One prefill and one decode process; each one's JSON line, by role (or ``{"error": ...}``)."""
     prefill_port, decode_port = free_ports(2)
-    env = {**os.environ, "PYTHONWARNINGS": "ignore", "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1",
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "VLLM_TARGET_DEVICE": device, "HF_HUB_OFFLINE": "1",
            "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
     out: dict = {}
     with tempfile.TemporaryDirectory(prefix="kvplan-vllm-backends-") as tmp:
@@ -48,7 +52,7 @@ def run_pair(connector: str, engine: str, node_args: list[str], deadline_s: floa
         for role, port in (("prefill", prefill_port), ("decode", decode_port)):
             argv = [sys.executable, "-m", "tests.integrations.vllm_node", role, "--port", str(port), "--params",
                     os.path.join(tmp, "params.json"), "--connector", "nixl" if connector == "vllm" else "kvplan",
-                    "--engine", engine, "--timeout", str(deadline_s), *node_args]
+                    "--engine", engine, "--timeout", str(deadline_s), "--device", device, *node_args]
             if role == "prefill" and connector == "kvplan" and mode:  # (the sender's setting: how it posts)
                 argv += ["--mode", mode]
             procs[role] = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -94,6 +98,7 @@ def main(argv=None) -> None:
     parser.add_argument("--deadline-s", type=float, default=120.0)
     parser.add_argument("--runs", default=",".join(f"{c}-{e}" for c, e in RUNS),
                         help="which of kvplan-nixl, kvplan-mooncake, vllm-nixl")
+    parser.add_argument("--device", default="cpu", help="where both sides' KV lives: cpu, or cuda")
     parser.add_argument("--kvplan-mode", default="", help="kvplan's mode on the prefill (default: auto)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
@@ -106,10 +111,12 @@ def main(argv=None) -> None:
         for name in args.runs.split(","):
             connector, engine = name.split("-")
             rows.append({"repeat": repeat, **row(connector, engine, run_pair(connector, engine, node_args,
-                                                                             args.deadline_s, args.kvplan_mode))})
+                                                                             args.deadline_s, args.kvplan_mode,
+                                                                             args.device))})
             if args.json:  # after every run: a call cut short keeps the runs it finished
                 with open(args.json, "w") as handle:
-                    json.dump({"lengths": lengths, "node_args": node_args, "kvplan_mode": args.kvplan_mode or "auto",
+                    json.dump({"lengths": lengths, "node_args": node_args, "device": args.device,
+                               "kvplan_mode": args.kvplan_mode or "auto",
                                "rows": rows}, handle, indent=1)
             r = rows[-1]
             if "error" in r:

@@ -9,6 +9,22 @@ from types import SimpleNamespace
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
+
+def _without_vllm_kernels() -> None:
+    """vLLM's CUDA platform imports its kernel library when imported (``vllm._C_stable_libtorch``); the
+    wheel's is built for torch 2.14 and is not carried to the cards (``benchmarks/vllm_site.py``). Nothing
+    here runs a vLLM kernel: where vLLM is there without that library, a stand-in module takes its name."""
+    import sys
+    import types
+
+    spec = importlib.util.find_spec("vllm")  # (finds the package without importing it)
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    if folders and not any(name.startswith("_C_stable_libtorch") for folder in folders for name in os.listdir(folder)):
+        sys.modules.setdefault("vllm._C_stable_libtorch", types.ModuleType("vllm._C_stable_libtorch"))
+
+
+_without_vllm_kernels()
+
 import torch  # noqa: E402
 from vllm.config import (AttentionConfig, CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,  # noqa: E402
                          SchedulerConfig, VllmConfig)
@@ -92,9 +108,9 @@ def mamba_hybrid(full_layers, mamba_layers, num_blocks=64, heads=8, head_size=12
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
 
 
-def kv_caches(kv_cache_config: KVCacheConfig, layout: KVCacheLayout) -> dict[str, torch.Tensor]:
-    """The per-layer KV views vLLM's model runner registers with the connector, on the CPU."""
-    return allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout)
+def kv_caches(kv_cache_config: KVCacheConfig, layout: KVCacheLayout, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """The per-layer KV views vLLM's model runner registers with the connector (on the CPU by default)."""
+    return allocate_kv_cache(kv_cache_config, torch.device(device), layout)
 
 
 def vllm_config(extra=None, role="kv_both", lookahead=1, engine_id=ENGINE, max_model_len=4096,
@@ -112,12 +128,13 @@ def vllm_config(extra=None, role="kv_both", lookahead=1, engine_id=ENGINE, max_m
                                         pipeline_parallel_size=1))
 
 
-def nixl_vllm_config(role: str, engine_id: str, model_dir: str, block_size: int = 32,
-                     dtype: str = "bfloat16") -> VllmConfig:
+def nixl_vllm_config(role: str, engine_id: str, model_dir: str, block_size: int = 32, dtype: str = "bfloat16",
+                     device: str = "cpu") -> VllmConfig:
     """A real ``VllmConfig`` for vLLM's own ``NixlConnector`` (the baseline the benchmarks compare kvplan's
     connector with): it reads far more of the configuration than kvplan's does. ``model_dir`` holds the
     model's ``config.json`` (both sides must name the same path: it enters the connector's compatibility
-    hash). On a CPU vLLM's attention backend wants blocks of a multiple of 32."""
+    hash). On a CPU vLLM's attention backend wants blocks of a multiple of 32. ``device``: where the KV is
+    (NIXL registers it there)."""
     from tests.integrations.vllm_suite.kvplan_vllm_plugin import OPT_125M
 
     config = os.path.join(model_dir, "config.json")
@@ -131,21 +148,27 @@ def nixl_vllm_config(role: str, engine_id: str, model_dir: str, block_size: int 
                                 is_encoder_decoder=False)
     cache = CacheConfig(block_size=block_size, cache_dtype="auto")
     cache.kv_cache_layout = "LBNHC"  # (vLLM resolves the layout before it builds connectors)
-    transfer = KVTransferConfig(kv_connector="NixlConnector", engine_id=engine_id,
+    transfer = KVTransferConfig(kv_connector="NixlConnector", engine_id=engine_id, kv_buffer_device=device,
                                 kv_role="kv_producer" if role == "prefill" else "kv_consumer")
     return VllmConfig(model_config=model, scheduler_config=scheduler, cache_config=cache, kv_transfer_config=transfer,
-                      device_config=DeviceConfig("cpu"), attention_config=AttentionConfig())
+                      device_config=DeviceConfig(device),
+                      # (on a card, Triton's attention backend: the others' kernels are vLLM's compiled ones)
+                      attention_config=AttentionConfig(backend="TRITON_ATTN" if device == "cuda" else None))
 
 
 def nixl_as_vllm_imports_it() -> None:
-    """vLLM imports NIXL as ``nixl._api`` (the ``nixl`` meta-package's name); the CUDA 12 wheel this project
-    installs names it ``nixl_cu12``. Alias it, as vLLM itself aliases ROCm's build (``alias_nixl_for_ray``)."""
+    """vLLM imports NIXL as ``nixl._api`` (the ``nixl`` meta-package's name); the wheels this project installs
+    name it ``nixl_cu12`` (here) or ``nixl_cu13`` (the cards). Alias it, as vLLM itself aliases ROCm's build
+    (``alias_nixl_for_ray``)."""
     import sys
 
     if importlib.util.find_spec("nixl") is not None:
         return
-    for name in ("nixl_cu12", "nixl_cu12._api", "nixl_cu12._bindings"):
-        sys.modules.setdefault(name.replace("nixl_cu12", "nixl", 1), importlib.import_module(name))
+    build = next((b for b in ("nixl_cu13", "nixl_cu12") if importlib.util.find_spec(b) is not None), None)
+    if build is None:
+        return  # (vLLM says NIXL is not available)
+    for name in ("", "._api", "._bindings"):
+        sys.modules.setdefault(f"nixl{name}", importlib.import_module(build + name))
 
 
 def kv_blocks(*groups: list[int]) -> KVCacheBlocks:

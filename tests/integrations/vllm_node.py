@@ -102,12 +102,12 @@ def tokens_of(cache: torch.Tensor, blocks: list[int], count: int, block: int):
 
 def connectors(role: str, extra: dict, num_blocks: int, layout: KVCacheLayout, engine_id: str, block: int,
                tp_size: int = 1, tp_rank: int = 0, window: int = 0, mamba: bool = False, scratch: int = 0,
-               window_block: int = 0, connector: str = "kvplan", model_dir: str = ""):
+               window_block: int = 0, connector: str = "kvplan", model_dir: str = "", device: str = "cpu"):
     """Both roles' connectors over this side's KV caches, as vLLM's engine core and model runner build them:
     kvplan's (``extra``: its settings), or vLLM's own ``NixlConnector`` (``connector="nixl"``: its side
-    channel at ``extra``'s host and port)."""
+    channel at ``extra``'s host and port). The KV lives on ``device``."""
     if connector == "nixl":
-        return nixl_connectors(role, extra, num_blocks, layout, engine_id, block, model_dir)
+        return nixl_connectors(role, extra, num_blocks, layout, engine_id, block, model_dir, device)
     as_tp_rank(tp_size, tp_rank)
     if mamba:  # a full-attention group and a Mamba group, overlaid as vLLM places them
         kv_cache = mamba_hybrid(LAYERS, MAMBA_LAYERS, num_blocks=num_blocks, heads=HEADS // tp_size, tp_size=tp_size,
@@ -121,13 +121,13 @@ def connectors(role: str, extra: dict, num_blocks: int, layout: KVCacheLayout, e
     config = vllm_config(extra, role="kv_both", engine_id=engine_id, block_size=block, tp_size=tp_size)
     scheduler = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER, kv_cache)
     worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache)
-    caches = kv_caches(kv_cache, layout)
+    caches = kv_caches(kv_cache, layout, device)
     worker.register_kv_caches(caches)
     return scheduler, worker, caches
 
 
 def nixl_connectors(role: str, extra: dict, num_blocks: int, layout: KVCacheLayout, engine_id: str, block: int,
-                    model_dir: str):
+                    model_dir: str, device: str = "cpu"):
     """vLLM's own ``NixlConnector`` in both roles (TP 1, full attention): the baseline. vLLM's distributed
     state of one rank, the side channel where ``extra`` says, and the handshake metadata handed from the
     worker to the scheduler as vLLM's engine core hands it after registration."""
@@ -138,7 +138,7 @@ def nixl_connectors(role: str, extra: dict, num_blocks: int, layout: KVCacheLayo
 
     os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"], os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = extra["host"], str(extra["port"])
     nixl_as_vllm_imports_it()
-    config = nixl_vllm_config(role, engine_id, model_dir, block)
+    config = nixl_vllm_config(role, engine_id, model_dir, block, device=device)
     kv_cache = full_attention(LAYERS, num_blocks=num_blocks, heads=HEADS, head_size=HEAD_SIZE, layout=layout,
                               block_size=block)
     cores = os.sched_getaffinity(0)
@@ -151,7 +151,7 @@ def nixl_connectors(role: str, extra: dict, num_blocks: int, layout: KVCacheLayo
     # on a CPU vLLM's worker pins its process to one core per NUMA node (kept from its model's forward pass);
     # here there is no forward pass, and kvplan's side keeps every core: so does this one
     os.sched_setaffinity(0, cores)
-    caches = kv_caches(kv_cache, layout)
+    caches = kv_caches(kv_cache, layout, device)
     worker.register_kv_caches(caches)
     metadata = worker.get_handshake_metadata()
     if metadata is not None:
@@ -206,7 +206,7 @@ def prefill(args: argparse.Namespace) -> dict:
     scheduler, worker, caches = connectors("prefill", extra, num_blocks, KVCacheLayout[args.layout], "prefill-engine",
                                            args.block_size, args.tp_size, args.tp_rank, args.window, args.mamba,
                                            args.scratch_blocks, args.window_block_size, args.connector,
-                                           args.params + ".model")
+                                           args.params + ".model", args.device)
     heads = rank_heads(args.tp_size, args.tp_rank)
     wbs = args.window_block_size or args.block_size
     rng = random.Random(1)
@@ -284,7 +284,7 @@ def decode(args: argparse.Namespace) -> dict:
     scheduler, worker, caches = connectors("decode", extra, num_blocks, KVCacheLayout[args.layout], "decode-engine",
                                            args.block_size, args.tp_size, args.tp_rank, args.window, args.mamba,
                                            args.scratch_blocks, args.window_block_size, args.connector,
-                                           args.params + ".model")
+                                           args.params + ".model", args.device)
     heads = rank_heads(args.tp_size, args.tp_rank)
     wbs = args.window_block_size or args.block_size
     deadline = time.monotonic() + 60
@@ -345,16 +345,16 @@ def decode(args: argparse.Namespace) -> dict:
                     if t < first:
                         continue
                     tokens_checked += 1
-                    if not torch.equal(view, token_bytes(name, t, layer, view.shape[-1], heads)):
+                    if not torch.equal(view.cpu(), token_bytes(name, t, layer, view.shape[-1], heads)):
                         wrong.append([local, t, layer])
                 continue
             for j, b in enumerate(blocks):
-                if not torch.equal(caches[layer_name][b], block_bytes(name, j, layer, tuple(caches[layer_name][b].shape))):
+                if not torch.equal(caches[layer_name][b].cpu(), block_bytes(name, j, layer, tuple(caches[layer_name][b].shape))):
                     wrong.append([local, j, layer])
         for layer_name in MAMBA_LAYERS if args.mamba else []:  # the state block, every byte of the state
             view = caches[layer_name][states[local][0]]
             want = state_bytes(name, int(layer_name.split(".")[2]), args.tp_size, args.tp_rank)
-            if not torch.equal(view, want.view(view.shape)):
+            if not torch.equal(view.cpu(), want.view(view.shape)):
                 wrong.append([local, "state", layer_name])
     open(f"{args.params}.done{args.tp_rank}", "w").close()
     worker.shutdown()
@@ -396,6 +396,7 @@ def run(argv: list[str]) -> dict:
     parser.add_argument("--scratch-blocks", type=int, default=0, help="(--mamba) speculative blocks after the state's")
     parser.add_argument("--connector", choices=("kvplan", "nixl"), default="kvplan",
                         help="kvplan's connector, or vLLM's own NixlConnector (the baseline; TP 1, full attention)")
+    parser.add_argument("--device", default="cpu", help="where the KV lives: cpu, or cuda (the benchmarks on a card)")
     parser.add_argument("--shape", type=int, nargs=3, metavar=("LAYERS", "HEADS", "HEAD_SIZE"),
                         help="the model's full-attention layers, KV heads and head size (default 3 2 16)")
     parser.add_argument("--freed-window-block", action="store_true",
