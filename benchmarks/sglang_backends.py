@@ -28,11 +28,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 
+from benchmarks.sides import run_sides
 from tests.ports import free_ports
 
 RUNS = (("kvplan", "mooncake"), ("sglang", "mooncake"), ("kvplan", "nixl"), ("sglang", "nixl"), ("kvplan", "ipc"))
@@ -52,25 +51,13 @@ def run_pair(adapter: str, backend: str, waves: int, deadline_s: float, shape: l
         env["KVPLAN_MODE"] = mode
     if backend == "ipc":  # SGLang's backend setting names NIXL; kvplan's engine setting overrides it
         env["KVPLAN_ENGINE"], backend = "ipc", "nixl"
-    out: dict = {}
     with tempfile.TemporaryDirectory(prefix="kvplan-sglang-backends-") as tmp:
-        procs = {}
+        commands = {}
         for role, dist in (("prefill", prefill_dist), ("decode", decode_dist)):
-            argv = [sys.executable, "-m", "tests.integrations.sglang_scheduler_node", role, "--backend", backend,
-                    "--bootstrap-port", str(bootstrap), "--dist-port", str(dist), "--waves", str(waves),
-                    "--aborts", "0", "--deadline-s", str(deadline_s), "--done-dir", tmp, *shape]
-            procs[role] = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        until = time.monotonic() + deadline_s + 60
-        for role, proc in procs.items():
-            try:
-                stdout, stderr = proc.communicate(timeout=max(1.0, until - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                stdout, stderr = proc.communicate(timeout=30)
-            lines = stdout.strip().splitlines()
-            out[role] = json.loads(lines[-1]) if proc.returncode == 0 and lines else {
-                "error": f"exit {proc.returncode}: {stderr[-1500:]}"}
-    return out
+            commands[role] = [sys.executable, "-m", "tests.integrations.sglang_scheduler_node", role, "--backend",
+                              backend, "--bootstrap-port", str(bootstrap), "--dist-port", str(dist), "--waves",
+                              str(waves), "--aborts", "0", "--deadline-s", str(deadline_s), "--done-dir", tmp, *shape]
+        return run_sides(commands, env, deadline_s + 60)
 
 
 def row(adapter: str, backend: str, got: dict) -> dict:

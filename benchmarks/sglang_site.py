@@ -26,12 +26,11 @@ Example::
 from __future__ import annotations
 
 import argparse
-import glob
 import importlib.metadata as metadata
 import os
 import tempfile
 
-from benchmarks.site_pack import copy_installed, download, pack, unpack_wheel
+from benchmarks.site_pack import copy_installed, download, pack, unpack_wheels
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SGLANG = "sglang==0.5.23"
@@ -77,15 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     download(wanted, wheels)
     dists_of = metadata.packages_distributions()
     with tempfile.TemporaryDirectory() as tree:
-        for wheel in sorted(glob.glob(os.path.join(wheels, "*.whl"))):
-            if "cp312" not in wheel and "abi3" not in wheel:
-                continue
-            unpack_wheel(wheel, tree, sglang_unused if os.path.basename(wheel).startswith("sglang-") else lambda n: False)
+        unpack_wheels(wheels, tree, lambda wheel: sglang_unused if wheel.startswith("sglang-") else lambda name: False)
         missing = [name for name in PURE if not copy_installed(name, tree, dists_of)]
         kvplan_metadata(tree)
-        archive = os.path.join(args.out, "sglang-site.tar.xz")
-        size = pack(tree, archive)
-    print(f"{archive}: {size:.1f} MiB" + (f" (not installed here, left out: {', '.join(missing)})" if missing else ""))
+        pack(tree, os.path.join(args.out, "sglang-site.tar.xz"), missing)
     return 0
 
 

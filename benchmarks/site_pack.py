@@ -5,6 +5,7 @@ network (the device's KINDS.md lists what it has); :mod:`benchmarks.sglang_site`
 
 from __future__ import annotations
 
+import glob
 import importlib.metadata as metadata
 import os
 import shutil
@@ -35,6 +36,14 @@ def unpack_wheel(wheel: str, tree: str, skip: Callable[[str], bool] = lambda nam
                 z.extract(name, tree)
 
 
+def unpack_wheels(folder: str, tree: str, skip_of: Callable[[str], Callable[[str], bool]] = lambda wheel: (
+        lambda name: False)) -> None:
+    """Every cp312, abi3 or pure wheel in ``folder`` into ``tree``, less the files ``skip_of(wheel)`` names."""
+    for wheel in sorted(glob.glob(os.path.join(folder, "*.whl"))):
+        if "cp312" in wheel or "abi3" in wheel or "py3-none" in wheel:
+            unpack_wheel(wheel, tree, skip_of(os.path.basename(wheel)))
+
+
 def copy_installed(import_name: str, tree: str, dists_of: dict[str, list[str]]) -> bool:
     """The package ``import_name`` installed here (source only, no compiled module) and its distributions'
     metadata into ``tree``; False where it is not installed here."""
@@ -55,9 +64,10 @@ def copy_installed(import_name: str, tree: str, dists_of: dict[str, list[str]]) 
     return True
 
 
-def pack(tree: str, archive: str) -> float:
-    """Everything in ``tree`` into ``archive`` (xz); its size in MiB."""
+def pack(tree: str, archive: str, missing: list[str]) -> None:
+    """Everything in ``tree`` into ``archive`` (xz); says its size, and what was ``missing`` here."""
     with tarfile.open(archive, "w:xz", preset=9) as tar:
         for entry in sorted(os.listdir(tree)):
             tar.add(os.path.join(tree, entry), arcname=entry)
-    return os.path.getsize(archive) / 2**20
+    size = os.path.getsize(archive) / 2**20
+    print(f"{archive}: {size:.1f} MiB" + (f" (not installed here, left out: {', '.join(missing)})" if missing else ""))

@@ -30,11 +30,10 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
-import time
 
+from benchmarks.sides import run_sides
 from tests.ports import free_ports
 
 RUNS = (("kvplan", "nixl"), ("kvplan", "mooncake"), ("vllm", "nixl"))
@@ -46,27 +45,16 @@ def run_pair(connector: str, engine: str, node_args: list[str], deadline_s: floa
     prefill_port, decode_port = free_ports(2)
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "VLLM_TARGET_DEVICE": device, "HF_HUB_OFFLINE": "1",
            "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
-    out: dict = {}
     with tempfile.TemporaryDirectory(prefix="kvplan-vllm-backends-") as tmp:
-        procs = {}
+        commands = {}
         for role, port in (("prefill", prefill_port), ("decode", decode_port)):
-            argv = [sys.executable, "-m", "tests.integrations.vllm_node", role, "--port", str(port), "--params",
-                    os.path.join(tmp, "params.json"), "--connector", "nixl" if connector == "vllm" else "kvplan",
-                    "--engine", engine, "--timeout", str(deadline_s), "--device", device, *node_args]
+            commands[role] = [sys.executable, "-m", "tests.integrations.vllm_node", role, "--port", str(port),
+                              "--params", os.path.join(tmp, "params.json"), "--connector",
+                              "nixl" if connector == "vllm" else "kvplan", "--engine", engine, "--timeout",
+                              str(deadline_s), "--device", device, *node_args]
             if role == "prefill" and connector == "kvplan" and mode:  # (the sender's setting: how it posts)
-                argv += ["--mode", mode]
-            procs[role] = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        until = time.monotonic() + deadline_s + 90
-        for role, proc in procs.items():
-            try:
-                stdout, stderr = proc.communicate(timeout=max(1.0, until - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                stdout, stderr = proc.communicate(timeout=30)
-            lines = stdout.strip().splitlines()
-            out[role] = json.loads(lines[-1]) if proc.returncode == 0 and lines else {
-                "error": f"exit {proc.returncode}: {stderr[-1500:]}"}
-    return out
+                commands[role] += ["--mode", mode]
+        return run_sides(commands, env, deadline_s + 90)
 
 
 def row(connector: str, engine: str, got: dict) -> dict:

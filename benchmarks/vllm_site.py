@@ -33,7 +33,7 @@ import os
 import shutil
 import tempfile
 
-from benchmarks.site_pack import copy_installed, download, pack, unpack_wheel
+from benchmarks.site_pack import copy_installed, download, pack, unpack_wheels
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VLLM_SITE = os.path.join(ROOT, ".vllm-site")
@@ -82,13 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tree:
         for name in FROM_VLLM_SITE:
             copy_vllm_site(name, tree)
-        for wheel in sorted(glob.glob(os.path.join(wheels, "*.whl"))):
-            if "cp312" in wheel or "abi3" in wheel or "py3-none" in wheel:
-                unpack_wheel(wheel, tree)
+        unpack_wheels(wheels, tree)
         missing = [name for name in PURE if not copy_installed(name, tree, dists_of)]
-        archive = os.path.join(args.out, "vllm-site.tar.xz")
-        size = pack(tree, archive)
-    print(f"{archive}: {size:.1f} MiB" + (f" (not installed here, left out: {', '.join(missing)})" if missing else ""))
+        pack(tree, os.path.join(args.out, "vllm-site.tar.xz"), missing)
     return 0
 
 
