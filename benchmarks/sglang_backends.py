@@ -31,7 +31,7 @@ import os
 import sys
 import tempfile
 
-from benchmarks.sides import run_sides
+from benchmarks.sides import print_row, run_sides
 from tests.ports import free_ports
 
 RUNS = (("kvplan", "mooncake"), ("sglang", "mooncake"), ("kvplan", "nixl"), ("sglang", "nixl"), ("kvplan", "ipc"))
@@ -99,16 +99,7 @@ def main(argv=None) -> None:
         if args.json:  # after every run: a call cut short keeps the runs it finished
             with open(args.json, "w") as handle:
                 json.dump({"waves": args.waves, "shape": shape, "rows": rows}, handle, indent=1)
-        r = rows[-1]
-        if "error" in r:
-            print(f"{name:16s} failed: {r['error'][:800]}", flush=True)
-            continue
-        p, d, ready = r["prefill_step"], r["decode_step"], r["ready"]
-        print(f"{name:16s} {r['ok']}/{r['requests']} ok in {r['decode_s']:.2f} s ({r['requests_per_s']} req/s, "
-              f"{r['gib_per_s']:.3f} GiB/s); to decode-ready p50 {ready['p50_ms']:.1f} p99 {ready['p99_ms']:.1f} ms; "
-              f"prefill step p50 {p['p50_ms']:.3f} p99 {p['p99_ms']:.3f} max {p['max_ms']:.1f} ms; "
-              f"decode step p50 {d['p50_ms']:.3f} p99 {d['p99_ms']:.3f} max {d['max_ms']:.1f} ms", flush=True)
-
+        print_row(name, rows[-1])
 
 if __name__ == "__main__":
     main()

@@ -30,3 +30,16 @@ def run_sides(commands: dict[str, list[str]], env: dict[str, str], wait_s: float
         out[role] = json.loads(lines[-1]) if proc.returncode == 0 and lines else {
             "error": f"exit {proc.returncode}: {stderr[-1500:]}"}
     return out
+
+
+def print_row(name: str, row: dict) -> None:
+    """One run's line (a row with ``ok``, ``requests``, ``decode_s``, ``requests_per_s``, ``gib_per_s``, ``ready``
+    and each side's ``*_step`` timings), or why it failed."""
+    if "error" in row:
+        print(f"{name:16s} failed: {row['error'][:800]}", flush=True)
+        return
+    p, d, ready = row["prefill_step"], row["decode_step"], row["ready"]
+    print(f"{name:16s} {row['ok']}/{row['requests']} ok in {row['decode_s']:.3f} s ({row['requests_per_s']} req/s, "
+          f"{row['gib_per_s']:.3f} GiB/s); to ready p50 {ready['p50_ms']:.1f} p99 {ready['p99_ms']:.1f} ms; "
+          f"prefill step p50 {p['p50_ms']:.3f} p99 {p['p99_ms']:.3f} max {p['max_ms']:.1f} ms; "
+          f"decode step p50 {d['p50_ms']:.3f} p99 {d['p99_ms']:.3f} max {d['max_ms']:.1f} ms", flush=True)

@@ -33,7 +33,7 @@ import random
 import sys
 import tempfile
 
-from benchmarks.sides import run_sides
+from benchmarks.sides import print_row, run_sides
 from tests.ports import free_ports
 
 RUNS = (("kvplan", "nixl"), ("kvplan", "mooncake"), ("vllm", "nixl"))
@@ -69,7 +69,7 @@ def row(connector: str, engine: str, got: dict) -> dict:
         return {"connector": connector, "engine": engine, "error": f"{ok} of {len(decode['requests'])} requests "
                 f"arrived, {len(decode['wrong'])} blocks wrong: {decode['failed'][:5]} {decode['wrong'][:5]}"}
     wall = decode["wall_s"]
-    return {"connector": connector, "engine": engine, "requests": ok, "decode_s": wall,
+    return {"connector": connector, "engine": engine, "requests": ok, "ok": ok, "decode_s": wall,
             "requests_per_s": round(ok / wall, 1), "kv_bytes": decode["bytes"],
             "gib_per_s": round(decode["bytes"] / wall / 2**30, 4), "ready": decode["ready"],
             "prefill_step": got["prefill"]["step"], "decode_step": decode["step"]}
@@ -106,16 +106,7 @@ def main(argv=None) -> None:
                     json.dump({"lengths": lengths, "node_args": node_args, "device": args.device,
                                "kvplan_mode": args.kvplan_mode or "auto",
                                "rows": rows}, handle, indent=1)
-            r = rows[-1]
-            if "error" in r:
-                print(f"{name:16s} failed: {r['error'][:800]}", flush=True)
-                continue
-            p, d, ready = r["prefill_step"], r["decode_step"], r["ready"]
-            print(f"{name:16s} {r['requests']} ok in {r['decode_s']:.3f} s ({r['requests_per_s']} req/s, "
-                  f"{r['gib_per_s']:.3f} GiB/s); to ready p50 {ready['p50_ms']:.1f} p99 {ready['p99_ms']:.1f} ms; "
-                  f"prefill step p50 {p['p50_ms']:.3f} p99 {p['p99_ms']:.3f} max {p['max_ms']:.1f} ms; "
-                  f"decode step p50 {d['p50_ms']:.3f} p99 {d['p99_ms']:.3f} max {d['max_ms']:.1f} ms", flush=True)
-
+            print_row(name, rows[-1])
 
 if __name__ == "__main__":
     main()
