@@ -327,7 +327,10 @@ def _sglang_backends() -> tuple[Step, ...]:
     # a Llama-3.1-8B-shaped KV (32 layers, 8 KV heads of 128) in SGLang's pools on the card; Mooncake over TCP
     # (SGLang's default transport is RDMA, which two processes on one card do not need)
     shape = ("--device", "cuda", "--layers", "32", "--heads", "8", "--head-dim", "128")
-    env = {"MOONCAKE_PROTOCOL": "tcp"}
+    # SGLang's radix tree in its Python core: the Rust core reads tensors through tvm-ffi's DLPack, which under
+    # the cards' torch 2.11 took the decode's int64 page indices for ComplexHalf and stopped every decode (both
+    # backends alike; an H100, session 44). Both backends share the tree, so the comparison keeps its terms
+    env = {"MOONCAKE_PROTOCOL": "tcp", "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python"}
     # first the aux mirror's CUDA path on its own (SGLang's aux rows in host memory beside device pools); the
     # warm-up then compiles every Triton kernel both adapters use (kvplan's planner and copies, SGLang's
     # allocator) into the cache the last step's processes share: no run pays for compiling
