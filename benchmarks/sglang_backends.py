@@ -65,8 +65,9 @@ def row(adapter: str, backend: str, got: dict) -> dict:
     side's per-step time; where a side failed, every failing side's error, each named."""
     errors = {r: got.get(r, {"error": "no result"}).get("error") for r in ("prefill", "decode")}
     if any(errors.values()):
-        return {"adapter": adapter, "backend": backend,
-                "error": "; ".join(f"{r}: {e}" for r, e in errors.items() if e)}
+        return {"adapter": adapter, "backend": backend,  # (what the other side saw too)
+                "error": "; ".join(f"{r}: {e}" for r, e in errors.items() if e),
+                "sides": {r: got.get(r) for r in ("prefill", "decode") if not errors[r]}}
     decode = got["decode"]
     outcome = decode["outcome"]
     ok = sum(v == "ok" for v in outcome.values())

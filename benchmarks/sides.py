@@ -4,6 +4,7 @@ end), each waited for under one deadline and killed by its own handle past it.""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import time
 
@@ -16,6 +17,7 @@ def run_sides(commands: dict[str, list[str]], env: dict[str, str], wait_s: float
 
         got = run_sides({"prefill": [...], "decode": [...]}, dict(os.environ), 120)
     """
+    env = {**env, "PYTHONFAULTHANDLER": "1"}  # (a side stopped past the deadline prints where each thread was)
     procs = {role: subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for role, argv in commands.items()}
     until = time.monotonic() + wait_s
@@ -24,11 +26,15 @@ def run_sides(commands: dict[str, list[str]], env: dict[str, str], wait_s: float
         try:
             stdout, stderr = proc.communicate(timeout=max(1.0, until - time.monotonic()))
         except subprocess.TimeoutExpired:
-            proc.kill()
-            stdout, stderr = proc.communicate(timeout=30)
+            proc.send_signal(signal.SIGABRT)  # (faulthandler's stacks), then killed if that did not end it
+            try:
+                stdout, stderr = proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                stdout, stderr = proc.communicate(timeout=30)
         lines = stdout.strip().splitlines()
         out[role] = json.loads(lines[-1]) if proc.returncode == 0 and lines else {
-            "error": f"exit {proc.returncode}: {stderr[-1500:]}"}
+            "error": f"exit {proc.returncode}: {stderr[-4000:]}"}
     return out
 
 

@@ -624,3 +624,6 @@ def run_child(argv: list[str], out_path: str, err_path: str) -> None:
 
 if __name__ == "__main__":
     main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # SGLang's NIXL transfer workers are not daemon threads: leave without waiting for them
