@@ -331,7 +331,7 @@ def decode(args: argparse.Namespace) -> dict:
         failed |= results.failed_recving
         invalid |= bad
         time.sleep(0.002)
-    STEP_S_RECEIVING = list(STEP_S)  # (the steps until every request arrived; checking follows)
+    receiving_steps = list(STEP_S)  # (the steps until every request arrived; checking follows)
     wrong, tokens_checked = [], 0
     for local in sorted(received - failed):
         name, blocks, window_blocks = mine[local]
@@ -364,7 +364,7 @@ def decode(args: argparse.Namespace) -> dict:
             "blocks_checked": sum(len(b) for n, (_, b, _) in mine.items() if n in received - failed),
             "tokens_checked": tokens_checked, "states_checked": sum(len(states[n]) for n in received - failed),
             "pairing_after_first_step": pairing_after_first_step,
-            "stats": STATS[0].reduce() if STATS else None, "step": timing(STEP_S_RECEIVING),
+            "stats": STATS[0].reduce() if STATS else None, "step": timing(receiving_steps),
             "ready": timing([ready_s[n] for n in received - failed]),
             "wall_s": round(max(ready_s.values(), default=0.0), 4),
             "bytes": sum(len(b) * sum(caches[name][0].nbytes for name in LAYERS) for n, (_, b, _) in mine.items()
