@@ -8,7 +8,8 @@ in each wheel, the bundled shared libraries that nothing kept links (``ldd`` fro
 What stays loads as published: the same files, byte for byte.
 
 ``python -m benchmarks.trim_wheels`` reads ``.whl/`` and ``.whl-mc/`` and writes ``.whl-both/`` (git-ignored),
-about 28 MB with pyzmq's wheel; ``python -m benchmarks engines-two-cards`` carries it.
+about 28 MB with pyzmq's wheel; ``python -m benchmarks engines-two-cards`` carries it. With ``--fetch`` it
+first downloads the cards' wheels into those folders (:data:`CARD_WHEELS`: the cards run CUDA 13).
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ import tempfile
 import zipfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+#: The engines' cp312 wheels for the cards (CUDA 13), by engine: what ``--fetch`` downloads (pyzmq beside NIXL).
+CARD_WHEELS = {"nixl": ("nixl-cu13==1.5.1", "pyzmq==27.3.0"), "mooncake": ("mooncake-transfer-engine-cuda13==0.3.14",)}
 
 #: What kvplan never loads, per wheel (glob patterns on the paths inside it).
 UNUSED = {
@@ -79,7 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nixl", default=os.path.join(ROOT, ".whl"), help="folder of NIXL's and pyzmq's wheels")
     parser.add_argument("--mooncake", default=os.path.join(ROOT, ".whl-mc"), help="folder of Mooncake's wheel")
     parser.add_argument("--out", default=os.path.join(ROOT, ".whl-both"))
+    parser.add_argument("--fetch", action="store_true", help="download the cards' wheels into --nixl and --mooncake first")
     args = parser.parse_args(argv)
+    if args.fetch:
+        from benchmarks.site_pack import download
+
+        for engine, wanted in CARD_WHEELS.items():
+            download(list(wanted), getattr(args, engine))
     os.makedirs(args.out, exist_ok=True)
     for old in glob.glob(os.path.join(args.out, "*.whl")):
         os.remove(old)
