@@ -117,6 +117,11 @@ DEFAULT_CONTEXT = 1 << 17  # planning-table width without a context_length serve
 _FROM_PREFIX_KINDS = frozenset(kind.value for kind, rules in RULES.items() if rules.starts_at_prefix)
 HANDSHAKE_S = 5.0  # how long a new decode manager may take to register once it has its channel
 RETRY_S = 0.2  # between two tries of a bootstrap server that is not up yet
+# SGLang polls every request of its queues in each scheduler step, while the manager's work (channels, ended
+# batches, the step's sends as one batch) is the step's: a poll advances it only where nothing else did in
+# the last ADVANCE_S and nothing was handed over since (one H100, session 44: the prefill's step spent 0.35 ms
+# at the median advancing it once per poll, against 0.06 ms in SGLang's own backends)
+ADVANCE_S = 0.0005
 
 
 def _planning_device() -> torch.device:
@@ -237,6 +242,7 @@ class KVManager(PrefillManager, DecodeManager, BaseKVManager):
         self.status: dict[int, int] = {}
         self.failures: dict[int, str] = {}
         self.broken: str | None = None  # why this manager can send nothing (a refused pairing)
+        self._advanced_at, self._handed = float("-inf"), False  # (advance: when a poll last ran progress)
         self.listener: ChannelListener | None = None
         self.ranks: DecodeRanks | None = None  # the SGLang decode ranks served (kvplan_protocol "sglang")
         if disaggregation_mode is DisaggregationMode.PREFILL:
@@ -426,6 +432,16 @@ class KVManager(PrefillManager, DecodeManager, BaseKVManager):
     def paired(self) -> bool:
         return self.prefill is not None and any(p.side is not None for p in self.prefill.peers)
 
+    def advance(self) -> bool:
+        """:meth:`progress` for a poll, unless a poll ran it less than :data:`ADVANCE_S` ago and nothing was
+        handed over since (``send``); whether it ran. What it would take in waits at most that long."""
+        now = time.monotonic()
+        if not self._handed and now - self._advanced_at < ADVANCE_S:
+            return False
+        self._advanced_at, self._handed = now, False
+        self.progress()
+        return True
+
     def progress(self) -> None:
         """Take in new decode managers, registrations and destination lists (prefill), or
         notifications (decode). A decode side that cannot pair is refused; while no decode side is
@@ -542,10 +558,10 @@ class KVSender(BaseKVSender):
         mgr = self.mgr
         if self.room in mgr.status:
             return self._concluding(mgr.status[self.room])
-        mgr.progress()
+        advanced = mgr.advance()
         if mgr.broken is not None:
             mgr._settle(self.room, KVPoll.Failed, mgr.broken)
-        else:
+        elif advanced:
             mgr.flush()
         if self.room in mgr.status:
             return self._concluding(mgr.status[self.room])

@@ -52,12 +52,14 @@ class PrefillManager:
     def enqueue(self, sender: Sender, pages: np.ndarray, state: tuple[np.ndarray, ...] | None,
                 tokens: int) -> None:
         self._pending.append((sender, pages, state, tokens))
+        self._handed = True  # (the next poll flushes it)
 
     def enqueue_copying(self, sender: Sender, host_ids: Any, event: Any, state: tuple[np.ndarray, ...] | None,
                         tokens: int) -> None:
         """A send whose page ids are still being copied off the GPU (``event`` marks the copy's end): it
         joins the pending step once the event has passed (:meth:`_take_copied`)."""
         self._copying.append((sender, host_ids, event, state, tokens))
+        self._handed = True
 
     def _take_copied(self) -> None:
         """Move the sends whose ids have landed on the host into the pending step, in the order they came;

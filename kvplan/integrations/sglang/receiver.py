@@ -93,7 +93,7 @@ class KVReceiver(BaseKVReceiver):
         mgr = self.mgr
         if self.room in mgr.status:
             return mgr.status[self.room]
-        mgr.progress()
+        mgr.advance()
         if self.prefill_dp_rank is None or not self._pairing():
             return mgr.status.get(self.room, KVPoll.Bootstrapping)
         if self._lists is not None:
