@@ -322,3 +322,32 @@ def test_two_requests_of_one_request_pool_row_in_a_step_fail_and_nothing_is_sent
     assert concluded(one, base.KVPoll) == base.KVPoll.Failed and concluded(two, base.KVPoll) == base.KVPoll.Failed
     assert "request-pool row 2, as another request's in this step" in mgr.failures[4]
     assert mgr.posted == []
+
+
+def test_a_step_s_polls_advance_the_manager_once_and_a_send_makes_the_next_poll_advance_it(monkeypatch):
+    """SGLang polls every request of its queues in each step; the manager's work (``progress``, the step's
+    batch) is the step's: the first poll does it and the step's other polls do not, a ``send`` since makes
+    the next poll do it (its chunk goes into a batch at once), and with no interval every poll does."""
+    base = sglang_module("srt.disaggregation.base.conn")
+    from kvplan.integrations.sglang import adapter
+
+    kv, aux = sglang_sides.pools(1)
+    mgr = _manager(sglang_sides.kv_args_of(base, kv, aux), "PREFILL", max_running_requests=4, context_length=64)
+    ran = []
+    progress = mgr.progress
+    monkeypatch.setattr(mgr, "progress", lambda: (ran.append(1), progress())[-1])
+    monkeypatch.setattr(adapter, "ADVANCE_S", 3600.0)  # (no poll of this test is timed out of the gate)
+    senders = [adapter.KVSender(mgr, "127.0.0.1:0", room) for room in (1, 2, 3)]
+    for sender in senders:
+        sender.init(1, aux_index=0)
+    mgr._advanced_at = float("-inf")
+    ran.clear()
+    assert [s.poll() for s in senders for _ in range(3)] == [base.KVPoll.Bootstrapping] * 9
+    assert len(ran) == 1
+    senders[0].send(np.array([3]))
+    senders[1].poll()  # (no decode side published room 1: the batch it went into fails it, with the reason)
+    assert len(ran) == 2 and mgr._pending == [] and senders[0].poll() == base.KVPoll.Failed
+    monkeypatch.setattr(adapter, "ADVANCE_S", 0.0)
+    for _ in range(3):
+        senders[2].poll()
+    assert len(ran) == 5

@@ -433,13 +433,13 @@ class KVManager(PrefillManager, DecodeManager, BaseKVManager):
         return self.prefill is not None and any(p.side is not None for p in self.prefill.peers)
 
     def advance(self) -> bool:
-        """:meth:`progress` for a poll, unless a poll ran it less than :data:`ADVANCE_S` ago and nothing was
+        """:meth:`progress` for a poll, unless a poll ended it less than :data:`ADVANCE_S` ago and nothing was
         handed over since (``send``); whether it ran. What it would take in waits at most that long."""
-        now = time.monotonic()
-        if not self._handed and now - self._advanced_at < ADVANCE_S:
+        if not self._handed and time.monotonic() - self._advanced_at < ADVANCE_S:
             return False
-        self._advanced_at, self._handed = now, False
+        self._handed = False
         self.progress()
+        self._advanced_at = time.monotonic()
         return True
 
     def progress(self) -> None:
