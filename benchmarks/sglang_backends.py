@@ -31,7 +31,7 @@ import os
 import sys
 import tempfile
 
-from benchmarks.sides import print_row, run_sides
+from benchmarks.sides import print_row, run_sides, side_errors
 from tests.ports import free_ports
 
 RUNS = (("kvplan", "mooncake"), ("sglang", "mooncake"), ("kvplan", "nixl"), ("sglang", "nixl"), ("kvplan", "ipc"))
@@ -63,11 +63,10 @@ def run_pair(adapter: str, backend: str, waves: int, deadline_s: float, shape: l
 def row(adapter: str, backend: str, got: dict) -> dict:
     """One run's line of the table: requests that arrived right, the decode's wall time and rate, and each
     side's per-step time; where a side failed, every failing side's error, each named."""
-    errors = {r: got.get(r, {"error": "no result"}).get("error") for r in ("prefill", "decode")}
-    if any(errors.values()):
-        return {"adapter": adapter, "backend": backend,  # (what the other side saw too)
-                "error": "; ".join(f"{r}: {e}" for r, e in errors.items() if e),
-                "sides": {r: got.get(r) for r in ("prefill", "decode") if not errors[r]}}
+    error = side_errors(got)
+    if error:
+        return {"adapter": adapter, "backend": backend, "error": error,  # (and what the other side saw)
+                "sides": {r: side for r, side in got.items() if "error" not in side}}
     decode = got["decode"]
     outcome = decode["outcome"]
     ok = sum(v == "ok" for v in outcome.values())
@@ -101,6 +100,7 @@ def main(argv=None) -> None:
             with open(args.json, "w") as handle:
                 json.dump({"waves": args.waves, "shape": shape, "rows": rows}, handle, indent=1)
         print_row(name, rows[-1])
+
 
 if __name__ == "__main__":
     main()

@@ -38,6 +38,12 @@ def run_sides(commands: dict[str, list[str]], env: dict[str, str], wait_s: float
     return out
 
 
+def side_errors(got: dict[str, dict]) -> str | None:
+    """What failed of a run's prefill and decode (each one named), or None where both reported."""
+    errors = {r: got.get(r, {"error": "no result"}).get("error") for r in ("prefill", "decode")}
+    return "; ".join(f"{r}: {e}" for r, e in errors.items() if e) or None
+
+
 def print_row(name: str, row: dict) -> None:
     """One run's line (a row with ``ok``, ``requests``, ``decode_s``, ``requests_per_s``, ``gib_per_s``, ``ready``
     and each side's ``*_step`` timings), or why it failed."""

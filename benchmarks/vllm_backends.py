@@ -33,7 +33,7 @@ import random
 import sys
 import tempfile
 
-from benchmarks.sides import print_row, run_sides
+from benchmarks.sides import print_row, run_sides, side_errors
 from tests.ports import free_ports
 
 RUNS = (("kvplan", "nixl"), ("kvplan", "mooncake"), ("vllm", "nixl"))
@@ -59,17 +59,16 @@ def run_pair(connector: str, engine: str, node_args: list[str], deadline_s: floa
 
 def row(connector: str, engine: str, got: dict) -> dict:
     """One run's line of the table; where a side failed or a request did not arrive right, why."""
-    errors = {r: got.get(r, {"error": "no result"}).get("error") for r in ("prefill", "decode")}
-    if any(errors.values()):
-        return {"connector": connector, "engine": engine,
-                "error": "; ".join(f"{r}: {e}" for r, e in errors.items() if e)}
+    error = side_errors(got)
+    if error:
+        return {"connector": connector, "engine": engine, "error": error}
     decode = got["decode"]
     ok = len(set(decode["received"]) - set(decode["failed"]))
     if ok != len(decode["requests"]) or decode["wrong"]:
         return {"connector": connector, "engine": engine, "error": f"{ok} of {len(decode['requests'])} requests "
                 f"arrived, {len(decode['wrong'])} blocks wrong: {decode['failed'][:5]} {decode['wrong'][:5]}"}
     wall = decode["wall_s"]
-    return {"connector": connector, "engine": engine, "requests": ok, "ok": ok, "decode_s": wall,
+    return {"connector": connector, "engine": engine, "requests": len(decode["requests"]), "ok": ok, "decode_s": wall,
             "requests_per_s": round(ok / wall, 1), "kv_bytes": decode["bytes"],
             "gib_per_s": round(decode["bytes"] / wall / 2**30, 4), "ready": decode["ready"],
             "prefill_step": got["prefill"]["step"], "decode_step": decode["step"]}
@@ -107,6 +106,7 @@ def main(argv=None) -> None:
                                "kvplan_mode": args.kvplan_mode or "auto",
                                "rows": rows}, handle, indent=1)
             print_row(name, rows[-1])
+
 
 if __name__ == "__main__":
     main()

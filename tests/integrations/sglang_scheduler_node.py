@@ -36,6 +36,8 @@ from array import array
 
 import numpy as np
 
+from tests.integrations.durations import step_stats
+
 PAGE, CHUNK, LAYERS, TOTAL_HEADS, HEAD_DIM = 4, 16, 2, 4, 8  # the model's shape: --layers, --heads, --head-dim
 DEVICE = "cpu"  # where SGLang's pools live: --device
 POOL_TOKENS, ROWS, CONTEXT = 2048, 48, 256
@@ -397,14 +399,6 @@ def run_prefill(args) -> dict:
     if server is not None:
         server.close()
     return {"outcome": outcome, "steps": step_stats(steps), "took_s": took_s}
-
-
-def step_stats(steps: list[float]) -> dict:
-    """Count, p50, p99, max and total (ms) of durations in seconds: what a rank's scheduler spent per
-    step in the queues' and the backend's calls, or the requests' times from added to decode-ready."""
-    ms = np.array(steps or [0.0]) * 1e3
-    return {"count": len(steps), "p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
-            "max_ms": float(ms.max()), "total_ms": float(ms.sum())}
 
 
 def _forward_chunk(req, prompt, rows, allocator, kv_pool, heads) -> None:

@@ -5,6 +5,8 @@ decode processes of :mod:`tests.integrations.vllm_node`. Needs vLLM installed (`
 import importlib.util
 import json
 import os
+import sys
+import types
 from types import SimpleNamespace
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -14,9 +16,6 @@ def _without_vllm_kernels() -> None:
     """vLLM's CUDA platform imports its kernel library when imported (``vllm._C_stable_libtorch``); the
     wheel's is built for torch 2.14 and is not carried to the cards (``benchmarks/vllm_site.py``). Nothing
     here runs a vLLM kernel: where vLLM is there without that library, a stand-in module takes its name."""
-    import sys
-    import types
-
     spec = importlib.util.find_spec("vllm")  # (finds the package without importing it)
     folders = list(spec.submodule_search_locations or []) if spec is not None else []
     if folders and not any(name.startswith("_C_stable_libtorch") for folder in folders for name in os.listdir(folder)):
@@ -160,13 +159,11 @@ def nixl_as_vllm_imports_it() -> None:
     """vLLM imports NIXL as ``nixl._api`` (the ``nixl`` meta-package's name); the wheels this project installs
     name it ``nixl_cu12`` (here) or ``nixl_cu13`` (the cards). Alias it, as vLLM itself aliases ROCm's build
     (``alias_nixl_for_ray``)."""
-    import sys
+    from kvplan.transport.engines.nixl import NIXL_PACKAGES
 
-    if importlib.util.find_spec("nixl") is not None:
-        return
-    build = next((b for b in ("nixl_cu13", "nixl_cu12") if importlib.util.find_spec(b) is not None), None)
-    if build is None:
-        return  # (vLLM says NIXL is not available)
+    build = next((p for p in NIXL_PACKAGES if importlib.util.find_spec(p) is not None), None)
+    if build in (None, "nixl"):
+        return  # (vLLM finds it itself, or says NIXL is not available)
     for name in ("", "._api", "._bindings"):
         sys.modules.setdefault(f"nixl{name}", importlib.import_module(build + name))
 

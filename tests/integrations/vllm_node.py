@@ -26,6 +26,7 @@ import time
 import zlib
 from types import SimpleNamespace
 
+from tests.integrations.durations import step_stats
 from tests.integrations.vllm_fakes import (BLOCK, MAMBA_CONV, MAMBA_DTYPES, MAMBA_GROUPS, MAMBA_HEADS, full_attention,
                                            hybrid_attention, kv_blocks, kv_caches, mamba_hybrid,
                                            nixl_as_vllm_imports_it, nixl_vllm_config, request, vllm_config)
@@ -185,18 +186,9 @@ def step(scheduler, worker, finished: set[str]):
 def pool_size(args: argparse.Namespace, floor: int) -> int:
     """The blocks of this side's pool: ``floor`` (the tests' draws depend on it), or more where every request
     of ``--lengths`` needs more (block 0 is vLLM's null block)."""
-    per_request = 1 + (-(-max(args.lengths, default=0) // (args.window_block_size or args.block_size)) if args.window
-                       else 0) + (1 + args.scratch_blocks if args.mamba else 0)
-    return max(floor, 2 + sum(-(-n // args.block_size) + per_request for n in args.lengths))
-
-
-def timing(seconds: list[float]) -> dict:
-    """p50, p99 and max of ``seconds``, in milliseconds."""
-    if not seconds:
-        return {}
-    ordered = sorted(seconds)
-    pick = lambda q: round(1e3 * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)  # noqa: E731
-    return {"p50_ms": pick(0.5), "p99_ms": pick(0.99), "max_ms": round(1e3 * ordered[-1], 3), "count": len(ordered)}
+    window = -(-max(args.lengths, default=0) // (args.window_block_size or args.block_size)) if args.window else 0
+    state = 1 + args.scratch_blocks if args.mamba else 0
+    return max(floor, 2 + sum(-(-n // args.block_size) + 1 + window + state for n in args.lengths))
 
 
 def prefill(args: argparse.Namespace) -> dict:
@@ -275,7 +267,7 @@ def prefill(args: argparse.Namespace) -> dict:
         time.sleep(0.01)
     worker.shutdown()
     return {"sent": sorted(sent), "freed": freed, "stats": STATS[0].reduce() if STATS else None,
-            "step": timing(STEP_S)}
+            "step": step_stats(STEP_S)}
 
 
 def decode(args: argparse.Namespace) -> dict:
@@ -364,8 +356,8 @@ def decode(args: argparse.Namespace) -> dict:
             "blocks_checked": sum(len(b) for n, (_, b, _) in mine.items() if n in received - failed),
             "tokens_checked": tokens_checked, "states_checked": sum(len(states[n]) for n in received - failed),
             "pairing_after_first_step": pairing_after_first_step,
-            "stats": STATS[0].reduce() if STATS else None, "step": timing(receiving_steps),
-            "ready": timing([ready_s[n] for n in received - failed]),
+            "stats": STATS[0].reduce() if STATS else None, "step": step_stats(receiving_steps),
+            "ready": step_stats([ready_s[n] for n in received - failed]),
             "wall_s": round(max(ready_s.values(), default=0.0), 4),
             "bytes": sum(len(b) * sum(caches[name][0].nbytes for name in LAYERS) for n, (_, b, _) in mine.items()
                          if n in received - failed)}

@@ -23,11 +23,15 @@ __all__ = ["NixlEngine", "expanded_rows", "pack_metadata", "strided_rows", "take
 log = logging.getLogger(__name__)
 
 
+#: NIXL's packages, in the order they are tried: the ``nixl`` meta-package's name, then the CUDA builds' own
+NIXL_PACKAGES = ("nixl", "nixl_cu13", "nixl_cu12")
+
+
 def nixl_api():
     """``(nixl_agent, nixl_agent_config)`` from whichever NIXL package is installed."""
-    for module in ("nixl._api", "nixl_cu13._api", "nixl_cu12._api"):
+    for package in NIXL_PACKAGES:
         try:
-            api = __import__(module, fromlist=["nixl_agent"])
+            api = __import__(f"{package}._api", fromlist=["nixl_agent"])
             return api.nixl_agent, api.nixl_agent_config
         except ImportError:
             continue
