@@ -10,9 +10,6 @@ PIP := $(VENV)/bin/pip
 PIP_INSTALL := $(PIP) install -q --no-compile
 unexport PYTHONDONTWRITEBYTECODE
 STAMP := $(VENV)/.kvplan-installed
-SGLANG_STAMP := $(VENV)/.sglang-installed
-VLLM_SITE := .vllm-site
-VLLM_STAMP := $(VLLM_SITE)/.kvplan-installed
 
 export UCX_NET_DEVICES := lo
 export NIXL_LOG_LEVEL := WARN
@@ -54,43 +51,54 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP_INSTALL) --no-deps --no-build-isolation -e .
 	@touch $(STAMP)
 
-# SGLang 0.5.23's own code for the differential tests (tests/sglang_real.py): sglang without its
-# dependencies (they would replace the CPU torch), then what its import chain needs (the extra).
+# The engines' own environments: kvplan's wheel resolved by pip's resolver beside SGLang 0.5.23 and beside
+# vLLM 0.33.0 (each with the torch and triton it pins), then what their integration tests import of that
+# resolution (tests/engine_env.py says what and why). They are built beside the first test pass.
+SGLANG_VENV := .venv-sglang
+VLLM_VENV := .venv-vllm
+SGLANG_STAMP := $(SGLANG_VENV)/.kvplan-installed
+VLLM_STAMP := $(VLLM_VENV)/.kvplan-installed
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+# the wheel the engines' environments resolve: rebuilt when the package's metadata changes (their tests
+# import kvplan's modules from this checkout, ahead of the copy the wheel installed)
+ENGINE_WHEEL := .engine-wheel/kvplan-$(VERSION)-py3-none-any.whl
+
+$(ENGINE_WHEEL): pyproject.toml | $(STAMP)
+	rm -rf .engine-wheel
+	$(PIP) wheel -q --no-deps --no-build-isolation -w .engine-wheel .
+
 setup-sglang: $(SGLANG_STAMP)
 
-$(SGLANG_STAMP): $(STAMP)
-	$(PIP_INSTALL) --no-deps sglang==0.5.23
-	$(PIP_INSTALL) --no-build-isolation -e ".[sglang-test]"
+$(SGLANG_STAMP): $(ENGINE_WHEEL) tests/engine_env.py
+	$(PYTHON) tests/engine_env.py sglang $(SGLANG_VENV) $(ENGINE_WHEEL)
 	@touch $(SGLANG_STAMP)
 
-# vLLM 0.33.0's own code for the connector tests (tests/integrations/test_vllm_connector.py), in a
-# folder of its own: vLLM wants a newer openai than SGLang 0.5.23 pins, so the two never share a
-# process. vllm without its dependencies, then what its connector modules import, pinned.
 setup-vllm: $(VLLM_STAMP)
 
-$(VLLM_STAMP): $(STAMP)
-	$(PIP_INSTALL) --no-deps --target $(VLLM_SITE) vllm==0.33.0 openai==3.57.0 openai-harmony==0.0.8 \
-	  cbor2==6.3.0 cachetools==8.0.2 cloudpickle==3.1.3 uvloop==0.23.0 xgrammar==0.2.9 fastapi==0.136.3 llguidance==1.9.1
+$(VLLM_STAMP): $(ENGINE_WHEEL) tests/engine_env.py
+	$(PYTHON) tests/engine_env.py vllm $(VLLM_VENV) $(ENGINE_WHEEL)
 	@touch $(VLLM_STAMP)
 
-# Three passes: every test with the kernels interpreted on the CPU (the SGLang differential tests
-# among them), then a compile check of every kernel for sm_90 in a process of its own (the two
-# cannot share a process), and beside both the vLLM connector's tests with vLLM's folder on the path.
 # ruff's checks (pyproject.toml [tool.ruff]); make test runs them first
 lint: setup
 	$(VENV)/bin/ruff check kvplan tests benchmarks examples
 
-# the vLLM pass runs beside the others, with one worker (its tests mostly wait on processes of their own;
-# session 42, two cores: with two workers beside the first pass it ended at 3:06 of the first pass's 7:45,
-# and the whole took 7:54-8:02, against 9:03-9:48 one after the other); its output comes last
-test: setup setup-sglang setup-vllm dist lint
-	@vllm_log=$$(mktemp); $(MAKE) --no-print-directory test-vllm VLLM_WORKERS=1 > $$vllm_log 2>&1 & vllm=$$!; \
-	trap 'kill $$vllm 2>/dev/null; rm -f $$vllm_log' INT TERM; \
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(WORKERS) --dist worksteal -m "not compile_check and not vllm" \
+# Four passes: every test with the kernels interpreted on the CPU (torch 2.13, triton 3.7), then a compile
+# check of every kernel for sm_90 in a process of its own (the two cannot share a process); beside both,
+# each engine's environment is built and its integration tests run in it (torch 2.14, triton 3.8), one
+# worker each (their tests mostly wait on processes of their own); their output comes last
+test: setup dist lint
+	@sglang_log=$$(mktemp); vllm_log=$$(mktemp); \
+	$(MAKE) --no-print-directory test-sglang SGLANG_WORKERS=1 > $$sglang_log 2>&1 & sglang=$$!; \
+	$(MAKE) --no-print-directory test-vllm VLLM_WORKERS=1 > $$vllm_log 2>&1 & vllm=$$!; \
+	trap 'kill $$sglang $$vllm 2>/dev/null; rm -f $$sglang_log $$vllm_log' INT TERM; \
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(WORKERS) --dist worksteal -m "not compile_check and not vllm and not sglang" \
 	  --benchmark-disable -p no:cacheprovider; first=$$?; \
 	TRITON_INTERPRET=0 $(PY) -m pytest -q -n $(WORKERS) -m compile_check -p no:cacheprovider tests/kernels; \
-	compiled=$$?; wait $$vllm; vllm_rc=$$?; echo "--- make test-vllm (run beside the passes above):"; \
-	cat $$vllm_log; rm -f $$vllm_log; test $$first -eq 0 -a $$compiled -eq 0 -a $$vllm_rc -eq 0
+	compiled=$$?; wait $$sglang; sglang_rc=$$?; wait $$vllm; vllm_rc=$$?; \
+	echo "--- make test-sglang (run beside the passes above):"; cat $$sglang_log; \
+	echo "--- make test-vllm (run beside the passes above):"; cat $$vllm_log; rm -f $$sglang_log $$vllm_log; \
+	test $$first -eq 0 -a $$compiled -eq 0 -a $$sglang_rc -eq 0 -a $$vllm_rc -eq 0
 
 # vLLM 0.33.0's own KV-connector tests, from its source distribution (pinned by sha256), run with
 # kvplan's connector in place of NixlConnector (tests/integrations/vllm_suite/; docs/vllm.md says which)
@@ -103,15 +111,18 @@ $(VLLM_TESTS)/tests/v1/kv_connector/unit/utils.py:
 
 # only the vLLM connector's tests, against vLLM's own code: kvplan's, then vLLM's own
 test-vllm: setup-vllm $(VLLM_TESTS)/tests/v1/kv_connector/unit/utils.py
-	PYTHONPATH=$(VLLM_SITE) VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(VLLM_WORKERS) -m vllm -p no:cacheprovider \
-	  tests/integrations/test_vllm_connector.py tests/integrations/test_vllm_stats.py tests/integrations/test_vllm_transfer.py
-	cd $(VLLM_TESTS) && HF_HUB_OFFLINE=1 PYTHONPATH=$(CURDIR)/$(VLLM_SITE):.:$(CURDIR)/tests/integrations/vllm_suite \
-	  VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 $(CURDIR)/$(PY) -m pytest -q -p no:cacheprovider -p kvplan_vllm_plugin \
-	  --rootdir=. -c /dev/null $(VLLM_OWN_TESTS)
+	VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 $(VLLM_VENV)/bin/python -m pytest -q -n $(VLLM_WORKERS) -m vllm -p no:cacheprovider \
+	  tests/test_engine_envs.py tests/integrations/test_vllm_connector.py tests/integrations/test_vllm_stats.py \
+	  tests/integrations/test_vllm_transfer.py
+	cd $(VLLM_TESTS) && HF_HUB_OFFLINE=1 PYTHONPATH=$(CURDIR):.:$(CURDIR)/tests/integrations/vllm_suite \
+	  VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 $(CURDIR)/$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider \
+	  -p kvplan_vllm_plugin --rootdir=. -c /dev/null $(VLLM_OWN_TESTS)
 
-# only the differential tests against SGLang's own code
-test-sglang: setup setup-sglang
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(WORKERS) -m sglang --benchmark-disable -p no:cacheprovider
+# only the tests against SGLang's own code, in SGLang's environment
+SGLANG_WORKERS ?= $(WORKERS)
+test-sglang: setup-sglang
+	TRITON_INTERPRET=1 $(SGLANG_VENV)/bin/python -m pytest -q -n $(SGLANG_WORKERS) -m sglang --benchmark-disable \
+	  -p no:cacheprovider
 
 demo: setup
 	$(VENV)/bin/kvplan demo
@@ -125,4 +136,4 @@ bench: setup
 	$(VENV)/bin/kvplan bench
 
 clean:
-	rm -rf $(VENV) $(VLLM_SITE) .vllm-tests .pytest_cache .hypothesis dist build
+	rm -rf $(VENV) $(SGLANG_VENV) $(VLLM_VENV) .engine-wheel .vllm-tests .pytest_cache .hypothesis dist build

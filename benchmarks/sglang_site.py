@@ -20,7 +20,7 @@ This writes ``.whl-sglang/sglang-site.tar.xz`` (git-ignored), to unpack on the c
 
 Example::
 
-    python -m benchmarks.sglang_site          # then carry .whl-sglang and .whl-both
+    .venv-sglang/bin/python -m benchmarks.sglang_site          # then carry .whl-sglang and .whl-both
 """
 
 from __future__ import annotations

@@ -6,11 +6,12 @@ without a model, so no vLLM kernel runs; the CUDA platform's import of ``vllm._C
 built for 2.14) meets a stand-in module there (``tests/integrations/vllm_node.py``). This writes
 ``.whl-vllm/vllm-site.tar.xz`` (git-ignored), to unpack on the card and put on ``PYTHONPATH``:
 
-* vLLM's Python from ``make setup-vllm``'s folder (``.vllm-site``), less every compiled extension, its Rust
+* vLLM's Python from vLLM's environment (``make setup-vllm``'s ``.venv-vllm``, whose Python runs this), less
+  every compiled extension, its Rust
   front end and its vendored kernels' C++ and CUDA sources (:data:`NOT_LOADED`);
 * the pure-Python packages of that folder the card lacks (cachetools, fastapi, openai), with metadata;
 * the packages with compiled code in the chain that the card lacks, from their cp312 wheels at the
-  versions installed here (``.vllm-site``'s or this environment's);
+  versions installed in that environment;
 * the pure-Python packages of this environment that the chain imports and the card lacks (pydantic and
   what it imports, starlette, ...); nothing the card has (transformers 5.17, tokenizers, huggingface-hub,
   cloudpickle, uvloop, regex, msgpack: the device's KINDS.md), and no engine (``.whl-both`` carries NIXL
@@ -21,7 +22,7 @@ Which packages: those a ``--connector nixl`` side imports from outside the stand
 
 Example::
 
-    python -m benchmarks.vllm_site          # then carry .whl-vllm and .whl-both
+    .venv-vllm/bin/python -m benchmarks.vllm_site          # then carry .whl-vllm and .whl-both
 """
 
 from __future__ import annotations
@@ -31,12 +32,13 @@ import glob
 import importlib.metadata as metadata
 import os
 import shutil
+import sysconfig
 import tempfile
 
 from benchmarks.site_pack import copy_installed, download, pack, unpack_wheels
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VLLM_SITE = os.path.join(ROOT, ".vllm-site")
+VLLM_SITE = sysconfig.get_paths()["purelib"]  # vLLM's environment's site-packages (run with its Python)
 
 #: Folders of ``.vllm-site`` carried as they are (pure Python, each with its ``.dist-info``).
 FROM_VLLM_SITE = ("vllm", "cachetools", "fastapi", "openai")
@@ -74,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=os.path.join(ROOT, ".whl-vllm"))
     args = parser.parse_args(argv)
     if not os.path.isdir(os.path.join(VLLM_SITE, "vllm")):
-        raise SystemExit(f"{VLLM_SITE} has no vLLM: run make setup-vllm first")
+        raise SystemExit(f"{VLLM_SITE} has no vLLM: run make setup-vllm, then this with .venv-vllm/bin/python")
     wheels = os.path.join(args.out, "wheels")
     os.makedirs(wheels, exist_ok=True)
     download([f"{name}=={installed_version(name)}" for name in COMPILED], wheels)

@@ -25,10 +25,11 @@ def _use_interpreter_without_gpu() -> None:
 _use_interpreter_without_gpu()
 
 from . import __version__  # noqa: E402 - after the interpreter's choice
+from .tools import preflight  # noqa: E402
+from .tools.target_process import SideFailed  # noqa: E402
 from .tools.scenarios import PRESETS, SCENARIOS  # noqa: E402
 from .transport.endpoints import MODES  # noqa: E402
 from .transport.engines import engine_names  # noqa: E402
-from .transport.engines.registry import engine_settings  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -259,10 +260,7 @@ def _demo(args: argparse.Namespace) -> int:
                          f"{config.layers} layers")
     if config.layer_groups and config.fault != "none":
         raise Refused("demo", "--layerwise runs without a fault drill")
-    unknown = [key for key, _ in config.engine_extra if key not in engine_settings(config.engine)]
-    if unknown:
-        raise Refused("demo", f"--engine-setting {unknown[0]}: {config.engine} has no such setting; its settings: "
-                              f"{', '.join(engine_settings(config.engine))}")
+    _check_engine_settings("demo", config.engine, config.engine_extra)
     if config.integrity and (config.mode == "prepared" or config.layer_groups or config.dst_page_size
                              or config.gather):
         raise Refused("demo", "--integrity needs whole destination items and every byte written when planned: not "
@@ -327,10 +325,7 @@ def _load(args: argparse.Namespace) -> int:
                               f"{args.duration:g} s): a decode killed outside them kills no request in flight")
     if args.prompt_max < args.page_size:
         raise Refused("load", f"--prompt-max {args.prompt_max} is shorter than a page ({args.page_size} tokens)")
-    unknown = [key for key, _ in args.engine_setting if key not in engine_settings(args.engine)]
-    if unknown:
-        raise Refused("load", f"--engine-setting {unknown[0]}: {args.engine} has no such setting; its settings: "
-                              f"{', '.join(engine_settings(args.engine))}")
+    _check_engine_settings("load", args.engine, args.engine_setting)
     _check_engine("load", args.engine, args.mode)
     if args.prompt_median > args.prompt_max:
         raise Refused("load", f"--prompt-median {args.prompt_median} is above --prompt-max {args.prompt_max}")
@@ -575,9 +570,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_engine_settings(command: str, engine: str, settings: Any) -> None:
+    why = preflight.engine_settings_refusal(engine, settings)
+    if why is not None:
+        raise Refused(command, why)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    level = logging.DEBUG if args.verbose >= 2 else logging.INFO if args.verbose else logging.WARNING
+    refusal = preflight.environment_refusal()
+    if refusal is not None:
+        sys.stderr.write(refusal + "\n")
+        return 2
+    level = preflight.log_level(args.verbose)
     logging.basicConfig(level=level, format="%(levelname)s %(message)s")
     os.environ["KVPLAN_LOG_LEVEL"] = logging.getLevelName(level)  # the demo's processes log alike
     try:
@@ -585,3 +590,6 @@ def main(argv: list[str] | None = None) -> int:
     except Refused as refused:
         sys.stderr.write(f"{refused}\n")
         return 2
+    except SideFailed as failed:  # (a side stopped on an error kvplan names: its line, no traceback)
+        sys.stderr.write(f"kvplan {args.command}: error: {failed}\n")
+        return 1

@@ -70,3 +70,15 @@ class InputError(PlanError):
 
 class PeerError(KvplanError):
     """What a peer sent does not match what this side published or agreed to; nothing of it was written."""
+
+
+class SettingError(KvplanError, ValueError):
+    """A setting (a ``KVPLAN_*`` variable, an engine setting, an integration's key) that kvplan cannot take.
+
+    Attributes:
+        setting: the variable's or the setting's name.
+    """
+
+    def __init__(self, setting: str, message: str):
+        self.setting = setting
+        super().__init__(message)

@@ -10,6 +10,7 @@ import re
 import pytest
 
 from kvplan import env
+from kvplan.errors import SettingError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "kvplan"
@@ -49,7 +50,10 @@ def test_values_defaults_and_switches(monkeypatch):
     monkeypatch.delenv("KVPLAN_DRAIN_S", raising=False)
     assert env.number("KVPLAN_DRAIN_S") == 5.0
     monkeypatch.setenv("KVPLAN_DRAIN_S", "soon")
-    with pytest.raises(ValueError, match="KVPLAN_DRAIN_S='soon' is not a number"):
+    with pytest.raises(SettingError, match="KVPLAN_DRAIN_S='soon': not a number"):
+        env.number("KVPLAN_DRAIN_S")
+    monkeypatch.setenv("KVPLAN_DRAIN_S", "-0.5")
+    with pytest.raises(SettingError, match="KVPLAN_DRAIN_S='-0.5': below 0"):
         env.number("KVPLAN_DRAIN_S")
     for value, on in (("1", True), ("yes", True), ("0", False), ("", False)):
         monkeypatch.setenv("KVPLAN_TRACE", value)
@@ -58,4 +62,30 @@ def test_values_defaults_and_switches(monkeypatch):
     assert not env.enabled("KVPLAN_TRACE") and env.enabled("KVPLAN_COPY_GRAPHS")  # (defaults: off, on)
     with pytest.raises(KeyError):
         env.get("KVPLAN_NOT_A_SETTING")
+    for value in ("maybe", "2", "enabled"):
+        monkeypatch.setenv("KVPLAN_TRACE", value)
+        with pytest.raises(SettingError, match="not a switch"):
+            env.enabled("KVPLAN_TRACE")
+
+
+def test_validate_checks_every_variable_set_and_names_each_bad_one(tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret")
+    good = {"KVPLAN_HOT_S": "0", "KVPLAN_DRAIN_S": "2.5", "KVPLAN_COPY_GRAPHS": "off", "KVPLAN_TRACE": "",
+            "KVPLAN_SECRET_FILE": str(secret), "KVPLAN_LOG_LEVEL": "info", "KVPLAN_PROFILE_ONLY": "x", "PATH": "/bin"}
+    env.validate(good)
+    bad = dict(good, KVPLAN_HOT_S="fast", KVPLAN_SECRET_FILE=str(tmp_path / "none"))
+    with pytest.raises(SettingError) as raised:
+        env.validate(bad)
+    lines = str(raised.value).splitlines()
+    assert len(lines) == 2 and lines[0].startswith("KVPLAN_SECRET_FILE=") and lines[1].startswith("KVPLAN_HOT_S='fast'")
+
+
+def test_an_endpoint_checks_the_environment_when_it_is_made(monkeypatch):
+    from kvplan.transport.endpoints import DecodeEndpoint, PrefillEndpoint
+
+    monkeypatch.setenv("KVPLAN_HOT_S", "abc")
+    for endpoint in (PrefillEndpoint, DecodeEndpoint):
+        with pytest.raises(SettingError, match="KVPLAN_HOT_S='abc'"):
+            endpoint(None, None, [])
 

@@ -11,13 +11,23 @@ PACKAGE = ROOT / "kvplan"
 
 def test_the_package_its_tests_and_its_docs_name_no_issue_numbers():
     """Code, tests and docs say what a thing does and why, not which issue asked for it (those numbers
-    resolve nowhere in the repository). The history keeps them (CHANGELOG.md, results/archive/)."""
+    resolve nowhere in the repository). The history keeps them (results/archive/)."""
     pattern = re.compile(r"\bissues? \d+|\bissue-\d+", re.IGNORECASE)
     texts = [*PACKAGE.rglob("*.py"), *PACKAGE.rglob("*.md"), *(ROOT / "tests").rglob("*.py"),
              *(ROOT / "docs").glob("*.md"), ROOT / "README.md", ROOT / "benchmarks" / "RESULTS.md"]
     found = [f"{p.relative_to(ROOT)}:{n}" for p in texts
              for n, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
     assert found == [], f"issue numbers in code or docs: {found}"
+
+
+def test_the_docs_name_no_work_periods():
+    """What a reader of the docs meets is dated, not numbered by the project's work periods (the work log
+    keeps those: benchmarks/results/archive/WORKLOG.md). Paths of results folders may carry them."""
+    pattern = re.compile(r"\bsessions? \d+", re.IGNORECASE)
+    texts = [*(ROOT / "docs").glob("*.md"), ROOT / "README.md", ROOT / "CHANGELOG.md"]
+    found = [f"{p.relative_to(ROOT)}:{n}" for p in texts
+             for n, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert found == [], f"work periods named in the docs: {found}"
 
 
 def test_no_module_of_the_package_is_over_600_lines():

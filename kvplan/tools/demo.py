@@ -33,7 +33,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from .target_process import child_message, child_pipe, start_child
+from .target_process import SideFailed, child_message, child_pipe, start_child
 from .demo_config import FAULTS, STAGES, DemoConfig
 from .demo_roles import decode_process, prefill_process
 
@@ -314,6 +314,8 @@ def run_role(config: DemoConfig, role: str, peer_port: int = 0, progress: bool =
         bar.close()
     if (error := conn.last("error")) is not None:
         raise RuntimeError(f"the {role} side failed:\n{error[1]}")
+    if (failed := conn.last("failed")) is not None:
+        raise SideFailed(f"the {role} side failed: {failed[1]}")
     if role == "decode":
         _, report.states, report.failures, report.verified, _ = conn.last("result")
         return report

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .. import env
+from ..errors import KvplanError
 from .baseline import sglang_style_descs
 from .bench import median_ms
 from ..planner.device import eager
@@ -129,6 +130,8 @@ def decode_process(config: DemoConfig, conn) -> None:
                 execute(plan_reference(real).descriptors()[0], AddressSpace.of_tensors(src_tensors), expected)
             verified = expected.matches(dst_tensors)
         conn.send(("result", states, failures, verified, ready))
+    except KvplanError as err:  # what kvplan names (a setting, a peer that cannot pair): one line
+        conn.send(("failed", f"{type(err).__name__}: {err}"))
     except Exception:  # noqa: BLE001 - reported to the parent process
         conn.send(("error", traceback.format_exc()))
     conn.poll(60)
@@ -229,6 +232,8 @@ def prefill_process(config: DemoConfig, port: int, conn, src_rank: int | None = 
         elif used == "direct" and endpoint.launches_ahead:
             used += f", {endpoint.launches_ahead} launched behind their plans"
         conn.send(("sent", result, times, used, spans))
+    except KvplanError as err:
+        conn.send(("failed", f"{type(err).__name__}: {err}"))
     except Exception:  # noqa: BLE001
         conn.send(("error", traceback.format_exc()))
     conn.poll(60)

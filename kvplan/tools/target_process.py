@@ -17,6 +17,8 @@ import os
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Mapping
 
+from ..errors import KvplanError
+
 __all__ = ["child_context", "child_message", "child_pipe", "child_process", "start_child", "target_process"]
 
 # what a tool's child imports anyway: the fork server imports it once (see child_process)
@@ -67,14 +69,22 @@ def _with_environment(environment: dict[str, str], target: Callable[..., None], 
     target(*args)
 
 
+class SideFailed(KvplanError, RuntimeError):
+    """A side of a run stopped on an error kvplan names (a setting, a peer that cannot pair): the message is
+    that error's one line, which the command prints without a traceback."""
+
+
 def child_message(conn: Any, who: str, timeout: float) -> Any:
-    """The next message of a child process (``("error", traceback)`` raised as ``RuntimeError``);
-    ``TimeoutError`` when none comes within ``timeout`` seconds."""
+    """The next message of a child process (``("error", traceback)`` raised as ``RuntimeError``,
+    ``("failed", line)`` as :class:`SideFailed`); ``TimeoutError`` when none comes within ``timeout``
+    seconds."""
     if not conn.poll(timeout):
         raise TimeoutError(f"the {who} process said nothing for {timeout:.0f} s")
     msg = conn.recv()
     if msg[0] == "error":
         raise RuntimeError(f"the {who} process failed:\n{msg[1]}")
+    if msg[0] == "failed":
+        raise SideFailed(f"the {who} side failed: {msg[1]}")
     return msg
 
 

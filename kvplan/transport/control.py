@@ -27,6 +27,7 @@ import time
 from collections import OrderedDict, deque
 from typing import Any
 
+from .zmq_import import require_zmq
 from .auth import INCARNATION, message_code, nonce, secret_from_environment
 from .control_handshake import Handshake
 from .control_liveness import Liveness
@@ -84,7 +85,7 @@ class ControlChannel(Handshake, Liveness):
 
     def __init__(self, connect_port: int | None = None, peer_timeout: float = 1.0, *, host: str,
                  bind_port: int | None = None, max_message_bytes: int | None = None, secret: bytes | None = None):
-        import zmq
+        zmq = require_zmq()
         from zmq.utils.monitor import recv_monitor_message
 
         self._zmq, self._recv_monitor = zmq, recv_monitor_message
@@ -104,6 +105,8 @@ class ControlChannel(Handshake, Liveness):
         # (bound) connections that said hello and wait for an answer: routing id -> (fd, incarnation, nonce, when
         # answered); answered only while no peer's connection stands, and the first to prove is the peer
         self._candidates: OrderedDict[bytes, list[Any]] = OrderedDict()
+        # (bound) connections whose hello showed they cannot pair by their secret, each told so once (bounded)
+        self._mismatched: dict[bytes, None] = {}
         self._connected = False
         self._gone = False
         self._ever = False  # a peer has connected at least once
@@ -194,7 +197,7 @@ class ControlChannel(Handshake, Liveness):
         if self.closed:
             raise ControlTimeout(f"the channel on {self.host} port {self.port} is closed: a {kind!r} message cannot leave")
         deadline = time.monotonic() + wait_s
-        if self._key is None or (self._bound and (self._gone or not self._authed)):
+        if self._key is None or not self._authed or (self._bound and self._gone):
             self._shake_hands(deadline, kind, wait_s)
         self._out(kind, header or {}, frames, deadline, wait_s)
 
@@ -274,6 +277,8 @@ class ControlChannel(Handshake, Liveness):
             self._send_seq = 0
         self._recv_seq = 0
         self._proof_refused = False
+        # why the last peer (or, on a bound end, candidate) could not pair by its secret (.control_handshake)
+        self._mismatch: str | None = None
         self._answered = 0.0
 
     def pairing_id(self) -> int | None:
@@ -332,8 +337,12 @@ class ControlChannel(Handshake, Liveness):
             if kept is not None:
                 return kept
             timeout_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            if self._mismatch is not None and not self._bound and not self._authed:
+                raise self._mismatch_error(self._mismatch)  # (its one peer cannot pair: nothing can come)
             if not self.socket.poll(min(timeout_ms, round(self.RESEND_S * 1000)) if not self._authed else timeout_ms):
                 if time.monotonic() >= deadline:
+                    if self._mismatch is not None:
+                        raise self._mismatch_error(self._mismatch)
                     raise ControlTimeout("no control message before the deadline")
                 self._greet()
                 self.peer_gone()

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from .auth import INCARNATION, message_code, nonce, pairing_key, proof
-from .control_wire import MARK, ControlTimeout, parse_parts
+from .control_wire import MARK, ControlTimeout, SecretMismatch, parse_parts
 
 __all__ = ["Handshake"]
 
@@ -23,20 +23,41 @@ log = logging.getLogger(__name__)
 class Handshake:
     """The handshake's half of :class:`~.control.ControlChannel` (its state lives on the channel)."""
 
+    def _hello(self) -> dict[str, Any]:
+        """This side's hello: its nonce, and whether it holds a secret. The flag only names why two ends
+        cannot pair (nothing is trusted on it: a pairing still needs the proofs)."""
+        return {"nonce": self._my_nonce, "secret": self.secret is not None}
+
+    def _secret_state(self, header: dict[str, Any]) -> str | None:
+        """Why a peer whose hello is ``header`` cannot pair with this side by its secret flag, else ``None``
+        (a peer that does not say is judged by its proof alone)."""
+        theirs = header.get("secret")
+        if not isinstance(theirs, bool) or theirs == (self.secret is not None):
+            return None
+        return "peer requires a secret" if theirs else "peer has no secret"
+
+    def _mismatch_error(self, why: str) -> SecretMismatch:
+        advice = {"secret mismatch": "both sides hold a secret and they differ",
+                  "peer requires a secret": "the peer holds a secret and this side none",
+                  "peer has no secret": "this side holds a secret and the peer none"}[why]
+        return SecretMismatch(f"{why}: the channel on {self.host} port {self.port} cannot pair ({advice}); give every "
+                              "node the same KVPLAN_SECRET or KVPLAN_SECRET_FILE")
+
     def _greet(self) -> None:
         """(connecting) Send this side's hello once a peer can take it, and again every ``RESEND_S`` until the
         peer's proof has verified (a bound end answers only once no other peer's connection stands; never waits)."""
         if self._bound:
             return
-        if self._gone:
-            self.peer_gone()  # (after a loss: the connection made again is read here, and greeted at once)
+        # the connection's events (at most once a look period): after a loss, the connection made again is read
+        # here and greeted at once, also on a channel that had paired
+        self.peer_gone()
         if self._authed:
             return
         if self._hello_sent and time.monotonic() - self._hello_at < self.RESEND_S:
             return
         if self.socket.poll(0, self._zmq.POLLOUT):
             try:
-                self._out("_hello", {"nonce": self._my_nonce}, (), time.monotonic(), 0.0)
+                self._out("_hello", self._hello(), (), time.monotonic(), 0.0)
                 self._hello_sent, self._hello_at = True, time.monotonic()
             except ControlTimeout:
                 pass
@@ -45,7 +66,11 @@ class Handshake:
         """Take messages until this side may send: a connecting end sends its hello and waits for the peer's
         (both nonces make the pairing's key; it takes the peer's messages only once the peer has proved the
         secret); a bound end waits for a connection that has proved it. Or the deadline."""
-        while self._key is None if not self._bound else (self._gone or not self._authed):
+        # (a connecting end waits for the peer's proof too, which comes with its hello: nothing leaves for a
+        # peer that has not proved the secret, and a mismatch is named at once)
+        while (self._key is None or not self._authed) if not self._bound else (self._gone or not self._authed):
+            if self._mismatch is not None and not self._bound:  # (its one peer cannot pair: no use waiting)
+                raise self._mismatch_error(self._mismatch)
             if not self._bound:
                 # (again every RESEND_S: a hello sent into a connection that was then dropped is lost; ZeroMQ
                 # connects again by itself)
@@ -56,6 +81,8 @@ class Handshake:
                 continue
             self.peer_gone()  # (reads the connection's events; a loss before the pairing is waited out)
             if left <= 0:
+                if self._mismatch is not None:  # (a bound end: a candidate that could not pair, the last one's why)
+                    raise self._mismatch_error(self._mismatch)
                 why = ("its proof of the shared secret was refused (a secret on one side only, or another one)"
                        if self._proof_refused else "it did not answer the handshake")
                 raise ControlTimeout(f"the peer of the channel on {self.host} port {self.port} did not pair within "
@@ -129,6 +156,10 @@ class Handshake:
         if not isinstance(challenge, str) or not challenge:
             self._refuse("a hello without a nonce")
             return
+        if not self._bound and self._secret_state(header) is not None:
+            self._mismatch = self._secret_state(header)
+            self._refuse(f"{self._mismatch}: incarnation {sender!r} cannot pair with this side")
+            return
         if challenge == self._peer_nonce and sender == self._peer_inc:
             # the same hello again: what this side answered was lost (a connection made again), or is on
             # its way; answered again at most every RESEND_S
@@ -158,7 +189,7 @@ class Handshake:
         deadline, wait_s = self._answered + 0.2, 0.2
         try:
             if hello:
-                self._out("_hello", {"nonce": self._my_nonce}, (), deadline, wait_s, to)
+                self._out("_hello", self._hello(), (), deadline, wait_s, to)
                 self._hello_sent = True
             self._out("_proof", {"proof": proof(self.secret or b"", INCARNATION, sender, challenge)}, (), deadline,
                       wait_s, to)
@@ -173,7 +204,8 @@ class Handshake:
             return
         if not self._proved(sender, header):
             self._proof_refused = True
-            self._refuse(f"incarnation {sender!r} did not prove the shared secret")
+            self._mismatch = self._mismatch or "secret mismatch"
+            self._refuse(f"secret mismatch: incarnation {sender!r} did not prove the shared secret")
             return
         self._authed, self._recv_seq, self._nonce_used = True, seq, True
         self._reconnected = False
@@ -195,6 +227,20 @@ class Handshake:
         if kind == "_hello":
             _, header, _ = parse_parts(parts[3:])
             challenge = header.get("nonce")
+            if isinstance(challenge, str) and challenge and self._secret_state(header) is not None:
+                # never a candidate: it cannot pair. Once per connection, it is told this side's hello (so that
+                # it names why at once) and the refusal is logged; the last one's why is named at the deadline
+                self._mismatch = self._secret_state(header)
+                if rid not in self._mismatched:
+                    self._refuse(f"{self._mismatch}: incarnation {sender!r} cannot pair with this side")
+                    try:
+                        self._out("_hello", self._hello(), (), time.monotonic(), 0.0, (rid, sender))
+                    except ControlTimeout:
+                        pass
+                self._mismatched[rid] = None
+                while len(self._mismatched) > self.MAX_CANDIDATES:
+                    self._mismatched.pop(next(iter(self._mismatched)))
+                return
             if isinstance(challenge, str) and challenge:
                 self._looked = 0.0
                 self.peer_gone()  # (earlier connections' events first: one closed may have had this one's number)
@@ -220,9 +266,10 @@ class Handshake:
                     self._adopt(rid, fd, sender, challenge, seq)
                     return
                 self._proof_refused = True
+                self._mismatch = "secret mismatch"
                 # (kept, never answered again: the same hello again, as its sender repeats it, costs nothing)
                 self._candidates[rid][3] = math.inf
-                self._refuse(f"incarnation {sender!r} did not prove the shared secret")
+                self._refuse(f"secret mismatch: incarnation {sender!r} did not prove the shared secret")
                 return
         self.strangers += 1
         log.debug("refused a %r message on the control channel on %s port %d: not from its peer's connection",
@@ -242,7 +289,7 @@ class Handshake:
                 continue
             candidate[3] = now
             try:
-                self._out("_hello", {"nonce": self._my_nonce}, (), now, 0.0, (rid, sender))
+                self._out("_hello", self._hello(), (), now, 0.0, (rid, sender))
                 self._out("_proof", {"proof": proof(self.secret or b"", INCARNATION, sender, challenge)}, (), now, 0.0,
                           (rid, sender))
             except ControlTimeout:  # (its connection is gone)

@@ -36,6 +36,14 @@ class ControlTimeout(KvplanError, TimeoutError):
     """No control message arrived before the deadline."""
 
 
+class SecretMismatch(ControlTimeout):
+    """The two ends of a channel cannot pair: their shared secrets differ, or one side has none. Raised on a
+    connecting end as soon as the peer's hello or proof shows it, on a bound end when its wait for a peer
+    ends; the message says which of ``secret mismatch``, ``peer requires a secret`` and ``peer has no
+    secret`` it is. A subclass of :class:`ControlTimeout`: what fails on a channel that cannot pair fails
+    alike."""
+
+
 def parse_parts(parts: list[bytes]) -> tuple[str, dict[str, Any], list[bytes]]:
     """A message's kind, header and frames; what a peer sends malformed becomes kind ``"malformed"``
     (every handler ignores kinds it does not know), never an exception in the receiving loop."""

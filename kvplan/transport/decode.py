@@ -97,6 +97,7 @@ class DecodeEndpoint(SenderMessages, StagedReceiver, DecodeWarmUp):
     def __init__(self, side: SideMemory, engine: Engine, channels: ControlChannel | Sequence[ControlChannel],
                  staging: torch.Tensor | None = None, integrity: bool = False, compat: str | None = None,
                  senders: int | None = None, on_complete: Callable[[list[Any]], None] | None = None):
+        env.validate()  # every KVPLAN_* variable set here, checked once, before anything starts
         self.side, self.engine, self.staging = side, engine, staging
         self.on_complete = on_complete
         # what the sender must match beyond the layout it can check (an integration's own word for the bytes'

@@ -24,16 +24,23 @@ Example::
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import time
 
-from ..errors import PeerError
+from ..errors import KvplanError, PeerError
 from .control import ControlChannel, ControlTimeout
+from .zmq_import import require_zmq
 
-__all__ = ["ChannelListener", "channel_via"]
+__all__ = ["AddressInUse", "ChannelListener", "channel_via"]
 
 log = logging.getLogger(__name__)
+
+
+class AddressInUse(KvplanError, OSError):
+    """The address a listener was asked to bind is taken (another process, or another engine of this host
+    given the same port)."""
 
 
 class ChannelListener:
@@ -42,8 +49,7 @@ class ChannelListener:
 
     def __init__(self, bind_port: int, *, host: str, peer_timeout: float = 1.0, handshake_s: float = 5.0,
                  max_pending: int = 64, max_pending_per_source: int = 8, secret: bytes | None = None):
-        import zmq
-
+        zmq = require_zmq()
         self._zmq = zmq
         self.host, self.peer_timeout, self.secret = host, peer_timeout, secret
         self.handshake_s, self.max_pending, self.max_pending_per_source = handshake_s, max_pending, max_pending_per_source
@@ -53,7 +59,13 @@ class ChannelListener:
         self.socket = zmq.Context.instance().socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 1000)
         if bind_port:
-            self.socket.bind(f"tcp://{host}:{bind_port}")
+            try:
+                self.socket.bind(f"tcp://{host}:{bind_port}")
+            except zmq.ZMQError as err:
+                self.socket.close(0)
+                if err.errno == errno.EADDRINUSE:
+                    raise AddressInUse(f"{host}:{bind_port} is taken: another process listens there ({err})") from None
+                raise
             self.port = bind_port
         else:  # an ephemeral port, bound at once (tests, or a port handed out some other way)
             self.port = self.socket.bind_to_random_port(f"tcp://{host}")
@@ -122,8 +134,7 @@ def channel_via(host: str, port: int, timeout: float, peer_timeout: float = 1.0,
     """Ask the :class:`ChannelListener` on ``host:port`` for a channel of its own and connect it (with
     ``secret``, or the environment's: :class:`ControlChannel`); :class:`ControlTimeout` if no answer
     comes within ``timeout`` seconds."""
-    import zmq
-
+    zmq = require_zmq()
     socket = zmq.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
     try:

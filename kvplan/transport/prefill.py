@@ -46,6 +46,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from .. import env
 from ..errors import InputError, KvplanError, LayoutError, PeerError, PlanError
 from ..planner.contract.batch import Batch, Policy, SideMemory, Transfer
 from ..planner.device.planner import Planner
@@ -117,6 +118,7 @@ class PrefillEndpoint(DecodeMessages, FailurePath, AheadOfPlan, WarmUp):
                  staging: torch.Tensor | None = None, policy: Policy = Policy.STRICT, slots: int = 4,
                  refuse: str = "batch", receiver_plans: bool = True, compat: str | None = None,
                  max_in_flight: int = MAX_IN_FLIGHT, max_published: int = MAX_PUBLISHED, max_peers: int = MAX_PEERS):
+        env.validate()  # every KVPLAN_* variable set here, checked once, before anything starts
         if refuse not in ("batch", "request"):
             raise ValueError(f"refuse must be 'batch' or 'request', got {refuse!r}")
         self.side, self.engine, self.staging, self.policy, self.refuse = side, engine, staging, policy, refuse

@@ -244,7 +244,14 @@ def test_mamba_state_of_a_kind_whose_sharding_is_unknown_moves_whole_pages_betwe
                                           ({"warm_up": {"max_transfers": 0, "max_prompt_len": 8}}, "warm_up"),
                                           ({"layout": "LHBNC"}, "layout 'LHBNC'"),
                                           ({"secret_file": ""}, "secret_file ''"),
-                                          ({"secret": "in the config"}, "unknown keys")])
+                                          ({"secret": "in the config"}, "unknown keys"),
+                                          ({"integrity": "yes"}, "integrity 'yes' is not true or false"),
+                                          ({"integrity": True, "mode": "prepared"}, "integrity needs every byte"),
+                                          ({"engine_settings": {"num_thread": 4}}, "nixl has no setting 'num_thread'"),
+                                          ({"engine": "mooncake", "engine_settings": {"protocol": "carrierpigeon"}},
+                                           "mooncake's protocol='carrierpigeon'; it takes one of tcp"),
+                                          ({"engine_settings": {"progress_thread": "maybe"}},
+                                           "nixl's progress_thread='maybe'; it takes true or false")])
 def test_settings_that_cannot_work_are_refused_naming_them(extra, named):
     with pytest.raises(UnsupportedConfig, match=named):
         KVConnectorFactory.create_connector(vllm_config(extra), KVConnectorRole.SCHEDULER, full_attention(["l0"]))

@@ -96,6 +96,13 @@ def test_every_byte_of_every_block_lands_and_a_request_its_prefill_never_had_is_
     assert decode_stats["MiB moved"] > 0 and decode_stats["Avg request time (ms)"] > 0, decode_stats
 
 
+def test_a_decode_with_the_integrity_key_completes_every_request_whose_checksums_agree(tmp_path):
+    sent, got = run_pair(tmp_path, "nixl", "LBNHC", "LBNHC", "--integrity", "--timeout", "6")
+    assert got["integrity"] == [True]  # (the key reached every decode endpoint the connector made)
+    assert got["received"] == REQUESTS and got["failed"] == [] and got["wrong"] == []
+    assert got["blocks_checked"] == 7 + 3 + 4 + 1
+
+
 def test_sides_whose_blocks_are_laid_out_differently_do_not_pair_and_every_load_fails(tmp_path):
     sent, got = run_pair(tmp_path, "nixl", "LBNHC", "LBHNC", "--timeout", "6", prefill_args=("--timeout", "6"))
     assert got["failed"] == got["received"] == REQUESTS  # reported, none as a success

@@ -271,7 +271,8 @@ def prefill(args: argparse.Namespace) -> dict:
 
 
 def decode(args: argparse.Namespace) -> dict:
-    extra = {"host": "127.0.0.1", "port": args.port, "engine": args.engine, "timeout_s": args.timeout}
+    extra = {"host": "127.0.0.1", "port": args.port, "engine": args.engine, "timeout_s": args.timeout,
+             **({"integrity": True} if args.integrity else {})}
     num_blocks = pool_size(args, 96)
     scheduler, worker, caches = connectors("decode", extra, num_blocks, KVCacheLayout[args.layout], "decode-engine",
                                            args.block_size, args.tp_size, args.tp_rank, args.window, args.mamba,
@@ -349,13 +350,14 @@ def decode(args: argparse.Namespace) -> dict:
             if not torch.equal(view.cpu(), want.view(view.shape)):
                 wrong.append([local, "state", layer_name])
     open(f"{args.params}.done{args.tp_rank}", "w").close()
+    integrity = sorted({bool(d.integrity) for d in getattr(worker.worker, "decodes", {}).values()})
     worker.shutdown()
     ghost_blocks = sorted(mine[f"d-req-{len(params) - 1}"][1]) if args.ghost else []
     return {"received": sorted(received), "failed": sorted(failed), "invalid_blocks": sorted(invalid),
             "ghost_blocks": ghost_blocks, "wrong": wrong, "requests": sorted(mine),
             "blocks_checked": sum(len(b) for n, (_, b, _) in mine.items() if n in received - failed),
             "tokens_checked": tokens_checked, "states_checked": sum(len(states[n]) for n in received - failed),
-            "pairing_after_first_step": pairing_after_first_step,
+            "pairing_after_first_step": pairing_after_first_step, "integrity": integrity,
             "stats": STATS[0].reduce() if STATS else None, "step": step_stats(receiving_steps),
             "ready": step_stats([ready_s[n] for n in received - failed]),
             "wall_s": round(max(ready_s.values(), default=0.0), 4),
@@ -375,6 +377,7 @@ def run(argv: list[str]) -> dict:
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--lengths", type=int, nargs="*", default=[100, 37, 64, 5])
     parser.add_argument("--ghost", action="store_true")
+    parser.add_argument("--integrity", action="store_true", help="(decode) the connector's integrity key on")
     parser.add_argument("--exit-early", action="store_true")
     parser.add_argument("--block-size", type=int, default=BLOCK)
     parser.add_argument("--tp-size", type=int, default=1)

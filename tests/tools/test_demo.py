@@ -58,7 +58,7 @@ def test_a_drill_report_with_another_failure_is_not_observed():
     (["--src-tp", "3", "--dst-tp", "8"], "8 KV heads do not split over 3 ranks"),
     (["--engine-threads", "-1"], "must be >= 0"),
     (["--engine-setting", "protocol"], "expected KEY=VALUE"),
-    (["--engine", "mooncake", "--engine-setting", "num_threads=2"], "mooncake has no such setting"),
+    (["--engine", "mooncake", "--engine-setting", "num_threads=2"], "mooncake has no setting 'num_threads'"),
 ])
 def test_numbers_that_cannot_run_are_refused_before_any_process_starts(args, message, capsys, monkeypatch):
     code, _, err = run_cli(["demo", "--no-progress", *args], capsys, monkeypatch)

@@ -4,6 +4,9 @@ every option explained; the load tool's report labelling what it injected."""
 
 from __future__ import annotations
 
+import logging
+import time
+
 import pytest
 
 from kvplan.cli import build_parser
@@ -42,7 +45,7 @@ def test_a_bad_option_prints_one_line_and_a_hint_not_the_whole_usage(capsys, mon
     (["--decodes", "1", "--kill-at", "1"], "--kill-at needs at least two decodes"),
     (["--chunk-tokens", "20"], "is not a multiple of the page size"),
     (["--prompt-max", "8"], "--prompt-max 8 is shorter than a page"),
-    (["--engine-setting", "warp=9"], "nixl has no such setting"),
+    (["--engine-setting", "warp=9"], "nixl has no setting 'warp'"),
 ])
 def test_load_refuses_what_cannot_run_before_any_process_starts(args, message, capsys, monkeypatch, no_run):
     code, _, err = run_cli(["load", *args], capsys, monkeypatch)
@@ -95,3 +98,73 @@ def test_the_demo_report_says_a_staged_batch_went_through_staging():
     assert "(direct descriptors, moved through staging slots)" in report.render()
     report = DemoReport(DemoConfig(mode="auto"), device="cpu", transfers=4, mode="direct", mode_used="direct")
     assert "(direct descriptors)" in report.render()
+
+
+@pytest.mark.parametrize("variable, value, message", [
+    ("KVPLAN_HOT_S", "abc", "KVPLAN_HOT_S='abc': not a number; it takes a number >= 0"),
+    ("KVPLAN_DRAIN_S", "abc", "KVPLAN_DRAIN_S='abc': not a number"),
+    ("KVPLAN_DRAIN_S", "-1", "KVPLAN_DRAIN_S='-1': below 0"),
+    ("KVPLAN_DRAIN_S", "inf", "KVPLAN_DRAIN_S='inf': not a finite number"),
+    ("KVPLAN_COPY_GRAPHS", "maybe", "KVPLAN_COPY_GRAPHS='maybe': not a switch; it takes `1` or `0`"),
+    ("KVPLAN_SGLANG", "maybe", "KVPLAN_SGLANG='maybe': not a switch"),
+    ("KVPLAN_TRACE", "sometimes", "KVPLAN_TRACE='sometimes': not a switch"),
+    ("KVPLAN_SECRET_FILE", "/nonexistent/kvplan-secret", "KVPLAN_SECRET_FILE='/nonexistent/kvplan-secret': no readable "
+                                                          "file there"),
+    ("KVPLAN_SECRET", "  ", "KVPLAN_SECRET='  ': empty: an empty secret authenticates anyone"),
+    ("KVPLAN_CONFIG", "/nonexistent/kvplan.json", "no readable file there"),
+])
+@pytest.mark.parametrize("command", [["demo"], ["load"]])
+def test_a_bad_variable_is_named_in_one_line_before_any_process_starts(variable, value, message, command, capsys,
+                                                                       monkeypatch, no_run):
+    monkeypatch.setenv(variable, value)
+    started = time.monotonic()
+    code, _, err = run_cli(command, capsys, monkeypatch)
+    assert code == 2 and err.splitlines() == [f"kvplan: {err.splitlines()[0][len('kvplan: '):]}"], err
+    assert message in err and "Traceback" not in err, err
+    assert time.monotonic() - started < 5
+
+
+def test_two_bad_variables_are_named_together(capsys, monkeypatch, no_run):
+    monkeypatch.setenv("KVPLAN_HOT_S", "abc")
+    monkeypatch.setenv("KVPLAN_DRAIN_S", "-1")
+    code, _, err = run_cli(["demo"], capsys, monkeypatch)
+    assert code == 2 and len(err.splitlines()) == 2, err
+    assert "KVPLAN_HOT_S='abc'" in err and "KVPLAN_DRAIN_S='-1'" in err
+
+
+def test_a_bad_log_level_is_named_and_a_good_one_is_honoured(capsys, monkeypatch, no_run):
+    from kvplan import cli
+    from kvplan.tools import preflight
+
+    monkeypatch.setenv("KVPLAN_LOG_LEVEL", "loud")
+    assert cli.main(["demo"]) == 2
+    assert "KVPLAN_LOG_LEVEL='loud': not a log level" in capsys.readouterr().err
+    monkeypatch.setenv("KVPLAN_LOG_LEVEL", "debug")
+    assert preflight.log_level(0) == logging.DEBUG and preflight.log_level(1) == logging.INFO  # (-v wins)
+    monkeypatch.delenv("KVPLAN_LOG_LEVEL")
+    assert preflight.log_level(0) == logging.WARNING
+
+
+def test_the_interpreter_switched_off_without_a_gpu_is_named_before_any_process_starts(capsys, monkeypatch, no_run):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    code, _, err = run_cli(["demo"], capsys, monkeypatch)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "TRITON_INTERPRET='0' and no CUDA device" in err and "unset TRITON_INTERPRET" in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--engine", "mooncake", "--engine-setting", "protocol=carrierpigeon"],
+     "--engine-setting: mooncake's protocol='carrierpigeon'; it takes one of tcp, rdma"),
+    (["--engine", "mooncake", "--engine-setting", "lanes=-2"], "mooncake's lanes=-2; it takes a count >= 0"),
+    (["--engine", "nixl", "--engine-setting", "num_threads=many"], "nixl's num_threads='many'; it takes a count"),
+    (["--engine", "nixl", "--engine-setting", "warp=9"], "nixl has no setting 'warp'; its settings: num_threads"),
+    (["--engine", "ipc", "--engine-setting", "protocol=tcp"], "ipc has no setting 'protocol'; its settings: none"),
+])
+@pytest.mark.parametrize("command", ["demo", "load"])
+def test_an_engine_setting_the_engine_does_not_take_is_named_before_any_process_starts(args, message, command, capsys,
+                                                                                      monkeypatch, no_run):
+    code, _, err = run_cli([command, *args], capsys, monkeypatch)
+    assert code == 2 and message in err and len(err.splitlines()) == 1, err

@@ -8,7 +8,8 @@ import time
 import pytest
 
 from kvplan.transport.auth import INCARNATION, secret_from_environment
-from kvplan.transport.control import MARK, ControlChannel, ControlTimeout
+from kvplan.transport.control import MARK, ControlChannel
+from kvplan.transport.control_wire import SecretMismatch
 from tests.transport.test_control import _first
 
 
@@ -50,25 +51,48 @@ def test_two_ends_with_the_same_secret_pair_and_name_each_other_s_incarnation():
         peer.close()
 
 
-@pytest.mark.parametrize("peer_secret", [b"another", None])
-def test_a_peer_without_the_secret_never_pairs_and_none_of_its_messages_is_returned(peer_secret, monkeypatch):
-    """Its hello gives it the pairing's nonces, so its sends leave; but its proof does not verify, so the
-    other end returns none of its messages, and it takes none of the other end's either."""
+@pytest.mark.parametrize("peer_secret, why, bound_why", [(b"another", "secret mismatch", "secret mismatch"),
+                                                          (None, "peer requires a secret", "peer has no secret")])
+def test_a_peer_without_the_secret_never_pairs_and_each_end_names_why(peer_secret, why, bound_why, monkeypatch):
+    """Neither end takes the other's messages, and neither sends any: the connecting end names why as soon
+    as the bound end's hello (its secret flag) or proof shows it, the bound end when its wait ends."""
     monkeypatch.delenv("KVPLAN_SECRET", raising=False)
     bound, peer = _channels(peer_secret=peer_secret)
     try:
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(1) as pool:
+            started = time.monotonic()
             sent = pool.submit(peer.send, "register", {}, timeout=5)
             _nothing(bound, 1.0)
-            sent.result(timeout=5)
-        with pytest.raises(ControlTimeout, match="proof of the shared secret was refused"):
+            with pytest.raises(SecretMismatch, match=f"^{why}: .*KVPLAN_SECRET"):
+                sent.result(timeout=5)
+            assert time.monotonic() - started < 2.0  # (named at once, not at the 5 s deadline)
+        with pytest.raises(SecretMismatch, match=f"^{bound_why}: "):
             bound.send("request", {"n": 1}, timeout=1)  # (a bound end sends only to a peer that proved it)
         _nothing(peer, 0.5)
         assert bound.peer_incarnation is None and peer.peer_incarnation is None
-        assert bound.refused == 1 and bound.strangers >= 1  # its proof, once; its message
-        assert peer.refused >= 1  # the other end's proof
+        assert bound.refused == 1  # its proof or its hello, once
+        assert peer.refused >= 1  # the other end's proof or hello
+    finally:
+        bound.close()
+        peer.close()
+
+
+def test_a_peer_with_a_secret_is_named_by_an_end_without_one(monkeypatch):
+    monkeypatch.delenv("KVPLAN_SECRET", raising=False)
+    bound, peer = _channels(bound_secret=None, peer_secret=b"s3cret")
+    try:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(1) as pool:
+            sent = pool.submit(peer.send, "register", {}, timeout=5)
+            _nothing(bound, 1.0)  # (the bound end's owner reads: it answers the hello with its own)
+            with pytest.raises(SecretMismatch, match="^peer has no secret: "):
+                sent.result(timeout=5)
+        with pytest.raises(SecretMismatch, match="^peer requires a secret: "):
+            bound.send("request", {}, timeout=1)
+        assert bound.peer_incarnation is None
     finally:
         bound.close()
         peer.close()

@@ -91,7 +91,7 @@ from ...planner.contract.state_kinds import RULES, rules_of
 from ...transport.decode import DecodeEndpoint
 from ...transport.listener import ChannelListener
 from ...transport.memory_kind import memory_kind
-from ...transport.engines import TransferError, make_engine
+from ...transport.engines import TransferError, check_settings, make_engine
 from .decode_manager import DecodeManager
 from .receiver import KVReceiver, TransferFailed
 from .inputs import ids, state_lists
@@ -230,6 +230,7 @@ class KVManager(PrefillManager, DecodeManager, BaseKVManager):
             engine_settings, where = mooncake_settings(server_args, engine_settings, self.host, self.device.index or 0)
             log.info("kvplan's Mooncake engine: %s", where)
         self.engine_kind = engine_kind
+        check_settings(engine_kind, engine_settings, where=where)  # (SettingError naming the key, at start)
         try:
             self.engine = make_engine(engine_kind, f"{disaggregation_mode.value}-{os.getpid()}-{id(self):x}", memory,
                                       self.device.index or 0, **engine_settings)

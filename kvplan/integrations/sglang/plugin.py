@@ -3,7 +3,8 @@
 kvplan's package registers :func:`register` under SGLang's general-plugin entry point group
 ``sglang.srt.plugins``; SGLang 0.5.23 calls it through ``load_plugins()`` in every scheduler
 process. Unless ``KVPLAN_SGLANG`` is ``1`` (or ``true``, ``yes``, ``on``) it does nothing, and SGLang
-runs exactly as without kvplan. When it is set, it hooks SGLang's
+runs exactly as without kvplan; any other word than those and ``0``/``false``/``no``/``off`` stops the
+process with one line naming the variable (a typo must not run SGLang without kvplan unnoticed). When it is set, it hooks SGLang's
 ``sglang.srt.disaggregation.utils.get_kv_class`` (an AROUND hook of SGLang's ``HookRegistry``):
 for ``--disaggregation-transfer-backend nixl`` and ``mooncake`` the prefill and decode schedulers
 get kvplan's :class:`~.adapter.KVManager`, :class:`~.adapter.KVSender` and
@@ -11,9 +12,9 @@ get kvplan's :class:`~.adapter.KVManager`, :class:`~.adapter.KVSender` and
 SGLang's own bootstrap server keeps serving its port. kvplan's settings come from ``KVPLAN_*``
 variables (:mod:`.settings`).
 
-Example (what a deployment does; nothing to import)::
+Example (what a deployment does, docs/sglang.md; nothing to import)::
 
-    pip install "kvplan[nixl]"
+    pip install "dist/kvplan-0.1.0-py3-none-any.whl[nixl]"
     KVPLAN_SGLANG=1 python -m sglang.launch_server --disaggregation-mode prefill \\
         --disaggregation-transfer-backend nixl ...
 """
@@ -24,6 +25,8 @@ import logging
 import os
 from typing import Any, Callable
 
+from ... import env
+
 __all__ = ["SWITCH", "enabled", "kv_class", "register"]
 
 log = logging.getLogger(__name__)
@@ -31,12 +34,13 @@ log = logging.getLogger(__name__)
 SWITCH = "KVPLAN_SGLANG"
 TARGET = "sglang.srt.disaggregation.utils.get_kv_class"
 BACKENDS = ("nixl", "mooncake")  # the transfer backends kvplan stands in for
-_TRUE = ("1", "true", "yes", "on")
 
 
 def enabled(environ: Any = None) -> bool:
-    """Whether ``KVPLAN_SGLANG`` switches kvplan on."""
-    return str((os.environ if environ is None else environ).get(SWITCH, "")).strip().lower() in _TRUE
+    """Whether ``KVPLAN_SGLANG`` switches kvplan on (:class:`~kvplan.errors.SettingError` for a value that
+    is no switch)."""
+    value = (os.environ if environ is None else environ).get(SWITCH)
+    return env.flag(SWITCH, None if value is None else str(value))
 
 
 def kv_class(original: Callable[..., Any], transfer_backend: Any, class_type: Any) -> Any:

@@ -103,7 +103,7 @@ class DecodePairing:
         decode = DecodeEndpoint(self.view.side(self._recv_table, self.tp_size, self.tp_rank, self._recv_maps.maps,
                                                self._recv_states.maps),
                                 self._engine("receive"), [], staging=self._staging(), compat=self.view.word,
-                                senders=len(ranks))
+                                senders=len(ranks), integrity=self.settings.integrity)
         channels = []
         try:
             try:

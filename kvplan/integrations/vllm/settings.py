@@ -27,6 +27,10 @@ warm_up         ``{"max_transfers": 16,      the batches each pairing is made re
 secret_file     none                         a file holding the control plane's shared secret (docs/failures.md
                                              §10; never the secret itself: vLLM logs this config); without it
                                              ``KVPLAN_SECRET`` or ``KVPLAN_SECRET_FILE``, else no secret
+integrity       ``false``                    a decode asks each prefill for a checksum of every request's
+                                             bytes (keyed with the secret where one is set) and reports the
+                                             request finished only once they agree (docs/failures.md §7);
+                                             not with ``mode`` ``"prepared"``
 layout          ``"LBHNC"``                  the KV cache layout the connector asks vLLM for (models with KV
                                              heads): ``"LBHNC"`` (each head's tokens of a block in a row, as
                                              vLLM's NIXL connector asks; the sides may differ in TP size) or
@@ -45,6 +49,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...errors import SettingError
+from ...transport.engines import check_settings
 from .scheduler import ListenAddress, UnsupportedConfig
 
 __all__ = ["DEFAULT_PORT", "ENGINES", "LAYOUTS", "MODES", "Settings", "layout_setting"]
@@ -53,7 +59,7 @@ DEFAULT_PORT = 17500
 DEFAULT_TIMEOUT_S = 120.0
 ENGINES = ("nixl", "mooncake", "ipc")
 _KEYS = ("host", "port", "engine", "engine_settings", "timeout_s", "max_requests", "mode", "staging_mib", "warm_up",
-         "layout", "secret_file")
+         "layout", "secret_file", "integrity")
 WARM_UP = {"max_transfers": 16, "max_prompt_len": 8192}
 MODES = ("auto", "direct", "prepared", "staged")
 LAYOUTS = ("LBHNC", "LBNHC")
@@ -74,6 +80,7 @@ class Settings:
     warm_up: dict[str, int] = field(default_factory=lambda: dict(WARM_UP))
     layout: str = LAYOUTS[0]
     secret_file: str | None = None
+    integrity: bool = False
 
     def secret(self) -> bytes | None:
         """The control plane's shared secret: the ``secret_file``'s, else the environment's, else none."""
@@ -105,6 +112,10 @@ class Settings:
         engine_settings = extra.get("engine_settings", {})
         if not isinstance(engine_settings, dict):
             raise UnsupportedConfig(f"kv_connector_extra_config: engine_settings {engine_settings!r} is not a mapping")
+        try:
+            check_settings(engine, engine_settings, where="kv_connector_extra_config: engine_settings")
+        except SettingError as err:
+            raise UnsupportedConfig(str(err)) from None
         timeout = extra.get("timeout_s", DEFAULT_TIMEOUT_S)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < 1e6:
             raise UnsupportedConfig(f"kv_connector_extra_config: timeout_s {timeout!r} is not a positive number of "
@@ -127,8 +138,14 @@ class Settings:
         secret_file = extra.get("secret_file")
         if secret_file is not None and (not isinstance(secret_file, str) or not secret_file):
             raise UnsupportedConfig(f"kv_connector_extra_config: secret_file {secret_file!r} is not a file's path")
+        integrity = extra.get("integrity", False)
+        if not isinstance(integrity, bool):
+            raise UnsupportedConfig(f"kv_connector_extra_config: integrity {integrity!r} is not true or false")
+        if integrity and mode == "prepared":
+            raise UnsupportedConfig("kv_connector_extra_config: integrity needs every byte written as planned, which "
+                                    "mode 'prepared' (NIXL's own lists) does not report; choose another mode")
         return cls(ListenAddress(host, port), engine, dict(engine_settings), float(timeout), rows, mode, staging,
-                   dict(warm), layout_setting(extra), secret_file)
+                   dict(warm), layout_setting(extra), secret_file, integrity)
 
 
 def layout_setting(extra: dict[str, Any] | None) -> str:

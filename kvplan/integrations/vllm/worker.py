@@ -54,13 +54,13 @@ from ...planner.contract.block_tables import token_table_from_blocks
 from ...planner.device.destinations import PreallocatedRequest
 from ...transport.decode import DecodeEndpoint
 from ...transport.engines import make_engine
-from ...transport.listener import ChannelListener
+from ...transport.listener import AddressInUse, ChannelListener
 from ...transport.prefill import Chunk, PrefillEndpoint
 from .counters import counted, interval_counts
 from .groups import KVGroup
 from .decode_pairing import HANDSHAKE_S, REGISTER_S, DecodePairing, Pairing
 from .kv_caches import BlockView
-from .scheduler import ReceiveRequest, SchedulerStep, SendRequest
+from .scheduler import ReceiveRequest, SchedulerStep, SendRequest, UnsupportedConfig
 from .settings import Settings
 from .state_slots import StateSlots
 from .windows import WindowMaps
@@ -182,8 +182,15 @@ class ConnectorWorker(DecodePairing):
             self.prefill.start()
             self._submitted: dict[Any, list] = {}  # handle -> its chunks
             listen = self.settings.listen
-            self.listener = ChannelListener(listen.port + self.tp_rank, host=listen.host, handshake_s=REGISTER_S,
-                                            secret=self.settings.secret())
+            try:
+                self.listener = ChannelListener(listen.port + self.tp_rank, host=listen.host, handshake_s=REGISTER_S,
+                                                secret=self.settings.secret())
+            except AddressInUse as err:
+                raise UnsupportedConfig(
+                    f"kv_connector_extra_config: rank {self.tp_rank} listens at port {listen.port} + {self.tp_rank}, "
+                    f"but {err}. Two engines on one host (a prefill and a decode) need ports whose ranges "
+                    f"(port .. port + TP size - 1) do not overlap, or the decode kv_role kv_consumer, which listens "
+                    "on none (docs/vllm.md, Deploying)") from None
             log.info("kvplan's vLLM connector, rank %d: %d blocks of %d layers; decodes connect at %s:%d", self.tp_rank,
                      self.view.num_blocks, len(self.view.layers), listen.host, listen.port + self.tp_rank)
         if self.receives:

@@ -53,6 +53,7 @@ from .base import Capabilities, Handle, TransferError, drain_seconds
 from .cuda_ipc import close_handle, export, open_handle
 from .local_notes import NoteBox
 from .process_memory import can_write, write_descriptors
+from ..zmq_import import require_zmq
 from .registry import register_engine
 
 __all__ = ["IpcEngine", "host_identity"]
@@ -139,7 +140,8 @@ class _Launch:
         return int(self._flagged[lo:hi].sum()) if len(self._flagged) else 0
 
 
-@register_engine("ipc", probe=None, install="")
+@register_engine("ipc", probe=require_zmq, install="its control channel needs pyzmq: install kvplan with its extra "
+                 "ipc (README: install)")
 class IpcEngine:
     """The same-host engine (see the module docstring). ``memory``: ``"VRAM"`` (CUDA IPC, the copy
     kernel on GPU ``device_id``) or ``"DRAM"`` (host memory, ``process_vm_writev``)."""

@@ -56,6 +56,9 @@ TCP_DEFAULTS = {
     "MC_NUM_TCP_IO_THREADS": 8,  # threads serving them
     "MC_TCP_SLICE_SIZE": 1 << 20,  # bytes per socket write and per bounce copy of device memory
 }
+# the transports Mooncake's engine knows by name (a wheel built without one refuses it when the engine starts)
+PROTOCOLS = ("tcp", "rdma", "efa", "cxl", "nvmeof", "nvlink", "nvlink_intra", "hip", "musa", "barex", "ascend",
+             "ubshmem", "flagcx")
 _SETTINGS = {"lanes": "MC_TCP_LANES_PER_PEER", "io_threads": "MC_NUM_TCP_IO_THREADS", "slice_bytes": "MC_TCP_SLICE_SIZE"}
 
 
@@ -98,6 +101,8 @@ class MooncakeEngine:
     slice size (:data:`TCP_DEFAULTS` where neither they nor the environment say). They take effect for
     the process's first engine only: Mooncake reads them once.
     """
+
+    SETTING_CHOICES = {"protocol": PROTOCOLS}
 
     batch_limit = 16384  # descriptors per batch, under the per-peer queue limits raised below
 

@@ -1,0 +1,120 @@
+"""An engine's own environment for ``make test``: kvplan's wheel resolved by pip beside the engine.
+
+A user installs kvplan into the engine's environment, so each supported engine gets one here:
+
+1. a fresh virtual environment, where pip's resolver (never ``--no-deps`` for kvplan) resolves
+   kvplan's wheel beside the engine's pinned release, whole (``--dry-run --report``); a conflict
+   fails ``make test`` with the resolver's own words;
+2. the part of that resolution the integration tests need, at the versions the resolver chose (a
+   constraints file of every resolved pin): the engine's torch and triton, numpy, and the modules
+   the engine's transfer code imports. The engine's GPU kernels (flash attention, DeepGEMM, CUTLASS,
+   ...) are not installed: nothing on a CPU box calls them;
+3. the engine itself without its dependencies, and the transfer engines (NIXL, Mooncake);
+4. kvplan's wheel, installed through pip's resolver against what step 2 installed.
+
+Usage (the Makefile's ``setup-sglang`` and ``setup-vllm``)::
+
+    python tests/engine_env.py sglang .venv-sglang dist/kvplan-0.1.0-py3-none-any.whl
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+import venv
+from dataclasses import dataclass
+from pathlib import Path
+
+# what every engine's environment gets beside kvplan's own dependencies
+TRANSFER_ENGINES = ("nixl-cu12==1.5.1", "mooncake-transfer-engine-non-cuda==0.3.13.post1")
+INSTALL = ("install", "-q", "--no-compile", "--disable-pip-version-check")
+
+
+@dataclass(frozen=True)
+class Engine:
+    """An engine release and what of its resolution the integration tests import."""
+
+    requirement: str            # the engine, pinned: what a user's environment holds
+    imports: tuple[str, ...]    # the distributions its transfer and scheduler modules import
+    extras: str = "test"        # kvplan's extras the tests need
+
+
+# What SGLang 0.5.23's disaggregation, scheduler and manager modules import (tests/sglang_real.py
+# stands in for its multimodal torchvision import and its forward-pass kernels).
+SGLANG = Engine("sglang==0.5.23", (
+    "orjson", "zstandard", "psutil", "pybase64", "requests", "pillow", "starlette", "msgspec", "pydantic",
+    "tqdm", "ipython", "aiohttp", "transformers", "dill", "apache-tvm-ffi", "sentencepiece",
+    "compressed-tensors", "gguf", "prometheus-client", "openai", "partial-json-parser", "einops",
+))
+
+# What vLLM 0.33.0's KV-connector modules, its scheduler and its own connector tests import.
+VLLM = Engine("vllm==0.33.0", (
+    "openai", "oss-harmony", "cbor2", "cachetools", "cloudpickle", "uvloop", "xgrammar", "fastapi",
+    "llguidance", "pydantic", "msgspec", "transformers", "aiohttp", "psutil", "pybase64", "orjson",
+    "requests", "pillow", "tqdm", "prometheus-client", "einops", "sentencepiece", "regex", "blake3",
+    "pyyaml", "tokenizers", "huggingface-hub", "safetensors", "protobuf", "py-cpuinfo", "setproctitle",
+    "partial-json-parser", "mistral-common", "compressed-tensors", "gguf", "tiktoken", "lark", "numba",
+    "diskcache", "watchfiles", "python-json-logger", "opentelemetry-api", "ijson", "anthropic",
+    "model-hosting-container-standards", "depyf", "fastsafetensors", "outlines-core", "lm-format-enforcer",
+))
+
+ENGINES = {"sglang": SGLANG, "vllm": VLLM}
+
+
+def _run(args: list[str], what: str) -> None:
+    started = time.monotonic()
+    done = subprocess.run(args, capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-40:])
+        raise SystemExit(f"engine_env: {what} failed (exit {done.returncode}):\n{tail}")
+    print(f"engine_env: {what} ({time.monotonic() - started:.0f} s)", flush=True)
+
+
+def _canonical(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
+def resolved_pins(report: dict) -> dict[str, str]:
+    """``{distribution: version}`` of every package pip's ``--report`` would install."""
+    return {_canonical(item["metadata"]["name"]): item["metadata"]["version"] for item in report["install"]}
+
+
+def build(name: str, env_dir: Path, wheel: Path) -> None:
+    engine = ENGINES[name]
+    if env_dir.exists():
+        shutil.rmtree(env_dir)
+    venv.EnvBuilder(with_pip=True).create(env_dir)
+    pip = [str(env_dir / "bin" / "python"), "-m", "pip"]
+    kvplan = f"{wheel.resolve()}[{engine.extras}]"
+    report_path = env_dir / "resolved.json"
+    # 1. the whole resolution, in the fresh environment: kvplan's wheel beside the engine's release
+    _run(pip + ["install", "-q", "--disable-pip-version-check", "--dry-run", "--ignore-installed",
+                "--report", str(report_path), kvplan, engine.requirement],
+         f"pip resolves kvplan's wheel beside {engine.requirement}")
+    pins = resolved_pins(json.loads(report_path.read_text()))
+    constraints = env_dir / "resolved-constraints.txt"
+    constraints.write_text("".join(f"{dist}=={version}\n" for dist, version in sorted(pins.items())))
+    print(f"engine_env: {engine.requirement} resolves with torch {pins.get('torch')}, triton {pins.get('triton')}, "
+          f"numpy {pins.get('numpy')}", flush=True)
+    # 2. what the tests need of that resolution, at its versions
+    wanted = ["torch", "triton", "numpy", *(_canonical(d) for d in engine.imports if _canonical(d) in pins)]
+    _run(pip + [*INSTALL, "-c", str(constraints), *(f"{d}=={pins[d]}" for d in wanted)],
+         f"the resolved torch {pins['torch']}, triton {pins['triton']} and {len(wanted) - 2} more")
+    # 3. the engine's own code (not its GPU kernels), and the transfer engines
+    _run(pip + [*INSTALL, "--no-deps", engine.requirement, *TRANSFER_ENGINES],
+         f"{engine.requirement} and the transfer engines, without their dependencies")
+    # 4. kvplan, through pip's resolver, against what is installed
+    _run(pip + [*INSTALL, "-c", str(constraints), kvplan], "kvplan's wheel through pip's resolver")
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 3 or argv[0] not in ENGINES:
+        raise SystemExit(f"usage: python tests/engine_env.py {{{','.join(ENGINES)}}} ENV_DIR WHEEL")
+    build(argv[0], Path(argv[1]), Path(argv[2]))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,65 @@
+"""The engines' own environments (tests/engine_env.py): kvplan's wheel installed by pip's resolver beside the
+engine, with the torch and triton the engine pins. These run inside each environment (``make test-sglang``,
+``make test-vllm``); elsewhere the engine is absent and they skip."""
+
+from __future__ import annotations
+
+import importlib.metadata as metadata
+import json
+import re
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from tests.engine_env import ENGINES
+
+
+def _pins(distribution: str) -> dict[str, str]:
+    """``{name: version}`` of the ``==`` pins among ``distribution``'s unconditional requirements."""
+    pins = {}
+    for requirement in metadata.requires(distribution) or []:
+        if ";" in requirement and "extra ==" in requirement:
+            continue
+        found = re.match(r"^\s*([A-Za-z0-9_.-]+)\s*==\s*([^\s;,]+)", requirement)
+        if found:
+            pins[found.group(1).lower()] = found.group(2)
+    return pins
+
+
+def _installed(distribution: str) -> bool:
+    try:
+        metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+ENGINE_MARKS = {"sglang": pytest.mark.sglang, "vllm": pytest.mark.vllm}
+
+
+@pytest.mark.parametrize("engine", [pytest.param(name, marks=ENGINE_MARKS[name]) for name in ENGINES])
+def test_the_environment_holds_the_engine_s_torch_and_kvplan_s_wheel(engine):
+    name, version = ENGINES[engine].requirement.split("==")
+    if not _installed(name):
+        pytest.skip(f"{name} is not installed here (its environment: make setup-{engine})")
+    assert metadata.version(name) == version
+    import torch
+    import triton
+
+    pins = _pins(name)
+    assert torch.__version__.split("+")[0] == pins["torch"], (torch.__version__, pins["torch"])
+    if "triton" in pins:
+        assert triton.__version__ == pins["triton"]
+    # kvplan came from its wheel (a regular install into this environment's site-packages, not this
+    # checkout's editable one, whose metadata lies beside the checkout's modules on the path)
+    site = sysconfig.get_paths()["purelib"]
+    kvplan = next(metadata.distributions(name="kvplan", path=[site]))
+    direct = kvplan.read_text("direct_url.json")
+    assert direct is not None and json.loads(direct).get("dir_info", {}).get("editable") is not True, direct
+    assert direct is not None and json.loads(direct)["url"].endswith(".whl"), direct
+    # ... and what pip resolved for it is what its bounds allow, beside the engine
+    resolved = json.loads((Path(sys.prefix) / "resolved.json").read_text())
+    names = {item["metadata"]["name"].lower(): item["metadata"]["version"] for item in resolved["install"]}
+    assert names[name] == version and names["torch"] == pins["torch"], {k: names.get(k) for k in (name, "torch")}
