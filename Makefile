@@ -41,10 +41,11 @@ $(STAMP): pyproject.toml Makefile
 	@if $(PYTHON) -c 'import torch, sys; sys.exit(0 if torch.version.cuda else 1)' 2>/dev/null; then \
 	  echo "using the system's CUDA build of torch"; \
 	  [ -x $(PY) ] || $(PYTHON) -m venv --system-site-packages $(VENV); \
-	  $(PIP_INSTALL) numpy pytest pytest-benchmark pytest-xdist hypothesis pyzmq ruff==0.17.6; \
+	  $(PIP_INSTALL) numpy pytest pytest-benchmark pytest-xdist hypothesis pyzmq prometheus-client ruff==0.17.6; \
 	else \
 	  [ -x $(PY) ] || $(PYTHON) -m venv $(VENV); \
-	  $(PIP_INSTALL) "torch==2.13.0+cpu" "triton==3.7.1" "numpy>=2,<3" pytest pytest-benchmark pytest-xdist hypothesis pyzmq ruff==0.17.6; \
+	  $(PIP_INSTALL) "torch==2.13.0+cpu" "triton==3.7.1" "numpy>=2,<3" pytest pytest-benchmark pytest-xdist hypothesis pyzmq \
+	    prometheus-client ruff==0.17.6; \
 	fi
 	$(PIP_INSTALL) --no-deps nixl-cu12==1.5.1
 	$(PIP_INSTALL) --no-deps mooncake-transfer-engine-non-cuda==0.3.13.post1
@@ -87,7 +88,7 @@ lint: setup
 # check of every kernel for sm_90 in a process of its own (the two cannot share a process); beside both,
 # each engine's environment is built and its integration tests run in it (torch 2.14, triton 3.8), one
 # worker each (their tests mostly wait on processes of their own); their output comes last
-test: setup dist lint
+test: setup dist lint $(ENGINE_WHEEL)
 	@sglang_log=$$(mktemp); vllm_log=$$(mktemp); \
 	$(MAKE) --no-print-directory test-sglang SGLANG_WORKERS=1 > $$sglang_log 2>&1 & sglang=$$!; \
 	$(MAKE) --no-print-directory test-vllm VLLM_WORKERS=1 > $$vllm_log 2>&1 & vllm=$$!; \

@@ -40,13 +40,13 @@ from benchmarks.site_pack import copy_installed, download, pack, unpack_wheels
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VLLM_SITE = sysconfig.get_paths()["purelib"]  # vLLM's environment's site-packages (run with its Python)
 
-#: Folders of ``.vllm-site`` carried as they are (pure Python, each with its ``.dist-info``).
+#: Folders of vLLM's environment carried as they are (pure Python, each with its ``.dist-info``).
 FROM_VLLM_SITE = ("vllm", "cachetools", "fastapi", "openai")
 
 #: Distributions with compiled code in the chain that the card lacks: cp312 wheels at the version installed
-#: here (``.vllm-site``'s where it has one).
-COMPILED = ("cbor2", "llguidance", "openai-harmony", "xgrammar", "msgspec", "orjson", "pybase64", "pydantic-core",
-            "apache-tvm-ffi", "zstandard")
+#: in vLLM's environment (``oss-harmony`` provides ``openai_harmony``, as vLLM's resolution has it).
+COMPILED = ("cbor2", "llguidance", "oss-harmony", "xgrammar", "msgspec", "orjson", "pybase64", "pydantic-core",
+            "apache-tvm-ffi")
 
 #: Pure-Python packages of this environment that the chain imports and the card lacks (import names).
 PURE = ("pydantic", "annotated_types", "annotated_doc", "typing_inspection", "starlette", "httpx2", "httpcore2",
@@ -54,7 +54,7 @@ PURE = ("pydantic", "annotated_types", "annotated_doc", "typing_inspection", "st
 
 
 def installed_version(dist: str) -> str:
-    """The version of ``dist`` in ``.vllm-site``, else in this environment."""
+    """The version of ``dist`` in vLLM's environment."""
     found = [d.version for d in metadata.distributions(path=[VLLM_SITE]) if d.metadata["Name"].lower() == dist]
     return found[0] if found else metadata.version(dist)
 

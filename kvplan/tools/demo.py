@@ -140,6 +140,9 @@ class DemoReport:
         for request, reason in self.failures.items():
             if reason:
                 lines.append(f"  FAILED        {request}: {reason}")
+        if c.fault != "deadline" and any("deadline" in str(r) for r in self.failures.values() if r):
+            where = (" on a CPU, where kvplan's kernels run in Triton's interpreter" if self.device == "cpu" else "")
+            lines.append(f"  hint          the deadline (--timeout {c.timeout:g} s) passed{where}: raise --timeout")
         verdict = {True: "every byte matches", False: "WRONG BYTES",
                    None: "on the decode side" if self.role == "prefill" else "not checked"}[self.verified]
         lines.append(f"  verification  {verdict}")
