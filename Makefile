@@ -41,20 +41,22 @@ $(STAMP): pyproject.toml Makefile
 	@if $(PYTHON) -c 'import torch, sys; sys.exit(0 if torch.version.cuda else 1)' 2>/dev/null; then \
 	  echo "using the system's CUDA build of torch"; \
 	  [ -x $(PY) ] || $(PYTHON) -m venv --system-site-packages $(VENV); \
-	  $(PIP_INSTALL) numpy pytest pytest-benchmark pytest-xdist hypothesis pyzmq prometheus-client ruff==0.17.6; \
+	  $(PIP_INSTALL) numpy pytest pytest-benchmark pytest-xdist hypothesis pyzmq prometheus-client uv==0.13.10 ruff==0.17.6; \
 	else \
 	  [ -x $(PY) ] || $(PYTHON) -m venv $(VENV); \
 	  $(PIP_INSTALL) "torch==2.13.0+cpu" "triton==3.7.1" "numpy>=2,<3" pytest pytest-benchmark pytest-xdist hypothesis pyzmq \
-	    prometheus-client ruff==0.17.6; \
+	    prometheus-client uv==0.13.10 ruff==0.17.6; \
 	fi
 	$(PIP_INSTALL) --no-deps nixl-cu12==1.5.1
 	$(PIP_INSTALL) --no-deps mooncake-transfer-engine-non-cuda==0.3.13.post1
 	$(PIP_INSTALL) --no-deps --no-build-isolation -e .
 	@touch $(STAMP)
 
-# The engines' own environments: kvplan's wheel resolved by pip's resolver beside SGLang 0.5.23 and beside
-# vLLM 0.33.0 (each with the torch and triton it pins), then what their integration tests import of that
-# resolution (tests/engine_env.py says what and why). They are built beside the first test pass.
+# The engines' own environments: kvplan's wheel resolved beside SGLang 0.5.23 and beside vLLM 0.33.0 (each
+# with the torch and triton it pins), what their integration tests import of that resolution (uv installs
+# those: 5 GB an environment), then kvplan's wheel through pip's resolver (tests/engine_env.py says what
+# and why; tests/test_install.py has pip resolve the same in a fresh environment). Built beside the first
+# test pass.
 SGLANG_VENV := .venv-sglang
 VLLM_VENV := .venv-vllm
 SGLANG_STAMP := $(SGLANG_VENV)/.kvplan-installed
@@ -71,13 +73,13 @@ $(ENGINE_WHEEL): pyproject.toml | $(STAMP)
 setup-sglang: $(SGLANG_STAMP)
 
 $(SGLANG_STAMP): $(ENGINE_WHEEL) tests/engine_env.py
-	$(PYTHON) tests/engine_env.py sglang $(SGLANG_VENV) $(ENGINE_WHEEL)
+	$(PY) tests/engine_env.py sglang $(SGLANG_VENV) $(ENGINE_WHEEL)
 	@touch $(SGLANG_STAMP)
 
 setup-vllm: $(VLLM_STAMP)
 
 $(VLLM_STAMP): $(ENGINE_WHEEL) tests/engine_env.py
-	$(PYTHON) tests/engine_env.py vllm $(VLLM_VENV) $(ENGINE_WHEEL)
+	$(PY) tests/engine_env.py vllm $(VLLM_VENV) $(ENGINE_WHEEL)
 	@touch $(VLLM_STAMP)
 
 # ruff's checks (pyproject.toml [tool.ruff]); make test runs them first

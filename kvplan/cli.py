@@ -26,6 +26,7 @@ _use_interpreter_without_gpu()
 
 from . import __version__  # noqa: E402 - after the interpreter's choice
 from .tools import preflight  # noqa: E402
+from .tools.demo_config import default_timeout as demo_timeout  # noqa: E402
 from .tools.target_process import SideFailed  # noqa: E402
 from .tools.scenarios import PRESETS, SCENARIOS  # noqa: E402
 from .transport.endpoints import MODES  # noqa: E402
@@ -206,21 +207,6 @@ def _check_demo(config, shape) -> None:
              "--layers")
 
 
-# staged copies under Triton's interpreter: ~2 MB/s measured on 2 cores, 0.7 MB/s on a slower day (session
-# 19: each receiver-planned scatter of the default demo took 20-25 s); a quarter of a MB/s leaves room
-INTERPRETED_BYTES_PER_S = 0.25e6
-
-
-def default_timeout(config) -> float:
-    """60 s, plus, for staged mode on the CPU (its gather and scatter run interpreted), 4 s per MB of KV."""
-    if config.mode != "staged" or config.resolved_device() != "cpu":
-        return 60.0
-    shape = config.model()
-    longest = max(config.prompt_len) if isinstance(config.prompt_len, tuple) else config.prompt_len
-    entries = shape.layers * shape.attention.parts
-    return 60.0 + config.requests * longest * shape.token_bytes * entries / INTERPRETED_BYTES_PER_S
-
-
 def _tp_sizes(args: argparse.Namespace) -> tuple[int, int] | None:
     """``(--src-tp, --dst-tp)`` when either is given (the other defaults to the preset's)."""
     if args.src_tp is None and args.dst_tp is None:
@@ -267,7 +253,7 @@ def _demo(args: argparse.Namespace) -> int:
                               "with --mode prepared, --layerwise, --dst-page-size or --gather")
     _check_engine("demo", config.engine, config.mode)
     if args.timeout is None:
-        config = replace(config, timeout=default_timeout(config))
+        config = replace(config, timeout=demo_timeout(config))
     shape = config.model()
     _check_demo(config, shape)
     if args.role != "both":
@@ -470,8 +456,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="where the pools live; auto picks the GPU when there is one (default: auto)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the allocation and the bytes (default: 0)")
     demo.add_argument("--timeout", type=float, default=None,
-                      help="deadline of every wait, in seconds (default: 60; for --mode staged on the CPU, where "
-                           "the copy kernels run interpreted, 60 plus 4 per MB of KV)")
+                      help="deadline of every wait, in seconds (default: 60; on the CPU, where the kernels run "
+                           "interpreted, plus 1 ms per descriptor between TP sizes and, for --mode staged, 4 s per MB "
+                           "of KV)")
     demo.add_argument("--fault", choices=FAULTS, default="none",
                       help="drill a failure path: the decode or prefill process dies, the layouts do not pair, or "
                            "nothing is sent before the deadline (default: none)")

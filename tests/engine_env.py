@@ -1,16 +1,17 @@
-"""An engine's own environment for ``make test``: kvplan's wheel resolved by pip beside the engine.
+"""An engine's own environment for ``make test``: kvplan's wheel resolved beside the engine, then installed.
 
 A user installs kvplan into the engine's environment, so each supported engine gets one here:
 
-1. a fresh virtual environment, where pip's resolver (never ``--no-deps`` for kvplan) resolves
-   kvplan's wheel beside the engine's pinned release, whole (``--dry-run --report``); a conflict
-   fails ``make test`` with the resolver's own words;
-2. the part of that resolution the integration tests need, at the versions the resolver chose (a
-   constraints file of every resolved pin): the engine's torch and triton, numpy, and the modules
-   the engine's transfer code imports. The engine's GPU kernels (flash attention, DeepGEMM, CUTLASS,
-   ...) are not installed: nothing on a CPU box calls them;
+1. a fresh virtual environment and the whole resolution of kvplan's wheel beside the engine's pinned
+   release (``uv pip compile``, seconds; pip's own resolver resolves the same in a fresh environment in
+   ``tests/test_install.py``, which fails on any conflict with pip's words);
+2. the part of that resolution the integration tests need, at the versions it chose (a constraints file
+   of every resolved pin): the engine's torch and triton, numpy, and the modules the engine's transfer
+   code imports. The engine's GPU kernels (flash attention, DeepGEMM, CUTLASS, ...) are not installed:
+   nothing on a CPU box calls them. uv installs them: the two environments hold 5 GB each, which pip
+   unpacked in minutes on two cores;
 3. the engine itself without its dependencies, and the transfer engines (NIXL, Mooncake);
-4. kvplan's wheel, installed through pip's resolver against what step 2 installed.
+4. kvplan's wheel, installed by pip's resolver (never ``--no-deps``) against what steps 2 and 3 installed.
 
 Usage (the Makefile's ``setup-sglang`` and ``setup-vllm``)::
 
@@ -19,7 +20,7 @@ Usage (the Makefile's ``setup-sglang`` and ``setup-vllm``)::
 
 from __future__ import annotations
 
-import json
+import re
 import shutil
 import subprocess
 import sys
@@ -82,32 +83,45 @@ def resolved_pins(report: dict) -> dict[str, str]:
     return {_canonical(item["metadata"]["name"]): item["metadata"]["version"] for item in report["install"]}
 
 
+def compiled_pins(text: str) -> dict[str, str]:
+    """``{distribution: version}`` of ``uv pip compile``'s output (``name==version`` lines)."""
+    pins = {}
+    for line in text.splitlines():
+        found = re.match(r"^([A-Za-z0-9_.-]+)==([^\s;]+)", line.strip())
+        if found:
+            pins[_canonical(found.group(1))] = found.group(2)
+    return pins
+
+
 def build(name: str, env_dir: Path, wheel: Path) -> None:
     engine = ENGINES[name]
     if env_dir.exists():
         shutil.rmtree(env_dir)
     venv.EnvBuilder(with_pip=True).create(env_dir)
-    pip = [str(env_dir / "bin" / "python"), "-m", "pip"]
+    python = str(env_dir / "bin" / "python")
+    uv = [shutil.which("uv") or str(Path(sys.executable).parent / "uv"), "pip"]
     kvplan = f"{wheel.resolve()}[{engine.extras}]"
-    report_path = env_dir / "resolved.json"
-    # 1. the whole resolution, in the fresh environment: kvplan's wheel beside the engine's release
-    _run(pip + ["install", "-q", "--disable-pip-version-check", "--dry-run", "--ignore-installed",
-                "--report", str(report_path), kvplan, engine.requirement],
-         f"pip resolves kvplan's wheel beside {engine.requirement}")
-    pins = resolved_pins(json.loads(report_path.read_text()))
+    # 1. the whole resolution: kvplan's wheel beside the engine's release
+    wanted_in = env_dir / "resolve.in"
+    wanted_in.write_text(f"kvplan[{engine.extras}] @ {wheel.resolve().as_uri()}\n{engine.requirement}\n")
+    resolved = env_dir / "resolved.txt"
+    _run(uv + ["compile", "-q", "--python", python, str(wanted_in), "-o", str(resolved)],
+         f"kvplan's wheel resolved beside {engine.requirement}")
+    pins = compiled_pins(resolved.read_text())
+    pins.pop("kvplan", None)
     constraints = env_dir / "resolved-constraints.txt"
     constraints.write_text("".join(f"{dist}=={version}\n" for dist, version in sorted(pins.items())))
     print(f"engine_env: {engine.requirement} resolves with torch {pins.get('torch')}, triton {pins.get('triton')}, "
           f"numpy {pins.get('numpy')}", flush=True)
     # 2. what the tests need of that resolution, at its versions
     wanted = ["torch", "triton", "numpy", *(_canonical(d) for d in engine.imports if _canonical(d) in pins)]
-    _run(pip + [*INSTALL, "-c", str(constraints), *(f"{d}=={pins[d]}" for d in wanted)],
+    _run(uv + ["install", "-q", "--python", python, "-c", str(constraints), *(f"{d}=={pins[d]}" for d in wanted)],
          f"the resolved torch {pins['torch']}, triton {pins['triton']} and {len(wanted) - 2} more")
     # 3. the engine's own code (not its GPU kernels), and the transfer engines
-    _run(pip + [*INSTALL, "--no-deps", engine.requirement, *TRANSFER_ENGINES],
+    _run(uv + ["install", "-q", "--python", python, "--no-deps", engine.requirement, *TRANSFER_ENGINES],
          f"{engine.requirement} and the transfer engines, without their dependencies")
     # 4. kvplan, through pip's resolver, against what is installed
-    _run(pip + [*INSTALL, "-c", str(constraints), kvplan], "kvplan's wheel through pip's resolver")
+    _run([python, "-m", "pip", *INSTALL, "-c", str(constraints), kvplan], "kvplan's wheel through pip's resolver")
 
 
 def main(argv: list[str]) -> None:

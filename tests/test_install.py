@@ -155,3 +155,30 @@ def test_without_pyzmq_the_transport_names_the_extra_that_installs_it(tmp_path):
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("kvplan.transport.zmq_import.MissingExtra: kvplan's transport needs pyzmq"), last
     assert "[ipc]" in last, last
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_pip_resolves_kvplan_s_wheel_beside_the_engine_s_release_in_a_fresh_environment(engine, tmp_path):
+    """What a user's ``pip install`` decides in the engine's environment: pip's own resolver, over kvplan's
+    wheel and the engine's pinned release together, with every dependency of both (a dry run: the
+    engines' GPU kernels are gigabytes). It must resolve, and pick the torch and triton the engine pins."""
+    import json
+
+    from tests.engine_env import ENGINES, resolved_pins
+
+    wheel = _wheel(tmp_path)
+    python, _ = _fresh_environment(tmp_path)
+    report = tmp_path / "report.json"
+    done = subprocess.run([sys.executable, "-m", "pip", "--python", python, "install", "-q", "--disable-pip-version-check",
+                           "--dry-run", "--ignore-installed", "--report", str(report), f"{wheel}[test]",
+                           ENGINES[engine].requirement], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    data = json.loads(report.read_text())
+    pins = resolved_pins(data)
+    name, version = ENGINES[engine].requirement.split("==")
+    assert pins[name] == version and pins["kvplan"] == "0.1.0", {k: pins.get(k) for k in (name, "kvplan")}
+    engine_item = next(i for i in data["install"] if i["metadata"]["name"].lower() == name)
+    wants = {m.group(1).lower(): m.group(2) for r in engine_item["metadata"].get("requires_dist", [])
+             if (m := re.match(r"^(torch|triton)\s*==\s*([^\s;,]+)", r)) and "extra ==" not in r}
+    assert pins["torch"] == wants["torch"], (pins["torch"], wants)
+    assert "triton" not in wants or pins["triton"] == wants["triton"], (pins["triton"], wants)

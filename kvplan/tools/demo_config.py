@@ -16,7 +16,7 @@ from ..planner.contract.batch import Batch
 from ..planner.contract.tensor_slices import partner_rank
 from .scenarios import PRESETS, ModelShape, build_batch, paired_ranks
 
-__all__ = ["DEMO_HOST", "DemoConfig", "ENGINE_ENV", "FAULTS", "STAGES", "is_loopback"]
+__all__ = ["DEMO_HOST", "DemoConfig", "ENGINE_ENV", "FAULTS", "STAGES", "default_timeout", "is_loopback"]
 
 FAULTS = ("none", "dead-decode", "dead-prefill", "dead-decode-mid", "dead-prefill-mid", "bad-registration", "deadline")
 # (Mooncake's TCP settings: the engine sets them, kvplan.transport.engines.mooncake.TCP_DEFAULTS)
@@ -144,3 +144,28 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:  # a host name: UCX chooses
         return False
+
+
+# staged copies under Triton's interpreter: ~2 MB/s measured on 2 cores, 0.7 MB/s on a slower day (each
+# receiver-planned scatter of the default demo took 20-25 s); a quarter of a MB/s leaves room
+INTERPRETED_BYTES_PER_S = 0.25e6
+# head-sliced planning under the interpreter (a descriptor per token and entry): 0.13-0.19 ms a descriptor
+# on an idle 2-core machine (the three tp4to8 presets, 131-139 thousand descriptors: 16-20 s of planning,
+# 17-26 s of transfer), about 0.7 ms on a loaded one; a millisecond leaves room
+INTERPRETED_SLICED_DESCRIPTOR_S = 1e-3
+
+
+def default_timeout(config) -> float:
+    """60 s; on the CPU, where the kernels run interpreted, plus 1 ms per descriptor where the sides' TP
+    sizes differ (head-sliced: a descriptor per token and entry) and, for staged mode, 4 s per MB of KV."""
+    if config.resolved_device() != "cpu":
+        return 60.0
+    shape = config.model()
+    longest = max(config.prompt_len) if isinstance(config.prompt_len, tuple) else config.prompt_len
+    entries = shape.layers * shape.attention.parts
+    timeout = 60.0
+    if shape.src_tp != shape.dst_tp:
+        timeout += config.requests * longest * entries * INTERPRETED_SLICED_DESCRIPTOR_S
+    if config.mode == "staged":
+        timeout += config.requests * longest * shape.token_bytes * entries / INTERPRETED_BYTES_PER_S
+    return timeout

@@ -8,6 +8,11 @@ block of every layer equal, and every request it could not load reported in ``fa
 blocks in ``get_block_ids_with_load_errors``: never as a success.
 """
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from kvplan.tools.target_process import child_message, child_pipe, start_child
@@ -19,6 +24,7 @@ pytest.importorskip("vllm", reason="vLLM 0.33.0 is not installed (make setup-vll
 from tests.integrations import vllm_node  # noqa: E402
 
 pytestmark = pytest.mark.vllm
+ROOT = Path(__file__).resolve().parents[2]
 
 REQUESTS = ["d-req-0", "d-req-1", "d-req-2", "d-req-3"]  # (the node's lengths: 100, 37, 64, 5 tokens)
 
@@ -258,3 +264,26 @@ def test_vllm_s_own_nixl_connector_moves_the_same_requests_through_the_same_harn
     assert got["blocks_checked"] == 4 + 2 + 2 + 1  # (100, 37, 64 and 5 tokens in blocks of 32)
     assert got["bytes"] == got["blocks_checked"] * 3 * 2 * 32 * 2 * 16 * 2  # (layers x K/V x tokens x heads x 16 bf16)
     assert got["ready"]["count"] == len(REQUESTS) and got["step"]["count"] > 0
+
+
+def test_two_sending_engines_on_one_host_whose_ports_overlap_stop_at_start_naming_the_port(tmp_path):
+    """A prefill and a kv_both decode with the same settings on one host: the second to start cannot listen
+    at port + rank, and stops with one line naming the port and the rule, not a ZeroMQ traceback."""
+    port = free_port()
+    code = ("import sys\n"
+            "from tests.integrations import vllm_node as n\n"
+            "from kvplan.integrations.vllm.scheduler import UnsupportedConfig\n"
+            f"extra = {{'host': '127.0.0.1', 'port': {port}, 'engine': 'nixl', 'warm_up': {{}}}}\n"
+            "layout = n.KVCacheLayout['LBNHC']\n"
+            "first = n.connectors('prefill', extra, 16, layout, 'prefill-engine', n.BLOCK)  # (kept: it listens)\n"
+            "try:\n"
+            "    n.connectors('decode', extra, 16, layout, 'decode-engine', n.BLOCK)\n"
+            "except UnsupportedConfig as err:\n"
+            "    print(err)\n"
+            "    sys.exit(3)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, cwd=ROOT,
+                          env={**os.environ, "UCX_NET_DEVICES": "lo"})
+    assert done.returncode == 3, done.stdout + done.stderr[-3000:]
+    said = done.stdout.strip().splitlines()[-1]
+    assert f"rank 0 listens at port {port} + 0, but 127.0.0.1:{port} is taken" in said, said
+    assert "kv_role kv_consumer" in said and "do not overlap" in said, said

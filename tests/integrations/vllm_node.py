@@ -350,7 +350,8 @@ def decode(args: argparse.Namespace) -> dict:
             if not torch.equal(view.cpu(), want.view(view.shape)):
                 wrong.append([local, "state", layer_name])
     open(f"{args.params}.done{args.tp_rank}", "w").close()
-    integrity = sorted({bool(d.integrity) for d in getattr(worker.worker, "decodes", {}).values()})
+    decodes = getattr(getattr(worker, "worker", None), "decodes", {})  # (kvplan's connector: vLLM's has none)
+    integrity = sorted({bool(d.integrity) for d in decodes.values()})
     worker.shutdown()
     ghost_blocks = sorted(mine[f"d-req-{len(params) - 1}"][1]) if args.ghost else []
     return {"received": sorted(received), "failed": sorted(failed), "invalid_blocks": sorted(invalid),

@@ -89,7 +89,7 @@ def test_verbose_after_the_subcommand_logs_each_batch():
 
 
 def test_staged_mode_on_the_cpu_gets_a_deadline_scaled_to_its_interpreted_copies():
-    from kvplan.cli import default_timeout
+    from kvplan.tools.demo_config import default_timeout
     from kvplan.tools.demo import DemoConfig
 
     assert default_timeout(DemoConfig(mode="direct", device="cpu")) == 60.0
@@ -116,3 +116,16 @@ def test_engine_settings_from_the_command_line_reach_the_engine_and_win_over_the
                         engine_extra=(("protocol", "nvlink_intra"), ("local_hostname", "10.0.0.1")))
     assert config.engine_settings(1) == {"device_id": 1, "local_hostname": "10.0.0.1", "protocol": "nvlink_intra"}
     assert DemoConfig(engine="nixl", engine_extra=(("num_threads", 4),)).engine_settings() == {"num_threads": 4}
+
+
+def test_a_preset_between_tp_sizes_on_the_cpu_gets_a_deadline_scaled_to_its_head_sliced_plan():
+    """The tp4to8 presets plan a descriptor per token and entry (131-139 thousand by default): interpreted,
+    that took up to most of the 60 s default on a loaded 2-core machine, so their default grows with it."""
+    from kvplan.tools.demo import DemoConfig
+    from kvplan.tools.demo_config import default_timeout
+
+    for preset in ("llama70b-tp4to8-p64", "gptoss-swa-tp4to8-p16", "qwen3next-mamba-tp4to8-p64"):
+        config = DemoConfig(preset=preset, device="cpu", mode="direct")
+        assert default_timeout(config) >= 60.0 + 130, (preset, default_timeout(config))
+    assert default_timeout(DemoConfig(preset="llama70b-tp8-p64", device="cpu", mode="direct")) == 60.0
+    assert default_timeout(DemoConfig(preset="llama70b-tp4to8-p64", device="cuda", mode="direct")) == 60.0

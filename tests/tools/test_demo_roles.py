@@ -76,3 +76,45 @@ def test_the_tools_choose_ucx_s_loopback_device_only_for_a_loopback_host(host, l
     from kvplan.tools.demo_config import is_loopback
 
     assert is_loopback(host) is loopback
+
+
+@pytest.mark.parametrize("decode_secret, prefill_secret, prefill_says, decode_says", [
+    ("decode's", "prefill's", "secret mismatch", "secret mismatch"),
+    ("decode's", None, "peer requires a secret", "peer has no secret"),
+])
+def test_two_sides_whose_secrets_differ_name_it_in_one_line_as_the_handshake_fails(decode_secret, prefill_secret,
+                                                                                  prefill_says, decode_says):
+    """The connecting prefill names why it cannot pair as soon as the decode's hello and proof show it (its
+    report, no traceback); the decode names it in one warning line as it refuses the pairing."""
+    import threading
+    import time
+
+    port = _free_port("127.0.0.1")
+    cmd = [sys.executable, "-m", "kvplan", "demo", "--engine", "nixl", *SCENARIO]
+
+    def environment(secret):
+        env = {k: v for k, v in plain_env().items() if k not in ("KVPLAN_SECRET", "KVPLAN_SECRET_FILE")}
+        return {**env, "UCX_NET_DEVICES": "lo", **({"KVPLAN_SECRET": secret} if secret else {})}
+
+    decode = subprocess.Popen(cmd + ["--role", "decode", "--listen", f"127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, env=environment(decode_secret), cwd=ROOT)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(decode.stderr), daemon=True)
+    reader.start()
+    try:
+        started = time.monotonic()
+        prefill = subprocess.run(cmd + ["--role", "prefill", "--peer", f"127.0.0.1:{port}"], capture_output=True,
+                                 text=True, timeout=120, env=environment(prefill_secret), cwd=ROOT)
+        took = time.monotonic() - started
+        deadline = time.monotonic() + 10
+        while not any(decode_says in line for line in lines) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        decode.kill()
+        decode.wait(30)
+        reader.join(10)
+    assert prefill.returncode == 1 and "Traceback" not in prefill.stderr, prefill.stdout + prefill.stderr[-3000:]
+    assert f"pairing       refused: SecretMismatch: {prefill_says}: " in prefill.stdout, prefill.stdout
+    assert took < 60, took  # (the process's start and imports, then one handshake: not the 60 s deadline)
+    named = [line for line in lines if decode_says in line]
+    assert len(named) == 1 and named[0].startswith("WARNING refused a message on the control channel"), lines

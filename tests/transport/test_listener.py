@@ -286,3 +286,14 @@ def test_a_channel_that_cannot_be_opened_answers_busy_and_the_listener_lives_on(
         for s in sockets:
             s.close()
         listener.close()
+
+
+def test_a_port_that_is_taken_is_named_in_one_error_of_kvplan_s():
+    from kvplan.transport.listener import AddressInUse
+
+    first = _listener()
+    try:
+        with pytest.raises(AddressInUse, match=f"^127.0.0.1:{first.port} is taken: another process listens there"):
+            ChannelListener(first.port, host="127.0.0.1")
+    finally:
+        first.socket.close(0)
