@@ -43,6 +43,7 @@ import torch
 from ..errors import KvplanError, PlanError
 from ..profiling import Profile
 from .handles import SendHandle
+from .pause import hot_seconds
 from .wake import WakePipe
 
 
@@ -69,7 +70,6 @@ log = logging.getLogger(__name__)
 
 MAX_IN_FLIGHT = 8  # batches queued or moving at once per prefill endpoint (PrefillEndpoint's max_in_flight)
 IDLE_S = 0.02  # the longest an idle progress thread waits before it looks at its channels again
-HOT_S = 0.002  # after something happened, it only yields this long before it blocks
 
 
 class _Job:
@@ -166,6 +166,7 @@ class ProgressThread:
             self._loop()
 
     def _loop(self) -> None:
+        hot_s = hot_seconds()  # after something happened, it only yields this long before it blocks (KVPLAN_HOT_S)
         last = time.monotonic()
         while not self._closing:
             try:
@@ -182,7 +183,7 @@ class ProgressThread:
                 last = now
             if self._jobs or self._actions:
                 continue
-            if now - last < HOT_S:
+            if now - last < hot_s:
                 os.sched_yield()
             else:
                 self._wait(IDLE_S)

@@ -143,3 +143,16 @@ def test_the_secret_comes_from_the_file_its_setting_names(tmp_path, monkeypatch)
     assert Settings.read(None, {}).secret() is None
     monkeypatch.setenv("KVPLAN_SECRET", "from the environment")
     assert Settings.read(None, {}).secret() == b"from the environment"
+
+
+def test_a_switch_value_that_is_no_switch_stops_the_process_in_one_line(monkeypatch):
+    """SGLang logs a plugin's exception and runs on without it: a typo in the switch must stop the process
+    instead (SystemExit is no Exception), naming the variable."""
+    from kvplan.integrations.sglang import plugin
+
+    monkeypatch.setenv("KVPLAN_SGLANG", "maybe")
+    with pytest.raises(SystemExit, match="^kvplan: KVPLAN_SGLANG='maybe': not a switch"):
+        plugin.register()
+    for value, on in (("1", True), ("yes", True), ("on", True), ("0", False), ("off", False), ("", False)):
+        assert plugin.enabled({"KVPLAN_SGLANG": value}) is on
+    assert plugin.enabled({}) is False

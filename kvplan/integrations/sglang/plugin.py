@@ -26,6 +26,7 @@ import os
 from typing import Any, Callable
 
 from ... import env
+from ...errors import SettingError
 
 __all__ = ["SWITCH", "enabled", "kv_class", "register"]
 
@@ -57,8 +58,15 @@ def kv_class(original: Callable[..., Any], transfer_backend: Any, class_type: An
 
 
 def register() -> None:
-    """SGLang's entry point: hook ``get_kv_class`` when ``KVPLAN_SGLANG`` is set, else nothing."""
-    if not enabled():
+    """SGLang's entry point: hook ``get_kv_class`` when ``KVPLAN_SGLANG`` is set, else nothing. A value that is
+    no switch stops the process with one line: SGLang logs a plugin's exception and runs on without it, and
+    a typo must not leave a deployment running SGLang's own transfer unnoticed."""
+    try:
+        on = enabled()
+    except SettingError as err:
+        log.error("%s", err)
+        raise SystemExit(f"kvplan: {err}") from None
+    if not on:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
