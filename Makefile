@@ -88,11 +88,11 @@ lint: setup
 
 # Four passes: every test with the kernels interpreted on the CPU (torch 2.13, triton 3.7), then a compile
 # check of every kernel for sm_90 in a process of its own (the two cannot share a process); beside both,
-# each engine's environment is built and its integration tests run in it (torch 2.14, triton 3.8), one
-# worker each (their tests mostly wait on processes of their own); their output comes last
+# each engine's environment is built and its integration tests run in it (torch 2.14, triton 3.8): SGLang's
+# with two workers, vLLM's with one (each of its workers imports vLLM twice); their output comes last
 test: setup dist lint $(ENGINE_WHEEL)
 	@sglang_log=$$(mktemp); vllm_log=$$(mktemp); \
-	$(MAKE) --no-print-directory test-sglang SGLANG_WORKERS=1 > $$sglang_log 2>&1 & sglang=$$!; \
+	$(MAKE) --no-print-directory test-sglang SGLANG_WORKERS=2 > $$sglang_log 2>&1 & sglang=$$!; \
 	$(MAKE) --no-print-directory test-vllm VLLM_WORKERS=1 > $$vllm_log 2>&1 & vllm=$$!; \
 	trap 'kill $$sglang $$vllm 2>/dev/null; rm -f $$sglang_log $$vllm_log' INT TERM; \
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(WORKERS) --dist worksteal -m "not compile_check and not vllm and not sglang" \

@@ -98,22 +98,46 @@ def _clean_environ() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
 
 
-def test_the_wheel_installs_into_a_fresh_environment_and_the_first_snippet_runs_there(tmp_path):
+def test_every_document_s_install_lines_run_in_one_fresh_environment_and_what_they_install_imports(tmp_path):
+    """One fresh environment, as a user builds it, step by step: the CPU torch (the README's first line), the
+    plain wheel (it plans; its transport names the extra it lacks), then the README's line (its first snippet
+    runs there, kvplan from the wheel) and each engine document's lines, each followed by kvplan's own check
+    that the engines its extras name import (``missing_engine``). An engine's environment holds its own
+    torch; here the CPU torch stands for it."""
     wheel = _wheel(tmp_path)
     python, pip = _fresh_environment(tmp_path)
-    for line in _readme_install_lines():
-        _run_line(pip, line, wheel)
-    snippet = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)[0]
     env = _clean_environ()
     env["TRITON_INTERPRET"] = "1"  # a library user on a CPU chooses the interpreter (the CLI does it itself)
-    done = subprocess.run([python, "-c", snippet], capture_output=True, text=True, timeout=300, env=env,
-                          cwd=tmp_path)
+    torch_line, *readme_lines = _readme_install_lines()
+    _run_line(pip, torch_line, wheel)
+    # the plain wheel: no extra, so no pyzmq
+    _run_line(pip, f"pip install {WHEEL_NAME}", wheel)
+    code = ("import kvplan.transport.engines as e\n"
+            "from kvplan.transport.engines.registry import missing_engine\n"
+            "print(missing_engine('ipc'))\n"
+            "from kvplan.transport.control import ControlChannel\n"
+            "ControlChannel(host='127.0.0.1')\n")
+    done = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert done.returncode == 1
+    assert "ipc is not installed here" in done.stdout and "extra ipc" in done.stdout, done.stdout
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("kvplan.transport.zmq_import.MissingExtra: kvplan's transport needs pyzmq"), last
+    assert "[ipc]" in last, last
+    # the README's line, and its first snippet
+    for line in readme_lines:
+        _run_line(pip, line, wheel)
+    snippet = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)[0]
+    done = subprocess.run([python, "-c", snippet], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert done.stdout.split() == "[[16 3 2] [18 9 2]]".split(), done.stdout
     where = subprocess.run([python, "-c", "import kvplan; print(kvplan.__file__)"], capture_output=True, text=True,
                            env=env, cwd=tmp_path, timeout=60)
     assert str(tmp_path / "env") in where.stdout, where.stdout  # kvplan from the wheel, not from this checkout
-    _engines_import(python, ("ipc",), tmp_path)
+    _engines_import(python, DOCUMENTS["README.md"], tmp_path)
+    for document in ("docs/sglang.md", "docs/vllm.md"):
+        for line in _install_lines(document):
+            _run_line(pip, line, wheel)
+        _engines_import(python, DOCUMENTS[document], tmp_path)
 
 
 def _engines_import(python: str, engines: tuple[str, ...], cwd: Path) -> None:
@@ -126,59 +150,38 @@ def _engines_import(python: str, engines: tuple[str, ...], cwd: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
 
 
-@pytest.mark.parametrize("document", ["docs/sglang.md", "docs/vllm.md"])
-def test_an_engine_document_s_install_lines_run_in_a_fresh_environment(document, tmp_path):
-    """Run in an engine's environment, which holds its torch: here a fresh one given the CPU torch first."""
-    wheel = _wheel(tmp_path)
-    python, pip = _fresh_environment(tmp_path)
-    _run_line(pip, next(line for line in _readme_install_lines() if "torch==" in line), wheel)
-    for line in _install_lines(document):
-        _run_line(pip, line, wheel)
-    _engines_import(python, DOCUMENTS[document], tmp_path)
-
-
-def test_without_pyzmq_the_transport_names_the_extra_that_installs_it(tmp_path):
-    """A plain install (no extra) plans; its transport refuses in one line naming the extras."""
-    wheel = _wheel(tmp_path)
-    python, pip = _fresh_environment(tmp_path)
-    _run_line(pip, next(line for line in _readme_install_lines() if "torch==" in line), wheel)
-    _run_line(pip, f"pip install {WHEEL_NAME}", wheel)
-    code = ("import kvplan.transport.engines as e\n"
-            "from kvplan.transport.engines.registry import missing_engine\n"
-            "print(missing_engine('ipc'))\n"
-            "from kvplan.transport.control import ControlChannel\n"
-            "ControlChannel(host='127.0.0.1')\n")
-    done = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120, env=_clean_environ(),
-                          cwd=tmp_path)
-    assert done.returncode == 1
-    assert "ipc is not installed here" in done.stdout and "extra ipc" in done.stdout, done.stdout
-    last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("kvplan.transport.zmq_import.MissingExtra: kvplan's transport needs pyzmq"), last
-    assert "[ipc]" in last, last
-
-
-@pytest.mark.parametrize("engine", ["sglang", "vllm"])
-def test_pip_resolves_kvplan_s_wheel_beside_the_engine_s_release_in_a_fresh_environment(engine, tmp_path):
+def test_pip_resolves_kvplan_s_wheel_beside_each_engine_s_release_in_a_fresh_environment(tmp_path):
     """What a user's ``pip install`` decides in the engine's environment: pip's own resolver, over kvplan's
     wheel and the engine's pinned release together, with every dependency of both (a dry run: the
-    engines' GPU kernels are gigabytes). It must resolve, and pick the torch and triton the engine pins."""
+    engines' GPU kernels are gigabytes). Each must resolve, and pick the torch and triton the engine pins.
+    The two engines resolve at once (each mostly waits on the package index)."""
     import json
 
     from tests.engine_env import ENGINES, resolved_pins
 
     wheel = _wheel(tmp_path)
-    python, _ = _fresh_environment(tmp_path)
-    report = tmp_path / "report.json"
-    done = subprocess.run([sys.executable, "-m", "pip", "--python", python, "install", "-q", "--disable-pip-version-check",
-                           "--dry-run", "--ignore-installed", "--report", str(report), f"{wheel}[test]",
-                           ENGINES[engine].requirement], capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-    data = json.loads(report.read_text())
-    pins = resolved_pins(data)
-    name, version = ENGINES[engine].requirement.split("==")
-    assert pins[name] == version and pins["kvplan"] == "0.1.0", {k: pins.get(k) for k in (name, "kvplan")}
-    engine_item = next(i for i in data["install"] if i["metadata"]["name"].lower() == name)
-    wants = {m.group(1).lower(): m.group(2) for r in engine_item["metadata"].get("requires_dist", [])
-             if (m := re.match(r"^(torch|triton)\s*==\s*([^\s;,]+)", r)) and "extra ==" not in r}
-    assert pins["torch"] == wants["torch"], (pins["torch"], wants)
-    assert "triton" not in wants or pins["triton"] == wants["triton"], (pins["triton"], wants)
+    runs = {}
+    for engine in ("sglang", "vllm"):
+        python, _ = _fresh_environment(tmp_path / engine)
+        report = tmp_path / engine / "report.json"
+        runs[engine] = (report, subprocess.Popen(
+            [sys.executable, "-m", "pip", "--python", python, "install", "-q", "--disable-pip-version-check",
+             "--dry-run", "--ignore-installed", "--report", str(report), f"{wheel}[test]", ENGINES[engine].requirement],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for engine, (report, run) in runs.items():
+        try:
+            out, err = run.communicate(timeout=900)
+        finally:
+            if run.poll() is None:
+                run.kill()
+                run.wait(30)
+        assert run.returncode == 0, (engine, out + err[-3000:])
+        data = json.loads(report.read_text())
+        pins = resolved_pins(data)
+        name, version = ENGINES[engine].requirement.split("==")
+        assert pins[name] == version and pins["kvplan"] == "0.1.0", {k: pins.get(k) for k in (name, "kvplan")}
+        engine_item = next(i for i in data["install"] if i["metadata"]["name"].lower() == name)
+        wants = {m.group(1).lower(): m.group(2) for r in engine_item["metadata"].get("requires_dist", [])
+                 if (m := re.match(r"^(torch|triton)\s*==\s*([^\s;,]+)", r)) and "extra ==" not in r}
+        assert pins["torch"] == wants["torch"], (engine, pins["torch"], wants)
+        assert "triton" not in wants or pins["triton"] == wants["triton"], (engine, pins["triton"], wants)
