@@ -9,7 +9,8 @@ This writes ``.whl-sglang/sglang-site.tar.xz`` (git-ignored), to unpack on the c
 * SGLang from its cp312 wheel less what no scheduler loads: ``multimodal_gen/`` (diffusion serving),
   ``test/``, and the Rust extensions but the radix tree's core (``srt/mem_cache/rust_tree_core``);
 * the packages with compiled code that the card lacks (or has older than transformers asks for) from
-  their cp312 wheels, each at the version ``make setup-sglang`` installs here;
+  their cp312 wheels, each at the version ``make setup-sglang`` installs in SGLang's environment (run this
+  with its Python);
 * the pure-Python packages it lacks as installed here (source runs the same on 3.12), with their
   metadata (transformers checks its dependencies' versions when imported);
 * nothing the card already has (torch, numpy, pytest, pillow, aiohttp and the rest: the device's

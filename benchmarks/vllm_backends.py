@@ -20,7 +20,7 @@ runs in either connector's path, and vLLM's attention backend is Triton's.
 
 Example::
 
-    PYTHONPATH=.vllm-site python -m benchmarks.vllm_backends --requests 32 --json out/vllm-backends.json
+    .venv-vllm/bin/python -m benchmarks.vllm_backends --requests 32 --json out/vllm-backends.json
     python -m benchmarks.vllm_backends --device cuda --repeats 3     # on a card, the site on PYTHONPATH
 """
 

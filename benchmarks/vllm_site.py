@@ -65,7 +65,7 @@ NOT_LOADED = ("__pycache__", "*.so", "vllm-rs", "*.h", "*.hpp", "*.cuh", "*.cu",
 
 
 def copy_vllm_site(name: str, tree: str) -> None:
-    """Package ``name`` of ``.vllm-site`` and its ``.dist-info``, less what no connector process loads."""
+    """Package ``name`` of vLLM's environment and its ``.dist-info``, less what no connector process loads."""
     shutil.copytree(os.path.join(VLLM_SITE, name), os.path.join(tree, name), ignore=shutil.ignore_patterns(*NOT_LOADED))
     for info in glob.glob(os.path.join(VLLM_SITE, f"{name}-*.dist-info")):
         shutil.copytree(info, os.path.join(tree, os.path.basename(info)))

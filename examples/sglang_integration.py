@@ -11,10 +11,10 @@ Run, where SGLang 0.5.23 is installed with its dependencies::
 
     UCX_NET_DEVICES=lo python examples/sglang_integration.py
 
-With the CPU environment of ``make setup-sglang`` (SGLang without its dependencies: no torchvision,
+With the CPU environment of ``make setup-sglang`` (SGLang without its GPU kernels and without torchvision,
 which SGLang's multimodal imports ask for; ``tests/sglang_real.py`` answers that import)::
 
-    UCX_NET_DEVICES=lo TRITON_INTERPRET=1 .venv/bin/python -m tests.sglang_real examples/sglang_integration.py
+    UCX_NET_DEVICES=lo TRITON_INTERPRET=1 .venv-sglang/bin/python -m tests.sglang_real examples/sglang_integration.py
 """
 
 import os

@@ -1,7 +1,8 @@
 """SGLang's own code (0.5.23), imported for the differential tests, or a skip where it is absent.
 
-``make setup`` installs ``sglang==0.5.23`` without its dependencies (they would replace the CPU
-torch with a CUDA one), then the packages its import chain asks for (``make setup-sglang``).
+``make setup-sglang`` builds SGLang's environment (``.venv-sglang``, ``tests/engine_env.py``): the resolution
+of kvplan's wheel beside ``sglang==0.5.23``, of which SGLang's torch, triton and the packages its import chain
+asks for are installed, and SGLang itself without its GPU kernels.
 SGLang's configs import ``torchvision.transforms`` for multimodal preprocessing, which nothing in
 its disaggregation code calls; the torchvision wheels on PyPI need CUDA libraries and the CPU ones
 are not reachable here, so where ``import torchvision`` fails a stand-in module answers that import

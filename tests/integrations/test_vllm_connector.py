@@ -6,8 +6,9 @@
 (b) The same requests go through vLLM's ``NixlPushConnectorScheduler`` and kvplan's scheduler side;
     both decide alike what loads remotely, into which blocks, and which blocks a prefill keeps.
 
-vLLM runs here on the CPU (``VLLM_TARGET_DEVICE=cpu``), installed without its dependencies
-(``make setup-vllm``); the module is skipped where it is not installed.
+vLLM runs here on the CPU (``VLLM_TARGET_DEVICE=cpu``), in vLLM's environment (``make setup-vllm``: its own
+torch and what its connector modules import, not its GPU kernels); the module is skipped where vLLM is not
+installed.
 """
 
 import contextlib
