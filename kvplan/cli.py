@@ -27,6 +27,7 @@ _use_interpreter_without_gpu()
 from . import __version__  # noqa: E402 - after the interpreter's choice
 from .tools import preflight  # noqa: E402
 from .tools.demo_config import default_timeout as demo_timeout  # noqa: E402
+from .tools.load_config import KV_SHAPES  # noqa: E402
 from .tools.target_process import SideFailed  # noqa: E402
 from .tools.scenarios import PRESETS, SCENARIOS  # noqa: E402
 from .transport.endpoints import MODES  # noqa: E402
@@ -302,6 +303,8 @@ def _load(args: argparse.Namespace) -> int:
     from .tools.load import LoadConfig, run_load
 
     _json_folder("load", args.json)
+    layers, token_bytes, page_size = KV_SHAPES[args.preset]
+    args.layers, args.page_size = args.layers or layers, args.page_size or page_size
     if args.chunk_tokens % args.page_size:
         raise Refused("load", f"--chunk-tokens {args.chunk_tokens} is not a multiple of the page size {args.page_size}")
     if args.kill_at and args.decodes < 2:
@@ -317,8 +320,9 @@ def _load(args: argparse.Namespace) -> int:
         raise Refused("load", f"--prompt-median {args.prompt_median} is above --prompt-max {args.prompt_max}")
     host = args.host
     config = LoadConfig(rate=args.rate, duration=args.duration, decodes=args.decodes, engine=args.engine,
-                        mode=args.mode, device=args.device, layers=args.layers, prompt_median=args.prompt_median,
-                        prompt_max=args.prompt_max, chunk_tokens=args.chunk_tokens, page_size=args.page_size,
+                        mode=args.mode, device=args.device, layers=args.layers, token_bytes=token_bytes,
+                        prompt_median=args.prompt_median, prompt_max=args.prompt_max, chunk_tokens=args.chunk_tokens,
+                        page_size=args.page_size,
                         prefix_share=args.prefix_share, fault_every=args.fault_every, kill_at=args.kill_at,
                         rows=args.rows, queue=args.queue, timeout=args.timeout, seed=args.seed, host=host,
                         forward_tokens_per_s=args.forward_tokens_per_s, staging_mib=args.staging_mib,
@@ -510,8 +514,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="direct, prepared (NIXL), staged or auto, as for kvplan demo (default: auto)")
     load.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                       help="where the pools live; auto picks the GPU when there is one (default: auto)")
-    load.add_argument("--layers", type=_positive, default=4, help="layers of K and V (default: 4)")
-    load.add_argument("--page-size", type=_positive, default=16, help="tokens a KV page holds (default: 16)")
+    load.add_argument("--preset", choices=list(KV_SHAPES), default="tiny",
+                      help="the KV a token holds: tiny (4 layers of 64-byte K and V entries: the protocol's cost) or "
+                           "llama8b (Llama-3.1-8B in bf16: 32 layers, 2 KiB entries, 128 KiB a token); default: tiny")
+    load.add_argument("--layers", type=_positive, default=None, help="layers of K and V (default: the preset's)")
+    load.add_argument("--page-size", type=_positive, default=None, help="tokens a KV page holds (default: the preset's)")
     load.add_argument("--prompt-median", type=_positive, default=512, help="tokens (log-normal; default: 512)")
     load.add_argument("--prompt-max", type=_positive, default=2048,
                       help="the longest prompt, in tokens; the pools are sized for it (default: 2048)")

@@ -77,10 +77,22 @@ class LoadReport:
                 out[who] = round(snap["caller_s"] / handled * 1e6, 1)
         return out
 
+    def cpu_per_request(self) -> dict[str, dict[str, float]]:
+        """Per process, the CPU milliseconds of all its threads per request it handled, and the share of one
+        core it kept busy over its run (``busy``: CPU seconds over wall seconds; far below 1 with requests
+        waiting is a process that sleeps instead of working)."""
+        out = {}
+        for who, snap in self.stats.items():
+            handled = sum(snap["requests"].values())
+            if "cpu_s" in snap and handled and snap.get("wall_s"):
+                out[who] = {"ms": round(snap["cpu_s"] / handled * 1e3, 3), "busy": round(snap["cpu_s"] / snap["wall_s"], 3)}
+        return out
+
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["config"] = asdict(self.config)
         out["caller_us_per_request"] = self.caller_us_per_request()
+        out["cpu_per_request"] = self.cpu_per_request()
         return out
 
     def lines(self) -> list[str]:
@@ -119,6 +131,11 @@ class LoadReport:
             out.append("caller thread " + ", ".join(f"{who} {us:,.0f} us" for who, us in order)
                        + " per request (inside kvplan's calls" + (", the send's wait included" if "prefill" in caller
                                                                    else "") + ")")
+        process_cpu = self.cpu_per_request()
+        if process_cpu:
+            order = sorted(process_cpu.items(), key=lambda item: (item[0] != "prefill", item[0]))
+            out.append("process CPU   " + ", ".join(f"{who} {v['ms']:.2f} ms ({v['busy']:.0%} of a core)" for who, v in order)
+                       + " per request handled (every thread of the process)")
         for who, samples in self.resources.items():
             if samples:
                 a, b = samples[min(1, len(samples) - 1)], samples[-1]

@@ -11,10 +11,15 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["Arrival", "FAULTS", "LoadConfig", "compute_s", "fault_at", "schedule"]
+__all__ = ["Arrival", "FAULTS", "KV_SHAPES", "LoadConfig", "compute_s", "fault_at", "schedule"]
 
 
 FAULTS = ("abort", "deadline")
+
+#: ``kvplan load --preset``: the KV a token holds, as ``(layers, bytes per K or V entry of a layer, page size)``.
+#: ``tiny`` is the protocol's cost alone (64-byte entries: 512 B a token); ``llama8b`` is Llama-3.1-8B's KV
+#: in bf16 (32 layers, 8 KV heads of 128: 2 KiB an entry, 128 KiB a token), what a served request carries.
+KV_SHAPES = {"tiny": (4, 64, 16), "llama8b": (32, 2048, 16)}
 
 
 @dataclass(frozen=True)

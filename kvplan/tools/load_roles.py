@@ -100,10 +100,18 @@ class _InjectedFaults(logging.Filter):
 
 
 class _CallerTime:
-    """``with caller: endpoint.call(...)``: the wall time the caller's thread spends inside kvplan's calls."""
+    """``with caller: endpoint.call(...)``: the wall time the caller's thread spends inside kvplan's calls; and,
+    from when it is made, the process's CPU time (every thread's: the caller's and kvplan's progress threads)
+    against the wall time, so that a process that is mostly asleep shows it (:meth:`totals`)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
+        self._cpu0, self._wall0 = time.process_time(), time.monotonic()
+
+    def totals(self) -> dict[str, float]:
+        """What the run's report takes of this process: ``caller_s``, ``cpu_s`` and ``wall_s``."""
+        return {"caller_s": self.seconds, "cpu_s": time.process_time() - self._cpu0,
+                "wall_s": time.monotonic() - self._wall0}
 
     def __enter__(self) -> "_CallerTime":
         self._t0 = time.perf_counter()
@@ -236,7 +244,7 @@ def decode_process(config: LoadConfig, index: int, conn) -> None:
         endpoint.close()
         endpoint.log_trace()  # (KVPLAN_TRACE: each wave's steps here, logged once the run's timing is taken)
         samples.append(_resources(engine, endpoint, started))
-        conn.send(("progress", {**endpoint.stats(), "caller_s": caller.seconds}))
+        conn.send(("progress", {**endpoint.stats(), **caller.totals()}))
         conn.send(("result", outcomes, samples, quarantined, len(live) + len(arrivals)))
         conn.poll(60)
         engine.close()
@@ -359,7 +367,7 @@ def prefill_process(config: LoadConfig, ports: list[int], conn) -> None:
         profile.__exit__(None, None, None)
         endpoint.close()
         samples.append(_resources(engine, endpoint, started))
-        conn.send(("progress", {**endpoint.stats(), "caller_s": caller.seconds}))
+        conn.send(("progress", {**endpoint.stats(), **caller.totals()}))
         conn.send(("result", outcomes, samples, len(live) + len(arrivals) + len(waiting) + len(submitted)))
         conn.poll(60)
         engine.close()

@@ -26,6 +26,10 @@ def _check_run(config: LoadConfig, report: dict) -> None:
     failed = sum(s["failures"].get("aborted", 0) + s["failures"].get("deadline", 0) for s in decodes)
     assert failed == len(injected)
     assert report["stats"]["prefill"]["bytes"] > 0 and report["stats"]["prefill"]["requests"]["sent"] >= report["completed"]
+    # each process's CPU time (all its threads) per request, and the share of a core it kept busy
+    cpu = report["cpu_per_request"]
+    assert set(cpu) == set(report["stats"]), cpu
+    assert all(v["ms"] > 0 and 0 < v["busy"] < 64 for v in cpu.values()), cpu
 
 
 def test_a_short_load_run_with_faults_moves_every_surviving_request_byte_for_byte(tmp_path):
@@ -46,6 +50,7 @@ def test_a_short_load_run_with_faults_moves_every_surviving_request_byte_for_byt
                           capture_output=True, text=True, timeout=300, env=plain_env())
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "[load]" in done.stderr and "not a speed measurement" in done.stdout, done.stderr
+    assert "process CPU   prefill " in done.stdout and "of a core)" in done.stdout, done.stdout
     assert "failed: load: an abort" not in done.stderr  # an injected fault is no warning (shown with -v)
     _check_run(config, json.loads(out.read_text()))
 
@@ -118,3 +123,23 @@ def test_the_stand_in_writes_and_checks_a_turn_at_once_as_the_host_check_does_re
     slot = int(pools.table[held[1][1], 5])  # one byte of q1's token 5, in the last entry
     pools.kv[-1][slot // 4, slot % 4, 3] ^= 1
     assert pools.check_many(done) == [True, False] == [pools.check(a, row) for a, row in done]
+
+
+def test_the_llama8b_preset_gives_each_token_an_8b_model_s_kv(capsys, monkeypatch):
+    """``--preset llama8b``: Llama-3.1-8B's KV in bf16, 128 KiB a token (``--layers``/``--page-size`` still win)."""
+    from kvplan.tools.load_config import KV_SHAPES
+    from tests.tools.cli import run_cli
+
+    layers, entry, page = KV_SHAPES["llama8b"]
+    assert layers * 2 * entry == 128 << 10 and page == 16
+    seen = {}
+    monkeypatch.setattr("kvplan.tools.load.run_load", lambda config, **kw: seen.setdefault("config", config) and 1 / 0)
+    for args, want in ((["--preset", "llama8b"], (32, 2048, 16)), (["--preset", "llama8b", "--layers", "2"], (2, 2048, 16)),
+                       ([], (4, 64, 16))):
+        seen.clear()
+        try:
+            run_cli(["load", "--device", "cpu", *args], capsys, monkeypatch)
+        except ZeroDivisionError:
+            pass
+        config = seen["config"]
+        assert (config.layers, config.token_bytes, config.page_size) == want, (args, config)
