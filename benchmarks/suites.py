@@ -342,6 +342,22 @@ def _sglang_backends() -> tuple[Step, ...]:
                                                  os.path.join(out, "sglang-backends.json")], 330, env))
 
 
+def _served() -> tuple[Step, ...]:
+    """``kvplan load`` as a served request meets it (every request byte-checked), one step per row: the
+    baseline a faster runtime is measured against in the same call."""
+    common = ("--fault-every", "0", "--forward-tokens-per-s", "1e12", "--timeout", "5", "--duration", "4",
+              "--no-progress")
+
+    def row(name: str, *args: str) -> Step:
+        return Step(name, lambda out: [PY, "-m", "kvplan", "load", *common, *args, "--json",
+                                       os.path.join(out, f"served-{name}.json")], 120)
+
+    return (row("tiny-400-nixl", "--rate", "400", "--rows", "64"),
+            row("tiny-1000-nixl", "--rate", "1000", "--rows", "64"),
+            row("tiny-1000-ipc", "--rate", "1000", "--rows", "64", "--engine", "ipc"),
+            row("llama8b-200-nixl", "--preset", "llama8b", "--rate", "200", "--rows", "32", "--prompt-max", "2048"))
+
+
 def _vllm_backends() -> tuple[Step, ...]:
     # the CPU run's requests (results/2026-12-05-cpu-session44-vllm-backends/) with the KV on the card. The
     # warm-up compiles kvplan's kernels (planner, copies; 44-109 s on a fresh card in session 38) into the cache
@@ -411,6 +427,9 @@ SUITES: dict[str, Suite] = {
         Step("kill", lambda out: [PY, "-m", "kvplan", "load", "--rate", "100", "--duration", "10", "--decodes", "3",
                                   "--kill-at", "5", "--json", os.path.join(out, "load-nixl-kill.json")], 100),
         Step("10k", _load_rate, 400))),
+    "served": Suite("a served request's phases, CPU per process and caller time: kvplan load at 400 and 1,000 "
+                    "offered/s with 64-byte tokens (NIXL, ipc), and with Llama-3.1-8B's 128 KiB tokens",
+                    ".whl-both", _served()),
     "integrity": Suite("per-request checksums: the kernel, its speed, demos with and without, a load run", ".whl", (
         pytest("tests", "tests/kernels/test_checksum.py"),
         module("bandwidth", "benchmarks.checksum_bandwidth"),
