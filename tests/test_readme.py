@@ -40,3 +40,17 @@ def test_the_readme_is_read_in_five_minutes_and_its_links_resolve():
     assert len(text.splitlines()) <= 250
     for target in re.findall(r"\]\(((?:docs|examples|benchmarks|kvplan)/[^)#]+)\)", text):
         assert (README.parent / target).exists(), target
+
+
+def test_every_relative_link_of_the_readme_and_the_docs_resolves():
+    """A link is read from its own file's folder (one in docs/ that says ``docs/x.md`` resolves nowhere)."""
+    root = README.parent
+    pages = [README, root / "CHANGELOG.md", root / "benchmarks" / "RESULTS.md", *sorted((root / "docs").glob("*.md"))]
+    dangling = []
+    for page in pages:
+        text = page.read_text()
+        for found in re.finditer(r"\]\(([^)\s]+)\)", text):
+            target = found.group(1).split("#")[0]
+            if target and not re.match(r"^[a-z]+:", found.group(1)) and not (page.parent / target).exists():
+                dangling.append(f"{page.relative_to(root)}:{text[:found.start()].count(chr(10)) + 1}: {found.group(1)}")
+    assert dangling == [], dangling
