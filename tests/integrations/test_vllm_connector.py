@@ -534,3 +534,22 @@ def test_a_load_restores_every_transfer_group_and_sleep_mode_is_refused():
     assert loaded == kv_cache.transfer_group_ids == (0, 1)
     assert not KVConnectorFactory.get_connector_class(config.kv_transfer_config).supports_sleep_mode(
         config.kv_transfer_config)
+
+
+def test_a_window_group_s_blocks_keep_their_places_where_vllm_hands_its_null_block():
+    """vLLM's scheduler gives a sliding-window group its null block for each block wholly before the window (a
+    47-token prompt, window 32, blocks of 16: ``[0, 4, 5]``) and drops those from the head of
+    ``get_unhashed_block_ids_all_groups``; the decode keeps them in place, so block ``i`` still holds the
+    ``i``-th block of tokens (the prefill's list has its null blocks in the same places)."""
+    from tests.integrations.vllm_fakes import kv_blocks
+
+    scheduler = KVConnectorFactory.create_connector(vllm_config(), KVConnectorRole.SCHEDULER,
+                                                    hybrid_attention(["l0"], ["w0"], 32))
+    r = request("d", 47, {"do_remote_prefill": True, **PREFILL})
+    count, is_async = scheduler.get_num_new_matched_tokens(r, 0)
+    assert is_async and count > 32
+    allocated = kv_blocks([1, 2, 3], [0, 4, 5])
+    assert allocated.get_unhashed_block_ids_all_groups() == [[1, 2, 3], [4, 5]]  # (vLLM's own list: shifted)
+    scheduler.update_state_after_alloc(r, allocated, count)
+    step = scheduler.build_connector_meta(SimpleNamespace()).step
+    assert tuple(step.receive["d"].block_ids) == ([1, 2, 3], [0, 4, 5])

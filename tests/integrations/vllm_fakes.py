@@ -169,8 +169,14 @@ def nixl_as_vllm_imports_it() -> None:
 
 
 def kv_blocks(*groups: list[int]) -> KVCacheBlocks:
-    """vLLM's own ``KVCacheBlocks`` of these block ids, group by group (none cached: all unhashed)."""
-    return KVCacheBlocks(tuple([KVCacheBlock(b) for b in group] for group in groups))
+    """vLLM's own ``KVCacheBlocks`` of these block ids, group by group (none cached: all unhashed); block 0 is
+    vLLM's null block (``is_null``), as its block pool hands it out where a sliding window needs no block."""
+    def block(block_id: int) -> KVCacheBlock:
+        made = KVCacheBlock(block_id)
+        made.is_null = block_id == 0
+        return made
+
+    return KVCacheBlocks(tuple([block(b) for b in group] for group in groups))
 
 
 def request(request_id, prompt_len, params, computed=0, status=RequestStatus.RUNNING) -> SimpleNamespace:

@@ -303,7 +303,10 @@ def decode(args: argparse.Namespace) -> dict:
         count, is_async = scheduler.get_num_new_matched_tokens(r, 0)
         assert is_async and count == prompt_len, (count, is_async)
         blocks = [free.pop() for _ in range(-(-count // args.block_size))]
-        window_blocks = [free.pop() for _ in range(-(-count // wbs))] if args.window else []  # (the whole length)
+        # a sliding-window group's blocks as vLLM's scheduler allocates them: its null block (0) where a block
+        # lies wholly before the window, its own blocks from there on
+        skipped = max(0, count - args.window + 1) // wbs if args.window else 0
+        window_blocks = ([0] * skipped + [free.pop() for _ in range(-(-count // wbs) - skipped)]) if args.window else []
         state_blocks = [free.pop() for _ in range(1 + args.scratch_blocks)] if args.mamba else []
         groups = [blocks] + ([window_blocks] if args.window else []) + ([state_blocks] if args.mamba else [])
         admitted[local] = time.perf_counter()

@@ -149,8 +149,8 @@ class ConnectorScheduler:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill") or num_external_tokens <= 0:
             return  # (all of it computed here: it stays marked, so that its end frees the prefill's blocks)
-        block_ids = self._transfer_blocks(blocks.get_unhashed_block_ids_all_groups())
         prefix = max(0, self._loaded(len(request.prompt_token_ids or [])) - num_external_tokens)
+        block_ids = self._transfer_blocks(self._blocks_in_place(blocks, prefix))
         self._step.receive[request.request_id] = self._receive(params, block_ids, num_external_tokens, prefix)
         params["do_remote_prefill"] = False  # (a rescheduled request does not register again)
 
@@ -201,6 +201,23 @@ class ConnectorScheduler:
     def has_pending_push_work(self) -> bool:
         """Whether the engine loop must keep stepping for writes in flight or registrations not yet handed over."""
         return bool(self._sending or self._step.receive)
+
+    def _blocks_in_place(self, blocks: Any, prefix_len: int) -> list[list[int]]:
+        """Each group's blocks past the ``prefix_len`` tokens computed here, block ``i`` holding the ``i``-th
+        block of tokens after them: vLLM's null block kept in its place as 0. vLLM hands a sliding-window
+        group its null block for every block wholly before the window, and its
+        ``get_unhashed_block_ids_all_groups`` drops those from the head, which would shift every block of the
+        window by as many places (a 47-token prompt, window 32, blocks of 16: ``[0, 4, 5]`` became ``[4,
+        5]``, and the load failed). A stand-in without vLLM's blocks is read as its lists."""
+        groups = getattr(blocks, "blocks", None)
+        specs = getattr(self.kv_cache_config, "kv_cache_groups", None)
+        if groups is None or specs is None or len(groups) != len(specs):
+            return blocks.get_unhashed_block_ids_all_groups()
+        out = []
+        for group, spec in zip(groups, specs):
+            first = prefix_len // spec.kv_cache_spec.block_size  # (the prefix's blocks: cached, computed here)
+            out.append([0 if getattr(b, "is_null", False) else b.block_id for b in group[first:]])
+        return out
 
     def _transfer_blocks(self, block_ids: Any) -> tuple[list[int], ...]:
         """The block lists of the groups that transfer (vLLM's own selection, where it has one), a Mamba
