@@ -17,11 +17,12 @@ export MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER := 65535
 export MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER := 65535
 export PYTHONUNBUFFERED := 1
 
-# test processes (pytest-xdist): one per core and one more, at most 8. Many tests spend their time
+# test processes (pytest-xdist): one per core and two more, at most 8. Many tests spend their time
 # waiting on processes of their own (engines, the demo's sides). Measured on two cores, the first pass
 # alone: two workers 5:17-6:26, three 4:40-5:08, four 3:39-4:03 (session 34, a smaller suite). With the vLLM
 # pass beside it (session 42): four 7:45-7:48 (make test 7:54-8:02), three 7:19 (make test 7:35). With both
-# engines' passes beside it (2026-12-07; the two cores about 55% busy over the run), three: make test 7:54-9:32
+# engines' passes beside it (2026-12-07; the two cores about 55% busy over the run): three, make test 7:54-9:32;
+# four, 8:32 (the first pass 7:42)
 WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n + 2 > 8 ? 8 : n + 2 )))
 # the vLLM pass: one per core. Each of its workers imports vLLM twice (itself and its fork server), which
 # outweighs what a third or fourth worker overlaps: on two cores 59 s with two, 64 with three, 69-72 with four
