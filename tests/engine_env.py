@@ -83,6 +83,17 @@ def resolved_pins(report: dict) -> dict[str, str]:
     return {_canonical(item["metadata"]["name"]): item["metadata"]["version"] for item in report["install"]}
 
 
+def exact_pins(requirements: list[str]) -> dict[str, str]:
+    """``{name: version}`` of the ``==`` pins among a distribution's requirements (``Requires-Dist``), those
+    of its extras left out: what an engine pins its torch and triton to."""
+    pins = {}
+    for requirement in requirements:
+        found = re.match(r"^\s*([A-Za-z0-9_.-]+)\s*==\s*([^\s;,]+)", requirement)
+        if found and "extra ==" not in requirement:
+            pins[found.group(1).lower()] = found.group(2)
+    return pins
+
+
 def compiled_pins(text: str) -> dict[str, str]:
     """``{distribution: version}`` of ``uv pip compile``'s output (``name==version`` lines)."""
     pins = {}

@@ -6,26 +6,13 @@ from __future__ import annotations
 
 import importlib.metadata as metadata
 import json
-import re
 import sys
 import sysconfig
 from pathlib import Path
 
 import pytest
 
-from tests.engine_env import ENGINES
-
-
-def _pins(distribution: str) -> dict[str, str]:
-    """``{name: version}`` of the ``==`` pins among ``distribution``'s unconditional requirements."""
-    pins = {}
-    for requirement in metadata.requires(distribution) or []:
-        if ";" in requirement and "extra ==" in requirement:
-            continue
-        found = re.match(r"^\s*([A-Za-z0-9_.-]+)\s*==\s*([^\s;,]+)", requirement)
-        if found:
-            pins[found.group(1).lower()] = found.group(2)
-    return pins
+from tests.engine_env import ENGINES, exact_pins
 
 
 def _installed(distribution: str) -> bool:
@@ -48,7 +35,7 @@ def test_the_environment_holds_the_engine_s_torch_and_kvplan_s_wheel(engine):
     import torch
     import triton
 
-    pins = _pins(name)
+    pins = exact_pins(metadata.requires(name) or [])
     assert torch.__version__.split("+")[0] == pins["torch"], (torch.__version__, pins["torch"])
     if "triton" in pins:
         assert triton.__version__ == pins["triton"]

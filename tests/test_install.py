@@ -157,7 +157,7 @@ def test_pip_resolves_kvplan_s_wheel_beside_each_engine_s_release_in_a_fresh_env
     The two engines resolve at once (each mostly waits on the package index)."""
     import json
 
-    from tests.engine_env import ENGINES, resolved_pins
+    from tests.engine_env import ENGINES, exact_pins, resolved_pins
 
     wheel = _wheel(tmp_path)
     runs = {}
@@ -181,7 +181,6 @@ def test_pip_resolves_kvplan_s_wheel_beside_each_engine_s_release_in_a_fresh_env
         name, version = ENGINES[engine].requirement.split("==")
         assert pins[name] == version and pins["kvplan"] == "0.1.0", {k: pins.get(k) for k in (name, "kvplan")}
         engine_item = next(i for i in data["install"] if i["metadata"]["name"].lower() == name)
-        wants = {m.group(1).lower(): m.group(2) for r in engine_item["metadata"].get("requires_dist", [])
-                 if (m := re.match(r"^(torch|triton)\s*==\s*([^\s;,]+)", r)) and "extra ==" not in r}
+        wants = exact_pins(engine_item["metadata"].get("requires_dist", []))
         assert pins["torch"] == wants["torch"], (engine, pins["torch"], wants)
         assert "triton" not in wants or pins["triton"] == wants["triton"], (engine, pins["triton"], wants)

@@ -76,6 +76,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
+from ... import env
 from ...errors import KvplanError
 
 __all__ = ["MODES", "PROTOCOLS", "BOOTSTRAPS", "Settings", "SettingsError"]
@@ -152,7 +153,8 @@ class Settings:
 _JSON_SETTINGS = {"engine_settings": dict, "state_params": list, "decode_lens": (dict, list), "warm_up": dict}
 _BOOLS = ("integrity",)
 _COUNTS = {"staging_mib": 0, "staging_senders": 1, "stats_s": 0}  # whole numbers, each at least this
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+# the switch words of every KVPLAN_* flag (kvplan.env); here an empty value is no switch
+_TRUE, _FALSE = env.FLAG_ON, tuple(word for word in env.FLAG_OFF if word)
 _CHOICES = {"mode": MODES, "protocol": PROTOCOLS, "bootstrap": BOOTSTRAPS, "engine": ("nixl", "mooncake", "ipc"),
             "aux_mirror": ("auto", "always", "never")}
 
