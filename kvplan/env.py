@@ -61,8 +61,6 @@ VARIABLES = (
     Variable("KVPLAN_SECRET_FILE", None, "a file holding the secret (read when `KVPLAN_SECRET` is unset)", "file"),
     Variable("KVPLAN_DRAIN_S", "5", "seconds a write that was aborted may take to end before it is reported "
              "`unsafe` (its pages are then never reused)", "number", 0.0),
-    Variable("KVPLAN_HOT_S", "0.002", "seconds a progress loop keeps yielding after its last event before it "
-             "blocks on its sockets", "number", 0.0),
     Variable("KVPLAN_COPY_GRAPHS", "1", "`0`: staged gathers are launched as kernels, not replayed from CUDA graphs",
              "flag"),
     Variable("KVPLAN_SCATTER_GRAPHS", "1", "`0`: a decode's staged scatters are launched as kernels, not replayed "

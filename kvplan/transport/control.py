@@ -362,6 +362,13 @@ class ControlChannel(Handshake, Liveness):
             self._keep(self._take(*self._read()))
         return bool(self._inbox)
 
+    def wait_sockets(self) -> list[Any]:
+        """The ZeroMQ sockets a loop waits on for this channel (:func:`~.runtime.loop.wait_ready`): its
+        own. Its connection monitor is not among them: it is read at most every ``LOOK_S`` (a wait on it
+        would end at once until then), so a loop sees a loss at its next look (within
+        :data:`~.runtime.loop.IDLE_S` when idle). Only the thread that owns the channel may wait on them."""
+        return [] if self.closed else [self.socket]
+
     def wait_readable(self, timeout: float) -> bool:
         """Block up to ``timeout`` seconds (ZeroMQ counts whole milliseconds) until a message can be read
         (or a step of the handshake, or a stranger's message: :meth:`try_recv` may then return ``None``). A

@@ -30,7 +30,7 @@ import torch
 
 from .. import env
 from ..errors import LayoutError
-from ..planner.device.destinations import PreallocatedRequest, PublishedRequest, plan_destinations
+from ..planner.device.destinations import PreallocatedRequest, PublishedRequest, plan_destinations, request_segments
 from ..planner.device.planner import Planner
 from ..planner.contract.batch import Batch, SideMemory
 from ..planner.contract.pairing import pair_sides
@@ -45,6 +45,7 @@ from .engines import Engine
 from .landing import LandingGuard
 from .local import plan_alignment, warm_up
 from .pause import Pause
+from .runtime.loop import engine_fds
 from .receiver_plan import OwnLists, PlannedRun
 from .receivers.staged import POLL_S, StagedReceiver, _StagedWave
 from .streams import transport_stream
@@ -129,7 +130,7 @@ class DecodeEndpoint(SenderMessages, StagedReceiver, DecodeWarmUp):
         self._credit_to: dict[int, str] = {}  # senders that take staged credits as engine notifications: their name
         self._waves: dict[str, _StagedWave] = {}
         self._checked = 0.0  # when deadlines were last looked at (time.monotonic)
-        self._pause = Pause()  # between two looks of wait()
+        self._pause = Pause(fds=engine_fds(engine))  # between two looks of wait() and of its progress thread
         self._early: dict[str, float] = {}  # waves whose bytes landed before their table was read: when
         self._uploads: dict[int, tuple[torch.Tensor, Any]] = {}  # per sender: pinned rows, their last upload
         self._own: dict[Any, OwnLists] = {}  # what planned runs are planned from, per request published with a row
@@ -409,20 +410,48 @@ class DecodeEndpoint(SenderMessages, StagedReceiver, DecodeWarmUp):
         ranks of a decode of a larger TP size that one prefill rank serves); the sender goes on once
         all have (:meth:`PrefillEndpoint.published_by_all`)."""
         peers = _peers(peer)
-        pending = plan_destinations(self.side, requests)
         deadline = time.monotonic() + timeout
-        if self._progress is not None:  # the thread finishes it once its kernels have run
-            self._progress.publish(pending, requests, deadline, peers, publishers)
+        if self._progress is not None:
+            # checked here (a bad request raises now); the thread launches the lists' kernels of every
+            # publish queued in one of its turns together, after what the caller's stream queued so far
+            request_segments(self.side, requests)
+            self._progress.publish(requests, deadline, peers, publishers, self._caller_event())
             return
-        self._finish_publish(pending, requests, deadline, peers, publishers)
+        self._finish_publish(plan_destinations(self.side, requests), requests, deadline, peers, publishers)
+
+    def _caller_event(self) -> torch.cuda.Event | None:
+        """An event on the caller's current stream, where the token table is on a GPU (its rows are written
+        there before a publish): the progress thread's launch waits for it on the device."""
+        table = self.side.req_to_token
+        if not (isinstance(table, torch.Tensor) and table.is_cuda):
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(table.device))
+        return event
+
+    def _plan_lists(self, requests: Sequence[PreallocatedRequest], after: Sequence[Any] = ()) -> Any:
+        """(progress thread) Launch the destination-list kernels of ``requests`` on this thread's stream,
+        behind the caller's events ``after``."""
+        table = self.side.req_to_token
+        if isinstance(table, torch.Tensor) and table.is_cuda:
+            stream = torch.cuda.current_stream(table.device)
+            for event in after:
+                if event is not None:
+                    stream.wait_event(event)
+        return plan_destinations(self.side, requests)
 
     def _finish_publish(self, pending: Any, requests: Sequence[PreallocatedRequest], deadline: float,
                         peers: tuple[int, ...], publishers: int) -> None:
-        published = pending.result()
+        self._finish_published(pending.result(), pending.messages(), requests, deadline, peers, publishers)
+
+    def _finish_published(self, published: Sequence[PublishedRequest], messages: Sequence[bytes],
+                          requests: Sequence[PreallocatedRequest], deadline: float, peers: tuple[int, ...],
+                          publishers: int) -> None:
+        """Track published requests and send each one's lists (``messages``) to its senders."""
         self.track(published, deadline, peers)
         for r, p in zip(requests, published):
             self._own[r.request] = OwnLists.of(r, p)
-        for r, message in zip(requests, pending.messages()):
+        for r, message in zip(requests, messages):
             for k in peers:
                 try:
                     header = {"request": r.request, "prompt_len": r.prompt_len, "prefix_len": r.prefix_len,
@@ -574,7 +603,7 @@ class DecodeEndpoint(SenderMessages, StagedReceiver, DecodeWarmUp):
                                  if isinstance(run, PlannedRun) and any(r in self._owner for r in run.requests)}
                 self._mark("-", "settled")
                 return states
-            self._pause(self.channels)  # yields while waves move, blocks on the channels once quiet (.pause)
+            self._pause(self.channels)  # blocks on the channels and the engine for one slice (.pause)
 
     def _wait_started(self) -> dict[Any, str]:
         """``wait()`` on a started endpoint: until the thread has finished every publish and settled

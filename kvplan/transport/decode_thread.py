@@ -9,14 +9,20 @@ aborts, refusals and forgets; it reads what ended (:meth:`take_ended`, a dict sw
 held for that swap), fences (a dict read, written only here) and counters. No call of the caller
 waits for a peer or for the device.
 
-**A publish** is finished here in the order published: once its kernels' event has passed (asked,
-never waited for), its lists are checked (a bad one fails every request of that publish with the
-error that names it; nothing of them is sent), tracked, and sent to their senders.
+**A publish** is checked on the caller's thread (what its lengths show: a bad request raises there)
+and queued with an event on the caller's stream. The thread launches the destination-list kernels
+of every publish queued in one turn together, behind those events; once the launch's event has
+passed (asked, never waited for) each publish's lists are checked (a bad one fails every request of
+that publish with the error that names it; nothing of them is sent), tracked, and sent to their
+senders, in the order published.
 
-**Between looks** at the engine and the channels it waits as :mod:`.pause` describes, blocking on
-the channels' sockets and a wake-up pipe (a message or a call of the caller wakes it at once) for a
-slice that grows to 1 ms while anything is in flight and to :data:`IDLE_S` once nothing is (then
-only a message can arrive). It never spins, and it leaves Python's lock to the caller while it waits.
+**Between looks** at the engine and the channels it blocks in one wait (:mod:`.runtime.loop`) on the
+channels' sockets, the engine's descriptors where it has some (``ipc``'s notification socket) and its
+wake-up (a message, a notification or a call of the caller wakes it at once). While anything is in
+flight that signals nothing (NIXL's and Mooncake's notifications, a publish's or a scatter's kernels)
+the wait lasts one slice of the poll cadence (50 µs after the last progress, up to 1 ms); with
+nothing in flight, up to :data:`~.runtime.loop.IDLE_S`. It never spins, and it leaves Python's lock
+to the caller while it waits.
 """
 
 from __future__ import annotations
@@ -24,14 +30,12 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections import deque
 from typing import Any, Callable, Protocol, Sequence
 
 from ..errors import KvplanError
 from ..profiling import Profile
-from .pause import FIRST_S, LONGEST_S, hot_seconds
-from .wake import WakePipe
+from .runtime.loop import IDLE_S, Wakeup, engine_fds, wait_ready
 
 
 
@@ -40,6 +44,7 @@ class ReceivingEndpoint(Protocol):
     its channels and completion tracker, one poll of both, the publications it queued, and its pacing."""
 
     channels: list
+    engine: Any
     tracker: Any
     _gone_senders: set
     _waves: dict
@@ -52,19 +57,37 @@ class ReceivingEndpoint(Protocol):
     def _finish_publish(self, pending: Any, requests: Sequence[Any], deadline: float, peers: Any,
                         publishers: Any) -> None: ...
 
-__all__ = ["DecodeProgress", "IDLE_S"]
+    def _finish_published(self, published: Sequence[Any], messages: Sequence[bytes], requests: Sequence[Any],
+                          deadline: float, peers: Any, publishers: Any) -> None: ...
+
+    def _plan_lists(self, requests: Sequence[Any], after: Sequence[Any] = ()) -> Any: ...
+
+__all__ = ["DecodeProgress"]
 
 log = logging.getLogger(__name__)
 
-IDLE_S = 0.02  # the longest the thread blocks while nothing is in flight (only a message can come then)
-
 
 class _Publish:
-    __slots__ = ("pending", "requests", "deadline", "peers", "publishers")
+    """A queued publish; ``pending``: its lists' launch (shared by the publishes launched with it), ``None``
+    until launched; ``ready``: the caller's event it waits for on the device."""
 
-    def __init__(self, pending, requests, deadline, peers, publishers):
+    __slots__ = ("pending", "requests", "deadline", "peers", "publishers", "ready")
+
+    def __init__(self, pending, requests, deadline, peers, publishers, ready=None):
         self.pending, self.requests, self.deadline = pending, requests, deadline
-        self.peers, self.publishers = peers, publishers
+        self.peers, self.publishers, self.ready = peers, publishers, ready
+
+
+class _Launch:
+    """The destination-list kernels of one or more publishes, launched together."""
+
+    __slots__ = ("pending",)
+
+    def __init__(self, pending: Any):
+        self.pending = pending
+
+    def ready(self) -> bool:
+        return self.pending.event is None or self.pending.event.query()
 
 
 class DecodeProgress:
@@ -81,17 +104,17 @@ class DecodeProgress:
         self._ended: dict[Any, str | None] = {}
         self.gone: frozenset[int] = frozenset()  # senders whose connection was lost, as of the last look
         self._closing = False
-        self._wakeup = WakePipe()
-        self._hot_s = hot_seconds()
-        self._slice = FIRST_S
+        self._wakeup = Wakeup()
         self.thread = threading.Thread(target=self._run, name="kvplan-decode-progress", daemon=True)
         self.thread.start()
 
     # -- the caller's side -------------------------------------------------------------------------
-    def publish(self, pending: Any, requests: Sequence[Any], deadline: float, peers: tuple[int, ...],
-                publishers: int) -> None:
+    def publish(self, requests: Sequence[Any], deadline: float, peers: tuple[int, ...], publishers: int,
+                ready: Any = None) -> None:
+        """Queue a publish (checked by the caller); ``ready``: an event on the caller's stream its kernels
+        wait for."""
         self._published += 1
-        self._queue.append(_Publish(pending, tuple(requests), deadline, peers, publishers))
+        self._queue.append(_Publish(None, tuple(requests), deadline, peers, publishers, ready))
         self._wake()
 
     def call(self, action: Callable[[], None]) -> None:
@@ -161,20 +184,52 @@ class DecodeProgress:
                 self._finished += 1
 
     def _ready(self) -> bool:
-        """Whether the queue's head can run now (a publish once its kernels have run)."""
+        """Whether the queue's head can run now (a publish once its kernels, launched by :meth:`_run_queue`,
+        have run)."""
         if not self._queue:
             return False
         head = self._queue[0]
-        return not isinstance(head, _Publish) or head.pending.event is None or head.pending.event.query()
+        if not isinstance(head, _Publish):
+            return True
+        return head.pending is not None and (not isinstance(head.pending, _Launch) or head.pending.ready())
+
+    def _launch(self) -> None:
+        """Launch the lists' kernels of the queued publishes from the head up to the first action, together."""
+        group = []
+        for k in range(len(self._queue)):  # (by index: the caller appends meanwhile)
+            item = self._queue[k]
+            if not isinstance(item, _Publish) or item.pending is not None:
+                break
+            group.append(item)
+        requests = [r for p in group for r in p.requests]
+        try:
+            launch = _Launch(self.ep._plan_lists(requests, [p.ready for p in group]))
+        except KvplanError:  # (the caller checked each: a table changed since) each alone names its own error
+            for p in group:
+                try:
+                    p.pending = _Launch(self.ep._plan_lists(p.requests))
+                except KvplanError as err:
+                    p.pending = err
+            return
+        for p in group:
+            p.pending = launch
 
     def _run_queue(self) -> bool:
         ran = False
-        while self._ready():
+        while True:
+            if self._queue and isinstance(self._queue[0], _Publish) and self._queue[0].pending is None:
+                self._launch()
+                ran = True
+            if not self._ready():
+                break
             item = self._queue.popleft()
             ran = True
             if isinstance(item, _Publish):
-                self._finished += 1
-                self._finish(item)
+                group = [item]
+                while self._queue and isinstance(self._queue[0], _Publish) and self._queue[0].pending is item.pending:
+                    group.append(self._queue.popleft())
+                self._finished += len(group)
+                self._finish(group)
                 continue
             try:
                 item()
@@ -182,29 +237,47 @@ class DecodeProgress:
                 log.exception("a queued decode action failed")
         return ran
 
-    def _finish(self, p: _Publish) -> None:
+    def _finish(self, group: list[_Publish]) -> None:
+        """Track and send the publishes launched together (``group``), each failing alone where its lists
+        were refused."""
+        pending = group[0].pending
+        if isinstance(pending, KvplanError):
+            self._refuse(group[0], pending)
+            return
         try:
-            self.ep._finish_publish(p.pending, p.requests, p.deadline, p.peers, p.publishers)
-        except KvplanError as err:  # a list the kernels refused: none of this publish is sent
-            reason = f"its destination lists were refused: {err}"
-            log.error("%s", reason)
-            with self._ended_cv:
-                self._ended.update({r.request: reason for r in p.requests})
-                self._ended_cv.notify_all()
-            self.ep.tracker.stats.failed(reason, len(p.requests))
+            published, messages = pending.pending.result(), pending.pending.messages()
+        except KvplanError as err:
+            if len(group) == 1:
+                self._refuse(group[0], err)
+                return
+            for p in group:  # (one list was refused: each publish planned again alone names its own)
+                try:
+                    alone = self.ep._plan_lists(p.requests)
+                    self.ep._finish_publish(alone, p.requests, p.deadline, p.peers, p.publishers)
+                except KvplanError as one:
+                    self._refuse(p, one)
+            return
+        at = 0
+        for p in group:
+            n = len(p.requests)
+            self.ep._finish_published(published[at : at + n], messages[at : at + n], p.requests, p.deadline, p.peers,
+                                      p.publishers)
+            at += n
+
+    def _refuse(self, p: _Publish, err: KvplanError) -> None:
+        """A list the kernels refused: none of this publish is sent."""
+        reason = f"its destination lists were refused: {err}"
+        log.error("%s", reason)
+        with self._ended_cv:
+            self._ended.update({r.request: reason for r in p.requests})
+            self._ended_cv.notify_all()
+        self.ep.tracker.stats.failed(reason, len(p.requests))
 
     def _pause(self) -> None:
-        """Block until a channel or the caller wakes this thread, or one slice has passed."""
+        """Block until a channel, the engine or the caller wakes this thread, or for one slice of the
+        poll cadence while something signal-less is in flight (up to ``IDLE_S`` while nothing is)."""
         ep = self.ep
-        quiet = time.monotonic() - ep._pause._last
-        if quiet < self._hot_s:  # (the next wave or note is close: a short sleep, which leaves the lock to the caller)
-            self._slice = FIRST_S
-            time.sleep(FIRST_S)
-            return
-        moving = self._queue or ep.tracker.in_flight or ep._waves
-        longest = LONGEST_S if moving else IDLE_S
-        self._slice = min(2 * self._slice, longest)
-        if self._slice < 1e-3:
-            time.sleep(self._slice)
-            return
-        self._wakeup.wait(ep.channels, self._slice)
+        if self._queue or ep.tracker.in_flight or ep._waves:
+            ep._pause(ep.channels, self._wakeup)
+        else:
+            wait_ready(ep.channels, engine_fds(ep.engine), IDLE_S, self._wakeup)

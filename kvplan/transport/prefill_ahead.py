@@ -36,9 +36,11 @@ class AheadOfPlan:
             kept = self._alignments = (sides, plan_alignment(batch))
         return kept[1]
 
-    def _ring(self, dest: int, alignment: int) -> tuple[int, int]:
-        """``(slots, slot_bytes)`` of the staging ring to peer ``dest``."""
-        return staging_ring(min(self.staging.numel(), self.peers[dest].staging[1]), self.slots, alignment)
+    def _ring(self, dest: int, alignment: int, local_bytes: int | None = None) -> tuple[int, int]:
+        """``(slots, slot_bytes)`` of the staging ring to peer ``dest`` over ``local_bytes`` of this side's
+        staging buffer (all of it by default)."""
+        local = self.staging.numel() if local_bytes is None else local_bytes
+        return staging_ring(min(local, self.peers[dest].staging[1]), self.slots, alignment)
 
     def _staged_to_one(self, mode: str) -> bool:
         """Whether a send in ``mode`` will likely be one staged run to a single peer (``auto``: as the

@@ -17,9 +17,9 @@ batch exists). A queued batch keeps its deadline from the submit; one that would
 fails whole, sending nothing.
 
 **Between batches** the thread reads the control channels (registrations, destination lists,
-aborts), runs the caller's queued actions, and waits on the channels' sockets and a wake-up pipe
-together (a message or a submit wakes it at once; otherwise it looks again within
-:data:`IDLE_S`): it never spins. An abort read between batches is acknowledged at once, since no
+aborts), runs the caller's queued actions, and blocks in one wait on the channels' sockets and its
+wake-up (:mod:`.runtime.loop`): a message, a submit or a queued action wakes it at once; otherwise it
+looks again within :data:`~.runtime.loop.IDLE_S` (a lost connection's events). It never spins. An abort read between batches is acknowledged at once, since no
 write is in flight then; a queued batch drops the transfers of a request whose lists are gone (aborted
 or forgotten) before it plans, so an acknowledged request is never written.
 
@@ -43,8 +43,7 @@ import torch
 from ..errors import KvplanError, PlanError
 from ..profiling import Profile
 from .handles import SendHandle
-from .pause import hot_seconds
-from .wake import WakePipe
+from .runtime.loop import IDLE_S, Wakeup, wait_ready
 
 
 
@@ -64,12 +63,11 @@ class SendingEndpoint(Protocol):
 
     def _report(self, peer: int, request: Any, reason: str) -> None: ...
 
-__all__ = ["IDLE_S", "MAX_IN_FLIGHT", "ProgressThread"]
+__all__ = ["MAX_IN_FLIGHT", "ProgressThread"]
 
 log = logging.getLogger(__name__)
 
 MAX_IN_FLIGHT = 8  # batches queued or moving at once per prefill endpoint (PrefillEndpoint's max_in_flight)
-IDLE_S = 0.02  # the longest an idle progress thread waits before it looks at its channels again
 
 
 class _Job:
@@ -96,7 +94,7 @@ class ProgressThread:
         self.errors: deque[BaseException] = deque()  # registrations refused (LayoutError), for the caller
         self.completed: deque[SendHandle] = deque()  # handles that ended, for PrefillEndpoint.completed()
         self._closing = False
-        self._wakeup = WakePipe()
+        self._wakeup = Wakeup()
         self._thread = threading.Thread(target=self._run, name="kvplan-prefill-progress", daemon=True)
         self._thread.start()
 
@@ -166,27 +164,18 @@ class ProgressThread:
             self._loop()
 
     def _loop(self) -> None:
-        hot_s = hot_seconds()  # after something happened, it only yields this long before it blocks (KVPLAN_HOT_S)
-        last = time.monotonic()
         while not self._closing:
             try:
-                busy = self._run_actions() | self._read_channels()
+                self._run_actions()
+                self._read_channels()
                 job = self._jobs[0] if self._jobs else None
                 if job is not None:
                     self._execute(job)
-                    busy = True
             except Exception:  # noqa: BLE001 - the thread must live on: what failed is logged, the rest goes on
                 log.exception("the prefill endpoint's progress thread caught an error")
-                busy = True
-            now = time.monotonic()
-            if busy:
-                last = now
             if self._jobs or self._actions:
                 continue
-            if now - last < hot_s:
-                os.sched_yield()
-            else:
-                self._wait(IDLE_S)
+            self._wait(IDLE_S)
         self._run_actions()  # what the caller queued before close() (forgets, failures to report)
         while self._jobs:  # batches that never started: nothing of them was sent
             job = self._jobs.popleft()
@@ -251,4 +240,4 @@ class ProgressThread:
 
     def _wait(self, timeout: float) -> None:
         """Block up to ``timeout`` until a control channel can be read or the caller wakes this thread."""
-        self._wakeup.wait([p.channel for p in self.ep.peers] + [c for c, _ in self.ep._pairing], timeout)
+        wait_ready([p.channel for p in self.ep.peers] + [c for c, _ in self.ep._pairing], (), timeout, self._wakeup)

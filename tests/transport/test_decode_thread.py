@@ -212,3 +212,56 @@ def test_a_started_endpoint_takes_senders_and_publishes_lists_of_its_caller_from
         assert all("MainThread" not in mine.users for mine, _ in channels)
     finally:
         endpoint.close()
+
+
+def _held(endpoint):
+    """Hold the progress thread in a queued action until the returned event is set."""
+    gate, holding = threading.Event(), threading.Event()
+    endpoint._progress.call(lambda: (holding.set(), gate.wait(WAIT_S)))
+    _until(holding.is_set, "ran the holding action")
+    return gate
+
+
+def test_publishes_queued_in_one_turn_are_launched_together_and_each_is_sent_in_order():
+    endpoint, _, prefill = _started(rows={1: [3, 4], 2: [5, 6], 3: [7, 8]})
+    launched = []
+    plan = endpoint._plan_lists
+    endpoint._plan_lists = lambda requests, after=(): launched.append([r.request for r in requests]) or plan(requests, after)
+    try:
+        gate = _held(endpoint)
+        for k in (1, 2, 3):
+            endpoint.publish([PreallocatedRequest(f"r{k}", row=k, prompt_len=8)], timeout=WAIT_S)
+        gate.set()
+        headers = _received(prefill, "request", 3)
+        assert [h["request"] for h in headers] == ["r1", "r2", "r3"]
+        assert launched == [["r1", "r2", "r3"]]  # one launch for the three publishes
+    finally:
+        endpoint.close()
+
+
+def test_a_refused_list_among_publishes_launched_together_fails_its_own_publish_alone():
+    endpoint, _, prefill = _started(rows={1: [3, 4], 2: [5, 99], 3: [7, 8]})  # row 2's page 99 is outside the pool
+    try:
+        gate = _held(endpoint)
+        for k in (1, 2, 3):
+            endpoint.publish([PreallocatedRequest(f"r{k}", row=k, prompt_len=8)], timeout=WAIT_S)
+        gate.set()
+        headers = _received(prefill, "request", 2)
+        assert [h["request"] for h in headers] == ["r1", "r3"]
+        ended = {}
+        _until(lambda: ended.update(endpoint.poll()) or "r2" in ended, "failed r2")
+        assert "refused" in ended["r2"] and "'r2'" in ended["r2"] and "r1" not in ended and "r3" not in ended
+    finally:
+        endpoint.close()
+
+
+def test_a_request_its_lengths_show_is_bad_raises_at_publish_on_a_started_endpoint():
+    from kvplan.errors import AlignmentError
+
+    endpoint, _, prefill = _started()
+    try:
+        with pytest.raises(AlignmentError, match="r9"):
+            endpoint.publish([PreallocatedRequest("r9", row=1, prompt_len=8, prefix_len=1)], timeout=WAIT_S)
+        assert endpoint._progress.pending_publishes() == 0 and prefill.try_recv() is None
+    finally:
+        endpoint.close()

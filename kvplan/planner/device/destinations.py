@@ -190,6 +190,33 @@ def list_entries(side: SideMemory, prompt_len: int) -> int:
     return -(-prompt_len // ps) + sum(rules_of(c.kind).list_shape(c, ps, prompt_len, 0).n for c in side.state)
 
 
+def request_segments(side: SideMemory, requests: Sequence[PreallocatedRequest], validate: bool = True) -> list[Segment]:
+    """Check ``requests`` against ``side`` on the host (what is visible from their lengths: an unaligned
+    prefix, a row or range outside the table, an aux index outside the aux buffers; an error naming the
+    request) and return their lists' segments: what :func:`plan_destinations` launches its kernels over.
+    A started decode endpoint runs it on the caller's thread, so that a bad request raises at ``publish``."""
+    if side.req_to_token is None:
+        raise InputError(None, "the decode side needs its token table (req_to_token)")
+    shape = tuple(side.req_to_token.shape)
+    ps = side.kv.page_size
+    aux_items = min((e.num_items for e in side.aux), default=0)
+    segments: list[Segment] = []
+    requests = tuple(requests)
+    for i, r in enumerate(requests):
+        if r.prefix_len % ps or not 0 <= r.prefix_len <= r.prompt_len:
+            raise AlignmentError(r.request, f"decode prefix {r.prefix_len} is not a page-aligned prefix of {r.prompt_len} "
+                                 f"tokens (page size {ps})")
+        check_row(r.request, shape, r.row, r.prompt_len)
+        if side.aux and not 0 <= r.aux_index < aux_items:
+            raise InputError(r.request, f"aux index {r.aux_index} is outside the aux buffers ({aux_items} rows)")
+        segments.append(pages_segment(i, r.row, r.prefix_len, r.prompt_len, ps, side.kv.num_pages, validate))
+        for c, comp in enumerate(side.state):
+            if rules_of(comp.kind).map_by_row and not 0 <= r.row < comp.slot_map.shape[0]:
+                raise InputError(r.request, f"{comp.name}: row {r.row} is outside the Mamba map")
+            segments.append(component_segment(i, c, comp, ps, r.row, r.prompt_len, validate, r.prefix_len))
+    return segments
+
+
 def plan_destinations(side: SideMemory, requests: Sequence[PreallocatedRequest], stream: torch.cuda.Stream | None = None,
                       block: int = 1024, validate: bool = True) -> PendingDestinations:
     """Compute and validate every destination list of ``requests`` on the token table's device.
@@ -207,23 +234,8 @@ def plan_destinations(side: SideMemory, requests: Sequence[PreallocatedRequest],
     require_runnable(device.type)
     if table.dtype != torch.int32 or table.dim() != 2:
         raise InputError(None, f"req_to_token must be a 2-D int32 tensor, got {table.dtype} {tuple(table.shape)}")
-    ps = side.kv.page_size
-    shape = tuple(table.shape)
-    aux_items = min((e.num_items for e in side.aux), default=0)
-    segments: list[Segment] = []
+    segments = request_segments(side, requests, validate)
     requests = tuple(requests)
-    for i, r in enumerate(requests):
-        if r.prefix_len % ps or not 0 <= r.prefix_len <= r.prompt_len:
-            raise AlignmentError(r.request, f"decode prefix {r.prefix_len} is not a page-aligned prefix of {r.prompt_len} "
-                                 f"tokens (page size {ps})")
-        check_row(r.request, shape, r.row, r.prompt_len)
-        if side.aux and not 0 <= r.aux_index < aux_items:
-            raise InputError(r.request, f"aux index {r.aux_index} is outside the aux buffers ({aux_items} rows)")
-        segments.append(pages_segment(i, r.row, r.prefix_len, r.prompt_len, ps, side.kv.num_pages, validate))
-        for c, comp in enumerate(side.state):
-            if rules_of(comp.kind).map_by_row and not 0 <= r.row < comp.slot_map.shape[0]:
-                raise InputError(r.request, f"{comp.name}: row {r.row} is outside the Mamba map")
-            segments.append(component_segment(i, c, comp, ps, r.row, r.prompt_len, validate, r.prefix_len))
     maps = {c: as_device_tensor(comp.slot_map, device, f"slot_map of component {comp.name}", torch.int64)
             for c, comp in enumerate(side.state) if comp.slot_map is not None}
     if device.type == "cuda":

@@ -124,6 +124,12 @@ class Engine(Protocol):
         """Send ``message`` to a connected peer on its own (engines whose capabilities say ``notifies``)."""
         ...
 
+    def wait_fds(self) -> tuple[int, ...]:
+        """File descriptors that become readable when a notification arrives, for a loop to block on
+        (:func:`~kvplan.transport.runtime.loop.wait_ready`); empty where the engine offers only polls
+        (NIXL, Mooncake): a loop then polls :meth:`notifications` at its cadence."""
+        ...
+
     def stats(self) -> dict[str, int]:
         """What it holds now: ``regions`` registered, ``peers`` connected, ``handles`` kept (``kvplan load``
         watches them for growth)."""

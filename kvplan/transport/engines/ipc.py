@@ -432,6 +432,10 @@ class IpcEngine:
             return True
         return False
 
+    def wait_fds(self) -> tuple[int, ...]:
+        """The notification socket: readable when a peer's datagram arrives."""
+        return self._notes.fds()
+
     def notifications(self) -> list[tuple[str | None, bytes]]:
         return self._notes.receive()
 

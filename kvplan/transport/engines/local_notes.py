@@ -75,5 +75,10 @@ class NoteBox:
             if len(datagram) >= 2 + size:
                 out.append((datagram[2 : 2 + size].decode(errors="replace"), datagram[2 + size :]))
 
+    def fds(self) -> tuple[int, ...]:
+        """The socket's descriptor, readable while a datagram waits (none once closed)."""
+        fd = self.socket.fileno()
+        return (fd,) if fd >= 0 else ()
+
     def close(self) -> None:
         self.socket.close()

@@ -222,6 +222,10 @@ class MooncakeEngine:
             return True
         return self.progress(handle) != "PROC"
 
+    def wait_fds(self) -> tuple[int, ...]:
+        """None: Mooncake's notifications and transfer states are polls (a loop polls them at its cadence)."""
+        return ()
+
     def notifications(self) -> list[tuple[str | None, bytes]]:
         """Each with the name its sender gave (a kvplan engine gives its ``name``)."""
         return [(n.name, n.msg.encode()) for n in self.engine.get_notifies()]

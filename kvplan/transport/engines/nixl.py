@@ -229,6 +229,10 @@ class NixlEngine:
             return True
         return self.progress(handle) != "PROC"
 
+    def wait_fds(self) -> tuple[int, ...]:
+        """None: NIXL's notifications and transfer states are polls (a loop polls them at its cadence)."""
+        return ()
+
     def notifications(self) -> list[tuple[str | None, bytes]]:
         """Each with the agent that sent it (NIXL keys them by the remote agent's name)."""
         return [(agent, msg) for agent, msgs in self.agent.get_new_notifs().items() for msg in msgs]

@@ -39,7 +39,8 @@ class SendVerbs:
     # fail requests of one peer in a result, keeping those whose writes may still land unfenced
     fail: Callable[[int, dict[Any, str | None], Sequence[Any], str], None]
     alignment: Callable[[Batch], int]  # the copy word the batch's sides allow
-    ring: Callable[[int, int], tuple[int, int]]  # (slots, bytes per slot) of a peer's staging share
+    # (slots, bytes per slot) of the ring to a peer (its alignment) over some bytes of this side's staging buffer
+    ring: Callable[[int, int, int | None], tuple[int, int]]
     peer_gone: Callable[[int], str | None]  # why a peer is gone, or None
     any_peer_gone: Callable[[Sequence[int]], str | None]
     stats_hit: Callable[[str], None]  # count a bound that made a send wait

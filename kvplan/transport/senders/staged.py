@@ -27,48 +27,129 @@ from ..control import ControlTimeout
 from ..engines import Handle, is_unsafe, wait_all
 from ..local import gather
 from ..pause import Pause
+from ..runtime.loop import engine_fds
 from ..receiver_plan import planned_run_message, planned_run_waves
 from ..waves import Wave, decode_credit, one_wave, plan_waves, run_message, wave_note
 from .planned import PlannedBatch, split_descriptors
 from .context import SendContext
 from ..control_messages import Kind
 
-__all__ = ["StagedRun", "send", "staged_run"]
+__all__ = ["StagedRun", "move_together", "send", "share_of", "staged_run"]
 
 log = logging.getLogger(__name__)
+
+PART_ALIGN = 4096  # a staging part's bytes are a multiple of this (every copy word divides it)
 
 
 def send(ep: SendContext, transfers: Sequence[Transfer], planned: PlannedBatch, pending: Any, batch: Batch,
          deadline: float) -> dict[Any, str | None]:
-    """Each peer's share of the batch through its own staging ring."""
+    """Each peer's share of the batch through its own staging ring, every peer's at once: the prefill's
+    staging buffer is split evenly between the batch's peers, each share read from the one plan."""
+    dests = sorted({t.dest for t in transfers})
+    alignment = ep.verbs.alignment(batch)
+    if len(ep.peers) == 1:
+        runs = [staged_run(ep, dests[0], replace(planned, device_descs=pending.device_descriptors()), alignment,
+                           deadline)]
+    else:
+        runs = [staged_run(ep, dest, share_of(ep, planned, pending, batch, dest), alignment, deadline,
+                           part=(k, len(dests))) for k, dest in enumerate(dests)]
     result: dict[Any, str | None] = {}
-    for dest in sorted({t.dest for t in transfers}):
-        if len(ep.peers) == 1:
-            one = replace(planned, device_descs=pending.device_descriptors())
-        else:
-            share = tuple(replace(t, dest=0) for t in transfers if t.dest == dest)
-            sub = eager.plan(Batch(ep.side, (ep.peers[dest].side,), share, ep.policy))
-            one = PlannedBatch(share, *sub.descriptors(), sub.sections(), sub.device_descriptors())
-        for request, reason in staged_run(ep, dest, one, ep.verbs.alignment(batch), deadline).go().items():
+    for run in runs:  # (announced before any moves: each receiver plans or checks its run meanwhile)
+        run.announced = run.announce()
+    for run_result in move_together([run for run in runs if run.announced]) + \
+            [run.result for run in runs if not run.announced]:
+        for request, reason in run_result.items():
             result[request] = result.get(request) or reason
     return result
 
 
-def staged_run(ep: SendContext, dest: int, batch: PlannedBatch, alignment: int, deadline: float) -> StagedRun:
-    """A run of ``batch`` to peer ``dest`` (not announced yet)."""
+def share_of(ep: SendContext, planned: PlannedBatch, pending: Any, batch: Batch, dest: int) -> PlannedBatch:
+    """Peer ``dest``'s share of a planned batch, read from the plan: its transfers' rows of the descriptors
+    (host and device) and their sections, renumbered (a plan's rows are each transfer's, in order)."""
+    descs, rows, sections = planned.host_descs(), planned.per_transfer, planned.host_sections()
+    picked = [k for k, t in enumerate(planned.transfers) if t.dest == dest]
+    counts = np.array([rows[k + 1] - rows[k] for k in picked], np.int64)
+    per_transfer = np.zeros(len(picked) + 1, np.int64)
+    np.cumsum(counts, out=per_transfer[1:])
+    index = np.concatenate([np.arange(rows[k], rows[k + 1], dtype=np.int64) for k in picked]) if picked \
+        else np.zeros(0, np.int64)
+    renumbered = {k: j for j, k in enumerate(picked)}
+    share_sections = []
+    for s in sections:
+        j = renumbered.get(s.transfer)
+        if j is None:
+            continue
+        if not rows[s.transfer] <= s.lo <= s.hi <= rows[s.transfer + 1]:  # (not a plan's layout: planned again)
+            return _planned_again(ep, planned, batch, dest)
+        shift = int(per_transfer[j]) - int(rows[s.transfer])
+        share_sections.append(replace(s, transfer=j, lo=s.lo + shift, hi=s.hi + shift))
+    device = pending.device_descriptors()
+    on_device = device.index_select(0, torch.from_numpy(index).to(device.device, non_blocking=True))
+    share = tuple(replace(planned.transfers[k], dest=0) for k in picked)
+    return PlannedBatch(share, descs[index], per_transfer, share_sections, on_device)
+
+
+def _planned_again(ep: SendContext, planned: PlannedBatch, batch: Batch, dest: int) -> PlannedBatch:
+    share = tuple(replace(t, dest=0) for t in planned.transfers if t.dest == dest)
+    sub = eager.plan(Batch(ep.side, (ep.peers[dest].side,), share, ep.policy))
+    return PlannedBatch(share, *sub.descriptors(), sub.sections(), sub.device_descriptors())
+
+
+def move_together(runs: Sequence[StagedRun]) -> list[dict[Any, str | None]]:
+    """Move announced runs to different peers side by side in one loop: each turn steps every run still
+    moving, the engine's notifications read once and handed to the run whose peer sealed them; between
+    turns it blocks on the runs' channels and the engine (:mod:`..pause`). Each run's result, in order."""
+    if not runs:
+        return []
+    ep = runs[0].ep
+    pause = Pause(fds=engine_fds(ep.engine))
+    moving = list(runs)
+    for run in runs:
+        run._own_notes = False
+    while moving:
+        notes = ep.engine.notifications() if any(run.wants_notes() for run in moving) else []
+        moved = bool(notes)
+        for run in moving:
+            notes = run.take_notes(notes)
+            moved = run.step() or moved
+        for _, raw in notes:
+            log.warning("refused an engine notification that is not sealed by a decode of these runs: %r", raw[:80])
+        moving = [run for run in moving if not run.done() and not run.stopped()]
+        if not moving:
+            break
+        if moved:
+            pause.busy()
+        pause([run.peer.channel for run in moving])
+    results = [run.finish() for run in runs]
+    for run in runs:
+        run.log_trace()
+    return results
+
+
+def staged_run(ep: SendContext, dest: int, batch: PlannedBatch, alignment: int, deadline: float,
+               part: tuple[int, int] = (0, 1)) -> StagedRun:
+    """A run of ``batch`` to peer ``dest`` (not announced yet), in part ``part[0]`` of ``part[1]`` equal parts
+    of this side's staging buffer."""
     if ep.staging is None or ep.peers[dest].staging is None:
         raise LayoutError("staged mode needs a registered staging buffer on both sides")
-    return StagedRun(ep, dest, batch, alignment, deadline)
+    return StagedRun(ep, dest, batch, alignment, deadline, part)
 
 
 class StagedRun:
     """One batch through the staging ring (see :class:`PrefillEndpoint`)."""
 
-    def __init__(self, ep: SendContext, dest: int, batch: PlannedBatch, alignment: int, deadline: float):
+    def __init__(self, ep: SendContext, dest: int, batch: PlannedBatch, alignment: int, deadline: float,
+                 part: tuple[int, int] = (0, 1)):
         self.ep, self.dest, self.peer = ep, dest, ep.peers[dest]
         self.alignment, self.deadline = alignment, deadline
         self.result: dict[Any, str | None] = {t.request: None for t in batch.transfers}
-        self.slots, self.slot_bytes = ep.verbs.ring(dest, alignment)
+        # this run's part of the staging buffer here (the batch's other peers' runs use the others at once)
+        part_bytes = ep.staging.numel() // part[1] // PART_ALIGN * PART_ALIGN if part[1] > 1 else ep.staging.numel()
+        self.local_base = part[0] * part_bytes
+        self.slots, self.slot_bytes = ep.verbs.ring(dest, alignment, part_bytes)
+        self.announced = False
+        self._slot_wait = False  # (the wave waiting for a free slot was counted)
+        self._own_notes = True  # reads the engine's notifications itself (False: move_together hands them over)
         self.transfers, self.plannable, self.chunks_run = batch.transfers, batch.plannable, batch.chunks_run
         self.batch, self.nbytes = batch, batch.nbytes
         if batch.descs is None and batch.nbytes <= self.slot_bytes:  # one wave, no descriptor to split:
@@ -203,17 +284,52 @@ class StagedRun:
 
     def move(self) -> dict[Any, str | None]:
         """Gather, write and wait for the credits of every wave of an announced run; the result per request."""
-        ep, waves = self.ep, self.waves
-        while self.next_wave < len(waves):
-            wave = waves[self.next_wave]
-            if not self._slot_free(wave.slot):
-                ep.verbs.stats_hit("staging_slots")  # every slot of the ring is in flight: this wave waits for a credit
-            if not self._wait(lambda: self._slot_free(wave.slot)):
+        pause = Pause(fds=engine_fds(self.ep.engine))
+        while True:
+            if self.step():
+                pause.busy()
+            if self.done() or self.stopped():
                 break
+            pause([self.peer.channel])  # a credit on the channel (or the engine's socket) wakes it
+        return self.finish()
+
+    def step(self) -> bool:
+        """One look: take in credits, post gathered waves, gather the next waves whose slots are free.
+        Whether anything moved."""
+        moved = self._pump()
+        while self.next_wave < len(self.waves) and not self.stopped():
+            wave = self.waves[self.next_wave]
+            if not self._slot_free(wave.slot):
+                if not self._slot_wait:  # every slot of the ring is in flight: this wave waits for a credit
+                    self.ep.verbs.stats_hit("staging_slots")
+                    self._slot_wait = True
+                break
+            self._slot_wait = False
             self._mark(wave.index, "gather0")
             self._gather(wave)
             self._pump()
-        self._wait(lambda: not self.gathered and all(i in self.acked for i in self.posted))
+            moved = True
+        return moved
+
+    def done(self) -> bool:
+        """Whether every wave was gathered, posted and given back by the receiver."""
+        return self.next_wave >= len(self.waves) and not self.gathered and all(i in self.acked for i in self.posted)
+
+    def stopped(self) -> bool:
+        """Whether the run cannot go on: its deadline passed, or its receiver is gone or was replaced."""
+        if time.monotonic() > self.deadline:
+            return True
+        if self.gone is None and (gone := self.ep.verbs.peer_gone(self.dest)) is not None:
+            self.gone = gone
+        if self.gone is None and self.peer.channel.replaced():  # what was in flight on the old one is lost
+            self.gone = ("the control connection to the decode side was lost and made again during the staged "
+                         "run: credits in flight on it may be lost")
+        return self.gone is not None
+
+    def finish(self) -> dict[Any, str | None]:
+        """The result per request once the run is done or stopped: what is still in flight is aborted,
+        every wave not acknowledged fails its requests."""
+        ep, waves = self.ep, self.waves
         live = [h for _, h in self.posted.values() if h.state == "PROC"]
         outcome = wait_all(ep.engine, live, time.monotonic()) if live else {}  # aborts what is still in flight
         for index, (wave, handle) in self.posted.items():
@@ -243,29 +359,10 @@ class StagedRun:
         handle = self.local_write[slot]
         return self.remote_free[slot] and (handle is None or handle.state != "PROC")
 
-    def _wait(self, ready) -> bool:
-        """Pump until ``ready()`` or the deadline; never sleeps (yields the core between looks)."""
-        pause = Pause()
-        while True:
-            if self._pump():
-                pause.busy()
-            if ready():
-                return True
-            if time.monotonic() > self.deadline:
-                return False
-            if self.gone is None and (gone := self.ep.verbs.peer_gone(self.dest)) is not None:
-                self.gone = gone
-            if self.gone is None and self.peer.channel.replaced():  # what was in flight on the old one is lost
-                self.gone = ("the control connection to the decode side was lost and made again during the staged "
-                             "run: credits in flight on it may be lost")
-            if self.gone is not None:
-                return False
-            pause([self.peer.channel])  # yields while waves move; once quiet a credit on the channel wakes it
-
     def _gather(self, wave: Wave) -> None:
         """Gather a wave into its slot: the batch-wide offsets, shifted onto the slot (no per-wave tensors)."""
         ep = self.ep
-        slot_lo = wave.slot * self.slot_bytes
+        slot_lo = self.local_base + wave.slot * self.slot_bytes
         shift = slot_lo - wave.byte_lo
         descs, offsets = self.device_descs[wave.lo : wave.hi], self.dev_starts[wave.lo : wave.hi]
         typical = max(1, wave.nbytes // max(1, wave.hi - wave.lo))
@@ -289,7 +386,8 @@ class StagedRun:
         """A wave's region (from its slot here to the same slot there) and notification. Made when it
         is gathered: a gather queued ahead of its mark then leaves only the engine's post on the path."""
         slot_lo = wave.slot * self.slot_bytes
-        return (np.array([[self.ep.staging.data_ptr() + slot_lo, self.peer.staging[0] + slot_lo, wave.nbytes]],
+        return (np.array([[self.ep.staging.data_ptr() + self.local_base + slot_lo, self.peer.staging[0] + slot_lo,
+                           wave.nbytes]],
                          np.uint64), self.peer.sealed(wave_note(self.base_id + wave.index, self.ep.id)))
 
     def _pump(self) -> bool:
@@ -313,21 +411,35 @@ class StagedRun:
         # credits through the engine are looked for only while some are due: a loop that asks the engine
         # for notifications while it waits for a gather contends for the UCX worker with NIXL's progress
         # thread, and the next post waits for it (benchmarks/post_cost.py)
-        if self.peer.credits_by_engine and len(self.acked) < len(self.posted):
-            for _, raw in ep.engine.notifications():
-                opened = self.peer.opened(raw)
-                if opened is None:  # (not this decode's, forged or replayed: a slot freed early is overwritten)
-                    log.warning("refused an engine notification that is not sealed by this run's decode: %r", raw[:80])
-                    continue
-                wave_id = decode_credit(opened)
-                if wave_id is None:
-                    log.warning("ignored an engine notification that is no credit: %r", raw[:80])
-                else:
-                    self._credit(wave_id, None)
+        if self._own_notes and self.wants_notes():
+            for _, raw in self.take_notes(ep.engine.notifications()):
+                log.warning("refused an engine notification that is not sealed by this run's decode: %r", raw[:80])
         for wave, handle in self.posted.values():
             if handle.state == "PROC":
                 ep.engine.progress(handle)
         return bool(self.gathered) or before != (len(self.posted), len(self.acked), len(self.gathered))
+
+    def wants_notes(self) -> bool:
+        """Whether credits due to this run come as engine notifications (its receiver sends them so, and
+        some posted wave is not acknowledged yet)."""
+        return self.peer.credits_by_engine and len(self.acked) < len(self.posted)
+
+    def take_notes(self, notes: Sequence[tuple[Any, bytes]]) -> list[tuple[Any, bytes]]:
+        """Take the credits among the engine's ``notes`` (``(origin, bytes)``) that this run's decode sealed;
+        the others, as they came (another run's, or forged)."""
+        left = []
+        for note in notes:
+            raw = note[1]
+            opened = self.peer.opened(raw)
+            if opened is None:  # (another decode's, forged or replayed)
+                left.append(note)
+                continue
+            wave_id = decode_credit(opened)
+            if wave_id is None:
+                log.warning("ignored an engine notification that is no credit: %r", raw[:80])
+            else:
+                self._credit(wave_id, None)
+        return left
 
     def _credit(self, wave_id: int, error: Any) -> None:
         """Wave ``wave_id``'s slot is free again (the receiver scattered it, or refused it with ``error``)."""

@@ -1,0 +1,42 @@
+"""A decode's share of a batch planned for several decodes, read from the one plan
+(kvplan.transport.senders.staged.share_of): the same descriptors, rows and sections as that share
+planned on its own, on fresh random batches."""
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from kvplan.planner.contract.batch import Batch
+from kvplan.planner.device import eager
+from kvplan.tools.scenarios import build_batch, materialize
+from kvplan.transport.senders.planned import PlannedBatch
+from kvplan.transport.senders.staged import _planned_again, share_of
+from tests.transport.handoff import HYBRID
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_share_read_from_the_plan_equals_the_share_planned_alone(seed):
+    rng = np.random.default_rng(seed)
+    lens = [int(x) for x in rng.integers(8, 48, size=5)]
+    one = build_batch(HYBRID, 5, lens, chunks=2, prefix_len=0, seed=seed)
+    src, _ = materialize(one.src, "cpu", seed=seed)
+    dsts = tuple(materialize(replace(one.dsts[0]), "cpu")[0] for _ in range(2))
+    dest_of = {r: int(rng.integers(0, 2)) for r in {t.request for t in one.transfers}}
+    dest_of[one.transfers[0].request] = 0
+    dest_of[one.transfers[-1].request] = 1  # (both decodes have a share)
+    transfers = tuple(replace(t, dest=dest_of[t.request]) for t in one.transfers)
+    batch = Batch(src, tuple(replace(d, req_to_token=one.dsts[0].req_to_token) for d in dsts), transfers)
+    pending = eager.plan(batch)
+    descs, per_transfer = pending.descriptors()
+    planned = PlannedBatch(transfers, descs, per_transfer, pending.sections(), pending.device_descriptors())
+    ep = SimpleNamespace(side=batch.src, peers=[SimpleNamespace(side=d) for d in batch.dsts], policy=batch.policy)
+    for dest in (0, 1):
+        read, alone = share_of(ep, planned, pending, batch, dest), _planned_again(ep, planned, batch, dest)
+        assert [t.request for t in read.transfers] == [t.request for t in alone.transfers]
+        assert all(t.dest == 0 for t in read.transfers)
+        np.testing.assert_array_equal(read.descs, alone.descs)
+        np.testing.assert_array_equal(read.per_transfer, alone.per_transfer)
+        assert read.sections == alone.sections
+        np.testing.assert_array_equal(read.device_descs.numpy(), alone.device_descs.numpy())
