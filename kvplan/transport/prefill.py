@@ -60,6 +60,8 @@ from .auth import checksum_key
 from .integrity import RunningSums, transfer_sums
 from .local import warm_up
 from .readiness import LayerStreaming
+from .runtime.loop import engine_fds
+from .runtime.moving import Done, Moving, drive, then
 from .senders import SENDERS, streamed
 from .senders.context import SendContext, SendVerbs
 from .senders.planned import PlannedBatch
@@ -315,7 +317,7 @@ class PrefillEndpoint(DecodeMessages, FailurePath, AheadOfPlan, WarmUp):
 
     def forget(self, requests: Sequence[Any], peer: int | None = None) -> None:
         """Drop the destination lists of finished requests (of one peer, or of all). With a progress
-        thread, it drops them between batches (a queued batch then sends nothing of them)."""
+        thread, that thread drops them at its next turn (a batch not started yet then sends nothing of them)."""
         if self._thread is not None:
             requests = list(requests)
             self._thread.call(lambda: self._forget_now(requests, peer))
@@ -323,9 +325,10 @@ class PrefillEndpoint(DecodeMessages, FailurePath, AheadOfPlan, WarmUp):
         self._forget_now(requests, peer)
 
     def between_batches(self, action: Callable[[], None]) -> None:
-        """Run ``action`` where this endpoint's peers and engine are owned: on its progress thread between
-        batches, in order with the calls queued before it, or now where none runs. For an integration whose
-        peers speak another protocol (SGLang's decode ranks: :mod:`kvplan.integrations.sglang.decode_ranks`)."""
+        """Run ``action`` where this endpoint's peers and engine are owned: on its progress thread at its next
+        turn (between its looks at the batches moving), in order with the calls queued before it, or now where
+        none runs. For an integration whose peers speak another protocol (SGLang's decode ranks:
+        :mod:`kvplan.integrations.sglang.decode_ranks`)."""
         if self._thread is not None:
             self._thread.call(action)
         else:
@@ -382,6 +385,10 @@ class PrefillEndpoint(DecodeMessages, FailurePath, AheadOfPlan, WarmUp):
             done.append(self._thread.completed.popleft())
         return done
 
+    def writes_in_flight(self) -> bool:
+        """Whether a batch's writes may be in flight now (its progress thread moves one)."""
+        return self._thread is not None and self._thread.moving()
+
     def in_flight(self) -> int:
         """Submitted batches queued or moving now."""
         return self._thread.in_flight() if self._thread is not None else 0
@@ -431,18 +438,30 @@ class PrefillEndpoint(DecodeMessages, FailurePath, AheadOfPlan, WarmUp):
                   layers: LayerStreaming | None, submitted: float | None = None) -> dict[Any, str | None]:
         """The batch planned, moved and settled on this thread (the caller's, or the progress thread's);
         its requests' latency counts from ``submitted`` where it waited in the queue first."""
+        return drive(self._start_send(transfers, mode, timeout, layers, submitted), engine_fds(self.engine))
+
+    def _start_send(self, transfers: tuple[Transfer, ...], mode: str, timeout: float,
+                    layers: LayerStreaming | None, submitted: float | None = None) -> Moving:
+        """The batch planned and posted: its writes in flight, as a :class:`~.runtime.moving.Moving` whose
+        result counts it (:meth:`_count`) when first read."""
         started = time.monotonic() if submitted is None else submitted
         self.last_nbytes = 0
         try:
             with self._streaming(layers):
-                result = self._send(transfers, mode, timeout, layers)
+                moving = self._send(transfers, mode, timeout, layers)
         except PlanError as err:
             self._stats.failed(f"batch refused: {err}", len({t.request for t in transfers}))
             raise
-        self._count(transfers, result, time.monotonic() - started)
-        return result
+        nbytes = self.last_nbytes
 
-    def _count(self, transfers: tuple[Transfer, ...], result: dict[Any, str | None], took_s: float) -> None:
+        def counted(result: dict[Any, str | None]) -> dict[Any, str | None]:
+            self._count(transfers, result, time.monotonic() - started, nbytes)
+            return result
+
+        return then(moving, counted)
+
+    def _count(self, transfers: tuple[Transfer, ...], result: dict[Any, str | None], took_s: float,
+               nbytes: int) -> None:
         """A send's requests in the counters: each failure, each request whose last chunk went. Its
         bytes count in full when nothing of it failed, else in the share of its requests that went
         (a send plans its bytes for the batch, not per request)."""
@@ -452,7 +471,7 @@ class PrefillEndpoint(DecodeMessages, FailurePath, AheadOfPlan, WarmUp):
         ended = {t.request for t in transfers if t.last and result.get(t.request) is None}
         failed = sum(reason is not None for reason in result.values())
         sent_share = 1.0 if not failed else (len(result) - failed) / max(len(result), 1)
-        self._stats.settled("sent", len(ended), nbytes=int(self.last_nbytes * sent_share))
+        self._stats.settled("sent", len(ended), nbytes=int(nbytes * sent_share))
         for _ in ended:
             self._stats.latency(took_s)
 
@@ -471,7 +490,7 @@ class PrefillEndpoint(DecodeMessages, FailurePath, AheadOfPlan, WarmUp):
         return torch.cuda.stream(self._plan_stream)
 
     def _send(self, transfers: Sequence[Transfer], mode: str, timeout: float,
-              layers: LayerStreaming | None) -> dict[Any, str | None]:
+              layers: LayerStreaming | None) -> Moving:
         self.sending.times = [("send", time.perf_counter())]  # the first steps of a staged trace
         transfers = tuple(transfers)
         batch = Batch(self.side, tuple(p.side for p in self.peers), transfers, self.policy)
@@ -510,7 +529,7 @@ class PrefillEndpoint(DecodeMessages, FailurePath, AheadOfPlan, WarmUp):
                 self._report(t.dest, t.request, f"batch refused: {err}")
             raise
         if not transfers:
-            return dict(refused)
+            return Done(dict(refused))
         sums = self._checksums(transfers, pending, per_transfer, nbytes)
         if layers is not None:
             staged = mode == "staged" or mode == "auto" and self._auto_mode(len(descs), nbytes) == "staged"
@@ -518,13 +537,13 @@ class PrefillEndpoint(DecodeMessages, FailurePath, AheadOfPlan, WarmUp):
                 if staged or self.engine.capabilities.device else None
             moved = streamed.send(self.sending, transfers, descs, sections, layers, time.monotonic() + timeout,
                                   on_device if staged else None, None if staged else on_device)
-            return {**moved, **refused}
+            return Done({**moved, **refused})
         if sums is not None:  # before the bytes: the decode checks a request as soon as it has landed
             self._send_checksums(transfers, sums)
-        return {**self._move(transfers, mode, pending, PlannedBatch(transfers, descs, per_transfer, sections, None, ahead=ahead,
-                                                              chunks_run=chunks_run, nbytes=nbytes, pending=pending,
-                                                              launched=launched),
-                             batch, timeout), **refused}
+        moving = self._move(transfers, mode, pending, PlannedBatch(transfers, descs, per_transfer, sections, None,
+                                                                   ahead=ahead, chunks_run=chunks_run, nbytes=nbytes,
+                                                                   pending=pending, launched=launched), batch, timeout)
+        return then(moving, lambda moved: {**moved, **refused}) if refused else moving
 
     def _checksums(self, transfers: tuple[Transfer, ...], pending, per_transfer: np.ndarray,
                    nbytes: int) -> torch.Tensor | None:
@@ -562,7 +581,7 @@ class PrefillEndpoint(DecodeMessages, FailurePath, AheadOfPlan, WarmUp):
                 log.warning("request %r: its checksum could not be sent: %s", t.request, err)
 
     def _move(self, transfers: tuple[Transfer, ...], mode: str, pending, planned: PlannedBatch, batch: Batch,
-              timeout: float) -> dict[Any, str | None]:
+              timeout: float) -> Moving:
         deadline = time.monotonic() + timeout
         count = int(planned.per_transfer[-1])
         if mode == "auto":

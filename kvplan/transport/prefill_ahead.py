@@ -51,8 +51,8 @@ class AheadOfPlan:
     def _gather_ahead(self, pending, batch: Batch, mode: str) -> GatherAhead | None:
         """Queue the first wave's gather behind ``pending`` when the send will likely be staged to a
         single peer (:mod:`.ahead`); its run uses it unless the batch turns out otherwise."""
-        if self._ahead is None or not self._staged_to_one(mode):
-            return None
+        if self._ahead is None or not self._staged_to_one(mode) or self.sending.runs:
+            return None  # (a run still moving uses the ring, and the gatherer's offsets)
         alignment = self._alignment(batch)
         return self._ahead.queue(pending, alignment, self._ring(0, alignment)[1])
 

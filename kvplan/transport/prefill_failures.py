@@ -10,11 +10,11 @@ import logging
 from typing import Any, Sequence
 
 from ..planner.contract.batch import Transfer
-from .engines import Handle, is_unsafe, wait_all
+from .engines import Handle, Waiting, is_unsafe
 from .prefill_peers import pairing_of
 from .control_messages import Kind
 
-__all__ = ["FailurePath"]
+__all__ = ["FailurePath", "Settling"]
 
 log = logging.getLogger(__name__)
 
@@ -68,17 +68,43 @@ class FailurePath:
                 self._report(peer, request, reason)
 
     def _settle(self, transfers: Sequence[Transfer], posted: list[tuple[Handle, Any]],
-                deadline: float) -> dict[Any, str | None]:
-        result: dict[Any, str | None] = {t.request: None for t in transfers}
+                deadline: float) -> "Settling":
+        """What ``posted`` (handle, section) pairs settle into, as a :class:`~.runtime.moving.Moving`: step it
+        until done, then read each transfer's request's result."""
+        return Settling(self, transfers, posted, deadline)
+
+
+class Settling:
+    """Posted writes ending under their deadline (:class:`~.engines.base.Waiting`), then their requests'
+    results: one reason per request, reported once; a write that could not be ended makes its request
+    unsafe whatever else failed (the decode then never reuses pages that may still be written)."""
+
+    def __init__(self, ep: FailurePath, transfers: Sequence[Transfer], posted: list[tuple[Handle, Any]],
+                 deadline: float):
+        self.ep, self.transfers, self.posted = ep, transfers, posted
         dest_of = {handle: transfers[section.transfer].dest for handle, section in posted}
-        outcome = wait_all(self.engine, [h for h, _ in posted], deadline, give_up=lambda h: self._peer_gone(dest_of[h]))
-        # one reason per request, reported once: a write that could not be ended makes it unsafe whatever else
-        # failed (before, "the decode side is gone" replaced it, and the decode fenced pages still written)
+        self.waiting = Waiting(ep.engine, [h for h, _ in posted], deadline, give_up=lambda h: ep._peer_gone(dest_of[h]))
+        self._result: dict[Any, str | None] | None = None
+
+    def step(self) -> bool:
+        return self.waiting.step()
+
+    def done(self) -> bool:
+        return self.waiting.done()
+
+    def channels(self) -> Sequence[Any]:
+        return ()  # (a message moves no write: the engine's states are looked at each slice)
+
+    def result(self) -> dict[Any, str | None]:
+        if self._result is not None:
+            return self._result
+        ep, transfers, outcome = self.ep, self.transfers, self.waiting.outcome
+        result: dict[Any, str | None] = {t.request: None for t in transfers}
         reasons: dict[Any, tuple[int, str]] = {}
-        for handle, section in posted:
+        for handle, section in self.posted:
             if (why := outcome[handle]) is not None:
                 dest = transfers[section.transfer].dest
-                gone = self._peer_gone(dest)
+                gone = ep._peer_gone(dest)
                 if is_unsafe(why):
                     why = f"{why} ({gone})" if gone else why
                 elif gone:  # a dead receiver is the cause, whatever the engine says about a write that ended
@@ -86,5 +112,6 @@ class FailurePath:
                 if section.request not in reasons or (is_unsafe(why) and not is_unsafe(reasons[section.request][1])):
                     reasons[section.request] = (dest, why)
         for request, (dest, why) in reasons.items():
-            self._fail(dest, result, [request], why)
+            ep._fail(dest, result, [request], why)
+        self._result = result
         return result

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Collection, Mapping, Sequence
 
 from ..errors import KvplanError, LayoutError, PoolBoundsError
 from ..planner.device.destinations import check_published, decode_message
@@ -46,26 +46,66 @@ class DecodeMessages:
             self.aborted.append(self._aborts.popleft())
         return arrived
 
-    def _read_channels(self) -> list[tuple[int, Any]]:
-        """What :meth:`progress` takes in, read from the channels (the progress thread's, once it runs)."""
+    def _read_channels(self, busy: Mapping[int, Collection[Any]] | None = None) -> list[tuple[int, Any]]:
+        """What :meth:`progress` takes in, read from the channels (the progress thread's, once it runs).
+        ``busy``: per peer, the requests with writes of a batch in flight to it. A staged credit goes to
+        that peer's moving run; a message that must wait for those writes to end is held, and read in
+        order once they have (:meth:`_holds`)."""
+        busy = busy or {}
         if self._pairing:
             self._read_pairing()
         arrived = []
         for k, p in enumerate(self.peers):
+            moving = busy.get(k, ())
+            while p.held and not self._holds(moving, p.held[0], ()):
+                self._take(k, p.held.popleft(), arrived)
             while (msg := (p.backlog.popleft() if p.backlog else p.channel.try_recv())) is not None:
-                kind, header, frames = msg
-                if kind == Kind.REGISTER:
-                    self._on_register(k, header, frames)
-                elif kind == Kind.REQUEST and p.side is not None:
-                    if (request := self._on_request(k, header, frames)) is not None:
-                        arrived.append((k, request))
-                elif kind == Kind.ABORT and (request := named_request(header)) is not None:
-                    self._on_abort(k, request, str(header.get("reason") or "aborted"))
-                elif kind == Kind.REFUSE:
-                    self._on_refuse(k, header)
-            if p.side is not None and not p.dropped and self._peer_gone(k) is not None:
+                if msg[0] == Kind.WAVE_DONE:
+                    self._route_credit(k, msg[1])
+                elif self._holds(moving, msg, p.held):
+                    p.held.append(msg)
+                else:
+                    self._take(k, msg, arrived)
+            if k not in busy and p.side is not None and not p.dropped and self._peer_gone(k) is not None:
                 self._drop(k)
         return arrived
+
+    @staticmethod
+    def _holds(moving: Collection[Any], msg: tuple[str, dict[str, Any], list[bytes]], held: Sequence[Any]) -> bool:
+        """Whether ``msg`` waits while ``moving`` (a peer's requests with writes in flight) do: an abort or
+        refusal of one of them (its acknowledgement is its fence), a registration while any is (it
+        re-pairs the peer), and whatever follows a held message of the same request or a held
+        registration (they are read in the order they came)."""
+        kind, header = msg[0], msg[1]
+        if kind == Kind.REGISTER:
+            return bool(moving) or bool(held)
+        named = header.get("requests") if kind == Kind.REFUSE else [header.get("request")]
+        named = [r for r in named if isinstance(r, (str, int))] if isinstance(named, list) else []
+        if kind in (Kind.ABORT, Kind.REFUSE) and any(r in moving for r in named):
+            return True
+        return any(h[0] == Kind.REGISTER or h[1].get("request") in named
+                   or any(r in named for r in h[1].get("requests") or () if isinstance(r, (str, int)))
+                   for h in held)
+
+    def _route_credit(self, k: int, header: dict[str, Any]) -> None:
+        """A staged credit read off peer ``k``'s channel: its moving run's (one that ended takes none)."""
+        for run in self.sending.runs:
+            if run.dest == k:
+                run.on_credit(header)
+                return
+
+    def _take(self, k: int, msg: tuple[str, dict[str, Any], list[bytes]], arrived: list[tuple[int, Any]]) -> None:
+        """One message of peer ``k``, taken in."""
+        kind, header, frames = msg
+        if kind == Kind.REGISTER:
+            self._on_register(k, header, frames)
+        elif kind == Kind.REQUEST and self.peers[k].side is not None:
+            if (request := self._on_request(k, header, frames)) is not None:
+                arrived.append((k, request))
+        elif kind == Kind.ABORT and (request := named_request(header)) is not None:
+            self._on_abort(k, request, str(header.get("reason") or "aborted"))
+        elif kind == Kind.REFUSE:
+            self._on_refuse(k, header)
 
     def _refused_by_bound(self, channel: ControlChannel) -> str | None:
         """Why ``channel`` of add_peer is refused (closed, counted): ``max_peers`` taken through add_peer are
@@ -191,10 +231,10 @@ class DecodeMessages:
         peer.name = self.engine.connect(frames[0])
         # this side's layout: a decode rank that gathers from several source ranks checks their ranks with it
         # (its engine's name: the receiver checks that a section's notification comes from the sender of its request)
-        # between batches no write is in flight but those that could not be ended: without one, nothing this
-        # side wrote before can still land (a decode that lost this side to its silence fences on this word)
+        # with no batch moving, no write is in flight but those that could not be ended: without one, nothing
+        # this side wrote before can still land (a decode that lost this side to its silence fences on this word)
         paired: dict[str, Any] = {"from": self.id, "side": describe_side(self.side), "engine": self.engine.name,
-                                  "writes_ended": not self.unsafe}
+                                  "writes_ended": not self.unsafe and not self.writes_in_flight()}
         peer.credits_by_engine = bool(header.get("notifies")) and self.engine.capabilities.notifies
         if peer.credits_by_engine:  # its credits come back through the engine, to this side's metadata
             paired["credits"] = "engine"

@@ -39,6 +39,9 @@ class Peer:
     staging: tuple[int, int] | None = None
     lists: dict[Any, tuple[DestinationLists, int, int]] = field(default_factory=dict)
     backlog: deque = field(default_factory=deque)  # messages that arrived while a send read credits
+    # messages held while a batch's writes to this peer are in flight (an abort is acknowledged, a registration
+    # taken, only once none is): read in the order they came once none is
+    held: deque = field(default_factory=deque)
     prepared: bool = False
     plannable: bool = False  # its staged runs may go without tables (receiver_plan.receiver_can_plan)
     planning: set = field(default_factory=set)  # requests it published with a row: it can plan their scatter

@@ -9,19 +9,27 @@ published: the requests whose lists arrived, aborts, ended handles, counters. Ea
 ``deque`` (appends and pops are atomic) or is guarded by one lock held for a few list operations,
 never across a wait.
 
-**Order and bounds.** Batches run one at a time in the order they were submitted, so every peer
-sees its batches in order. At most ``max_in_flight`` batches are queued or moving at once; one
-more is refused at once with an ``overload`` reason for each of its requests, nothing of it planned
-or sent, and each decode endpoint is told (it may release those pages at once: no write of the
-batch exists). A queued batch keeps its deadline from the submit; one that would start past it
-fails whole, sending nothing.
+**Batches in flight.** Batches start (are planned and posted) in the order they were submitted, so
+every peer sees its batches' writes posted in order. Up to :data:`MOVING` batches move at once: one
+loop steps each one's writes, credits and deadline (:mod:`.runtime.moving`), reads the channels
+between looks and starts the next batch as soon as one may; a batch's staged run to a peer starts
+once that peer's run of an earlier batch has ended (:class:`~.senders.staged.StagedBatch`). A batch
+streamed by layer groups starts only when nothing else moves. At most ``max_in_flight`` batches are
+queued or moving at once; one more is refused at once with an ``overload`` reason for each of its
+requests, nothing of it planned or sent, and each decode endpoint is told (it may release those pages
+at once: no write of the batch exists). A queued batch keeps its deadline from the submit; one that
+would start past it fails whole, sending nothing.
 
-**Between batches** the thread reads the control channels (registrations, destination lists,
-aborts), runs the caller's queued actions, and blocks in one wait on the channels' sockets and its
-wake-up (:mod:`.runtime.loop`): a message, a submit or a queued action wakes it at once; otherwise it
-looks again within :data:`~.runtime.loop.IDLE_S` (a lost connection's events). It never spins. An abort read between batches is acknowledged at once, since no
-write is in flight then; a queued batch drops the transfers of a request whose lists are gone (aborted
-or forgotten) before it plans, so an acknowledged request is never written.
+**Aborts and fences.** An abort is acknowledged (its fence) only while no write of its request is in
+flight: an abort of a request in a moving batch is held until that batch has ended (and so is a
+registration while any batch moves to its peer, and what follows a held message of the same request). A batch drops
+the transfers of a request whose lists are gone (aborted or forgotten) when it starts, so an
+acknowledged request is never written.
+
+**Waiting.** Between looks the thread blocks in one wait (:mod:`.runtime.loop`) on the channels'
+sockets, the engine's descriptors and its wake-up: a message, a submit or a queued action wakes it at
+once; while writes are in flight it looks again within one slice of the poll cadence (50 us to 1 ms),
+idle within :data:`~.runtime.loop.IDLE_S`. It never spins.
 
 **Streams.** ``submit`` records an event on the caller's current CUDA stream; the thread's planning
 waits for it on the device, so the batch sees every write the caller queued before the submit. The
@@ -43,7 +51,7 @@ import torch
 from ..errors import KvplanError, PlanError
 from ..profiling import Profile
 from .handles import SendHandle
-from .runtime.loop import IDLE_S, Wakeup, wait_ready
+from .runtime.loop import IDLE_S, Cadence, Wakeup, engine_fds, wait_ready
 
 
 
@@ -56,26 +64,32 @@ class SendingEndpoint(Protocol):
     _pairing: list
     _stats: Any
 
-    def _read_channels(self) -> list[tuple[int, Any]]: ...
+    engine: Any
+    refuse: str
 
-    def _send_now(self, transfers: Sequence[Any], mode: str, timeout: float, layers: Any,
-                  submitted: float | None = None) -> dict[Any, str | None]: ...
+    def _read_channels(self, busy: Any = ()) -> list[tuple[int, Any]]: ...
+
+    def _start_send(self, transfers: Sequence[Any], mode: str, timeout: float, layers: Any,
+                    submitted: float | None = None) -> Any: ...
 
     def _report(self, peer: int, request: Any, reason: str) -> None: ...
 
-__all__ = ["MAX_IN_FLIGHT", "ProgressThread"]
+__all__ = ["MAX_IN_FLIGHT", "MOVING", "ProgressThread"]
 
 log = logging.getLogger(__name__)
 
 MAX_IN_FLIGHT = 8  # batches queued or moving at once per prefill endpoint (PrefillEndpoint's max_in_flight)
+MOVING = 2  # batches planned and posted, not yet ended, at once: a plan's buffers stay its own for 2 plans
 
 
 class _Job:
-    __slots__ = ("handle", "transfers", "mode", "deadline", "layers", "ready")
+    __slots__ = ("handle", "transfers", "mode", "deadline", "layers", "ready", "moving", "dropped")
 
     def __init__(self, handle, transfers, mode, deadline, layers, ready):
         self.handle, self.transfers, self.mode = handle, transfers, mode
         self.deadline, self.layers, self.ready = deadline, layers, ready
+        self.moving: Any = None  # its writes in flight, once started (runtime.moving.Moving)
+        self.dropped: dict[Any, str] = {}  # requests aborted before it started
 
 
 class ProgressThread:
@@ -87,9 +101,11 @@ class ProgressThread:
         self.ep, self.max_in_flight = endpoint, max_in_flight
         self._lock = threading.Lock()  # guards _jobs and _in_flight (held for a few list operations)
         self._arrivals = threading.Condition()  # (for receive_requests) notified when lists arrive
-        self._jobs: deque[_Job] = deque()
+        self._jobs: deque[_Job] = deque()  # queued, not started
+        self._moving: list[_Job] = []  # started, not ended (this thread's alone)
+        self._cadence = Cadence()
         self._in_flight = 0  # batches queued or moving
-        self._actions: deque[Callable[[], None]] = deque()  # the caller's, run here between batches
+        self._actions: deque[Callable[[], None]] = deque()  # the caller's, run here at the next turn
         self.arrived: deque[tuple[int, Any]] = deque()  # (peer, request) whose lists arrived
         self.errors: deque[BaseException] = deque()  # registrations refused (LayoutError), for the caller
         self.completed: deque[SendHandle] = deque()  # handles that ended, for PrefillEndpoint.completed()
@@ -116,7 +132,8 @@ class ProgressThread:
         self._wake()
 
     def call(self, action: Callable[[], None]) -> None:
-        """Run ``action`` on this thread, between batches, in the order given."""
+        """Run ``action`` on this thread at its next turn (between its looks at the moving batches), in the
+        order given."""
         self._actions.append(action)
         self._wake()
 
@@ -138,8 +155,13 @@ class ProgressThread:
     def in_flight(self) -> int:
         return self._in_flight
 
+    def moving(self) -> bool:
+        """Whether a batch is moving (planned and posted, not ended)."""
+        return bool(self._moving)
+
     def close(self, timeout: float = 5.0) -> None:
-        """Stop after the batch being moved (if any): queued actions still run, queued batches fail whole."""
+        """Stop once the batches moving have ended (or failed at their deadlines): queued actions still run,
+        queued batches fail whole."""
         self._closing = True
         self._wake()
         self._thread.join(timeout)
@@ -165,18 +187,27 @@ class ProgressThread:
 
     def _loop(self) -> None:
         while not self._closing:
+            moved = False
             try:
                 self._run_actions()
                 self._read_channels()
-                job = self._jobs[0] if self._jobs else None
-                if job is not None:
-                    self._execute(job)
+                moved = self._step()
+                moved = self._start() or moved
             except Exception:  # noqa: BLE001 - the thread must live on: what failed is logged, the rest goes on
                 log.exception("the prefill endpoint's progress thread caught an error")
-            if self._jobs or self._actions:
+            if moved:
+                self._cadence.reset()  # (what moved a moment ago, a gather on the device, ends within microseconds)
+            if self._actions or (self._jobs and self._may_start(self._jobs[0])):
                 continue
-            self._wait(IDLE_S)
+            if self._moving:
+                channels = self._channels() + [c for job in self._moving for c in job.moving.channels()]
+                wait_ready(channels, engine_fds(self.ep.engine), self._cadence.next(), self._wakeup)
+            else:
+                self._wait(IDLE_S)
         self._run_actions()  # what the caller queued before close() (forgets, failures to report)
+        while self._moving:  # (what was posted ends, or fails at its deadline, before the thread does)
+            if not self._step():
+                wait_ready([], engine_fds(self.ep.engine), self._cadence.next())
         while self._jobs:  # batches that never started: nothing of them was sent
             job = self._jobs.popleft()
             reason = "the prefill endpoint was closed before its batch was sent"
@@ -184,6 +215,58 @@ class ProgressThread:
                 self.ep._report(t.dest, t.request, reason)
             job.handle._finish({r: reason for r in job.handle.requests})
             self.completed.append(job.handle)
+
+    def _may_start(self, job: _Job) -> bool:
+        """Whether the head of the queue may start now: fewer than :data:`MOVING` batches move, and none at
+        all for a batch streamed by layer groups (it uses the whole staging ring)."""
+        if not self._moving:
+            return True
+        # (refusing by request plans each request on its own: more plans a batch than the planner keeps)
+        limit = 1 if self.ep.refuse == "request" else MOVING
+        return len(self._moving) < limit and job.layers is None and all(j.layers is None for j in self._moving)
+
+    def _start(self) -> bool:
+        """Start the queued batches that may start; whether one did."""
+        started = False
+        while self._jobs and self._may_start(self._jobs[0]):
+            job = self._jobs[0]
+            started = True
+            if self._begin(job):
+                self._jobs.popleft()
+                self._moving.append(job)
+            else:
+                self._end(self._jobs.popleft())
+        return started
+
+    def _step(self) -> bool:
+        """One look at every moving batch; the ended ones end. Whether anything moved."""
+        moved = False
+        for job in list(self._moving):
+            try:
+                moved = job.moving.step() or moved
+                if not job.moving.done():
+                    continue
+                job.handle._finish({**job.moving.result(), **job.dropped})
+            except PlanError as err:
+                job.handle._finish(error=err)
+            except Exception as err:  # noqa: BLE001 - the caller sees it through result()
+                log.exception("a submitted batch failed")
+                job.handle._finish(error=err)
+            self._moving.remove(job)
+            self._end(job)
+            moved = True
+        return moved
+
+    def _busy(self) -> dict[int, set[Any]]:
+        """Per peer, the requests with writes of a moving batch to it."""
+        busy: dict[int, set[Any]] = {}
+        for job in self._moving:
+            for t in job.transfers:
+                busy.setdefault(t.dest, set()).add(t.request)
+        return busy
+
+    def _channels(self) -> list[Any]:
+        return [p.channel for p in self.ep.peers] + [c for c, _ in self.ep._pairing]
 
     def _run_actions(self) -> bool:
         ran = False
@@ -198,7 +281,7 @@ class ProgressThread:
 
     def _read_channels(self) -> bool:
         try:
-            arrived = self.ep._read_channels()
+            arrived = self.ep._read_channels(self._busy())
         except KvplanError as err:  # a registration that cannot pair: the caller's progress() raises it
             self.errors.append(err)
             return True
@@ -208,14 +291,16 @@ class ProgressThread:
                 self._arrivals.notify_all()
         return bool(arrived)
 
-    def _execute(self, job: _Job) -> None:
+    def _begin(self, job: _Job) -> bool:
+        """Plan and post ``job`` (its writes then in flight: ``job.moving``); ``False`` when it ended at once
+        (its handle finished: refused, past its deadline, or nothing left to send)."""
         ep, handle = self.ep, job.handle
         try:
             if job.ready is not None:
                 torch.cuda.current_stream(ep.side.req_to_token.device).wait_event(job.ready)
             # a request aborted (or forgotten) since it was submitted: its decode was told it is fenced
             gone = {t.request for t in job.transfers if t.request not in ep.peers[t.dest].lists}
-            dropped = {r: "its decode endpoint aborted it before its batch was sent" for r in gone}
+            job.dropped = {r: "its decode endpoint aborted it before its batch was sent" for r in gone}
             transfers = tuple(t for t in job.transfers if t.request not in gone)
             left = job.deadline - time.monotonic()
             if left <= 0:
@@ -223,21 +308,25 @@ class ProgressThread:
                 for t in transfers:
                     ep._report(t.dest, t.request, reason)
                 ep._stats.failed(reason, len({t.request for t in transfers}))
-                result = {t.request: reason for t in transfers}
-            else:
-                result = ep._send_now(transfers, job.mode, left, job.layers, handle.submitted) if transfers else {}
-            handle._finish({**result, **dropped})
+                handle._finish({**{t.request: reason for t in transfers}, **job.dropped})
+                return False
+            if not transfers:
+                handle._finish(dict(job.dropped))
+                return False
+            job.moving = ep._start_send(transfers, job.mode, left, job.layers, handle.submitted)
+            return True
         except PlanError as err:
             handle._finish(error=err)
         except Exception as err:  # noqa: BLE001 - the caller sees it through result()
             log.exception("a submitted batch failed")
             handle._finish(error=err)
-        finally:
-            with self._lock:
-                self._jobs.popleft()
-                self._in_flight -= 1
-            self.completed.append(handle)
+        return False
+
+    def _end(self, job: _Job) -> None:
+        with self._lock:
+            self._in_flight -= 1
+        self.completed.append(job.handle)
 
     def _wait(self, timeout: float) -> None:
         """Block up to ``timeout`` until a control channel can be read or the caller wakes this thread."""
-        wait_ready([p.channel for p in self.ep.peers] + [c for c, _ in self.ep._pairing], (), timeout, self._wakeup)
+        wait_ready(self._channels(), (), timeout, self._wakeup)

@@ -73,6 +73,13 @@ def test_one_prefill_sends_one_batch_to_two_decode_endpoints():
     run_isolated(_fan_out, timeout=4 * TIMEOUT)
 
 
+def test_batches_submitted_back_to_back_move_staged_to_two_decode_endpoints_at_once():
+    """Each batch's staged runs to both decodes move together, each in its decode's part of the staging
+    buffer and each share read from the batch's one plan; the second batch, planned while the first
+    moves, starts each run once that decode's run of the first has ended. Every byte checked."""
+    run_isolated(_fan_out_staged, timeout=4 * TIMEOUT)
+
+
 @pytest.mark.parametrize("mode", ["direct", "staged"])
 def test_one_decode_endpoint_receives_from_two_prefill_endpoints(mode):
     run_isolated(_fan_in, mode, timeout=4 * TIMEOUT)
@@ -106,6 +113,43 @@ def _fan_out():
         assert box["states"] == {f"req{k + 1}": "complete"}
         side, tensors = pools[k]
         assert expected_bytes(batch, src, src_tensors, side, tensors, {f"req{k + 1}"}).matches(tensors)
+
+
+def _fan_out_staged():
+    import torch
+
+    batch = build_batch(HYBRID, 4, [40, 24, 32, 16], chunks=2, prefix_len=0, seed=7)
+    src, src_tensors = materialize(batch.src, "cpu", seed=11)
+    decodes, pools = [], []
+    for k in range(2):
+        side, tensors = decode_side(batch)
+        decodes.append(DecodeEndpoint(side, make_engine("nixl", f"fan-out-staged-decode-{k}"),
+                                      ControlChannel(host="127.0.0.1"), torch.zeros(1 << 20, dtype=torch.uint8)))
+        pools.append((side, tensors))
+    prefill = PrefillEndpoint(src, make_engine("nixl", "fan-out-staged-prefill"),
+                              [ControlChannel(d.channel.port, host="127.0.0.1") for d in decodes],
+                              torch.zeros(1 << 20, dtype=torch.uint8))
+    pair([lambda d=d: d.register(timeout=TIMEOUT) for d in decodes], [lambda: prefill.accept(timeout=TIMEOUT)])
+    mine = {0: ["req1", "req3"], 1: ["req2", "req4"]}
+    for k, d in enumerate(decodes):
+        d.publish([published(batch, r) for r in mine[k]], timeout=TIMEOUT)
+        prefill.receive_requests(2, timeout=TIMEOUT, peer=k)
+    waits = [waiting(d) for d in decodes]
+    by_chunk: dict[int, list] = {0: [], 1: []}
+    for k, requests in mine.items():
+        for r in requests:
+            for i, c in enumerate(chunks_of(batch, r)):
+                by_chunk[i].append(prefill.transfer(c, peer=k))
+    handles = [prefill.submit(by_chunk[i], mode="staged", timeout=TIMEOUT) for i in (0, 1)]
+    for handle in handles:
+        assert handle.result(timeout=TIMEOUT) == {r: None for r in ("req1", "req3", "req2", "req4")}
+    assert prefill.last_mode == "staged"
+    for k, (thread, box) in enumerate(waits):
+        thread.join(TIMEOUT)
+        assert box["states"] == {r: "complete" for r in mine[k]}
+        side, tensors = pools[k]
+        assert expected_bytes(batch, src, src_tensors, side, tensors, set(mine[k])).matches(tensors)
+    prefill.close()
 
 
 def _fan_in(mode):

@@ -138,21 +138,47 @@ def _wait_for(channel, kind, count):
 def test_an_abort_read_while_its_batch_waits_in_the_queue_keeps_its_bytes_from_being_written():
     prefill, engine, decode, chunks, _keep = _pair()
     try:
-        moving = prefill.submit([chunks["r1"]], mode="direct", timeout=WAIT_S)
-        assert engine.first_post.wait(WAIT_S)
-        queued = prefill.submit([chunks["r2"], chunks["r3"]], mode="direct", timeout=WAIT_S)
-        decode.send("abort", {"request": "r2", "reason": "the decode gave it up"})
+        first = prefill.submit([chunks["r1"]], mode="direct", timeout=WAIT_S)
+        second = prefill.submit([chunks["r2"]], mode="direct", timeout=WAIT_S)
+        _wait_until(lambda: _posted_requests(engine) == {"r1", "r2"})  # (two batches move at once)
+        queued = prefill.submit([chunks["r3"]], mode="direct", timeout=WAIT_S)
+        decode.send("abort", {"request": "r3", "reason": "the decode gave it up"})
         engine.release.set()
-        assert moving.result(timeout=WAIT_S) == {"r1": None}
-        result = queued.result(timeout=WAIT_S)
-        assert result["r3"] is None and "aborted it before its batch was sent" in result["r2"]
-        assert _posted_requests(engine) == {"r1", "r3"}  # r2 was never written
+        assert first.result(timeout=WAIT_S) == {"r1": None} and second.result(timeout=WAIT_S) == {"r2": None}
+        assert "aborted it before its batch was sent" in queued.result(timeout=WAIT_S)["r3"]
+        assert _posted_requests(engine) == {"r1", "r2"}  # r3 was never written
         acks = _wait_for(decode, "abort-ack", 1)
-        assert acks == [{"request": "r2", "fenced": True}]
+        assert acks == [{"request": "r3", "fenced": True}]
         prefill.progress()
-        assert prefill.aborted == [(0, "r2", "the decode gave it up")]
+        assert prefill.aborted == [(0, "r3", "the decode gave it up")]
     finally:
         prefill.close()
+
+
+def test_an_abort_of_a_request_whose_write_is_in_flight_is_acknowledged_once_the_write_ended():
+    """The acknowledgement is the fence: with a batch moving to the decode, it waits for that batch's writes."""
+    prefill, engine, decode, chunks, _keep = _pair()
+    try:
+        moving = prefill.submit([chunks["r1"], chunks["r2"]], mode="direct", timeout=WAIT_S)
+        assert engine.first_post.wait(WAIT_S)
+        decode.send("abort", {"request": "r2", "reason": "the decode gave it up"})
+        assert _wait_for_none(decode, "abort-ack", 0.3)  # (held: r2's write is in flight)
+        engine.release.set()
+        assert moving.result(timeout=WAIT_S) == {"r1": None, "r2": None}
+        assert _wait_for(decode, "abort-ack", 1) == [{"request": "r2", "fenced": True}]
+    finally:
+        prefill.close()
+
+
+def _wait_for_none(channel, kind, seconds):
+    import time
+
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if _messages(channel, kind):
+            return False
+        time.sleep(0.005)
+    return True
 
 
 def test_lists_that_arrive_reach_the_caller_through_progress_without_it_reading_a_channel():

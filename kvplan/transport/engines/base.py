@@ -34,7 +34,7 @@ from ... import env
 from ...errors import KvplanError
 from ..pause import Pause
 
-__all__ = ["Capabilities", "Engine", "Handle", "TransferError", "drain_seconds", "is_unsafe", "wait_all", "write"]
+__all__ = ["Capabilities", "Engine", "Handle", "TransferError", "Waiting", "drain_seconds", "is_unsafe", "wait_all", "write"]
 
 UNSAFE = "unsafe"  # how a failure reason starts when a write into its pages may still land
 
@@ -154,6 +154,67 @@ def drain_seconds() -> float:
     return env.number("KVPLAN_DRAIN_S")
 
 
+class Waiting:
+    """The writes of ``handles`` ending under ``deadline``, one look at a time (:meth:`step`): what
+    :func:`wait_all` waits for, steppable by a loop that moves other work meanwhile. ``outcome``: per
+    handle, ``None`` once it completed, else the reason (see :func:`wait_all`)."""
+
+    def __init__(self, engine: Engine, handles: list[Handle], deadline: float,
+                 give_up: Callable[[Handle], str | None] | None = None):
+        self.engine, self.deadline, self.give_up = engine, deadline, give_up
+        self.outcome: dict[Handle, str | None] = {}
+        self.live: list[Handle] = []
+        for h in handles:
+            if h.state == "ERR":
+                self.outcome[h] = h.error or "the engine refused the write"
+            else:
+                self.live.append(h)
+        self.aborting: dict[Handle, tuple[str, float]] = {}  # handle -> (why, when its drain ends)
+
+    def done(self) -> bool:
+        return not self.live and not self.aborting
+
+    def step(self) -> bool:
+        """One look at every write; whether any ended."""
+        engine, before = self.engine, len(self.live) + len(self.aborting)
+        still = []
+        for h in self.live:
+            state = engine.progress(h)
+            if state == "DONE":
+                self.outcome[h] = None
+            elif state == "ERR":
+                self.outcome[h] = h.error or "the engine reported an error"
+            else:
+                still.append(h)
+        self.live = still
+        now = time.monotonic()
+        if self.live and now > self.deadline:
+            self.aborting.update((h, ("deadline passed", now + drain_seconds())) for h in self.live)
+            self.live = []
+        if self.live and self.give_up is not None:  # (a write to a dead peer is given up; the others' go on)
+            going = []
+            for h in self.live:
+                if (lost := self.give_up(h)) is None:
+                    going.append(h)
+                else:
+                    self.aborting[h] = (lost, now + drain_seconds())
+            self.live = going
+        for h, (why, drain_end) in list(self.aborting.items()):
+            if engine.abort(h):
+                if is_unsafe(h.error):  # ended as far as the engine can tell, which cannot say that nothing will land
+                    self.outcome[h] = f"{UNSAFE}: {why}; {h.error[len(UNSAFE) + 2:]}"
+                else:
+                    self.outcome[h] = f"{why}; the write had ended (cancelled or completed) when this was reported"
+                del self.aborting[h]
+            elif time.monotonic() > drain_end:
+                log.error("a write to %s could not be ended %.1f s after its abort; its destination pages must stay "
+                          "quarantined", h.peer, drain_seconds())
+                self.outcome[h] = (f"{UNSAFE}: {why} and the engine could not end the write; its pages may still "
+                                   "be written")
+                del self.aborting[h]
+        return len(self.live) + len(self.aborting) < before
+
+
 def wait_all(engine: Engine, handles: list[Handle], deadline: float,
              give_up: Callable[[Handle], str | None] | None = None) -> dict[Handle, str | None]:
     """Wait for every handle until ``deadline``; ``None`` per handle that completed, else the reason.
@@ -164,56 +225,14 @@ def wait_all(engine: Engine, handles: list[Handle], deadline: float,
     may still be written). Aborted writes drain together: eight stuck writes take one drain, not
     eight (measured: 40.5 s against a bound of 5.5 s when they drained one after another).
     """
-    outcome: dict[Handle, str | None] = {}
-    live = []
-    for h in handles:
-        if h.state == "ERR":
-            outcome[h] = h.error or "the engine refused the write"
-        else:
-            live.append(h)
-    aborting: dict[Handle, tuple[str, float]] = {}  # handle -> (why, when its drain ends)
-    pause = Pause()  # yields while writes end, then sleeps in slices (the engine's progress thread moves them)
-    while live or aborting:
-        before = len(live) + len(aborting)
-        still = []
-        for h in live:
-            state = engine.progress(h)
-            if state == "DONE":
-                outcome[h] = None
-            elif state == "ERR":
-                outcome[h] = h.error or "the engine reported an error"
-            else:
-                still.append(h)
-        live = still
-        now = time.monotonic()
-        if live and now > deadline:
-            aborting.update((h, ("deadline passed", now + drain_seconds())) for h in live)
-            live = []
-        if live and give_up is not None:  # (a write to a dead peer is given up; the others' go on)
-            going = []
-            for h in live:
-                if (lost := give_up(h)) is None:
-                    going.append(h)
-                else:
-                    aborting[h] = (lost, now + drain_seconds())
-            live = going
-        for h, (why, drain_end) in list(aborting.items()):
-            if engine.abort(h):
-                if is_unsafe(h.error):  # ended as far as the engine can tell, which cannot say that nothing will land
-                    outcome[h] = f"{UNSAFE}: {why}; {h.error[len(UNSAFE) + 2:]}"
-                else:
-                    outcome[h] = f"{why}; the write had ended (cancelled or completed) when this was reported"
-                del aborting[h]
-            elif time.monotonic() > drain_end:
-                log.error("a write to %s could not be ended %.1f s after its abort; its destination pages must stay "
-                          "quarantined", h.peer, drain_seconds())
-                outcome[h] = f"{UNSAFE}: {why} and the engine could not end the write; its pages may still be written"
-                del aborting[h]
-        if len(live) + len(aborting) < before:
+    waiting = Waiting(engine, handles, deadline, give_up)
+    pause = Pause()  # one slice of the poll cadence between looks (the engine's own thread moves the writes)
+    while not waiting.done():
+        if waiting.step():
             pause.busy()
-        if live or aborting:
+        if not waiting.done():
             pause()
-    return outcome
+    return waiting.outcome
 
 
 def write(engine: Engine, peer: str, descs: np.ndarray, notification: bytes, deadline: float) -> None:

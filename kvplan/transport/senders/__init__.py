@@ -11,7 +11,9 @@ the planned batch to that mode's sender:
 
 A sender sees the endpoint only through its :class:`.context.SendContext` (engine, peers, staging
 and its stream, and the endpoint's verbs). Every sender ends through the endpoint's one completion
-and fencing path: its writes are waited for under the deadline (``verbs.settle``), and a request is
+and fencing path: its writes are waited for under the deadline (``verbs.settle``, a
+:class:`~..runtime.moving.Moving` the sender returns: the progress thread steps several batches'
+writes in one loop), and a request is
 failed, and reported to its decode side, only through ``verbs.fail``, which keeps requests whose
 writes may still land as unsafe (never acknowledged as fenced). A mode is added by a module here and
 an entry in :data:`SENDERS`.
@@ -25,5 +27,6 @@ from . import direct, prepared, staged
 
 __all__ = ["SENDERS"]
 
-# mode -> send(context, transfers, planned batch, pending plan, batch, deadline) -> {request: None | reason}
+# mode -> send(context, transfers, planned batch, pending plan, batch, deadline) -> Moving (its result:
+# {request: None | reason})
 SENDERS: dict[str, Callable] = {"direct": direct.send, "prepared": prepared.send, "staged": staged.send}

@@ -34,8 +34,9 @@ __all__ = ["SendContext", "SendVerbs"]
 class SendVerbs:
     """The endpoint's own steps a sender calls (each documented where the endpoint defines it)."""
 
-    # wait for posted (handle, section) pairs under the deadline; each transfer's request -> None or why
-    settle: Callable[[Sequence[Transfer], list[tuple[Handle, Any]], float], dict[Any, str | None]]
+    # posted (handle, section) pairs ending under the deadline, a Moving whose result is each transfer's
+    # request -> None or why
+    settle: Callable[[Sequence[Transfer], list[tuple[Handle, Any]], float], Any]
     # fail requests of one peer in a result, keeping those whose writes may still land unfenced
     fail: Callable[[int, dict[Any, str | None], Sequence[Any], str], None]
     alignment: Callable[[Batch], int]  # the copy word the batch's sides allow
@@ -66,6 +67,9 @@ class SendContext:
     last_announcement: str | None = None  # how its last staged run was announced: "planned" or "table"
     waves_ahead: int = 0  # staged waves gathered ahead of their layer group's mark, over the endpoint's life
     first_waves_ahead: int = 0  # staged runs whose first wave was gathered behind the plan
+    # staged runs announced and not ended, every batch's: a run starts once its peer and its part of the
+    # staging buffer are free of them (senders.staged.StagedBatch)
+    runs: list = field(default_factory=list)
 
     def wave_ids(self, count: int) -> int:
         """Take ``count`` wave ids; return the first."""

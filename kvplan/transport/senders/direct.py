@@ -7,6 +7,7 @@ import logging
 from typing import Any, Sequence
 
 from ...planner.contract.batch import Transfer
+from ..runtime.moving import Moving
 from .context import SendContext
 from .planned import PlannedBatch
 
@@ -14,7 +15,7 @@ log = logging.getLogger(__name__)
 
 
 def send(ep: SendContext, transfers: Sequence[Transfer], planned: PlannedBatch, pending: Any, batch: Any,
-         deadline: float) -> dict[Any, str | None]:
+         deadline: float) -> Moving:
     """Post every section, then wait for all of them (the endpoint's completion path)."""
     if ep.engine.capabilities.device:
         return _send_device(ep, transfers, planned, pending, batch, deadline)
@@ -28,7 +29,7 @@ def send(ep: SendContext, transfers: Sequence[Transfer], planned: PlannedBatch, 
 
 
 def _send_device(ep: SendContext, transfers: Sequence[Transfer], planned: PlannedBatch, pending: Any, batch: Any,
-                 deadline: float) -> dict[Any, str | None]:
+                 deadline: float) -> Moving:
     """An engine that writes from the plan's device descriptors (``Capabilities.device``): one post per
     decode endpoint, over that endpoint's rows of the plan as they lie on the device, each section's
     notification sent once the whole launch has ended."""

@@ -12,6 +12,7 @@ from ...planner.contract.batch import SideMemory, Transfer
 from ...planner.contract.pairing import pair_sides
 from ...planner.contract.plan import AUX_ROLE, KV_ROLE
 from ...planner.device.prepared import prepared_slots
+from ..runtime.moving import Moving
 from .context import SendContext
 from .planned import PlannedBatch
 
@@ -53,7 +54,7 @@ def prepare(ep: SendContext, dest: int) -> None:
 
 
 def send(ep: SendContext, transfers: Sequence[Transfer], planned: PlannedBatch, pending: Any, batch: Any,
-         deadline: float) -> dict[Any, str | None]:
+         deadline: float) -> Moving:
     """Post each section's indices into the peer's prepared lists (made on first use), then wait for all."""
     indices = pending.prepared_indices()
     counted = {(s.transfer, s.role): s for s in planned.host_sections()}

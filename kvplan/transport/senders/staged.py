@@ -34,17 +34,19 @@ from .planned import PlannedBatch, split_descriptors
 from .context import SendContext
 from ..control_messages import Kind
 
-__all__ = ["StagedRun", "move_together", "send", "share_of", "staged_run"]
+__all__ = ["StagedBatch", "StagedRun", "route_notes", "send", "share_of", "staged_run"]
 
 log = logging.getLogger(__name__)
 
 PART_ALIGN = 4096  # a staging part's bytes are a multiple of this (every copy word divides it)
 
 
-def send(ep: SendContext, transfers: Sequence[Transfer], planned: PlannedBatch, pending: Any, batch: Batch,
-         deadline: float) -> dict[Any, str | None]:
-    """Each peer's share of the batch through its own staging ring, every peer's at once: the prefill's
-    staging buffer is split evenly between the batch's peers, each share read from the one plan."""
+def send(ep: SendContext, transfers: Sequence[Transfer], planned: PlannedBatch, pending: Any, batch: Any,
+         deadline: float) -> StagedBatch:
+    """Each peer's share of the batch through its own staging ring, as a :class:`StagedBatch`: every peer's at
+    once, each share read from the one plan. With several peers each run uses its peer's part of this
+    side's staging buffer (split evenly by peer), so that runs of other batches to other peers move
+    alongside."""
     dests = sorted({t.dest for t in transfers})
     alignment = ep.verbs.alignment(batch)
     if len(ep.peers) == 1:
@@ -52,15 +54,88 @@ def send(ep: SendContext, transfers: Sequence[Transfer], planned: PlannedBatch, 
                            deadline)]
     else:
         runs = [staged_run(ep, dest, share_of(ep, planned, pending, batch, dest), alignment, deadline,
-                           part=(k, len(dests))) for k, dest in enumerate(dests)]
-    result: dict[Any, str | None] = {}
-    for run in runs:  # (announced before any moves: each receiver plans or checks its run meanwhile)
-        run.announced = run.announce()
-    for run_result in move_together([run for run in runs if run.announced]) + \
-            [run.result for run in runs if not run.announced]:
-        for request, reason in run_result.items():
-            result[request] = result.get(request) or reason
-    return result
+                           part=(dest, len(ep.peers))) for dest in dests]
+    return StagedBatch(ep, runs)
+
+
+class StagedBatch:
+    """A batch's staged runs, one per peer, as a :class:`~..runtime.moving.Moving`: a run is announced once
+    its part of the staging buffer and its peer are free of other batches' runs (:attr:`SendContext.runs`),
+    then stepped with the others; the engine's notifications are read once a turn and handed to the run
+    whose peer sealed them, whichever batch it belongs to (:func:`route_notes`)."""
+
+    def __init__(self, ep: SendContext, runs: Sequence[StagedRun]):
+        self.ep, self.runs = ep, list(runs)
+        self.waiting = list(runs)  # not announced yet
+        self.moving: list[StagedRun] = []
+        self._result: dict[Any, str | None] = {}
+
+    def step(self) -> bool:
+        moved = self._start()
+        moved = route_notes(self.ep) or moved
+        for run in self.moving:
+            moved = run.step() or moved
+        for run in [run for run in self.moving if run.done() or run.stopped()]:
+            self.moving.remove(run)
+            self._end(run, run.finish())
+            moved = True
+        return moved
+
+    def done(self) -> bool:
+        return not self.waiting and not self.moving
+
+    def result(self) -> dict[Any, str | None]:
+        return self._result
+
+    def channels(self) -> Sequence[Any]:
+        return [run.peer.channel for run in self.moving]
+
+    def _start(self) -> bool:
+        """Announce the runs whose staging part and peer are free; fail those whose deadline passed first."""
+        started = False
+        for run in list(self.waiting):
+            if time.monotonic() > run.deadline:
+                self.waiting.remove(run)
+                self.ep.verbs.fail(run.dest, run.result, list(run.result),
+                                   "deadline passed while its staged run waited for the staging ring")
+                self._merge(run.result)
+                continue
+            if any(other.dest == run.dest or other.overlaps(run) for other in self.ep.runs):
+                continue
+            self.waiting.remove(run)
+            started = True
+            run.own_notes = False
+            self.ep.runs.append(run)
+            if run.announce():
+                self.moving.append(run)
+            else:
+                self._end(run, run.result)
+        return started
+
+    def _end(self, run: StagedRun, result: dict[Any, str | None]) -> None:
+        if run in self.ep.runs:
+            self.ep.runs.remove(run)
+        run.log_trace()
+        self._merge(result)
+
+    def _merge(self, result: dict[Any, str | None]) -> None:
+        for request, reason in result.items():
+            self._result[request] = self._result.get(request) or reason
+
+
+def route_notes(ep: SendContext) -> bool:
+    """Read the engine's notifications once, where a moving run takes its credits from them, and hand each to
+    the run whose decode sealed it; whether any came."""
+    runs = [run for run in ep.runs if not run.own_notes]
+    if not any(run.wants_notes() for run in runs):
+        return False
+    notes = ep.engine.notifications()
+    came = bool(notes)
+    for run in runs:
+        notes = run.take_notes(notes)
+    for _, raw in notes:
+        log.warning("refused an engine notification that is not sealed by a decode of a moving run: %r", raw[:80])
+    return came
 
 
 def share_of(ep: SendContext, planned: PlannedBatch, pending: Any, batch: Batch, dest: int) -> PlannedBatch:
@@ -95,37 +170,6 @@ def _planned_again(ep: SendContext, planned: PlannedBatch, batch: Batch, dest: i
     return PlannedBatch(share, *sub.descriptors(), sub.sections(), sub.device_descriptors())
 
 
-def move_together(runs: Sequence[StagedRun]) -> list[dict[Any, str | None]]:
-    """Move announced runs to different peers side by side in one loop: each turn steps every run still
-    moving, the engine's notifications read once and handed to the run whose peer sealed them; between
-    turns it blocks on the runs' channels and the engine (:mod:`..pause`). Each run's result, in order."""
-    if not runs:
-        return []
-    ep = runs[0].ep
-    pause = Pause(fds=engine_fds(ep.engine))
-    moving = list(runs)
-    for run in runs:
-        run._own_notes = False
-    while moving:
-        notes = ep.engine.notifications() if any(run.wants_notes() for run in moving) else []
-        moved = bool(notes)
-        for run in moving:
-            notes = run.take_notes(notes)
-            moved = run.step() or moved
-        for _, raw in notes:
-            log.warning("refused an engine notification that is not sealed by a decode of these runs: %r", raw[:80])
-        moving = [run for run in moving if not run.done() and not run.stopped()]
-        if not moving:
-            break
-        if moved:
-            pause.busy()
-        pause([run.peer.channel for run in moving])
-    results = [run.finish() for run in runs]
-    for run in runs:
-        run.log_trace()
-    return results
-
-
 def staged_run(ep: SendContext, dest: int, batch: PlannedBatch, alignment: int, deadline: float,
                part: tuple[int, int] = (0, 1)) -> StagedRun:
     """A run of ``batch`` to peer ``dest`` (not announced yet), in part ``part[0]`` of ``part[1]`` equal parts
@@ -149,7 +193,7 @@ class StagedRun:
         self.slots, self.slot_bytes = ep.verbs.ring(dest, alignment, part_bytes)
         self.announced = False
         self._slot_wait = False  # (the wave waiting for a free slot was counted)
-        self._own_notes = True  # reads the engine's notifications itself (False: move_together hands them over)
+        self.own_notes = True  # reads the engine's notifications itself (False: route_notes hands them over)
         self.transfers, self.plannable, self.chunks_run = batch.transfers, batch.plannable, batch.chunks_run
         self.batch, self.nbytes = batch, batch.nbytes
         if batch.descs is None and batch.nbytes <= self.slot_bytes:  # one wave, no descriptor to split:
@@ -404,20 +448,30 @@ class StagedRun:
             if kind != Kind.WAVE_DONE:  # e.g. the next requests' lists: kept for receive_requests
                 self.peer.backlog.append(msg)
                 continue
-            try:
-                self._credit(int(header["wave"]), header.get("error"))
-            except (KeyError, TypeError, ValueError, OverflowError):
-                log.warning("ignored a malformed credit from the decode side: %r", header)
+            self.on_credit(header)
         # credits through the engine are looked for only while some are due: a loop that asks the engine
         # for notifications while it waits for a gather contends for the UCX worker with NIXL's progress
         # thread, and the next post waits for it (benchmarks/post_cost.py)
-        if self._own_notes and self.wants_notes():
+        if self.own_notes and self.wants_notes():
             for _, raw in self.take_notes(ep.engine.notifications()):
                 log.warning("refused an engine notification that is not sealed by this run's decode: %r", raw[:80])
         for wave, handle in self.posted.values():
             if handle.state == "PROC":
                 ep.engine.progress(handle)
         return bool(self.gathered) or before != (len(self.posted), len(self.acked), len(self.gathered))
+
+    def on_credit(self, header: dict[str, Any]) -> None:
+        """A credit the receiver sent on the control channel (``wave``, and ``error`` if it refused the wave)."""
+        try:
+            self._credit(int(header["wave"]), header.get("error"))
+        except (KeyError, TypeError, ValueError, OverflowError):
+            log.warning("ignored a malformed credit from the decode side: %r", header)
+
+    def overlaps(self, other: StagedRun) -> bool:
+        """Whether this run's part of the staging buffer here and ``other``'s share a byte."""
+        mine = (self.local_base, self.local_base + self.slots * self.slot_bytes)
+        theirs = (other.local_base, other.local_base + other.slots * other.slot_bytes)
+        return mine[0] < theirs[1] and theirs[0] < mine[1]
 
     def wants_notes(self) -> bool:
         """Whether credits due to this run come as engine notifications (its receiver sends them so, and

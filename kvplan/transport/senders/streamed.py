@@ -18,6 +18,7 @@ from ...planner.contract.pairing import pair_sides
 from ...planner.contract.plan import Section
 from ..engines import Handle
 from ..pause import Pause
+from ..runtime.moving import drive
 from ..readiness import LayerStreaming
 from .planned import PlannedBatch
 from .staged import StagedRun, staged_run
@@ -42,7 +43,7 @@ def send(ep: SendContext, transfers: Sequence[Transfer], descs: np.ndarray, sect
     ep.last_mode, ep.last_announcement = ("staged", "table") if staged else ("direct", None)
     grouped = GroupedSend(ep, transfers, descs, per_group, layers, deadline, staged, launched)
     grouped.run()
-    result = ep.verbs.settle(transfers, grouped.posted, deadline)
+    result = dict(drive(ep.verbs.settle(transfers, grouped.posted, deadline)))
     if grouped.trace is not None:
         grouped.trace.append((len(per_group), "settled", time.perf_counter()))
         log.warning("layer groups (group, step, clock ms): %s",
