@@ -48,7 +48,7 @@ from .pause import Pause
 from .runtime.loop import engine_fds
 from .receiver_plan import OwnLists, PlannedRun
 from .receivers.staged import POLL_S, StagedReceiver, _StagedWave
-from .streams import transport_stream
+from .streams import caller_event, transport_stream
 from .registration import describe_side
 from .control_messages import Kind
 
@@ -409,36 +409,12 @@ class DecodeEndpoint(SenderMessages, StagedReceiver, DecodeWarmUp):
         ``publishers``: how many decode endpoints publish each of these requests to that sender (the
         ranks of a decode of a larger TP size that one prefill rank serves); the sender goes on once
         all have (:meth:`PrefillEndpoint.published_by_all`)."""
-        peers = _peers(peer)
-        deadline = time.monotonic() + timeout
-        if self._progress is not None:
-            # checked here (a bad request raises now); the thread launches the lists' kernels of every
-            # publish queued in one of its turns together, after what the caller's stream queued so far
+        peers, deadline = _peers(peer), time.monotonic() + timeout
+        if self._progress is not None:  # checked here; the thread launches a turn's publishes together
             request_segments(self.side, requests)
-            self._progress.publish(requests, deadline, peers, publishers, self._caller_event())
+            self._progress.publish(requests, deadline, peers, publishers, caller_event(self.side.req_to_token))
             return
         self._finish_publish(plan_destinations(self.side, requests), requests, deadline, peers, publishers)
-
-    def _caller_event(self) -> torch.cuda.Event | None:
-        """An event on the caller's current stream, where the token table is on a GPU (its rows are written
-        there before a publish): the progress thread's launch waits for it on the device."""
-        table = self.side.req_to_token
-        if not (isinstance(table, torch.Tensor) and table.is_cuda):
-            return None
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(table.device))
-        return event
-
-    def _plan_lists(self, requests: Sequence[PreallocatedRequest], after: Sequence[Any] = ()) -> Any:
-        """(progress thread) Launch the destination-list kernels of ``requests`` on this thread's stream,
-        behind the caller's events ``after``."""
-        table = self.side.req_to_token
-        if isinstance(table, torch.Tensor) and table.is_cuda:
-            stream = torch.cuda.current_stream(table.device)
-            for event in after:
-                if event is not None:
-                    stream.wait_event(event)
-        return plan_destinations(self.side, requests)
 
     def _finish_publish(self, pending: Any, requests: Sequence[PreallocatedRequest], deadline: float,
                         peers: tuple[int, ...], publishers: int) -> None:

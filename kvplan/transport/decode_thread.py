@@ -33,7 +33,10 @@ import threading
 from collections import deque
 from typing import Any, Callable, Protocol, Sequence
 
+import torch
+
 from ..errors import KvplanError
+from ..planner.device.destinations import plan_destinations
 from ..profiling import Profile
 from .runtime.loop import IDLE_S, Wakeup, engine_fds, wait_ready
 
@@ -45,6 +48,7 @@ class ReceivingEndpoint(Protocol):
 
     channels: list
     engine: Any
+    side: Any
     tracker: Any
     _gone_senders: set
     _waves: dict
@@ -60,8 +64,6 @@ class ReceivingEndpoint(Protocol):
     def _finish_published(self, published: Sequence[Any], messages: Sequence[bytes], requests: Sequence[Any],
                           deadline: float, peers: Any, publishers: Any) -> None: ...
 
-    def _plan_lists(self, requests: Sequence[Any], after: Sequence[Any] = ()) -> Any: ...
-
 __all__ = ["DecodeProgress"]
 
 log = logging.getLogger(__name__)
@@ -76,6 +78,18 @@ class _Publish:
     def __init__(self, pending, requests, deadline, peers, publishers, ready=None):
         self.pending, self.requests, self.deadline = pending, requests, deadline
         self.peers, self.publishers, self.ready = peers, publishers, ready
+
+
+def plan_lists(side: Any, requests: Sequence[Any], after: Sequence[Any] = ()) -> Any:
+    """Launch the destination-list kernels of ``requests`` on this thread's stream, behind the caller's
+    events ``after`` (:func:`~.streams.caller_event`)."""
+    table = side.req_to_token
+    if isinstance(table, torch.Tensor) and table.is_cuda:
+        stream = torch.cuda.current_stream(table.device)
+        for event in after:
+            if event is not None:
+                stream.wait_event(event)
+    return plan_destinations(side, requests)
 
 
 class _Launch:
@@ -203,11 +217,11 @@ class DecodeProgress:
             group.append(item)
         requests = [r for p in group for r in p.requests]
         try:
-            launch = _Launch(self.ep._plan_lists(requests, [p.ready for p in group]))
+            launch = _Launch(plan_lists(self.ep.side, requests, [p.ready for p in group]))
         except KvplanError:  # (the caller checked each: a table changed since) each alone names its own error
             for p in group:
                 try:
-                    p.pending = _Launch(self.ep._plan_lists(p.requests))
+                    p.pending = _Launch(plan_lists(self.ep.side, p.requests))
                 except KvplanError as err:
                     p.pending = err
             return
@@ -252,7 +266,7 @@ class DecodeProgress:
                 return
             for p in group:  # (one list was refused: each publish planned again alone names its own)
                 try:
-                    alone = self.ep._plan_lists(p.requests)
+                    alone = plan_lists(self.ep.side, p.requests)
                     self.ep._finish_publish(alone, p.requests, p.deadline, p.peers, p.publishers)
                 except KvplanError as one:
                     self._refuse(p, one)

@@ -422,7 +422,7 @@ class PrefillEndpoint(DecodeMessages, FailurePath, AheadOfPlan, WarmUp):
         if self._thread is not None:
             return self.submit(transfers, mode, timeout, layers).result()
         self._check_send(transfers, mode, layers)
-        return self._send_now(tuple(transfers), mode, timeout, layers)
+        return drive(self._start_send(tuple(transfers), mode, timeout, layers), engine_fds(self.engine))
 
     def _check_send(self, transfers: Sequence[Transfer], mode: str, layers: LayerStreaming | None) -> None:
         if mode not in MODES:
@@ -434,16 +434,11 @@ class PrefillEndpoint(DecodeMessages, FailurePath, AheadOfPlan, WarmUp):
                              "and every byte written when it is planned: send direct, staged or auto, without layer "
                              "streaming (kvplan.transport.integrity)")
 
-    def _send_now(self, transfers: tuple[Transfer, ...], mode: str, timeout: float,
-                  layers: LayerStreaming | None, submitted: float | None = None) -> dict[Any, str | None]:
-        """The batch planned, moved and settled on this thread (the caller's, or the progress thread's);
-        its requests' latency counts from ``submitted`` where it waited in the queue first."""
-        return drive(self._start_send(transfers, mode, timeout, layers, submitted), engine_fds(self.engine))
-
     def _start_send(self, transfers: tuple[Transfer, ...], mode: str, timeout: float,
                     layers: LayerStreaming | None, submitted: float | None = None) -> Moving:
         """The batch planned and posted: its writes in flight, as a :class:`~.runtime.moving.Moving` whose
-        result counts it (:meth:`_count`) when first read."""
+        result counts it (:meth:`~.stats.EndpointStats.sent`) when first read; its requests' latency counts
+        from ``submitted`` where it waited in the queue first."""
         started = time.monotonic() if submitted is None else submitted
         self.last_nbytes = 0
         try:
@@ -455,25 +450,10 @@ class PrefillEndpoint(DecodeMessages, FailurePath, AheadOfPlan, WarmUp):
         nbytes = self.last_nbytes
 
         def counted(result: dict[Any, str | None]) -> dict[Any, str | None]:
-            self._count(transfers, result, time.monotonic() - started, nbytes)
+            self._stats.sent(transfers, result, time.monotonic() - started, nbytes)
             return result
 
         return then(moving, counted)
-
-    def _count(self, transfers: tuple[Transfer, ...], result: dict[Any, str | None], took_s: float,
-               nbytes: int) -> None:
-        """A send's requests in the counters: each failure, each request whose last chunk went. Its
-        bytes count in full when nothing of it failed, else in the share of its requests that went
-        (a send plans its bytes for the batch, not per request)."""
-        for request, reason in result.items():
-            if reason is not None:
-                self._stats.failed(reason)
-        ended = {t.request for t in transfers if t.last and result.get(t.request) is None}
-        failed = sum(reason is not None for reason in result.values())
-        sent_share = 1.0 if not failed else (len(result) - failed) / max(len(result), 1)
-        self._stats.settled("sent", len(ended), nbytes=int(nbytes * sent_share))
-        for _ in ended:
-            self._stats.latency(took_s)
 
     def _streaming(self, layers: LayerStreaming | None):
         """Where a send's device work goes: the caller's current stream, or for a streamed send on a

@@ -51,6 +51,7 @@ import torch
 from ..errors import KvplanError, PlanError
 from ..profiling import Profile
 from .handles import SendHandle
+from .streams import caller_event
 from .runtime.loop import IDLE_S, Cadence, Wakeup, engine_fds, wait_ready
 
 
@@ -116,11 +117,7 @@ class ProgressThread:
 
     # -- the caller's side: enqueue and return --------------------------------------------------------
     def submit(self, handle: SendHandle, transfers: tuple, mode: str, timeout: float, layers: Any) -> None:
-        ready = None
-        table = self.ep.side.req_to_token
-        if isinstance(table, torch.Tensor) and table.is_cuda:  # what the caller queued before the submit
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(table.device))
+        ready = caller_event(self.ep.side.req_to_token)  # (what the caller queued before the submit)
         job = _Job(handle, transfers, mode, handle.submitted + timeout, layers, ready)
         with self._lock:
             admitted = self._in_flight < self.max_in_flight

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, deque
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -78,6 +78,20 @@ class EndpointStats:
             self._latency_s.append(seconds)
             self._latency_sum += seconds
             self._latency_count += 1
+
+    def sent(self, transfers: Sequence[Any], result: dict[Any, str | None], took_s: float, nbytes: int) -> None:
+        """A prefill's send in the counters: each failure, each request whose last chunk went. Its bytes
+        count in full when nothing of it failed, else in the share of its requests that went (a send
+        plans its bytes for the batch, not per request)."""
+        for reason in result.values():
+            if reason is not None:
+                self.failed(reason)
+        ended = {t.request for t in transfers if t.last and result.get(t.request) is None}
+        failed = sum(reason is not None for reason in result.values())
+        sent_share = 1.0 if not failed else (len(result) - failed) / max(len(result), 1)
+        self.settled("sent", len(ended), nbytes=int(nbytes * sent_share))
+        for _ in ended:
+            self.latency(took_s)
 
     def hit(self, bound: str) -> None:
         """A bound was reached once (a wave waited for a staging slot, a publisher count was capped...)."""

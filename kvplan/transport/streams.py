@@ -26,7 +26,7 @@ import logging
 
 import torch
 
-__all__ = ["transport_stream"]
+__all__ = ["caller_event", "transport_stream"]
 
 log = logging.getLogger(__name__)
 
@@ -55,3 +55,14 @@ def transport_stream(device: torch.device, priority: int = -1) -> torch.cuda.Str
         log.warning("a non-blocking CUDA stream could not be made (%s); using a torch side stream, which waits "
                     "for the default stream", err)
         return torch.cuda.Stream(device, priority=priority)
+
+
+def caller_event(table: object) -> torch.cuda.Event | None:
+    """An event recorded on the caller's current stream where ``table`` (a token table) is on a GPU, for a
+    progress thread's launches to wait for on the device (what the caller queued before it: the table's
+    rows, the KV a batch moves); ``None`` elsewhere."""
+    if not (isinstance(table, torch.Tensor) and table.is_cuda):
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(table.device))
+    return event

@@ -282,7 +282,9 @@ def test_swa_and_dsa_after_a_decode_prefix_start_at_the_prefix_as_sglang_s():
     dst = np.arange(10, 13)  # the decode's pages of [8, 19), its window's SWA pages, its ring rows
     mgr.prefill.peers[0].lists[8] = (DestinationLists(dst, (np.array([3, 4, 7]), dst, np.arange(16, 22))), 0, 8)
     sent = []
-    mgr.prefill._send_now = lambda transfers, *_: sent.extend(transfers) or {}  # what its progress thread would move
+    from kvplan.transport.runtime.moving import Done
+
+    mgr.prefill._start_send = lambda transfers, *_: sent.extend(transfers) or Done({})  # what its thread would move
     sender.send(np.array([9, 10, 11]), state_indices=[[5, 6, 2], [9, 10, 11], [16 * 2 + p % 16 for p in range(13, 19)]],
                 num_kv_tokens=11)
     assert concluded(sender, base.KVPoll) == base.KVPoll.Success, mgr.failures

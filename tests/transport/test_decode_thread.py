@@ -222,11 +222,14 @@ def _held(endpoint):
     return gate
 
 
-def test_publishes_queued_in_one_turn_are_launched_together_and_each_is_sent_in_order():
+def test_publishes_queued_in_one_turn_are_launched_together_and_each_is_sent_in_order(monkeypatch):
+    from kvplan.transport import decode_thread
+
     endpoint, _, prefill = _started(rows={1: [3, 4], 2: [5, 6], 3: [7, 8]})
     launched = []
-    plan = endpoint._plan_lists
-    endpoint._plan_lists = lambda requests, after=(): launched.append([r.request for r in requests]) or plan(requests, after)
+    plan = decode_thread.plan_lists
+    monkeypatch.setattr(decode_thread, "plan_lists", lambda side, requests, after=(): launched.append(
+        [r.request for r in requests]) or plan(side, requests, after))
     try:
         gate = _held(endpoint)
         for k in (1, 2, 3):
