@@ -23,6 +23,13 @@ __all__ = ["DecodeMessages"]
 log = logging.getLogger(__name__)
 
 
+def _named(msg: tuple[str, dict[str, Any], list[bytes]]) -> set[Any]:
+    """The requests a message names (``request``, or a refusal's ``requests``)."""
+    header = msg[1]
+    named = header.get("requests") if msg[0] == Kind.REFUSE else [header.get("request")]
+    return {r for r in named if isinstance(r, (str, int))} if isinstance(named, list) else set()
+
+
 class DecodeMessages:
     """The reading half of :class:`~kvplan.transport.prefill.PrefillEndpoint` (its state lives on the endpoint)."""
 
@@ -74,18 +81,15 @@ class DecodeMessages:
     def _holds(moving: Collection[Any], msg: tuple[str, dict[str, Any], list[bytes]], held: Sequence[Any]) -> bool:
         """Whether ``msg`` waits while ``moving`` (a peer's requests with writes in flight) do: an abort or
         refusal of one of them (its acknowledgement is its fence), a registration while any is (it
-        re-pairs the peer), and whatever follows a held message of the same request or a held
-        registration (they are read in the order they came)."""
-        kind, header = msg[0], msg[1]
+        re-pairs the peer), and whatever follows a held registration or a held message of the same
+        request (they are read in the order they came)."""
+        kind = msg[0]
         if kind == Kind.REGISTER:
             return bool(moving) or bool(held)
-        named = header.get("requests") if kind == Kind.REFUSE else [header.get("request")]
-        named = [r for r in named if isinstance(r, (str, int))] if isinstance(named, list) else []
-        if kind in (Kind.ABORT, Kind.REFUSE) and any(r in moving for r in named):
+        named = _named(msg)
+        if kind in (Kind.ABORT, Kind.REFUSE) and not named.isdisjoint(moving):
             return True
-        return any(h[0] == Kind.REGISTER or h[1].get("request") in named
-                   or any(r in named for r in h[1].get("requests") or () if isinstance(r, (str, int)))
-                   for h in held)
+        return any(h[0] == Kind.REGISTER or not named.isdisjoint(_named(h)) for h in held)
 
     def _route_credit(self, k: int, header: dict[str, Any]) -> None:
         """A staged credit read off peer ``k``'s channel: its moving run's (one that ended takes none)."""
