@@ -84,13 +84,14 @@ MOVING = 2  # batches planned and posted, not yet ended, at once: a plan's buffe
 
 
 class _Job:
-    __slots__ = ("handle", "transfers", "mode", "deadline", "layers", "ready", "moving", "dropped")
+    __slots__ = ("handle", "transfers", "mode", "deadline", "layers", "ready", "moving", "dropped", "requests")
 
     def __init__(self, handle, transfers, mode, deadline, layers, ready):
         self.handle, self.transfers, self.mode = handle, transfers, mode
         self.deadline, self.layers, self.ready = deadline, layers, ready
         self.moving: Any = None  # its writes in flight, once started (runtime.moving.Moving)
         self.dropped: dict[Any, str] = {}  # requests aborted before it started
+        self.requests: dict[int, set[Any]] = {}  # per peer, its requests (made when it starts)
 
 
 class ProgressThread:
@@ -256,10 +257,12 @@ class ProgressThread:
 
     def _busy(self) -> dict[int, set[Any]]:
         """Per peer, the requests with writes of a moving batch to it."""
+        if len(self._moving) == 1:
+            return self._moving[0].requests
         busy: dict[int, set[Any]] = {}
         for job in self._moving:
-            for t in job.transfers:
-                busy.setdefault(t.dest, set()).add(t.request)
+            for dest, requests in job.requests.items():
+                busy[dest] = busy.get(dest, set()) | requests
         return busy
 
     def _channels(self) -> list[Any]:
@@ -311,6 +314,8 @@ class ProgressThread:
                 handle._finish(dict(job.dropped))
                 return False
             job.moving = ep._start_send(transfers, job.mode, left, job.layers, handle.submitted)
+            for t in transfers:
+                job.requests.setdefault(t.dest, set()).add(t.request)
             return True
         except PlanError as err:
             handle._finish(error=err)

@@ -40,3 +40,32 @@ def test_a_share_read_from_the_plan_equals_the_share_planned_alone(seed):
         np.testing.assert_array_equal(read.per_transfer, alone.per_transfer)
         assert read.sections == alone.sections
         np.testing.assert_array_equal(read.device_descs.numpy(), alone.device_descs.numpy())
+
+
+def _run(base_id, waves, dest):
+    """A staged run reduced to what taking credits reads: its peer (no secret: every note opens), its
+    waves' ids and the waves it posted."""
+    from kvplan.transport.senders.staged import StagedRun
+
+    run = object.__new__(StagedRun)
+    run.peer = SimpleNamespace(opened=lambda raw: raw, credits_by_engine=True)
+    run.base_id, run.waves, run.dest, run.trace = base_id, [object()] * waves, dest, None
+    run.posted = {k: (SimpleNamespace(slot=k), None) for k in range(waves)}
+    run.acked, run.remote_free = set(), [False] * waves
+    run.ep = SimpleNamespace(verbs=None)
+    return run
+
+
+def test_credits_read_once_for_two_runs_reach_the_run_whose_waves_they_name():
+    """Without a secret a credit opens for every run: the wave it names says whose it is. (A run that took
+    another's credit left that run waiting for it until its deadline.)"""
+    from kvplan.transport.senders.staged import route_notes
+    from kvplan.transport.waves import credit_note
+
+    first, second = _run(0, 2, dest=0), _run(2, 2, dest=1)
+    notes = [("b", credit_note(3)), ("a", credit_note(0)), ("b", credit_note(2))]
+    engine = SimpleNamespace(notifications=lambda: list(notes))
+    for run in (first, second):
+        run.own_notes = False
+    assert route_notes(SimpleNamespace(runs=[first, second], engine=engine))
+    assert first.acked == {0} and second.acked == {0, 1}

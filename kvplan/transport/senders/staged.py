@@ -491,8 +491,10 @@ class StagedRun:
             wave_id = decode_credit(opened)
             if wave_id is None:
                 log.warning("ignored an engine notification that is no credit: %r", raw[:80])
-            else:
+            elif self.base_id <= wave_id < self.base_id + len(self.waves):
                 self._credit(wave_id, None)
+            else:  # another run's (without a secret a note opens for every run: its wave says whose it is)
+                left.append(note)
         return left
 
     def _credit(self, wave_id: int, error: Any) -> None:
