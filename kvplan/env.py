@@ -66,8 +66,8 @@ VARIABLES = (
     Variable("KVPLAN_SCATTER_GRAPHS", "1", "`0`: a decode's staged scatters are launched as kernels, not replayed "
              "from CUDA graphs", "flag"),
     Variable("KVPLAN_UPLOAD_GRAPHS", "1", "`0`: a decode uploads scatter tables without CUDA graphs", "flag"),
-    Variable("KVPLAN_TRACE", None, "on: staged runs, streamed sends and the decode log each step's clock (a trace, "
-             "for benchmarks)", "flag"),
+    Variable("KVPLAN_TRACE", None, "on: staged runs, streamed sends and the decode log each step's clock, and a "
+             "prefill's progress thread its batches' phases (a trace, for benchmarks)", "flag"),
     Variable("KVPLAN_PROFILE", None, "a folder: the progress threads and `kvplan load`'s processes write a "
              "profile of their functions there"),
     Variable("KVPLAN_PROFILE_ONLY", "", "profile only the threads whose names start with this"),

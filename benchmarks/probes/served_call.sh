@@ -1,19 +1,15 @@
 #!/bin/bash
-# One card call for issue 74: the served rows before (.baseline) and after (this tree), interleaved; higher
-# rates and a profile of the new code; its capacity with NIXL and ipc. Everything lands in $OUT/served.tgz.
+# A card call for issue 74: the served rows before (.baseline) and after (this tree), interleaved; then the
+# new code's batches traced (KVPLAN_TRACE) and with more batches in flight. Everything lands in $OUT/served.tgz.
 #   bash benchmarks/probes/served_call.sh      (carrying .whl-both and .baseline)
+# The first call of 2026-12-07 (results/2026-12-07-h100-served/) ran instead: ROWS "tiny-1000-nixl tiny-1000-ipc
+# llama8b-200-nixl" before and after, "tiny-3000-nixl tiny-3000-ipc" after, a profile (KVPLAN_PROFILE) of
+# tiny-1000-nixl after, and `--find-capacity 50 --rate 1000 --capacity-steps 1` with NIXL and ipc.
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-both/*.whl || exit 1
 r=/tmp/r; mkdir -p $r
 probe=benchmarks/probes/served_rows.sh
-ROWS="tiny-1000-nixl tiny-1000-ipc llama8b-200-nixl" bash $probe $r before=.baseline after=.
-ROWS="tiny-3000-nixl tiny-3000-ipc" bash $probe $r after=.
-KVPLAN_PROFILE=$r/prof ROWS=tiny-1000-nixl bash $probe $r/prof after=.
-export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1 UCX_NET_DEVICES=lo NIXL_LOG_LEVEL=WARN PYTHONPATH="$PWD:/tmp/site"
-for engine in nixl ipc; do
-  timeout 110 python3 -m kvplan load --fault-every 0 --forward-tokens-per-s 1e12 --timeout 5 --duration 3 --no-progress \
-    --rows 64 --engine $engine --rate 1000 --find-capacity 50 --capacity-steps 1 --json $r/capacity-$engine.json \
-    >$r/capacity-$engine.txt 2>&1
-  echo "== capacity $engine (rc $?)"; tail -4 $r/capacity-$engine.txt | cut -c1-300
-done
+ROWS="tiny-1000-nixl tiny-1000-ipc" bash $probe $r before=.baseline after=.
+KVPLAN_TRACE=1 ROWS="tiny-1000-ipc tiny-1000-nixl" bash $probe $r/trace after=.
+ROWS="tiny-1000-nixl-if4 tiny-3000-nixl" bash $probe $r after=.
 tar czf $OUT/served.tgz -C $r .

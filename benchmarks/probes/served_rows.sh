@@ -13,6 +13,7 @@ declare -A ARGS=(
   [tiny-1000-ipc]="--rate 1000 --rows 64 --engine ipc"
   [tiny-3000-ipc]="--rate 3000 --rows 64 --engine ipc"
   [tiny-3000-nixl]="--rate 3000 --rows 64"
+  [tiny-1000-nixl-if4]="--rate 1000 --rows 64 --in-flight 4"
   [llama8b-200-nixl]="--preset llama8b --rate 200 --rows 32 --prompt-max 2048"
 )
 for name in ${ROWS:-tiny-400-nixl tiny-1000-nixl tiny-1000-ipc llama8b-200-nixl tiny-3000-ipc}; do

@@ -46,8 +46,10 @@ import time
 from collections import deque
 from typing import Any, Callable, Protocol, Sequence
 
+import numpy as np
 import torch
 
+from .. import env
 from ..errors import KvplanError, PlanError
 from ..profiling import Profile
 from .handles import SendHandle
@@ -84,7 +86,8 @@ MOVING = 2  # batches planned and posted, not yet ended, at once: a plan's buffe
 
 
 class _Job:
-    __slots__ = ("handle", "transfers", "mode", "deadline", "layers", "ready", "moving", "dropped", "requests")
+    __slots__ = ("handle", "transfers", "mode", "deadline", "layers", "ready", "moving", "dropped", "requests",
+                 "started", "posted")
 
     def __init__(self, handle, transfers, mode, deadline, layers, ready):
         self.handle, self.transfers, self.mode = handle, transfers, mode
@@ -92,6 +95,7 @@ class _Job:
         self.moving: Any = None  # its writes in flight, once started (runtime.moving.Moving)
         self.dropped: dict[Any, str] = {}  # requests aborted before it started
         self.requests: dict[int, set[Any]] = {}  # per peer, its requests (made when it starts)
+        self.started = self.posted = 0.0  # when it started, and when its writes were posted (time.monotonic)
 
 
 class ProgressThread:
@@ -112,6 +116,8 @@ class ProgressThread:
         self.errors: deque[BaseException] = deque()  # registrations refused (LayoutError), for the caller
         self.completed: deque[SendHandle] = deque()  # handles that ended, for PrefillEndpoint.completed()
         self._closing = False
+        # KVPLAN_TRACE: each batch's (transfers, queued, planned and posted, moving) seconds, logged at close
+        self._trace: list[tuple[int, float, float, float]] | None = [] if env.enabled("KVPLAN_TRACE") else None
         self._wakeup = Wakeup()
         self._thread = threading.Thread(target=self._run, name="kvplan-prefill-progress", daemon=True)
         self._thread.start()
@@ -164,6 +170,7 @@ class ProgressThread:
         self._wake()
         self._thread.join(timeout)
         self._wakeup.close()
+        self.log_trace()
 
     def _wake(self) -> None:
         self._wakeup.wake()
@@ -313,7 +320,9 @@ class ProgressThread:
             if not transfers:
                 handle._finish(dict(job.dropped))
                 return False
+            job.started = time.monotonic()
             job.moving = ep._start_send(transfers, job.mode, left, job.layers, handle.submitted)
+            job.posted = time.monotonic()
             for t in transfers:
                 job.requests.setdefault(t.dest, set()).add(t.request)
             return True
@@ -328,6 +337,20 @@ class ProgressThread:
         with self._lock:
             self._in_flight -= 1
         self.completed.append(job.handle)
+        if self._trace is not None and job.posted:
+            self._trace.append((len(job.transfers), job.started - job.handle.submitted, job.posted - job.started,
+                                time.monotonic() - job.posted))
+
+    def log_trace(self) -> None:
+        """Log what ``KVPLAN_TRACE`` recorded of the batches: how long each waited in the queue, took to plan
+        and post, and moved, in milliseconds (p50 / p90 / p99), and its transfers."""
+        if not self._trace:
+            return
+        rows = np.array(self._trace)
+        parts = [f"{name} {' / '.join(f'{np.percentile(rows[:, k], q) * 1e3:.2f}' for q in (50, 90, 99))} ms"
+                 for k, name in ((1, "queued"), (2, "planned and posted"), (3, "moving"))]
+        log.warning("prefill batches (%d; p50 / p90 / p99): %s; transfers %d / %d / %d", len(rows), ", ".join(parts),
+                    *(int(np.percentile(rows[:, 0], q)) for q in (50, 90, 99)))
 
     def _wait(self, timeout: float) -> None:
         """Block up to ``timeout`` until a control channel can be read or the caller wakes this thread."""
