@@ -88,6 +88,15 @@ class LoadReport:
                 out[who] = {"ms": round(snap["cpu_s"] / handled * 1e3, 3), "busy": round(snap["cpu_s"] / snap["wall_s"], 3)}
         return out
 
+    def busiest_threads(self, count: int = 4) -> dict[str, list[tuple[str, float]]]:
+        """Per process, its ``count`` busiest thread names and the share of a core each kept busy."""
+        out = {}
+        for who, snap in self.stats.items():
+            if snap.get("threads") and snap.get("wall_s"):
+                top = sorted(snap["threads"].items(), key=lambda item: -item[1])[:count]
+                out[who] = [(name, seconds / snap["wall_s"]) for name, seconds in top]
+        return out
+
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["config"] = asdict(self.config)
@@ -136,6 +145,12 @@ class LoadReport:
             order = sorted(process_cpu.items(), key=lambda item: (item[0] != "prefill", item[0]))
             out.append("process CPU   " + ", ".join(f"{who} {v['ms']:.2f} ms ({v['busy']:.0%} of a core)" for who, v in order)
                        + " per request handled (every thread of the process)")
+        threads = self.busiest_threads()
+        if threads:
+            out.append("threads CPU   " + "; ".join(f"{who}: " + ", ".join(f"{name} {share:.0%}" for name, share in top)
+                                                    for who, top in sorted(threads.items(),
+                                                                           key=lambda item: (item[0] != "prefill", item[0])))
+                       + " of a core (each process's busiest threads, by name)")
         for who, samples in self.resources.items():
             if samples:
                 a, b = samples[min(1, len(samples) - 1)], samples[-1]

@@ -107,11 +107,17 @@ class _CallerTime:
     def __init__(self) -> None:
         self.seconds = 0.0
         self._cpu0, self._wall0 = time.process_time(), time.monotonic()
+        self._threads0 = thread_cpu()
 
-    def totals(self) -> dict[str, float]:
-        """What the run's report takes of this process: ``caller_s``, ``cpu_s`` and ``wall_s``."""
+    def totals(self) -> dict[str, Any]:
+        """What the run's report takes of this process: ``caller_s``, ``cpu_s``, ``wall_s``, and ``threads``:
+        the CPU seconds of its threads over the run, by thread name (kvplan names its progress threads)."""
+        by_name: dict[str, float] = {}
+        for tid, (name, seconds) in thread_cpu().items():
+            before = self._threads0.get(tid)
+            by_name[name] = by_name.get(name, 0.0) + seconds - (before[1] if before and before[0] == name else 0.0)
         return {"caller_s": self.seconds, "cpu_s": time.process_time() - self._cpu0,
-                "wall_s": time.monotonic() - self._wall0}
+                "wall_s": time.monotonic() - self._wall0, "threads": {k: round(v, 3) for k, v in by_name.items()}}
 
     def __enter__(self) -> "_CallerTime":
         self._t0 = time.perf_counter()
@@ -119,6 +125,25 @@ class _CallerTime:
 
     def __exit__(self, *exc) -> None:
         self.seconds += time.perf_counter() - self._t0
+
+
+def thread_cpu() -> dict[int, tuple[str, float]]:
+    """Each thread of this process: its name and the CPU seconds it has used (Linux's /proc; empty elsewhere)."""
+    tick, out = os.sysconf("SC_CLK_TCK"), {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / tick)  # utime, stime
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
 
 
 def _go(conn, timeout: float) -> float:
@@ -241,10 +266,11 @@ def decode_process(config: LoadConfig, index: int, conn) -> None:
             until_next = arrivals[0].at - (time.monotonic() - started) if arrivals else TURN_S
             endpoint.wait_ended(min(until_next if until_next > 0 else TURN_S, FENCE_LOOK_S if unfenced else TURN_S))
         profile.__exit__(None, None, None)
+        totals = caller.totals()  # (before close: its progress thread's CPU is read while it runs)
         endpoint.close()
         endpoint.log_trace()  # (KVPLAN_TRACE: each wave's steps here, logged once the run's timing is taken)
         samples.append(_resources(engine, endpoint, started))
-        conn.send(("progress", {**endpoint.stats(), **caller.totals()}))
+        conn.send(("progress", {**endpoint.stats(), **totals}))
         conn.send(("result", outcomes, samples, quarantined, len(live) + len(arrivals)))
         conn.poll(60)
         engine.close()
@@ -365,9 +391,10 @@ def prefill_process(config: LoadConfig, ports: list[int], conn) -> None:
             if not chunks and not ended:
                 time.sleep(0.0005)  # (the stand-in clock: nothing is ready for a while)
         profile.__exit__(None, None, None)
+        totals = caller.totals()  # (before close: its progress thread's CPU is read while it runs)
         endpoint.close()
         samples.append(_resources(engine, endpoint, started))
-        conn.send(("progress", {**endpoint.stats(), **caller.totals()}))
+        conn.send(("progress", {**endpoint.stats(), **totals}))
         conn.send(("result", outcomes, samples, len(live) + len(arrivals) + len(waiting) + len(submitted)))
         conn.poll(60)
         engine.close()

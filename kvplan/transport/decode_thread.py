@@ -38,7 +38,7 @@ import torch
 from ..errors import KvplanError
 from ..planner.device.destinations import plan_destinations
 from ..profiling import Profile
-from .runtime.loop import IDLE_S, Wakeup, engine_fds, wait_ready
+from .runtime.loop import IDLE_S, name_thread, Wakeup, engine_fds, wait_ready
 
 
 
@@ -167,6 +167,7 @@ class DecodeProgress:
 
     # -- the thread --------------------------------------------------------------------------------
     def _run(self) -> None:
+        name_thread("kvplan-decode")
         with Profile(f"decode-progress-{os.getpid()}"):  # (KVPLAN_PROFILE names a folder)
             self._loop()
 

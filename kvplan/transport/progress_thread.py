@@ -54,7 +54,7 @@ from ..errors import KvplanError, PlanError
 from ..profiling import Profile
 from .handles import SendHandle
 from .streams import caller_event
-from .runtime.loop import IDLE_S, Cadence, Wakeup, engine_fds, wait_ready
+from .runtime.loop import IDLE_S, name_thread, Cadence, Wakeup, engine_fds, wait_ready
 
 
 
@@ -187,6 +187,7 @@ class ProgressThread:
 
     # -- the thread ----------------------------------------------------------------------------------
     def _run(self) -> None:
+        name_thread("kvplan-prefill")
         with Profile(f"prefill-progress-{os.getpid()}"):  # (KVPLAN_PROFILE names a folder)
             self._loop()
 
