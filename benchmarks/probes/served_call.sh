@@ -1,5 +1,5 @@
 #!/bin/bash
-# A card call for issue 74: the served rows before (.baseline) and after (this tree), interleaved; then the
+# A card call: the served rows before (.baseline) and after (this tree), interleaved; then the
 # new code's batches traced (KVPLAN_TRACE) and with more batches in flight. Everything lands in $OUT/served.tgz.
 #   bash benchmarks/probes/served_call.sh      (carrying .whl-both and .baseline)
 # The first call of 2026-12-07 (results/2026-12-07-h100-served/) ran instead: ROWS "tiny-1000-nixl tiny-1000-ipc
