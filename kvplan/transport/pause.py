@@ -24,12 +24,7 @@ from typing import Any, Sequence
 
 from .runtime.loop import LONGEST_S, Cadence, Wakeup, wait_ready
 
-__all__ = ["Pause", "wait_any"]
-
-
-def wait_any(channels: Sequence[Any], timeout: float, fds: Sequence[int] = ()) -> bool:
-    """Block up to ``timeout`` seconds, or until one of ``channels`` (or ``fds``) can be read."""
-    return wait_ready(channels, fds, timeout)
+__all__ = ["Pause"]
 
 
 class Pause:

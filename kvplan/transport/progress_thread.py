@@ -237,6 +237,7 @@ class ProgressThread:
         while self._jobs and self._may_start(self._jobs[0]):
             job = self._jobs[0]
             started = True
+            self._read_channels()  # (an abort that came since this turn's read drops its request from the batch)
             if self._begin(job):
                 self._jobs.popleft()
                 self._moving.append(job)

@@ -241,3 +241,23 @@ def test_a_request_its_decode_refused_before_publishing_it_reaches_the_caller_wi
     assert _messages(decode, "abort-ack") == [{"request": "r1", "fenced": True}]  # r1 was published: aborted
     assert not prefill.published_by_all("r1")
     assert endpoint.stats()["failures"] == {"overload": 4}
+
+
+def test_a_busy_peer_s_messages_are_held_by_request_and_in_order():
+    """What waits while a peer's writes are in flight (``DecodeMessages._holds``): an abort or refusal of a
+    request being written (its acknowledgement is its fence), a registration while anything is written,
+    and what follows a held message of the same request or a held registration; the rest goes through."""
+    from kvplan.transport.prefill_messages import DecodeMessages
+
+    holds = DecodeMessages._holds
+    abort = lambda r: ("abort", {"request": r}, [])  # noqa: E731
+    request = lambda r: ("request", {"request": r}, [])  # noqa: E731
+    refuse = ("refuse", {"requests": ["r9", "r2"]}, [])
+    register = ("register", {}, [])
+    moving = {"r1", "r2"}
+    assert holds(moving, abort("r1"), []) and not holds(moving, abort("r3"), [])
+    assert holds(moving, refuse, []) and not holds(set(), refuse, [])
+    assert holds(moving, register, []) and not holds(set(), register, [])
+    assert not holds(moving, request("r3"), [])
+    assert holds(moving, request("r1"), [abort("r1")])  # (published again after its held abort: after it)
+    assert holds(moving, request("r3"), [register]) and holds(set(), register, [register])

@@ -24,7 +24,7 @@ Example::
     while not done():
         if look():                                  # whether anything moved
             cadence.reset()
-        wait_ready(channels, engine.wait_fds(), cadence.next() if in_flight() else deadline_in(), wakeup)
+        wait_ready(channels, engine_fds(engine), cadence.next() if in_flight() else IDLE_S, wakeup)
     wakeup.wake()                                   # from the owner's thread, after it queued something
 """
 
@@ -32,10 +32,9 @@ from __future__ import annotations
 
 import os
 import select
-import time
 from typing import Any, Sequence
 
-__all__ = ["FIRST_S", "IDLE_S", "LONGEST_S", "Cadence", "Wakeup", "channel_sockets", "deadline_in", "engine_fds", "name_thread", "wait_ready"]
+__all__ = ["FIRST_S", "IDLE_S", "LONGEST_S", "Cadence", "Wakeup", "channel_sockets", "engine_fds", "name_thread", "wait_ready"]
 
 FIRST_S = 50e-6  # the first poll of signal-less work after its last progress
 LONGEST_S = 1e-3  # the longest gap between two polls of signal-less work in flight
@@ -169,8 +168,3 @@ def name_thread(name: str) -> None:
         libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
     except (OSError, AttributeError):  # pragma: no cover - (not Linux)
         pass
-
-
-def deadline_in(deadline: float, longest: float) -> float:
-    """Seconds to ``deadline`` (never below 0), at most ``longest``."""
-    return max(0.0, min(longest, deadline - time.monotonic()))
