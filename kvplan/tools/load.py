@@ -97,6 +97,17 @@ class LoadReport:
                 out[who] = [(name, seconds / snap["wall_s"]) for name, seconds in top]
         return out
 
+    def tool_turns(self) -> dict[str, dict[str, float]]:
+        """Per process, the load tool's own loop: how long a turn's work took (p50, p99, max ms; its wait for
+        the next event left out) and the share of the run it worked (``busy``). A turn long against a batch's
+        life is the tool holding requests, not kvplan."""
+        out = {}
+        for who, snap in self.stats.items():
+            turns = snap.get("turns")
+            if turns and turns["count"] and snap.get("wall_s"):
+                out[who] = {**turns, "busy": turns["busy_s"] / snap["wall_s"]}
+        return out
+
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["config"] = asdict(self.config)
@@ -151,6 +162,12 @@ class LoadReport:
                                                     for who, top in sorted(threads.items(),
                                                                            key=lambda item: (item[0] != "prefill", item[0])))
                        + " of a core (each process's busiest threads, by name)")
+        turns = self.tool_turns()
+        if turns:
+            out.append("tool turns    " + ", ".join(
+                f"{who} p50 {t['p50_ms']:.2f} p99 {t['p99_ms']:.2f} max {t['max_ms']:.1f} ms ({t['busy']:.0%} of the run)"
+                for who, t in sorted(turns.items(), key=lambda item: (item[0] != "prefill", item[0])))
+                       + " (the load tool's own loop: a turn's work, its wait left out)")
         for who, samples in self.resources.items():
             if samples:
                 a, b = samples[min(1, len(samples) - 1)], samples[-1]

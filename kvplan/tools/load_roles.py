@@ -23,7 +23,7 @@ from ..transport.engines import make_engine
 from ..profiling import Profile
 from .demo_config import is_loopback
 from .load_config import Arrival, LoadConfig, compute_s, fault_at, schedule
-from .load_pools import Pools
+from .load_pools import Checked, Pools
 
 __all__ = ["decode_process", "prefill_process"]
 
@@ -33,7 +33,8 @@ TURN_S = 0.02  # the longest a decode's turn waits for a request to end when not
 FENCE_LOOK_S = 0.002  # ... while a failed request's fence is awaited (fenced() is a read: looked at this often)
 FENCE_WAIT_S = 10.0  # a failed request's pages wait this long for their fence, then stay out of use (counted)
 WARM_TRANSFERS = 256  # the largest batch both sides' warm-up readies (a turn's batch is rarely larger)
-HOST_CHECK_EVERY = 16  # every n-th request's bytes are checked on the host too, one torch call per entry
+CHECK_LOOK_S = 0.001  # ... while a turn's checks come back from the card (a look at an event, this often)
+CHECK_AGAIN_EVERY = 16  # every n-th request's bytes are checked a second way too, entry by entry
 
 
 def _resources(engine: Any, endpoint: Any, started: float) -> dict[str, Any]:
@@ -108,6 +109,16 @@ class _CallerTime:
         self.seconds = 0.0
         self._cpu0, self._wall0 = time.process_time(), time.monotonic()
         self._threads0 = thread_cpu()
+        self._turns: list[float] = []
+        self._turn0 = 0.0
+
+    def turn(self) -> None:
+        """A turn of the caller's loop begins."""
+        self._turn0 = time.perf_counter()
+
+    def turned(self) -> None:
+        """... and its work ends (what follows is its wait)."""
+        self._turns.append(time.perf_counter() - self._turn0)
 
     def totals(self) -> dict[str, Any]:
         """What the run's report takes of this process: ``caller_s``, ``cpu_s``, ``wall_s``, and ``threads``:
@@ -116,8 +127,12 @@ class _CallerTime:
         for tid, (name, seconds) in thread_cpu().items():
             before = self._threads0.get(tid)
             by_name[name] = by_name.get(name, 0.0) + seconds - (before[1] if before and before[0] == name else 0.0)
+        turns = sorted(self._turns)
+        pick = (lambda q: round(turns[min(len(turns) - 1, int(q * len(turns)))] * 1e3, 3)) if turns else (lambda q: 0.0)
         return {"caller_s": self.seconds, "cpu_s": time.process_time() - self._cpu0,
-                "wall_s": time.monotonic() - self._wall0, "threads": {k: round(v, 3) for k, v in by_name.items()}}
+                "wall_s": time.monotonic() - self._wall0, "threads": {k: round(v, 3) for k, v in by_name.items()},
+                "turns": {"count": len(turns), "p50_ms": pick(0.5), "p99_ms": pick(0.99), "max_ms": pick(1.0),
+                          "busy_s": round(sum(turns), 3)}}
 
     def __enter__(self) -> "_CallerTime":
         self._t0 = time.perf_counter()
@@ -172,12 +187,14 @@ def decode_process(config: LoadConfig, index: int, conn) -> None:
         aborts = {}  # requests with an abort on the schedule, not yet ended: when it is due
         publishes: dict[str, float] = {}  # live requests: when they were published
         unfenced: dict[str, float] = {}  # failed requests whose pages wait for their fence: since when
+        checking: deque[tuple[Checked, list[tuple[Arrival, int]], list[Arrival]]] = deque()  # turns' checks, in order
         outcomes: dict[str, dict[str, Any]] = {}
         samples, quarantined, next_sample = [], 0, 0.0
         caller = _CallerTime()  # the time this thread spends inside kvplan's calls
         bound = config.queue or config.rows
         end = started + config.duration + config.timeout + 30
         while (arrivals or live) and time.monotonic() < end:
+            caller.turn()
             now = time.monotonic() - started
             due: list[tuple[Arrival, int, list[int]]] = []
             while arrivals and arrivals[0].at <= now:
@@ -199,6 +216,7 @@ def decode_process(config: LoadConfig, index: int, conn) -> None:
                 arrivals.extendleft(reversed(kept))
                 with caller:
                     endpoint.refuse_all([a.request for a in refused], reason)
+            pools.flush()  # (the due rows' token-table entries, one copy queued before the publish reads them)
             # every due request in one publish (one launch of the destination-list kernels); a request whose
             # deadline fault cuts its deadline short is published alone, with that deadline
             for group in ([d for d in due if d[0].fault != "deadline"], *([d] for d in due if d[0].fault == "deadline")):
@@ -235,15 +253,23 @@ def decode_process(config: LoadConfig, index: int, conn) -> None:
                     unfenced[request] = time.monotonic()
                     with caller:
                         endpoint.abort(request, reason)  # every sender stops and answers: the fence
-            # the turn's completed requests checked on the device together, a sample of them on the host too
-            for (a, row), ok in zip(complete, pools.check_many(complete)):
-                if a.index % HOST_CHECK_EVERY == 0 and pools.check(a, row) != ok:
-                    report_error = f"request {a.request}: the device check and the host check disagree"
-                    outcomes[a.request]["disagree"] = report_error
-                outcomes[a.request]["ok"] = ok
-                with caller:
-                    endpoint.forget(a.request)
-                pools.give(row, live.pop(a.request)[2])
+            # the turn's completed requests checked on the device together (a sample a second way too); the
+            # answers are read, and the rows given back, on a later turn once they are on the host
+            if complete:
+                again = [(a, row) for a, row in complete if a.index % CHECK_AGAIN_EVERY == 0]
+                checking.append((pools.check_later(complete, again), complete, [a for a, _ in again]))
+            while checking and checking[0][0].ready():
+                checked, complete_then, again_then = checking.popleft()
+                oks, oks_again = checked.results()
+                ok_of = {a.request: ok for (a, _), ok in zip(complete_then, oks)}
+                for a, ok in zip(again_then, oks_again):
+                    if ok != ok_of[a.request]:
+                        outcomes[a.request]["disagree"] = f"request {a.request}: the two checks of its bytes disagree"
+                for (a, row), ok in zip(complete_then, oks):
+                    outcomes[a.request]["ok"] = ok
+                    with caller:
+                        endpoint.forget(a.request)
+                    pools.give(row, live.pop(a.request)[2])
             for request, since in list(unfenced.items()):
                 with caller:
                     fenced = endpoint.fenced(request)
@@ -264,7 +290,9 @@ def decode_process(config: LoadConfig, index: int, conn) -> None:
             # nothing to do until a request ends, the next one arrives or a fence is due to be looked at
             # (one due but held back, its rows full, waits for a request to end)
             until_next = arrivals[0].at - (time.monotonic() - started) if arrivals else TURN_S
-            endpoint.wait_ended(min(until_next if until_next > 0 else TURN_S, FENCE_LOOK_S if unfenced else TURN_S))
+            caller.turned()
+            endpoint.wait_ended(min(until_next if until_next > 0 else TURN_S, FENCE_LOOK_S if unfenced else TURN_S,
+                                    CHECK_LOOK_S if checking else TURN_S))
         profile.__exit__(None, None, None)
         totals = caller.totals()  # (before close: its progress thread's CPU is read while it runs)
         endpoint.close()
@@ -300,6 +328,7 @@ def prefill_process(config: LoadConfig, ports: list[int], conn) -> None:
         caller = _CallerTime()  # the time this thread spends inside kvplan's calls
         submitted: dict[Any, tuple[list, dict[str, float]]] = {}  # handle -> its chunks, their requests' ready times
         while (arrivals or waiting or live) and time.monotonic() < end:
+            caller.turn()
             now = time.monotonic() - started
             while arrivals and arrivals[0].at <= now:
                 a = arrivals.popleft()
@@ -388,6 +417,7 @@ def prefill_process(config: LoadConfig, ports: list[int], conn) -> None:
                 samples.append(_resources(engine, endpoint, started))
                 conn.send(("progress", endpoint.stats()))
                 next_sample = now + config.sample_s
+            caller.turned()
             if not chunks and not ended:
                 time.sleep(0.0005)  # (the stand-in clock: nothing is ready for a while)
         profile.__exit__(None, None, None)

@@ -503,12 +503,14 @@ class DecodeEndpoint(SenderMessages, StagedReceiver, DecodeWarmUp):
         """For a request gathered from ``peers``: the components each writes (a source rank whose
         pairing slices nothing of a component sends none of it), once every sender's layout is known;
         raises unless the senders are exactly the source ranks that hold this rank's part."""
-        while (missing := [k for k in peers if k not in self._senders]):
+        while True:
+            self._poll()  # (what has arrived is read before the deadline is judged: a late caller still sees it)
+            if not (missing := [k for k in peers if k not in self._senders]):
+                break
             if time.monotonic() > deadline:
                 raise ControlTimeout(f"senders {missing} have not paired with this side: a request gathered from "
                                      "them cannot be tracked")
-            self._poll()
-            self.channels[missing[0]].wait_readable(POLL_S)
+            self.channels[missing[0]].wait_readable(min(POLL_S, max(0.0, deadline - time.monotonic())))
         kv, sides = self.side.kv, [self._senders[k] for k in peers]
         sizes = sorted({s.kv.tp_size for s in sides})
         if len(sizes) != 1 or sizes[0] <= kv.tp_size or sizes[0] % kv.tp_size:

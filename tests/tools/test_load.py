@@ -113,6 +113,11 @@ def test_the_stand_in_writes_and_checks_a_turn_at_once_as_the_host_check_does_re
     pools = Pools(config, "cpu", 3)
     arrivals = [Arrival(0, "q0", 0.0, 30, 8, 0, None), Arrival(1, "q1", 0.0, 17, 0, 0, None)]
     held = [(a, *pools.take(a.prompt_len)) for a in arrivals]
+    assert not pools.table.any()  # (taken rows reach the table at the next flush, in one copy)
+    pools.flush()
+    for a, row, pages in held:  # each token's slot: its page's, in order
+        want = [p * 4 + k for p in pages for k in range(4)][: a.prompt_len]
+        assert pools.table[row, : a.prompt_len].tolist() == want and not pools.table[row, a.prompt_len :].any()
     pools.write_many([(a, row, a.prefix_len, 20) for a, row, _ in held[:1]] +  # in two turns, chunked
                      [(a, row, 0, a.prompt_len) for a, row, _ in held[1:]])
     pools.write_many([(a, row, 20, a.prompt_len) for a, row, _ in held[:1]])
@@ -123,6 +128,8 @@ def test_the_stand_in_writes_and_checks_a_turn_at_once_as_the_host_check_does_re
     slot = int(pools.table[held[1][1], 5])  # one byte of q1's token 5, in the last entry
     pools.kv[-1][slot // 4, slot % 4, 3] ^= 1
     assert pools.check_many(done) == [True, False] == [pools.check(a, row) for a, row in done]
+    checked = pools.check_later(done, again=done[::-1])  # (the second way, for a sample, in the same answer)
+    assert checked.ready() and checked.results() == ([True, False], [False, True])
 
 
 def test_the_llama8b_preset_gives_each_token_an_8b_model_s_kv(capsys, monkeypatch):

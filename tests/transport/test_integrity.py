@@ -61,6 +61,7 @@ def _round(pair, tag: str, checks: bool = True, sends: bool = True, flip: str | 
     rows = {}
     for a in arrivals:
         rows[a.request] = (src.take(a.prompt_len), dst.take(a.prompt_len))
+        dst.flush()  # (the row's token-table entries, before the publish reads them)
         d_row = rows[a.request][1][0]
         decode.publish([PreallocatedRequest(a.request, d_row, a.prompt_len, a.prefix_len, aux_index=d_row)],
                        timeout=30)

@@ -97,6 +97,7 @@ def _publish(pair, request: str, deadline_s: float) -> tuple[Arrival, tuple, tup
     prefill, decode, src, dst, _, _ = pair
     arrival = Arrival(0, request, 0.0, 100, 0, 0, None)
     s_rows, d_rows = src.take(arrival.prompt_len), dst.take(arrival.prompt_len)
+    dst.flush()
     decode.publish([PreallocatedRequest(request, d_rows[0], arrival.prompt_len, 0, aux_index=d_rows[0])],
                    timeout=deadline_s)
     prefill.receive_requests(1, timeout=10)

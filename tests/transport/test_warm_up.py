@@ -63,6 +63,7 @@ def _warm_up_then_a_batch() -> None:
 
         a = Arrival(0, "after-warm-up", 0.0, 200, 0, 0, None)
         s_row, d_row = src.take(a.prompt_len)[0], dst.take(a.prompt_len)[0]
+        dst.flush()
         decode.publish([PreallocatedRequest(a.request, d_row, a.prompt_len, 0, aux_index=d_row)], timeout=30)
         prefill.receive_requests(1, timeout=10)
         src.write(a, s_row, 0, a.prompt_len)

@@ -1,0 +1,13 @@
+#!/bin/bash
+# A card call: the served rows with the load tool as it was (.harness-old: git archive of the commit before
+# the tool's change, kvplan's library the same) and as it is now (this tree), interleaved; then the new tool
+# traced (KVPLAN_TRACE) and at 3,000 offered/s, and the llama8b row. Everything lands in $OUT/served.tgz.
+#   bash benchmarks/probes/harness_call.sh      (carrying .whl-both and .harness-old)
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-both/*.whl || exit 1
+r=/tmp/r; mkdir -p $r
+probe=benchmarks/probes/served_rows.sh
+ROWS="tiny-1000-ipc tiny-1000-nixl" bash $probe $r old-tool=.harness-old new-tool=.
+KVPLAN_TRACE=1 ROWS="tiny-1000-ipc tiny-1000-nixl" bash $probe $r/trace new-tool=.
+ROWS="tiny-3000-ipc llama8b-200-nixl" bash $probe $r new-tool=.
+tar czf $OUT/served.tgz -C $r .
