@@ -289,3 +289,40 @@ def test_two_sending_engines_on_one_host_whose_ports_overlap_stop_at_start_namin
     said = done.stdout.strip().splitlines()[-1]
     assert f"rank 0 listens at port {port} + 0, but 127.0.0.1:{port} is taken" in said, said
     assert "kv_role kv_consumer" in said and "do not overlap" in said, said
+
+
+def test_a_prefill_restarted_at_its_address_is_paired_with_again_by_a_decode_that_outlived_it(tmp_path):
+    """A decode serves a prefill's requests; that prefill process ends, a new one starts at the same address,
+    and the decode (the same process, the same connector) gets that one's requests: it pairs with the new
+    process (the old one's channel is a port nobody listens at any more) and receives every byte. Through
+    vLLM's connector calls on both sides; the old endpoint is closed with its engine once nothing uses it."""
+    first, second = str(tmp_path / "first.json"), str(tmp_path / "second.json")
+    port, decode_port = free_port(), free_port()  # (the prefills' address; the decode's own, a kv_both engine's)
+    argv = lambda role, params, *extra: [role, "--port", str(decode_port if role == "decode" else port),  # noqa: E731
+                                         "--params", params, "--engine", "nixl", "--layout", "LBNHC", "--timeout", "20",
+                                         *extra]
+    procs = []
+    try:
+        pipes = []
+        for args in (argv("decode", first, "--then-params", second), argv("prefill", first)):
+            here, there = child_pipe()
+            procs.append(start_child(report_and_exit, there, vllm_node.run, args))
+            pipes.append(here)
+        sent = child_message(pipes[1], "the first prefill", 150)[1]  # (it ends once the decode checked its bytes)
+        procs[1].join(10)
+        here, there = child_pipe()
+        procs.append(start_child(report_and_exit, there, vllm_node.run, argv("prefill", second, "--names", "q-req-")))
+        got = child_message(pipes[0], "the decode", 150)[1]
+        sent_again = child_message(here, "the second prefill", 60)[1]
+    finally:
+        for proc in procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+    assert sent["sent"] == ["p-req-0", "p-req-1", "p-req-2", "p-req-3"]
+    assert sent_again["sent"] == ["q-req-0", "q-req-1", "q-req-2", "q-req-3"]
+    again = [f"d1-req-{i}" for i in range(4)]
+    assert got["received"] == sorted(REQUESTS + again) and got["failed"] == [] and got["wrong"] == [], got
+    assert got["blocks_checked"] == 2 * (7 + 3 + 4 + 1)
+    assert got["endpoints"] == 1 and got["retired_open"] == 0  # (the old one closed, with its engine)

@@ -206,7 +206,7 @@ def prefill(args: argparse.Namespace) -> dict:
     rng.shuffle(free)
     params, names = [], []
     for i, prompt_len in enumerate(args.lengths):
-        name = f"p-req-{i}"
+        name = f"{args.names}{i}"
         finished = request(name, prompt_len, {"do_remote_decode": True})
         scheduler.on_new_request(finished)  # (with a Mamba group: the prompt's last token is left to the decode)
         prompt_len = finished.num_prompt_tokens
@@ -280,88 +280,98 @@ def decode(args: argparse.Namespace) -> dict:
                                            args.params + ".model", args.device)
     heads = rank_heads(args.tp_size, args.tp_rank)
     wbs = args.window_block_size or args.block_size
-    deadline = time.monotonic() + 60
-    while not os.path.exists(args.params):
-        if time.monotonic() > deadline:
-            raise TimeoutError("the prefill wrote no parameters")
-        time.sleep(0.05)
-    with open(args.params) as f:
-        params = json.load(f)
-    if args.ghost:  # a request its prefill never had: it must be reported failed, never complete
-        params.append({**params[0], "remote_request_id": "p-req-ghost"})
     rng = random.Random(2)
     free = list(range(1, num_blocks))
     rng.shuffle(free)
     mine = {}  # local id -> (prefill's name, blocks)
     admitted = {}  # local id -> when the scheduler handed it to the connector (perf_counter)
     states = {}  # local id -> its Mamba state block ([] without --mamba)
-    for i, p in enumerate(params):
-        prompt_len = p["remote_num_tokens"]
-        local = f"d-req-{i}"
-        # (with a Mamba group the decode holds the whole prompt and loads all but its last token)
-        r = request(local, prompt_len + (1 if args.mamba else 0), p)
-        count, is_async = scheduler.get_num_new_matched_tokens(r, 0)
-        assert is_async and count == prompt_len, (count, is_async)
-        blocks = [free.pop() for _ in range(-(-count // args.block_size))]
-        # a sliding-window group's blocks as vLLM's scheduler allocates them: its null block (0) where a block
-        # lies wholly before the window, its own blocks from there on
-        skipped = max(0, count - args.window + 1) // wbs if args.window else 0
-        window_blocks = ([0] * skipped + [free.pop() for _ in range(-(-count // wbs) - skipped)]) if args.window else []
-        state_blocks = [free.pop() for _ in range(1 + args.scratch_blocks)] if args.mamba else []
-        groups = [blocks] + ([window_blocks] if args.window else []) + ([state_blocks] if args.mamba else [])
-        admitted[local] = time.perf_counter()
-        scheduler.update_state_after_alloc(r, kv_blocks(*groups), count)
-        mine[local] = (p["remote_request_id"], blocks, window_blocks)
-        states[local] = state_blocks[:1]
     received, failed, invalid = set(), set(), set()
     ready_s = {}  # local id -> seconds from admitted to reported received
-    deadline = time.monotonic() + args.timeout + 30
-    pairing_after_first_step = None  # whether the first step returned while its handshake still ran
-    while received != set(mine) and time.monotonic() < deadline:
-        results, bad = step(scheduler, worker, set())
-        now = time.perf_counter()
-        if pairing_after_first_step is None and args.connector == "kvplan":
-            pairing_after_first_step = any(not p.done() for p in worker.worker._pairings.values())
-        ready_s.update((local, now - admitted[local]) for local in results.finished_recving - received)
-        received |= results.finished_recving
-        failed |= results.failed_recving
-        invalid |= bad
-        time.sleep(0.002)
-    receiving_steps = list(STEP_S)  # (the steps until every request arrived; checking follows)
     wrong, tokens_checked = [], 0
-    for local in sorted(received - failed):
-        name, blocks, window_blocks = mine[local]
-        for layer, layer_name in enumerate(LAYERS + (WINDOW_LAYERS if args.window else [])):
-            if args.by_token:  # every token of the prompt (of the window), wherever this side's blocks put it
-                count = next(p["remote_num_tokens"] for p in params if p["remote_request_id"] == name)
-                own = blocks if layer_name in LAYERS else window_blocks
-                first = 0 if layer_name in LAYERS else max(0, count - args.window + 1)
-                for t, view in tokens_of(caches[layer_name], own, count,
-                                         args.block_size if layer_name in LAYERS else wbs):
-                    if t < first:
-                        continue
-                    tokens_checked += 1
-                    if not torch.equal(view.cpu(), token_bytes(name, t, layer, view.shape[-1], heads)):
-                        wrong.append([local, t, layer])
-                continue
-            for j, b in enumerate(blocks):
-                if not torch.equal(caches[layer_name][b].cpu(), block_bytes(name, j, layer, tuple(caches[layer_name][b].shape))):
-                    wrong.append([local, j, layer])
-        for layer_name in MAMBA_LAYERS if args.mamba else []:  # the state block, every byte of the state
-            view = caches[layer_name][states[local][0]]
-            want = state_bytes(name, int(layer_name.split(".")[2]), args.tp_size, args.tp_rank)
-            if not torch.equal(view.cpu(), want.view(view.shape)):
-                wrong.append([local, "state", layer_name])
-    open(f"{args.params}.done{args.tp_rank}", "w").close()
+    pairing_after_first_step = None  # whether the first step returned while its handshake still ran
+    all_params = []
+    # a round per parameters file: the requests of one prefill process, all received and checked before the
+    # next round's file is read (--then-params: that prefill may be a new process at the same address)
+    for round_no, path in enumerate([args.params, *args.then_params]):
+        deadline = time.monotonic() + 60
+        while not os.path.exists(path):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the prefill wrote no parameters ({path})")
+            time.sleep(0.05)
+        with open(path) as f:
+            params = json.load(f)
+        if args.ghost and round_no == 0:  # a request its prefill never had: it must be reported failed, never complete
+            params.append({**params[0], "remote_request_id": "p-req-ghost"})
+        all_params += params
+        this_round = []
+        for i, p in enumerate(params):
+            prompt_len = p["remote_num_tokens"]
+            local = f"d-req-{i}" if round_no == 0 else f"d{round_no}-req-{i}"
+            this_round.append(local)
+            # (with a Mamba group the decode holds the whole prompt and loads all but its last token)
+            r = request(local, prompt_len + (1 if args.mamba else 0), p)
+            count, is_async = scheduler.get_num_new_matched_tokens(r, 0)
+            assert is_async and count == prompt_len, (count, is_async)
+            blocks = [free.pop() for _ in range(-(-count // args.block_size))]
+            # a sliding-window group's blocks as vLLM's scheduler allocates them: its null block (0) where a block
+            # lies wholly before the window, its own blocks from there on
+            skipped = max(0, count - args.window + 1) // wbs if args.window else 0
+            window_blocks = ([0] * skipped + [free.pop() for _ in range(-(-count // wbs) - skipped)]) if args.window else []
+            state_blocks = [free.pop() for _ in range(1 + args.scratch_blocks)] if args.mamba else []
+            groups = [blocks] + ([window_blocks] if args.window else []) + ([state_blocks] if args.mamba else [])
+            admitted[local] = time.perf_counter()
+            scheduler.update_state_after_alloc(r, kv_blocks(*groups), count)
+            mine[local] = (p["remote_request_id"], blocks, window_blocks)
+            states[local] = state_blocks[:1]
+        deadline = time.monotonic() + args.timeout + 30
+        while not set(this_round) <= received and time.monotonic() < deadline:
+            results, bad = step(scheduler, worker, set())
+            now = time.perf_counter()
+            if pairing_after_first_step is None and args.connector == "kvplan":
+                pairing_after_first_step = any(not p.done() for p in worker.worker._pairings.values())
+            ready_s.update((local, now - admitted[local]) for local in results.finished_recving - received)
+            received |= results.finished_recving
+            failed |= results.failed_recving
+            invalid |= bad
+            time.sleep(0.002)
+        receiving_steps = list(STEP_S)  # (the steps until every request arrived; checking follows)
+        for local in sorted(set(this_round) & received - failed):
+            name, blocks, window_blocks = mine[local]
+            for layer, layer_name in enumerate(LAYERS + (WINDOW_LAYERS if args.window else [])):
+                if args.by_token:  # every token of the prompt (of the window), wherever this side's blocks put it
+                    count = next(p["remote_num_tokens"] for p in all_params if p["remote_request_id"] == name)
+                    own = blocks if layer_name in LAYERS else window_blocks
+                    first = 0 if layer_name in LAYERS else max(0, count - args.window + 1)
+                    for t, view in tokens_of(caches[layer_name], own, count,
+                                             args.block_size if layer_name in LAYERS else wbs):
+                        if t < first:
+                            continue
+                        tokens_checked += 1
+                        if not torch.equal(view.cpu(), token_bytes(name, t, layer, view.shape[-1], heads)):
+                            wrong.append([local, t, layer])
+                    continue
+                for j, b in enumerate(blocks):
+                    if not torch.equal(caches[layer_name][b].cpu(), block_bytes(name, j, layer, tuple(caches[layer_name][b].shape))):
+                        wrong.append([local, j, layer])
+            for layer_name in MAMBA_LAYERS if args.mamba else []:  # the state block, every byte of the state
+                view = caches[layer_name][states[local][0]]
+                want = state_bytes(name, int(layer_name.split(".")[2]), args.tp_size, args.tp_rank)
+                if not torch.equal(view.cpu(), want.view(view.shape)):
+                    wrong.append([local, "state", layer_name])
+        open(f"{path}.done{args.tp_rank}", "w").close()
     decodes = getattr(getattr(worker, "worker", None), "decodes", {})  # (kvplan's connector: vLLM's has none)
     integrity = sorted({bool(d.integrity) for d in decodes.values()})
+    retired_open = len(getattr(getattr(worker, "worker", None), "_retired", []))  # (closed once nothing used them)
     worker.shutdown()
-    ghost_blocks = sorted(mine[f"d-req-{len(params) - 1}"][1]) if args.ghost else []
+    ghost_blocks = sorted(mine["d-req-" + str(next(i for i, p in enumerate(all_params)
+                                                  if p["remote_request_id"] == "p-req-ghost"))][1]) if args.ghost else []
     return {"received": sorted(received), "failed": sorted(failed), "invalid_blocks": sorted(invalid),
             "ghost_blocks": ghost_blocks, "wrong": wrong, "requests": sorted(mine),
             "blocks_checked": sum(len(b) for n, (_, b, _) in mine.items() if n in received - failed),
             "tokens_checked": tokens_checked, "states_checked": sum(len(states[n]) for n in received - failed),
             "pairing_after_first_step": pairing_after_first_step, "integrity": integrity,
+            "endpoints": len(decodes), "retired_open": retired_open,
             "stats": STATS[0].reduce() if STATS else None, "step": step_stats(receiving_steps),
             "ready": step_stats([ready_s[n] for n in received - failed]),
             "wall_s": round(max(ready_s.values(), default=0.0), 4),
@@ -381,6 +391,9 @@ def run(argv: list[str]) -> dict:
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--lengths", type=int, nargs="*", default=[100, 37, 64, 5])
     parser.add_argument("--ghost", action="store_true")
+    parser.add_argument("--names", default="p-req-", help="(prefill) its requests' names: this and a number")
+    parser.add_argument("--then-params", nargs="*", default=[],
+                        help="(decode) once every request of --params is received and checked, those of each of these")
     parser.add_argument("--integrity", action="store_true", help="(decode) the connector's integrity key on")
     parser.add_argument("--exit-early", action="store_true")
     parser.add_argument("--block-size", type=int, default=BLOCK)

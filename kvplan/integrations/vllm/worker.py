@@ -145,6 +145,8 @@ class ConnectorWorker(DecodePairing):
         self.prefill: PrefillEndpoint | None = None
         self.listener: ChannelListener | None = None
         self.decodes: dict[tuple[str, int, tuple[int, ...]], DecodeEndpoint] = {}  # by prefill (host, port, ranks)
+        self._retired: list[DecodeEndpoint] = []  # whose prefill is gone: polled until their requests settle
+        self._retired_totals: list[dict[str, Any]] = []  # the counters of those since closed
         self._engines: list[Any] = []
         self._sending: dict[str, _Sending] = {}
         self._sent: set[str] = set()  # written (or given up), waiting for vLLM to name them finished
@@ -213,8 +215,9 @@ class ConnectorWorker(DecodePairing):
     def interval_stats(self) -> dict[str, Any] | None:
         """What this worker's endpoints counted since the last call (``None`` when nothing): the payload of
         vLLM's connector stats (:mod:`.connector_stats`). A few dictionary reads per endpoint."""
-        endpoints = ([self.prefill] if self.sends and self.prefill is not None else []) + list(self.decodes.values())
-        now = interval_counts([e.totals() for e in endpoints])
+        endpoints = ([self.prefill] if self.sends and self.prefill is not None else []) + list(self.decodes.values()) \
+            + self._retired
+        now = interval_counts([e.totals() for e in endpoints] + self._retired_totals)
         before, self._reported = self._reported, now
         if before is None:
             delta = now
@@ -304,10 +307,10 @@ class ConnectorWorker(DecodePairing):
             if pairing.endpoint is not None:
                 self.decodes[("pairing", id(pairing), ())] = pairing.endpoint
         self._pairings = {}
-        closers += [c.close for d in self.decodes.values() for c in d.channels]
+        closers += [c.close for d in [*self.decodes.values(), *self._retired] for c in d.channels]
         closers += [e.close for e in self._engines]
         self.listener = self.prefill = None
-        self.decodes = {}
+        self.decodes, self._retired = {}, []
         self._engines = []
         for close in closers:
             try:
@@ -501,7 +504,7 @@ class ConnectorWorker(DecodePairing):
                                                                 decode)
 
     def _progress_receives(self) -> tuple[set[str], set[str]]:
-        for decode in self.decodes.values():
+        for decode in [*self.decodes.values(), *self._retired]:
             decode.poll()
         received, failed = set(), set()
         for remote, receiving in list(self._receiving.items()):
@@ -522,6 +525,8 @@ class ConnectorWorker(DecodePairing):
                 failed.add(receiving.local_id)
                 self._load_errors.update(receiving.block_ids)
                 self._end_receive(remote)
+        if self._retired:
+            self._close_retired()
         return received, failed
 
     def _end_receive(self, remote: str) -> None:
