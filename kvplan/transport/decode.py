@@ -6,9 +6,8 @@ notifications (direct and prepared modes) or from staged waves. A staged run is 
 control channel ahead of its bytes, either by its chunks alone (the endpoint plans the scatter
 from what it published, :mod:`.receiver_plan`) or with the sender's destination table (checked
 against what it published, :mod:`.landing`). The engine's notification says a wave has landed;
-the endpoint scatters it on its own stream and returns the slot's credit once the scatter has finished. It never
-spins: between looks at the engine it yields while waves move and blocks on its control sockets once
-quiet (:mod:`.pause`).
+the endpoint scatters it on its own stream and returns the slot's credit once the scatter has finished. It
+never spins: it blocks in one wait on its sockets, its engine and its caller's wake-up (:mod:`.runtime.loop`).
 
 Example::
 
@@ -503,14 +502,13 @@ class DecodeEndpoint(SenderMessages, StagedReceiver, DecodeWarmUp):
         """For a request gathered from ``peers``: the components each writes (a source rank whose
         pairing slices nothing of a component sends none of it), once every sender's layout is known;
         raises unless the senders are exactly the source ranks that hold this rank's part."""
-        while True:
-            self._poll()  # (what has arrived is read before the deadline is judged: a late caller still sees it)
-            if not (missing := [k for k in peers if k not in self._senders]):
-                break
+        self._poll()  # (what has arrived is read before the deadline is judged: a late caller still sees it)
+        while (missing := [k for k in peers if k not in self._senders]):
             if time.monotonic() > deadline:
                 raise ControlTimeout(f"senders {missing} have not paired with this side: a request gathered from "
                                      "them cannot be tracked")
             self.channels[missing[0]].wait_readable(min(POLL_S, max(0.0, deadline - time.monotonic())))
+            self._poll()
         kv, sides = self.side.kv, [self._senders[k] for k in peers]
         sizes = sorted({s.kv.tp_size for s in sides})
         if len(sizes) != 1 or sizes[0] <= kv.tp_size or sizes[0] % kv.tp_size:

@@ -326,3 +326,15 @@ def test_a_prefill_restarted_at_its_address_is_paired_with_again_by_a_decode_tha
     assert got["received"] == sorted(REQUESTS + again) and got["failed"] == [] and got["wrong"] == [], got
     assert got["blocks_checked"] == 2 * (7 + 3 + 4 + 1)
     assert got["endpoints"] == 1 and got["retired_open"] == 0  # (the old one closed, with its engine)
+
+
+def test_a_step_that_hands_over_more_requests_than_planning_rows_loses_none_of_them(tmp_path):
+    """vLLM hands a connector as many requests in a step as its KV blocks allow, not ``max_num_seqs``: here 4
+    finished prefills and 4 loads at once against 2 planning rows a side. Those beyond the rows wait, in
+    order, and take rows as earlier ones end: every request arrives, every byte checked (the old bound freed 2
+    sends unsent, which their decode failed at its deadline, and failed 2 loads at once)."""
+    args = ("--max-requests", "2", "--timeout", "20")
+    sent, got = run_pair(tmp_path, "nixl", "LBNHC", "LBNHC", *args, prefill_args=args)
+    assert sent == {"sent": ["p-req-0", "p-req-1", "p-req-2", "p-req-3"], "freed": True}
+    assert got["received"] == REQUESTS and got["failed"] == [] and got["wrong"] == [], got
+    assert got["blocks_checked"] == 7 + 3 + 4 + 1

@@ -193,7 +193,7 @@ def pool_size(args: argparse.Namespace, floor: int) -> int:
 
 def prefill(args: argparse.Namespace) -> dict:
     extra = {"host": "127.0.0.1", "port": args.port, "engine": args.engine, "timeout_s": args.timeout,
-             "mode": args.mode}
+             "mode": args.mode, **({"max_requests": args.max_requests} if args.max_requests else {})}
     num_blocks = pool_size(args, 64)
     scheduler, worker, caches = connectors("prefill", extra, num_blocks, KVCacheLayout[args.layout], "prefill-engine",
                                            args.block_size, args.tp_size, args.tp_rank, args.window, args.mamba,
@@ -272,7 +272,8 @@ def prefill(args: argparse.Namespace) -> dict:
 
 def decode(args: argparse.Namespace) -> dict:
     extra = {"host": "127.0.0.1", "port": args.port, "engine": args.engine, "timeout_s": args.timeout,
-             **({"integrity": True} if args.integrity else {})}
+             **({"integrity": True} if args.integrity else {}),
+             **({"max_requests": args.max_requests} if args.max_requests else {})}
     num_blocks = pool_size(args, 96)
     scheduler, worker, caches = connectors("decode", extra, num_blocks, KVCacheLayout[args.layout], "decode-engine",
                                            args.block_size, args.tp_size, args.tp_rank, args.window, args.mamba,
@@ -391,6 +392,8 @@ def run(argv: list[str]) -> dict:
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--lengths", type=int, nargs="*", default=[100, 37, 64, 5])
     parser.add_argument("--ghost", action="store_true")
+    parser.add_argument("--max-requests", type=int, default=0,
+                        help="the connector's max_requests (its planning rows); 0: vLLM's max_num_seqs")
     parser.add_argument("--names", default="p-req-", help="(prefill) its requests' names: this and a number")
     parser.add_argument("--then-params", nargs="*", default=[],
                         help="(decode) once every request of --params is received and checked, those of each of these")

@@ -11,7 +11,7 @@ engine_settings ``{}``                       the engine's own settings (docs/eng
 timeout_s       120                          how long a transfer may take from the decode's publication:
                                              past it the decode reports the load failed, and a prefill
                                              frees blocks its decode never asked for
-max_requests    vLLM's ``max_num_seqs``      requests in flight per worker and direction (planning rows)
+max_requests    vLLM's ``max_num_seqs``      requests in flight per worker and direction (planning rows; more wait)
 mode            ``"auto"``                   how a prefill writes: ``"direct"`` (one write per run of
                                              blocks that are neighbours on both sides), ``"prepared"``
                                              (NIXL prepared lists, one descriptor per layer x block, as

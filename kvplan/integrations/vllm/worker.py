@@ -62,6 +62,7 @@ from .decode_pairing import HANDSHAKE_S, REGISTER_S, DecodePairing, Pairing
 from .kv_caches import BlockView
 from .scheduler import ReceiveRequest, SchedulerStep, SendRequest, UnsupportedConfig
 from .settings import Settings
+from .planning_rows import PlanningRows
 from .state_slots import StateSlots
 from .windows import WindowMaps
 
@@ -70,6 +71,8 @@ __all__ = ["ConnectorWorker", "TransferResults"]
 log = logging.getLogger(__name__)
 
 FINISHED_GRACE = 16  # results calls a finished id that is no send here is kept (vLLM names a send's id in its step)
+
+_NO_ROW = -1  # (a request that waits for a planning row: every row is in flight)
 
 # batches a prefill worker keeps moving at once (below its endpoint's max_in_flight, which would refuse more with
 # "overload"); requests ready meanwhile go together in the next batch
@@ -83,19 +86,6 @@ class TransferResults:
     finished_sending: set[str]
     finished_recving: set[str]
     failed_recving: set[str]
-
-
-class _Rows:
-    """Free rows of a planning table (row 0 stays unused, as in SGLang's request pool)."""
-
-    def __init__(self, count: int):
-        self.free = list(range(count - 1, 0, -1))
-
-    def take(self) -> int | None:
-        return self.free.pop() if self.free else None
-
-    def give(self, row: int) -> None:
-        self.free.append(row)
 
 
 @dataclass
@@ -158,6 +148,9 @@ class ConnectorWorker(DecodePairing):
         self._unreachable: dict[tuple[str, int], tuple[float, str]] = {}  # a prefill that did not answer: until, why
         self._load_errors: set[int] = set()
         self._unpublished: list[tuple[str, list[int]]] = []  # requests refused before publication, and their blocks
+        # each direction's planning rows and the requests waiting for one (sized at registration, for a side
+        # that sends or receives)
+        self._send_rows = self._recv_rows = PlanningRows(1)
         self._pairings: dict[tuple[str, int, tuple[int, ...]], Pairing] = {}  # decode endpoints being paired
         self._reported: dict[str, Any] | None = None  # the counters as the last interval_stats saw them
 
@@ -171,7 +164,7 @@ class ConnectorWorker(DecodePairing):
         if self.sends:
             self._send_table = torch.zeros((self.settings.max_requests + 1, self.width), dtype=torch.int32,
                                            device=self.device)
-            self._send_rows = _Rows(self.settings.max_requests + 1)
+            self._send_rows = PlanningRows(self.settings.max_requests + 1)
             self._send_maps = WindowMaps(windows, self.view.num_blocks, self.block_size, self.device, window_blocks)
             self._send_states = StateSlots(len(self.view.mambas), self.settings.max_requests + 1, self.device)
             side = self.view.side(self._send_table, self.tp_size, self.tp_rank, self._send_maps.maps,
@@ -198,7 +191,7 @@ class ConnectorWorker(DecodePairing):
         if self.receives:
             self._recv_table = torch.zeros((self.settings.max_requests + 1, self.width), dtype=torch.int32,
                                            device=self.device)
-            self._recv_rows = _Rows(self.settings.max_requests + 1)
+            self._recv_rows = PlanningRows(self.settings.max_requests + 1)
             self._recv_maps = WindowMaps(windows, self.view.num_blocks, self.block_size, self.device, window_blocks)
             self._recv_states = StateSlots(len(self.view.mambas), self.settings.max_requests + 1, self.device)
 
@@ -234,17 +227,26 @@ class ConnectorWorker(DecodePairing):
         once it is paired, a later step (the step never waits for a handshake)."""
         self._take_pairings()
         now = time.monotonic()
-        sends = [(r, send, row) for r, send in step.send.items() if (row := self._take_send(r, send)) is not None]
+        sends = []
+        for request_id, (send, deadline) in self._send_rows.in_order(step.send, now, self.settings.timeout_s):
+            row = self._take_send(request_id, send)
+            if row == _NO_ROW:
+                self._wait_for_row(self._send_rows, request_id, send, deadline, now)
+            elif row is not None:
+                sends.append((request_id, send, row, deadline))
         if sends:  # (the step's rows written at once: one copy to the device and one expansion)
-            self._write_rows(self._send_table, [(row, 0, send.block_ids[self.full_group]) for _, send, row in sends])
+            self._write_rows(self._send_table, [(row, 0, send.block_ids[self.full_group]) for _, send, row, _ in sends])
             self._send_maps.flush()
             self._send_states.flush()
-        for request_id, send, row in sends:
-            self._sending[request_id] = _Sending(send, row, now + self.settings.timeout_s)
+        for request_id, send, row, deadline in sends:
+            self._sending[request_id] = _Sending(send, row, deadline)
         admitted = []
-        for request_id, receive in step.receive.items():
+        for request_id, (receive, deadline) in self._recv_rows.in_order(step.receive, now, self.settings.timeout_s):
             try:
-                if (row := self._admit(request_id, receive)) is not None:
+                row = self._admit(request_id, receive)
+                if row == _NO_ROW:
+                    self._wait_for_row(self._recv_rows, request_id, receive, deadline, now)
+                elif row is not None:
                     admitted.append((request_id, receive, row))
             except KvplanError as err:
                 self._fail_unpublished(request_id, receive, f"{type(err).__name__}: {err}")
@@ -260,6 +262,23 @@ class ConnectorWorker(DecodePairing):
                 self._recv_rows.give(row)
                 self._recv_maps.release(receive.remote_request_id)
                 self._fail_unpublished(request_id, receive, f"{type(err).__name__}: {err}")
+
+    def _wait_for_row(self, rows: PlanningRows, request_id: str, request: Any, deadline: float, now: float) -> None:
+        """``request`` found every planning row in flight: it waits for one until its deadline, then fails (a
+        send is freed unsent, its decode failing it at its own deadline; a load is reported failed, with its
+        blocks, and its prefill told that none of it is needed)."""
+        if rows.wait(request_id, request, deadline, now):
+            return
+        why = (f"it waited {self.settings.timeout_s} s for one of the {self.settings.max_requests} planning rows "
+               "(max_requests), all in flight")
+        if isinstance(request, SendRequest):
+            log.error("request %s was not sent: %s; its blocks are freed unsent", request_id, why)
+            self._sent.add(request_id)
+            return
+        decode = self.decodes.get(self._key(request)) if request.remote_host is not None else None
+        if decode is not None and not self._lost(decode):
+            self._none_needed(decode, request.remote_request_id)
+        self._fail_unpublished(request_id, request, f"KvplanError: {why}")
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> TransferResults:
         """Move what is ready and report what ended: the requests whose blocks vLLM may free (sent,
@@ -285,11 +304,11 @@ class ConnectorWorker(DecodePairing):
     def _forget_finished(self) -> None:
         """Drop the finished ids that are no send of this worker's once ``FINISHED_GRACE`` calls have passed
         (one named before its send was taken is kept until then): 100,000 finished requests left 100,000 ids."""
-        if len(self._finished) <= len(self._sending) + len(self._sent):
+        if len(self._finished) <= len(self._sending) + len(self._sent) + len(self._send_rows.waiting):
             return  # (all of them may be sends: nothing to look at)
         oldest = self._calls - FINISHED_GRACE
         self._finished = {r: at for r, at in self._finished.items()
-                          if at > oldest or r in self._sending or r in self._sent}
+                          if at > oldest or r in self._sending or r in self._sent or r in self._send_rows.waiting}
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """The blocks of requests reported failed since the last call (one KV cache group only: vLLM maps
@@ -320,7 +339,8 @@ class ConnectorWorker(DecodePairing):
 
     # -- sending --------------------------------------------------------------------------------------
     def _take_send(self, request_id: str, send: SendRequest) -> int | None:
-        """The planning row of a finished prefill request, or ``None`` (its blocks are freed unsent, logged)."""
+        """The planning row of a finished prefill request, ``_NO_ROW`` where every row is in flight, or
+        ``None`` (its blocks are freed unsent, logged)."""
         blocks = send.block_ids[self.full_group] if len(send.block_ids) > self.full_group else []
         why = ("a prefill request on a worker that does not send (kv_role)" if self.prefill is None else
                None if blocks else "it has no blocks")
@@ -332,7 +352,7 @@ class ConnectorWorker(DecodePairing):
         row = self._send_rows.take() if why is None else None
         if why is None and row is None:
             self._send_maps.release(request_id)
-            why = f"more than {self.settings.max_requests} requests in flight (max_requests)"
+            return _NO_ROW
         if row is not None and (why := self._send_states.put(row, [send.block_ids[g] for g in self.mamba_groups])):
             self._send_maps.release(request_id)
             self._send_rows.give(row)
@@ -409,8 +429,8 @@ class ConnectorWorker(DecodePairing):
     # -- receiving ------------------------------------------------------------------------------------
     def _admit(self, request_id: str, receive: ReceiveRequest) -> int | None:
         """The planning row of a decode request to publish, after checking what it says (raises
-        ``KvplanError`` naming what is wrong); ``None`` for one with nothing to load, whose prefill is told
-        to free its blocks."""
+        ``KvplanError`` naming what is wrong); ``_NO_ROW`` where every row is in flight; ``None`` for one
+        with nothing to load, whose prefill is told to free its blocks."""
         remote = receive.remote_request_id
         if len(receive.block_ids) <= self.full_group or not receive.block_ids[self.full_group]:
             # nothing to load (vLLM aborted it before its blocks came, and has freed it): its prefill frees its
@@ -451,7 +471,7 @@ class ConnectorWorker(DecodePairing):
         row = self._recv_rows.take()
         if row is None:
             self._recv_maps.release(remote)
-            raise KvplanError(f"more than {self.settings.max_requests} requests in flight (max_requests)")
+            return _NO_ROW
         why = self._recv_states.put(row, [receive.block_ids[g] for g in self.mamba_groups])
         if why is not None:
             self._recv_rows.give(row)
