@@ -13,13 +13,53 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 
 def _without_vllm_kernels() -> None:
-    """vLLM's CUDA platform imports its kernel library when imported (``vllm._C_stable_libtorch``); the
-    wheel's is built for torch 2.14 and is not carried to the cards (``benchmarks/vllm_site.py``). Nothing
-    here runs a vLLM kernel: where vLLM is there without that library, a stand-in module takes its name."""
+    """vLLM's CUDA platform imports its kernel library when imported (``vllm._C_stable_libtorch``), and the
+    chain to ``allocate_kv_cache`` its flash attention (``vllm.vllm_flash_attn``, which raises unless its
+    extensions load); the wheel's are built for torch 2.14 and are not carried to the cards
+    (``benchmarks/vllm_site.py``). Nothing here runs a vLLM kernel: where vLLM is there without them, a
+    stand-in module takes each name (flash attention's names raise if called)."""
     spec = importlib.util.find_spec("vllm")  # (finds the package without importing it)
     folders = list(spec.submodule_search_locations or []) if spec is not None else []
     if folders and not any(name.startswith("_C_stable_libtorch") for folder in folders for name in os.listdir(folder)):
         sys.modules.setdefault("vllm._C_stable_libtorch", types.ModuleType("vllm._C_stable_libtorch"))
+    if not folders or os.environ.get("VLLM_TARGET_DEVICE") == "cpu":
+        return  # (vLLM's CPU platform never imports flash attention)
+    try:
+        import vllm.vllm_flash_attn  # noqa: F401
+    except ImportError:
+        sys.modules["vllm.vllm_flash_attn"] = _flash_attention_stand_in()
+    import torch
+
+    try:
+        import vllm._C  # noqa: F401  (registers vLLM's kernels as torch.ops._C)
+    except ImportError:  # (their import-time capability checks answer "not supported"; any other op raises)
+        torch.ops._C = _KernelsStandIn()
+
+
+class _KernelsStandIn:
+    """``torch.ops._C`` where vLLM's kernel library is not loaded: a ``*supported*`` / ``*supports*`` query
+    answers False (what vLLM's modules ask at import); any other op is missing, as without the library."""
+
+    def __getattr__(self, name: str):
+        if "support" in name:
+            return lambda *args, **kwargs: False
+        raise AttributeError(f"vLLM's kernel {name} is not loaded here (tests/integrations/vllm_fakes.py)")
+
+
+def _flash_attention_stand_in() -> types.ModuleType:
+    """``vllm.vllm_flash_attn`` as its importers name it, with no kernel behind it."""
+    module = types.ModuleType("vllm.vllm_flash_attn")
+
+    def absent(*args, **kwargs):
+        raise RuntimeError("vLLM's flash attention is a stand-in here (tests/integrations/vllm_fakes.py): no "
+                           "vLLM kernel runs in kvplan's vLLM harness")
+
+    for name in ("compile_flash_attn_varlen_func_from_specs", "flash_attn_varlen_func", "get_scheduler_metadata"):
+        setattr(module, name, absent)
+    module.FA2_AVAILABLE = module.FA3_AVAILABLE = False
+    module.is_fa_version_supported = lambda *args, **kwargs: False
+    module.fa_version_unsupported_reason = lambda *args, **kwargs: "a stand-in: vLLM's flash attention is not loaded"
+    return module
 
 
 _without_vllm_kernels()
