@@ -338,3 +338,15 @@ def test_a_step_that_hands_over_more_requests_than_planning_rows_loses_none_of_t
     assert sent == {"sent": ["p-req-0", "p-req-1", "p-req-2", "p-req-3"], "freed": True}
     assert got["received"] == REQUESTS and got["failed"] == [] and got["wrong"] == [], got
     assert got["blocks_checked"] == 7 + 3 + 4 + 1
+
+
+def test_every_prompt_length_up_to_four_windows_moves_through_vllm_s_sliding_window_blocks(tmp_path):
+    """Every prompt length from 1 to four windows (40 tokens, blocks of 16): each request's window group as
+    vLLM's scheduler hands it over on both sides (null blocks where a block lies wholly before the window,
+    a length at, before and past every window and block boundary), every token of both groups checked."""
+    lengths = [str(n) for n in range(1, 4 * WINDOW + 1)]
+    args = ("--by-token", "--timeout", "60", "--window", str(WINDOW), "--lengths", *lengths)
+    sent, got = run_pair(tmp_path, "nixl", "LBHNC", "LBHNC", *args, prefill_args=(*args, "--mode", "auto"))
+    assert len(sent["sent"]) == len(lengths) and sent["freed"]
+    assert len(got["received"]) == len(lengths) and got["failed"] == [] and got["wrong"] == [], got["failed"]
+    assert got["tokens_checked"] == _window_tokens(range(1, 4 * WINDOW + 1))
