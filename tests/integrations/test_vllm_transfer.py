@@ -350,3 +350,15 @@ def test_every_prompt_length_up_to_four_windows_moves_through_vllm_s_sliding_win
     assert len(sent["sent"]) == len(lengths) and sent["freed"]
     assert len(got["received"]) == len(lengths) and got["failed"] == [] and got["wrong"] == [], got["failed"]
     assert got["tokens_checked"] == _window_tokens(range(1, 4 * WINDOW + 1))
+
+
+def test_a_decode_s_prefix_cache_hit_loads_only_the_rest_and_every_block_ends_right(tmp_path):
+    """A decode whose prefix cache holds a prompt's first blocks (32 tokens; never the whole prompt) loads the
+    rest only: vLLM hands the connector every block of the request and the count of tokens to load, the
+    worker publishes the blocks past the hit, the prefill writes those, and every block of every request
+    holds its prefill's bytes (the hit's from the cache, the rest written)."""
+    sent, got = run_pair(tmp_path, "nixl", "LBNHC", "LBNHC", "--prefix-hit", "32", "--timeout", "20")
+    assert sent == {"sent": ["p-req-0", "p-req-1", "p-req-2", "p-req-3"], "freed": True}
+    assert got["received"] == REQUESTS and got["failed"] == [] and got["wrong"] == [], got
+    assert got["blocks_checked"] == 7 + 3 + 4 + 1
+    assert got["prefill_stats"]["MiB moved"] < got["bytes"] / 2**20  # (the hits' blocks were not sent)

@@ -311,10 +311,16 @@ def decode(args: argparse.Namespace) -> dict:
             local = f"d-req-{i}" if round_no == 0 else f"d{round_no}-req-{i}"
             this_round.append(local)
             # (with a Mamba group the decode holds the whole prompt and loads all but its last token)
-            r = request(local, prompt_len + (1 if args.mamba else 0), p)
-            count, is_async = scheduler.get_num_new_matched_tokens(r, 0)
-            assert is_async and count == prompt_len, (count, is_async)
-            blocks = [free.pop() for _ in range(-(-count // args.block_size))]
+            # a prefix cache hit: whole blocks of the prompt already computed here, never all of it
+            hit = min(args.prefix_hit, (prompt_len - 1) // args.block_size * args.block_size)
+            r = request(local, prompt_len + (1 if args.mamba else 0), p, computed=hit)
+            count, is_async = scheduler.get_num_new_matched_tokens(r, hit)
+            assert is_async and count == prompt_len - hit, (count, is_async)
+            blocks = [free.pop() for _ in range(-(-prompt_len // args.block_size))]
+            for layer, layer_name in enumerate(LAYERS):  # (the hit's blocks hold what the prefix cache holds)
+                for j, b in enumerate(blocks[: hit // args.block_size]):
+                    view = caches[layer_name][b]
+                    view.copy_(block_bytes(p["remote_request_id"], j, layer, tuple(view.shape)))
             # a sliding-window group's blocks as vLLM's scheduler allocates them: its null block (0) where a block
             # lies wholly before the window, its own blocks from there on
             skipped = max(0, count - args.window + 1) // wbs if args.window else 0
@@ -394,6 +400,8 @@ def run(argv: list[str]) -> dict:
     parser.add_argument("--ghost", action="store_true")
     parser.add_argument("--max-requests", type=int, default=0,
                         help="the connector's max_requests (its planning rows); 0: vLLM's max_num_seqs")
+    parser.add_argument("--prefix-hit", type=int, default=0,
+                        help="(decode) tokens of each prompt its prefix cache holds (whole blocks; never all of it)")
     parser.add_argument("--names", default="p-req-", help="(prefill) its requests' names: this and a number")
     parser.add_argument("--then-params", nargs="*", default=[],
                         help="(decode) once every request of --params is received and checked, those of each of these")
@@ -417,6 +425,8 @@ def run(argv: list[str]) -> dict:
     parser.add_argument("--freed-window-block", action="store_true",
                         help="(prefill) its first request's first window block freed: it must fail, never land")
     args = parser.parse_args(argv)
+    if args.prefix_hit and (args.window or args.mamba or args.prefix_hit % args.block_size):
+        parser.error("--prefix-hit is whole blocks of full attention only")
     if args.shape:
         if args.window or args.mamba:
             parser.error("--shape is for full attention only (the other groups' layers follow the default's)")
