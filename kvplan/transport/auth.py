@@ -8,7 +8,8 @@ to the old one is acted on.
 
 **Authentication** (with a secret: ``KVPLAN_SECRET``, or the file ``KVPLAN_SECRET_FILE`` names, or the
 channel's ``secret`` argument). At the handshake each side sends a fresh nonce and proves that it
-holds the secret with an HMAC-SHA256 over the other side's nonce and both incarnations; from then on
+holds the secret with an HMAC-SHA256 over its role (the end that listens or connects), both incarnations and
+both nonces (:func:`proof`; a hello that names this side's own nonce is refused); from then on
 every message carries an HMAC-SHA256, under a key made for that pairing from both nonces, over its
 sequence number, both incarnations and every frame. A message whose code does not verify, or whose
 sequence number is not above the last one taken, is refused. HMAC rather than ZeroMQ's CURVE: one
@@ -28,13 +29,24 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
 import secrets
 from typing import Sequence
 from .. import env
 
 __all__ = ["INCARNATION", "checksum_key", "message_code", "nonce", "pairing_key", "proof", "secret_from_environment", "secret_from_file"]
 
-INCARNATION = secrets.token_hex(8)  # this process's, for its whole life
+INCARNATION = secrets.token_hex(8)  # this process's, for its whole life (read as ``auth.INCARNATION``: see below)
+
+
+def _new_incarnation() -> None:
+    """A forked child is another process: it gets an incarnation of its own, so that nothing one says (a
+    "writes ended", a sealed note) is taken as the other's."""
+    global INCARNATION
+    INCARNATION = secrets.token_hex(8)
+
+
+os.register_at_fork(after_in_child=_new_incarnation)
 
 
 def nonce() -> str:
@@ -71,9 +83,17 @@ def secret_from_file(path: str) -> bytes:
     return value
 
 
-def proof(secret: bytes, prover: str, verifier: str, challenge: str) -> str:
-    """What ``prover`` sends to show ``verifier`` that it holds ``secret``, for ``verifier``'s nonce."""
-    return hmac.new(secret, f"kvplan-proof|{prover}|{verifier}|{challenge}".encode(), hashlib.sha256).hexdigest()
+def proof(secret: bytes, role: str, prover: str, verifier: str, prover_nonce: str, challenge: str) -> str:
+    """What ``prover`` sends to show ``verifier`` that it holds ``secret``, for ``verifier``'s nonce
+    ``challenge``. The proof names the prover's ``role`` (``"bound"`` or ``"connecting"``: the end that
+    listens or the one that connects) and its own nonce too, so that no proof a side makes is one it would
+    take: an end that answers a stranger's hello cannot have its answer sent back to it as the stranger's
+    proof (a reflection), since that proof names its own role, and the stranger's hello cannot name this
+    side's own nonce (refused at the hello)."""
+    if role not in ("bound", "connecting"):
+        raise ValueError(f"a proof's role is 'bound' or 'connecting', not {role!r}")
+    message = f"kvplan-proof-2|{role}|{prover}|{verifier}|{prover_nonce}|{challenge}"
+    return hmac.new(secret, message.encode(), hashlib.sha256).hexdigest()
 
 
 def pairing_key(secret: bytes, mine: tuple[str, str], theirs: tuple[str, str]) -> bytes:

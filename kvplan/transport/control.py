@@ -28,7 +28,8 @@ from collections import OrderedDict, deque
 from typing import Any
 
 from .zmq_import import require_zmq
-from .auth import INCARNATION, message_code, nonce, secret_from_environment
+from . import auth
+from .auth import message_code, nonce, secret_from_environment
 from .control_handshake import Handshake
 from .control_liveness import Liveness
 from .control_wire import (MARK, MAX_REFUSED, ControlTimeout, is_loopback, monitor_numbers, named_request,
@@ -120,7 +121,7 @@ class ControlChannel(Handshake, Liveness):
             warned_open.add(host)
             log.warning("control channels on %s have no shared secret (KVPLAN_SECRET): any process that reaches "
                         "the port can pair and be sent KV; set a secret, or keep the network closed", host)
-        self.incarnation = INCARNATION
+        self.incarnation = auth.INCARNATION  # (this process's when the channel is made: a forked child has its own)
         # messages read while this side waited (a send's handshake, a lost peer's last ones), with the
         # pairing they came in: handed out only until the next pairing begins
         self._inbox: deque[tuple[int, tuple[str, dict[str, Any], list[bytes]]]] = deque()
@@ -231,7 +232,7 @@ class ControlChannel(Handshake, Liveness):
                                      f"connection events {list(self._events)})")
 
     def _envelope(self, receiver: str) -> bytes:
-        return json.dumps({"f": INCARNATION, "t": receiver, "s": self._send_seq + 1}).encode()
+        return json.dumps({"f": self.incarnation, "t": receiver, "s": self._send_seq + 1}).encode()
 
     def _out_bound(self, kind: str, parts: list[bytes], deadline: float, wait_s: float,
                    to: tuple[bytes, str] | None) -> None:
@@ -301,7 +302,7 @@ class ControlChannel(Handshake, Liveness):
             return None
         seal = self._seal
         if seal is None or seal.pairing_key is not self._key:
-            seal = self._seal = NoteSeal(self._key, INCARNATION, self._peer_inc)
+            seal = self._seal = NoteSeal(self._key, self.incarnation, self._peer_inc)
         return seal
 
     @property

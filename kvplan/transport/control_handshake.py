@@ -12,7 +12,7 @@ import math
 import time
 from typing import Any
 
-from .auth import INCARNATION, message_code, nonce, pairing_key, proof
+from .auth import message_code, nonce, pairing_key, proof
 from .control_wire import MARK, ControlTimeout, SecretMismatch, parse_parts
 
 __all__ = ["Handshake"]
@@ -135,9 +135,9 @@ class Handshake:
             if not self._bound:
                 self._on_proof(sender, receiver, seq, parts)
             return None  # (a bound end's peer has proved already: the same proof again)
-        if not self._authed or sender != self._peer_inc or receiver != INCARNATION:
+        if not self._authed or sender != self._peer_inc or receiver != self.incarnation:
             self._refuse(f"a {kind!r} message from incarnation {sender!r} to {receiver!r}, not of this pairing "
-                         f"({self._peer_inc!r} to {INCARNATION!r}{'' if self._authed else ', not paired yet'})")
+                         f"({self._peer_inc!r} to {self.incarnation!r}{'' if self._authed else ', not paired yet'})")
             return None
         if seq <= self._recv_seq:
             self._refuse(f"a {kind!r} message out of sequence ({seq} after {self._recv_seq}): a replay")
@@ -156,6 +156,9 @@ class Handshake:
         if not isinstance(challenge, str) or not challenge:
             self._refuse("a hello without a nonce")
             return
+        if self._mirrored(sender, challenge):
+            self._refuse(f"a hello from incarnation {sender!r} with this side's own nonce: a reflection")
+            return
         if not self._bound and self._secret_state(header) is not None:
             self._mismatch = self._secret_state(header)
             self._refuse(f"{self._mismatch}: incarnation {sender!r} cannot pair with this side")
@@ -167,7 +170,7 @@ class Handshake:
                 self._answer(sender, challenge, hello=True, to=None if rid is None else (rid, sender))
             return
         if self._bound:  # (a new pairing on the peer's connection: it is made as any connection's is)
-            self._from_candidate(rid, fd, "_hello", sender, INCARNATION, 0, parts, renewed=True)
+            self._from_candidate(rid, fd, "_hello", sender, self.incarnation, 0, parts, renewed=True)
             return
         # the connection this hello came on was made before it came: its events are read now, so that one read
         # later is a later connection's (read late, a connection's own event would end the pairing it made)
@@ -180,7 +183,7 @@ class Handshake:
                 self._replaced = True
         self._pairing_reset(sender)
         self._peer_nonce = challenge
-        self._key = pairing_key(self.secret or b"", (INCARNATION, self._my_nonce), (sender, challenge))
+        self._key = pairing_key(self.secret or b"", (self.incarnation, self._my_nonce), (sender, challenge))
         self._answer(sender, challenge, hello=not self._hello_sent)
 
     def _answer(self, sender: str, challenge: str, hello: bool, to: tuple[bytes, str] | None = None) -> None:
@@ -191,18 +194,17 @@ class Handshake:
             if hello:
                 self._out("_hello", self._hello(), (), deadline, wait_s, to)
                 self._hello_sent = True
-            self._out("_proof", {"proof": proof(self.secret or b"", INCARNATION, sender, challenge)}, (), deadline,
-                      wait_s, to)
+            self._out("_proof", {"proof": self._proof_for(sender, challenge)}, (), deadline, wait_s, to)
         except ControlTimeout as err:
             log.warning("control channel on %s port %d: the handshake could not be answered: %s", self.host,
                         self.port, err)
 
     def _on_proof(self, sender: str, receiver: str, seq: int, parts: list[bytes]) -> None:
         _, header, _ = parse_parts(parts[3:])
-        if sender != self._peer_inc or receiver != INCARNATION or self._peer_nonce is None:
+        if sender != self._peer_inc or receiver != self.incarnation or self._peer_nonce is None:
             self._refuse(f"a proof from incarnation {sender!r} to {receiver!r}, not of this handshake")
             return
-        if not self._proved(sender, header):
+        if not self._proved(sender, header, self._peer_nonce):
             self._proof_refused = True
             self._mismatch = self._mismatch or "secret mismatch"
             self._refuse(f"secret mismatch: incarnation {sender!r} did not prove the shared secret")
@@ -210,10 +212,24 @@ class Handshake:
         self._authed, self._recv_seq, self._nonce_used = True, seq, True
         self._reconnected = False
 
-    def _proved(self, sender: str, header: dict[str, Any]) -> bool:
-        expected = proof(self.secret or b"", sender, INCARNATION, self._my_nonce)
+    def _proof_for(self, verifier: str, challenge: str) -> str:
+        """This side's proof for ``verifier``'s nonce ``challenge``, naming this side's role and nonce."""
+        return proof(self.secret or b"", self._role(), self.incarnation, verifier, self._my_nonce, challenge)
+
+    def _role(self, peer: bool = False) -> str:
+        """This side's role in a proof (``peer``: its peer's, the other one)."""
+        return "bound" if self._bound != peer else "connecting"
+
+    def _proved(self, sender: str, header: dict[str, Any], their_nonce: str) -> bool:
+        expected = proof(self.secret or b"", self._role(peer=True), sender, self.incarnation, their_nonce, self._my_nonce)
         given = header.get("proof")
         return isinstance(given, str) and hmac.compare_digest(given.encode(), expected.encode())
+
+    def _mirrored(self, sender: str, challenge: str) -> bool:
+        """Whether a hello names this side's own nonce: no peer does (every nonce is fresh), so it is this side's
+        own words sent back at it. (Its own incarnation is no sign: two channels of one process pair, as the
+        tests and an in-process hand-off do; the proofs' roles keep those apart.)"""
+        return challenge == self._my_nonce
 
     # -- a bound end's connections -------------------------------------------------------------------
     def _peer_stands(self) -> bool:
@@ -241,6 +257,11 @@ class Handshake:
                 while len(self._mismatched) > self.MAX_CANDIDATES:
                     self._mismatched.pop(next(iter(self._mismatched)))
                 return
+            if isinstance(challenge, str) and challenge and self._mirrored(sender, challenge):
+                self.strangers += 1  # (quietly, as a stranger's: anyone who reaches the port can send)
+                log.debug("refused a hello on the control channel on %s port %d with its own nonce",
+                          self.host, self.port)
+                return
             if isinstance(challenge, str) and challenge:
                 self._looked = 0.0
                 self.peer_gone()  # (earlier connections' events first: one closed may have had this one's number)
@@ -261,8 +282,8 @@ class Handshake:
         elif kind == "_proof" and rid in self._candidates:
             fd, candidate, challenge, answered = self._candidates[rid]
             _, header, _ = parse_parts(parts[3:])
-            if 0 < answered < math.inf and sender == candidate and receiver == INCARNATION and not self._peer_stands():
-                if self._proved(sender, header):
+            if 0 < answered < math.inf and sender == candidate and receiver == self.incarnation and not self._peer_stands():
+                if self._proved(sender, header, challenge):
                     self._adopt(rid, fd, sender, challenge, seq)
                     return
                 self._proof_refused = True
@@ -290,8 +311,7 @@ class Handshake:
             candidate[3] = now
             try:
                 self._out("_hello", self._hello(), (), now, 0.0, (rid, sender))
-                self._out("_proof", {"proof": proof(self.secret or b"", INCARNATION, sender, challenge)}, (), now, 0.0,
-                          (rid, sender))
+                self._out("_proof", {"proof": self._proof_for(sender, challenge)}, (), now, 0.0, (rid, sender))
             except ControlTimeout:  # (its connection is gone)
                 self._candidates.pop(rid, None)
 
@@ -304,7 +324,7 @@ class Handshake:
         self._pairing_reset(sender)
         self._my_nonce, self._hello_sent, self._nonce_used = mine, True, True
         self._peer_nonce = challenge
-        self._key = pairing_key(self.secret or b"", (INCARNATION, mine), (sender, challenge))
+        self._key = pairing_key(self.secret or b"", (self.incarnation, mine), (sender, challenge))
         self._authed, self._recv_seq, self._answered = True, seq, time.monotonic()
         self._candidates.clear()  # (they said hello to a pairing that is over: they say it again if they are peers)
         self._peer_rid, self._peer_fd = rid, fd if fd is not None and fd in self._open else None

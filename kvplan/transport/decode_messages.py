@@ -14,7 +14,8 @@ from ..planner.contract.batch import Policy
 from .completion import decode_notification
 from .control import ControlChannel, ControlTimeout, named_request
 from .engines import is_unsafe
-from .auth import INCARNATION, checksum_key
+from . import auth
+from .auth import checksum_key
 from .integrity import MASK, published_sums
 from .receiver_plan import scatter_source
 from .receivers.staged import EARLY_KEEP_S
@@ -197,7 +198,7 @@ class SenderMessages:
         with, for this process's incarnation; ``None`` (unkeyed) without a secret."""
         senders = self._owner.get(request, ())
         secret = getattr(self.channels[senders[0]], "secret", None) if senders else None
-        return None if secret is None else checksum_key(secret, INCARNATION, request)
+        return None if secret is None else checksum_key(secret, auth.INCARNATION, request)
 
     def _on_paired(self, peer: int, header: dict[str, Any], frames: Sequence[bytes] = ()) -> None:
         """A sender's layout, sent once it has paired with this side (a gather needs its rank), and

@@ -206,3 +206,116 @@ def test_fuzzed_envelopes_and_codes_on_a_paired_channel_are_refused_never_return
     finally:
         bound.close()
         peer.close()
+
+
+def _raw(port):
+    """A raw ZeroMQ connection to a bound channel: what a stranger on the host can send."""
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    return sock
+
+
+def _say(sock, sender, kind, header, receiver=""):
+    envelope = json.dumps({"f": sender, "t": receiver, "s": 0}).encode()
+    sock.send_multipart([MARK, envelope, b"", kind.encode(), json.dumps(header).encode()])
+
+
+def _heard(sock, bound, seconds=1.0):
+    """What ``bound`` sends ``sock`` within ``seconds`` (``bound`` read meanwhile): (kind, header) each."""
+    import zmq
+
+    out, end = [], time.monotonic() + seconds
+    while time.monotonic() < end:
+        assert bound.try_recv() is None
+        while sock.poll(0, zmq.POLLIN):
+            parts = sock.recv_multipart()
+            out.append((parts[3].decode(), json.loads(parts[4])))
+        time.sleep(0.01)
+    return out
+
+
+def test_a_stranger_cannot_pair_by_reflecting_the_bound_end_s_own_proof():
+    """With a secret, a stranger says hello as anyone and learns the bound end's nonce; then says hello again as
+    the bound end's own incarnation with that nonce, and sends back as its own the proof the bound end answers.
+    A proof names the prover's role and both nonces, and a hello with this side's own nonce is refused: the
+    stranger never becomes the peer, and hears nothing past the handshake."""
+    bound = ControlChannel(host="127.0.0.1", secret=b"s3cret", peer_timeout=30)
+    first, second = _raw(bound.port), _raw(bound.port)
+    try:
+        _say(first, "0123456789abcdef", "_hello", {"nonce": "n" * 32, "secret": True})
+        hello = [h for k, h in _heard(first, bound) if k == "_hello"]
+        assert hello, "the bound end answers a hello with its own"
+        its_nonce = hello[0]["nonce"]
+        _say(second, INCARNATION, "_hello", {"nonce": its_nonce, "secret": True})  # (the bound end is this process)
+        answered = _heard(second, bound)
+        for kind, header in answered:  # whatever proof it answered, sent back as the stranger's own
+            if kind == "_proof":
+                _say(second, INCARNATION, "_proof", header, receiver=INCARNATION)
+        _heard(second, bound, 0.5)
+        assert bound.peer_incarnation is None and not bound._authed
+        with pytest.raises(Exception):
+            bound.send("registration", {"pools": "secret"}, timeout=0.3)
+        assert not [k for k, _ in _heard(second, bound, 0.3) if not k.startswith("_")]
+    finally:
+        first.close()
+        second.close()
+        bound.close()
+
+
+def test_a_stranger_on_the_port_a_connecting_end_dials_cannot_pair_by_reflecting_its_proof():
+    """The other topology (a decode that connects, as the integrations' do): a stranger listens where the
+    connecting end dials, answers its hello with a hello in its own incarnation and nonce, and sends back as
+    its own proof whatever proof the connecting end answers. It never pairs, and hears nothing but the
+    handshake."""
+    import zmq
+
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    peer = ControlChannel(port, host="127.0.0.1", secret=b"s3cret", peer_timeout=30)
+    heard = []
+    try:
+        end = time.monotonic() + 2.0
+        while time.monotonic() < end:
+            assert peer.try_recv() is None
+            while router.poll(0, zmq.POLLIN):
+                rid, _, envelope, _, kind, header = router.recv_multipart()[:6]
+                kind, header, sender = kind.decode(), json.loads(header), json.loads(envelope)["f"]
+                heard.append(kind)
+                reply = {"_hello": ("_hello", {"nonce": header.get("nonce"), "secret": True}),
+                         "_proof": ("_proof", header)}.get(kind)  # (its own hello, its own proof, sent back)
+                if reply is not None:
+                    back = json.dumps({"f": sender, "t": sender, "s": 0}).encode()
+                    router.send_multipart([rid, MARK, back, b"", reply[0].encode(), json.dumps(reply[1]).encode()])
+            time.sleep(0.01)
+        assert peer.peer_incarnation is None and not peer._authed
+        assert heard and set(heard) <= {"_hello", "_proof"}, heard
+    finally:
+        peer.close()
+        router.close()
+
+
+def test_a_forked_child_is_an_incarnation_of_its_own():
+    """Processes forked from one kvplan process are different peers: a sibling's "writes ended" or sealed
+    note must not pass for another's. Each child gets an incarnation at the fork."""
+    import multiprocessing
+
+    from kvplan.transport import auth
+
+    context = multiprocessing.get_context("fork")
+    mine, theirs = context.Pipe()
+    children = [context.Process(target=lambda: theirs.send(auth.INCARNATION)) for _ in range(2)]
+    for child in children:
+        child.start()
+    seen = {mine.recv() for _ in children}
+    for child in children:
+        child.join(10)
+    assert len(seen) == 2 and auth.INCARNATION not in seen
+    channel = ControlChannel(host="127.0.0.1")
+    try:
+        assert channel.incarnation == auth.INCARNATION  # (a channel is its maker's)
+    finally:
+        channel.close()

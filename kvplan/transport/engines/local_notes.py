@@ -19,7 +19,7 @@ import itertools
 import os
 import socket
 
-from ..auth import INCARNATION
+from .. import auth
 from .base import TransferError
 
 __all__ = ["NoteBox"]
@@ -33,7 +33,7 @@ class NoteBox:
 
     def __init__(self, name: str):
         self.name = name
-        self.address = f"\0kvplan-ipc-{INCARNATION}-{os.getpid()}-{next(_boxes)}".encode()
+        self.address = f"\0kvplan-ipc-{auth.INCARNATION}-{os.getpid()}-{next(_boxes)}".encode()
         self.socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         try:
             self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER)
