@@ -195,10 +195,12 @@ class SenderMessages:
 
     def _checksum_key(self, request: Any) -> tuple[int, int] | None:
         """The key of ``request``'s checksum (:func:`.auth.checksum_key`): from the secret its senders paired
-        with, for this process's incarnation; ``None`` (unkeyed) without a secret."""
+        with, for the incarnation this side paired as; ``None`` (unkeyed) without a secret."""
         senders = self._owner.get(request, ())
-        secret = getattr(self.channels[senders[0]], "secret", None) if senders else None
-        return None if secret is None else checksum_key(secret, auth.INCARNATION, request)
+        channel = self.channels[senders[0]] if senders else None
+        secret = getattr(channel, "secret", None)
+        # (the incarnation that channel paired as: what its senders derive the key from)
+        return None if secret is None else checksum_key(secret, getattr(channel, "incarnation", auth.INCARNATION), request)
 
     def _on_paired(self, peer: int, header: dict[str, Any], frames: Sequence[bytes] = ()) -> None:
         """A sender's layout, sent once it has paired with this side (a gather needs its rank), and
