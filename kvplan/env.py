@@ -39,7 +39,8 @@ class Variable:
 
     ``kind`` is ``"text"`` (anything), ``"flag"`` (``1``/``0``, ``true``/``false``, ``yes``/``no``,
     ``on``/``off``, any case; empty is off), ``"number"`` (a finite number, at least ``minimum``),
-    ``"file"`` (a readable file), ``"level"`` (a logging level's name) or ``"secret"`` (non-empty)."""
+    ``"file"`` (a readable file), ``"private"`` (a readable file no one but its owner, this user, may read or
+    write: a secret's), ``"level"`` (a logging level's name) or ``"secret"`` (non-empty)."""
 
     name: str
     default: str | None
@@ -51,14 +52,15 @@ class Variable:
         """What the variable accepts, as the docs' table and the errors say it."""
         if self.kind == "number":
             return "a number" if self.minimum is None else f"a number >= {self.minimum:g}"
-        return {"flag": "`1` or `0`", "file": "a readable file", "level": " ".join(f"`{x}`" for x in LOG_LEVELS),
+        return {"flag": "`1` or `0`", "file": "a readable file",
+                "private": "a file of this user's that no one else may read or write (mode 600 or 400)", "level": " ".join(f"`{x}`" for x in LOG_LEVELS),
                 "secret": "non-empty text"}.get(self.kind, "text")
 
 
 VARIABLES = (
     Variable("KVPLAN_SECRET", None, "the control plane's shared secret: every pairing proves it, every control "
              "message and engine notification carries a code under it (docs/failures.md)", "secret"),
-    Variable("KVPLAN_SECRET_FILE", None, "a file holding the secret (read when `KVPLAN_SECRET` is unset)", "file"),
+    Variable("KVPLAN_SECRET_FILE", None, "a file holding the secret (read when `KVPLAN_SECRET` is unset)", "private"),
     Variable("KVPLAN_DRAIN_S", "5", "seconds a write that was aborted may take to end before it is reported "
              "`unsafe` (its pages are then never reused)", "number", 0.0),
     Variable("KVPLAN_COPY_GRAPHS", "1", "`0`: staged gathers are launched as kernels, not replayed from CUDA graphs",
@@ -123,15 +125,28 @@ def _number(variable: Variable, value: str | None) -> float:
     return result
 
 
+def not_private(path: str) -> str | None:
+    """Why the file at ``path`` cannot hold a secret (another user owns it, or others may read or write it),
+    or ``None``. A secret others can read is theirs too."""
+    info = os.stat(path)
+    if hasattr(os, "geteuid") and info.st_uid != os.geteuid():
+        return f"owned by user {info.st_uid}, not by this process's user {os.geteuid()}"
+    if info.st_mode & 0o077:
+        return (f"its mode {info.st_mode & 0o777:o} lets others than its owner read or write it: `chmod 600 {path}`")
+    return None
+
+
 def check(variable: Variable, value: str) -> None:
     """Raise :class:`SettingError` when ``value`` is not one ``variable`` takes."""
     if variable.kind == "flag":
         flag(variable.name, value)
     elif variable.kind == "number":
         _number(variable, value)
-    elif variable.kind == "file":
+    elif variable.kind in ("file", "private"):
         if not os.path.isfile(value) or not os.access(value, os.R_OK):
             raise _refuse(variable, value, "no readable file there")
+        if variable.kind == "private" and (why := not_private(value)):
+            raise _refuse(variable, value, why)
     elif variable.kind == "level":
         if value.strip().upper() not in LOG_LEVELS:
             raise _refuse(variable, value, "not a log level")

@@ -71,6 +71,7 @@ def test_values_defaults_and_switches(monkeypatch):
 def test_validate_checks_every_variable_set_and_names_each_bad_one(tmp_path):
     secret = tmp_path / "secret"
     secret.write_text("s3cret")
+    secret.chmod(0o600)  # (a secret's file is its owner's alone)
     good = {"KVPLAN_DRAIN_S": "2.5", "KVPLAN_COPY_GRAPHS": "off", "KVPLAN_TRACE": "",
             "KVPLAN_SECRET_FILE": str(secret), "KVPLAN_LOG_LEVEL": "info", "KVPLAN_PROFILE_ONLY": "x", "PATH": "/bin"}
     env.validate(good)

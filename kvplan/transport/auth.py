@@ -68,14 +68,17 @@ def secret_from_environment() -> bytes | None:
 
 
 def secret_from_file(path: str) -> bytes:
-    """The secret in the file at ``path`` (surrounding whitespace dropped; an empty one is refused). An
-    integration's ``secret_file`` setting names such a file: a secret is never a value of a config that
-    engines log.
+    """The secret in the file at ``path`` (surrounding whitespace dropped; an empty one is refused, and so is
+    a file that another user owns or that others than its owner may read or write). An integration's
+    ``secret_file`` setting names such a file: a secret is never a value of a config that engines log.
 
     Example::
 
         ControlChannel(host="10.0.0.3", secret=secret_from_file("/run/secrets/kvplan"))
     """
+    why = env.not_private(path)
+    if why is not None:
+        raise ValueError(f"the secret file {path} is not private to this user: {why}")
     with open(path, "rb") as source:
         value = source.read().strip()
     if not value:

@@ -137,6 +137,7 @@ def test_the_secret_comes_from_the_file_its_setting_names(tmp_path, monkeypatch)
     monkeypatch.delenv("KVPLAN_SECRET_FILE", raising=False)
     path = tmp_path / "secret"
     path.write_text("the deployment's\n")
+    path.chmod(0o600)  # (a secret's file is its owner's alone)
     assert Settings.read(None, {"KVPLAN_SECRET_FILE": str(path)}).secret() == b"the deployment's"
     server_args = type("ServerArgs", (), {"kvplan_secret_file": str(path)})()
     assert Settings.read(server_args, {}).secret() == b"the deployment's"

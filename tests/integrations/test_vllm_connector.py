@@ -465,6 +465,7 @@ def test_the_secret_comes_from_the_file_its_setting_names_never_from_the_config(
 
     path = tmp_path / "secret"
     path.write_text("  the deployment's\n")
+    path.chmod(0o600)  # (a secret's file is its owner's alone)
     assert Settings.parse({"host": "127.0.0.1", "secret_file": str(path)}, tp_size=1).secret() == b"the deployment's"
     path.write_text("\n")
     with pytest.raises(ValueError, match="empty"):

@@ -146,11 +146,28 @@ def test_the_secret_comes_from_the_environment_or_a_file_and_is_never_empty(tmp_
     assert secret_from_environment() is None
     path = tmp_path / "secret"
     path.write_text("from-a-file\n")
+    path.chmod(0o600)  # (a secret's file is its owner's alone)
     monkeypatch.setenv("KVPLAN_SECRET_FILE", str(path))
     assert secret_from_environment() == b"from-a-file"
     monkeypatch.setenv("KVPLAN_SECRET", "  ")
     with pytest.raises(ValueError, match="empty"):
         secret_from_environment()
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o620])
+def test_a_secret_file_others_may_read_or_write_is_refused_naming_the_fix(tmp_path, monkeypatch, mode):
+    from kvplan.env import SettingError, validate
+    from kvplan.transport.auth import secret_from_file
+
+    path = tmp_path / "secret"
+    path.write_text("s3cret\n")
+    path.chmod(mode)
+    with pytest.raises(ValueError, match=f"not private to this user: its mode {mode:o} .*chmod 600"):
+        secret_from_file(str(path))
+    with pytest.raises(SettingError, match="KVPLAN_SECRET_FILE.*chmod 600"):  # (at start, with the other settings)
+        validate({"KVPLAN_SECRET_FILE": str(path)})
+    path.chmod(0o400)
+    assert secret_from_file(str(path)) == b"s3cret"
 
 
 def test_fuzzed_envelopes_and_codes_on_a_paired_channel_are_refused_never_returned_never_raised():

@@ -23,6 +23,7 @@ def test_a_staged_batch_arrives_byte_for_byte_with_a_secret(engine, monkeypatch)
 def test_a_dead_decode_drill_with_a_secret_fails_every_request_naming_why(engine, monkeypatch, tmp_path):
     secret = tmp_path / "secret"
     secret.write_text("from a file\n")
+    secret.chmod(0o600)  # (a secret's file is its owner's alone)
     monkeypatch.delenv("KVPLAN_SECRET", raising=False)
     monkeypatch.setenv("KVPLAN_SECRET_FILE", str(secret))
     report = run_demo(config(engine, fault="dead-decode", timeout=20))
