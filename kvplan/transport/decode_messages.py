@@ -76,10 +76,17 @@ class SenderMessages:
         acks = self._fences.get(named_request(header))
         if acks is None or peer not in acks:  # not aborted here, or not this sender's: nothing to fence
             return
-        acks[peer] = header.get("fenced") is True
-        if not acks[peer]:
+        if not self._fence_report(acks, peer, header.get("fenced") is True):
             log.error("request %r: sender %d could not end a write into its pages; they must stay out of use",
                       named_request(header), peer)
+
+    @staticmethod
+    def _fence_report(acks: dict[int, bool | None], peer: int, ended: bool) -> bool:
+        """Record sender ``peer``'s word on a request's writes (``ended``: none can land any more); whether they
+        have ended as far as this side knows. A write reported unsafe stays so: a later report of the request
+        (an overload, a queue's deadline, an acknowledgement) does not end a write that may still land."""
+        acks[peer] = ended and acks.get(peer) is not False
+        return acks[peer]
 
     def _poll(self) -> None:
         for k, channel in enumerate(self.channels):
@@ -98,7 +105,7 @@ class SenderMessages:
                     self.tracker.fail(request, f"the prefill side reports: {header.get('reason')}")
                     # it reports once its writes have ended; a write it could not end (a later report may say
                     # so of a request reported before) keeps the pages out of use
-                    self._fence_of(request)[k] = not is_unsafe(header.get("reason"))
+                    self._fence_report(self._fence_of(request), k, not is_unsafe(header.get("reason")))
                 elif kind == Kind.REFUSED:
                     self._refused[k] = f"the prefill side refused the pairing: {header.get('reason')}"
                     self._fail_owned(k, self._refused[k])

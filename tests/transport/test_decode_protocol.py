@@ -244,13 +244,17 @@ def test_an_aborted_request_is_fenced_only_once_its_sender_acknowledges_with_not
     prefill.send("abort-ack", {"request": "r2", "fenced": True})  # another request's: no effect
     endpoint.poll()
     assert not endpoint.fenced("r1")
-    prefill.send("abort-ack", {"request": "r1", "fenced": False})
-    endpoint.poll()
-    assert not endpoint.fenced("r1")
     prefill.send("abort-ack", {"request": "r1", "fenced": True})
     endpoint.poll()
     assert endpoint.fenced("r1")
     endpoint.forget_fence("r1")
+    assert not endpoint.fenced("r1")
+    endpoint.abort("r1", "the client went away again")  # (the id again, a new abort)
+    prefill.send("abort-ack", {"request": "r1", "fenced": False})
+    endpoint.poll()
+    assert not endpoint.fenced("r1")
+    prefill.send("abort-ack", {"request": "r1", "fenced": True})  # (a write that may land is not ended by a word)
+    endpoint.poll()
     assert not endpoint.fenced("r1")
 
 
@@ -275,6 +279,22 @@ def test_an_abort_after_the_sender_reported_the_request_failed_is_fenced_at_once
     endpoint.poll()
     endpoint.abort("r1", "SGLang's decode concludes it")
     assert endpoint.fenced("r1")
+
+
+def test_a_write_reported_unsafe_stays_unfenced_whatever_is_reported_after_it(decode):
+    """A sender reports a write it could not end (``unsafe``: it may still land); a later report of the same
+    request (refused as overload, failed at a queue's deadline) or an acknowledgement of the decode's abort
+    must not make its pages reusable."""
+    endpoint, prefill, _, _ = decode
+    prefill.send("failed", {"request": "r1", "reason": "unsafe: the engine could not end the write"})
+    prefill.send("failed", {"request": "r1", "reason": "overload: the prefill's queue is full"})
+    endpoint.poll()
+    endpoint.abort("r1", "SGLang's decode concludes it")
+    assert not endpoint.fenced("r1")
+    prefill.send("failed", {"request": "r1", "reason": "deadline passed in the prefill's queue"})
+    prefill.send("abort-ack", {"request": "r1", "fenced": True})
+    endpoint.poll()
+    assert not endpoint.fenced("r1")
 
 
 def test_a_request_past_its_deadline_is_aborted_at_its_sender_and_fenced_only_once_it_answers(decode):
