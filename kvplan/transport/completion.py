@@ -242,6 +242,9 @@ class CompletionTracker:
                 self.fail(note.request, f"received {part.kv_most()} KV pages of a layer, expected "
                                         f"{status.expected.kv_pages}")
         elif note.role == AUX_ROLE:
+            if not status.expected.aux:
+                self.fail(note.request, "received its aux row, which was not published")
+                return
             part.aux = True
         elif note.name in part.components:
             layers = part.components[note.name]

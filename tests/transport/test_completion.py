@@ -96,3 +96,19 @@ def test_a_waves_notes_landed_together_end_as_landed_one_by_one_and_as_counted_p
         failed = failed or bool((per_layer > pages).any())
     expected = "failed" if failed else "complete" if aux and (per_layer == pages).all() else "pending"
     assert together.state("r") == expected
+
+
+def test_a_stray_aux_note_after_a_request_completed_leaves_it_complete():
+    """An aux row the request was not published with, arriving after it completed and was reported, cannot
+    turn it back to pending (it did: a completed request then waited for nothing until its deadline)."""
+    tracker = _tracker(2)
+    tracker.on_sections([_kv(2)])
+    assert tracker.state("r") == "complete" and tracker.take_ended() == {"r": None}
+    tracker.on_sections([SectionNote("r", AUX_ROLE, "aux", 1, None)])
+    assert tracker.state("r") == "complete" and tracker.take_ended() == {}
+
+
+def test_an_aux_row_a_request_was_not_published_with_fails_it():
+    tracker = _tracker(2)
+    tracker.on_sections([SectionNote("r", AUX_ROLE, "aux", 1, None)])
+    assert tracker.state("r") == "failed" and "aux row" in tracker.failure("r")
