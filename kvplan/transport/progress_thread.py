@@ -82,6 +82,7 @@ __all__ = ["MAX_IN_FLIGHT", "MOVING", "ProgressThread"]
 log = logging.getLogger(__name__)
 
 MAX_IN_FLIGHT = 8  # batches queued or moving at once per prefill endpoint (PrefillEndpoint's max_in_flight)
+MAX_UNTOLD_REFUSALS = 65536  # refused requests waiting to be told to their decodes, at most
 MOVING = 2  # batches planned and posted, not yet ended, at once: a plan's buffers stay its own for 2 plans
 
 
@@ -112,6 +113,10 @@ class ProgressThread:
         self._cadence = Cadence()
         self._in_flight = 0  # batches queued or moving
         self._actions: deque[Callable[[], None]] = deque()  # the caller's, run here at the next turn
+        # refused batches' requests whose decodes are to be told, all in one action however many are refused
+        # (bounded: past it a decode fails the request at its own deadline, counted in `untold`)
+        self._to_tell: deque[tuple[int, Any, str]] = deque()
+        self.untold = 0
         self.arrived: deque[tuple[int, Any]] = deque()  # (peer, request) whose lists arrived
         self.errors: deque[BaseException] = deque()  # registrations refused (LayoutError), for the caller
         self.completed: deque[SendHandle] = deque()  # handles that ended, for PrefillEndpoint.completed()
@@ -181,9 +186,26 @@ class ProgressThread:
                   "(max_in_flight); nothing of this one was sent")
         self.ep._stats.failed(reason, len(job.handle.requests))
         told = {(t.dest, t.request) for t in job.transfers}
-        self.call(lambda: [self.ep._report(dest, request, reason) for dest, request in told])
+        with self._lock:
+            room = MAX_UNTOLD_REFUSALS - len(self._to_tell)
+            first = not self._to_tell
+            self._to_tell.extend((dest, request, reason) for dest, request in list(told)[: max(0, room)])
+            over = max(0, len(told) - max(0, room))
+            self.untold += over
+        if over and self.untold == over:
+            log.warning("more than %d refused requests wait to be told to their decodes: the rest fail there at "
+                        "their deadlines (counted in untold)", MAX_UNTOLD_REFUSALS)
+        if first:
+            self.call(self._tell_refused)
         job.handle._finish({r: reason for r in job.handle.requests})
         self.completed.append(job.handle)
+
+    def _tell_refused(self) -> None:
+        """Tell each refused request's decode (one action for every refusal queued meanwhile)."""
+        with self._lock:
+            told, self._to_tell = self._to_tell, deque()
+        for dest, request, reason in told:
+            self.ep._report(dest, request, reason)
 
     # -- the thread ----------------------------------------------------------------------------------
     def _run(self) -> None:

@@ -117,6 +117,32 @@ def test_a_batch_beyond_max_in_flight_is_refused_whole_with_overload_and_its_dec
         prefill.close()
 
 
+def test_refused_batches_queue_one_report_however_many_and_at_most_the_bound(monkeypatch):
+    """Each refused batch's decodes are told, in one queued action for all the refusals of a moment (2,000
+    refused submits queued 2,000 actions), and at most MAX_UNTOLD_REFUSALS requests wait to be told: past it
+    they are counted (``untold``), and their decode fails them at its own deadline."""
+    from kvplan.transport import progress_thread
+
+    monkeypatch.setattr(progress_thread, "MAX_UNTOLD_REFUSALS", 1)
+    prefill, engine, decode, chunks, _keep = _pair(max_in_flight=1)
+    try:
+        prefill.start()
+        thread = prefill._thread
+        run_actions = thread._run_actions
+        thread._run_actions = lambda: False  # (the thread takes no action meanwhile: the refusals pile up)
+        first = prefill.submit([chunks["r1"]], mode="direct", timeout=WAIT_S)
+        for _ in range(200):
+            assert prefill.submit([chunks["r2"], chunks["r3"]], mode="direct", timeout=WAIT_S).done()
+        assert len(thread._actions) == 1 and len(thread._to_tell) == 1 and thread.untold == 2 * 200 - 1
+        thread._run_actions = run_actions
+        engine.release.set()
+        assert first.result(timeout=WAIT_S) == {"r1": None}
+        told = {m["request"] for m in _wait_for(decode, "failed", 1)}
+        assert len(told) == 1 and told <= {"r2", "r3"}
+    finally:
+        prefill.close()
+
+
 def _wait_until(condition):
     import time
 
