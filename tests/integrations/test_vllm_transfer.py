@@ -38,6 +38,15 @@ def run_pair(tmp_path, engine: str, prefill_layout: str, decode_layout: str, *de
     return prefill, decodes[0]
 
 
+def _end_all(procs) -> None:
+    """Join each child process by its own handle, killing one that has not ended."""
+    for proc in procs:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+
+
 def run_group(tmp_path, engine: str, prefill_layout: str, decode_layout: str, decode_args: tuple[str, ...] = (),
               prefill_args: tuple[str, ...] = (), decode_tp: int = 1, prefill_tp: int = 1,
               decode_ranks: int | None = None) -> tuple[dict, list[dict]]:
@@ -74,11 +83,7 @@ def run_group(tmp_path, engine: str, prefill_layout: str, decode_layout: str, de
             each.pop("stats", None)
             each.pop("step", None)
     finally:
-        for proc in procs:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
+        _end_all(procs)
     return prefill, decodes
 
 
@@ -315,11 +320,7 @@ def test_a_prefill_restarted_at_its_address_is_paired_with_again_by_a_decode_tha
         got = child_message(pipes[0], "the decode", 150)[1]
         sent_again = child_message(here, "the second prefill", 60)[1]
     finally:
-        for proc in procs:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
+        _end_all(procs)
     assert sent["sent"] == ["p-req-0", "p-req-1", "p-req-2", "p-req-3"]
     assert sent_again["sent"] == ["q-req-0", "q-req-1", "q-req-2", "q-req-3"]
     again = [f"d1-req-{i}" for i in range(4)]

@@ -64,6 +64,13 @@ def _until(condition, what):
         time.sleep(0.001)
 
 
+def _ended(endpoint, requests, what):
+    """What ``endpoint.poll()`` returned until every one of ``requests`` had ended (failing with ``what``)."""
+    ended = {}
+    _until(lambda: ended.update(endpoint.poll()) or set(requests) <= set(ended), what)
+    return ended
+
+
 def _received(channel, kind, count):
     got = []
     def look():
@@ -84,8 +91,7 @@ def test_publish_returns_and_the_thread_sends_the_lists_and_completes_the_reques
         assert [h["request"] for h in headers] == ["r1", "r2"]  # in the order published, one publish
         assert endpoint.poll() == {}
         endpoint.engine.inbox.append(encode_notification(Section(0, "r1", KV_ROLE, "kv", 0, 1, 2)))
-        ended = {}
-        _until(lambda: ended.update(endpoint.poll()) or "r1" in ended, "completed r1")
+        ended = _ended(endpoint, ["r1"], "completed r1")
         assert ended == {"r1": None}
         assert endpoint.stats()["requests"]["complete"] == 1
         assert "MainThread" not in mine.users, "the caller touched a channel of a started endpoint"
@@ -110,8 +116,7 @@ def test_on_complete_runs_on_the_thread_before_a_request_is_reported_and_what_it
         _received(prefill, "request", 1)
         assert seen == []
         endpoint.engine.inbox.append(encode_notification(Section(0, "r1", KV_ROLE, "kv", 0, 1, 2)))
-        ended = {}
-        _until(lambda: ended.update(endpoint.poll()) or "r1" in ended, "ended r1")
+        ended = _ended(endpoint, ["r1"], "ended r1")
         assert seen == [(["r1"], "kvplan-decode-progress")]
         if fails:
             assert "on_complete failed: TimeoutError: the copy did not end" in ended["r1"]
@@ -130,8 +135,7 @@ def test_an_abort_from_the_caller_is_sent_by_the_thread_and_fences_on_the_sender
         endpoint.abort("r1", "the client went away")
         assert _received(prefill, "abort", 1)[0]["request"] == "r1"
         assert not endpoint.fenced("r1")
-        ended = {}
-        _until(lambda: ended.update(endpoint.poll()) or "r1" in ended, "ended the aborted request")
+        ended = _ended(endpoint, ["r1"], "ended the aborted request")
         assert ended["r1"] == "the client went away"
         prefill.send("abort-ack", {"request": "r1", "fenced": True})
         _until(lambda: endpoint.fenced("r1"), "fenced r1 on its acknowledgement")
@@ -161,8 +165,7 @@ def test_a_list_the_kernels_refuse_fails_every_request_of_its_publish_naming_it_
         _received(prefill, "request", 1)
         endpoint.publish([PreallocatedRequest("r3", row=1, prompt_len=4), PreallocatedRequest("r2", row=2, prompt_len=8)],
                          timeout=WAIT_S)
-        ended = {}
-        _until(lambda: ended.update(endpoint.poll()) or {"r2", "r3"} <= set(ended), "failed the bad publish")
+        ended = _ended(endpoint, {"r2", "r3"}, "failed the bad publish")
         assert all(ended[r] and "refused" in ended[r] and "'r2'" in ended[r] for r in ("r2", "r3")), ended
         assert prefill.try_recv() is None  # nothing of it was sent
     finally:
@@ -206,8 +209,7 @@ def test_a_started_endpoint_takes_senders_and_publishes_lists_of_its_caller_from
         assert (header["request"], header["prefix_len"], header["prompt_len"]) == (9, 4, 4 + 2 * PAGE)
         assert channels[0][1].try_recv() is None  # published to its own sender only
         endpoint.engine.inbox.append(encode_notification(Section(0, 9, KV_ROLE, "kv", 0, 1, 2)))
-        ended = {}
-        _until(lambda: ended.update(endpoint.poll()) or 9 in ended, "completed request 9")
+        ended = _ended(endpoint, [9], "completed request 9")
         assert ended == {9: None}
         assert all("MainThread" not in mine.users for mine, _ in channels)
     finally:
@@ -251,8 +253,7 @@ def test_a_refused_list_among_publishes_launched_together_fails_its_own_publish_
         gate.set()
         headers = _received(prefill, "request", 2)
         assert [h["request"] for h in headers] == ["r1", "r3"]
-        ended = {}
-        _until(lambda: ended.update(endpoint.poll()) or "r2" in ended, "failed r2")
+        ended = _ended(endpoint, ["r2"], "failed r2")
         assert "refused" in ended["r2"] and "'r2'" in ended["r2"] and "r1" not in ended and "r3" not in ended
     finally:
         endpoint.close()
