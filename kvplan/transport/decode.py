@@ -1,13 +1,12 @@
 """The receiving side of a hand-off: registration, destination lists, staged waves, completion.
 
-:class:`DecodeEndpoint` registers its pools with the engine and publishes its layout, then, per
-request, its destination lists (SGLang's wire format). Completion comes from the engine's
-notifications (direct and prepared modes) or from staged waves. A staged run is announced on the
-control channel ahead of its bytes, either by its chunks alone (the endpoint plans the scatter
-from what it published, :mod:`.receiver_plan`) or with the sender's destination table (checked
-against what it published, :mod:`.landing`). The engine's notification says a wave has landed;
-the endpoint scatters it on its own stream and returns the slot's credit once the scatter has finished. It
-never spins: it blocks in one wait on its sockets, its engine and its caller's wake-up (:mod:`.runtime.loop`).
+:class:`DecodeEndpoint` registers its pools with the engine and publishes its layout, then, per request, its
+destination lists (SGLang's wire format). Completion comes from the engine's notifications (direct and prepared
+modes) or from staged waves. A staged run is announced on the control channel ahead of its bytes, either by its
+chunks alone (the endpoint plans the scatter from what it published, :mod:`.receiver_plan`) or with the sender's
+destination table (checked against what it published, :mod:`.landing`). The engine's notification says a wave
+has landed; the endpoint scatters it on its own stream and returns the slot's credit once the scatter has
+finished. It never spins: it blocks in one wait on its sockets, engine and caller's wake-up (:mod:`.runtime.loop`).
 
 Example::
 
@@ -427,16 +426,20 @@ class DecodeEndpoint(SenderMessages, StagedReceiver, DecodeWarmUp):
         for r, p in zip(requests, published):
             self._own[r.request] = OwnLists.of(r, p)
         for r, message in zip(requests, messages):
+            header = {"request": r.request, "prompt_len": r.prompt_len, "prefix_len": r.prefix_len, "plans": True,
+                      **({"publishers": publishers} if publishers > 1 else {})}
             for k in peers:
-                try:
-                    header = {"request": r.request, "prompt_len": r.prompt_len, "prefix_len": r.prefix_len,
-                              "plans": True}
-                    if publishers > 1:
-                        header["publishers"] = publishers
-                    self.channels[k].send(Kind.REQUEST, header, message,
-                                          timeout=max(0.0, deadline - time.monotonic()))
-                except ControlTimeout as err:
-                    self.tracker.fail(r.request, f"its destination lists could not be published to sender {k}: {err}")
+                self._send_request(k, r.request, header, message, deadline)
+
+    def _send_request(self, k: int, request: Any, header: dict[str, Any], message: bytes, deadline: float) -> None:
+        """Send a request's lists to sender ``k``, or fail the request naming why. A lost sender's channel is
+        not waited on: a send would wait for a new peer until the deadline, holding up every other request."""
+        try:
+            if self.channels[k].peer_gone():
+                raise ControlTimeout("its control connection is lost (the sender ended or went silent)")
+            self.channels[k].send(Kind.REQUEST, header, message, timeout=max(0.0, deadline - time.monotonic()))
+        except ControlTimeout as err:
+            self.tracker.fail(request, f"its destination lists could not be published to sender {k}: {err}")
 
     def track(self, published: Sequence[PublishedRequest], deadline: float, peer: int | Sequence[int] = 0) -> None:
         """Expect the published requests (lists computed by :func:`plan_destinations` or by the
@@ -483,16 +486,10 @@ class DecodeEndpoint(SenderMessages, StagedReceiver, DecodeWarmUp):
         page_size = self.side.kv.page_size
         for p, prefix_len in zip(published, prefix_lens):
             header = {"request": p.request, "prompt_len": int(prefix_len) + len(p.lists.pages) * page_size,
-                      "prefix_len": int(prefix_len)}
-            if publishers > 1:
-                header["publishers"] = publishers
+                      "prefix_len": int(prefix_len), **({"publishers": publishers} if publishers > 1 else {})}
             message = p.message()
             for k in peers:
-                try:
-                    self.channels[k].send(Kind.REQUEST, header, message,
-                                          timeout=max(0.0, deadline - time.monotonic()))
-                except ControlTimeout as err:
-                    self.tracker.fail(p.request, f"its destination lists could not be published to sender {k}: {err}")
+                self._send_request(k, p.request, header, message, deadline)
 
     def _writes(self, request: Any, peer: int) -> bool:
         """Whether sender ``peer`` may write ``request``."""

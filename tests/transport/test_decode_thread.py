@@ -158,6 +158,28 @@ def test_a_deadline_is_kept_by_the_thread_with_no_call_of_the_caller():
         endpoint.close()
 
 
+def test_a_publish_to_a_sender_that_is_gone_fails_at_once_and_holds_nothing_up():
+    """A send to a lost peer waits for a new one until its deadline (a bound channel): the progress thread
+    would stand still for the request's whole deadline. Its lists are not sent: the request fails at once,
+    named, and a later publish to a sender that is there goes on."""
+    endpoint, mine, prefill = _started()
+    sends = []
+    try:
+        mine.peer_gone = lambda: True
+        real_send = mine.send
+        mine.send = lambda *args, **kwargs: sends.append(args[0]) or real_send(*args, **kwargs)
+        started = time.monotonic()
+        endpoint.publish([PreallocatedRequest("r1", row=1, prompt_len=8)], timeout=WAIT_S)
+        ended = _ended(endpoint, ["r1"], "failed r1")
+        assert "control connection" in ended["r1"] and "request" not in sends
+        assert time.monotonic() - started < WAIT_S / 2
+        mine.peer_gone = lambda: False
+        endpoint.publish([PreallocatedRequest("r2", row=2, prompt_len=8)], timeout=WAIT_S)
+        assert [h["request"] for h in _received(prefill, "request", 1)] == ["r2"]
+    finally:
+        endpoint.close()
+
+
 def test_a_list_the_kernels_refuse_fails_every_request_of_its_publish_naming_it_and_sends_nothing():
     endpoint, _, prefill = _started(rows={1: [3, 4], 2: [5, 99]})  # row 2's page 99 is outside the 16-page pool
     try:
