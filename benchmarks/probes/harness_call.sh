@@ -1,8 +1,10 @@
 #!/bin/bash
-# A card call: the served rows with the load tool as it was and as it is now, interleaved (the old tool in
-# .harness-old: `git archive 7ba0058 kvplan | tar x -C .harness-old`, the commit before the tool's change; its
-# library differs from this tree's only by the commits since); then the new tool traced (KVPLAN_TRACE), at
-# 3,000 offered/s, and the llama8b row. Everything lands in $OUT/served.tgz.
+# A card call: the served rows with the load tool as it was and as it is now, interleaved, on the same library:
+# .harness-old is this tree's kvplan with the tool's three files of 7ba0058 (the commit before its change):
+#   mkdir -p .harness-old && git archive HEAD kvplan | tar x -C .harness-old
+#   for f in load load_pools load_roles; do git show 7ba0058:kvplan/tools/$f.py > .harness-old/kvplan/tools/$f.py; done
+# then the new tool traced (KVPLAN_TRACE), at 3,000 offered/s, and the llama8b row. Everything lands in
+# $OUT/served.tgz.
 #   bash benchmarks/probes/harness_call.sh      (carrying .whl-both and .harness-old)
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl-both/*.whl || exit 1
