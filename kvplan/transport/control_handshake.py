@@ -156,7 +156,7 @@ class Handshake:
         if not isinstance(challenge, str) or not challenge:
             self._refuse("a hello without a nonce")
             return
-        if self._mirrored(sender, challenge):
+        if self._mirrored(challenge):
             self._refuse(f"a hello from incarnation {sender!r} with this side's own nonce: a reflection")
             return
         if not self._bound and self._secret_state(header) is not None:
@@ -225,7 +225,7 @@ class Handshake:
         given = header.get("proof")
         return isinstance(given, str) and hmac.compare_digest(given.encode(), expected.encode())
 
-    def _mirrored(self, sender: str, challenge: str) -> bool:
+    def _mirrored(self, challenge: str) -> bool:
         """Whether a hello names this side's own nonce: no peer does (every nonce is fresh), so it is this side's
         own words sent back at it. (Its own incarnation is no sign: two channels of one process pair, as the
         tests and an in-process hand-off do; the proofs' roles keep those apart.)"""
@@ -257,7 +257,7 @@ class Handshake:
                 while len(self._mismatched) > self.MAX_CANDIDATES:
                     self._mismatched.pop(next(iter(self._mismatched)))
                 return
-            if isinstance(challenge, str) and challenge and self._mirrored(sender, challenge):
+            if isinstance(challenge, str) and challenge and self._mirrored(challenge):
                 self.strangers += 1  # (quietly, as a stranger's: anyone who reaches the port can send)
                 log.debug("refused a hello on the control channel on %s port %d with its own nonce",
                           self.host, self.port)

@@ -185,12 +185,12 @@ class ProgressThread:
         reason = (f"overload: {self.max_in_flight} batches are already in flight at this prefill endpoint "
                   "(max_in_flight); nothing of this one was sent")
         self.ep._stats.failed(reason, len(job.handle.requests))
-        told = {(t.dest, t.request) for t in job.transfers}
+        told = list({(t.dest, t.request) for t in job.transfers})
         with self._lock:
-            room = MAX_UNTOLD_REFUSALS - len(self._to_tell)
+            room = max(0, MAX_UNTOLD_REFUSALS - len(self._to_tell))
             first = not self._to_tell
-            self._to_tell.extend((dest, request, reason) for dest, request in list(told)[: max(0, room)])
-            over = max(0, len(told) - max(0, room))
+            self._to_tell.extend((dest, request, reason) for dest, request in told[:room])
+            over = len(told[room:])
             self.untold += over
         if over and self.untold == over:
             log.warning("more than %d refused requests wait to be told to their decodes: the rest fail there at "

@@ -369,7 +369,7 @@ def decode(args: argparse.Namespace) -> dict:
         open(f"{path}.done{args.tp_rank}", "w").close()
     decodes = getattr(getattr(worker, "worker", None), "decodes", {})  # (kvplan's connector: vLLM's has none)
     integrity = sorted({bool(d.integrity) for d in decodes.values()})
-    retired_open = len(getattr(getattr(worker, "worker", None), "_retired", []))  # (closed once nothing used them)
+    retired_open = len(getattr(getattr(worker, "worker", None), "_retired", ()))  # (closed once nothing used them)
     worker.shutdown()
     ghost_blocks = sorted(mine["d-req-" + str(next(i for i, p in enumerate(all_params)
                                                   if p["remote_request_id"] == "p-req-ghost"))][1]) if args.ghost else []

@@ -85,26 +85,11 @@ class DecodePairing:
     def _retire(self, key: tuple[str, int, tuple[int, ...]]) -> None:
         """Take the decode endpoint of ``key`` out of use: the next request to that address pairs again. It
         is still polled while requests published through it settle (they fail: its prefill is gone, and
-        their blocks wait for its fence), then closed with its engine (:meth:`_close_retired`)."""
+        their blocks wait for its fence), then closed with its engine (:class:`.retired.RetiredEndpoints`)."""
         decode = self.decodes.pop(key)
         log.warning("the prefill at %s:%d (ranks %s) is gone: pairing again with whatever listens there now",
                     key[0], key[1], list(key[2]))
-        self._retired.append(decode)
-
-    def _close_retired(self) -> None:
-        """Close each retired endpoint that no request still receives through: its channels and its engine
-        (kept from growing over restarts); its counters stay in the connector's stats."""
-        receiving = {id(r.endpoint) for r in self._receiving.values()}
-        for decode in [d for d in self._retired if id(d) not in receiving]:
-            self._retired.remove(decode)
-            self._retired_totals.append(decode.totals())
-            for close in [c.close for c in decode.channels] + [decode.engine.close]:
-                try:
-                    close()
-                except Exception as err:  # noqa: BLE001 - a resource already gone: nothing left to release
-                    log.warning("closing a retired decode endpoint: %s: %s", type(err).__name__, err)
-            if decode.engine in self._engines:
-                self._engines.remove(decode.engine)
+        self._retired.add(decode)
 
     def _take_pairings(self) -> None:
         """Take each pairing that ended: publish its waiting requests, or fail them with the reason."""

@@ -63,6 +63,7 @@ from .kv_caches import BlockView
 from .scheduler import ReceiveRequest, SchedulerStep, SendRequest, UnsupportedConfig
 from .settings import Settings
 from .planning_rows import PlanningRows
+from .retired import RetiredEndpoints
 from .state_slots import StateSlots
 from .windows import WindowMaps
 
@@ -135,8 +136,7 @@ class ConnectorWorker(DecodePairing):
         self.prefill: PrefillEndpoint | None = None
         self.listener: ChannelListener | None = None
         self.decodes: dict[tuple[str, int, tuple[int, ...]], DecodeEndpoint] = {}  # by prefill (host, port, ranks)
-        self._retired: list[DecodeEndpoint] = []  # whose prefill is gone: polled until their requests settle
-        self._retired_totals: list[dict[str, Any]] = []  # the counters of those since closed
+        self._retired = RetiredEndpoints()  # whose prefill is gone: polled until their requests settle
         self._engines: list[Any] = []
         self._sending: dict[str, _Sending] = {}
         self._sent: set[str] = set()  # written (or given up), waiting for vLLM to name them finished
@@ -208,9 +208,8 @@ class ConnectorWorker(DecodePairing):
     def interval_stats(self) -> dict[str, Any] | None:
         """What this worker's endpoints counted since the last call (``None`` when nothing): the payload of
         vLLM's connector stats (:mod:`.connector_stats`). A few dictionary reads per endpoint."""
-        endpoints = ([self.prefill] if self.sends and self.prefill is not None else []) + list(self.decodes.values()) \
-            + self._retired
-        now = interval_counts([e.totals() for e in endpoints] + self._retired_totals)
+        endpoints = ([self.prefill] if self.sends and self.prefill is not None else []) + list(self.decodes.values())
+        now = interval_counts([e.totals() for e in endpoints] + self._retired.totals())
         before, self._reported = self._reported, now
         if before is None:
             delta = now
@@ -329,7 +328,7 @@ class ConnectorWorker(DecodePairing):
         closers += [c.close for d in [*self.decodes.values(), *self._retired] for c in d.channels]
         closers += [e.close for e in self._engines]
         self.listener = self.prefill = None
-        self.decodes, self._retired = {}, []
+        self.decodes, self._retired = {}, RetiredEndpoints()
         self._engines = []
         for close in closers:
             try:
@@ -546,7 +545,7 @@ class ConnectorWorker(DecodePairing):
                 self._load_errors.update(receiving.block_ids)
                 self._end_receive(remote)
         if self._retired:
-            self._close_retired()
+            self._retired.close_unused({id(r.endpoint) for r in self._receiving.values()}, self._engines)
         return received, failed
 
     def _end_receive(self, remote: str) -> None:
