@@ -11,6 +11,17 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 # and Mooncake's transport inside SGLang (kvplan's adapter takes SGLang's MOONCAKE_PROTOCOL, rdma when unset)
 os.environ.setdefault("MOONCAKE_PROTOCOL", "tcp")
 
+# control channels on loopback prove this user's loopback secret (kvplan.transport.auth): the tests' own, in a
+# private folder made for the run (the workers and every process they start inherit it), not the user's
+if "KVPLAN_LOOPBACK_SECRET_FILE" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _secret_folder = tempfile.mkdtemp(prefix="kvplan-tests-")
+    os.environ["KVPLAN_LOOPBACK_SECRET_FILE"] = os.path.join(_secret_folder, "loopback-secret")
+    atexit.register(shutil.rmtree, _secret_folder, True)
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 

@@ -58,9 +58,14 @@ class Variable:
 
 
 VARIABLES = (
-    Variable("KVPLAN_SECRET", None, "the control plane's shared secret: every pairing proves it, every control "
+    Variable("KVPLAN_SECRET", None, "the control plane's shared secret (off loopback, needed unless `KVPLAN_INSECURE`): every pairing proves it, every control "
              "message and engine notification carries a code under it (docs/failures.md)", "secret"),
     Variable("KVPLAN_SECRET_FILE", None, "a file holding the secret (read when `KVPLAN_SECRET` is unset)", "private"),
+    Variable("KVPLAN_INSECURE", None, "on: control channels without a secret run open (anyone who reaches the port "
+             "can pair), logged and counted; off: without a secret they prove the loopback secret on loopback and "
+             "do not start elsewhere (docs/failures.md §10)", "flag"),
+    Variable("KVPLAN_LOOPBACK_SECRET_FILE", None, "where this user's per-host secret for loopback channels lives "
+             "(created, mode 600, by the first process that needs it; default `~/.cache/kvplan/loopback-secret`)"),
     Variable("KVPLAN_DRAIN_S", "5", "seconds a write that was aborted may take to end before it is reported "
              "`unsafe` (its pages are then never reused)", "number", 0.0),
     Variable("KVPLAN_COPY_GRAPHS", "1", "`0`: staged gathers are launched as kernels, not replayed from CUDA graphs",

@@ -4,7 +4,6 @@ engine and mode, the fault drill, the hosts; and whether a host is this machine'
 
 from __future__ import annotations
 
-import ipaddress
 import os
 from dataclasses import dataclass, replace
 from typing import Any
@@ -14,6 +13,7 @@ import torch
 from ..planner.contract.layer_groups import LayerGroups
 from ..planner.contract.batch import Batch
 from ..planner.contract.tensor_slices import partner_rank
+from ..transport.control_wire import is_loopback
 from .scenarios import PRESETS, ModelShape, build_batch, paired_ranks
 
 __all__ = ["DEMO_HOST", "DemoConfig", "ENGINE_ENV", "FAULTS", "STAGES", "default_timeout", "is_loopback"]
@@ -133,17 +133,6 @@ class DemoConfig:
                            prefix_len=self.prefix_len if prompt_len is None else 0, seed=self.seed,
                            src_rank=paired if src_rank is None else src_rank, dst_rank=dst_rank,
                            dst_page_size=self.dst_page_size)
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (an address or ``localhost``) is this machine's loopback: the tools choose UCX's
-    loopback device only then (a run bound to a real address leaves UCX its own choice)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name: UCX chooses
-        return False
 
 
 # staged copies under Triton's interpreter: ~2 MB/s measured on 2 cores, 0.7 MB/s on a slower day (each

@@ -29,11 +29,10 @@ from typing import Any
 
 from .zmq_import import require_zmq
 from . import auth
-from .auth import message_code, nonce, secret_from_environment
+from .auth import channel_secret, message_code, nonce
 from .control_handshake import Handshake
 from .control_liveness import Liveness
-from .control_wire import (MARK, MAX_REFUSED, ControlTimeout, is_loopback, monitor_numbers, named_request,
-                           warned_open)
+from .control_wire import MARK, MAX_REFUSED, ControlTimeout, monitor_numbers, named_request
 from .note_seal import NoteSeal
 
 __all__ = ["ControlChannel", "ControlTimeout", "MAX_REFUSED", "named_request"]
@@ -67,7 +66,9 @@ class ControlChannel(Handshake, Liveness):
     noticed and posted from such a loop; docs/layerwise.md §3).
 
     ``secret``: the shared secret of the handshake and the message codes (``None``: ``KVPLAN_SECRET`` or
-    ``KVPLAN_SECRET_FILE``, else none; docs/failures.md §10).
+    ``KVPLAN_SECRET_FILE``, else on loopback this user's loopback secret, else :class:`~kvplan.errors.SettingError`;
+    :func:`.auth.channel_secret`). ``insecure``: with no secret configured, run open instead (logged and
+    counted; ``KVPLAN_INSECURE`` does the same); docs/failures.md §10.
 
     Example::
 
@@ -85,7 +86,13 @@ class ControlChannel(Handshake, Liveness):
     SLICE_MS = 50  # a blocked send looks whether its peer is gone this often
 
     def __init__(self, connect_port: int | None = None, peer_timeout: float = 1.0, *, host: str,
-                 bind_port: int | None = None, max_message_bytes: int | None = None, secret: bytes | None = None):
+                 bind_port: int | None = None, max_message_bytes: int | None = None, secret: bytes | None = None,
+                 insecure: bool = False):
+        # every pairing proves the secret and every message carries a code under it; None only by the
+        # explicit opt-out (.auth.channel_secret: raises off loopback when there is none, before any socket)
+        self.secret = channel_secret(host, secret, insecure=insecure)
+        if self.secret is None:
+            auth.count_open_channel()
         zmq = require_zmq()
         from zmq.utils.monitor import recv_monitor_message
 
@@ -114,13 +121,6 @@ class ControlChannel(Handshake, Liveness):
         self._replaced = False  # a peer connected after an earlier one was lost (see replaced())
         self._hello_at = 0.0  # (connecting) when this side's hello last left
         self.host = host
-        # with a secret every pairing proves it and every message carries a code under it (None: the
-        # environment's, .auth.secret_from_environment)
-        self.secret = secret if secret is not None else secret_from_environment()
-        if self.secret is None and not is_loopback(host) and host not in warned_open:
-            warned_open.add(host)
-            log.warning("control channels on %s have no shared secret (KVPLAN_SECRET): any process that reaches "
-                        "the port can pair and be sent KV; set a secret, or keep the network closed", host)
         self.incarnation = auth.INCARNATION  # (this process's when the channel is made: a forked child has its own)
         # messages read while this side waited (a send's handshake, a lost peer's last ones), with the
         # pairing they came in: handed out only until the next pairing begins

@@ -21,7 +21,6 @@ EVENT_NAMES = {1: "connected", 2: "connect delayed", 4: "connect retried", 32: "
                0x4000: "handshake failed (auth)"}
 TCP_ESTABLISHED = 1  # Linux's tcpi_state of a connection that stands (include/net/tcp_states.h)
 monitor_numbers = itertools.count()  # (one inproc address per monitored socket of the process)
-warned_open: set[str] = set()  # hosts already warned of as reachable without a secret
 
 
 def is_loopback(host: str) -> bool:

@@ -30,6 +30,7 @@ import logging
 import time
 
 from ..errors import KvplanError, PeerError
+from .auth import channel_secret
 from .control import ControlChannel, ControlTimeout
 from .zmq_import import require_zmq
 
@@ -45,13 +46,17 @@ class AddressInUse(KvplanError, OSError):
 
 class ChannelListener:
     """A ROUTER socket on ``host:bind_port`` (0: an ephemeral port, in ``port``) that answers each
-    ``hello`` with a new channel's port (its channels use ``secret``, or the environment's)."""
+    ``hello`` with a new channel's port (its channels use ``secret``, else the one
+    :func:`.auth.channel_secret` finds, resolved here: a listener off loopback with no secret and no
+    ``insecure`` opt-out does not start)."""
 
     def __init__(self, bind_port: int, *, host: str, peer_timeout: float = 1.0, handshake_s: float = 5.0,
-                 max_pending: int = 64, max_pending_per_source: int = 8, secret: bytes | None = None):
+                 max_pending: int = 64, max_pending_per_source: int = 8, secret: bytes | None = None,
+                 insecure: bool = False):
         zmq = require_zmq()
         self._zmq = zmq
-        self.host, self.peer_timeout, self.secret = host, peer_timeout, secret
+        self.host, self.peer_timeout = host, peer_timeout
+        self.secret = channel_secret(host, secret, insecure=insecure)
         self.handshake_s, self.max_pending, self.max_pending_per_source = handshake_s, max_pending, max_pending_per_source
         # channels handed out, not yet ready: (channel, deadline, the source address whose hello it answered)
         self.pending: list[tuple[ControlChannel, float, str]] = []
@@ -113,7 +118,8 @@ class ChannelListener:
                 self.socket.send_multipart([who, json.dumps({"error": "busy: too many channels wait to pair"}).encode()])
                 continue
             try:
-                channel = ControlChannel(peer_timeout=self.peer_timeout, host=self.host, secret=self.secret)
+                channel = ControlChannel(peer_timeout=self.peer_timeout, host=self.host, secret=self.secret,
+                                         insecure=self.secret is None)
             except self._zmq.ZMQError as err:  # (out of sockets or ports: this hello waits, the listener lives on)
                 self.refused_busy += 1
                 log.error("could not open a channel for a hello from %s on port %d: %s", source, self.port, err)
@@ -130,10 +136,11 @@ class ChannelListener:
 
 
 def channel_via(host: str, port: int, timeout: float, peer_timeout: float = 1.0,
-                secret: bytes | None = None) -> ControlChannel:
+                secret: bytes | None = None, insecure: bool = False) -> ControlChannel:
     """Ask the :class:`ChannelListener` on ``host:port`` for a channel of its own and connect it (with
-    ``secret``, or the environment's: :class:`ControlChannel`); :class:`ControlTimeout` if no answer
-    comes within ``timeout`` seconds."""
+    ``secret``, else the one :func:`.auth.channel_secret` finds, resolved before anything is sent);
+    :class:`ControlTimeout` if no answer comes within ``timeout`` seconds."""
+    secret = channel_secret(host, secret, insecure=insecure)
     zmq = require_zmq()
     socket = zmq.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
@@ -148,6 +155,7 @@ def channel_via(host: str, port: int, timeout: float, peer_timeout: float = 1.0,
         answer = json.loads(socket.recv_multipart()[-1])
         if not isinstance(answer, dict) or not isinstance(answer.get("port"), int):
             raise PeerError(f"the listener on {host}:{port} answered {answer!r}, not a port")
-        return ControlChannel(connect_port=int(answer["port"]), host=host, peer_timeout=peer_timeout, secret=secret)
+        return ControlChannel(connect_port=int(answer["port"]), host=host, peer_timeout=peer_timeout, secret=secret,
+                              insecure=secret is None)
     finally:
         socket.close()

@@ -15,6 +15,8 @@ metric                              type    labels (besides ``role`` and ``endpo
 ``kvplan_bounds_hit_total``         counter ``bound``
 ``kvplan_latency_seconds``          summary count and sum of every request's latency
 ``kvplan_latency_seconds_quantile`` gauge   ``quantile``: 0.5, 0.99 (over the latest requests)
+``kvplan_open_channels_total``      counter none: the process's control channels run open (no secret, by
+                                            the explicit opt-out ``KVPLAN_INSECURE``; docs/failures.md §10)
 =================================== ======= ================================================
 
 Example::
@@ -27,6 +29,8 @@ Example::
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable
+
+from . import auth
 
 __all__ = ["MetricsServer", "collector", "render", "serve"]
 
@@ -80,6 +84,10 @@ def collector(source: Source) -> Any:
                         quantiles.add_metric(who + [q], latency[key] / 1e3)
             yield from families.values()
             yield quantiles
+            opened = core.CounterMetricFamily("kvplan_open_channels", "control channels this process ran without a "
+                                              "secret (KVPLAN_INSECURE or an integration's insecure setting)")
+            opened.add_metric([], auth.open_channels())
+            yield opened
 
     return _Collector()
 

@@ -131,6 +131,26 @@ def test_with_a_staging_buffer_every_request_moves_staged_byte_for_byte():
     assert all(states[-1] == base.KVPoll.Success for states in decode_states.values()), decode_states
 
 
+@pytest.mark.parametrize("mode", ["PREFILL", "DECODE"])
+def test_off_loopback_a_manager_without_a_secret_does_not_start_and_says_what_to_set(mode, monkeypatch):
+    """Secure by default (docs/failures.md §10): a manager whose host is not loopback stops at start, before its
+    engine or any socket, unless a secret is configured or ``insecure`` opts out."""
+    base = sglang_module("srt.disaggregation.base.conn")
+    utils = sglang_module("srt.disaggregation.utils")
+    from kvplan.errors import SettingError
+    from kvplan.integrations.sglang.adapter import KVManager
+
+    for name in ("KVPLAN_SECRET", "KVPLAN_SECRET_FILE", "KVPLAN_INSECURE"):
+        monkeypatch.delenv(name, raising=False)
+    server_args = types.SimpleNamespace(disaggregation_transfer_backend="nixl", disaggregation_bootstrap_port=free_port(),
+                                        kvplan_engine_settings={"progress_thread": False}, kvplan_bootstrap="direct",
+                                        kvplan_host="192.0.2.1", host="127.0.0.1", max_running_requests=1,
+                                        context_length=64)
+    with pytest.raises(SettingError, match=r"192\.0\.2\.1 \(not loopback\) has no shared secret.*KVPLAN_INSECURE=1"):
+        KVManager(sglang_sides.kv_args_of(base, *sglang_sides.pools(1)), getattr(utils.DisaggregationMode, mode),
+                  server_args)
+
+
 def test_a_step_that_cannot_be_laid_out_fails_every_send_of_it():
     """More sends in one step than the planning table has rows: nothing is sent, and every sender of
     the step (not only the one that polled) reports Failed with the reason."""

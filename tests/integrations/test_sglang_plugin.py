@@ -146,6 +146,19 @@ def test_the_secret_comes_from_the_file_its_setting_names(tmp_path, monkeypatch)
     assert Settings.read(None, {}).secret() == b"from the environment"
 
 
+def test_the_opt_out_of_a_secret_is_a_setting_of_its_own_off_by_default(tmp_path):
+    """``insecure`` (``KVPLAN_INSECURE``, ``kvplan_insecure``, the config file's key): the only way to run
+    kvplan's control plane open (docs/failures.md §10); anything but a switch word is refused."""
+    assert Settings.read(None, {}).insecure is False
+    assert Settings.read(None, {"KVPLAN_INSECURE": "1"}).insecure is True
+    assert Settings.read(type("ServerArgs", (), {"kvplan_insecure": True})(), {}).insecure is True
+    config = tmp_path / "kvplan.json"
+    config.write_text(json.dumps({"insecure": True}))
+    assert Settings.read(None, {"KVPLAN_CONFIG": str(config)}).insecure is True
+    with pytest.raises(SettingsError, match="KVPLAN_INSECURE: expected true or false"):
+        Settings.read(None, {"KVPLAN_INSECURE": "perhaps"})
+
+
 def test_a_switch_value_that_is_no_switch_stops_the_process_in_one_line(monkeypatch):
     """SGLang logs a plugin's exception and runs on without it: a typo in the switch must stop the process
     instead (SystemExit is no Exception), naming the variable."""

@@ -472,6 +472,26 @@ def test_the_secret_comes_from_the_file_its_setting_names_never_from_the_config(
         Settings.parse({"host": "127.0.0.1", "secret_file": str(path)}, tp_size=1).secret()
 
 
+def test_off_loopback_a_worker_without_a_secret_does_not_start_and_insecure_is_the_only_opt_out(monkeypatch):
+    """Secure by default (docs/failures.md §10): a worker whose host is not loopback stops at start with one
+    error saying what to set; ``"insecure": true`` runs it open; a key that is no switch is refused."""
+    from kvplan.errors import SettingError
+    from kvplan.integrations.vllm.settings import Settings
+
+    for name in ("KVPLAN_SECRET", "KVPLAN_SECRET_FILE", "KVPLAN_INSECURE"):
+        monkeypatch.delenv(name, raising=False)
+    kv_cache = full_attention(["model.layers.0.attn"], num_blocks=8, heads=2, head_size=16, layout=KVCacheLayout.LBNHC)
+    config = vllm_config(role="kv_consumer", extra={"host": "192.0.2.1", "port": free_port()})
+    with pytest.raises(SettingError, match=r"192\.0\.2\.1 \(not loopback\) has no shared secret.*KVPLAN_INSECURE=1"):
+        KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache)
+    config = vllm_config(role="kv_consumer", extra={"host": "192.0.2.1", "port": free_port(), "insecure": True})
+    connector = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache)
+    connector.shutdown()
+    assert Settings.parse({"host": "127.0.0.1"}, tp_size=1).insecure is False
+    with pytest.raises(UnsupportedConfig, match="insecure 'yes' is not true or false"):
+        Settings.parse({"host": "127.0.0.1", "insecure": "yes"}, tp_size=1)
+
+
 # -- what a decode's worker reports back to vLLM ------------------------------------------------
 def _consumer():
     """A decode's worker side, built by vLLM's factory over CPU KV caches."""

@@ -39,11 +39,24 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def _secret_file(folder: Path) -> Path:
+    """A secret as docs/cli.md makes one for two hosts: random, in a file private to the user."""
+    import os
+    import secrets
+
+    path = folder / "kvplan.secret"
+    path.write_text(secrets.token_hex(32) + "\n")
+    os.chmod(path, 0o600)
+    return path
+
+
 @pytest.mark.parametrize("engine", ["nixl", "mooncake"])
-def test_the_two_sides_run_as_two_commands_bound_to_the_host_s_address(engine):
+def test_the_two_sides_run_as_two_commands_bound_to_the_host_s_address(engine, tmp_path):
     host = _host_address()
     port = _free_port(host)
-    env = plain_env()  # as on a real host: UCX chooses, and the command chooses the interpreter itself
+    # as on a real host: UCX chooses, and the command chooses the interpreter itself; both sides hold the
+    # secret file docs/cli.md's commands name (off loopback nothing starts without one)
+    env = {**plain_env(), "KVPLAN_SECRET_FILE": str(_secret_file(tmp_path))}
     cmd = [sys.executable, "-m", "kvplan", "demo", "--engine", engine, *SCENARIO]
     decode = subprocess.Popen(cmd + ["--role", "decode", "--listen", f"{host}:{port}"], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
@@ -59,6 +72,18 @@ def test_the_two_sides_run_as_two_commands_bound_to_the_host_s_address(engine):
     assert decode.returncode == 0, out + err[-3000:]
     assert f"{host}, decode side" in out and "every byte matches" in out and "completed     2 of 2" in out
     assert f"{host}, prefill side" in prefill.stdout and "completed     2 of 2" in prefill.stdout
+
+
+@pytest.mark.parametrize("role, address", [("decode", "--listen"), ("prefill", "--peer")])
+def test_off_loopback_a_side_without_a_secret_stops_at_once_saying_what_to_set(role, address):
+    """Secure by default: no secret, no opt-out, a host that is not loopback: one line, exit 1, nothing bound."""
+    env = {k: v for k, v in plain_env().items() if k not in ("KVPLAN_SECRET", "KVPLAN_SECRET_FILE", "KVPLAN_INSECURE")}
+    done = subprocess.run([sys.executable, "-m", "kvplan", "demo", "--engine", "nixl", *SCENARIO, "--role", role,
+                           address, "192.0.2.1:7000"], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stdout + done.stderr[-3000:]
+    said = done.stdout + done.stderr
+    assert "SettingError" in said and "192.0.2.1 (not loopback) has no shared secret" in said, said
+    assert "KVPLAN_SECRET_FILE" in said and "KVPLAN_INSECURE=1" in said, said
 
 
 def test_a_role_needs_its_address_and_refuses_the_other(capsys, monkeypatch):
@@ -94,7 +119,8 @@ def test_two_sides_whose_secrets_differ_name_it_in_one_line_as_the_handshake_fai
 
     def environment(secret):
         env = {k: v for k, v in plain_env().items() if k not in ("KVPLAN_SECRET", "KVPLAN_SECRET_FILE")}
-        return {**env, "UCX_NET_DEVICES": "lo", **({"KVPLAN_SECRET": secret} if secret else {})}
+        # (no secret: the explicit opt-out, else both would take the loopback secret)
+        return {**env, "UCX_NET_DEVICES": "lo", **({"KVPLAN_SECRET": secret} if secret else {"KVPLAN_INSECURE": "1"})}
 
     decode = subprocess.Popen(cmd + ["--role", "decode", "--listen", f"127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True, env=environment(decode_secret), cwd=ROOT)

@@ -14,8 +14,11 @@ from tests.transport.test_control import _first
 
 
 def _channels(bound_secret=b"s3cret", peer_secret=b"s3cret"):
-    bound = ControlChannel(host="127.0.0.1", secret=bound_secret, peer_timeout=30)
-    peer = ControlChannel(bound.port, host="127.0.0.1", secret=peer_secret, peer_timeout=30)
+    """Two ends on loopback; ``None``: that end runs open (the explicit opt-out: given nothing, it would
+    prove the loopback secret)."""
+    bound = ControlChannel(host="127.0.0.1", secret=bound_secret, insecure=bound_secret is None, peer_timeout=30)
+    peer = ControlChannel(bound.port, host="127.0.0.1", secret=peer_secret, insecure=peer_secret is None,
+                          peer_timeout=30)
     return bound, peer
 
 
@@ -124,7 +127,7 @@ def test_a_replayed_message_and_a_tampered_one_are_refused():
 
 
 def test_a_message_from_another_incarnation_is_refused_without_a_secret(monkeypatch):
-    """Without a secret anyone can pair, but a channel stays bound to the incarnation it paired with: a
+    """Run open anyone can pair, but a channel stays bound to the incarnation it paired with: a
     message naming another sender is refused."""
     monkeypatch.delenv("KVPLAN_SECRET", raising=False)
     bound, peer = _channels(None, None)

@@ -36,14 +36,15 @@ def keyed_pair():
 def _pair(secret):
     pytest.importorskip("mooncake.engine")
     src, dst = Pools(CONFIG, "cpu", CONFIG.rows), Pools(CONFIG, "cpu", CONFIG.rows)
-    channel = ControlChannel(host="127.0.0.1", secret=secret)
+    # (None: run open, unkeyed checksums; given nothing, the channels would prove the loopback secret)
+    channel = ControlChannel(host="127.0.0.1", secret=secret, insecure=secret is None)
     name = uuid.uuid4().hex[:8]
     # Mooncake, not NIXL: NIXL's progress threads each spin a core for as long as their agent lives, which is
     # the rest of this pytest process (on a 2-core machine they starved every later test's sockets)
     decode = DecodeEndpoint(dst.side, make_engine("mooncake", f"decode-{name}", local_hostname="127.0.0.1"), channel,
                             integrity=True)
     prefill = PrefillEndpoint(src.side, make_engine("mooncake", f"prefill-{name}", local_hostname="127.0.0.1"),
-                              ControlChannel(channel.port, host="127.0.0.1", secret=secret))
+                              ControlChannel(channel.port, host="127.0.0.1", secret=secret, insecure=secret is None))
     pair_channels([lambda: decode.register(timeout=10)], [lambda: prefill.accept(timeout=10)])
     yield prefill, decode, src, dst
     for closing in (decode.engine, prefill.engine, channel, prefill.channel):

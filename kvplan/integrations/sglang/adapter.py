@@ -225,6 +225,7 @@ class KVManager(PrefillManager, DecodeManager, BaseKVManager):
         # what this rank binds and advertises, and where SGLang's bootstrap server is (docs/sglang.md)
         self.host = self.settings.host or node_address(server_args)
         self.bootstrap_host = bootstrap_host(server_args)
+        self.settings.channel_security(self.host)  # (off loopback with no secret: SettingError, at start)
         engine_settings, where = dict(self.settings.engine_settings), "kvplan's engine_settings"
         if engine_kind == "mooncake":  # the deployment's transport and NICs, as SGLang's own backend takes them
             engine_settings, where = mooncake_settings(server_args, engine_settings, self.host, self.device.index or 0)
@@ -277,9 +278,9 @@ class KVManager(PrefillManager, DecodeManager, BaseKVManager):
                 self.ranks = DecodeRanks(self.prefill, link, self._decode_side)
             elif self.settings.bootstrap == "direct":  # kvplan's listener is the bootstrap port (no SGLang server)
                 self.listener = ChannelListener(self.bootstrap_port, host=self.host, handshake_s=HANDSHAKE_S,
-                                                secret=self.settings.secret())
+                                                **self.settings.channel_security())
             else:  # a listener of its own, registered with SGLang's bootstrap server, which keeps its port
-                self.listener = ChannelListener(0, host=self.host, handshake_s=HANDSHAKE_S, secret=self.settings.secret())
+                self.listener = ChannelListener(0, host=self.host, handshake_s=HANDSHAKE_S, **self.settings.channel_security())
             self.register_to_bootstrap()
         elif disaggregation_mode is DisaggregationMode.DECODE:
             self._init_decode()

@@ -133,7 +133,7 @@ class DecodePairing:
                                      timeout=wait)
             # a larger decode TP: each prefill rank serves mine / its ranks, and waits for all of them
             publishers = mine // prefill_tp if mine > prefill_tp and mine % prefill_tp == 0 else 1
-        channel = channel_via(*rank_addr, timeout=wait, secret=self.settings.secret())
+        channel = channel_via(*rank_addr, timeout=wait, **self.settings.channel_security())
         return FoundRank(tuple(rank_addr), channel, publishers, fetched)
 
     def _take_pairing(self, key: tuple[str, int]) -> None:

@@ -41,7 +41,12 @@ warm_up        ``KVPLAN_WARM_UP``      see meaning JSON object: the batches a pr
                                                    ``{}`` warms nothing
 secret_file    ``KVPLAN_SECRET_FILE``  none        a file holding the control plane's shared secret
                                                    (docs/failures.md §10); without it,
-                                                   ``KVPLAN_SECRET`` if set, else no secret
+                                                   ``KVPLAN_SECRET`` if set, else on loopback this
+                                                   user's loopback secret; off loopback a manager
+                                                   without a secret does not start
+insecure       ``KVPLAN_INSECURE``     ``false``   ``true``: without a secret the control plane runs
+                                                   open (anyone who reaches a port can pair and be
+                                                   sent KV); logged and counted in the metrics
 integrity      ``KVPLAN_INTEGRITY``    ``false``   a decode asks its prefills for each request's
                                                    checksum and completes a request only once its
                                                    bytes agree (docs/failures.md §7): ``true``/``false``
@@ -108,6 +113,7 @@ class Settings:
     decode_lens: Any = None
     warm_up: dict = field(default_factory=lambda: dict(WARM_UP))
     secret_file: str | None = None
+    insecure: bool = False
     integrity: bool = False
     staging_mib: int | None = None  # None: DEFAULT_STAGING_MIB on a GPU, none on a CPU
     staging_senders: int = 4
@@ -126,10 +132,23 @@ class Settings:
         return mib << 20
 
     def secret(self) -> bytes | None:
-        """The control plane's shared secret: the ``secret_file``'s, else ``KVPLAN_SECRET``'s, else none."""
-        from ...transport.auth import secret_from_environment, secret_from_file
+        """The control plane's shared secret as configured: the ``secret_file``'s, else ``KVPLAN_SECRET``'s or
+        ``KVPLAN_SECRET_FILE``'s, else none (the channels then take the loopback secret, or refuse to start
+        off loopback unless ``insecure``: :func:`kvplan.transport.auth.channel_secret`)."""
+        from ...transport.auth import configured_secret
 
-        return secret_from_file(self.secret_file) if self.secret_file else secret_from_environment()
+        return configured_secret(self.secret_file)
+
+    def channel_security(self, host: str | None = None) -> dict[str, Any]:
+        """The control channels' ``secret`` and ``insecure`` arguments, as configured; with ``host``, checked first
+        for a channel there (:func:`kvplan.transport.auth.channel_secret`: off loopback with neither, a
+        :class:`~kvplan.errors.SettingError` that says what to set)."""
+        from ...transport.auth import channel_secret
+
+        arguments = {"secret": self.secret(), "insecure": self.insecure}
+        if host is not None:
+            channel_secret(host, **arguments)
+        return arguments
 
     @classmethod
     def read(cls, server_args: Any = None, environ: Mapping[str, str] | None = None) -> "Settings":
@@ -151,7 +170,7 @@ class Settings:
 
 
 _JSON_SETTINGS = {"engine_settings": dict, "state_params": list, "decode_lens": (dict, list), "warm_up": dict}
-_BOOLS = ("integrity",)
+_BOOLS = ("integrity", "insecure")
 _COUNTS = {"staging_mib": 0, "staging_senders": 1, "stats_s": 0}  # whole numbers, each at least this
 # the switch words of every KVPLAN_* flag (kvplan.env); here an empty value is no switch
 _TRUE, _FALSE = env.FLAG_ON, tuple(word for word in env.FLAG_OFF if word)

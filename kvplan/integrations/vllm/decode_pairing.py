@@ -12,6 +12,7 @@ from typing import Any
 
 from ...errors import KvplanError, PeerError
 from ...transport.decode import DecodeEndpoint
+from ...transport.auth import channel_secret
 from ...transport.listener import channel_via
 from ..off_thread import OffThread
 from .scheduler import ReceiveRequest
@@ -119,6 +120,8 @@ class DecodePairing:
         and its memory registered first (seconds on a cold device), then a channel asked of each prefill
         rank, on which it registers at once (each listener closes a channel that waits past its bound)."""
         start = time.perf_counter()
+        # (a missing secret is the deployment's error, said as such: not a prefill that did not answer)
+        secret = channel_secret(host, self.settings.secret(), insecure=self.settings.insecure)
         decode = DecodeEndpoint(self.view.side(self._recv_table, self.tp_size, self.tp_rank, self._recv_maps.maps,
                                                self._recv_states.maps),
                                 self._engine("receive"), [], staging=self._staging(), compat=self.view.word,
@@ -127,8 +130,8 @@ class DecodePairing:
         try:
             try:
                 for rank in ranks:
-                    channels.append(channel_via(host, int(port) + rank, timeout=HANDSHAKE_S,
-                                                secret=self.settings.secret()))
+                    channels.append(channel_via(host, int(port) + rank, timeout=HANDSHAKE_S, secret=secret,
+                                                insecure=secret is None))
             except KvplanError as err:
                 raise PeerError(f"the prefill at {host}:{int(port) + rank} did not answer: {err}") from None
             decode.attach_channels(channels)

@@ -26,7 +26,11 @@ warm_up         ``{"max_transfers": 16,      the batches each pairing is made re
                                              the endpoints' ``warm_up``); ``{}``: none
 secret_file     none                         a file holding the control plane's shared secret (docs/failures.md
                                              §10; never the secret itself: vLLM logs this config); without it
-                                             ``KVPLAN_SECRET`` or ``KVPLAN_SECRET_FILE``, else no secret
+                                             ``KVPLAN_SECRET`` or ``KVPLAN_SECRET_FILE``, else on loopback this
+                                             user's loopback secret; off loopback a worker without a secret
+                                             does not start
+insecure        ``false``                    ``true``: without a secret the control plane runs open (anyone who
+                                             reaches a port can pair and be sent KV); logged and counted
 integrity       ``false``                    a decode asks each prefill for a checksum of every request's
                                              bytes (keyed with the secret where one is set) and reports the
                                              request finished only once they agree (docs/failures.md §7);
@@ -59,7 +63,7 @@ DEFAULT_PORT = 17500
 DEFAULT_TIMEOUT_S = 120.0
 ENGINES = ("nixl", "mooncake", "ipc")
 _KEYS = ("host", "port", "engine", "engine_settings", "timeout_s", "max_requests", "mode", "staging_mib", "warm_up",
-         "layout", "secret_file", "integrity")
+         "layout", "secret_file", "insecure", "integrity")
 WARM_UP = {"max_transfers": 16, "max_prompt_len": 8192}
 MODES = ("auto", "direct", "prepared", "staged")
 LAYOUTS = ("LBHNC", "LBNHC")
@@ -81,12 +85,14 @@ class Settings:
     layout: str = LAYOUTS[0]
     secret_file: str | None = None
     integrity: bool = False
+    insecure: bool = False
 
     def secret(self) -> bytes | None:
-        """The control plane's shared secret: the ``secret_file``'s, else the environment's, else none."""
-        from ...transport.auth import secret_from_environment, secret_from_file
+        """The control plane's shared secret as configured: the ``secret_file``'s, else the environment's, else
+        none (:func:`kvplan.transport.auth.configured_secret`)."""
+        from ...transport.auth import configured_secret
 
-        return secret_from_file(self.secret_file) if self.secret_file else secret_from_environment()
+        return configured_secret(self.secret_file)
 
     @classmethod
     def parse(cls, extra: dict[str, Any] | None, tp_size: int, max_num_seqs: int = 256) -> "Settings":
@@ -138,14 +144,16 @@ class Settings:
         secret_file = extra.get("secret_file")
         if secret_file is not None and (not isinstance(secret_file, str) or not secret_file):
             raise UnsupportedConfig(f"kv_connector_extra_config: secret_file {secret_file!r} is not a file's path")
-        integrity = extra.get("integrity", False)
+        integrity, insecure = extra.get("integrity", False), extra.get("insecure", False)
         if not isinstance(integrity, bool):
             raise UnsupportedConfig(f"kv_connector_extra_config: integrity {integrity!r} is not true or false")
+        if not isinstance(insecure, bool):
+            raise UnsupportedConfig(f"kv_connector_extra_config: insecure {insecure!r} is not true or false")
         if integrity and mode == "prepared":
             raise UnsupportedConfig("kv_connector_extra_config: integrity needs every byte written as planned, which "
                                     "mode 'prepared' (NIXL's own lists) does not report; choose another mode")
         return cls(ListenAddress(host, port), engine, dict(engine_settings), float(timeout), rows, mode, staging,
-                   dict(warm), layout_setting(extra), secret_file, integrity)
+                   dict(warm), layout_setting(extra), secret_file, integrity, insecure)
 
 
 def layout_setting(extra: dict[str, Any] | None) -> str:

@@ -52,6 +52,7 @@ import torch
 from ...errors import InputError, KvplanError
 from ...planner.contract.block_tables import token_table_from_blocks
 from ...planner.device.destinations import PreallocatedRequest
+from ...transport.auth import channel_secret
 from ...transport.decode import DecodeEndpoint
 from ...transport.engines import make_engine
 from ...transport.listener import AddressInUse, ChannelListener
@@ -118,6 +119,8 @@ class ConnectorWorker(DecodePairing):
                  max_model_len: int = 1 << 17, sends: bool = True, receives: bool = True,
                  groups: Sequence[KVGroup] = ()):
         self.settings, self.engine_id = settings, engine_id
+        # off loopback with no secret and no opt-out, the worker stops here, saying so (SettingError)
+        channel_secret(settings.listen.host, settings.secret(), insecure=settings.insecure)
         # (the full-attention group's block size plans the KV; the engine's --block-size where vLLM names none)
         full = next((g for g in groups if not g.window and not g.mamba), None)
         block_size = (full.block_size if full is not None else 0) or block_size
@@ -179,7 +182,7 @@ class ConnectorWorker(DecodePairing):
             listen = self.settings.listen
             try:
                 self.listener = ChannelListener(listen.port + self.tp_rank, host=listen.host, handshake_s=REGISTER_S,
-                                                secret=self.settings.secret())
+                                                secret=self.settings.secret(), insecure=self.settings.insecure)
             except AddressInUse as err:
                 raise UnsupportedConfig(
                     f"kv_connector_extra_config: rank {self.tp_rank} listens at port {listen.port} + {self.tp_rank}, "
