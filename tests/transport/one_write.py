@@ -36,13 +36,16 @@ def descriptors(src: np.ndarray, remote: int, chunk: int = 1 << 20) -> np.ndarra
 
 def serve(conn, engine, snapshot: Callable[[], Any], notes_wanted: int = 1, idle_s: float = 60.0) -> None:
     """A receiving process's loop: answer "notes" with the engine notifications that have come (waiting up to
-    10 s for ``notes_wanted`` of them) and "bytes" with ``snapshot()``, until "bye" or ``idle_s`` of silence;
-    then close the engine."""
+    10 s for ``notes_wanted`` of them), "bytes" with ``snapshot()`` and ``("connect", metadata)`` with its
+    engine's connection to the sender (the ipc engine takes the notes of a process it connected to), until
+    "bye" or ``idle_s`` of silence; then close the engine."""
     while conn.poll(idle_s):
         asked = conn.recv()
         if asked == "bye":
             break
-        if asked == "notes":
+        if isinstance(asked, tuple) and asked[0] == "connect":  # (the sender's metadata: its notes are taken)
+            conn.send(engine.connect(asked[1]))
+        elif asked == "notes":
             ends, notes = time.monotonic() + 10, []
             while len(notes) < notes_wanted and time.monotonic() < ends:
                 notes += engine.notifications()

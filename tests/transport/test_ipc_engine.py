@@ -38,6 +38,8 @@ def test_a_write_lands_byte_for_byte_and_its_notification_follows():
     with target_process(_receiver) as (conn, (metadata, remote)):
         engine, src = _sender()
         peer = engine.connect(metadata)
+        conn.send(("connect", engine.metadata()))  # (the receiver takes the notes of a process it connected to)
+        conn.recv()
         pieces = [(0, 4096, 1000), (8192, 100, 5000), (20000, 70000, 40000)]  # (src offset, dst offset, bytes)
         descs = np.array([[src.ctypes.data + s, remote + d, n] for s, d, n in pieces], np.uint64)
         handle = engine.post(peer, descs, b'["r0", 0, "kv", 3]')
@@ -57,6 +59,8 @@ def test_a_descriptor_outside_the_registered_regions_writes_nothing_and_fails_it
     with target_process(_receiver) as (conn, (metadata, remote)):
         engine, src = _sender()
         peer = engine.connect(metadata)
+        conn.send(("connect", engine.metadata()))  # (the receiver takes the notes of a process it connected to)
+        conn.recv()
         inside = [src.ctypes.data, remote, 64]
         straddling = [src.ctypes.data, remote + SIZE // 2 - 32, 64]  # runs past the registered half
         handles = engine.post_device(peer, np.array([inside, straddling, inside], np.uint64), [b"a", b"b"],

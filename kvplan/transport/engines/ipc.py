@@ -234,6 +234,7 @@ class IpcEngine:
         elif len(regions) and (why := can_write(pid, int(regions[0, 0]))) is not None:
             raise TransferError(why)
         self._notes.probe(address)
+        self._notes.admit(pid, name)  # (its notes are taken from now: the kernel names their sender)
         key = f"{name}@{address.hex()}"
         if key in self._peers:  # (connected again: its mapping stands)
             return key
@@ -448,12 +449,14 @@ class IpcEngine:
 
     def stats(self) -> dict[str, int]:
         return {"regions": len(self._regions), "peers": len(self._peers),
-                "handles": sum(len(p.mapped) for p in self._peers.values())}
+                "handles": sum(len(p.mapped) for p in self._peers.values()), "notes_refused": self._notes.refused}
 
     def disconnect(self, peer: str) -> None:
         """Forget ``peer``; its allocations are unmapped once every launch into them has ended (waited for
         up to :func:`~.base.drain_seconds`; a launch still running then keeps them mapped, logged)."""
         p = self._peers.pop(peer, None)
+        if p is not None and not any(q.pid == p.pid and q.name == p.name for q in self._peers.values()):
+            self._notes.forget(p.pid, p.name)
         if p is None or not p.mapped:
             return
         deadline = time.monotonic() + drain_seconds()
