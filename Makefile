@@ -119,7 +119,7 @@ test-vllm: setup-vllm $(VLLM_TESTS)/tests/v1/kv_connector/unit/utils.py
 	VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 $(VLLM_VENV)/bin/python -m pytest -q -n $(VLLM_WORKERS) -m vllm -p no:cacheprovider \
 	  tests/test_engine_envs.py tests/integrations/test_vllm_connector.py tests/integrations/test_vllm_stats.py \
 	  tests/integrations/test_vllm_cuda_imports.py \
-	  tests/integrations/test_vllm_transfer.py
+	  tests/integrations/test_vllm_transfer.py tests/integrations/test_vllm_scheduler.py
 	cd $(VLLM_TESTS) && HF_HUB_OFFLINE=1 PYTHONPATH=$(CURDIR):.:$(CURDIR)/tests/integrations/vllm_suite \
 	  VLLM_TARGET_DEVICE=cpu TRITON_INTERPRET=1 $(CURDIR)/$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider \
 	  -p kvplan_vllm_plugin --rootdir=. -c /dev/null $(VLLM_OWN_TESTS)

@@ -10,6 +10,7 @@ import importlib.util
 try:
     if importlib.util.find_spec("vllm") is not None:
         import tests.integrations.vllm_node  # noqa: F401
+        import tests.integrations.vllm_scheduler_node  # noqa: F401
     else:
         from tests.sglang_real import sglang_module
 
