@@ -57,8 +57,7 @@ $(STAMP): pyproject.toml Makefile
 # The engines' own environments: kvplan's wheel resolved beside SGLang 0.5.23 and beside vLLM 0.33.0 (each
 # with the torch and triton it pins), what their integration tests import of that resolution (uv installs
 # those: 5 GB an environment), then kvplan's wheel through pip's resolver (tests/engine_env.py says what
-# and why; tests/test_install.py has pip resolve the same in a fresh environment). Built beside the first
-# test pass.
+# and why: uv resolves, pip's resolver installs kvplan against the result). Built beside the first test pass.
 SGLANG_VENV := .venv-sglang
 VLLM_VENV := .venv-vllm
 SGLANG_STAMP := $(SGLANG_VENV)/.kvplan-installed

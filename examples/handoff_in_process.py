@@ -2,7 +2,9 @@
 
 Run: ``UCX_NET_DEVICES=lo python examples/handoff_in_process.py`` (without a GPU, also
 ``TRITON_INTERPRET=1``). Real deployments run the two endpoints in two processes (see
-``kvplan/tools/demo.py``); here the decode side waits in a thread.
+``kvplan/tools/demo.py``); here the decode side registers and waits in threads, as its own process would:
+each end of a control channel proves the secret (on loopback, this user's loopback secret) before the
+other sends it anything, so the two ends must be served at once, never one after the other on one thread.
 """
 
 import os
@@ -27,8 +29,10 @@ decode_side, decode_memory = materialize(batch.dsts[0])            # empty pools
 # decode side: register, publish where each request's pages and state go
 decode = DecodeEndpoint(decode_side, make_engine("nixl", "decode"), ControlChannel(host="127.0.0.1"))
 prefill = PrefillEndpoint(prefill_side, make_engine("nixl", "prefill"), ControlChannel(decode.channel.port, host="127.0.0.1"))
-decode.register(timeout=30)
+registering = threading.Thread(target=decode.register, kwargs={"timeout": 30})
+registering.start()
 prefill.accept(timeout=30)
+registering.join(30)
 finals = {t.request: t for t in batch.transfers if t.last}
 decode.publish([PreallocatedRequest(r, t.src_row, t.prompt_len, t.prefix_len, t.aux_dst) for r, t in finals.items()],
                timeout=30)

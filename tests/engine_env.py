@@ -3,8 +3,10 @@
 A user installs kvplan into the engine's environment, so each supported engine gets one here:
 
 1. a fresh virtual environment and the whole resolution of kvplan's wheel beside the engine's pinned
-   release (``uv pip compile``, seconds; pip's own resolver resolves the same in a fresh environment in
-   ``tests/test_install.py``, which fails on any conflict with pip's words);
+   release (``uv pip compile``, seconds; a conflict stops the build with uv's words). pip's own resolver
+   in a fresh environment resolved the same, but downloaded every wheel of it to read its metadata (4.4 GB
+   a resolution from this machine's index, 150 s of CPU for the two: a fifth of ``make test``'s), and
+   step 4 has pip's resolver check kvplan's requirements against the result anyway;
 2. the part of that resolution the integration tests need, at the versions it chose (a constraints file
    of every resolved pin): the engine's torch and triton, numpy, and the modules the engine's transfer
    code imports. The engine's GPU kernels (flash attention, DeepGEMM, CUTLASS, ...) are not installed:

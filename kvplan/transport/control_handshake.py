@@ -275,8 +275,8 @@ class Handshake:
                 self._answer_candidates()
                 if self.secret is None and not self._peer_stands() and self._candidates.get(rid, [0, 0, 0, 0])[3]:
                     # without a secret anyone can prove, and a proof adds nothing: the first hello answered is the
-                    # peer at once, and this side may send before the other end has read a thing (one thread
-                    # that registers a decode before it lets its prefill accept, examples/handoff_in_process.py)
+                    # peer at once, and this side may send before the other end has read a thing (with a secret
+                    # the two ends must be served at once: docs/failures.md §10)
                     self._adopt(rid, fd, sender, challenge, seq)
                 return
         elif kind == "_proof" and rid in self._candidates:

@@ -69,3 +69,36 @@ def test_a_request_the_decode_aborts_before_its_blocks_came_ends_and_frees_its_p
     assert sorted(decode["received"]) == ["d-req-0", "d-req-2", "d-req-3"] and not decode["wrong"], decode
     assert decode["blocks_checked"] == 3 * (7 + 4 + 1), decode
     assert prefill["held"] == 0 and decode["left"] == 0, (prefill, decode)
+
+
+def test_a_prefill_restarted_at_its_address_is_paired_with_again_through_both_schedulers(tmp_path):
+    """A decode engine outlives its prefill; a new prefill process starts at the same address. The decode's
+    next requests (vLLM's proxy hands it the new prefill's parameters) pair anew with whatever listens there,
+    and land: nothing of the old pairing is used for them."""
+    first, again, port = str(tmp_path / "params.json"), str(tmp_path / "again.json"), str(free_port())
+    common = ["--port", port, "--engine", "nixl"]
+    procs = []
+
+    def start(*argv):
+        here, there = child_pipe()
+        procs.append(start_child(report_and_exit, there, vllm_scheduler_node.run, list(argv)))
+        return here
+
+    try:
+        old = start("prefill", *common, "--params", first)
+        decoding = start("decode", *common, "--params", first, "--then-params", again)
+        old_saw = child_message(old, "the first prefill", 150)[1]  # (it ends once the decode's first round did)
+        procs[0].join(30)
+        new = start("prefill", *common, "--params", again, "--names", "q-req-")
+        decode = child_message(decoding, "decode", 150)[1]
+        new_saw = child_message(new, "the restarted prefill", 60)[1]
+    finally:
+        for proc in procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+    assert len(old_saw["sent"]) == 4 and len(new_saw["sent"]) == 4, (old_saw, new_saw)
+    assert decode["received"] == decode["requests"] and len(decode["received"]) == 8, decode
+    assert not decode["failed"] and not decode["wrong"] and decode["left"] == 0, decode
+    assert decode["blocks_checked"] == 2 * 3 * (7 + 3 + 4 + 1), decode

@@ -37,7 +37,7 @@ def test_an_interval_with_nothing_counted_is_empty_and_adds_nothing():
 
 def test_a_worker_reports_what_its_endpoints_counted_since_its_last_report():
     from kvplan.integrations.vllm.counters import interval_counts
-    from kvplan.integrations.vllm.retired import RetiredEndpoints
+    from kvplan.integrations.vllm.decode_pairing import PrefillLinks
     from kvplan.integrations.vllm.worker import ConnectorWorker
 
     class Endpoint:
@@ -49,8 +49,9 @@ def test_a_worker_reports_what_its_endpoints_counted_since_its_last_report():
 
     worker = ConnectorWorker.__new__(ConnectorWorker)  # (only what interval_stats reads)
     endpoint = Endpoint()
-    worker.sends, worker.prefill, worker.decodes, worker._reported = False, None, {"d": endpoint}, None
-    worker._retired = RetiredEndpoints()
+    worker.sends, worker.prefill, worker._reported = False, None, None
+    worker.links = PrefillLinks(make=None, release=None, settings=None, tp_rank=0)
+    worker.links.decodes = {"d": endpoint}
     assert worker.interval_stats() is None
     endpoint.counts.update(requests={"complete": 2, "failed": 1}, bytes=100, failures={"deadline": 1},
                            latency_ms={"count": 2, "sum_s": 0.5})
@@ -61,8 +62,8 @@ def test_a_worker_reports_what_its_endpoints_counted_since_its_last_report():
     assert worker.interval_stats() == {"requests_sent": 0, "requests_received": 1, "requests_failed": 0,
                                        "bytes": 60, "latency_count": 1, "latency_sum_s": 0.25, "failures": {}}
     # its prefill gone, the endpoint is retired, then closed: what it counted stays counted (nothing goes negative)
-    worker.decodes = {}
-    worker._retired.add(endpoint)
+    worker.links.decodes = {}
+    worker.links.retired.add(endpoint)
     assert worker.interval_stats() is None
-    worker._retired.open, worker._retired.closed_totals = [], [endpoint.totals()]
+    worker.links.retired.open, worker.links.retired.closed_totals = [], [endpoint.totals()]
     assert worker.interval_stats() is None

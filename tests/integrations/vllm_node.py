@@ -336,7 +336,7 @@ def decode(args: argparse.Namespace) -> dict:
             results, bad = step(scheduler, worker, set())
             now = time.perf_counter()
             if pairing_after_first_step is None and args.connector == "kvplan":
-                pairing_after_first_step = any(not p.done() for p in worker.worker._pairings.values())
+                pairing_after_first_step = any(not p.done() for p in worker.worker.links.pairings.values())
             ready_s.update((local, now - admitted[local]) for local in results.finished_recving - received)
             received |= results.finished_recving
             failed |= results.failed_recving
@@ -367,9 +367,10 @@ def decode(args: argparse.Namespace) -> dict:
                 if not torch.equal(view.cpu(), want.view(view.shape)):
                     wrong.append([local, "state", layer_name])
         open(f"{path}.done{args.tp_rank}", "w").close()
-    decodes = getattr(getattr(worker, "worker", None), "decodes", {})  # (kvplan's connector: vLLM's has none)
+    links = getattr(getattr(worker, "worker", None), "links", None)  # (kvplan's connector: vLLM's has none)
+    decodes = links.decodes if links is not None else {}
     integrity = sorted({bool(d.integrity) for d in decodes.values()})
-    retired_open = len(getattr(getattr(worker, "worker", None), "_retired", ()))  # (closed once nothing used them)
+    retired_open = len(links.retired) if links is not None else 0  # (closed once nothing used them)
     worker.shutdown()
     ghost_blocks = sorted(mine["d-req-" + str(next(i for i, p in enumerate(all_params)
                                                   if p["remote_request_id"] == "p-req-ghost"))][1]) if args.ghost else []

@@ -169,44 +169,47 @@ def decode(args: argparse.Namespace) -> dict:
     extra = {"host": "127.0.0.1", "port": args.port, "engine": args.engine, "timeout_s": args.timeout,
              **({"max_requests": args.max_requests} if args.max_requests else {})}
     core = EngineCore("decode", extra, 256, model_dir(args.params + ".model"), args.max_num_seqs)
-    deadline = time.monotonic() + args.timeout + 30
-    while not os.path.exists(args.params) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    with open(args.params) as f:
-        params = json.load(f)
-    mine = {}
-    for k, p in enumerate(params):
-        local = f"d-req-{k}"
-        mine[local] = p
-        core.add(local, p["remote_num_tokens"], p, max_tokens=args.max_tokens)
-    received, released, failed, wrong, checked, steps = set(), set(), set(), [], 0, 0
-    # (until every request ended and the scheduler let go of each: an aborted one's blocks wait for its load's end)
-    while (len(core.finished) < len(mine) or core.scheduler.requests) and time.monotonic() < deadline:
-        output = core.step()
-        steps += 1
-        if steps == 1:  # (once the connector has them: each waits for its blocks)
-            for local in args.abort:
-                core.abort(local)
-        for local in sorted(output.finished_recving or ()):  # (checked before the scheduler runs it)
-            if local in args.abort:  # (its load ended: the scheduler frees its blocks now)
-                released.add(local)
-                continue
-            received.add(local)
-            name, count = mine[local]["remote_request_id"], -(-mine[local]["remote_num_tokens"] // BLOCK)
-            for layer, layer_name in enumerate(LAYERS):
-                for j, b in enumerate(core.blocks(local)[:count]):
-                    checked += 1
-                    if not torch.equal(core.caches[layer_name][b], block_bytes(name, j, layer,
-                                                                               tuple(core.caches[layer_name][b].shape))):
-                        wrong.append([local, j, layer])
-        failed |= output.failed_recving or set()
-        time.sleep(0.002)
-    open(args.params + ".done", "w").close()
+    mine: dict[str, dict] = {}
+    received, released, failed, wrong, checked, ready_s = set(), set(), set(), [], 0, []
+    for round_no, path in enumerate([args.params, *args.then_params]):  # (each round's prefill may be a new one)
+        deadline = time.monotonic() + args.timeout + 30
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with open(path) as f:
+            params = json.load(f)
+        added, steps = time.monotonic(), 0
+        for k, p in enumerate(params):
+            local = f"d{round_no or ''}-req-{k}"
+            mine[local] = p
+            core.add(local, p["remote_num_tokens"], p, max_tokens=args.max_tokens)
+        # (until every request ended and the scheduler let go of each: an aborted one's blocks wait for its load's end)
+        while (len(core.finished) < len(mine) or core.scheduler.requests) and time.monotonic() < deadline:
+            output = core.step()
+            steps += 1
+            if steps == 1 and round_no == 0:  # (once the connector has them: each waits for its blocks)
+                for local in args.abort:
+                    core.abort(local)
+            for local in sorted(output.finished_recving or ()):  # (checked before the scheduler runs it)
+                if local in args.abort:  # (its load ended: the scheduler frees its blocks now)
+                    released.add(local)
+                    continue
+                received.add(local)
+                ready_s.append(time.monotonic() - added)
+                name, count = mine[local]["remote_request_id"], -(-mine[local]["remote_num_tokens"] // BLOCK)
+                for layer, layer_name in enumerate(LAYERS):
+                    for j, b in enumerate(core.blocks(local)[:count]):
+                        checked += 1
+                        view = core.caches[layer_name][b]
+                        if not torch.equal(view, block_bytes(name, j, layer, tuple(view.shape))):
+                            wrong.append([local, j, layer])
+            failed |= output.failed_recving or set()
+            time.sleep(0.002)
+        open(path + ".done", "w").close()  # (its prefill may end)
     left = len(core.scheduler.requests)
     core.shutdown()
     return {"received": sorted(received), "released": sorted(released), "failed": sorted(failed), "wrong": wrong,
-            "blocks_checked": checked,
-            "finished": dict(core.finished), "requests": sorted(mine), "left": left}
+            "blocks_checked": checked, "finished": dict(core.finished), "requests": sorted(mine), "left": left,
+            "ready_s_max": round(max(ready_s, default=0.0), 3)}
 
 
 def run(argv: list[str]) -> dict:
@@ -221,7 +224,10 @@ def run(argv: list[str]) -> dict:
     parser.add_argument("--max-tokens", type=int, default=4, help="(decode) tokens each request decodes")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="(decode) vLLM's max_num_seqs")
     parser.add_argument("--max-requests", type=int, default=0, help="(decode) the connector's planning rows")
-    parser.add_argument("--abort", nargs="*", default=[], help="(decode) requests aborted as soon as they are added")
+    parser.add_argument("--abort", nargs="*", default=[], help="(decode) requests aborted once the connector has them")
+    parser.add_argument("--then-params", nargs="*", default=[],
+                        help="(decode) once every request of --params ended, those of each of these (a prefill "
+                             "restarted at the same port writes them)")
     args = parser.parse_args(argv)
     return prefill(args) if args.role == "prefill" else decode(args)
 

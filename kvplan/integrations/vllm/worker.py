@@ -59,12 +59,11 @@ from ...transport.listener import AddressInUse, ChannelListener
 from ...transport.prefill import Chunk, PrefillEndpoint
 from .counters import counted, interval_counts
 from .groups import KVGroup
-from .decode_pairing import HANDSHAKE_S, REGISTER_S, DecodePairing, Pairing
+from .decode_pairing import HANDSHAKE_S, REGISTER_S, PrefillLinks
 from .kv_caches import BlockView
 from .scheduler import ReceiveRequest, SchedulerStep, SendRequest, UnsupportedConfig
 from .settings import Settings
 from .planning_rows import PlanningRows
-from .retired import RetiredEndpoints
 from .state_slots import StateSlots
 from .windows import WindowMaps
 
@@ -112,7 +111,7 @@ class _Receiving:
     failed: str | None = None  # why, once it failed (it is reported once fenced)
 
 
-class ConnectorWorker(DecodePairing):
+class ConnectorWorker:
     """One TP rank's worker side (see the module docstring)."""
 
     def __init__(self, settings: Settings, engine_id: str, tp_rank: int, tp_size: int, block_size: int,
@@ -138,8 +137,8 @@ class ConnectorWorker(DecodePairing):
         self.view: BlockView | None = None
         self.prefill: PrefillEndpoint | None = None
         self.listener: ChannelListener | None = None
-        self.decodes: dict[tuple[str, int, tuple[int, ...]], DecodeEndpoint] = {}  # by prefill (host, port, ranks)
-        self._retired = RetiredEndpoints()  # whose prefill is gone: polled until their requests settle
+        # the decode endpoints, by prefill (host, port, ranks): paired, pairing, and those whose prefill is gone
+        self.links = PrefillLinks(self._decode_endpoint, self._release, settings, tp_rank)
         self._engines: list[Any] = []
         self._sending: dict[str, _Sending] = {}
         self._sent: set[str] = set()  # written (or given up), waiting for vLLM to name them finished
@@ -148,13 +147,11 @@ class ConnectorWorker(DecodePairing):
         self._finished: dict[str, int] = {}
         self._calls = 0  # get_transfer_results calls so far
         self._receiving: dict[str, _Receiving] = {}  # by the prefill's request id
-        self._unreachable: dict[tuple[str, int], tuple[float, str]] = {}  # a prefill that did not answer: until, why
         self._load_errors: set[int] = set()
         self._unpublished: list[tuple[str, list[int]]] = []  # requests refused before publication, and their blocks
         # each direction's planning rows and the requests waiting for one (sized at registration, for a side
         # that sends or receives)
         self._send_rows = self._recv_rows = PlanningRows(1)
-        self._pairings: dict[tuple[str, int, tuple[int, ...]], Pairing] = {}  # decode endpoints being paired
         self._reported: dict[str, Any] | None = None  # the counters as the last interval_stats saw them
 
     # -- registration ---------------------------------------------------------------------------------
@@ -211,8 +208,8 @@ class ConnectorWorker(DecodePairing):
     def interval_stats(self) -> dict[str, Any] | None:
         """What this worker's endpoints counted since the last call (``None`` when nothing): the payload of
         vLLM's connector stats (:mod:`.connector_stats`). A few dictionary reads per endpoint."""
-        endpoints = ([self.prefill] if self.sends and self.prefill is not None else []) + list(self.decodes.values())
-        now = interval_counts([e.totals() for e in endpoints] + self._retired.totals())
+        endpoints = ([self.prefill] if self.sends and self.prefill is not None else []) + list(self.links.decodes.values())
+        now = interval_counts([e.totals() for e in endpoints] + self.links.retired.totals())
         before, self._reported = self._reported, now
         if before is None:
             delta = now
@@ -227,7 +224,7 @@ class ConnectorWorker(DecodePairing):
         """Take the step's decisions: finished prefill requests to send, decode requests to publish.
         Pairing with a prefill not met before runs on a thread of its own: its requests are published
         once it is paired, a later step (the step never waits for a handshake)."""
-        self._take_pairings()
+        self.links.take_pairings(self._publish_to, self._fail_waiting)
         now = time.monotonic()
         sends = []
         for request_id, (send, deadline) in self._send_rows.in_order(step.send, now, self.settings.timeout_s):
@@ -277,9 +274,9 @@ class ConnectorWorker(DecodePairing):
             log.error("request %s was not sent: %s; its blocks are freed unsent", request_id, why)
             self._sent.add(request_id)
             return
-        decode = self.decodes.get(self._key(request)) if request.remote_host is not None else None
-        if decode is not None and not self._lost(decode):
-            self._none_needed(decode, request.remote_request_id)
+        decode = self.links.live(self._key(request)) if request.remote_host is not None else None
+        if decode is not None:
+            self.links.none_needed(decode, request.remote_request_id)
         self._fail_unpublished(request_id, request, f"KvplanError: {why}")
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> TransferResults:
@@ -288,7 +285,7 @@ class ConnectorWorker(DecodePairing):
         self._calls += 1
         for request_id in finished_req_ids:
             self._finished.setdefault(request_id, self._calls)
-        self._take_pairings()
+        self.links.take_pairings(self._publish_to, self._fail_waiting)
         if self.prefill is not None:
             self._progress_sends()
         received, failed = self._progress_receives()
@@ -323,15 +320,9 @@ class ConnectorWorker(DecodePairing):
         closers = [self.listener.close] if self.listener is not None else []
         if self.prefill is not None:  # its progress thread first: it owns the channels and the engine
             closers += [self.prefill.close] + [p.channel.close for p in self.prefill.peers]
-        for pairing in self._pairings.values():  # (a handshake in progress ends within HANDSHAKE_S)
-            pairing.join(HANDSHAKE_S)
-            if pairing.endpoint is not None:
-                self.decodes[("pairing", id(pairing), ())] = pairing.endpoint
-        self._pairings = {}
-        closers += [c.close for d in [*self.decodes.values(), *self._retired] for c in d.channels]
+        closers += self.links.close()  # (a handshake in progress ends within its bound)
         closers += [e.close for e in self._engines]
         self.listener = self.prefill = None
-        self.decodes, self._retired = {}, RetiredEndpoints()
         self._engines = []
         for close in closers:
             try:
@@ -441,15 +432,15 @@ class ConnectorWorker(DecodePairing):
             if self.receives and remote is not None and receive.remote_host is not None \
                     and receive.remote_port is not None:
                 try:
-                    decode = self._connect(receive.remote_host, receive.remote_port, self._prefill_ranks(receive))
+                    decode = self.links.endpoint(receive.remote_host, receive.remote_port, self._prefill_ranks(receive))
                 except KvplanError as err:  # (its prefill frees them at its own deadline)
                     log.warning("request %s: could not tell its prefill that no block of it is needed: %s",
                                 request_id, err)
                     return None
                 if decode is None:  # (told once it is paired)
-                    self._pairings[self._key(receive)].none_needed.append(remote)
+                    self.links.pairings[self._key(receive)].none_needed.append(remote)
                 else:
-                    self._none_needed(decode, remote)
+                    self.links.none_needed(decode, remote)
             return None
         if not self.receives:
             raise KvplanError("this worker does not receive (kv_role kv_producer)")
@@ -508,12 +499,31 @@ class ConnectorWorker(DecodePairing):
             return tuple(range(self.tp_rank * k, self.tp_rank * k + k))
         raise KvplanError(f"its prefill runs TP {prefill_tp}, this decode TP {self.tp_size}: one must divide the other")
 
+    def _key(self, receive: ReceiveRequest) -> tuple[str, int, tuple[int, ...]]:
+        return (receive.remote_host, int(receive.remote_port), self._prefill_ranks(receive))
+
+    def _decode_endpoint(self, senders: int) -> DecodeEndpoint:
+        """A decode endpoint over this worker's receiving table, with an engine and a staging buffer of its own."""
+        return DecodeEndpoint(self.view.side(self._recv_table, self.tp_size, self.tp_rank, self._recv_maps.maps,
+                                             self._recv_states.maps),
+                              self._engine("receive"), [], staging=self._staging(), compat=self.view.word,
+                              senders=senders, integrity=self.settings.integrity)
+
+    def _release(self, decode: DecodeEndpoint) -> None:  # (one that did not pair goes, with its engine)
+        self._engines.remove(decode.engine)
+        decode.engine.close()
+
+    def _fail_waiting(self, request_id: str, receive: ReceiveRequest, row: int, reason: str) -> None:
+        self._recv_rows.give(row)  # (admitted, its row taken, and not published: reported failed)
+        self._recv_maps.release(receive.remote_request_id)
+        self._fail_unpublished(request_id, receive, reason)
+
     def _publish(self, request_id: str, receive: ReceiveRequest, row: int) -> None:
         """Publish an admitted request's blocks (its row written) to the decode endpoint paired with the
         prefill ranks that hold this rank's heads, with the number of decode ranks each serves."""
-        decode = self._connect(receive.remote_host, receive.remote_port, self._prefill_ranks(receive))
-        if decode is None:  # published once paired (_take_pairings)
-            self._pairings[self._key(receive)].waiting.append((request_id, receive, row))
+        decode = self.links.endpoint(receive.remote_host, receive.remote_port, self._prefill_ranks(receive))
+        if decode is None:  # published once paired (PrefillLinks.take_pairings)
+            self.links.pairings[self._key(receive)].waiting.append((request_id, receive, row))
             return
         self._publish_to(decode, request_id, receive, row)
 
@@ -526,7 +536,7 @@ class ConnectorWorker(DecodePairing):
                                                                 decode)
 
     def _progress_receives(self) -> tuple[set[str], set[str]]:
-        for decode in [*self.decodes.values(), *self._retired]:
+        for decode in self.links.endpoints():
             decode.poll()
         received, failed = set(), set()
         for remote, receiving in list(self._receiving.items()):
@@ -547,8 +557,8 @@ class ConnectorWorker(DecodePairing):
                 failed.add(receiving.local_id)
                 self._load_errors.update(receiving.block_ids)
                 self._end_receive(remote)
-        if self._retired:
-            self._retired.close_unused({id(r.endpoint) for r in self._receiving.values()}, self._engines)
+        if self.links.retired:
+            self.links.retired.close_unused({id(r.endpoint) for r in self._receiving.values()}, self._engines)
         return received, failed
 
     def _end_receive(self, remote: str) -> None:
