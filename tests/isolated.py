@@ -24,6 +24,15 @@ def report_and_exit(report, target: Callable[..., object], *args) -> None:
         os._exit(0)
 
 
+def end_all(procs) -> None:
+    """Join each child process by its own handle, killing one that has not ended within 10 s."""
+    for proc in procs:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+
+
 def run_isolated(target: Callable[..., object], *args, timeout: float, env: dict[str, str] | None = None) -> object:
     """Run ``target(*args)`` (a module-level function, importable by a fresh interpreter) in a child of
     its own (:func:`kvplan.tools.target_process.start_child`, with ``env`` if given) and return what

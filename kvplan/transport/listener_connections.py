@@ -40,7 +40,7 @@ class ConnectionBound:
         self._router = router
         address = f"inproc://kvplan-listener-monitor-{next(monitor_numbers)}"
         # (as a channel's: the monitor's receiving end unbounded, or libzmq's one I/O thread blocks on it)
-        router.monitor(address, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
+        router.monitor(address, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         self._monitor = zmq.Context.instance().socket(zmq.PAIR)
         self._monitor.setsockopt(zmq.RCVHWM, 0)
         self._monitor.setsockopt(zmq.LINGER, 0)
@@ -84,11 +84,22 @@ class ConnectionBound:
                 pass
 
     def close(self) -> None:
+        """Stop the monitor, then close its reading end (never the other way round: see ``__del__``)."""
         try:
             self._router.disable_monitor()
         except self._zmq.ZMQError:
             pass
         self._monitor.close(0)
+
+    def __del__(self) -> None:
+        # a listener dropped unclosed: its sockets close in any order, and a listening socket that closes after
+        # its monitor's reading end would leave libzmq's I/O thread waiting for ever to send it an event (every
+        # socket of the process with it): the monitor is stopped first
+        try:
+            if not self._monitor.closed:
+                self._router.disable_monitor()
+        except Exception:  # noqa: BLE001 - half made, or the interpreter shutting down
+            pass
 
 
 def _duplicate(fd: int) -> pysocket.socket | None:

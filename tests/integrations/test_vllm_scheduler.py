@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from kvplan.tools.target_process import child_message, child_pipe, start_child
-from tests.isolated import report_and_exit
+from tests.isolated import end_all, report_and_exit
 from tests.ports import free_port
 
 pytest.importorskip("vllm", reason="vLLM 0.33.0 is not installed (make setup-vllm)")
@@ -32,11 +32,7 @@ def _run(tmp_path, prefill_args: tuple[str, ...] = (), decode_args: tuple[str, .
         decode = child_message(pipes[1], "decode", 150)[1]
         prefill = child_message(pipes[0], "prefill", 60)[1]
     finally:
-        for proc in procs:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
+        end_all(procs)
     return prefill, decode
 
 
@@ -93,11 +89,7 @@ def test_a_prefill_restarted_at_its_address_is_paired_with_again_through_both_sc
         decode = child_message(decoding, "decode", 150)[1]
         new_saw = child_message(new, "the restarted prefill", 60)[1]
     finally:
-        for proc in procs:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
+        end_all(procs)
     assert len(old_saw["sent"]) == 4 and len(new_saw["sent"]) == 4, (old_saw, new_saw)
     assert decode["received"] == decode["requests"] and len(decode["received"]) == 8, decode
     assert not decode["failed"] and not decode["wrong"] and decode["left"] == 0, decode

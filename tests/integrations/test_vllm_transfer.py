@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvplan.tools.target_process import child_message, child_pipe, start_child
-from tests.isolated import report_and_exit
+from tests.isolated import end_all, report_and_exit
 from tests.ports import free_port, free_span
 
 pytest.importorskip("vllm", reason="vLLM 0.33.0 is not installed (make setup-vllm)")
@@ -36,15 +36,6 @@ def run_pair(tmp_path, engine: str, prefill_layout: str, decode_layout: str, *de
     (tests/preload.py), with loopback for UCX (conftest.py: the test's choice)."""
     prefill, decodes = run_group(tmp_path, engine, prefill_layout, decode_layout, decode_args, prefill_args)
     return prefill, decodes[0]
-
-
-def _end_all(procs) -> None:
-    """Join each child process by its own handle, killing one that has not ended."""
-    for proc in procs:
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(5)
 
 
 def run_group(tmp_path, engine: str, prefill_layout: str, decode_layout: str, decode_args: tuple[str, ...] = (),
@@ -83,7 +74,7 @@ def run_group(tmp_path, engine: str, prefill_layout: str, decode_layout: str, de
             each.pop("stats", None)
             each.pop("step", None)
     finally:
-        _end_all(procs)
+        end_all(procs)
     return prefill, decodes
 
 
@@ -320,7 +311,7 @@ def test_a_prefill_restarted_at_its_address_is_paired_with_again_by_a_decode_tha
         got = child_message(pipes[0], "the decode", 150)[1]
         sent_again = child_message(here, "the second prefill", 60)[1]
     finally:
-        _end_all(procs)
+        end_all(procs)
     assert sent["sent"] == ["p-req-0", "p-req-1", "p-req-2", "p-req-3"]
     assert sent_again["sent"] == ["q-req-0", "q-req-1", "q-req-2", "q-req-3"]
     again = [f"d1-req-{i}" for i in range(4)]

@@ -21,13 +21,15 @@ def _dies_and_is_seen_gone(peer, bound):
 
 def _first(sender, receiver, kind="hello", header=None):
     """A pairing's first message, sent on a thread while ``receiver`` reads it: a connecting end's first send
-    waits for the bound end's hello, which that end sends only once its owner touches it."""
-    thread = threading.Thread(target=sender.send, args=(kind, header or {}), kwargs={"timeout": 5})
+    waits for the bound end's hello, which that end sends only once its owner touches it. (Deadlines of 30 s:
+    a handshake under a secret is three exchanges, each needing both threads scheduled, and ``make test``
+    runs this beside two engines' passes on two cores; 5 s ran out there.)"""
+    thread = threading.Thread(target=sender.send, args=(kind, header or {}), kwargs={"timeout": 30})
     thread.start()
     try:
-        return receiver.recv(time.monotonic() + 5)
+        return receiver.recv(time.monotonic() + 30)
     finally:
-        thread.join(5)
+        thread.join(30)
 
 
 def test_the_monitor_is_read_at_most_once_a_look_period_and_a_lost_peer_is_still_reported():
